@@ -1,0 +1,10 @@
+"""Celery app: the control plane sends VM operations to node workers through it."""
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "aenv_site.settings")
+
+app = Celery("aenv")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks(["nodes"])

@@ -1,0 +1,160 @@
+"""aenv settings. Every knob comes from an environment variable; the defaults run
+one node on this machine with no configuration (SQLite under AENV_HOME, Redis on
+127.0.0.1:6379)."""
+import os
+import socket
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def _env(name: str, default: str) -> str:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(_env(name, str(default)))
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    return _env(name, "1" if default else "0").lower() in ("1", "true", "yes", "on")
+
+
+AENV_HOME = Path(_env("AENV_HOME", str(BASE_DIR / "var"))).resolve()
+AENV_HOME.mkdir(parents=True, exist_ok=True)
+# Guest images are expensive to build; tests point many AENV_HOMEs at one cache.
+AENV_IMAGES_DIR = Path(_env("AENV_IMAGES_DIR", str(AENV_HOME / "images"))).resolve()
+AENV_NODE_ID = _env("AENV_NODE_ID", socket.gethostname().split(".")[0].lower() or "node-1")
+AENV_NODE_ADDRESS = _env("AENV_NODE_ADDRESS", "127.0.0.1")
+AENV_DRIVER = _env("AENV_DRIVER", "qemu")
+AENV_SANDBOX_DOMAIN = _env("AENV_SANDBOX_DOMAIN", "localhost")
+AENV_DEFAULT_TIMEOUT = _env_int("AENV_DEFAULT_TIMEOUT", 300)
+AENV_MAX_TIMEOUT = _env_int("AENV_MAX_TIMEOUT", 24 * 3600)
+# How long an API call waits for a node to finish a VM operation.
+AENV_NODE_TASK_DEADLINE = _env_int("AENV_NODE_TASK_DEADLINE", 180)
+# A node whose last heartbeat is older than this is considered dead.
+AENV_NODE_HEARTBEAT_TIMEOUT = _env_int("AENV_NODE_HEARTBEAT_TIMEOUT", 30)
+AENV_NODE_HEARTBEAT_INTERVAL = _env_int("AENV_NODE_HEARTBEAT_INTERVAL", 5)
+AENV_MAX_FILE_UPLOAD_BYTES = _env_int("AENV_MAX_FILE_UPLOAD_BYTES", 1024 * 1024 * 1024)
+AENV_BASE_CPU_COUNT = _env_int("AENV_BASE_CPU_COUNT", 2)
+AENV_BASE_MEMORY_MB = _env_int("AENV_BASE_MEMORY_MB", 512)
+AENV_BASE_DISK_MB = _env_int("AENV_BASE_DISK_MB", 2048)
+AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
+AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
+
+SECRET_KEY = _env("DJANGO_SECRET_KEY", "aenv-dev-insecure-change-me")
+DEBUG = _env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = [h for h in _env("DJANGO_ALLOWED_HOSTS", "*").split(",") if h]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "adrf",
+    "drf_spectacular",
+    "channels",
+    "nodes",
+    "snapshots",
+    "sandboxes",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "aenv_site.urls"
+ASGI_APPLICATION = "aenv_site.asgi.application"
+APPEND_SLASH = False
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        _env("DATABASE_URL", f"sqlite:///{AENV_HOME / 'db.sqlite3'}"), conn_max_age=0
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several processes (daphne, uvicorn, node worker) share one file: WAL + a
+    # generous busy timeout + IMMEDIATE transactions avoid "database is locked".
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+CELERY_BROKER_URL = _env("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
+CELERY_RESULT_BACKEND = _env("CELERY_RESULT_BACKEND", "redis://127.0.0.1:6379/1")
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_ACKS_LATE = False
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_RESULT_EXPIRES = 3600
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [_env("AENV_CHANNEL_LAYER_URL", "redis://127.0.0.1:6379/2")]},
+    }
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["sandboxes.auth.ApiKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "sandboxes.errors.e2b_exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "aenv API",
+    "DESCRIPTION": "E2B-compatible control plane for aenv microVM sandboxes",
+    "VERSION": "0.1.0",
+}
+
+STATIC_URL = "/static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": _env("AENV_LOG_LEVEL", "INFO")},
+}

@@ -1,0 +1,11 @@
+"""Top-level routes: the E2B-compatible API lives at the root (the SDK appends its
+paths to E2B_API_URL as-is); admin and schema under their own prefixes."""
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("", include("sandboxes.urls")),
+]

@@ -1,0 +1,188 @@
+"""Control-plane truth: teams, API keys, templates, sandboxes and their event log."""
+import hashlib
+import secrets
+import string
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+SANDBOX_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def new_sandbox_id() -> str:
+    """E2B-style id: lowercase and DNS-label safe, so it also works in `{port}-{id}.{domain}` hosts."""
+    return "i" + "".join(secrets.choice(SANDBOX_ID_ALPHABET) for _ in range(19))
+
+
+def new_envd_access_token() -> str:
+    return secrets.token_hex(24)
+
+
+class Team(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=128)
+    slug = models.SlugField(max_length=64, unique=True)
+    members = models.ManyToManyField(settings.AUTH_USER_MODEL, related_name="teams", blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def hash_api_key(raw_key: str) -> str:
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+class ApiKey(models.Model):
+    """Only the SHA-256 of a key is stored; the key itself is shown once on creation.
+
+    Keys look like ``e2b_`` + 40 hex digits so SDK versions with the client-side
+    format check (~2.25–2.4x) accept them."""
+
+    PREFIX = "e2b_"
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=128, default="default")
+    prefix = models.CharField(max_length=16, db_index=True, help_text="first characters, to recognise a key")
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.team})"
+
+    @classmethod
+    def generate(cls, team: Team, name: str = "default", created_by=None) -> tuple["ApiKey", str]:
+        raw = cls.PREFIX + secrets.token_hex(20)
+        key = cls.objects.create(
+            team=team, name=name, prefix=raw[:12], key_hash=hash_api_key(raw), created_by=created_by
+        )
+        return key, raw
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None
+
+
+class Template(models.Model):
+    """A bootable guest image. ``image`` names the vmm image the node boots."""
+
+    id = models.CharField(primary_key=True, max_length=128)
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE, related_name="templates")
+    alias = models.CharField(max_length=128, blank=True, default="", db_index=True)
+    public = models.BooleanField(default=True)
+    image = models.CharField(max_length=128, default="base")
+    cpu_count = models.PositiveIntegerField(default=2)
+    memory_mb = models.PositiveIntegerField(default=512)
+    disk_size_mb = models.PositiveIntegerField(default=2048)
+    envd_version = models.CharField(max_length=32, default="0.6.4")
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class SandboxState(models.TextChoices):
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    SNAPSHOTTING = "snapshotting"
+    FORKING = "forking"
+    KILLING = "killing"
+    KILLED = "killed"
+    ERROR = "error"
+
+
+# States in which the E2B API still shows a sandbox, and how it shows them.
+E2B_VISIBLE_STATE = {
+    SandboxState.CREATING: "running",
+    SandboxState.RUNNING: "running",
+    SandboxState.SNAPSHOTTING: "running",
+    SandboxState.FORKING: "running",
+    SandboxState.RESUMING: "running",
+    SandboxState.KILLING: "running",
+    SandboxState.PAUSING: "paused",
+    SandboxState.PAUSED: "paused",
+}
+LIVE_STATES = [s.value for s in E2B_VISIBLE_STATE]
+
+
+class Sandbox(models.Model):
+    id = models.CharField(primary_key=True, max_length=64, default=new_sandbox_id)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="sandboxes")
+    template = models.ForeignKey(Template, on_delete=models.PROTECT, related_name="sandboxes")
+    node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="sandboxes")
+    state = models.CharField(max_length=16, choices=SandboxState.choices, default=SandboxState.CREATING, db_index=True)
+    error_reason = models.TextField(blank=True, default="")
+    alias = models.CharField(max_length=128, blank=True, default="")
+    client_id = models.CharField(max_length=64, default="aenv")
+    envd_version = models.CharField(max_length=32, default="0.6.4")
+    envd_host = models.CharField(max_length=255, blank=True, default="")
+    envd_port = models.PositiveIntegerField(null=True, blank=True)
+    secure = models.BooleanField(default=False)
+    envd_access_token = models.CharField(max_length=128, blank=True, default="")
+    metadata = models.JSONField(default=dict, blank=True)
+    env_vars = models.JSONField(default=dict, blank=True)
+    cpu_count = models.PositiveIntegerField(default=2)
+    memory_mb = models.PositiveIntegerField(default=512)
+    disk_size_mb = models.PositiveIntegerField(default=2048)
+    auto_pause = models.BooleanField(default=False)
+    auto_resume = models.BooleanField(default=False)
+    allow_internet_access = models.BooleanField(null=True, blank=True)
+    network = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    started_at = models.DateTimeField(default=timezone.now, db_index=True)
+    end_at = models.DateTimeField(db_index=True)
+    killed_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-started_at", "-id"]
+        indexes = [models.Index(fields=["team", "state", "-started_at"])]
+
+    def __str__(self) -> str:
+        return self.id
+
+    @property
+    def e2b_state(self) -> str | None:
+        return E2B_VISIBLE_STATE.get(self.state)
+
+    @property
+    def envd_base_url(self) -> str:
+        return f"http://{self.envd_host}:{self.envd_port}"
+
+
+class SandboxEvent(models.Model):
+    """One operation on a sandbox, written before the operation is acknowledged."""
+
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="events")
+    operation = models.CharField(max_length=32)
+    outcome = models.CharField(max_length=16, default="ok")
+    from_state = models.CharField(max_length=16, blank=True, default="")
+    to_state = models.CharField(max_length=16, blank=True, default="")
+    started_at = models.DateTimeField(default=timezone.now)
+    duration_ms = models.FloatField(null=True, blank=True)
+    message = models.TextField(blank=True, default="")
+    details = models.JSONField(default=dict, blank=True)
+    actor = models.CharField(max_length=128, blank=True, default="")
+
+    class Meta:
+        ordering = ["-started_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.sandbox_id} {self.operation} {self.outcome}"
