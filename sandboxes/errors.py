@@ -1,0 +1,54 @@
+"""Every error the API returns is JSON `{code, message}`: the E2B SDK parses the body
+of every error status before looking at it, and crashes on anything else."""
+import logging
+
+from django.http import Http404
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(exceptions.APIException):
+    """An error with an explicit HTTP status and message, raised by services and views."""
+
+    def __init__(self, status_code: int, message: str, error_code: str | None = None, headers=None):
+        self.status_code = status_code
+        self.detail = message
+        self.error_code = error_code
+        self.extra_headers = headers or {}
+
+
+def _message(detail) -> str:
+    if isinstance(detail, dict):
+        parts = []
+        for field, value in detail.items():
+            text = _message(value)
+            parts.append(text if field in ("detail", "non_field_errors") else f"{field}: {text}")
+        return "; ".join(parts)
+    if isinstance(detail, (list, tuple)):
+        return "; ".join(_message(item) for item in detail)
+    return str(detail)
+
+
+def error_response(status_code: int, message: str, error_code: str | None = None, headers=None) -> Response:
+    body = {"code": status_code, "message": message}
+    if error_code:
+        body["error_code"] = error_code
+    return Response(body, status=status_code, headers=headers)
+
+
+def e2b_exception_handler(exc, context):
+    if isinstance(exc, Http404):
+        return error_response(404, str(exc) or "not found")
+    if isinstance(exc, ApiError):
+        return error_response(exc.status_code, str(exc.detail), exc.error_code, exc.extra_headers)
+    if isinstance(exc, exceptions.ParseError):
+        return error_response(400, f"malformed JSON body: {exc.detail}")
+    response = exception_handler(exc, context)
+    if response is None:
+        log.exception("unhandled API error", exc_info=exc)
+        return error_response(status.HTTP_500_INTERNAL_SERVER_ERROR, "internal error")
+    headers = {k: v for k, v in response.items() if k.lower() in ("www-authenticate", "retry-after", "allow")}
+    return error_response(response.status_code, _message(response.data), headers=headers)
