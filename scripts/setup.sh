@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Installs everything aenv needs on a fresh Debian/Ubuntu machine, idempotently:
+# system packages, Redis (if none answers), the Python venv, the database schema,
+# the default team/template/API key and the base guest image (cached under var/).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export AENV_HOME="${AENV_HOME:-$ROOT/var}"
+mkdir -p "$AENV_HOME" "$ROOT/.cache"
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+
+APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static curl ca-certificates redis-tools)
+python3 -c 'import venv, ensurepip' 2>/dev/null || APT_PACKAGES+=(python3-venv python3-dev)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "==> installing system packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# Redis is the Celery broker/result backend and the channel layer.
+if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
+  if ! command -v redis-server >/dev/null; then
+    echo "==> installing redis-server"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  fi
+  echo "==> starting redis-server on 127.0.0.1:6379"
+  $SUDO redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
+  for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null && break; sleep 0.1; done
+fi
+
+# Python environment (re-installed only when pyproject.toml changes).
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  python3 -m venv .venv
+fi
+stamp=".venv/.aenv-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "==> installing Python dependencies"
+  .venv/bin/pip install -q -U pip >/dev/null
+  .venv/bin/pip install -q -e '.[test]'
+  rm -f .venv/.aenv-installed-* && touch "$stamp"
+fi
+
+echo "==> database schema"
+.venv/bin/python manage.py migrate --noinput -v 0
+.venv/bin/python manage.py bootstrap
+
+echo "==> base guest image (built once, cached under ${AENV_IMAGES_DIR:-$AENV_HOME/images})"
+.venv/bin/python -m vmm.images build --name base --images-dir "${AENV_IMAGES_DIR:-$AENV_HOME/images}"
