@@ -1,0 +1,178 @@
+"""Starts a real aenv stack for end-to-end tests: daphne (API), uvicorn (data plane)
+and optionally a node worker booting real QEMU VMs, each in its own process group,
+sharing a fresh AENV_HOME (SQLite) and the cached guest images."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shared_images_dir() -> Path:
+    return Path(os.environ.get("AENV_IMAGES_DIR") or ROOT / "var" / "images").resolve()
+
+
+@dataclass
+class Stack:
+    home: Path
+    with_node: bool = True
+    extra_env: dict = field(default_factory=dict)
+    procs: dict = field(default_factory=dict)
+    api_url: str = ""
+    sandbox_url: str = ""
+    api_key: str = ""
+    node_id: str = ""
+
+    @property
+    def env(self) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_") and k != "DATABASE_URL"}
+        env.update(
+            AENV_HOME=str(self.home),
+            AENV_IMAGES_DIR=str(shared_images_dir()),
+            AENV_NODE_ID=self.node_id,
+            DJANGO_SETTINGS_MODULE="aenv_site.settings",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.extra_env)
+        return env
+
+    def manage(self, *args: str, timeout: float = 600) -> str:
+        out = subprocess.run(
+            [PY, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
+        return out.stdout
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.home / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(
+            argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def log(self, name: str) -> str:
+        path = self.home / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def start(self) -> "Stack":
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.node_id = self.node_id or f"test-{uuid.uuid4().hex[:8]}"
+        if self.with_node:
+            subprocess.run(
+                [PY, "-m", "vmm.images", "build", "--name", "base", "--images-dir", str(shared_images_dir())],
+                cwd=ROOT, env=self.env, check=True, timeout=1800,
+            )
+        self.manage("migrate", "--noinput", "-v", "0")
+        out = self.manage("bootstrap")
+        match = re.search(r"AENV_API_KEY=(e2b_[0-9a-f]+)", out)
+        self.api_key = match.group(1) if match else (self.home / "api_key").read_text().strip()
+        api_port, sandbox_port = free_port(), free_port()
+        self.api_url = f"http://127.0.0.1:{api_port}"
+        self.sandbox_url = f"http://127.0.0.1:{sandbox_port}"
+        if self.with_node:
+            self._spawn("node", [PY, "manage.py", "run_node"])
+        self._spawn("api", [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(api_port), "aenv_site.asgi:application"])
+        self._spawn("dataplane", [
+            PY, "-m", "uvicorn", "aenv_site.dataplane:application", "--host", "127.0.0.1",
+            "--port", str(sandbox_port), "--no-access-log", "--timeout-keep-alive", "300",
+        ])
+        self._wait_http(f"{self.api_url}/health", "api")
+        self._wait_port(sandbox_port, "dataplane")
+        if self.with_node:
+            self._wait_node()
+        return self
+
+    def _wait_http(self, url: str, name: str, deadline: float = 60) -> None:
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            try:
+                if httpx.get(url, timeout=2).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                pass
+            self._check_alive(name)
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} did not answer {url}:\n{self.log(name)}")
+
+    def _wait_port(self, port: int, name: str, deadline: float = 60) -> None:
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            self._check_alive(name)
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} did not listen on {port}:\n{self.log(name)}")
+
+    def _wait_node(self, deadline: float = 120) -> None:
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            self._check_alive("node")
+            out = subprocess.run([PY, "manage.py", "node_status", "--quiet"], cwd=ROOT, env=self.env)
+            if out.returncode == 0:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"node worker did not register:\n{self.log('node')}")
+
+    def _check_alive(self, name: str) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
+
+    def stop(self, name: str | None = None) -> None:
+        names = [name] if name else list(self.procs)
+        for n in names:
+            proc = self.procs.pop(n, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+    def headers(self) -> dict:
+        return {"X-API-Key": self.api_key}
+
+    def vm_leftovers(self) -> dict:
+        """QEMU processes, sandbox state dirs and RAM files that belong to this stack's home."""
+        home = str(self.home)
+        procs = []
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "qemu-system" in cmdline and home in cmdline:
+                procs.append(int(pid_dir.name))
+        sandboxes_dir = self.home / "sandboxes"
+        dirs = sorted(p.name for p in sandboxes_dir.iterdir()) if sandboxes_dir.exists() else []
+        return {"processes": procs, "state_dirs": dirs}
+
+    def kill_vm_leftovers(self) -> None:
+        for pid in self.vm_leftovers()["processes"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
