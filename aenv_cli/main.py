@@ -119,7 +119,7 @@ def cmd_exec(args, api, sandbox, key):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aenv", description="Manage aenv sandboxes.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("list", help="list sandboxes")
     p.add_argument("--state", action="append", choices=["running", "paused"])
     p.add_argument("--json", action="store_true")
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "command", None) and isinstance(args.command, list) and args.command[:1] == ["--"]:
+    if args.action == "exec" and args.command[:1] == ["--"]:
         args.command = args.command[1:]
     try:
         return args.func(args, *_config())

@@ -145,6 +145,9 @@ class Sandbox(models.Model):
     auto_resume = models.BooleanField(default=False)
     allow_internet_access = models.BooleanField(null=True, blank=True)
     network = models.JSONField(null=True, blank=True)
+    # Idempotency-Key of the create request: a retried create with the same key
+    # (same team, within the window) returns this sandbox instead of booting another.
+    idempotency_key = models.CharField(max_length=255, blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     started_at = models.DateTimeField(default=timezone.now, db_index=True)
     end_at = models.DateTimeField(db_index=True)
@@ -154,6 +157,13 @@ class Sandbox(models.Model):
     class Meta:
         ordering = ["-started_at", "-id"]
         indexes = [models.Index(fields=["team", "state", "-started_at"])]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["team", "idempotency_key"],
+                condition=~models.Q(idempotency_key=""),
+                name="sandbox_unique_idempotency_key",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.id
