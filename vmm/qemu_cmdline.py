@@ -1,0 +1,80 @@
+"""Assembles the QEMU microvm command line (pure function, unit-tested).
+
+Why in one place: pause/snapshot/fork restore must reuse the exact device set, so the command
+line is derived only from the recorded state (qemu-feasibility §4, §9-9). RAM is a shared file on
+/dev/shm (the memory snapshot for x-ignore-shared), the balloon reports free pages, and the root
+disk is a qcow2 top over the template's read-only base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vmm.hostinfo import lpj
+
+QEMU = "qemu-system-x86_64"
+GUEST_PORT = 49983
+
+
+@dataclass(frozen=True)
+class VMPaths:
+    """Where one VM's files live (all recorded in vm.json)."""
+
+    state_dir: Path
+    top: Path
+    qmp: Path
+    console: Path
+    pidfile: Path
+    ram: Path
+
+    @classmethod
+    def for_sandbox(cls, state_dir: Path, sandbox_id: str, shm_dir: Path = Path("/dev/shm")) -> "VMPaths":
+        return cls(state_dir=state_dir, top=state_dir / "top.qcow2", qmp=state_dir / "qmp.sock",
+                   console=state_dir / "console.log", pidfile=state_dir / "qemu.pid",
+                   ram=shm_dir / f"aenv-{sandbox_id}.ram")
+
+
+def kernel_cmdline(tsc_khz: int, resize: bool = False) -> str:
+    """Guest kernel arguments; the TSC pair prevents the microvm calibration hang."""
+    args = ["console=ttyS0", "panic=-1", "quiet", "net.ifnames=0", "8250.nr_uarts=1",
+            f"tsc_early_khz={tsc_khz}", f"lpj={lpj(tsc_khz)}"]
+    if resize:
+        args.append("aenv.resize=1")
+    return " ".join(args)
+
+
+def accel_args(accel: str) -> list[str]:
+    if accel == "kvm":
+        return ["-accel", "kvm", "-cpu", "host"]
+    if accel == "tcg":
+        return ["-accel", "tcg,tb-size=64", "-cpu", "max"]
+    raise ValueError(f"unknown accel {accel!r}")
+
+
+def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, accel: str, cpu_count: int,
+                 memory_mb: int, host_address: str, host_port: int, tsc_khz: int, resize: bool = False,
+                 qemu: str = QEMU) -> list[str]:
+    """argv that boots a daemonized microvm; envd's guest port is forwarded to host_address:host_port."""
+    if cpu_count < 1 or memory_mb < 64:
+        raise ValueError("cpu_count must be >= 1 and memory_mb >= 64")
+    return [
+        qemu, "-name", f"aenv-{paths.state_dir.name}",
+        "-M", "microvm,memory-backend=ram0", *accel_args(accel),
+        "-m", f"{memory_mb}M", "-smp", str(cpu_count),
+        "-object", f"memory-backend-file,id=ram0,size={memory_mb}M,mem-path={paths.ram},share=on",
+        "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
+        "-serial", f"file:{paths.console}",
+        "-qmp", f"unix:{paths.qmp},server=on,wait=off",
+        "-daemonize", "-pidfile", str(paths.pidfile),
+        "-kernel", str(kernel), "-initrd", str(initrd), "-append", kernel_cmdline(tsc_khz, resize),
+        "-blockdev", f"driver=file,node-name=rootfile,filename={paths.top}",
+        "-blockdev", "driver=qcow2,node-name=root,file=rootfile",
+        "-device", "virtio-blk-device,drive=root,id=vblk0",
+        "-blockdev", f"driver=file,node-name=toolsfile,filename={tools},read-only=on",
+        "-blockdev", "driver=raw,node-name=tools,file=toolsfile,read-only=on",
+        "-device", "virtio-blk-device,drive=tools,id=vblk1",
+        "-netdev", f"user,id=net0,hostfwd=tcp:{host_address}:{host_port}-:{GUEST_PORT}",
+        "-device", "virtio-net-device,netdev=net0,id=vnet0",
+        "-device", "virtio-balloon-device,free-page-reporting=on,id=balloon0",
+    ]

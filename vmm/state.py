@@ -1,0 +1,84 @@
+"""Per-VM state record (`<state_dir>/vm.json`) and process liveness checks.
+
+Why: QEMU outlives the worker that started it; vm.json holds everything needed to reattach,
+kill or (later) snapshot the VM, and liveness checks guard against PID reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def valid_sandbox_id(sandbox_id: str) -> bool:
+    """Ids become path parts and file names: no slashes, no dot-dot."""
+    return bool(SANDBOX_ID.match(sandbox_id)) and ".." not in sandbox_id
+
+
+@dataclass
+class VMState:
+    sandbox_id: str
+    pid: int
+    accel: str
+    host_address: str
+    host_port: int
+    state_dir: str
+    top: str
+    qmp: str
+    console: str
+    pidfile: str
+    ram: str
+    image: str
+    image_dir: str
+    kernel: str
+    initrd: str
+    rootfs: str
+    tools: str
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    argv: list[str]
+    created_at: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def save(self) -> None:
+        path = Path(self.state_dir) / "vm.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, state_dir: Path) -> "VMState | None":
+        try:
+            data = json.loads((Path(state_dir) / "vm.json").read_text())
+            return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def read_pidfile(path: Path) -> int | None:
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def process_alive(pid: int, marker: str) -> bool:
+    """True if pid runs, is not a zombie, and its command line contains marker (no PID reuse)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+        return False
+    return marker in cmdline
