@@ -1,0 +1,1 @@
+"""aenv's in-guest agent: an E2B-envd-compatible HTTP + Connect-RPC server."""

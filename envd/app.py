@@ -1,0 +1,177 @@
+"""The envd ASGI application: routing, access-token checks, /health, /init, /files, RPC."""
+
+import asyncio
+import errno
+import json
+import logging
+import time
+
+from . import files_http
+from .auth import AuthError, check_signature, token_matches
+from .clock import maybe_set_clock
+from .connect import ConnectError
+from .filesystem_service import FilesystemService
+from .processes import ProcessManager
+from .process_service import ProcessService
+from .rpc import Context, parse_keepalive, parse_timeout_ms, send_error, serve
+from .users import UnknownUser, lookup, username_from_basic_auth
+
+log = logging.getLogger("envd.app")
+
+UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
+
+
+def _headers(scope):
+    out = {}
+    for key, value in scope.get("headers", ()):
+        out[key.decode("latin-1").lower()] = value.decode("latin-1")
+    return out
+
+
+async def _empty(send, status):
+    await send({"type": "http.response.start", "status": status, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _read_small_body(receive, limit=1 << 20):
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise files_http.HTTPError(400, "client disconnected")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise files_http.HTTPError(413, "body too large")
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+class EnvdApp:
+    """ASGI callable. One instance per envd process; holds all sandbox state."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.processes = None
+        self.methods = None
+        self.fs_service = FilesystemService(settings)
+
+    def _ensure_started(self):
+        # The process manager needs the running loop, which exists only once serving.
+        if self.methods is None:
+            self.processes = ProcessManager(asyncio.get_running_loop())
+            self.methods = {}
+            self.methods.update(ProcessService(self.settings, self.processes).methods())
+            self.methods.update(self.fs_service.methods())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    self._ensure_started()
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        self._ensure_started()
+        headers = _headers(scope)
+        path = scope["path"]
+        method = scope["method"]
+        try:
+            if path == "/health":
+                await _empty(send, 204)
+                return
+            if path == "/files":
+                self._authorize_files(scope, headers, method)
+                if method == "GET":
+                    await files_http.download(scope, receive, send, self.settings, headers)
+                elif method == "POST":
+                    await files_http.upload(scope, receive, send, self.settings, headers)
+                else:
+                    raise files_http.HTTPError(405, f"method {method} not allowed")
+                return
+            self._authorize(headers)
+            if path == "/init" and method == "POST":
+                await self._init(receive, send)
+                return
+            if path == "/envs" and method == "GET":
+                await files_http.send_json(send, 200, dict(self.settings.env_vars))
+                return
+            rpc = self.methods.get(path)
+            if rpc is not None and method == "POST":
+                await self._rpc(rpc, scope, receive, send, headers)
+                return
+            raise files_http.HTTPError(404, f"{method} {path} not found")
+        except files_http.HTTPError as err:
+            await files_http.send_http_error(send, err)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                await files_http.send_json(send, 507, {"code": 507, "message": "not enough disk space"})
+            else:
+                log.exception("request %s %s failed", method, path)
+                await files_http.send_json(send, 500, {"code": 500, "message": str(exc)})
+
+    # -- auth ---------------------------------------------------------------
+    def _authorize(self, headers):
+        token = self.settings.access_token
+        if token and not token_matches(token, headers.get("x-access-token")):
+            raise files_http.HTTPError(401, UNAUTHORIZED)
+
+    def _authorize_files(self, scope, headers, method):
+        token = self.settings.access_token
+        if not token or token_matches(token, headers.get("x-access-token")):
+            return
+        params = files_http.query_params(scope)
+        if "signature" not in params:
+            raise files_http.HTTPError(401, UNAUTHORIZED)
+        operation = "read" if method == "GET" else "write"
+        try:
+            check_signature(token, params.get("path", ""), operation, params.get("username", ""),
+                            params.get("signature"), params.get("signature_expiration"))
+        except AuthError as exc:
+            raise files_http.HTTPError(401, str(exc)) from None
+
+    # -- /init --------------------------------------------------------------
+    async def _init(self, receive, send):
+        body = await _read_small_body(receive)
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError:
+            raise files_http.HTTPError(400, "invalid JSON body") from None
+        if not isinstance(data, dict):
+            raise files_http.HTTPError(400, "body must be a JSON object")
+        env_vars = data.get("envVars")
+        if env_vars is not None:
+            if not isinstance(env_vars, dict) or not all(isinstance(v, str) for v in env_vars.values()):
+                raise files_http.HTTPError(400, "envVars must be an object of strings")
+            self.settings.env_vars = dict(env_vars)
+        if data.get("accessToken"):
+            self.settings.access_token = str(data["accessToken"])
+        if data.get("defaultUser"):
+            self.settings.default_user = str(data["defaultUser"])
+        if data.get("defaultWorkdir"):
+            self.settings.default_workdir = str(data["defaultWorkdir"])
+        if data.get("timestamp"):
+            maybe_set_clock(str(data["timestamp"]), self.settings.set_clock)
+        await _empty(send, 204)
+
+    # -- RPC ------------------------------------------------------------------
+    async def _rpc(self, rpc, scope, receive, send, headers):
+        try:
+            name = username_from_basic_auth(headers.get("authorization")) or self.settings.default_user
+            try:
+                user = lookup(name)
+            except UnknownUser as exc:
+                raise ConnectError("unauthenticated", str(exc)) from None
+            timeout_ms = parse_timeout_ms(headers.get("connect-timeout-ms"))
+        except ConnectError as err:
+            await send_error(send, err)
+            return
+        deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms else None
+        ctx = Context(headers, user, deadline, parse_keepalive(headers.get("keepalive-ping-interval")))
+        await serve(rpc, scope, receive, send, ctx)
+

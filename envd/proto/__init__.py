@@ -1,0 +1,1 @@
+"""Generated protobuf modules for the envd wire protocol (see generate.sh)."""

@@ -1,0 +1,40 @@
+"""Command-line entry point: parse options and serve the envd ASGI app with uvicorn."""
+
+import argparse
+import logging
+
+from .state import ENVD_VERSION, Settings
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="envd", description="aenv in-guest agent (E2B envd compatible)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=49983)
+    p.add_argument("--default-user", default="user", help="user for requests that name none")
+    p.add_argument("--default-workdir", default=None, help="cwd for processes (default: user's home)")
+    p.add_argument("--max-upload-bytes", type=int, default=1 << 30)
+    p.add_argument("--set-clock", choices=["auto", "always", "never"], default="auto",
+                   help="apply /init timestamp: auto = as root when skew > 1 s")
+    p.add_argument("--access-token", default=None, help="require this X-Access-Token from the start")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--version", action="version", version=ENVD_VERSION)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from .app import EnvdApp
+
+    settings = Settings(default_user=args.default_user, default_workdir=args.default_workdir,
+                        max_upload_bytes=args.max_upload_bytes, set_clock=args.set_clock,
+                        access_token=args.access_token)
+    uvicorn.run(EnvdApp(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                access_log=False, http="h11", loop="asyncio", ws="none", lifespan="on",
+                timeout_keep_alive=75)
+
+
+if __name__ == "__main__":
+    main()
