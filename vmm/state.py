@@ -80,5 +80,15 @@ def process_alive(pid: int, marker: str) -> bool:
     except OSError:
         return False
     if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+        reap(pid)
         return False
     return marker in cmdline
+
+
+def reap(pid: int) -> None:
+    """Collects a dead VM process if it happens to be our child; otherwise init reaps it."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+

@@ -1,0 +1,66 @@
+"""QEMU command-line assembly: the device set later restores depend on must stay stable."""
+
+from pathlib import Path
+
+import pytest
+
+from vmm.hostinfo import _mhz_from_cpuinfo, lpj
+from vmm.qemu_cmdline import VMPaths, kernel_cmdline, qemu_command
+
+
+def make(accel="tcg", **kw):
+    paths = VMPaths.for_sandbox(Path("/h/sandboxes/sb1"), "sb1")
+    args = dict(paths=paths, kernel=Path("/img/vmlinuz"), initrd=Path("/img/initrd.cpio"), tools=Path("/img/tools.img"),
+                accel=accel, cpu_count=2, memory_mb=512, host_address="127.0.0.1", host_port=41234, tsc_khz=2445406)
+    args.update(kw)
+    return qemu_command(**args)
+
+
+def opt(argv, flag):
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_memory_is_shared_file_on_dev_shm():
+    argv = make()
+    assert "memory-backend-file,id=ram0,size=512M,mem-path=/dev/shm/aenv-sb1.ram,share=on" in opt(argv, "-object")
+    assert opt(argv, "-M") == ["microvm,memory-backend=ram0"]
+    assert opt(argv, "-m") == ["512M"] and opt(argv, "-smp") == ["2"]
+
+
+def test_tcg_caps_code_buffer_and_kvm_uses_host_cpu():
+    assert opt(make(), "-accel") == ["tcg,tb-size=64"] and opt(make(), "-cpu") == ["max"]
+    assert opt(make("kvm"), "-accel") == ["kvm"] and opt(make("kvm"), "-cpu") == ["host"]
+    with pytest.raises(ValueError):
+        make("hvf")
+
+
+def test_devices_disks_network_and_control():
+    argv = make()
+    devices = opt(argv, "-device")
+    assert "virtio-balloon-device,free-page-reporting=on,id=balloon0" in devices
+    assert sum(d.startswith("virtio-blk-device") for d in devices) == 2
+    assert "driver=file,node-name=rootfile,filename=/h/sandboxes/sb1/top.qcow2" in opt(argv, "-blockdev")
+    assert any("tools.img,read-only=on" in b for b in opt(argv, "-blockdev"))
+    assert opt(argv, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:41234-:49983"]
+    assert opt(argv, "-qmp") == ["unix:/h/sandboxes/sb1/qmp.sock,server=on,wait=off"]
+    assert "-daemonize" in argv and opt(argv, "-pidfile") == ["/h/sandboxes/sb1/qemu.pid"]
+    assert "-nographic" not in argv  # incompatible with -daemonize
+
+
+def test_kernel_cmdline_has_tsc_fix():
+    line = kernel_cmdline(2445406)
+    assert "tsc_early_khz=2445406" in line and f"lpj={2445406 * 4}" in line
+    assert "aenv.resize" not in line and "aenv.resize=1" in kernel_cmdline(1, resize=True)
+    assert lpj(2000000) == 8000000
+
+
+def test_cpuinfo_parsing():
+    assert _mhz_from_cpuinfo("processor\t: 0\ncpu MHz\t\t: 2445.406\n") == 2445.406
+    assert _mhz_from_cpuinfo("nothing") is None
+
+
+def test_rejects_silly_sizes():
+    with pytest.raises(ValueError):
+        make(memory_mb=16)
+    with pytest.raises(ValueError):
+        make(cpu_count=0)

@@ -1,0 +1,79 @@
+"""Image recipe hashing and cache layout (no debootstrap here)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vmm import images, toolsdrive
+from vmm.images import GuestImage, ImageNotFound, find_image, stage_hashes
+
+
+def test_recipe_hash_is_stable():
+    assert stage_hashes() == stage_hashes()
+    h = stage_hashes()
+    assert set(h) == {"debootstrap", "system", "tools", "recipe"}
+    assert all(len(v) == 16 for v in h.values())
+
+
+def test_tools_change_does_not_touch_debootstrap(monkeypatch):
+    before = stage_hashes()
+    monkeypatch.setattr(toolsdrive, "recipe_inputs", lambda: {"envd": "something else"})
+    after = stage_hashes()
+    assert after["debootstrap"] == before["debootstrap"] and after["system"] == before["system"]
+    assert after["tools"] != before["tools"] and after["recipe"] != before["recipe"]
+
+
+def test_name_changes_recipe():
+    assert stage_hashes("base")["recipe"] != stage_hashes("other")["recipe"]
+
+
+def test_digest_order_independent():
+    assert images.digest({"a": 1, "b": [1, 2]}) == images.digest({"b": [1, 2], "a": 1})
+
+
+def test_find_image_follows_symlink(tmp_path):
+    with pytest.raises(ImageNotFound):
+        find_image(tmp_path, "base")
+    d = tmp_path / "base-abc"
+    d.mkdir()
+    (d / "image.json").write_text(json.dumps({"name": "base", "recipe_hash": "abc", "kernel_release": "6.1"}))
+    images._point(tmp_path, "base", d)
+    img = find_image(tmp_path, "base")
+    assert img == GuestImage("base", d / "vmlinuz", d / "initrd.cpio", d / "rootfs.qcow2", d / "tools.img", "abc", "6.1")
+    images._point(tmp_path, "base", d)  # idempotent
+
+
+def test_stage_build_is_atomic(tmp_path):
+    def boom(out, work):
+        (out / "half").write_text("x")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        images._stage(tmp_path, "tools", "h1", boom, lambda m: None)
+    assert not (tmp_path / "stages" / "tools-h1").exists()
+    assert not list((tmp_path / "stages").glob(".tmp-*"))
+    built = images._stage(tmp_path, "tools", "h1", lambda out, work: (out / "ok").write_text("y"), lambda m: None)
+    assert (built / "ok").read_text() == "y"
+    assert images._stage(tmp_path, "tools", "h1", boom, lambda m: None) == built  # cached: not rebuilt
+
+
+def test_cpio_writer(tmp_path):
+    import subprocess
+
+    from vmm.rootfs import write_cpio
+
+    tree = tmp_path / "tree"
+    (tree / "bin").mkdir(parents=True)
+    (tree / "bin" / "tool").write_text("hello")
+    (tree / "bin" / "link").symlink_to("tool")
+    out = tmp_path / "a.cpio"
+    write_cpio(tree, out)
+    listing = subprocess.run(["busybox", "cpio", "-t"], stdin=open(out, "rb"), capture_output=True, text=True)
+    assert listing.returncode == 0, listing.stderr
+    assert set(listing.stdout.split()) == {"bin", "bin/tool", "bin/link"}
+
+
+def test_unknown_template(tmp_path):
+    with pytest.raises(ImageNotFound):
+        images.ensure_image(tmp_path, "nope")

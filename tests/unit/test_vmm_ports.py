@@ -1,0 +1,63 @@
+"""Port allocation: concurrent boots (threads and processes) never get the same port."""
+
+import multiprocessing
+import socket
+import threading
+from pathlib import Path
+
+from vmm import ports
+
+
+def test_threads_get_distinct_ports(tmp_path):
+    sandboxes = tmp_path / "sandboxes"
+    got, lock = [], threading.Lock()
+
+    def worker(i):
+        p = ports.allocate(sandboxes, sandboxes / f"sb{i}", port_range=(45000, 45040))
+        with lock:
+            got.append(p)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 12 and len(set(got)) == 12
+    assert ports.claimed_ports(sandboxes) == set(got)
+
+
+def _proc_worker(args):
+    sandboxes, i = args
+    return ports.allocate(Path(sandboxes), Path(sandboxes) / f"p{i}", port_range=(45100, 45130))
+
+
+def test_processes_get_distinct_ports(tmp_path):
+    sandboxes = tmp_path / "sandboxes"
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        got = pool.map(_proc_worker, [(str(sandboxes), i) for i in range(12)])
+    assert len(set(got)) == 12
+
+
+def test_skips_ports_in_use_and_claimed(tmp_path):
+    sandboxes = tmp_path / "sandboxes"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        busy_port = busy.getsockname()[1]
+        port = ports.allocate(sandboxes, sandboxes / "a", port_range=(busy_port, busy_port + 1))
+        assert port == busy_port + 1
+        try:
+            ports.allocate(sandboxes, sandboxes / "b", port_range=(busy_port, busy_port + 1))
+        except ports.PortsExhausted:
+            pass
+        else:
+            raise AssertionError("expected exhaustion: one port busy, the other claimed")
+
+
+def test_released_when_state_dir_goes(tmp_path):
+    import shutil
+
+    sandboxes = tmp_path / "sandboxes"
+    p1 = ports.allocate(sandboxes, sandboxes / "a", port_range=(45200, 45200))
+    shutil.rmtree(sandboxes / "a")
+    assert ports.allocate(sandboxes, sandboxes / "b", port_range=(45200, 45200)) == p1

@@ -1,0 +1,85 @@
+"""State dirs: vm.json round trip, liveness, list() and idempotent kill() without real VMs."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vmm.driver import BootSpec, VMError, get_driver
+from vmm.qemu import QemuDriver
+from vmm.state import VMState, process_alive, valid_sandbox_id
+
+
+def state_for(tmp_path, sid, pid, marker):
+    d = tmp_path / "home" / "sandboxes" / sid
+    d.mkdir(parents=True)
+    s = VMState(sandbox_id=sid, pid=pid, accel="tcg", host_address="127.0.0.1", host_port=41000, state_dir=str(d),
+                top=str(d / "top.qcow2"), qmp=marker, console=str(d / "console.log"), pidfile=str(d / "qemu.pid"),
+                ram=str(tmp_path / f"aenv-{sid}.ram"), image="base", image_dir="/img", kernel="/img/vmlinuz",
+                initrd="/img/initrd.cpio", rootfs="/img/rootfs.qcow2", tools="/img/tools.img", cpu_count=1,
+                memory_mb=128, disk_size_mb=2048, argv=["x"], created_at=time.time(), timings={"total_ms": 1.0})
+    s.save()
+    (d / "qemu.pid").write_text(f"{pid}\n")
+    return s
+
+
+def test_ids():
+    assert valid_sandbox_id("sb-1_x.Y")
+    for bad in ("", "../x", "a/b", "..", "-x", "x" * 65):
+        assert not valid_sandbox_id(bad)
+
+
+def test_round_trip_and_garbage(tmp_path):
+    s = state_for(tmp_path, "a", 1, "m")
+    assert VMState.load(Path(s.state_dir)) == s
+    (Path(s.state_dir) / "vm.json").write_text("{not json")
+    assert VMState.load(Path(s.state_dir)) is None
+
+
+def test_list_info_kill_with_a_stand_in_process(tmp_path):
+    marker = str(tmp_path / "marker-qmp.sock")
+    proc = subprocess.Popen([sys.executable, "-c", "import time,sys; time.sleep(60)", marker])
+    try:
+        driver = QemuDriver(home=tmp_path / "home", images_dir=tmp_path / "images", accel="tcg")
+        state_for(tmp_path, "live", proc.pid, marker)
+        state_for(tmp_path, "dead", 999999, "nope")
+        ram = tmp_path / "aenv-live.ram"
+        ram.write_bytes(b"x")
+        assert [i.sandbox_id for i in driver.list()] == ["live"]
+        info = driver.info("live")
+        assert info.envd_port == 41000 and info.pid == proc.pid and info.timings == {"total_ms": 1.0}
+        assert driver.info("dead") is None and driver.info("../etc") is None
+        assert process_alive(proc.pid, marker) and not process_alive(proc.pid, "other")
+        assert driver.kill("live") is True
+        proc.wait(timeout=10)  # SIGTERM reached it (no QMP socket)
+        assert not (tmp_path / "home/sandboxes/live").exists() and not ram.exists()
+        assert driver.kill("live") is False and driver.kill("dead") is True and driver.kill("dead") is False
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_boot_without_image_raises(tmp_path):
+    driver = QemuDriver(home=tmp_path / "home", images_dir=tmp_path / "images", accel="tcg")
+    from vmm.driver import ImageNotFound
+
+    with pytest.raises(ImageNotFound):
+        driver.boot(BootSpec("x1"))
+    with pytest.raises(VMError):
+        driver.boot(BootSpec("../x"))
+
+
+def test_capacity_and_factory(tmp_path):
+    driver = get_driver("qemu", tmp_path / "home", tmp_path / "images")
+    cap = driver.capacity()
+    assert cap["vcpus"] >= 1 and cap["memory_mb"] > 0
+    with pytest.raises(VMError):
+        get_driver("xen", tmp_path, tmp_path)
+
+
+def test_firecracker_refuses_clearly(tmp_path):
+    with pytest.raises(VMError, match="firecracker"):
+        get_driver("firecracker", tmp_path, tmp_path)
