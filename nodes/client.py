@@ -1,0 +1,192 @@
+"""Control-plane side of node tasks: send a VM operation to a node's queue and await
+its result without blocking a thread.
+
+Sending goes through Celery (a short blocking publish, done on a small private
+thread pool). Waiting does not use ``AsyncResult.get()``: it subscribes with
+``redis.asyncio`` to the channel the Redis result backend publishes each result
+on, with a GET fallback, so a result is seen within a millisecond or so of being
+stored and no thread is held while a VM boots.
+"""
+import asyncio
+import logging
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import redis.asyncio as aioredis
+from celery import states
+from django.conf import settings
+
+from aenv_site.celery import app as celery_app
+from nodes import tasks
+from nodes.models import Node
+
+log = logging.getLogger(__name__)
+
+# How long a publish may take before the broker counts as unreachable.
+SEND_TIMEOUT = 5.0
+# Re-check the stored result this often in case a pubsub message was missed.
+POLL_FALLBACK = 0.5
+
+
+class NodeError(Exception):
+    """A node operation did not succeed."""
+
+
+class NodeUnavailable(NodeError):
+    """The node is not alive, or the broker / result store cannot be reached."""
+
+
+class NodeTimeout(NodeError):
+    """No result arrived within the deadline (node dead, stuck or overloaded)."""
+
+
+class NodeTaskFailed(NodeError):
+    """The task raised on the node; ``kind`` is the exception class name there."""
+
+    def __init__(self, message: str, kind: str = "Exception"):
+        super().__init__(message)
+        self.kind = kind
+
+
+# --- sending ---------------------------------------------------------------
+
+def _init_sender_thread() -> None:
+    # Celery's Redis backend subscribes the *sending* thread to every task's result
+    # channel (on_task_call) and only drains it in AsyncResult.get(), which we never
+    # call; unread messages would pile up on that connection. The backend instance is
+    # thread-local (result_backend_thread_safe=False), so turning that off here
+    # affects only these sender threads.
+    backend = celery_app.backend
+    if not backend.thread_safe:  # a shared backend is never patched
+        backend.on_task_call = lambda producer, task_id: None
+
+
+_sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix="aenv-node-send", initializer=_init_sender_thread)
+
+_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
+
+
+def _publish(task, queue: str, kwargs: dict, expires: float) -> str:
+    result = task.apply_async(kwargs=kwargs, queue=queue, expires=expires, retry=True, retry_policy=_RETRY_POLICY)
+    return result.id
+
+
+async def _send(task, node: Node, kwargs: dict, deadline: float) -> str:
+    loop = asyncio.get_running_loop()
+    # expires: a node that comes back after the caller gave up must not run it.
+    fut = loop.run_in_executor(_sender, _publish, task, node.queue, kwargs, deadline)
+    try:
+        return await asyncio.wait_for(fut, timeout=min(SEND_TIMEOUT, deadline))
+    except asyncio.TimeoutError:
+        raise NodeUnavailable(f"node {node.id}: broker did not accept the task within {SEND_TIMEOUT:.0f}s") from None
+    except Exception as exc:  # kombu OperationalError, redis ConnectionError, ...
+        raise NodeUnavailable(f"node {node.id}: cannot reach the broker: {exc}") from exc
+
+
+# --- waiting ---------------------------------------------------------------
+
+_redis_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = weakref.WeakKeyDictionary()
+_redis_lock = threading.Lock()
+
+
+def _result_redis() -> aioredis.Redis:
+    """One asyncio Redis client per event loop (their connections are loop-bound)."""
+    loop = asyncio.get_running_loop()
+    with _redis_lock:
+        client = _redis_by_loop.get(loop)
+        if client is None:
+            client = aioredis.from_url(
+                celery_app.conf.result_backend, socket_connect_timeout=3, health_check_interval=0
+            )
+            _redis_by_loop[loop] = client
+        return client
+
+
+def _result_key(task_id: str) -> str:
+    key = celery_app.backend.get_key_for_task(task_id)
+    return key.decode() if isinstance(key, bytes) else key
+
+
+def _ready_meta(raw) -> dict | None:
+    if raw is None:
+        return None
+    meta = celery_app.backend.decode(raw)
+    return meta if meta.get("status") in states.READY_STATES else None
+
+
+async def _wait(node: Node, task_id: str, deadline: float, what: str) -> dict:
+    r = _result_redis()
+    key = _result_key(task_id)
+    end = time.monotonic() + deadline
+    try:
+        async with r.pubsub() as ps:
+            await ps.subscribe(key)
+            meta = _ready_meta(await r.get(key))  # stored before we subscribed?
+            next_poll = time.monotonic() + POLL_FALLBACK
+            while meta is None:
+                now = time.monotonic()
+                if now >= end:
+                    raise NodeTimeout(
+                        f"node {node.id} did not finish {what} within {deadline:g}s "
+                        "(node down, stuck or overloaded)"
+                    )
+                msg = await ps.get_message(ignore_subscribe_messages=True, timeout=max(0.0, min(end, next_poll) - now))
+                if msg is not None and msg.get("type") == "message":
+                    meta = _ready_meta(msg["data"])
+                elif time.monotonic() >= next_poll:
+                    meta = _ready_meta(await r.get(key))
+                    next_poll = time.monotonic() + POLL_FALLBACK
+            await r.delete(key)  # forget: nobody else reads it
+    except NodeError:
+        raise
+    except (aioredis.RedisError, OSError) as exc:
+        raise NodeUnavailable(f"node {node.id}: cannot reach the result store: {exc}") from exc
+    return meta
+
+
+def _raise_failure(node: Node, meta: dict, what: str):
+    if meta["status"] == states.REVOKED:
+        raise NodeTaskFailed(f"{what} on node {node.id} was revoked (expired before it started)", kind="TaskRevokedError")
+    exc = meta.get("result") or {}
+    if isinstance(exc, dict):
+        kind = exc.get("exc_type") or "Exception"
+        args = exc.get("exc_message")
+        if isinstance(args, (list, tuple)):
+            message = str(args[0]) if len(args) == 1 else (str(tuple(args)) if args else kind)
+        else:
+            message = str(args) if args is not None else kind
+    else:
+        kind, message = "Exception", str(exc)
+    raise NodeTaskFailed(message, kind=kind)
+
+
+async def _call(node: Node, task, kwargs: dict, deadline: float | None, what: str):
+    deadline = float(deadline if deadline is not None else settings.AENV_NODE_TASK_DEADLINE)
+    fresh = await Node.objects.filter(pk=node.pk).afirst()
+    if fresh is None or not fresh.is_alive():
+        raise NodeUnavailable(f"node {node.pk} is not alive (no recent heartbeat)")
+    task_id = await _send(task, fresh, kwargs, deadline)
+    meta = await _wait(fresh, task_id, deadline, what)
+    if meta["status"] != states.SUCCESS:
+        _raise_failure(fresh, meta, what)
+    return meta["result"]
+
+
+# --- public API ------------------------------------------------------------
+
+async def boot_sandbox(node: Node, *, sandbox_id: str, image: str, cpu_count: int, memory_mb: int,
+                       disk_size_mb: int, env_vars: dict, access_token: str | None,
+                       deadline: float | None = None) -> dict:
+    """Boot a VM on `node` and initialise its envd.
+
+    Returns {"envd_host", "envd_port", "pid", "accel", "timings": {phase: ms}}."""
+    kwargs = dict(sandbox_id=sandbox_id, image=image, cpu_count=cpu_count, memory_mb=memory_mb,
+                  disk_size_mb=disk_size_mb, env_vars=dict(env_vars or {}), access_token=access_token)
+    return await _call(node, tasks.boot_sandbox, kwargs, deadline, f"boot of {sandbox_id}")
+
+
+async def kill_sandbox(node: Node, *, sandbox_id: str, deadline: float | None = None) -> dict:
+    """Stop the sandbox's VM on `node`; {"killed": False} if it was not running there."""
+    return await _call(node, tasks.kill_sandbox, {"sandbox_id": sandbox_id}, deadline, f"kill of {sandbox_id}")

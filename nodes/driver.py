@@ -1,0 +1,33 @@
+"""The node's one VM driver instance, created on first use from settings.
+
+Why a holder: tasks run on many worker threads and must share one driver (it owns
+port allocation and state dirs); unit tests swap in a stub with `set_driver`.
+"""
+import threading
+
+from django.conf import settings
+
+_driver = None
+_lock = threading.Lock()
+
+
+def get_driver():
+    global _driver
+    with _lock:
+        if _driver is None:
+            from vmm.driver import get_driver as make_driver
+
+            _driver = make_driver(
+                settings.AENV_DRIVER,
+                home=settings.AENV_HOME,
+                images_dir=settings.AENV_IMAGES_DIR,
+                host_address=settings.AENV_NODE_ADDRESS,
+            )
+        return _driver
+
+
+def set_driver(driver) -> None:
+    """Replace the driver (unit tests); None resets to the settings-built one."""
+    global _driver
+    with _lock:
+        _driver = driver

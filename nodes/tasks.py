@@ -1,0 +1,73 @@
+"""Celery tasks that run on a node worker (queue ``node.<id>``) and drive its VMs.
+
+Exceptions propagate unchanged: with the JSON result serializer Celery stores their
+class name and args, which the control plane turns into NodeTaskFailed(kind, message).
+"""
+import logging
+import time
+from datetime import datetime, timezone
+
+import httpx
+from celery import shared_task
+
+from nodes.driver import get_driver
+
+log = logging.getLogger(__name__)
+
+ENVD_INIT_TIMEOUT = 10.0
+
+
+class EnvdInitFailed(Exception):
+    """envd in the fresh VM refused or did not answer POST /init."""
+
+
+def _init_envd(host: str, port: int, env_vars: dict, access_token: str | None) -> None:
+    body = {
+        "envVars": env_vars or {},
+        "timestamp": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"),
+        "defaultUser": "user",
+        "defaultWorkdir": "/home/user",
+    }
+    if access_token is not None:
+        body["accessToken"] = access_token
+    try:
+        resp = httpx.post(f"http://{host}:{port}/init", json=body, timeout=ENVD_INIT_TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise EnvdInitFailed(f"envd /init at {host}:{port} failed: {exc!r}") from None
+    if not resp.is_success:
+        raise EnvdInitFailed(f"envd /init at {host}:{port} answered {resp.status_code}: {resp.text[:200]}")
+
+
+@shared_task(name="nodes.boot_sandbox")
+def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int, disk_size_mb: int,
+                 env_vars: dict, access_token: str | None) -> dict:
+    from vmm.driver import BootSpec
+
+    driver = get_driver()
+    spec = BootSpec(sandbox_id=sandbox_id, image=image, cpu_count=cpu_count,
+                    memory_mb=memory_mb, disk_size_mb=disk_size_mb)
+    info = driver.boot(spec)
+    started = time.perf_counter()
+    try:
+        _init_envd(info.envd_host, info.envd_port, env_vars, access_token)
+    except BaseException:
+        log.warning("envd init failed for %s; killing its VM", sandbox_id)
+        try:
+            driver.kill(sandbox_id)
+        except Exception:
+            log.exception("could not kill %s after a failed init", sandbox_id)
+        raise
+    timings = {k: round(float(v), 2) for k, v in (info.timings or {}).items()}
+    timings["init"] = round((time.perf_counter() - started) * 1000, 2)
+    return {
+        "envd_host": info.envd_host,
+        "envd_port": info.envd_port,
+        "pid": info.pid,
+        "accel": info.accel,
+        "timings": timings,
+    }
+
+
+@shared_task(name="nodes.kill_sandbox")
+def kill_sandbox(*, sandbox_id: str) -> dict:
+    return {"killed": bool(get_driver().kill(sandbox_id))}

@@ -1,0 +1,217 @@
+"""Node client ↔ a real Celery worker (thread pool, Redis broker and results) running
+the real node tasks with the VM driver replaced by a stub."""
+import asyncio
+import http.server
+import json
+import threading
+import time
+import uuid
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import redis
+from asgiref.sync import sync_to_async
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from django.conf import settings
+from django.utils import timezone
+
+from aenv_site.celery import app as celery_app
+from nodes import client, driver as node_driver
+from nodes.client import NodeTaskFailed, NodeTimeout, NodeUnavailable, boot_sandbox, kill_sandbox
+from nodes.models import Node
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class ImageNotFound(Exception):
+    pass
+
+
+class EnvdStub(http.server.BaseHTTPRequestHandler):
+    """Answers POST /init like envd (204) and records the bodies."""
+
+    bodies: list = []
+    status = 204
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        type(self).bodies.append((self.path, json.loads(body)))
+        self.send_response(type(self).status)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+class StubDriver:
+    accel = "tcg"
+
+    def __init__(self, envd_port):
+        self.envd_port = envd_port
+        self.killed = []
+        self.running = {}
+
+    def boot(self, spec):
+        if spec.image == "missing":
+            raise ImageNotFound(f"image {spec.image!r} is not built")
+        if spec.image == "slow":
+            time.sleep(2)
+        self.running[spec.sandbox_id] = spec
+        return SimpleNamespace(sandbox_id=spec.sandbox_id, pid=4242, envd_host="127.0.0.1",
+                               envd_port=self.envd_port, accel="tcg", state_dir="/nonexistent",
+                               timings={"qemu_start": 12.5, "envd_ready": 300.0})
+
+    def kill(self, sandbox_id):
+        self.killed.append(sandbox_id)
+        return self.running.pop(sandbox_id, None) is not None
+
+    def list(self):
+        return list(self.running)
+
+    def capacity(self):
+        return {"vcpus": 2, "memory_mb": 4096}
+
+
+@pytest.fixture(scope="module")
+def envd_stub():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), EnvdStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def node_worker(envd_stub):
+    """A Celery worker thread consuming one unique node queue with the real tasks."""
+    node_id = f"unit-{uuid.uuid4().hex[:8]}"
+    stub = StubDriver(envd_stub.server_address[1])
+    node_driver.set_driver(stub)
+    with start_worker(celery_app, pool="threads", concurrency=4, perform_ping_check=False,
+                      queues=[f"node.{node_id}"], loglevel="WARNING", shutdown_timeout=15):
+        yield SimpleNamespace(node_id=node_id, driver=stub)
+    node_driver.set_driver(None)
+    redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(f"node.{node_id}")
+
+
+def alive_node(node_id):
+    return Node.objects.create(id=node_id, address="127.0.0.1", vcpu_capacity=8, memory_mb_capacity=8192,
+                               last_heartbeat_at=timezone.now())
+
+
+BOOT = dict(image="base", cpu_count=2, memory_mb=512, disk_size_mb=2048)
+
+
+async def test_boot_returns_endpoint_and_inits_envd(node_worker, envd_stub, monkeypatch):
+    sent = []
+    real_publish = client._publish
+    monkeypatch.setattr(client, "_publish", lambda *a: sent.append(real_publish(*a)) or sent[-1])
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    EnvdStub.bodies.clear()
+    t0 = time.perf_counter()
+    out = await boot_sandbox(node, sandbox_id="sbx1", env_vars={"A": "1"}, access_token="tok", **BOOT)
+    elapsed = time.perf_counter() - t0
+    assert out["envd_host"] == "127.0.0.1" and out["envd_port"] == envd_stub.server_address[1]
+    assert out["pid"] == 4242 and out["accel"] == "tcg"
+    assert out["timings"]["qemu_start"] == 12.5 and out["timings"]["init"] >= 0
+    path, body = EnvdStub.bodies[-1]
+    assert path == "/init"
+    assert body["envVars"] == {"A": "1"} and body["accessToken"] == "tok"
+    assert body["defaultUser"] == "user" and body["defaultWorkdir"] == "/home/user"
+    assert body["timestamp"].endswith("Z")
+    assert elapsed < 2.0
+    # the result was forgotten after reading
+    assert len(sent) == 1 and not await client._result_redis().exists(client._result_key(sent[0]))
+
+
+async def test_no_access_token_is_omitted_from_init(node_worker):
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    EnvdStub.bodies.clear()
+    await boot_sandbox(node, sandbox_id="sbx2", env_vars={}, access_token=None, **BOOT)
+    assert "accessToken" not in EnvdStub.bodies[-1][1]
+
+
+async def test_task_exception_carries_kind_and_message(node_worker):
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    with pytest.raises(NodeTaskFailed) as info:
+        await boot_sandbox(node, sandbox_id="sbx3", env_vars={}, access_token=None,
+                           **{**BOOT, "image": "missing"})
+    assert info.value.kind == "ImageNotFound"
+    assert str(info.value) == "image 'missing' is not built"
+
+
+async def test_failed_init_kills_the_vm_and_raises(node_worker):
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    EnvdStub.status = 500
+    try:
+        with pytest.raises(NodeTaskFailed) as info:
+            await boot_sandbox(node, sandbox_id="sbx4", env_vars={}, access_token=None, **BOOT)
+    finally:
+        EnvdStub.status = 204
+    assert info.value.kind == "EnvdInitFailed" and "500" in str(info.value)
+    assert "sbx4" in node_worker.driver.killed and "sbx4" not in node_worker.driver.running
+
+
+async def test_kill(node_worker):
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    await boot_sandbox(node, sandbox_id="sbx5", env_vars={}, access_token=None, **BOOT)
+    assert await kill_sandbox(node, sandbox_id="sbx5") == {"killed": True}
+    assert await kill_sandbox(node, sandbox_id="sbx5") == {"killed": False}
+
+
+async def test_concurrent_boots_run_in_parallel(node_worker):
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*[
+        boot_sandbox(node, sandbox_id=f"par{i}", env_vars={}, access_token=None, **{**BOOT, "image": "slow"})
+        for i in range(4)
+    ])
+    assert len(outs) == 4
+    assert time.perf_counter() - t0 < 3.5  # 4 × 2 s serially would be 8 s
+
+
+async def test_slow_task_times_out_at_deadline(node_worker):
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    t0 = time.perf_counter()
+    with pytest.raises(NodeTimeout, match="within 0.5s"):
+        await boot_sandbox(node, sandbox_id="late", env_vars={}, access_token=None,
+                           deadline=0.5, **{**BOOT, "image": "slow"})
+    assert 0.45 < time.perf_counter() - t0 < 1.5
+    await asyncio.sleep(2)  # let the worker finish it before the next test
+
+
+async def test_node_without_worker_times_out():
+    node = await sync_to_async(alive_node)(f"unit-gone-{uuid.uuid4().hex[:6]}")
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(NodeTimeout, match=f"node {node.id} did not finish"):
+            await kill_sandbox(node, sandbox_id="x", deadline=0.4)
+    finally:
+        redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(node.queue)
+    assert time.perf_counter() - t0 < 1.5
+
+
+async def test_dead_node_is_unavailable_without_sending():
+    def make():
+        return Node.objects.create(id="stale", address="x", last_heartbeat_at=timezone.now() - timedelta(hours=1))
+
+    node = await sync_to_async(make)()
+    t0 = time.perf_counter()
+    with pytest.raises(NodeUnavailable, match="not alive"):
+        await boot_sandbox(node, sandbox_id="s", env_vars={}, access_token=None, **BOOT)
+    assert time.perf_counter() - t0 < 0.5
+    assert redis.Redis.from_url(settings.CELERY_BROKER_URL).llen("node.stale") == 0
+
+
+async def test_broker_down_is_unavailable_not_a_hang(monkeypatch):
+    node = await sync_to_async(alive_node)("nobroker")
+    down = Celery("down", broker="redis://127.0.0.1:1/0", backend="redis://127.0.0.1:1/1")
+    down.conf.broker_connection_timeout = 1
+    fake_task = SimpleNamespace(apply_async=lambda **kw: down.send_task("nodes.kill_sandbox", ignore_result=True, **kw))
+    monkeypatch.setattr(client.tasks, "kill_sandbox", fake_task)
+    t0 = time.perf_counter()
+    with pytest.raises(NodeUnavailable, match="broker"):
+        await kill_sandbox(node, sandbox_id="x", deadline=30)
+    assert time.perf_counter() - t0 < 6

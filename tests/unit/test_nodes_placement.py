@@ -1,0 +1,66 @@
+"""Placement: only alive, non-draining nodes with room; least loaded first."""
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.utils import timezone
+
+from nodes.models import Node
+from nodes.placement import NoNodeAvailable, pick_node
+from sandboxes.models import Sandbox, Team, Template
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def make_node(node_id, *, vcpus=8, memory=4096, age_s=0, draining=False, heartbeat=True):
+    return Node.objects.create(
+        id=node_id, address="127.0.0.1", vcpu_capacity=vcpus, memory_mb_capacity=memory, draining=draining,
+        last_heartbeat_at=(timezone.now() - timedelta(seconds=age_s)) if heartbeat else None,
+    )
+
+
+def add_sandbox(node, *, cpu=2, mem=512, state="running"):
+    team, _ = Team.objects.get_or_create(slug="t", defaults={"name": "t"})
+    tpl, _ = Template.objects.get_or_create(id="base")
+    return Sandbox.objects.create(team=team, template=tpl, node=node, state=state, cpu_count=cpu,
+                                  memory_mb=mem, end_at=timezone.now() + timedelta(minutes=5))
+
+
+async def test_no_nodes_raises():
+    with pytest.raises(NoNodeAvailable):
+        await pick_node(2, 512)
+
+
+async def test_dead_draining_and_never_seen_nodes_are_skipped():
+    await sync_to_async(make_node)("dead", age_s=3600)
+    await sync_to_async(make_node)("drain", draining=True)
+    await sync_to_async(make_node)("never", heartbeat=False)
+    with pytest.raises(NoNodeAvailable):
+        await pick_node(1, 128)
+    await sync_to_async(make_node)("alive")
+    assert (await pick_node(1, 128)).id == "alive"
+
+
+async def test_capacity_counts_reserving_sandboxes_only():
+    node = await sync_to_async(make_node)("n1", vcpus=4, memory=2048)
+    await sync_to_async(add_sandbox)(node, cpu=2, mem=1024, state="running")
+    await sync_to_async(add_sandbox)(node, cpu=2, mem=512, state="creating")
+    # paused and killed sandboxes hold nothing
+    await sync_to_async(add_sandbox)(node, cpu=4, mem=2048, state="paused")
+    await sync_to_async(add_sandbox)(node, cpu=4, mem=2048, state="killed")
+    with pytest.raises(NoNodeAvailable):
+        await pick_node(1, 128)  # 4/4 vCPU reserved
+    await sync_to_async(Sandbox.objects.filter(state="creating").update)(state="error")
+    assert (await pick_node(2, 512)).id == "n1"
+    with pytest.raises(NoNodeAvailable):
+        await pick_node(2, 1024 + 1)  # memory: 1024 reserved of 2048
+
+
+async def test_least_loaded_first():
+    busy = await sync_to_async(make_node)("a-busy", vcpus=8, memory=8192)
+    await sync_to_async(make_node)("b-idle", vcpus=8, memory=8192)
+    await sync_to_async(add_sandbox)(busy, cpu=4, mem=1024)
+    assert (await pick_node(2, 512)).id == "b-idle"
+    # a node too small for the request is skipped even if idle
+    await sync_to_async(Node.objects.filter(pk="b-idle").update)(vcpu_capacity=1)
+    assert (await pick_node(2, 512)).id == "a-busy"
