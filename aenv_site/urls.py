@@ -9,3 +9,7 @@ urlpatterns = [
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("", include("sandboxes.urls")),
 ]
+
+# Unknown URLs and crashes answer JSON {code, message} like the rest of the API.
+handler404 = "sandboxes.errors.json_not_found"
+handler500 = "sandboxes.errors.json_server_error"

@@ -52,3 +52,19 @@ def e2b_exception_handler(exc, context):
         return error_response(status.HTTP_500_INTERNAL_SERVER_ERROR, "internal error")
     headers = {k: v for k, v in response.items() if k.lower() in ("www-authenticate", "retry-after", "allow")}
     return error_response(response.status_code, _message(response.data), headers=headers)
+
+
+def _json(status_code: int, message: str):
+    from django.http import JsonResponse  # noqa: PLC0415
+
+    return JsonResponse({"code": status_code, "message": message}, status=status_code)
+
+
+def json_not_found(request, exception=None):
+    """handler404: an unknown URL is a JSON 404 too, so SDK clients never see HTML."""
+    return _json(404, f"no route for {request.method} {request.path}")
+
+
+def json_server_error(request):
+    """handler500: even a crash outside DRF answers `{code, message}`."""
+    return _json(500, "internal error")

@@ -1,3 +1,13 @@
+"""E2B API routes, at the root because the SDK appends its paths to E2B_API_URL."""
 from django.urls import path
 
-urlpatterns: list = []
+from . import views
+
+urlpatterns = [
+    path("health", views.HealthView.as_view(), name="health"),
+    path("sandboxes", views.SandboxesView.as_view(), name="sandboxes"),
+    path("v2/sandboxes", views.SandboxesV2View.as_view(), name="sandboxes-v2"),
+    path("sandboxes/<str:sandbox_id>", views.SandboxView.as_view(), name="sandbox"),
+    path("sandboxes/<str:sandbox_id>/timeout", views.SandboxTimeoutView.as_view(), name="sandbox-timeout"),
+    path("sandboxes/<str:sandbox_id>/refreshes", views.SandboxRefreshView.as_view(), name="sandbox-refreshes"),
+]

@@ -1,0 +1,257 @@
+"""The E2B wire contract: request bodies in, response models out.
+
+Field names are E2B's (camelCase, plus the snake_case ``allow_internet_access``
+the SDK really sends). Input fields are strict about JSON types — DRF would
+happily turn ``"120"`` into 120 or ``1`` into True, but a client sending the wrong
+type has a bug we should report (400), not guess around. Unknown fields are
+ignored: newer SDKs add fields (``mcp``, ``iam``, ``volumeMounts``…) and must
+keep working."""
+from django.conf import settings
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from .models import Sandbox
+
+
+# --------------------------------------------------------------------------- strict fields
+
+
+class StrictCharField(serializers.CharField):
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    default_error_messages = {"invalid": "A JSON integer is required."}
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    default_error_messages = {"invalid": "Must be a JSON boolean (true or false)."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
+
+
+class StringMapField(serializers.DictField):
+    """A JSON object mapping strings to strings (metadata, envVars)."""
+
+    child = StrictCharField(allow_blank=True, trim_whitespace=False)
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("allow_null", True)
+        super().__init__(**kwargs)
+
+
+class JsonObjectField(serializers.JSONField):
+    """Any JSON object, stored as given (e.g. the network policy)."""
+
+    default_error_messages = {"not_object": "Must be a JSON object."}
+
+    def to_internal_value(self, data):
+        if data is not None and not isinstance(data, dict):
+            self.fail("not_object")
+        return data
+
+
+@extend_schema_field({"type": "object", "properties": {"enabled": {"type": "boolean"}}})
+class AutoResumeField(serializers.Field):
+    """``{"enabled": bool}`` (current SDKs) or a bare boolean (older payloads)."""
+
+    default_error_messages = {"invalid": 'Must be {{"enabled": true|false}} or a boolean.'}
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool):
+            return data
+        if isinstance(data, dict) and isinstance(data.get("enabled", False), bool):
+            return bool(data.get("enabled", False))
+        self.fail("invalid")
+
+    def to_representation(self, value):
+        return {"enabled": bool(value)}
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class NewSandboxV2Serializer(serializers.Serializer):
+    """Body of ``POST /v2/sandboxes`` (SDK ≥2.51)."""
+
+    templateID = StrictCharField(max_length=255)
+    timeout = StrictIntegerField(required=False, min_value=0, max_value=settings.AENV_MAX_TIMEOUT)
+    metadata = StringMapField()
+    envVars = StringMapField()
+    autoPause = StrictBooleanField(required=False, default=False)
+    autoPauseMemory = StrictBooleanField(required=False)
+    autoResume = AutoResumeField(required=False, default=False)
+    allow_internet_access = StrictBooleanField(required=False, allow_null=True, default=None)
+    network = JsonObjectField(required=False, allow_null=True, default=None)
+    # v2 dropped `secure` because every sandbox is secure; accept it if a client sends it.
+    secure = StrictBooleanField(required=False, default=True)
+
+    def to_service_kwargs(self) -> dict:
+        d = self.validated_data
+        return dict(
+            template_ref=d["templateID"], timeout=d.get("timeout"), metadata=d.get("metadata") or {},
+            env_vars=d.get("envVars") or {}, secure=d["secure"], auto_pause=d["autoPause"],
+            auto_resume=d["autoResume"], allow_internet_access=d["allow_internet_access"],
+            network=d["network"],
+        )
+
+
+class NewSandboxSerializer(NewSandboxV2Serializer):
+    """Body of ``POST /sandboxes`` (SDK ≤2.50): same fields, ``secure`` defaults to false."""
+
+    secure = StrictBooleanField(required=False, default=False)
+
+
+class TimeoutSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/timeout``."""
+
+    timeout = StrictIntegerField(min_value=0, max_value=settings.AENV_MAX_TIMEOUT)
+
+
+class RefreshSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/refreshes`` (extend-only keep-alive)."""
+
+    duration = StrictIntegerField(required=False, min_value=0, max_value=settings.AENV_MAX_TIMEOUT,
+                                  default=settings.AENV_DEFAULT_TIMEOUT)
+
+
+class ListQuerySerializer(serializers.Serializer):
+    """Query string of ``GET /v2/sandboxes``."""
+
+    metadata = serializers.CharField(required=False, allow_blank=True)
+    state = serializers.CharField(required=False, allow_blank=True)
+    order = serializers.ChoiceField(choices=["asc", "desc"], required=False, default="desc")
+    startedAfter = serializers.DateTimeField(required=False)
+    template = serializers.CharField(required=False, allow_blank=True)
+    nextToken = serializers.CharField(required=False, allow_blank=True)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=100, default=100)
+
+    def validate_state(self, value):
+        states = [s.strip() for s in value.split(",") if s.strip()]
+        bad = sorted(set(states) - {"running", "paused"})
+        if bad:
+            raise serializers.ValidationError(f"unknown state {', '.join(bad)}; use running and/or paused")
+        return states
+
+    def to_internal_value(self, data):
+        # A '+' in an unencoded offset arrives as a space; put it back.
+        if "startedAfter" in data:
+            data = data.copy()
+            data["startedAfter"] = data["startedAfter"].replace(" ", "+")
+        return super().to_internal_value(data)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def _domain(_obj=None):
+    return settings.AENV_SANDBOX_DOMAIN
+
+
+class SandboxSerializer(serializers.ModelSerializer):
+    """Model ``Sandbox``: the answer to create (and, later, connect)."""
+
+    sandboxID = serializers.CharField(source="id")
+    templateID = serializers.CharField(source="template_id")
+    clientID = serializers.CharField(source="client_id")
+    envdVersion = serializers.CharField(source="envd_version")
+    envdAccessToken = serializers.CharField(source="envd_access_token", required=False)
+    trafficAccessToken = serializers.SerializerMethodField()
+    domain = serializers.SerializerMethodField()
+    alias = serializers.CharField()
+
+    class Meta:
+        model = Sandbox
+        fields = ["sandboxID", "templateID", "clientID", "envdVersion", "envdAccessToken",
+                  "trafficAccessToken", "domain", "alias"]
+
+    def get_trafficAccessToken(self, obj) -> str | None:  # noqa: N802 - wire name
+        return None
+
+    def get_domain(self, obj) -> str | None:
+        return _domain()
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        if not instance.secure:
+            data.pop("envdAccessToken", None)  # only secure sandboxes have a token
+        return data
+
+
+class ListedSandboxSerializer(serializers.ModelSerializer):
+    """Model ``ListedSandbox``: every field the SDK requires is always present."""
+
+    sandboxID = serializers.CharField(source="id")
+    templateID = serializers.CharField(source="template_id")
+    clientID = serializers.CharField(source="client_id")
+    alias = serializers.CharField()
+    startedAt = serializers.DateTimeField(source="started_at")
+    endAt = serializers.DateTimeField(source="end_at")
+    cpuCount = serializers.IntegerField(source="cpu_count")
+    memoryMB = serializers.IntegerField(source="memory_mb")
+    diskSizeMB = serializers.IntegerField(source="disk_size_mb")
+    state = serializers.ChoiceField(choices=["running", "paused"], source="e2b_state")
+    envdVersion = serializers.CharField(source="envd_version")
+    metadata = serializers.DictField(child=serializers.CharField())
+
+    class Meta:
+        model = Sandbox
+        fields = ["sandboxID", "templateID", "clientID", "alias", "startedAt", "endAt", "cpuCount",
+                  "memoryMB", "diskSizeMB", "state", "envdVersion", "metadata"]
+
+
+class LifecycleSerializer(serializers.Serializer):
+    autoResume = serializers.BooleanField(source="auto_resume")
+    onTimeout = serializers.SerializerMethodField()
+
+    def get_onTimeout(self, obj) -> str:  # noqa: N802 - wire name
+        return "pause" if obj.auto_pause else "kill"
+
+
+class SandboxDetailSerializer(ListedSandboxSerializer):
+    """Model ``SandboxDetail``: ListedSandbox plus token, domain, network and lifecycle."""
+
+    envdAccessToken = serializers.CharField(source="envd_access_token", required=False)
+    domain = serializers.SerializerMethodField()
+    allowInternetAccess = serializers.BooleanField(source="allow_internet_access", allow_null=True)
+    network = serializers.JSONField(allow_null=True)
+    lifecycle = LifecycleSerializer(source="*")
+
+    class Meta(ListedSandboxSerializer.Meta):
+        fields = ListedSandboxSerializer.Meta.fields + [
+            "envdAccessToken", "domain", "allowInternetAccess", "network", "lifecycle"]
+
+    def get_domain(self, obj) -> str | None:
+        return _domain()
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        if not instance.secure:
+            data.pop("envdAccessToken", None)
+        if data.get("network") is None:
+            data.pop("network", None)  # optional object: omit rather than send null
+        return data
+
+
+class ErrorSerializer(serializers.Serializer):
+    """Every non-2xx answer."""
+
+    code = serializers.IntegerField()
+    message = serializers.CharField()
+    error_code = serializers.CharField(required=False)
+
+
+class HealthSerializer(serializers.Serializer):
+    status = serializers.CharField()

@@ -1,0 +1,506 @@
+"""The sandbox lifecycle service: the one place where sandbox state changes.
+
+Every transition is a conditional update (``UPDATE … WHERE state IN expected``)
+written together with its SandboxEvent in one transaction, before the caller is
+answered, so two requests can never both win a transition and nothing is
+acknowledged that is not on disk.
+
+Everything here is ``async``: a create waits for a VM to boot on a node, and
+doing that in a worker thread would let a handful of creates block the whole
+server (asgiref runs sync code in a small pool). Database work runs through
+Django's async ORM or short ``sync_to_async`` helpers."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.db.models.fields.json import KeyTransform
+from django.utils import timezone
+
+from .errors import ApiError
+from .models import (
+    E2B_VISIBLE_STATE,
+    LIVE_STATES,
+    Sandbox,
+    SandboxEvent,
+    SandboxState,
+    Team,
+    Template,
+    new_envd_access_token,
+)
+
+log = logging.getLogger(__name__)
+
+S = SandboxState
+# A retried create with the same Idempotency-Key inside this window gets the same sandbox.
+IDEMPOTENCY_WINDOW = timedelta(seconds=getattr(settings, "AENV_IDEMPOTENCY_WINDOW", 24 * 3600))
+# How long a kill waits for the node before recording the kill as unconfirmed.
+KILL_DEADLINE = float(getattr(settings, "AENV_KILL_DEADLINE", 30))
+# Best-effort cleanup of a failed boot must not hold the error answer for long.
+CLEANUP_DEADLINE = 10.0
+# Failed creates are not retried by the SDK: each retry would insert (and fail) another
+# sandbox, and neither "no capacity" nor "node dead" heals within its backoff.
+NO_RETRY = {"Should-Retry": "false"}
+
+RUNNING_STATES = [s.value for s, shown in E2B_VISIBLE_STATE.items() if shown == "running"]
+PAUSED_STATES = [s.value for s, shown in E2B_VISIBLE_STATE.items() if shown == "paused"]
+# States a kill may start from ("killing" is excluded: a second kill loses the race).
+KILLABLE_STATES = [s for s in LIVE_STATES if s != S.KILLING]
+
+
+def _node_api():
+    """The node client and placement modules, imported late so that this module
+    loads (and can be mocked) independently of the node side."""
+    from nodes import client, placement  # noqa: PLC0415
+
+    return client, placement
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _ms(since: float) -> float:
+    return round((time.monotonic() - since) * 1000, 1)
+
+
+def _event(sandbox_id: str, operation: str, *, outcome="ok", from_state="", to_state="",
+           started_at=None, duration_ms=None, message="", details=None, actor="") -> SandboxEvent:
+    return SandboxEvent(
+        sandbox_id=sandbox_id, operation=operation, outcome=outcome, from_state=from_state,
+        to_state=to_state, started_at=started_at or timezone.now(), duration_ms=duration_ms,
+        message=message, details=details or {}, actor=actor,
+    )
+
+
+@sync_to_async
+def _transition(sandbox_id: str, from_states, to_state: str, event: SandboxEvent, **fields) -> bool:
+    """Moves a sandbox to ``to_state`` only if it is in one of ``from_states``, and
+    records ``event`` in the same transaction. Returns False if another request won."""
+    with transaction.atomic():
+        updated = Sandbox.objects.filter(pk=sandbox_id, state__in=list(from_states)).update(
+            state=to_state, updated_at=timezone.now(), **fields
+        )
+        if updated:
+            event.to_state = to_state
+            event.save()
+    return bool(updated)
+
+
+@sync_to_async
+def _record(event: SandboxEvent) -> None:
+    event.save()
+
+
+def _check_str_map(name: str, value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ApiError(400, f"{name} must be an object mapping strings to strings")
+    return dict(value)
+
+
+def _check_timeout(timeout) -> int:
+    if timeout is None:
+        return settings.AENV_DEFAULT_TIMEOUT
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or not 0 <= timeout <= settings.AENV_MAX_TIMEOUT:
+        raise ApiError(400, f"timeout must be an integer between 0 and {settings.AENV_MAX_TIMEOUT} seconds")
+    return timeout
+
+
+async def resolve_template(team: Team, ref: str) -> Template:
+    """A template by id or alias, visible to the team (its own or public).
+
+    Unknown templates are a 400 (the request names something that does not exist),
+    the same answer whether the template is missing or belongs to another team."""
+    ref = (ref or "").strip()
+    if not ref:
+        raise ApiError(400, "templateID is required")
+    visible = Q(public=True) | Q(team=team)
+    for lookup in (Q(pk=ref), Q(alias=ref)):
+        template = await Template.objects.filter(lookup & visible).afirst()
+        if template is not None:
+            return template
+    raise ApiError(400, f'template "{ref}" not found')
+
+
+async def _visible(team: Team, sandbox_id: str, states=None) -> Sandbox:
+    """A sandbox of this team that the E2B API still shows; anything else is a 404
+    (including other teams' sandboxes, so ids cannot be probed)."""
+    sandbox = await Sandbox.objects.filter(
+        pk=sandbox_id, team=team, state__in=states or LIVE_STATES
+    ).afirst()
+    if sandbox is None:
+        raise ApiError(404, f'sandbox "{sandbox_id}" not found')
+    return sandbox
+
+
+# --------------------------------------------------------------------------- create
+
+
+async def create_sandbox(
+    team: Team,
+    template_ref: str,
+    timeout: int | None = None,
+    metadata: dict | None = None,
+    env_vars: dict | None = None,
+    secure: bool = False,
+    auto_pause: bool = False,
+    auto_resume: bool = False,
+    allow_internet_access: bool | None = None,
+    network: dict | None = None,
+    idempotency_key: str | None = None,
+    actor: str = "",
+) -> Sandbox:
+    """Creates and boots a sandbox; returns it running, or raises ApiError.
+
+    The boot runs in its own task shielded from cancellation: if the client goes
+    away mid-boot the sandbox still ends in ``running`` or ``error`` (never stuck in
+    ``creating`` with a VM nobody knows about)."""
+    timeout = _check_timeout(timeout)
+    metadata = _check_str_map("metadata", metadata)
+    env_vars = _check_str_map("envVars", env_vars)
+    if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
+        raise ApiError(400, "Idempotency-Key must be 1 to 255 characters")
+    template = await resolve_template(team, template_ref)
+
+    now = timezone.now()
+    fields = dict(
+        team=team, template=template, state=S.CREATING, alias=template.alias,
+        envd_version=template.envd_version, secure=secure,
+        envd_access_token=new_envd_access_token() if secure else "",
+        metadata=metadata, env_vars=env_vars, cpu_count=template.cpu_count,
+        memory_mb=template.memory_mb, disk_size_mb=template.disk_size_mb,
+        auto_pause=auto_pause, auto_resume=auto_resume,
+        allow_internet_access=allow_internet_access, network=network,
+        idempotency_key=idempotency_key or "", created_at=now, started_at=now,
+        end_at=now + timedelta(seconds=timeout),
+    )
+    sandbox = await _insert_creating(fields, actor)
+    if getattr(sandbox, "_replayed", False):
+        return await _replay(sandbox)
+    task = asyncio.ensure_future(_boot(sandbox, template, timeout, actor))
+    # If the caller is cancelled the boot still finishes; its outcome is in the DB.
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return await asyncio.shield(task)
+
+
+@sync_to_async
+def _insert_creating(fields: dict, actor: str) -> Sandbox:
+    """Inserts the ``creating`` row and its event; with an Idempotency-Key already
+    used by this team, returns the earlier sandbox instead (marked ``_replayed``)."""
+    key = fields["idempotency_key"]
+    for _ in range(3):
+        try:
+            with transaction.atomic():
+                sandbox = Sandbox.objects.create(**fields)
+                _event(sandbox.id, "create", outcome="started", to_state=S.CREATING, actor=actor,
+                       details={"template": sandbox.template_id, "idempotency_key": key}).save()
+            return sandbox
+        except IntegrityError:
+            if not key:
+                raise
+        earlier = Sandbox.objects.filter(team=fields["team"], idempotency_key=key).first()
+        if earlier is None:
+            continue  # released meanwhile; try again
+        if earlier.state != S.ERROR and earlier.created_at >= timezone.now() - IDEMPOTENCY_WINDOW:
+            earlier._replayed = True
+            return earlier
+        # A failed or expired earlier create does not pin the key: release it (the
+        # key stays in that sandbox's create event) and create a new sandbox.
+        Sandbox.objects.filter(pk=earlier.pk, idempotency_key=key).update(idempotency_key="")
+    raise ApiError(409, "Idempotency-Key is in use by a concurrent request")
+
+
+async def _replay(sandbox: Sandbox) -> Sandbox:
+    """The answer to a repeated create: waits while the first request is still
+    booting, then returns the same sandbox (or the same kind of failure)."""
+    deadline = time.monotonic() + settings.AENV_NODE_TASK_DEADLINE + 30
+    while sandbox.state == S.CREATING and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        sandbox = await Sandbox.objects.aget(pk=sandbox.pk)
+    if sandbox.state == S.CREATING:
+        raise ApiError(504, f'sandbox "{sandbox.id}" is still being created', headers=NO_RETRY)
+    if sandbox.state == S.ERROR:
+        raise ApiError(500, f'sandbox "{sandbox.id}" failed to start: {sandbox.error_reason}', headers=NO_RETRY)
+    return sandbox
+
+
+async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str) -> Sandbox:
+    client, placement = _node_api()
+    t0 = time.monotonic()
+    started = timezone.now()
+    node = None
+    try:
+        node = await placement.pick_node(sandbox.cpu_count, sandbox.memory_mb)
+    except placement.NoNodeAvailable as exc:
+        reason = f"no node available with {sandbox.cpu_count} vCPU and {sandbox.memory_mb} MB free"
+        if str(exc):
+            reason += f" ({exc})"
+        await _fail_create(sandbox, reason, t0, started, actor, node=None, kind="NoNodeAvailable")
+        raise ApiError(503, reason, headers=NO_RETRY) from exc
+    except Exception as exc:  # placement itself broke: still never leave "creating"
+        reason = f"placement failed: {exc}"
+        await _fail_create(sandbox, reason, t0, started, actor, node=None, kind=type(exc).__name__)
+        raise ApiError(503, reason, headers=NO_RETRY) from exc
+
+    # Remember the node before booting: if we crash mid-boot, the VM can be found.
+    if not await Sandbox.objects.filter(pk=sandbox.pk, state=S.CREATING).aupdate(node=node):
+        raise ApiError(409, f'sandbox "{sandbox.id}" was killed while it was being created', headers=NO_RETRY)
+    try:
+        result = await asyncio.wait_for(
+            client.boot_sandbox(
+                node, sandbox_id=sandbox.id, image=template.image, cpu_count=sandbox.cpu_count,
+                memory_mb=sandbox.memory_mb, disk_size_mb=sandbox.disk_size_mb,
+                env_vars=sandbox.env_vars, access_token=sandbox.envd_access_token or None,
+            ),
+            # The node client enforces AENV_NODE_TASK_DEADLINE; this is only a backstop.
+            timeout=settings.AENV_NODE_TASK_DEADLINE + 15,
+        )
+    except (client.NodeTimeout, asyncio.TimeoutError) as exc:
+        reason = f"node {node.id} did not finish booting within {settings.AENV_NODE_TASK_DEADLINE} s"
+        await _fail_create(sandbox, reason, t0, started, actor, node=node, kind="NodeTimeout")
+        raise ApiError(504, reason, headers=NO_RETRY) from exc
+    except client.NodeUnavailable as exc:
+        reason = f"node {node.id} is unavailable: {exc}"
+        await _fail_create(sandbox, reason, t0, started, actor, node=node, kind="NodeUnavailable")
+        raise ApiError(503, reason, headers=NO_RETRY) from exc
+    except client.NodeTaskFailed as exc:
+        kind = getattr(exc, "kind", "") or "NodeTaskFailed"
+        reason = f"boot failed on node {node.id}: {kind}: {exc}"
+        await _fail_create(sandbox, reason, t0, started, actor, node=node, kind=kind)
+        raise ApiError(500, reason, error_code=_snake(kind), headers=NO_RETRY) from exc
+    except Exception as exc:  # a bug or an unexpected node answer: JSON 500, never bare
+        reason = f"boot failed on node {node.id}: {type(exc).__name__}: {exc}"
+        log.exception("unexpected error booting sandbox %s", sandbox.id)
+        await _fail_create(sandbox, reason, t0, started, actor, node=node, kind=type(exc).__name__)
+        raise ApiError(500, reason, headers=NO_RETRY) from exc
+
+    now = timezone.now()
+    event = _event(
+        sandbox.id, "create", from_state=S.CREATING, started_at=started, duration_ms=_ms(t0), actor=actor,
+        details={"node": node.id, "accel": result.get("accel"), "pid": result.get("pid"),
+                 "timings": result.get("timings") or {}},
+    )
+    won = await _transition(
+        sandbox.id, [S.CREATING], S.RUNNING, event, node=node,
+        envd_host=result["envd_host"], envd_port=result["envd_port"],
+        started_at=now, end_at=now + timedelta(seconds=timeout),
+    )
+    if not won:
+        # Killed while booting: the kill could not reach a VM that did not exist yet.
+        cleanup = await _kill_on_node(node, sandbox.id, CLEANUP_DEADLINE)
+        await _record(_event(sandbox.id, "create", outcome="aborted", from_state=S.CREATING,
+                             started_at=started, duration_ms=_ms(t0), actor=actor,
+                             message="sandbox was killed while it was being created",
+                             details={"node": node.id, "cleanup": cleanup}))
+        raise ApiError(409, f'sandbox "{sandbox.id}" was killed while it was being created', headers=NO_RETRY)
+    return await Sandbox.objects.select_related("template").aget(pk=sandbox.pk)
+
+
+def _snake(kind: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in kind).lstrip("_")
+
+
+async def _fail_create(sandbox, reason, t0, started, actor, *, node, kind) -> None:
+    """Marks a failed create ``error`` (with reason and event) and removes whatever
+    the node may have started, so a failure never leaks a VM."""
+    cleanup = await _kill_on_node(node, sandbox.id, CLEANUP_DEADLINE) if node is not None else None
+    event = _event(sandbox.id, "create", outcome="error", from_state=S.CREATING, started_at=started,
+                   duration_ms=_ms(t0), message=reason, actor=actor,
+                   details={"kind": kind, "node": getattr(node, "id", None), "cleanup": cleanup})
+    if not await _transition(sandbox.id, [S.CREATING], S.ERROR, event, error_reason=reason):
+        await _record(event)  # killed meanwhile: keep the failure in the log anyway
+    log.warning("create of sandbox %s failed: %s", sandbox.id, reason)
+
+
+async def _kill_on_node(node, sandbox_id: str, deadline: float) -> dict:
+    """Asks the node to kill a VM, never waiting longer than ``deadline`` and never
+    raising; returns what happened, for the event log."""
+    client, _ = _node_api()
+    try:
+        result = await asyncio.wait_for(client.kill_sandbox(node, sandbox_id=sandbox_id), timeout=deadline)
+        return {"ok": True, "killed": bool((result or {}).get("killed"))}
+    except asyncio.TimeoutError:
+        return {"ok": False, "error": f"NodeTimeout: no answer within {deadline:g} s"}
+    except Exception as exc:  # noqa: BLE001 - reported, never raised
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+# --------------------------------------------------------------------------- kill
+
+
+async def kill_sandbox(team: Team, sandbox_id: str, actor: str = "") -> Sandbox:
+    """Kills a sandbox: ``→ killing`` (durable), the node kills the VM, ``→ killed``.
+
+    If the node cannot confirm within KILL_DEADLINE (dead node, broker down) the
+    sandbox is still recorded ``killed`` — the user asked for it, and it must stop
+    being served — with the failure in ``error_reason`` and the event, so the node
+    reconciles the orphan VM when it comes back. Unknown, already killed or another
+    team's sandbox: 404; of two concurrent kills exactly one wins, the other gets 404."""
+    sandbox = await _visible(team, sandbox_id)
+    t0, started = time.monotonic(), timezone.now()
+    if sandbox.state == S.KILLING:
+        raise ApiError(404, f'sandbox "{sandbox_id}" not found (already being killed)')
+    event = _event(sandbox_id, "kill", outcome="started", from_state=sandbox.state, actor=actor)
+    if not await _transition(sandbox_id, KILLABLE_STATES, S.KILLING, event):
+        raise ApiError(404, f'sandbox "{sandbox_id}" not found (already being killed)')
+
+    node_id = sandbox.node_id
+    if node_id is None:
+        outcome = {"ok": True, "killed": False, "note": "no node: nothing was running"}
+    else:
+        from nodes.models import Node  # noqa: PLC0415
+
+        node = await Node.objects.filter(pk=node_id).afirst()
+        outcome = (await _kill_on_node(node, sandbox_id, KILL_DEADLINE) if node is not None
+                   else {"ok": False, "error": f"node {node_id} no longer exists"})
+    reason = "" if outcome["ok"] else f"VM kill not confirmed by node {node_id}: {outcome['error']}"
+    if reason:
+        log.warning("sandbox %s: %s", sandbox_id, reason)
+    done = _event(sandbox_id, "kill", outcome="ok" if outcome["ok"] else "unconfirmed",
+                  from_state=S.KILLING, started_at=started, duration_ms=_ms(t0), actor=actor,
+                  message=reason, details={"node": node_id, **outcome})
+    fields = {"killed_at": timezone.now()}
+    if reason:
+        fields["error_reason"] = reason
+    await _transition(sandbox_id, [S.KILLING], S.KILLED, done, **fields)
+    return await Sandbox.objects.aget(pk=sandbox_id)
+
+
+# --------------------------------------------------------------------------- read
+
+
+async def get_sandbox(team: Team, sandbox_id: str) -> Sandbox:
+    return await _visible(team, sandbox_id)
+
+
+def decode_metadata_filter(raw: str | None) -> dict[str, str]:
+    """The SDK's triple-encoded ``metadata`` query value (already URL-decoded once
+    by Django) → ``{key: value}``: parse as form data, then percent-decode each
+    key and value once more (spec §2.5)."""
+    from urllib.parse import parse_qsl, unquote  # noqa: PLC0415
+
+    if not raw:
+        return {}
+    try:
+        pairs = parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
+    except ValueError as exc:
+        raise ApiError(400, f"metadata filter must look like key=value&key2=value2: {exc}") from exc
+    return {unquote(k): unquote(v) for k, v in pairs}
+
+
+def _apply_metadata(qs, metadata: dict[str, str]):
+    for i, (key, value) in enumerate(metadata.items()):
+        alias = f"_meta_{i}"
+        qs = qs.annotate(**{alias: KeyTransform(key, "metadata")}).filter(**{alias: value})
+    return qs
+
+
+async def list_running(team: Team, metadata: dict[str, str] | None = None) -> list[Sandbox]:
+    """v1 list: every running sandbox of the team, newest first."""
+    qs = Sandbox.objects.filter(team=team, state__in=RUNNING_STATES)
+    qs = _apply_metadata(qs, metadata or {}).order_by("-started_at", "-id")
+    return [s async for s in qs]
+
+
+@dataclass
+class Page:
+    items: list
+    next_token: str | None
+
+
+def _encode_token(sandbox: Sandbox) -> str:
+    raw = json.dumps([sandbox.started_at.isoformat(), sandbox.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_token(token: str) -> tuple[datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        started, sandbox_id = json.loads(raw)
+        when = datetime.fromisoformat(started)
+        if not isinstance(sandbox_id, str) or when.tzinfo is None:
+            raise ValueError("bad token contents")
+        return when, sandbox_id
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid nextToken") from exc
+
+
+async def list_sandboxes(
+    team: Team,
+    *,
+    states: list[str] | None = None,
+    metadata: dict[str, str] | None = None,
+    order: str = "desc",
+    started_after: datetime | None = None,
+    template: str | None = None,
+    limit: int = 100,
+    next_token: str | None = None,
+) -> Page:
+    """v2 list: keyset pagination on (started_at, id) so pages never repeat or skip
+    a sandbox even while others are created or killed between calls."""
+    db_states: list[str] = []
+    for state in states or ["running", "paused"]:
+        db_states += RUNNING_STATES if state == "running" else PAUSED_STATES
+    qs = Sandbox.objects.filter(team=team, state__in=db_states)
+    qs = _apply_metadata(qs, metadata or {})
+    if started_after is not None:
+        qs = qs.filter(started_at__gte=started_after)
+    if template:
+        qs = qs.filter(Q(template_id=template) | Q(template__alias=template))
+    if next_token:
+        when, last_id = _decode_token(next_token)
+        if order == "asc":
+            qs = qs.filter(Q(started_at__gt=when) | Q(started_at=when, id__gt=last_id))
+        else:
+            qs = qs.filter(Q(started_at__lt=when) | Q(started_at=when, id__lt=last_id))
+    qs = qs.order_by(*(["started_at", "id"] if order == "asc" else ["-started_at", "-id"]))
+    rows = [s async for s in qs[: limit + 1]]
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page(rows, _encode_token(rows[-1]) if more else None)
+
+
+# --------------------------------------------------------------------------- TTL
+
+
+async def set_timeout(team: Team, sandbox_id: str, seconds: int, actor: str = "") -> Sandbox:
+    """``end_at = now + seconds`` (may shorten: 0 expires the sandbox at once)."""
+    seconds = _check_timeout(seconds)
+    sandbox = await _visible(team, sandbox_id)
+    end_at = timezone.now() + timedelta(seconds=seconds)
+    await _set_end_at(sandbox, end_at, "set_timeout", actor, {"timeout": seconds})
+    return sandbox
+
+
+async def refresh(team: Team, sandbox_id: str, seconds: int, actor: str = "") -> Sandbox:
+    """Keep-alive: extends ``end_at`` to ``now + seconds`` but never shortens it."""
+    seconds = _check_timeout(seconds)
+    sandbox = await _visible(team, sandbox_id)
+    end_at = max(sandbox.end_at, timezone.now() + timedelta(seconds=seconds))
+    if end_at != sandbox.end_at:
+        await _set_end_at(sandbox, end_at, "refresh", actor, {"duration": seconds})
+    return sandbox
+
+
+@sync_to_async
+def _set_end_at(sandbox: Sandbox, end_at: datetime, operation: str, actor: str, details: dict) -> None:
+    with transaction.atomic():
+        updated = Sandbox.objects.filter(pk=sandbox.pk, state__in=LIVE_STATES).update(
+            end_at=end_at, updated_at=timezone.now()
+        )
+        if not updated:
+            raise ApiError(404, f'sandbox "{sandbox.pk}" not found')
+        _event(sandbox.pk, operation, from_state=sandbox.state, to_state=sandbox.state, actor=actor,
+               details={**details, "end_at": end_at.isoformat()}).save()
+    sandbox.end_at = end_at

@@ -1,0 +1,155 @@
+"""E2B-compatible REST views. Thin on purpose: a serializer checks the input, a
+function in ``services`` does the work, a serializer renders the answer.
+
+The views are async (adrf) so a create that waits tens of seconds for a VM does
+not hold one of the server's few sync threads."""
+from adrf.views import APIView
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import status
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+
+from . import services
+from .errors import ApiError
+from .serializers import (
+    ErrorSerializer,
+    HealthSerializer,
+    ListedSandboxSerializer,
+    ListQuerySerializer,
+    NewSandboxSerializer,
+    NewSandboxV2Serializer,
+    RefreshSerializer,
+    SandboxDetailSerializer,
+    SandboxSerializer,
+    TimeoutSerializer,
+)
+
+ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404, 500, 503, 504)}
+NO_CONTENT = {204: OpenApiResponse(description="done"), **ERRORS}
+
+
+def _valid(serializer_class, data):
+    serializer = serializer_class(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer
+
+
+def _team(request):
+    return request.user.team
+
+
+def _actor(request) -> str:
+    return str(request.user)
+
+
+class HealthView(APIView):
+    """Liveness of the API server; no authentication."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(responses={200: HealthSerializer}, auth=[])
+    async def get(self, request):
+        return Response({"status": "ok"})
+
+
+class _CreateMixin:
+    create_serializer = NewSandboxSerializer
+
+    async def _create(self, request):
+        body = _valid(self.create_serializer, request.data)
+        sandbox = await services.create_sandbox(
+            _team(request), **body.to_service_kwargs(),
+            idempotency_key=request.headers.get("Idempotency-Key") or None, actor=_actor(request),
+        )
+        return Response(SandboxSerializer(sandbox).data, status=status.HTTP_201_CREATED)
+
+
+IDEMPOTENCY = OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER, required=False)
+METADATA = OpenApiParameter("metadata", OpenApiTypes.STR, description="triple-encoded key=value&… filter")
+
+
+class SandboxesView(_CreateMixin, APIView):
+    """``/sandboxes``: v1 create (SDK ≤2.50) and v1 list (running sandboxes only)."""
+
+    @extend_schema(operation_id="sandboxes_list_v1", parameters=[METADATA],
+                   responses={200: ListedSandboxSerializer(many=True), **ERRORS})
+    async def get(self, request):
+        metadata = services.decode_metadata_filter(request.query_params.get("metadata"))
+        sandboxes = await services.list_running(_team(request), metadata)
+        return Response(ListedSandboxSerializer(sandboxes, many=True).data)
+
+    @extend_schema(operation_id="sandboxes_create_v1", request=NewSandboxSerializer,
+                   responses={201: SandboxSerializer, **ERRORS})
+    async def post(self, request):
+        return await self._create(request)
+
+
+class SandboxesV2View(_CreateMixin, APIView):
+    """``/v2/sandboxes``: v2 create (SDK ≥2.51, Idempotency-Key) and paginated list."""
+
+    create_serializer = NewSandboxV2Serializer
+
+    @extend_schema(operation_id="sandboxes_list_v2", parameters=[ListQuerySerializer],
+                   responses={200: ListedSandboxSerializer(many=True), **ERRORS})
+    async def get(self, request):
+        q = _valid(ListQuerySerializer, request.query_params).validated_data
+        page = await services.list_sandboxes(
+            _team(request),
+            states=q.get("state") or None,
+            metadata=services.decode_metadata_filter(q.get("metadata")),
+            order=q["order"],
+            started_after=q.get("startedAfter"),
+            template=q.get("template") or None,
+            limit=q["limit"],
+            next_token=q.get("nextToken") or None,
+        )
+        response = Response(ListedSandboxSerializer(page.items, many=True).data)
+        if page.next_token:
+            response["X-Next-Token"] = page.next_token
+        response["Access-Control-Expose-Headers"] = "X-Next-Token"
+        return response
+
+    @extend_schema(operation_id="sandboxes_create_v2", request=NewSandboxV2Serializer,
+                   parameters=[IDEMPOTENCY], responses={201: SandboxSerializer, **ERRORS})
+    async def post(self, request):
+        return await self._create(request)
+
+
+class SandboxView(APIView):
+    """``/sandboxes/{id}``: details and kill."""
+
+    @extend_schema(operation_id="sandbox_get", responses={200: SandboxDetailSerializer, **ERRORS})
+    async def get(self, request, sandbox_id: str):
+        sandbox = await services.get_sandbox(_team(request), sandbox_id)
+        return Response(SandboxDetailSerializer(sandbox).data)
+
+    @extend_schema(operation_id="sandbox_kill", responses=NO_CONTENT)
+    async def delete(self, request, sandbox_id: str):
+        await services.kill_sandbox(_team(request), sandbox_id, actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class SandboxTimeoutView(APIView):
+    """``/sandboxes/{id}/timeout``: set the TTL from now (may shorten)."""
+
+    @extend_schema(operation_id="sandbox_set_timeout", request=TimeoutSerializer, responses=NO_CONTENT)
+    async def post(self, request, sandbox_id: str):
+        body = _valid(TimeoutSerializer, request.data).validated_data
+        await services.set_timeout(_team(request), sandbox_id, body["timeout"], actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class SandboxRefreshView(APIView):
+    """``/sandboxes/{id}/refreshes``: keep-alive, extends the TTL only."""
+
+    @extend_schema(operation_id="sandbox_refresh", request=RefreshSerializer, responses=NO_CONTENT)
+    async def post(self, request, sandbox_id: str):
+        body = _valid(RefreshSerializer, request.data).validated_data
+        await services.refresh(_team(request), sandbox_id, body["duration"], actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+__all__ = ["ApiError", "HealthView", "SandboxesView", "SandboxesV2View", "SandboxView",
+           "SandboxTimeoutView", "SandboxRefreshView"]

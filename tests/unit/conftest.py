@@ -1,0 +1,139 @@
+"""Fixtures for unit tests: teams, keys, the base template, an ASGI client on the
+real Django app, and a mocked node side (``nodes.client`` / ``nodes.placement``)."""
+from types import SimpleNamespace
+from unittest import mock
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from sandboxes.models import ApiKey, Team, Template
+
+
+@pytest.fixture
+def team(db):
+    return Team.objects.create(name="Team A", slug="team-a")
+
+
+@pytest.fixture
+def other_team(db):
+    return Team.objects.create(name="Team B", slug="team-b")
+
+
+@pytest.fixture
+def raw_key(team):
+    return ApiKey.generate(team)[1]
+
+
+@pytest.fixture
+def other_key(other_team):
+    return ApiKey.generate(other_team)[1]
+
+
+@pytest.fixture
+def base_template(db):
+    return Template.objects.create(id="base", alias="base", image="base", cpu_count=2, memory_mb=512,
+                                   disk_size_mb=2048)
+
+
+@pytest.fixture
+def node(db):
+    from nodes.models import Node  # noqa: PLC0415
+
+    return Node.objects.create(id="n1", address="127.0.0.1", vcpu_capacity=64, memory_mb_capacity=65536,
+                               last_heartbeat_at=timezone.now())
+
+
+def _node_modules():
+    """The real exception classes when the node side is importable, so the tests
+    check the contract; stand-ins otherwise."""
+    try:
+        from nodes import client, placement  # noqa: PLC0415
+
+        return client, placement
+    except Exception:  # noqa: BLE001
+        class NodeError(Exception):
+            pass
+
+        class NodeTaskFailed(NodeError):
+            def __init__(self, message, kind="Exception"):
+                super().__init__(message)
+                self.kind = kind
+
+        client = SimpleNamespace(NodeError=NodeError, NodeUnavailable=type("NodeUnavailable", (NodeError,), {}),
+                                 NodeTimeout=type("NodeTimeout", (NodeError,), {}), NodeTaskFailed=NodeTaskFailed)
+        placement = SimpleNamespace(NoNodeAvailable=type("NoNodeAvailable", (Exception,), {}))
+        return client, placement
+
+
+BOOT_RESULT = {"envd_host": "127.0.0.1", "envd_port": 40001, "pid": 4242, "accel": "tcg",
+               "timings": {"qemu_start": 120.0, "envd_ready": 300.0}}
+
+
+@pytest.fixture
+def nodes_mock(node):
+    """Fake node side: ``pick_node`` returns ``node``; ``boot_sandbox`` / ``kill_sandbox``
+    are AsyncMocks (set ``side_effect`` to make them fail or sleep)."""
+    real_client, real_placement = _node_modules()
+    client = SimpleNamespace(
+        NodeError=real_client.NodeError, NodeUnavailable=real_client.NodeUnavailable,
+        NodeTimeout=real_client.NodeTimeout, NodeTaskFailed=real_client.NodeTaskFailed,
+        boot_sandbox=mock.AsyncMock(return_value=dict(BOOT_RESULT)),
+        kill_sandbox=mock.AsyncMock(return_value={"killed": True}),
+    )
+    placement = SimpleNamespace(NoNodeAvailable=real_placement.NoNodeAvailable,
+                                pick_node=mock.AsyncMock(return_value=node))
+    with mock.patch("sandboxes.services._node_api", return_value=(client, placement)):
+        yield SimpleNamespace(client=client, placement=placement, node=node)
+
+
+@pytest.fixture
+def asgi_app():
+    from aenv_site.asgi import django_asgi_app  # noqa: PLC0415
+
+    return django_asgi_app
+
+
+@pytest.fixture
+async def api(asgi_app, raw_key, base_template):
+    """httpx client on the real ASGI app, authenticated as team A."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app), base_url="http://testserver",
+                                 headers={"X-API-Key": raw_key}, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+async def anon(asgi_app):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app), base_url="http://testserver",
+                                 timeout=30) as client:
+        yield client
+
+
+def _assert_error(resp: httpx.Response, status: int, text: str | None = None) -> dict:
+    """Every error is JSON {code: int, message: str} with the right status."""
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    assert resp.headers["content-type"].startswith("application/json"), resp.headers
+    body = resp.json()
+    assert isinstance(body, dict) and isinstance(body.get("code"), int) and body["code"] == status, body
+    assert isinstance(body.get("message"), str) and body["message"], body
+    if text:
+        assert text.lower() in body["message"].lower(), body
+    return body
+
+
+@pytest.fixture
+def assert_error():
+    return _assert_error
+
+
+@pytest.fixture
+def create(api, nodes_mock):
+    """``await create(**body)`` → the 201 body of ``POST /v2/sandboxes``."""
+
+    async def _create(**body) -> dict:
+        body.setdefault("templateID", "base")
+        resp = await api.post("/v2/sandboxes", json=body)
+        assert resp.status_code == 201, resp.text
+        return resp.json()
+
+    return _create

@@ -1,0 +1,206 @@
+"""E2B endpoints end to end through the ASGI app, with the node side mocked."""
+from datetime import datetime, timedelta
+
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from sandboxes.models import Sandbox, SandboxEvent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SANDBOX_KEYS = {"sandboxID", "templateID", "clientID", "envdVersion", "trafficAccessToken", "domain", "alias"}
+LISTED_KEYS = {"sandboxID", "templateID", "clientID", "alias", "startedAt", "endAt", "cpuCount", "memoryMB",
+               "diskSizeMB", "state", "envdVersion", "metadata"}
+
+
+def _dt(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+@override_settings(AENV_SANDBOX_DOMAIN="sb.example")
+async def test_create_v2_returns_201_sandbox(api, nodes_mock):
+    resp = await api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120, "metadata": {"user": "a b&c"},
+                                                 "envVars": {"FOO": "bar"}}, headers={"Idempotency-Key": "abc-123"})
+    assert resp.status_code == 201, resp.text
+    body = resp.json()
+    assert set(body) == SANDBOX_KEYS | {"envdAccessToken"}  # v2 sandboxes are secure
+    assert body["templateID"] == "base" and body["envdVersion"] == "0.6.4" and body["domain"] == "sb.example"
+    assert body["trafficAccessToken"] is None and body["envdAccessToken"]
+    sb = await Sandbox.objects.aget(pk=body["sandboxID"])
+    assert sb.state == "running" and sb.node_id == "n1" and sb.envd_port == 40001
+    assert sb.metadata == {"user": "a b&c"} and sb.env_vars == {"FOO": "bar"}
+    assert 115 <= (sb.end_at - sb.started_at).total_seconds() <= 121
+    kwargs = nodes_mock.client.boot_sandbox.await_args.kwargs
+    assert kwargs["env_vars"] == {"FOO": "bar"} and kwargs["access_token"] == body["envdAccessToken"]
+    assert kwargs["image"] == "base" and kwargs["cpu_count"] == 2 and kwargs["memory_mb"] == 512
+    events = [e async for e in SandboxEvent.objects.filter(sandbox=sb).order_by("id")]
+    assert [(e.operation, e.outcome, e.to_state) for e in events] == [("create", "started", "creating"),
+                                                                       ("create", "ok", "running")]
+    assert events[1].duration_ms is not None and events[1].details["timings"] == {"qemu_start": 120.0,
+                                                                                  "envd_ready": 300.0}
+
+
+async def test_create_v1_secure_flag(api, nodes_mock):
+    insecure = await api.post("/sandboxes", json={"templateID": "base", "timeout": 300, "secure": False,
+                                                  "allow_internet_access": True, "metadata": {}, "envVars": {}})
+    assert insecure.status_code == 201, insecure.text
+    assert set(insecure.json()) == SANDBOX_KEYS
+    assert nodes_mock.client.boot_sandbox.await_args.kwargs["access_token"] is None
+    secure = await api.post("/sandboxes", json={"templateID": "base", "secure": True})
+    assert secure.status_code == 201 and secure.json()["envdAccessToken"]
+
+
+async def test_create_by_alias_and_default_timeout(api, nodes_mock, base_template):
+    base_template.alias = "my-alias"
+    await base_template.asave()
+    body = (await api.post("/v2/sandboxes", json={"templateID": "my-alias"})).json()
+    assert body["templateID"] == "base" and body["alias"] == "my-alias"
+    sb = await Sandbox.objects.aget(pk=body["sandboxID"])
+    assert abs((sb.end_at - sb.started_at).total_seconds() - 300) < 2
+
+
+async def test_get_detail_has_all_required_fields(api, create):
+    sid = (await create(metadata={"k": "v"}, autoPause=True, autoResume={"enabled": True}))["sandboxID"]
+    resp = await api.get(f"/sandboxes/{sid}")
+    assert resp.status_code == 200
+    body = resp.json()
+    assert LISTED_KEYS | {"envdAccessToken", "domain", "lifecycle", "allowInternetAccess"} <= set(body)
+    assert body["state"] == "running" and body["metadata"] == {"k": "v"}
+    assert body["cpuCount"] == 2 and body["memoryMB"] == 512 and body["diskSizeMB"] == 2048
+    assert body["lifecycle"] == {"autoResume": True, "onTimeout": "pause"}
+    assert _dt(body["endAt"]) > _dt(body["startedAt"])
+
+
+async def test_list_v1_running_only(api, create):
+    a = (await create(metadata={"team": "x"}))["sandboxID"]
+    b = (await create(metadata={"team": "y"}))["sandboxID"]
+    await Sandbox.objects.filter(pk=b).aupdate(state="paused")
+    listed = (await api.get("/sandboxes")).json()
+    assert [s["sandboxID"] for s in listed] == [a]
+    assert set(listed[0]) == LISTED_KEYS
+    assert (await api.get("/sandboxes", params={"metadata": "team=y"})).json() == []
+
+
+async def test_kill_then_404(api, create, nodes_mock, assert_error):
+    sid = (await create())["sandboxID"]
+    resp = await api.delete(f"/sandboxes/{sid}")
+    assert resp.status_code == 204 and resp.content == b""
+    sb = await Sandbox.objects.aget(pk=sid)
+    assert sb.state == "killed" and sb.killed_at is not None and sb.error_reason == ""
+    assert nodes_mock.client.kill_sandbox.await_args.kwargs == {"sandbox_id": sid}
+    assert_error(await api.delete(f"/sandboxes/{sid}"), 404)
+    assert_error(await api.get(f"/sandboxes/{sid}"), 404)
+    assert (await api.get("/v2/sandboxes")).json() == []
+
+
+async def test_timeout_sets_end_at_both_ways(api, create):
+    sid = (await create(timeout=600))["sandboxID"]
+    assert (await api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 30})).status_code == 204
+    sb = await Sandbox.objects.aget(pk=sid)
+    assert 25 <= (sb.end_at - timezone.now()).total_seconds() <= 31
+    assert (await api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 0})).status_code == 204
+    assert (await Sandbox.objects.aget(pk=sid)).end_at <= timezone.now()
+
+
+async def test_refresh_only_extends(api, create):
+    sid = (await create(timeout=600))["sandboxID"]
+    before = (await Sandbox.objects.aget(pk=sid)).end_at
+    assert (await api.post(f"/sandboxes/{sid}/refreshes", json={"duration": 10})).status_code == 204
+    assert (await Sandbox.objects.aget(pk=sid)).end_at == before
+    assert (await api.post(f"/sandboxes/{sid}/refreshes", json={"duration": 3600})).status_code == 204
+    assert (await Sandbox.objects.aget(pk=sid)).end_at > before + timedelta(minutes=40)
+    assert (await api.post(f"/sandboxes/{sid}/refreshes")).status_code == 204  # body optional
+
+
+# ---------------------------------------------------------------- bad input → JSON errors
+
+BAD_CREATES = [
+    (b"{not json", 400),
+    (b"[1,2]", 400),
+    (b'"base"', 400),
+    (b"null", 400),
+    (b"{}", 400),                                           # templateID missing
+    (b'{"templateID": 5}', 400),
+    (b'{"templateID": ""}', 400),
+    (b'{"templateID": "base", "timeout": "x"}', 400),
+    (b'{"templateID": "base", "timeout": "120"}', 400),
+    (b'{"templateID": "base", "timeout": 1.5}', 400),
+    (b'{"templateID": "base", "timeout": true}', 400),
+    (b'{"templateID": "base", "timeout": -1}', 400),
+    (b'{"templateID": "base", "timeout": 99999999}', 400),
+    (b'{"templateID": "base", "metadata": {"a": 1}}', 400),
+    (b'{"templateID": "base", "metadata": ["a"]}', 400),
+    (b'{"templateID": "base", "envVars": {"A": null}}', 400),
+    (b'{"templateID": "base", "envVars": "A=1"}', 400),
+    (b'{"templateID": "base", "autoPause": "yes"}', 400),
+    (b'{"templateID": "base", "autoResume": "on"}', 400),
+    (b'{"templateID": "base", "allow_internet_access": 1}', 400),
+    (b'{"templateID": "base", "network": [1]}', 400),
+    (b'{"templateID": "base", "secure": "true"}', 400),
+]
+
+
+@pytest.mark.parametrize("path", ["/v2/sandboxes", "/sandboxes"])
+@pytest.mark.parametrize("body,status", BAD_CREATES)
+async def test_bad_create_bodies(api, nodes_mock, assert_error, path, body, status):
+    resp = await api.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert_error(resp, status)
+    nodes_mock.client.boot_sandbox.assert_not_awaited()
+    assert await Sandbox.objects.acount() == 0
+
+
+async def test_unknown_fields_are_ignored(api, nodes_mock):
+    resp = await api.post("/v2/sandboxes", json={"templateID": "base", "mcp": None, "volumeMounts": [],
+                                                 "iam": {"tokens": {}}, "autoPauseMemory": False, "whatever": 1})
+    assert resp.status_code == 201, resp.text
+
+
+async def test_unknown_template_is_400_naming_it(api, nodes_mock, assert_error):
+    assert_error(await api.post("/v2/sandboxes", json={"templateID": "no-such-template"}), 400, "no-such-template")
+
+
+async def test_private_template_of_other_team_is_unknown(api, nodes_mock, assert_error, other_team):
+    from sandboxes.models import Template  # noqa: PLC0415
+
+    await Template.objects.acreate(id="secret", team=other_team, public=False)
+    assert_error(await api.post("/v2/sandboxes", json={"templateID": "secret"}), 400, "secret")
+
+
+async def test_non_json_content_type_is_json_error(api, nodes_mock):
+    resp = await api.post("/v2/sandboxes", content=b"templateID=base",
+                          headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert resp.status_code == 415 and resp.json()["code"] == 415
+
+
+@pytest.mark.parametrize("body", [b"{}", b'{"timeout": "5"}', b'{"timeout": -5}', b"[]", b"{bad"])
+async def test_bad_timeout_bodies(api, create, assert_error, body):
+    sid = (await create())["sandboxID"]
+    resp = await api.post(f"/sandboxes/{sid}/timeout", content=body, headers={"Content-Type": "application/json"})
+    assert_error(resp, 400)
+
+
+async def test_bad_refresh_body(api, create, assert_error):
+    sid = (await create())["sandboxID"]
+    assert_error(await api.post(f"/sandboxes/{sid}/refreshes", json={"duration": "x"}), 400)
+
+
+async def test_unknown_sandbox_is_404_everywhere(api, assert_error):
+    assert_error(await api.get("/sandboxes/inope"), 404, "inope")
+    assert_error(await api.delete("/sandboxes/inope"), 404)
+    assert_error(await api.post("/sandboxes/inope/timeout", json={"timeout": 5}), 404)
+    assert_error(await api.post("/sandboxes/inope/refreshes", json={"duration": 5}), 404)
+
+
+@pytest.mark.parametrize("method,path", [("put", "/v2/sandboxes"), ("delete", "/sandboxes"),
+                                         ("patch", "/sandboxes/inope"), ("get", "/sandboxes/inope/timeout"),
+                                         ("post", "/health")])
+async def test_wrong_method_is_405_json(api, assert_error, method, path):
+    resp = await getattr(api, method)(path) if method in ("get", "delete") else \
+        await getattr(api, method)(path, json={})
+    assert_error(resp, 405)
+
+
+@pytest.mark.parametrize("path", ["/nope", "/v2/sandboxes/", "/sandboxes/a/b/c", "/v9/sandboxes"])
+async def test_unknown_url_is_404_json(api, assert_error, path):
+    assert_error(await api.get(path), 404)
