@@ -1,0 +1,117 @@
+"""Run a real envd on the host (subprocess) and point the official e2b SDK at it in debug mode."""
+import os
+import pwd
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EnvdServer:
+    """A running ``python -m envd`` subprocess."""
+
+    def __init__(self, *extra_args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/envd-test-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "envd", "--host", "127.0.0.1", "--port", str(self.port),
+             "--set-clock", "never", "--log-level", "warning", *extra_args],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envd exited early:\n{open(self.log_path).read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 204:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("envd did not become healthy")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def sandbox_user():
+    """The guest image's ``user`` account (uid != 0, home /home/user)."""
+    if os.geteuid() != 0:
+        pytest.skip("envd host tests need root (they run commands as 'user' and 'root')")
+    try:
+        pw = pwd.getpwnam("user")
+    except KeyError:
+        subprocess.run(["useradd", "-m", "-s", "/bin/bash", "user"], check=True)
+        pw = pwd.getpwnam("user")
+    if not os.path.isdir(pw.pw_dir):
+        pytest.skip(f"user 'user' has no home directory {pw.pw_dir}")
+    return pw
+
+
+@pytest.fixture(scope="session")
+def envd(sandbox_user):
+    server = EnvdServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def sdk_env(envd):
+    """Debug mode: Sandbox.create() makes no API call and talks to our envd."""
+    old = {k: os.environ.get(k) for k in ("E2B_DEBUG", "E2B_SANDBOX_URL")}
+    os.environ["E2B_DEBUG"] = "true"
+    os.environ["E2B_SANDBOX_URL"] = envd.url
+    yield envd
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def sandbox(sdk_env):
+    from e2b import Sandbox
+
+    return Sandbox.create()
+
+
+@pytest.fixture
+async def async_sandbox(sdk_env):
+    from e2b import AsyncSandbox
+
+    return await AsyncSandbox.create()
+
+
+@pytest.fixture
+def workdir(sandbox_user):
+    """A fresh directory under /home/user owned by 'user', removed afterwards."""
+    import shutil
+    import uuid
+
+    path = os.path.join(sandbox_user.pw_dir, f"t-{uuid.uuid4().hex[:8]}")
+    os.mkdir(path)
+    os.chown(path, sandbox_user.pw_uid, sandbox_user.pw_gid)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
