@@ -1,0 +1,272 @@
+"""Data plane against a real local upstream: both uvicorn servers run in the test's
+event loop; the sandbox rows live in the test database."""
+import asyncio
+import gzip
+import json
+import socket
+from datetime import timedelta
+
+import httpx
+import pytest
+import uvicorn
+from asgiref.sync import sync_to_async
+from django.utils import timezone
+
+from sandboxes.models import Sandbox, Team, Template
+from sandboxes.proxy import EnvdProxy
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+GZ = gzip.compress(b"hello compressed world" * 10)
+
+
+class Upstream:
+    """A stand-in for envd whose routes expose what the proxy did."""
+
+    def __init__(self):
+        self.first_chunk = asyncio.Event()
+        self.release = asyncio.Event()
+        self.disconnected = asyncio.Event()
+        self.seen_headers = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        headers = [(n.decode(), v.decode()) for n, v in scope["headers"]]
+        self.seen_headers = headers
+        if path == "/health":
+            return await self.reply(send, 204, b"")
+        if path == "/upload":
+            chunks = []
+            while True:
+                msg = await receive()
+                if msg.get("body"):
+                    chunks.append(msg["body"].decode())
+                    self.first_chunk.set()
+                if not msg.get("more_body"):
+                    break
+            return await self.reply(send, 200, json.dumps({"chunks": chunks}).encode())
+        if path == "/stream":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/connect+json")]})
+            await send({"type": "http.response.body", "body": b"one", "more_body": True})
+            try:
+                await asyncio.wait_for(self.release.wait(), 5)
+            except asyncio.TimeoutError:
+                pass
+            await send({"type": "http.response.body", "body": b"two", "more_body": False})
+            return
+        if path == "/hang":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"tick", "more_body": True})
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.disconnected.set()
+            return
+        if path == "/gzip":
+            return await self.reply(send, 200, GZ, [(b"content-encoding", b"gzip"),
+                                                   (b"content-type", b"application/x-weird; v=1")])
+        if path == "/hop":
+            return await self.reply(send, 200, b"ok", [(b"connection", b"x-listed"), (b"x-listed", b"1"),
+                                                     (b"keep-alive", b"timeout=5"), (b"x-keep", b"yes")])
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        out = {"method": scope["method"], "path": path, "query": scope["query_string"].decode(),
+               "headers": headers, "body": body.decode()}
+        return await self.reply(send, 200, json.dumps(out).encode())
+
+    @staticmethod
+    async def reply(send, status, body, headers=()):
+        hdrs = [(b"content-type", b"application/json"), *headers] if body and not headers else list(headers)
+        await send({"type": "http.response.start", "status": status, "headers": hdrs})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def serve(app):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return server, task, sock.getsockname()[1]
+
+
+@pytest.fixture
+async def stack():
+    upstream = Upstream()
+    proxy = EnvdProxy()
+    up_server, up_task, up_port = await serve(upstream)
+    px_server, px_task, px_port = await serve(proxy)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{px_port}", timeout=10) as client:
+        yield type("Stack", (), dict(upstream=upstream, proxy=proxy, up_port=up_port, px_port=px_port,
+                                     client=client, up_server=up_server))
+    for server in (px_server, up_server):
+        server.should_exit = True
+    await asyncio.gather(px_task, up_task)
+    await proxy.aclose()
+
+
+def _make_sandbox(port, state="running", secure=False, token=""):
+    team, _ = Team.objects.get_or_create(slug="t", defaults={"name": "t"})
+    tpl, _ = Template.objects.get_or_create(id="base")
+    return Sandbox.objects.create(team=team, template=tpl, state=state, envd_host="127.0.0.1", envd_port=port,
+                                  secure=secure, envd_access_token=token,
+                                  end_at=timezone.now() + timedelta(minutes=5))
+
+
+make_sandbox = sync_to_async(_make_sandbox)
+
+
+def hdr(sbx, port=49983, **extra):
+    return {"E2b-Sandbox-Id": sbx.id, "E2b-Sandbox-Port": str(port), **extra}
+
+
+async def test_header_routing_keeps_path_query_and_strips_routing_headers(stack):
+    sbx = await make_sandbox(stack.up_port)
+    r = await stack.client.post("/process.Process/List?a=1&b=%2F", content=b"{}",
+                                headers=hdr(sbx, **{"content-type": "application/json", "x-access-token": "t",
+                                                    "authorization": "Basic dXNlcjo="}))
+    assert r.status_code == 200
+    seen = r.json()
+    assert (seen["method"], seen["path"], seen["query"], seen["body"]) == ("POST", "/process.Process/List",
+                                                                           "a=1&b=%2F", "{}")
+    seen_headers = {tuple(h) for h in seen["headers"]}
+    names = {n for n, _ in seen_headers}
+    assert "e2b-sandbox-id" not in names and "e2b-sandbox-port" not in names
+    assert {("x-access-token", "t"), ("authorization", "Basic dXNlcjo="), ("content-length", "2")} <= seen_headers
+
+
+async def test_host_routing(stack):
+    sbx = await make_sandbox(stack.up_port)
+    r = await stack.client.get("/health", headers={"host": f"49983-{sbx.id}.localhost:{stack.px_port}"})
+    assert r.status_code == 204
+    r = await stack.client.get("/x", headers={"host": f"8080-{sbx.id}.localhost"})
+    assert r.status_code == 502 and "port is not open" in r.json()["message"]
+
+
+async def test_no_routing_information_is_400(stack):
+    r = await stack.client.get("/health")
+    assert r.status_code == 400 and r.json()["code"] == 400
+
+
+@pytest.mark.parametrize("state", [None, "killed", "error", "paused", "creating"])
+async def test_unknown_or_not_running_is_502_not_found(stack, state):
+    sbx_id = "inope"
+    if state:
+        sbx_id = (await make_sandbox(stack.up_port, state=state)).id
+    r = await stack.client.get("/health", headers={"E2b-Sandbox-Id": sbx_id, "E2b-Sandbox-Port": "49983"})
+    assert r.status_code == 502
+    assert r.json() == {"sandboxId": sbx_id, "message": "The sandbox was not found", "code": 502}
+
+
+async def test_other_port_is_502_port_not_open(stack):
+    sbx = await make_sandbox(stack.up_port)
+    r = await stack.client.get("/", headers=hdr(sbx, port=8000))
+    assert r.status_code == 502 and r.json()["message"] == "The sandbox is running but port is not open"
+
+
+async def test_killed_after_being_cached_is_502_not_found(stack):
+    sbx = await make_sandbox(stack.up_port)
+    assert (await stack.client.get("/health", headers=hdr(sbx))).status_code == 204  # cached now
+    await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(state="killed")
+    # envd is gone with its VM; the cached route now fails to connect and is re-checked
+    stack.up_server.should_exit = True
+    await asyncio.sleep(0.3)
+    r = await stack.client.get("/health", headers=hdr(sbx))
+    assert r.status_code == 502 and "was not found" in r.json()["message"]
+
+
+async def test_running_but_envd_refusing_is_port_not_open(stack):
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    closed_port = free.getsockname()[1]
+    free.close()
+    sbx = await make_sandbox(closed_port)
+    r = await stack.client.get("/health", headers=hdr(sbx))
+    assert r.status_code == 502 and "port is not open" in r.json()["message"]
+
+
+async def test_request_body_is_forwarded_before_it_completes(stack):
+    sbx = await make_sandbox(stack.up_port)
+
+    async def body():
+        yield b"first"
+        # A buffering proxy would hold "first" until the body ends: this would time out.
+        await asyncio.wait_for(stack.upstream.first_chunk.wait(), 3)
+        yield b"second"
+
+    r = await stack.client.post("/upload", content=body(), headers=hdr(sbx))
+    assert r.status_code == 200
+    assert r.json()["chunks"] == ["first", "second"]
+    assert ("transfer-encoding", "chunked") in stack.upstream.seen_headers
+
+
+async def test_response_streams_incrementally(stack):
+    sbx = await make_sandbox(stack.up_port)
+    async with stack.client.stream("POST", "/stream", headers=hdr(sbx)) as r:
+        assert r.headers["content-type"] == "application/connect+json"
+        chunks = r.aiter_raw()
+        assert await asyncio.wait_for(anext(chunks), 3) == b"one"  # before the upstream finished
+        stack.upstream.release.set()
+        rest = b"".join([c async for c in chunks])
+    assert rest == b"two"
+
+
+async def test_encoded_bodies_pass_verbatim(stack):
+    sbx = await make_sandbox(stack.up_port)
+    async with stack.client.stream("GET", "/gzip", headers=hdr(sbx, **{"accept-encoding": "identity"})) as r:
+        raw = b"".join([c async for c in r.aiter_raw()])
+    assert raw == GZ
+    assert r.headers["content-encoding"] == "gzip" and r.headers["content-type"] == "application/x-weird; v=1"
+    assert ("accept-encoding", "identity") in stack.upstream.seen_headers
+
+
+async def test_hop_by_hop_headers_are_stripped(stack):
+    sbx = await make_sandbox(stack.up_port)
+    r = await stack.client.get("/anything", headers=hdr(sbx, **{
+        "connection": "keep-alive, x-conn-listed", "x-conn-listed": "1", "te": "trailers",
+        "proxy-authorization": "Basic eA==", "keep-alive": "timeout=5", "x-normal": "kept"}))
+    names = {n for n, _ in r.json()["headers"]}
+    assert "x-normal" in names
+    assert not names & {"x-conn-listed", "te", "proxy-authorization", "keep-alive", "e2b-sandbox-id"}
+    assert ["host", f"127.0.0.1:{stack.up_port}"] in r.json()["headers"]
+    r = await stack.client.get("/hop", headers=hdr(sbx))
+    assert r.headers["x-keep"] == "yes"
+    assert "x-listed" not in r.headers and "keep-alive" not in r.headers
+
+
+async def test_client_disconnect_closes_upstream(stack):
+    sbx = await make_sandbox(stack.up_port)
+    async with stack.client.stream("GET", "/hang", headers=hdr(sbx)) as r:
+        assert await asyncio.wait_for(anext(r.aiter_raw()), 3) == b"tick"
+    await asyncio.wait_for(stack.upstream.disconnected.wait(), 3)
+    await asyncio.sleep(0.1)
+    leftovers = [t for t in asyncio.all_tasks()
+                 if t.get_coro().__name__ in ("_pump_request", "_exchange", "_forward", "wait")]
+    assert not leftovers
+
+
+async def test_access_token_enforced_for_secure_sandboxes(stack):
+    sbx = await make_sandbox(stack.up_port, secure=True, token="s3cret")
+    rpc = "/process.Process/List"
+    for headers in ({}, {"x-access-token": "wrong"}):
+        r = await stack.client.post(rpc, content=b"{}", headers=hdr(sbx, **headers))
+        assert r.status_code == 401 and r.json()["code"] == 401 and r.json()["message"]
+    r = await stack.client.post(rpc, content=b"{}", headers=hdr(sbx, **{"x-access-token": "s3cret"}))
+    assert r.status_code == 200 and ["x-access-token", "s3cret"] in r.json()["headers"]
+    assert (await stack.client.get("/health", headers=hdr(sbx))).status_code == 204
+    r = await stack.client.get("/files?path=a.txt&signature=v1_abc", headers=hdr(sbx))
+    assert r.status_code == 200 and r.json()["query"] == "path=a.txt&signature=v1_abc"
+    assert (await stack.client.get("/files?path=a.txt", headers=hdr(sbx))).status_code == 401
+
+
+async def test_insecure_sandbox_needs_no_token(stack):
+    sbx = await make_sandbox(stack.up_port)
+    r = await stack.client.post("/filesystem.Filesystem/Stat", content=b"{}", headers=hdr(sbx))
+    assert r.status_code == 200
