@@ -14,6 +14,7 @@ from .filesystem_service import FilesystemService
 from .processes import ProcessManager
 from .process_service import ProcessService
 from .rpc import Context, parse_keepalive, parse_timeout_ms, send_error, serve
+from .watchers import pump_all
 from .users import UnknownUser, lookup, username_from_basic_auth
 
 log = logging.getLogger("envd.app")
@@ -78,6 +79,7 @@ class EnvdApp:
         if scope["type"] != "http":
             return
         self._ensure_started()
+        pump_all()  # earlier requests' fs changes reach watchers before this one runs
         headers = _headers(scope)
         path = scope["path"]
         method = scope["method"]

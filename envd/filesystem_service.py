@@ -145,7 +145,9 @@ class FilesystemService:
         watcher = Watcher(_resolve(req.path, ctx), req.recursive, req.include_entry)
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
-        loop.add_reader(watcher.fd, ready.set)
+        fd = watcher.fd
+        watcher.on_events = ready.set
+        loop.add_reader(fd, watcher.pump)
         try:
             yield pb.WatchDirResponse(start=pb.WatchDirResponse.StartEvent())
             while True:
@@ -154,11 +156,13 @@ class FilesystemService:
                 for event in watcher.poll():
                     yield pb.WatchDirResponse(filesystem=event)
         finally:
-            loop.remove_reader(watcher.fd)
+            loop.remove_reader(fd)
             watcher.close()
 
     async def create_watcher(self, req, ctx):
         watcher = Watcher(_resolve(req.path, ctx), req.recursive, req.include_entry)
+        # Pump as soon as events arrive so new subdirectories get watched promptly.
+        asyncio.get_running_loop().add_reader(watcher.fd, watcher.pump)
         return pb.CreateWatcherResponse(watcher_id=self.watchers.add(watcher))
 
     async def get_watcher_events(self, req, ctx):
@@ -166,5 +170,7 @@ class FilesystemService:
         return pb.GetWatcherEventsResponse(events=events)
 
     async def remove_watcher(self, req, ctx):
+        watcher = self.watchers.get(req.watcher_id)
+        asyncio.get_running_loop().remove_reader(watcher.fd)
         self.watchers.remove(req.watcher_id)
         return pb.RemoveWatcherResponse()

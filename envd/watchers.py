@@ -1,7 +1,9 @@
 """Directory watchers on inotify, producing E2B FilesystemEvents.
 
 Events sit in the kernel queue from the moment of the change, so a poll right
-after a write (what the SDK tests do) always sees them.
+after a write (what the SDK tests do) always sees them. Every live watcher is
+also pumped at the start of each request (see ``pump_all``) so a directory
+created by one request is watched before the next request writes into it.
 """
 
 import os
@@ -30,8 +32,18 @@ def event_type(mask):
     return pb.EVENT_TYPE_UNSPECIFIED
 
 
+MAX_PENDING = 100_000
+_ACTIVE = set()
+
+
+def pump_all():
+    """Move kernel events of every live watcher into its buffer (cheap when idle)."""
+    for watcher in list(_ACTIVE):
+        watcher.pump()
+
+
 class Watcher:
-    """Watches ``root`` (optionally recursively) and converts raw events."""
+    """Watches ``root`` (optionally recursively) and buffers converted events."""
 
     def __init__(self, root, recursive=False, include_entry=False):
         if not os.path.exists(root):
@@ -43,11 +55,14 @@ class Watcher:
         self.include_entry = include_entry
         self.inotify = ino.Inotify()
         self.dirs = {}  # wd -> directory path relative to root ("" = root)
+        self.pending = []
+        self.on_events = None  # optional callback run after events were buffered
         try:
-            self._add_tree(root, "")
+            self._add_tree(root, "", synthesize=False)
         except Exception:
             self.close()
             raise
+        _ACTIVE.add(self)
 
     @property
     def fd(self):
@@ -62,21 +77,43 @@ class Watcher:
             return
         self.dirs[wd] = rel
 
-    def _add_tree(self, path, rel):
+    def _add_tree(self, path, rel, synthesize=True):
+        """Watch ``path`` (and, recursively, its subdirectories).
+
+        For a directory that appeared after the watch started, entries created
+        before its watch was added are reported as synthetic CREATE events.
+        """
         self._add(path, rel)
         if not self.recursive:
             return
-        for dirpath, dirnames, _ in os.walk(path):
+        for dirpath, dirnames, filenames in os.walk(path):
             dirnames.sort()
             base = os.path.relpath(dirpath, self.root)
-            for d in dirnames:
+            for name in sorted(dirnames + filenames) if synthesize else ():
+                self._emit(pb.EVENT_TYPE_CREATE, name if base == "." else os.path.join(base, name))
+            for d in list(dirnames):
                 sub = os.path.join(dirpath, d)
-                if not os.path.islink(sub):
+                if os.path.islink(sub):
+                    dirnames.remove(d)
+                else:
                     self._add(sub, d if base == "." else os.path.join(base, d))
 
-    def poll(self):
-        """Drain the kernel queue; return a list of FilesystemEvent messages."""
-        out = []
+    def _emit(self, kind, rel):
+        if len(self.pending) >= MAX_PENDING:
+            return  # an unpolled watcher must not grow without bound
+        event = pb.FilesystemEvent(name=rel, type=kind)
+        if self.include_entry:
+            try:
+                event.entry.CopyFrom(entry_info(os.path.join(self.root, rel)))
+            except OSError:
+                pass
+        self.pending.append(event)
+
+    def pump(self):
+        """Drain the kernel queue into ``pending``; returns True if anything was added."""
+        if self.inotify.fd < 0:
+            return False
+        before = len(self.pending)
         for wd, mask, _cookie, name in self.inotify.read():
             if mask & ino.IN_IGNORED:
                 self.dirs.pop(wd, None)
@@ -88,19 +125,22 @@ class Watcher:
             if kind == pb.EVENT_TYPE_UNSPECIFIED:
                 continue
             rel = os.path.join(rel_dir, name) if rel_dir else name
-            abspath = os.path.join(self.root, rel)
+            self._emit(kind, rel)
             if self.recursive and mask & ino.IN_ISDIR and kind == pb.EVENT_TYPE_CREATE:
-                self._add_tree(abspath, rel)
-            event = pb.FilesystemEvent(name=rel, type=kind)
-            if self.include_entry:
-                try:
-                    event.entry.CopyFrom(entry_info(abspath))
-                except OSError:
-                    pass
-            out.append(event)
+                self._add_tree(os.path.join(self.root, rel), rel)
+        added = len(self.pending) > before
+        if added and self.on_events is not None:
+            self.on_events()
+        return added
+
+    def poll(self):
+        """Return and clear all buffered events (after draining the kernel queue)."""
+        self.pump()
+        out, self.pending = self.pending, []
         return out
 
     def close(self):
+        _ACTIVE.discard(self)
         self.inotify.close()
 
 
