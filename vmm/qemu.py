@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from vmm import hostinfo, ports
-from vmm.accel import detect_accel
+from vmm.accel import detect_accel, kvm_openable
 from vmm.driver import BootSpec, BootTimeout, VMDriver, VMError, VMInfo
 from vmm.images import find_image
 from vmm.qemu_cmdline import QEMU, VMPaths, qemu_command
@@ -70,8 +70,11 @@ class QemuDriver(VMDriver):
         """'kvm' or 'tcg', detected once (probe boot, cached in images_dir/accel.json)."""
         with self._accel_lock:
             if self._accel is None:
-                image = find_image(self.images_dir, "base")
-                self._accel = detect_accel(self.images_dir, image.kernel, image.initrd)
+                if not kvm_openable():
+                    self._accel = "tcg"
+                else:  # needs the guest kernel for the probe boot
+                    image = find_image(self.images_dir, "base")
+                    self._accel = detect_accel(self.images_dir, image.kernel, image.initrd)
             return self._accel
 
     # -- boot -------------------------------------------------------------------------------
@@ -91,6 +94,9 @@ class QemuDriver(VMDriver):
             except _BootAttemptFailed as e:
                 failures.append(e)
                 self._cleanup(state_dir, VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir))
+            except BaseException:
+                self._cleanup(state_dir, VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir))
+                raise
         last = failures[-1]
         msg = f"sandbox {spec.sandbox_id}: envd not healthy after 2 attempts ({'; '.join(map(str, failures))})"
         if last.timed_out:

@@ -83,3 +83,26 @@ def test_capacity_and_factory(tmp_path):
 def test_firecracker_refuses_clearly(tmp_path):
     with pytest.raises(VMError, match="firecracker"):
         get_driver("firecracker", tmp_path, tmp_path)
+
+
+def test_failed_boot_retries_once_and_leaves_nothing(tmp_path):
+    import json
+
+    from vmm.images import _point
+
+    img = tmp_path / "images" / "base-x"
+    img.mkdir(parents=True)
+    (img / "image.json").write_text(json.dumps({"name": "base", "recipe_hash": "x"}))
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(img / "rootfs.qcow2"), "64M"], check=True)
+    _point(tmp_path / "images", "base", img)
+    fake = tmp_path / "fake-qemu"
+    fake.write_text("#!/bin/sh\necho started >> %s\necho 'could not set up host forwarding rule' >&2\nexit 1\n"
+                    % (tmp_path / "calls"))
+    fake.chmod(0o755)
+    driver = QemuDriver(home=tmp_path / "home", images_dir=tmp_path / "images", accel="tcg", qemu=str(fake),
+                        shm_dir=tmp_path)
+    with pytest.raises(VMError, match="forwarding") as err:
+        driver.boot(BootSpec("f1", disk_size_mb=128))
+    assert "BootTimeout" not in type(err.value).__name__
+    assert (tmp_path / "calls").read_text().count("started") == 2  # retried once
+    assert list((tmp_path / "home" / "sandboxes").iterdir()) == []

@@ -30,7 +30,7 @@ $B ip route add default via 10.0.2.2
 [ -L /etc/resolv.conf ] && $B rm -f /etc/resolv.conf
 echo "nameserver 10.0.2.3" > /etc/resolv.conf
 [ -d /sys/module/virtio_balloon ] || $B modprobe virtio_balloon 2>/dev/null
-echo "aenv-init: starting envd"
+echo "aenv-init: starting envd (uptime $($B cut -d" " -f1 /proc/uptime)s)"
 (
     while true; do
         /opt/aenv/envd.sh --host 0.0.0.0 --port 49983 </dev/null
