@@ -25,6 +25,10 @@ def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
+    # Static imports of what uvicorn would load by name, so PyInstaller bundles them.
+    import uvicorn.lifespan.on  # noqa: F401
+    import uvicorn.loops.asyncio  # noqa: F401
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
     from .app import EnvdApp
 
@@ -32,8 +36,8 @@ def main(argv=None):
                         max_upload_bytes=args.max_upload_bytes, set_clock=args.set_clock,
                         access_token=args.access_token)
     uvicorn.run(EnvdApp(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=False, http="h11", loop="asyncio", ws="none", lifespan="on",
-                timeout_keep_alive=75)
+                access_log=False, http=H11Protocol, loop="asyncio", ws="none", lifespan="on",
+                timeout_keep_alive=75, timeout_graceful_shutdown=2)
 
 
 if __name__ == "__main__":

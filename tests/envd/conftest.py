@@ -1,4 +1,8 @@
-"""Run a real envd on the host (subprocess) and point the official e2b SDK at it in debug mode."""
+"""Run a real envd on the host (subprocess) and point the official e2b SDK at it in debug mode.
+
+Set ``ENVD_TEST_BINARY=/path/to/frozen/envd`` to run the same suite against a
+PyInstaller build instead of ``python -m envd``.
+"""
 import os
 import pwd
 import socket
@@ -26,8 +30,9 @@ class EnvdServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/envd-test-{self.port}.log"
         self._log = open(self.log_path, "wb")
+        command = [os.environ["ENVD_TEST_BINARY"]] if os.environ.get("ENVD_TEST_BINARY") else [sys.executable, "-m", "envd"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "envd", "--host", "127.0.0.1", "--port", str(self.port),
+            [*command, "--host", "127.0.0.1", "--port", str(self.port),
              "--set-clock", "never", "--log-level", "warning", *extra_args],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
         )
