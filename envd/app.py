@@ -74,6 +74,8 @@ class EnvdApp:
                     self._ensure_started()
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
+                    if self.processes is not None:
+                        self.processes.kill_all()  # an intentional stop takes its children along
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":

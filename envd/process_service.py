@@ -40,6 +40,7 @@ async def _follow(proc, queue, response_cls):
         yield response_cls(event=pb.ProcessEvent(start=pb.ProcessEvent.StartEvent(pid=proc.pid)))
         while True:
             item = await queue.get()
+            proc.consumed()
             yield _event_message(response_cls, item)
             if item[0] == "end":
                 return

@@ -25,6 +25,9 @@ log = logging.getLogger("envd.processes")
 PIPE_CHUNK = 32 * 1024
 PTY_CHUNK = 16 * 1024
 EOF_GRACE_SECONDS = 0.25
+# Backpressure: stop reading a process's output while a subscriber lags this many chunks.
+QUEUE_HIGH_WATER = 256
+QUEUE_LOW_WATER = 32
 
 # Go's wording for ProcessState.String(), which E2B clients display.
 _SIGNAL_WORDS = {
@@ -92,6 +95,7 @@ class Process:
         self._timer = None
         self._grace = None
         self._pidfd = None
+        self._paused = False
         loop = manager.loop
         for fd, name in out_fds:
             _set_nonblocking(fd)
@@ -111,10 +115,24 @@ class Process:
 
     def unsubscribe(self, queue):
         self.subscribers.discard(queue)
+        self.consumed()
 
     def _broadcast(self, item):
+        lagging = False
         for queue in list(self.subscribers):
             queue.put_nowait(item)
+            lagging = lagging or queue.qsize() >= QUEUE_HIGH_WATER
+        if lagging and not self._paused and item[0] == "data":
+            self._paused = True  # the child blocks on a full pipe until clients catch up
+            for fd in self._open_fds:
+                self.manager.loop.remove_reader(fd)
+
+    def consumed(self):
+        """Called by stream readers after taking an item; resumes paused output."""
+        if self._paused and all(q.qsize() <= QUEUE_LOW_WATER for q in self.subscribers):
+            self._paused = False
+            for fd in self._open_fds:
+                self.manager.loop.add_reader(fd, self._on_readable, fd)
 
     def _on_readable(self, fd):
         name = self._open_fds.get(fd)
@@ -138,7 +156,8 @@ class Process:
     def _close_output(self, fd):
         if self._open_fds.pop(fd, None) is None:
             return
-        self.manager.loop.remove_reader(fd)
+        if not self._paused:
+            self.manager.loop.remove_reader(fd)
         if fd == self.pty_master:
             return  # the master is also our input side; closed in _finish
         try:
@@ -291,6 +310,10 @@ class ProcessManager:
     def __init__(self, loop):
         self.loop = loop
         self.processes = {}
+
+    def kill_all(self):
+        for proc in list(self.processes.values()):
+            proc.signal(signal.SIGKILL)
 
     def forget(self, proc):
         self.processes.pop(proc.pid, None)
