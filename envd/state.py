@@ -1,7 +1,5 @@
 """Sandbox-wide mutable settings pushed by /init (env vars, token, defaults)."""
 
-import threading
-
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ENVD_VERSION = "0.6.4"
 
@@ -11,7 +9,6 @@ class Settings:
 
     def __init__(self, default_user="user", default_workdir=None, max_upload_bytes=1 << 30,
                  set_clock="auto", access_token=None):
-        self.lock = threading.Lock()
         self.env_vars = {}
         self.access_token = access_token
         self.default_user = default_user
