@@ -1,9 +1,22 @@
 """Shared pytest setup.
 
 The database follows ``DATABASE_URL`` exactly like the server (settings read it):
-unset → SQLite (pytest-django uses an in-memory test database);
-``DATABASE_URL=postgres://postgres@127.0.0.1:5432/aenv`` → pytest-django creates and
-drops ``test_aenv`` on that PostgreSQL server."""
+unset → SQLite; ``DATABASE_URL=postgres://postgres@127.0.0.1:5432/aenv`` →
+pytest-django creates and drops ``test_aenv`` on that PostgreSQL server."""
+import pytest
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, tmp_path_factory):
+    """SQLite tests use a file, like the server does, not Django's shared-cache
+    in-memory database: Django gives every concurrent ASGI request its own thread
+    (and connection), and shared-cache connections fail with "database table is
+    locked" instead of waiting, so concurrency tests would test the test setup."""
+    from django.conf import settings  # noqa: PLC0415
+
+    db = settings.DATABASES["default"]
+    if db["ENGINE"] == "django.db.backends.sqlite3":
+        db.setdefault("TEST", {})["NAME"] = str(tmp_path_factory.mktemp("db") / "test.sqlite3")
 
 
 def pytest_report_header(config):
