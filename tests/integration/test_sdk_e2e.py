@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import CommandExitException, Sandbox, SandboxQuery
 from e2b.exceptions import (
-    CommandExitException,
+    FileNotFoundException,
     NotFoundException,
     SandboxException,
     TimeoutException,
@@ -113,8 +113,6 @@ def test_large_file_streams_through_the_data_plane(sandbox, tmp_path):
 
 
 def test_missing_file_and_pid(sandbox):
-    from e2b.exceptions import FileNotFoundException  # noqa: PLC0415 (only here)
-
     with pytest.raises(FileNotFoundException):
         sandbox.files.read("/home/user/does-not-exist")
     with pytest.raises(NotFoundException):
@@ -122,8 +120,6 @@ def test_missing_file_and_pid(sandbox):
 
 
 def test_list_and_get_info(sandbox, stack):
-    from e2b import SandboxQuery  # noqa: PLC0415
-
     listed = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2e"})).next_items()
     assert sandbox.sandbox_id in [s.sandbox_id for s in listed]
     info = sandbox.get_info()
