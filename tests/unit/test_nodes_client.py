@@ -15,6 +15,7 @@ from asgiref.sync import sync_to_async
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from django.conf import settings
+from django.db import connections
 from django.utils import timezone
 
 from aenv_site.celery import app as celery_app
@@ -23,6 +24,14 @@ from nodes.client import NodeTaskFailed, NodeTimeout, NodeUnavailable, boot_sand
 from nodes.models import Node
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+async def _close_async_orm_connections():
+    """The async ORM runs on asgiref's shared thread; close its connection after each
+    test, as Django's request cycle would, so PostgreSQL can drop the test database."""
+    yield
+    await sync_to_async(connections.close_all)()
 
 
 class ImageNotFound(Exception):

@@ -3,6 +3,7 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import connections
 from django.utils import timezone
 
 from nodes.models import Node
@@ -10,6 +11,14 @@ from nodes.placement import NoNodeAvailable, pick_node
 from sandboxes.models import Sandbox, Team, Template
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+async def _close_async_orm_connections():
+    """The async ORM runs on asgiref's shared thread; close its connection after each
+    test, as Django's request cycle would, so PostgreSQL can drop the test database."""
+    yield
+    await sync_to_async(connections.close_all)()
 
 
 def make_node(node_id, *, vcpus=8, memory=4096, age_s=0, draining=False, heartbeat=True):

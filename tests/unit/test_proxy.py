@@ -10,12 +10,21 @@ import httpx
 import pytest
 import uvicorn
 from asgiref.sync import sync_to_async
+from django.db import connections
 from django.utils import timezone
 
 from sandboxes.models import Sandbox, Team, Template
 from sandboxes.proxy import EnvdProxy
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+async def _close_async_orm_connections():
+    """The async ORM runs on asgiref's shared thread; close its connection after each
+    test, as Django's request cycle would, so PostgreSQL can drop the test database."""
+    yield
+    await sync_to_async(connections.close_all)()
 
 GZ = gzip.compress(b"hello compressed world" * 10)
 
