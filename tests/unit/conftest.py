@@ -137,3 +137,15 @@ def create(api, nodes_mock):
         return resp.json()
 
     return _create
+
+
+@pytest.fixture(autouse=True)
+def _close_async_db_connections():
+    """Async ORM calls made outside a request run on asgiref's shared sync thread,
+    whose DB connection would stay open and stop pytest-django from dropping the
+    PostgreSQL test database at the end."""
+    yield
+    from asgiref.sync import SyncToAsync  # noqa: PLC0415
+    from django.db import connections  # noqa: PLC0415
+
+    SyncToAsync.single_thread_executor.submit(connections.close_all).result(timeout=10)
