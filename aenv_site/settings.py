@@ -33,8 +33,11 @@ AENV_DRIVER = _env("AENV_DRIVER", "qemu")
 AENV_SANDBOX_DOMAIN = _env("AENV_SANDBOX_DOMAIN", "localhost")
 AENV_DEFAULT_TIMEOUT = _env_int("AENV_DEFAULT_TIMEOUT", 300)
 AENV_MAX_TIMEOUT = _env_int("AENV_MAX_TIMEOUT", 24 * 3600)
-# How long an API call waits for a node to finish a VM operation.
-AENV_NODE_TASK_DEADLINE = _env_int("AENV_NODE_TASK_DEADLINE", 180)
+# A cold boot under TCG takes ~10 s alone and much longer when many boot at once on
+# few cores; past this the driver kills the VM and retries once.
+AENV_BOOT_TIMEOUT = _env_int("AENV_BOOT_TIMEOUT", 150)
+# How long an API call waits for a node to finish a VM operation (a boot may retry once).
+AENV_NODE_TASK_DEADLINE = _env_int("AENV_NODE_TASK_DEADLINE", 2 * AENV_BOOT_TIMEOUT + 30)
 # A node whose last heartbeat is older than this is considered dead.
 AENV_NODE_HEARTBEAT_TIMEOUT = _env_int("AENV_NODE_HEARTBEAT_TIMEOUT", 30)
 AENV_NODE_HEARTBEAT_INTERVAL = _env_int("AENV_NODE_HEARTBEAT_INTERVAL", 5)

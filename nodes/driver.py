@@ -22,6 +22,7 @@ def get_driver():
                 home=settings.AENV_HOME,
                 images_dir=settings.AENV_IMAGES_DIR,
                 host_address=settings.AENV_NODE_ADDRESS,
+                **({"boot_timeout": settings.AENV_BOOT_TIMEOUT} if settings.AENV_DRIVER == "qemu" else {}),
             )
         return _driver
 

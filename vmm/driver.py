@@ -82,12 +82,13 @@ class VMDriver(abc.ABC):
         """Host resources for placement: {"vcpus": int, "memory_mb": int}."""
 
 
-def get_driver(name: str, home: Path, images_dir: Path, host_address: str = "127.0.0.1") -> VMDriver:
-    """Driver factory; `name` is AENV_DRIVER ("qemu" | "firecracker")."""
+def get_driver(name: str, home: Path, images_dir: Path, host_address: str = "127.0.0.1", **options) -> VMDriver:
+    """Driver factory; `name` is AENV_DRIVER ("qemu" | "firecracker"); `options` are
+    driver-specific keyword arguments (e.g. QEMU's `boot_timeout`)."""
     if name == "qemu":
         from vmm.qemu import QemuDriver
 
-        return QemuDriver(home=Path(home), images_dir=Path(images_dir), host_address=host_address)
+        return QemuDriver(home=Path(home), images_dir=Path(images_dir), host_address=host_address, **options)
     if name == "firecracker":
         from vmm.firecracker import FirecrackerDriver
 

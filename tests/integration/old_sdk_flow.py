@@ -2,8 +2,7 @@
 import json
 from importlib.metadata import version
 
-from e2b import Sandbox
-from e2b.exceptions import CommandExitException
+from e2b import CommandExitException, Sandbox
 
 sbx = Sandbox.create(metadata={"gen": "2.45"})
 result = {"version": version("e2b")}

@@ -64,8 +64,11 @@ def test_files_bad_requests_through_the_data_plane(stack):
     created = httpx.post(f"{stack.api_url}/v2/sandboxes", json={"templateID": "base"}, headers=h, timeout=300)
     assert created.status_code == 201, created.text
     sid = created.json()["sandboxID"]
+    token = created.json()["envdAccessToken"]
     route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}
     try:
+        assert_error(httpx.get(f"{stack.sandbox_url}/files?path=/etc/hostname", headers=route), 401)
+        route["X-Access-Token"] = token
         assert httpx.get(f"{stack.sandbox_url}/health", headers=route).status_code == 204
         assert_error(httpx.get(f"{stack.sandbox_url}/files", headers=route), 400)
         assert_error(httpx.get(f"{stack.sandbox_url}/files?path=/home/user", headers=route), 400)

@@ -151,7 +151,8 @@ def test_twelve_concurrent_creates(stack, sdk_env):
     """Twelve creates at once are all in flight together (async waits in the API)."""
     def create_and_run(i):
         t0 = time.monotonic()
-        sbx = Sandbox.create(metadata={"batch": "twelve", "i": str(i)}, timeout=600)
+        # Twelve cold boots share two cores under TCG: allow more than the SDK's 60 s default.
+        sbx = Sandbox.create(metadata={"batch": "twelve", "i": str(i)}, timeout=600, request_timeout=600)
         created = time.monotonic() - t0
         out = sbx.commands.run(f"echo {i}").stdout.strip()
         return sbx, created, out
