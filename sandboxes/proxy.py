@@ -39,8 +39,9 @@ HOP_BY_HOP = frozenset({
 ROUTING_HEADERS = frozenset({b"e2b-sandbox-id", b"e2b-sandbox-port", b"host"})
 # uvicorn writes its own; the upstream's would be duplicates.
 RESPONSE_DROP = frozenset({b"date", b"server"})
-# Sandbox states whose VM runs and whose envd takes traffic.
-ROUTABLE_STATES = frozenset({"running", "snapshotting", "forking", "killing"})
+# Sandbox states whose VM runs and whose envd takes traffic. "killing" is not one:
+# a stream broken by a kill must probe as "was not found" (spec §4.6).
+ROUTABLE_STATES = frozenset({"running", "snapshotting", "forking"})
 PAUSED_STATES = frozenset({"pausing", "paused", "resuming"})
 
 HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<id>[A-Za-z0-9_-]+)\.")
@@ -288,6 +289,7 @@ class EnvdProxy:
             # The sandbox died mid-stream. Raising makes uvicorn drop the connection, so
             # the client sees a broken stream (and probes /health) instead of a clean end.
             self.cache.invalidate(route.sandbox_id)
+            log.info("upstream of %s broke mid-response (%r); dropping the client connection", route.sandbox_id, exc)
             raise UpstreamBroken(f"upstream of {route.sandbox_id} broke mid-response: {exc!r}") from exc
         finally:
             await upstream.aclose()

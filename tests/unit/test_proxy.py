@@ -164,7 +164,7 @@ async def test_no_routing_information_is_400(stack):
     assert r.status_code == 400 and r.json()["code"] == 400
 
 
-@pytest.mark.parametrize("state", [None, "killed", "error", "paused", "creating"])
+@pytest.mark.parametrize("state", [None, "killing", "killed", "error", "paused", "creating"])
 async def test_unknown_or_not_running_is_502_not_found(stack, state):
     sbx_id = "inope"
     if state:
