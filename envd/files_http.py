@@ -11,6 +11,7 @@ import stat
 import zlib
 from urllib.parse import parse_qs
 
+from . import permissions
 from .fsinfo import make_dirs, write_metadata
 from .users import UnknownUser, lookup, resolve_path
 
@@ -77,6 +78,7 @@ async def download(scope, receive, send, settings, headers):
         raise HTTPError(400, "missing 'path' query parameter")
     path = _resolve(params["path"], pw)
     try:
+        permissions.check_read(pw, path)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise HTTPError(404, f"path '{path}' does not exist") from None
@@ -124,6 +126,10 @@ class _Sink:
         self.limit = limit
         if os.path.isdir(path):
             raise HTTPError(400, f"path '{path}' is a directory")
+        try:
+            permissions.check_write(pw, path)
+        except PermissionError as exc:
+            raise HTTPError(403, str(exc)) from None
         parent = os.path.dirname(path)
         try:
             make_dirs(parent, pw.pw_uid, pw.pw_gid)

@@ -5,6 +5,7 @@ import os
 import shutil
 import stat
 
+from . import permissions
 from .connect import ConnectError
 from .fsinfo import entry_info, make_dirs
 from .proto import filesystem_pb2 as pb
@@ -96,14 +97,18 @@ class FilesystemService:
         return pb.WatchDirResponse(keepalive=pb.WatchDirResponse.KeepAlive())
 
     async def stat(self, req, ctx):
-        return pb.StatResponse(entry=_stat_entry(_resolve(req.path, ctx)))
+        path = _resolve(req.path, ctx)
+        permissions.check_stat(ctx.user, path)
+        return pb.StatResponse(entry=_stat_entry(path))
 
     async def make_dir(self, req, ctx):
         path = _resolve(req.path, ctx)
+        permissions.check_stat(ctx.user, path)
         if os.path.lexists(path):
             if os.path.isdir(path):
                 raise ConnectError("already_exists", f"directory '{path}' already exists")
             raise ConnectError("invalid_argument", f"path '{path}' exists and is not a directory")
+        permissions.check_change_in(ctx.user, path)
         try:
             make_dirs(path, ctx.user.pw_uid, ctx.user.pw_gid)
         except NotADirectoryError:
@@ -113,8 +118,11 @@ class FilesystemService:
     async def move(self, req, ctx):
         src = _resolve(req.source, ctx)
         dst = _resolve(req.destination, ctx)
+        permissions.check_stat(ctx.user, src)
         if not os.path.lexists(src):
             raise ConnectError("not_found", f"source '{src}' does not exist")
+        permissions.check_change_in(ctx.user, src)
+        permissions.check_write(ctx.user, dst)
 
         def do_move():
             make_dirs(os.path.dirname(dst), ctx.user.pw_uid, ctx.user.pw_gid)
@@ -130,6 +138,7 @@ class FilesystemService:
 
     async def list_dir(self, req, ctx):
         path = _resolve(req.path, ctx)
+        permissions.check_read(ctx.user, path)
         depth = req.depth or 1
         entries = await asyncio.to_thread(list_dir, path, depth)
         return pb.ListDirResponse(entries=entries)
@@ -138,6 +147,9 @@ class FilesystemService:
         path = _resolve(req.path, ctx)
         if path == "/":
             raise ConnectError("invalid_argument", "refusing to remove '/'")
+        permissions.check_stat(ctx.user, path)
+        if os.path.lexists(path):
+            permissions.check_change_in(ctx.user, path)
         await asyncio.to_thread(remove_path, path)
         return pb.RemoveResponse()
 

@@ -56,7 +56,8 @@ async def test_async_watch_dir_stream(async_sandbox, workdir):
     try:
         os.mkdir(f"{workdir}/sub")
         await asyncio.sleep(0.2)
-        await async_sandbox.files.write(f"{workdir}/sub/aw.txt", "x")
+        # `sub` was made by this (root) test process, so only root may write in it
+        await async_sandbox.files.write(f"{workdir}/sub/aw.txt", "x", user="root")
         for _ in range(50):
             if any(e.name == "sub/aw.txt" for e in events):
                 break
