@@ -97,9 +97,10 @@ def _result_redis() -> aioredis.Redis:
     with _redis_lock:
         client = _redis_by_loop.get(loop)
         if client is None:
-            client = aioredis.from_url(
-                celery_app.conf.result_backend, socket_connect_timeout=3, health_check_interval=0
-            )
+            url = celery_app.conf.result_backend or ""
+            if not url.startswith(("redis://", "rediss://", "unix://")):
+                raise NodeUnavailable(f"the node client needs the Redis result backend, not {url.split(':')[0]!r}")
+            client = aioredis.from_url(url, socket_connect_timeout=3, health_check_interval=0)
             _redis_by_loop[loop] = client
         return client
 

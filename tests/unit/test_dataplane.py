@@ -120,6 +120,6 @@ def test_killed_sandbox_breaks_the_stream_and_reads_as_not_running(sdk, sandbox_
     assert sdk.is_running() is False
 
 
-def test_unknown_sandbox_is_not_running(dataplane, monkeypatch):
+def test_unknown_sandbox_is_not_running(dataplane):
     r = httpx.get(dataplane + "/health", headers={"E2b-Sandbox-Id": "inope", "E2b-Sandbox-Port": "49983"})
     assert r.status_code == 502 and "was not found" in r.json()["message"]
