@@ -41,7 +41,11 @@ AENV_NODE_TASK_DEADLINE = _env_int("AENV_NODE_TASK_DEADLINE", 2 * AENV_BOOT_TIME
 # A node whose last heartbeat is older than this is considered dead.
 AENV_NODE_HEARTBEAT_TIMEOUT = _env_int("AENV_NODE_HEARTBEAT_TIMEOUT", 30)
 AENV_NODE_HEARTBEAT_INTERVAL = _env_int("AENV_NODE_HEARTBEAT_INTERVAL", 5)
-AENV_MAX_FILE_UPLOAD_BYTES = _env_int("AENV_MAX_FILE_UPLOAD_BYTES", 1024 * 1024 * 1024)
+# Node worker: parallel VM operations, and how far capacity may be overcommitted
+# (idle microVMs use little CPU; guest RAM is touched lazily and ballooned back).
+AENV_NODE_CONCURRENCY = _env_int("AENV_NODE_CONCURRENCY", 32)
+AENV_NODE_VCPU_OVERCOMMIT = float(_env("AENV_NODE_VCPU_OVERCOMMIT", "16"))
+AENV_NODE_MEMORY_OVERCOMMIT = float(_env("AENV_NODE_MEMORY_OVERCOMMIT", "1.5"))
 AENV_BASE_CPU_COUNT = _env_int("AENV_BASE_CPU_COUNT", 2)
 AENV_BASE_MEMORY_MB = _env_int("AENV_BASE_MEMORY_MB", 512)
 AENV_BASE_DISK_MB = _env_int("AENV_BASE_DISK_MB", 2048)

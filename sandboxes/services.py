@@ -253,6 +253,7 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str) 
         await _fail_create(sandbox, reason, t0, started, actor, node=None, kind=type(exc).__name__)
         raise ApiError(503, reason, headers=NO_RETRY) from exc
 
+    t_scheduled = time.monotonic()
     # Remember the node before booting: if we crash mid-boot, the VM can be found.
     if not await Sandbox.objects.filter(pk=sandbox.pk, state=S.CREATING).aupdate(node=node):
         raise ApiError(409, f'sandbox "{sandbox.id}" was killed while it was being created', headers=NO_RETRY)
@@ -285,11 +286,12 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str) 
         await _fail_create(sandbox, reason, t0, started, actor, node=node, kind=type(exc).__name__)
         raise ApiError(500, reason, headers=NO_RETRY) from exc
 
+    phases = create_phases(t0, t_scheduled, time.monotonic(), result.get("timings") or {})
     now = timezone.now()
     event = _event(
         sandbox.id, "create", from_state=S.CREATING, started_at=started, duration_ms=_ms(t0), actor=actor,
         details={"node": node.id, "accel": result.get("accel"), "pid": result.get("pid"),
-                 "timings": result.get("timings") or {}},
+                 "timings": result.get("timings") or {}, "phases": phases},
     )
     won = await _transition(
         sandbox.id, [S.CREATING], S.RUNNING, event, node=node,
@@ -304,7 +306,22 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str) 
                              message="sandbox was killed while it was being created",
                              details={"node": node.id, "cleanup": cleanup}))
         raise ApiError(409, f'sandbox "{sandbox.id}" was killed while it was being created', headers=NO_RETRY)
-    return await Sandbox.objects.select_related("template").aget(pk=sandbox.pk)
+    created = await Sandbox.objects.select_related("template").aget(pk=sandbox.pk)
+    created.create_phases = phases
+    return created
+
+
+def create_phases(t0: float, t_scheduled: float, t_done: float, node_timings: dict) -> dict:
+    """Splits a create into phases (ms) for the Server-Timing header and the event:
+    schedule (placement), dispatch (Celery there and back, node bookkeeping),
+    disk (top layer), spawn (QEMU start), boot (spawn → envd /health), init (envd /init)."""
+    roundtrip = (t_done - t_scheduled) * 1000
+    node_ms = float(node_timings.get("total_ms", 0)) + float(node_timings.get("init", 0))
+    phases = {"schedule": (t_scheduled - t0) * 1000, "dispatch": max(roundtrip - node_ms, 0.0),
+              "disk": node_timings.get("disk_ms"), "spawn": node_timings.get("spawn_ms"),
+              "boot": node_timings.get("envd_ms"), "init": node_timings.get("init"),
+              "total": (t_done - t0) * 1000}
+    return {k: round(float(v), 2) for k, v in phases.items() if v is not None}
 
 
 def _snake(kind: str) -> str:

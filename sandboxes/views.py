@@ -63,7 +63,10 @@ class _CreateMixin:
             _team(request), **body.to_service_kwargs(),
             idempotency_key=request.headers.get("Idempotency-Key") or None, actor=_actor(request),
         )
-        return Response(SandboxSerializer(sandbox).data, status=status.HTTP_201_CREATED)
+        phases = getattr(sandbox, "create_phases", None) or {}
+        timing = ", ".join(f"{name};dur={ms}" for name, ms in phases.items())
+        return Response(SandboxSerializer(sandbox).data, status=status.HTTP_201_CREATED,
+                        headers={"Server-Timing": timing} if timing else None)
 
 
 IDEMPOTENCY = OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER, required=False)

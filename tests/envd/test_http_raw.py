@@ -4,7 +4,6 @@ import json
 import struct
 
 import httpx
-import pytest
 
 
 def _frames(body):

@@ -8,7 +8,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 from e2b import CommandExitException, Sandbox, SandboxQuery
 from e2b.exceptions import (

@@ -17,6 +17,8 @@ LISTED_KEYS = {"sandboxID", "templateID", "clientID", "alias", "startedAt", "end
 def _dt(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
+from conftest import BOOT_RESULT
+
 
 @override_settings(AENV_SANDBOX_DOMAIN="sb.example")
 async def test_create_v2_returns_201_sandbox(api, nodes_mock):
@@ -37,8 +39,13 @@ async def test_create_v2_returns_201_sandbox(api, nodes_mock):
     events = [e async for e in SandboxEvent.objects.filter(sandbox=sb).order_by("id")]
     assert [(e.operation, e.outcome, e.to_state) for e in events] == [("create", "started", "creating"),
                                                                        ("create", "ok", "running")]
-    assert events[1].duration_ms is not None and events[1].details["timings"] == {"qemu_start": 120.0,
-                                                                                  "envd_ready": 300.0}
+    assert events[1].duration_ms is not None
+    assert events[1].details["timings"] == BOOT_RESULT["timings"]
+    phases = events[1].details["phases"]
+    assert (phases["disk"], phases["spawn"], phases["boot"], phases["init"]) == (10.0, 20.0, 300.0, 15.0)
+    assert phases["total"] >= phases["schedule"] and phases["dispatch"] >= 0
+    timing = dict(item.split(";dur=") for item in resp.headers["server-timing"].split(", "))
+    assert set(timing) == set(phases) and float(timing["boot"]) == 300.0
 
 
 async def test_create_v1_secure_flag(api, nodes_mock):

@@ -1,6 +1,5 @@
 """Signed-URL checks must match the official SDK's signature algorithm exactly."""
 import json
-import os
 import subprocess
 import sys
 import time

@@ -1,6 +1,5 @@
 """Path resolution, Basic-auth user parsing, exit statuses and clock parsing in envd."""
 import base64
-import os
 import signal
 
 import pytest

@@ -1,7 +1,6 @@
 """Image recipe hashing and cache layout (no debootstrap here)."""
 
 import json
-from pathlib import Path
 
 import pytest
 

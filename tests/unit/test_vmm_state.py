@@ -1,6 +1,5 @@
 """State dirs: vm.json round trip, liveness, list() and idempotent kill() without real VMs."""
 
-import os
 import subprocess
 import sys
 import time

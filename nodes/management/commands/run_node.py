@@ -2,7 +2,7 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from nodes.worker import DEFAULT_CONCURRENCY, run_node
+from nodes.worker import run_node
 
 
 class Command(BaseCommand):
@@ -10,13 +10,13 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--concurrency", type=int,
-                            default=getattr(settings, "AENV_NODE_CONCURRENCY", DEFAULT_CONCURRENCY),
+                            default=settings.AENV_NODE_CONCURRENCY,
                             help="worker threads (parallel VM operations)")
         parser.add_argument("--vcpu-overcommit", type=float,
-                            default=getattr(settings, "AENV_NODE_VCPU_OVERCOMMIT", 16.0),
+                            default=settings.AENV_NODE_VCPU_OVERCOMMIT,
                             help="vCPUs placement may hand out per host CPU")
         parser.add_argument("--memory-overcommit", type=float,
-                            default=getattr(settings, "AENV_NODE_MEMORY_OVERCOMMIT", 1.5),
+                            default=settings.AENV_NODE_MEMORY_OVERCOMMIT,
                             help="guest MiB placement may hand out per host MiB")
         parser.add_argument("--loglevel", default="INFO")
 
