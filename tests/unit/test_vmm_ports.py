@@ -1,11 +1,14 @@
 """Port allocation: concurrent boots (threads and processes) never get the same port."""
 
-import multiprocessing
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 from vmm import ports
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_threads_get_distinct_ports(tmp_path):
@@ -26,15 +29,21 @@ def test_threads_get_distinct_ports(tmp_path):
     assert ports.claimed_ports(sandboxes) == set(got)
 
 
-def _proc_worker(args):
-    sandboxes, i = args
-    return ports.allocate(Path(sandboxes), Path(sandboxes) / f"p{i}", port_range=(45100, 45130))
+ALLOCATE = (
+    "import sys; from pathlib import Path; from vmm import ports; "
+    "d = Path(sys.argv[1]); print(ports.allocate(d, d / sys.argv[2], port_range=(45100, 45130)))"
+)
 
 
 def test_processes_get_distinct_ports(tmp_path):
+    """Separate processes (like several node workers) started at once. Real
+    subprocesses, not a fork pool: forking a test process that runs threads can
+    deadlock the children."""
     sandboxes = tmp_path / "sandboxes"
-    with multiprocessing.get_context("fork").Pool(4) as pool:
-        got = pool.map(_proc_worker, [(str(sandboxes), i) for i in range(12)])
+    procs = [subprocess.Popen([sys.executable, "-c", ALLOCATE, str(sandboxes), f"p{i}"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True) for i in range(12)]
+    got = [int(p.communicate(timeout=60)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
     assert len(set(got)) == 12
 
 
