@@ -81,18 +81,13 @@ def envd(sandbox_user):
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def sdk_env(envd):
-    """Debug mode: Sandbox.create() makes no API call and talks to our envd."""
-    old = {k: os.environ.get(k) for k in ("E2B_DEBUG", "E2B_SANDBOX_URL")}
-    os.environ["E2B_DEBUG"] = "true"
-    os.environ["E2B_SANDBOX_URL"] = envd.url
-    yield envd
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+@pytest.fixture
+def sdk_env(envd, monkeypatch):
+    """Debug mode: Sandbox.create() makes no API call and talks to our envd. Set per
+    test, so later suites (the end-to-end ones) never inherit debug mode."""
+    monkeypatch.setenv("E2B_DEBUG", "true")
+    monkeypatch.setenv("E2B_SANDBOX_URL", envd.url)
+    return envd
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.vm
 
 
 def aenv(stack, *args):
-    env = {**os.environ, "E2B_API_URL": stack.api_url, "E2B_SANDBOX_URL": stack.sandbox_url,
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "AENV_API"))}, "E2B_API_URL": stack.api_url, "E2B_SANDBOX_URL": stack.sandbox_url,
            "E2B_API_KEY": stack.api_key}
     return subprocess.run([sys.executable, "-m", "aenv_cli", *args], env=env, capture_output=True, text=True,
                           timeout=300)

@@ -22,10 +22,15 @@ pytestmark = pytest.mark.vm
 
 @pytest.fixture(scope="module")
 def sandbox(stack):
-    os.environ.update(E2B_API_URL=stack.api_url, E2B_SANDBOX_URL=stack.sandbox_url, E2B_API_KEY=stack.api_key)
-    sbx = Sandbox.create(metadata={"suite": "e2e"}, envs={"SANDBOX_WIDE": "from-create"})
-    yield sbx
-    sbx.kill()
+    """One sandbox shared by the module's read-mostly tests (cold boots are slow under TCG)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("E2B_API_URL", stack.api_url)
+        mp.setenv("E2B_SANDBOX_URL", stack.sandbox_url)
+        mp.setenv("E2B_API_KEY", stack.api_key)
+        mp.delenv("E2B_DEBUG", raising=False)
+        sbx = Sandbox.create(metadata={"suite": "e2e"}, envs={"SANDBOX_WIDE": "from-create"})
+        yield sbx
+        sbx.kill()
 
 
 def test_runs_in_the_guest_kernel(sandbox):
@@ -178,8 +183,8 @@ def test_old_sdk_generation(stack):
     python = os.environ.get("AENV_OLD_SDK_PYTHON")
     if not python:
         pytest.skip("AENV_OLD_SDK_PYTHON not set: scripts/test.sh installs e2b==2.45.1 and sets it")
-    env = {**os.environ, "E2B_API_URL": stack.api_url, "E2B_SANDBOX_URL": stack.sandbox_url,
-           "E2B_API_KEY": stack.api_key}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("E2B_")},
+           "E2B_API_URL": stack.api_url, "E2B_SANDBOX_URL": stack.sandbox_url, "E2B_API_KEY": stack.api_key}
     out = subprocess.run([python, str(Path(__file__).with_name("old_sdk_flow.py"))], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
