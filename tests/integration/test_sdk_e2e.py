@@ -151,6 +151,7 @@ def test_kill_stops_vm_and_leaves_nothing(stack, sdk_env):
     assert not list(Path("/dev/shm").glob(f"*{sbx.sandbox_id}*"))
 
 
+@pytest.mark.slow
 def test_twelve_concurrent_creates(stack, sdk_env):
     """Twelve creates at once are all in flight together (async waits in the API)."""
     def create_and_run(i):
