@@ -51,6 +51,7 @@ fi
 echo "==> database schema"
 .venv/bin/python manage.py migrate --noinput -v 0
 .venv/bin/python manage.py bootstrap
+.venv/bin/python manage.py collectstatic --noinput -v 0
 
 echo "==> base guest image (built once, cached under ${AENV_IMAGES_DIR:-$AENV_HOME/images})"
 .venv/bin/python -m vmm.images build --name base --images-dir "${AENV_IMAGES_DIR:-$AENV_HOME/images}"
