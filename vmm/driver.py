@@ -7,12 +7,14 @@ state dirs so a restarted worker can list() and reattach to VMs that outlived it
 from __future__ import annotations
 
 import abc
+import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vmm.images import ImageNotFound  # re-exported: part of the driver contract
 
-__all__ = ["BootSpec", "VMInfo", "VMDriver", "VMError", "ImageNotFound", "BootTimeout", "get_driver"]
+__all__ = ["BootSpec", "VMInfo", "SnapshotManifest", "VMDriver", "VMError", "ImageNotFound", "BootTimeout", "get_driver"]
 
 
 class VMError(Exception):
@@ -45,6 +47,7 @@ class VMInfo:
     accel: str
     state_dir: Path
     timings: dict[str, float] = field(default_factory=dict)
+    status: str = "running"  # "running" | "paused" (pid is 0 after a pause_to_disk)
 
     @property
     def envd_url(self) -> str:
@@ -54,6 +57,47 @@ class VMInfo:
         d = asdict(self)
         d["state_dir"] = str(self.state_dir)
         return d
+
+
+@dataclass
+class SnapshotManifest:
+    """Everything needed to restore a snapshot, written as `<dir>/manifest.json`.
+
+    Ownership: the snapshot dir (`dir`, holding the sealed layer copies, memory file and device
+    state) belongs to whoever asked for the snapshot. It must outlive every sandbox restored from
+    it (they map its RAM file copy-on-write and read its layers); kill() of those sandboxes never
+    deletes it. `layers[0]` is the template base (immutable, owned by the image cache).
+    """
+
+    dir: Path
+    layers: list[str]  # read-only disk layers, base first; a restore stacks a new top on the last
+    memory_file: str  # guest RAM image (sparse); restores map it share=off (MAP_PRIVATE)
+    device_state_file: str  # device state (x-ignore-shared migration stream)
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    machine: dict  # the exact QEMU config a destination must reuse (kernel, initrd, tools, accel, tsc...)
+    source_sandbox_id: str = ""
+    created_at: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["dir"] = str(self.dir)
+        return d
+
+    def save(self) -> Path:
+        path = Path(self.dir) / "manifest.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, dir: Path) -> "SnapshotManifest":
+        data = json.loads((Path(dir) / "manifest.json").read_text())
+        data["dir"] = Path(data["dir"])
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 class VMDriver(abc.ABC):
@@ -67,15 +111,56 @@ class VMDriver(abc.ABC):
 
     @abc.abstractmethod
     def kill(self, sandbox_id: str) -> bool:
-        """Stops the VM and removes everything it left on the host; False if it did not exist."""
+        """Stops the VM and removes everything it owns on the host: state dir (top, sealed
+        layers, saved device state), its RAM file (not a snapshot's RAM file it was restored
+        from) and, for the last child of a fork, the fork's capture. Caller-owned snapshot dirs
+        are never touched. False if it did not exist."""
 
     @abc.abstractmethod
     def info(self, sandbox_id: str) -> VMInfo | None:
-        """The running VM's info, or None if it is unknown or dead."""
+        """The VM's info (running or paused), or None if it is unknown or dead."""
 
     @abc.abstractmethod
     def list(self) -> list[VMInfo]:
-        """All VMs found in state dirs whose process is alive (reattach after a worker restart)."""
+        """All VMs found in state dirs whose process is alive, plus VMs paused to disk
+        (reattach after a worker restart)."""
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    # Every verb returns or records timings in ms. Guest clocks stop while paused and children
+    # inherit the parent's clock: the caller re-syncs it through envd /init afterwards.
+
+    @abc.abstractmethod
+    def pause(self, sandbox_id: str) -> dict[str, float]:
+        """Freezes the vCPUs in memory (the QEMU process stays; TCP connections survive)."""
+
+    @abc.abstractmethod
+    def pause_to_disk(self, sandbox_id: str) -> dict[str, float]:
+        """Saves the device state into the state dir and stops the QEMU process. The RAM file
+        stays as the memory snapshot; info()/list() then report status "paused" with pid 0."""
+
+    @abc.abstractmethod
+    def resume(self, sandbox_id: str) -> VMInfo:
+        """Continues a paused VM (either kind of pause); returns once envd answers /health.
+        After a pause_to_disk the VM runs in a new process (same id, same envd port)."""
+
+    @abc.abstractmethod
+    def snapshot(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:
+        """Captures disk, memory and device state into dest_dir (owned by the caller) during a
+        brief pause; the VM then continues on a new empty disk top. timings["pause_ms"] is the
+        window the guest was stopped."""
+
+    @abc.abstractmethod
+    def restore(self, manifest: SnapshotManifest, spec: BootSpec) -> VMInfo:
+        """A new sandbox `spec.sandbox_id` running from the snapshot (copy-on-write memory and
+        disk); returns once envd answers /health. Only spec.sandbox_id is used: cpu, memory
+        and image come from the manifest."""
+
+    @abc.abstractmethod
+    def fork(self, sandbox_id: str, count: int, child_ids: list[str] | None = None) -> list[VMInfo | Exception]:
+        """One capture of the running VM, then `count` independent children restored in
+        parallel. The parent keeps its id and port. A failed child is returned as its exception
+        and does not affect its siblings. The capture is owned by the driver and deleted when
+        the last child is killed."""
 
     @abc.abstractmethod
     def capacity(self) -> dict:

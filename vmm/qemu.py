@@ -1,8 +1,23 @@
-"""QEMU microvm driver: cold boot, kill, info and list of VMs kept in per-sandbox state dirs.
+"""QEMU microvm driver: boot, kill, info, list, pause/resume, snapshot/restore and fork of VMs
+kept in per-sandbox state dirs.
 
 Why this shape: QEMU daemonizes (new session, pidfile) so VMs outlive the worker; every file a
 VM uses is under home/sandboxes/<id>/ or /dev/shm/aenv-<id>.ram and recorded in vm.json, so
 kill() leaves nothing behind and list() can reattach after a restart.
+
+Lifecycle (qemu-feasibility §4 recipe B, §5, §6): guest RAM is a memory-backend-file on /dev/shm
+with share=on and every QEMU has the `x-ignore-shared` migration capability, so "saving the VM"
+means migrating only the device state (~60 KiB); the RAM file itself is the memory snapshot.
+Destinations are spawned from the recorded config with the identical command line except the RAM
+share mode, the disk top, the hostfwd port and `-incoming defer` (nothing checks that configs
+match, so they are only ever derived from vm.json / manifest.json).
+
+File ownership:
+  home/sandboxes/<id>/    the sandbox's: top, sealed layers (top-N.qcow2 chain), device state
+  /dev/shm/aenv-<id>.ram  the sandbox's RAM (booted sandboxes only)
+  <snapshot dir>          the snapshot() caller's; restored sandboxes map its RAM file and read its
+                          layers, so it must outlive them
+  home/forks/<id>-<x>/    a fork capture: the driver's; deleted when its last child is killed
 """
 
 from __future__ import annotations
@@ -15,14 +30,17 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vmm import hostinfo, ports
 from vmm.accel import detect_accel, kvm_openable
-from vmm.driver import BootSpec, BootTimeout, VMDriver, VMError, VMInfo
+from vmm.driver import BootSpec, BootTimeout, SnapshotManifest, VMDriver, VMError, VMInfo
 from vmm.images import find_image
 from vmm.qemu_cmdline import QEMU, VMPaths, qemu_command
-from vmm.qmp import QMP, QMPError
+from vmm.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, prepare_migration
 from vmm.state import VMState, process_alive, read_pidfile, reap, valid_sandbox_id
 
 DEFAULT_BOOT_TIMEOUT = 60.0
@@ -53,7 +71,7 @@ class QemuDriver(VMDriver):
                  port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
-        self.home = Path(home)
+        self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
         self.images_dir = Path(images_dir)
         self.sandboxes_dir = self.home / "sandboxes"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
@@ -64,6 +82,13 @@ class QemuDriver(VMDriver):
         self.port_range = port_range
         self._accel = accel
         self._accel_lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._locks_lock = threading.Lock()
+
+    def _lock(self, sandbox_id: str) -> threading.Lock:
+        """Serializes lifecycle verbs on one sandbox within this process."""
+        with self._locks_lock:
+            return self._locks[sandbox_id]
 
     @property
     def accel(self) -> str:
@@ -112,16 +137,18 @@ class QemuDriver(VMDriver):
         _run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image.rootfs), "-F", "qcow2",
               str(paths.top), f"{disk_mb}M"])
         t_disk = time.monotonic()
+        tsc = hostinfo.tsc_khz()
         argv = qemu_command(paths=paths, kernel=image.kernel, initrd=image.initrd, tools=image.tools, accel=accel,
                             cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, host_address=self.host_address,
-                            host_port=port, tsc_khz=hostinfo.tsc_khz(), resize=disk_mb > base_mb, qemu=self.qemu)
+                            host_port=port, tsc_khz=tsc, resize=disk_mb > base_mb, qemu=self.qemu)
         state = VMState(sandbox_id=spec.sandbox_id, pid=0, accel=accel, host_address=self.host_address,
                         host_port=port, state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
                         console=str(paths.console), pidfile=str(paths.pidfile), ram=str(paths.ram),
                         image=spec.image, image_dir=str(image.kernel.parent), kernel=str(image.kernel),
                         initrd=str(image.initrd), rootfs=str(image.rootfs), tools=str(image.tools),
                         cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, disk_size_mb=disk_mb, argv=argv,
-                        created_at=time.time())
+                        created_at=time.time(), tsc_khz=tsc, resize=disk_mb > base_mb, qemu=self.qemu,
+                        chain=[str(image.rootfs)])
         state.save()  # before spawning: a crash from here on still leaves a killable record
         proc = subprocess.run(argv, capture_output=True, text=True, start_new_session=True, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
@@ -133,6 +160,11 @@ class QemuDriver(VMDriver):
         state.pid = pid
         t_spawn = time.monotonic()
         state.save()
+        try:
+            with QMP(paths.qmp, timeout=10.0) as q:
+                prepare_migration(q)  # always ready for pause_to_disk / snapshot / fork
+        except (QMPError, OSError) as e:
+            raise _BootAttemptFailed(f"attempt {attempt}: QMP setup failed: {e}", console_tail(paths.console))
         deadline = t_spawn + self.boot_timeout
         while not envd_healthy(self.host_address, port):
             if not process_alive(pid, str(paths.qmp)):
@@ -153,18 +185,22 @@ class QemuDriver(VMDriver):
     def kill(self, sandbox_id: str) -> bool:
         if not valid_sandbox_id(sandbox_id):
             return False
-        state_dir = self.sandboxes_dir / sandbox_id
-        paths = VMPaths.for_sandbox(state_dir, sandbox_id, self.shm_dir)
-        state = VMState.load(state_dir)
-        if state is not None:
-            paths = VMPaths(state_dir=state_dir, top=Path(state.top), qmp=Path(state.qmp),
-                            console=Path(state.console), pidfile=Path(state.pidfile), ram=Path(state.ram))
-        existed = state_dir.exists() or paths.ram.exists()
-        self._cleanup(state_dir, paths)
+        with self._lock(sandbox_id):
+            state_dir = self.sandboxes_dir / sandbox_id
+            paths = VMPaths.for_sandbox(state_dir, sandbox_id, self.shm_dir)
+            state = VMState.load(state_dir)
+            unlink_ram = True
+            if state is not None:
+                paths = self._paths(state)
+                unlink_ram = state.ram_owned
+            existed = state_dir.exists() or (unlink_ram and paths.ram.exists())
+            self._cleanup(state_dir, paths, unlink_ram=unlink_ram)
+        if state is not None and state.capture_ref:
+            self._release_capture(Path(state.capture_ref))
         return existed
 
-    def _cleanup(self, state_dir: Path, paths: VMPaths) -> None:
-        """Stops the VM (QMP quit, SIGTERM, SIGKILL) and deletes its state dir and RAM file."""
+    def _stop_process(self, paths: VMPaths) -> None:
+        """Stops the QEMU of `paths` if it runs (QMP quit, SIGTERM, SIGKILL)."""
         pid = read_pidfile(paths.pidfile)
         marker = str(paths.qmp)
         if pid and process_alive(pid, marker):
@@ -185,11 +221,25 @@ class QemuDriver(VMDriver):
                 if not process_alive(pid, marker):
                     break
             reap(pid)
+
+    def _cleanup(self, state_dir: Path, paths: VMPaths, unlink_ram: bool = True) -> None:
+        """Stops the VM and deletes its state dir (top, sealed layers, device state) and, if it
+        owns it, its RAM file."""
+        self._stop_process(paths)
         shutil.rmtree(state_dir, ignore_errors=True)
-        try:
-            paths.ram.unlink()
-        except FileNotFoundError:
-            pass
+        if unlink_ram:
+            try:
+                paths.ram.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _release_capture(self, capture: Path) -> None:
+        """Deletes a fork capture once no sandbox state dir refers to it any more."""
+        for d in self.sandboxes_dir.iterdir() if self.sandboxes_dir.exists() else []:
+            other = VMState.load(d)
+            if other is not None and other.capture_ref == str(capture):
+                return
+        shutil.rmtree(capture, ignore_errors=True)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -197,7 +247,11 @@ class QemuDriver(VMDriver):
         if not valid_sandbox_id(sandbox_id):
             return None
         state = VMState.load(self.sandboxes_dir / sandbox_id)
-        if state is None or not process_alive(state.pid, state.qmp):
+        if state is None:
+            return None
+        if state.status == "paused_disk":
+            return self._to_info(state)
+        if not process_alive(state.pid, state.qmp):
             return None
         return self._to_info(state)
 
@@ -205,9 +259,294 @@ class QemuDriver(VMDriver):
         out = []
         for d in sorted(self.sandboxes_dir.iterdir()) if self.sandboxes_dir.exists() else []:
             state = VMState.load(d)
-            if state is not None and process_alive(state.pid, state.qmp):
+            if state is not None and (state.status == "paused_disk" or process_alive(state.pid, state.qmp)):
                 out.append(self._to_info(state))
         return out
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def _load(self, sandbox_id: str) -> VMState:
+        state = VMState.load(self.sandboxes_dir / sandbox_id) if valid_sandbox_id(sandbox_id) else None
+        if state is None:
+            raise VMError(f"unknown sandbox {sandbox_id!r}")
+        if state.status != "paused_disk" and not process_alive(state.pid, state.qmp):
+            raise VMError(f"sandbox {sandbox_id}: QEMU process is gone")
+        return state
+
+    @staticmethod
+    def _paths(state: VMState) -> VMPaths:
+        return VMPaths(state_dir=Path(state.state_dir), top=Path(state.top), qmp=Path(state.qmp),
+                       console=Path(state.console), pidfile=Path(state.pidfile), ram=Path(state.ram))
+
+    @staticmethod
+    def _argv(state: VMState, incoming: bool) -> list[str]:
+        """The command line from the recorded config only (identical for source and destination)."""
+        return qemu_command(paths=QemuDriver._paths(state), kernel=Path(state.kernel), initrd=Path(state.initrd),
+                            tools=Path(state.tools), accel=state.accel, cpu_count=state.cpu_count,
+                            memory_mb=state.memory_mb, host_address=state.host_address, host_port=state.host_port,
+                            tsc_khz=state.tsc_khz, resize=state.resize, qemu=state.qemu,
+                            ram_share=state.ram_share, incoming=incoming)
+
+    def _wait_health(self, state: VMState, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not envd_healthy(state.host_address, state.host_port):
+            if not process_alive(state.pid, state.qmp):
+                raise VMError(f"sandbox {state.sandbox_id}: qemu died\n{console_tail(Path(state.console))}")
+            if time.monotonic() > deadline:
+                raise BootTimeout(f"sandbox {state.sandbox_id}: no /health after {timeout:.0f}s",
+                                  console_tail(Path(state.console)))
+            time.sleep(0.005)
+
+    def _spawn_incoming(self, state: VMState, device_state: Path) -> dict[str, float]:
+        """Starts a destination QEMU for `state` (-incoming defer), loads the device state, runs
+        it and waits for envd. On failure the new process is stopped and the error raised."""
+        t0 = time.monotonic()
+        state.argv = self._argv(state, incoming=True)
+        state.top_node = "root"
+        state.pid = 0
+        state.save()
+        paths = self._paths(state)
+        try:
+            paths.pidfile.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            proc = subprocess.run(state.argv, capture_output=True, text=True, start_new_session=True,
+                                  stdin=subprocess.DEVNULL)
+            if proc.returncode != 0:
+                raise VMError(f"sandbox {state.sandbox_id}: qemu exited {proc.returncode}: "
+                              f"{proc.stderr.strip()[-500:]}")
+            pid = read_pidfile(paths.pidfile)
+            if pid is None:
+                raise VMError(f"sandbox {state.sandbox_id}: no pidfile")
+            state.pid = pid
+            t_spawn = time.monotonic()
+            with QMP(paths.qmp, timeout=30.0) as q:
+                prepare_migration(q)
+                migrate_from_file(q, device_state)
+            t_run = time.monotonic()
+            self._wait_health(state, self.boot_timeout)
+        except BaseException:
+            self._stop_process(paths)
+            raise
+        t_ready = time.monotonic()
+        return {"spawn_ms": (t_spawn - t0) * 1e3, "incoming_ms": (t_run - t_spawn) * 1e3,
+                "envd_ms": (t_ready - t_run) * 1e3, "total_ms": (t_ready - t0) * 1e3}
+
+    def pause(self, sandbox_id: str) -> dict[str, float]:
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if state.status == "paused_disk":
+                raise VMError(f"sandbox {sandbox_id} is paused to disk")
+            t0 = time.monotonic()
+            with QMP(Path(state.qmp)) as q:
+                q.execute("stop")
+            timings = {"pause_ms": (time.monotonic() - t0) * 1e3}
+            state.status = "paused"
+            state.timings.update(timings)
+            state.save()
+            return timings
+
+    def pause_to_disk(self, sandbox_id: str) -> dict[str, float]:
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if state.status == "paused_disk":
+                return {}
+            paths = self._paths(state)
+            device_state = paths.state_dir / "device.state"
+            t0 = time.monotonic()
+            with QMP(paths.qmp, timeout=30.0) as q:
+                was_running = q.execute("query-status").get("status") == "running"
+                q.execute("stop")
+                t_stop = time.monotonic()
+                try:
+                    migrate_to_file(q, device_state)
+                except BaseException:
+                    if was_running:
+                        q.execute("cont")
+                    raise
+                t_saved = time.monotonic()
+                # From here the device state + RAM file are the VM: record that before QEMU exits.
+                state.status = "paused_disk"
+                state.device_state = str(device_state)
+                state.save()
+                try:
+                    q.execute("quit")
+                except QMPError:
+                    pass  # the socket may close before the reply
+            pid = state.pid
+            end = time.monotonic() + 10.0
+            while process_alive(pid, state.qmp) and time.monotonic() < end:
+                time.sleep(0.002)
+            if process_alive(pid, state.qmp):
+                self._stop_process(paths)
+            reap(pid)
+            t_exit = time.monotonic()
+            state.pid = 0
+            timings = {"stop_ms": (t_stop - t0) * 1e3, "save_ms": (t_saved - t_stop) * 1e3,
+                       "pause_to_disk_ms": (t_saved - t0) * 1e3, "exit_ms": (t_exit - t_saved) * 1e3,
+                       "total_ms": (t_exit - t0) * 1e3}
+            state.timings.update({f"pause_to_disk.{k}": v for k, v in timings.items()})
+            state.save()
+            return timings
+
+    def resume(self, sandbox_id: str) -> VMInfo:
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if state.status == "paused_disk":
+                timings = self._spawn_incoming(state, Path(state.device_state))
+                try:
+                    Path(state.device_state).unlink()
+                except FileNotFoundError:
+                    pass
+                state.device_state = ""
+            else:
+                t0 = time.monotonic()
+                with QMP(Path(state.qmp)) as q:
+                    q.execute("cont")
+                t_cont = time.monotonic()
+                self._wait_health(state, self.boot_timeout)
+                timings = {"cont_ms": (t_cont - t0) * 1e3, "total_ms": (time.monotonic() - t0) * 1e3}
+            state.status = "running"
+            state.timings.update({f"resume.{k}": v for k, v in timings.items()})
+            state.save()
+            info = self._to_info(state)
+            info.timings = timings
+            return info
+
+    def snapshot(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:
+        dest = Path(dest_dir).absolute()
+        dest.mkdir(parents=True, exist_ok=True)
+        if any(dest.iterdir()):
+            raise VMError(f"snapshot dir {dest} is not empty")
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if state.status == "paused_disk":
+                raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a snapshot")
+            paths = self._paths(state)
+            gen = state.generation + 1
+            new_top = paths.state_dir / f"top-{gen}.qcow2"
+            node = f"top{gen}"
+            device_state = dest / "device.state"
+            memory = dest / "memory.ram"
+            with QMP(paths.qmp, timeout=30.0) as q:
+                was_running = q.execute("query-status").get("status") == "running"
+                t0 = time.monotonic()
+                q.execute("stop")
+                t_stop = time.monotonic()
+                try:
+                    q.execute("blockdev-snapshot-sync", **{"node-name": state.top_node, "snapshot-file": str(new_top),
+                                                            "snapshot-node-name": node, "format": "qcow2"})
+                    state.chain.append(state.top)  # sealed: read-only from now on, owned by the sandbox
+                    state.top, state.top_node, state.generation = str(new_top), node, gen
+                    state.save()
+                    t_disk = time.monotonic()
+                    migrate_to_file(q, device_state)
+                    t_dev = time.monotonic()
+                    _run(["cp", "--sparse=always", state.ram, str(memory)])
+                    t_mem = time.monotonic()
+                finally:
+                    if was_running:
+                        q.execute("cont")
+                t_cont = time.monotonic()
+            # Outside the pause: copy the sealed layers (immutable now) so the snapshot dir does
+            # not depend on the sandbox, and point each copy at the previous one.
+            layers = [state.chain[0]]
+            for i, layer in enumerate(state.chain[1:]):
+                copy = dest / f"layer-{i}.qcow2"
+                _run(["cp", "--sparse=always", layer, str(copy)])
+                _run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", layers[-1], str(copy)])
+                layers.append(str(copy))
+            t_done = time.monotonic()
+            timings = {"stop_ms": (t_stop - t0) * 1e3, "disk_ms": (t_disk - t_stop) * 1e3,
+                       "device_ms": (t_dev - t_disk) * 1e3, "memory_copy_ms": (t_mem - t_dev) * 1e3,
+                       "pause_ms": (t_cont - t0) * 1e3, "layers_copy_ms": (t_done - t_cont) * 1e3,
+                       "total_ms": (t_done - t0) * 1e3}
+            manifest = SnapshotManifest(
+                dir=dest, layers=layers, memory_file=str(memory), device_state_file=str(device_state),
+                cpu_count=state.cpu_count, memory_mb=state.memory_mb, disk_size_mb=state.disk_size_mb,
+                machine={"qemu": state.qemu, "accel": state.accel, "kernel": state.kernel, "initrd": state.initrd,
+                         "tools": state.tools, "tsc_khz": state.tsc_khz, "resize": state.resize,
+                         "image": state.image, "image_dir": state.image_dir, "source_argv": state.argv},
+                source_sandbox_id=sandbox_id, created_at=time.time(), timings=timings)
+            manifest.save()
+            state.timings.update({f"snapshot.{k}": v for k, v in timings.items()})
+            state.save()
+            return manifest
+
+    def restore(self, manifest: SnapshotManifest, spec: BootSpec) -> VMInfo:
+        return self._restore(manifest, spec, capture_ref="")
+
+    def _restore(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str) -> VMInfo:
+        sid = spec.sandbox_id
+        if not valid_sandbox_id(sid):
+            raise VMError(f"invalid sandbox id {sid!r}")
+        m = manifest.machine
+        if m.get("accel") != self.accel:
+            raise VMError(f"snapshot was taken under {m.get('accel')}, this host runs {self.accel}")
+        state_dir = self.sandboxes_dir / sid
+        if state_dir.exists():
+            raise VMError(f"sandbox {sid} already exists ({state_dir})")
+        t0 = time.monotonic()
+        paths = VMPaths.for_sandbox(state_dir, sid, self.shm_dir)
+        try:
+            port = ports.allocate(self.sandboxes_dir, state_dir, self.host_address, self.port_range)
+            _run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", manifest.layers[-1], "-F", "qcow2",
+                  str(paths.top), f"{manifest.disk_size_mb}M"])
+            t_disk = time.monotonic()
+            state = VMState(sandbox_id=sid, pid=0, accel=m["accel"], host_address=self.host_address,
+                            host_port=port, state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
+                            console=str(paths.console), pidfile=str(paths.pidfile), ram=manifest.memory_file,
+                            image=m.get("image", "base"), image_dir=m.get("image_dir", ""), kernel=m["kernel"],
+                            initrd=m["initrd"], rootfs=manifest.layers[0], tools=m["tools"],
+                            cpu_count=manifest.cpu_count, memory_mb=manifest.memory_mb,
+                            disk_size_mb=manifest.disk_size_mb, argv=[], created_at=time.time(),
+                            tsc_khz=m["tsc_khz"], resize=m["resize"], qemu=m["qemu"], ram_share=False,
+                            ram_owned=False, chain=list(manifest.layers), capture_ref=capture_ref)
+            timings = self._spawn_incoming(state, Path(manifest.device_state_file))
+        except BaseException:
+            self._cleanup(state_dir, paths, unlink_ram=False)
+            raise
+        timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3}
+        state.status = "running"
+        state.timings = timings
+        state.save()
+        return self._to_info(state)
+
+    def fork(self, sandbox_id: str, count: int, child_ids: list[str] | None = None) -> list[VMInfo | Exception]:
+        if count < 1:
+            raise VMError("fork count must be >= 1")
+        tag = uuid.uuid4().hex[:6]
+        ids = child_ids or [f"{sandbox_id[:48]}-f{tag}-{i}" for i in range(count)]
+        if len(ids) != count or len(set(ids)) != count:
+            raise VMError("child_ids must be `count` distinct ids")
+        capture = (self.home / "forks" / f"{sandbox_id}-{tag}").absolute()
+        t0 = time.monotonic()
+        try:
+            manifest = self.snapshot(sandbox_id, capture)
+        except BaseException:
+            shutil.rmtree(capture, ignore_errors=True)
+            raise
+        t_cap = time.monotonic()
+
+        def child(cid: str) -> VMInfo:
+            info = self._restore(manifest, BootSpec(cid), capture_ref=str(capture))
+            info.timings.update({f"capture.{k}": v for k, v in manifest.timings.items()})
+            return info
+
+        with ThreadPoolExecutor(max_workers=min(count, 16)) as pool:
+            futures = [pool.submit(child, cid) for cid in ids]
+            results: list[VMInfo | Exception] = []
+            for f in futures:
+                exc = f.exception()
+                results.append(exc if exc is not None else f.result())
+        t_all = time.monotonic()
+        for r in results:
+            if isinstance(r, VMInfo):
+                r.timings["fork_all_ready_ms"] = (t_all - t0) * 1e3
+                r.timings["fork_capture_ms"] = (t_cap - t0) * 1e3
+        self._release_capture(capture)  # gone at once if every child failed
+        return results
 
     def capacity(self) -> dict:
         return hostinfo.capacity()
@@ -216,7 +555,7 @@ class QemuDriver(VMDriver):
     def _to_info(state: VMState) -> VMInfo:
         return VMInfo(sandbox_id=state.sandbox_id, pid=state.pid, envd_host=state.host_address,
                       envd_port=state.host_port, accel=state.accel, state_dir=Path(state.state_dir),
-                      timings=dict(state.timings))
+                      timings=dict(state.timings), status="running" if state.status == "running" else "paused")
 
 
 class _BootAttemptFailed(Exception):

@@ -54,15 +54,21 @@ def accel_args(accel: str) -> list[str]:
 
 def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, accel: str, cpu_count: int,
                  memory_mb: int, host_address: str, host_port: int, tsc_khz: int, resize: bool = False,
-                 qemu: str = QEMU) -> list[str]:
-    """argv that boots a daemonized microvm; envd's guest port is forwarded to host_address:host_port."""
+                 qemu: str = QEMU, ram_share: bool = True, incoming: bool = False) -> list[str]:
+    """argv that boots a daemonized microvm; envd's guest port is forwarded to host_address:host_port.
+
+    A restore/resume destination uses the same arguments except `ram_share` (False: MAP_PRIVATE
+    copy-on-write over a snapshot's RAM file), the top in `paths`, `host_port` and `incoming`
+    (adds `-incoming defer`; the device state then comes from QMP migrate-incoming).
+    """
     if cpu_count < 1 or memory_mb < 64:
         raise ValueError("cpu_count must be >= 1 and memory_mb >= 64")
-    return [
+    share = "on" if ram_share else "off"
+    argv = [
         qemu, "-name", f"aenv-{paths.state_dir.name}",
         "-M", "microvm,memory-backend=ram0", *accel_args(accel),
         "-m", f"{memory_mb}M", "-smp", str(cpu_count),
-        "-object", f"memory-backend-file,id=ram0,size={memory_mb}M,mem-path={paths.ram},share=on",
+        "-object", f"memory-backend-file,id=ram0,size={memory_mb}M,mem-path={paths.ram},share={share}",
         "-nodefaults", "-no-user-config", "-no-reboot", "-display", "none",
         "-serial", f"file:{paths.console}",
         "-qmp", f"unix:{paths.qmp},server=on,wait=off",
@@ -78,3 +84,6 @@ def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, acc
         "-device", "virtio-net-device,netdev=net0,id=vnet0",
         "-device", "virtio-balloon-device,free-page-reporting=on,id=balloon0",
     ]
+    if incoming:
+        argv += ["-incoming", "defer"]
+    return argv

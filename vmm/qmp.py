@@ -1,6 +1,7 @@
 """Minimal synchronous QMP client over a VM's unix socket.
 
-Why: quit now; stop/cont/migrate/blockdev-snapshot for pause and fork later. One short-lived
+Why: quit, stop/cont, device-state migrate (x-ignore-shared) and blockdev snapshots for the
+lifecycle verbs in qemu.py. One short-lived
 connection per use keeps it safe across worker restarts.
 """
 
@@ -58,3 +59,64 @@ class QMP:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# -- lifecycle helpers (qemu-feasibility §4 recipe B, §5, §6) ------------------------------------
+
+MAX_BANDWIDTH = 100 << 30  # bytes/s; the default cap makes any RAM in the stream ~6x slower
+
+
+def prepare_migration(q: QMP) -> None:
+    """x-ignore-shared (share=on RAM is skipped: the RAM file is the memory snapshot) and no
+    bandwidth cap. Set on every VM at spawn, sources and destinations alike."""
+    q.execute("migrate-set-capabilities",
+              capabilities=[{"capability": "x-ignore-shared", "state": True}])
+    q.execute("migrate-set-parameters", **{"max-bandwidth": MAX_BANDWIDTH})
+
+
+def _shell_path(path: Path) -> str:
+    import shlex
+
+    return shlex.quote(str(path))
+
+
+def migrate_to_file(q: QMP, path: Path, timeout: float = 60.0) -> None:
+    """Saves the (stopped) VM's device state to `path` and waits for status completed."""
+    import time
+
+    q.execute("migrate", uri=f"exec:cat > {_shell_path(path)}")
+    deadline = time.monotonic() + timeout
+    while True:
+        status = q.execute("query-migrate").get("status")
+        if status == "completed":
+            return
+        if status in ("failed", "cancelled"):
+            raise QMPError(f"migrate to {path}: {status}")
+        if time.monotonic() > deadline:
+            raise QMPError(f"migrate to {path}: still {status} after {timeout}s")
+        time.sleep(0.001)
+
+
+def migrate_from_file(q: QMP, path: Path, timeout: float = 60.0) -> None:
+    """On a `-incoming defer` VM: loads the device state from `path`, then makes sure it runs."""
+    import time
+
+    q.execute("migrate-incoming", uri=f"exec:cat {_shell_path(path)}")
+    deadline = time.monotonic() + timeout
+    while True:
+        status = q.execute("query-status").get("status")
+        if status == "running":
+            return
+        if status in ("paused", "postmigrate", "prelaunch"):
+            mig = q.execute("query-migrate").get("status")
+            if mig == "completed":
+                q.execute("cont")
+                continue
+        if status in ("internal-error", "shutdown", "guest-panicked"):
+            raise QMPError(f"incoming from {path}: VM status {status}")
+        mig = q.execute("query-migrate").get("status")
+        if mig in ("failed", "cancelled"):
+            raise QMPError(f"incoming from {path}: migration {mig}")
+        if time.monotonic() > deadline:
+            raise QMPError(f"incoming from {path}: still {status} after {timeout}s")
+        time.sleep(0.001)

@@ -45,6 +45,18 @@ class VMState:
     argv: list[str]
     created_at: float
     timings: dict[str, float] = field(default_factory=dict)
+    # Lifecycle (older records lack these and get the defaults).
+    status: str = "running"  # running | paused (QEMU stopped, in memory) | paused_disk (QEMU gone)
+    tsc_khz: int = 0  # the guest's tsc_early_khz: must be identical on every destination
+    resize: bool = False  # kernel cmdline flag of the first boot (kept for identical restores)
+    qemu: str = "qemu-system-x86_64"
+    ram_share: bool = True  # False: MAP_PRIVATE over a snapshot's RAM file (restored sandboxes)
+    ram_owned: bool = True  # kill() deletes `ram` only if the sandbox owns it
+    device_state: str = ""  # saved device state of a pause_to_disk (in state_dir)
+    chain: list[str] = field(default_factory=list)  # read-only disk layers under `top`, base first
+    top_node: str = "root"  # QMP node name of the current top in the running QEMU
+    generation: int = 0  # counts sealed layers, names the next top
+    capture_ref: str = ""  # fork capture dir this sandbox was restored from (driver-owned)
 
     def save(self) -> None:
         path = Path(self.state_dir) / "vm.json"

@@ -64,3 +64,15 @@ def test_rejects_silly_sizes():
         make(memory_mb=16)
     with pytest.raises(ValueError):
         make(cpu_count=0)
+
+
+def test_restore_destination_differs_only_in_ram_share_top_port_and_incoming():
+    src = make()
+    other = VMPaths(state_dir=Path("/h/sandboxes/sb1"), top=Path("/h/sandboxes/sb1/top-1.qcow2"),
+                    qmp=Path("/h/sandboxes/sb1/qmp.sock"), console=Path("/h/sandboxes/sb1/console.log"),
+                    pidfile=Path("/h/sandboxes/sb1/qemu.pid"), ram=Path("/dev/shm/aenv-sb1.ram"))
+    dst = make(paths=other, host_port=45000, ram_share=False, incoming=True)
+    assert dst[-2:] == ["-incoming", "defer"] and "-incoming" not in src
+    changed = [(a, b) for a, b in zip(src, dst[:-2]) if a != b]
+    assert len(src) == len(dst) - 2 and len(changed) == 3
+    assert "share=off" in changed[0][1] and "top-1.qcow2" in changed[1][1] and "45000" in changed[2][1]

@@ -105,3 +105,23 @@ def test_failed_boot_retries_once_and_leaves_nothing(tmp_path):
     assert "BootTimeout" not in type(err.value).__name__
     assert (tmp_path / "calls").read_text().count("started") == 2  # retried once
     assert list((tmp_path / "home" / "sandboxes").iterdir()) == []
+
+
+def test_paused_to_disk_is_listed_and_kill_spares_a_snapshot_ram_file(tmp_path):
+    """No process after pause_to_disk, yet info/list report it; a restored sandbox's RAM file
+    belongs to the snapshot and kill() leaves it; old vm.json records load with defaults."""
+    driver = QemuDriver(home=tmp_path / "home", images_dir=tmp_path / "images", accel="tcg")
+    s = state_for(tmp_path, "pz", 0, "nope")
+    assert VMState.load(Path(s.state_dir)).status == "running"
+    s.status, s.device_state = "paused_disk", str(Path(s.state_dir) / "device.state")
+    s.save()
+    info = driver.info("pz")
+    assert info.status == "paused" and info.pid == 0
+    assert [i.sandbox_id for i in driver.list()] == ["pz"]
+    r = state_for(tmp_path, "restored", 999999, "nope")
+    snap_ram = tmp_path / "snap-memory.ram"
+    snap_ram.write_bytes(b"x")
+    r.ram, r.ram_owned = str(snap_ram), False
+    r.save()
+    assert driver.kill("restored") is True and snap_ram.exists()
+    assert driver.kill("pz") is True and driver.info("pz") is None and driver.list() == []

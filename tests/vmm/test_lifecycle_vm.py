@@ -1,0 +1,215 @@
+"""Real QEMU microVMs: pause/resume (in memory and to disk), snapshot/restore and fork.
+
+One parent VM per module (a TCG boot is ~10 s) runs a background Python counter that rewrites
+/home/user/count ("<pid> <n>") every 0.2 s. Every check reads that counter: the same pid with a
+count that keeps growing from the old value proves the process (guest RAM + CPU state) survived;
+a restarted guest would show another pid or no file. Timings are printed (run with -s).
+"""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.vmm.test_qemu_vm import IMAGES_DIR, live_qemu_processes
+from vmm import toolsdrive
+from vmm.driver import BootSpec, SnapshotManifest, get_driver
+from vmm.images import ensure_image
+from vmm.qemu import envd_healthy
+
+pytestmark = pytest.mark.vm
+
+COUNTER = """\
+import os, time
+n = 0
+while True:
+    n += 1
+    with open('/home/user/count.tmp', 'w') as f:
+        f.write(f'{os.getpid()} {n}')
+    os.replace('/home/user/count.tmp', '/home/user/count')
+    time.sleep(0.2)
+"""
+
+
+def sh(port: int, cmd: str) -> str:
+    """Runs cmd as `user` through envd (e2b SDK in debug mode) and returns stdout."""
+    from e2b import Sandbox
+
+    keys = ("E2B_DEBUG", "E2B_SANDBOX_URL")
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(E2B_DEBUG="true", E2B_SANDBOX_URL=f"http://127.0.0.1:{port}")
+    try:
+        return Sandbox.create().commands.run(cmd, user="user", timeout=60).stdout
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def counter(port: int) -> tuple[int, int]:
+    pid, n = sh(port, "cat /home/user/count").split()
+    return int(pid), int(n)
+
+
+def exists(port: int, path: str) -> bool:
+    return sh(port, f"test -e {path} && echo yes || echo no").strip() == "yes"
+
+
+def assert_continues(port: int, before: tuple[int, int]) -> tuple[int, int]:
+    """Same process, count not reset, and still counting."""
+    now = counter(port)
+    assert now[0] == before[0], f"counter process restarted: {before} -> {now}"
+    assert now[1] >= before[1], f"counter went back: {before} -> {now}"
+    deadline = time.monotonic() + 10
+    while True:
+        later = counter(port)
+        if later[1] > now[1]:
+            assert later[0] == before[0]
+            return later
+        assert time.monotonic() < deadline, f"counter stopped at {later}"
+        time.sleep(0.3)
+
+
+def assert_gone(driver, info):
+    assert not info.state_dir.exists()
+    assert not Path(f"/dev/shm/aenv-{info.sandbox_id}.ram").exists()
+    assert live_qemu_processes(str(info.state_dir)) == []
+    assert driver.info(info.sandbox_id) is None
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    if not Path("/usr/bin/qemu-system-x86_64").exists():
+        pytest.skip("qemu-system-x86_64 not installed")
+    ensure_image(IMAGES_DIR, "base")
+    if not toolsdrive.real_envd_available():
+        pytest.skip("placeholder envd answers /health only")
+    d = get_driver("qemu", tmp_path_factory.mktemp("lifecycle") / "home", IMAGES_DIR)
+    yield d
+    for vm in d.list():
+        d.kill(vm.sandbox_id)
+
+
+@pytest.fixture(scope="module")
+def parent(driver):
+    info = driver.boot(BootSpec("lc-parent", cpu_count=1, memory_mb=256))
+    port = info.envd_port
+    sh(port, f"cat > /home/user/counter.py <<'EOF'\n{COUNTER}EOF\necho parent-data > /home/user/data.txt")
+    sh(port, "setsid nohup python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
+    deadline = time.monotonic() + 30
+    while not exists(port, "/home/user/count"):
+        assert time.monotonic() < deadline, "counter did not start"
+        time.sleep(0.3)
+    yield info
+    driver.kill(info.sandbox_id)
+
+
+def test_pause_resume_in_memory(driver, parent):
+    port = parent.envd_port
+    before = counter(port)
+    t = driver.pause(parent.sandbox_id)
+    print(f"\npause: {t}")
+    assert driver.info(parent.sandbox_id).status == "paused"
+    assert not envd_healthy("127.0.0.1", port, timeout=0.5)  # vCPUs really stopped
+    time.sleep(0.5)
+    info = driver.resume(parent.sandbox_id)
+    print(f"resume (in memory): {info.timings}")
+    assert info.status == "running" and info.envd_port == port and info.pid == parent.pid
+    assert_continues(port, before)
+    assert sh(port, "cat /home/user/data.txt").strip() == "parent-data"
+
+
+def test_pause_to_disk_resume(driver, parent):
+    port = parent.envd_port
+    before = counter(port)
+    t = driver.pause_to_disk(parent.sandbox_id)
+    print(f"\npause_to_disk: {t}")
+    paused = driver.info(parent.sandbox_id)
+    assert paused.status == "paused" and paused.pid == 0
+    assert [v.sandbox_id for v in driver.list()] == [parent.sandbox_id]
+    assert live_qemu_processes(str(parent.state_dir)) == []  # QEMU really exited
+    assert Path(f"/dev/shm/aenv-{parent.sandbox_id}.ram").exists()  # the memory snapshot
+    assert (parent.state_dir / "device.state").exists()
+    info = driver.resume(parent.sandbox_id)
+    print(f"resume (from disk): {info.timings}")
+    assert info.status == "running" and info.envd_port == port and info.pid != parent.pid
+    assert not (parent.state_dir / "device.state").exists()
+    assert_continues(port, before)
+    assert sh(port, "cat /home/user/data.txt").strip() == "parent-data"
+
+
+def test_snapshot_restore_two(driver, parent, tmp_path):
+    port = parent.envd_port
+    sh(port, "echo snap-marker > /home/user/snap.txt")
+    before = counter(port)
+    manifest = driver.snapshot(parent.sandbox_id, tmp_path / "snap")
+    print(f"\nsnapshot: {manifest.timings}")
+    assert manifest.timings["pause_ms"] < 5000
+    assert SnapshotManifest.load(tmp_path / "snap").layers == manifest.layers
+    assert len(manifest.layers) >= 2 and all(Path(p).exists() for p in manifest.layers)
+    assert Path(manifest.memory_file).exists() and Path(manifest.device_state_file).exists()
+    parent_counter = assert_continues(port, before)  # the source keeps running
+    kids = []
+    try:
+        for sid in ("lc-r1", "lc-r2"):
+            kids.append(driver.restore(manifest, BootSpec(sid)))
+            print(f"restore {sid}: {kids[-1].timings}")
+        r1, r2 = kids
+        assert len({r1.envd_port, r2.envd_port, port}) == 3
+        for kid in kids:
+            assert sh(kid.envd_port, "cat /home/user/snap.txt").strip() == "snap-marker"
+            assert_continues(kid.envd_port, before)
+        sh(r1.envd_port, "echo r1 > /home/user/only-r1.txt")
+        assert exists(r1.envd_port, "/home/user/only-r1.txt")
+        assert not exists(r2.envd_port, "/home/user/only-r1.txt")
+        assert not exists(port, "/home/user/only-r1.txt")
+        sh(port, "echo p > /home/user/only-parent.txt")
+        assert not exists(r2.envd_port, "/home/user/only-parent.txt")
+        assert_continues(port, parent_counter)
+    finally:
+        for kid in kids:
+            assert driver.kill(kid.sandbox_id)
+    for kid in kids:
+        assert_gone(driver, kid)
+    assert Path(manifest.memory_file).exists()  # the caller owns the snapshot dir
+    shutil.rmtree(tmp_path / "snap")
+
+
+def test_fork_two(driver, parent):
+    port = parent.envd_port
+    sh(port, "echo fork-marker > /home/user/fork.txt")
+    before = counter(port)
+    results = driver.fork(parent.sandbox_id, 2)
+    kids = [r for r in results if not isinstance(r, Exception)]
+    try:
+        assert len(kids) == 2, results
+        for kid in kids:
+            print(f"\nfork child {kid.sandbox_id}: {kid.timings}")
+        a, b = kids
+        assert driver.info(parent.sandbox_id).envd_port == port
+        assert envd_healthy("127.0.0.1", port)
+        for kid in kids:
+            assert sh(kid.envd_port, "cat /home/user/fork.txt").strip() == "fork-marker"
+            assert_continues(kid.envd_port, before)
+        sh(a.envd_port, "echo a > /home/user/only-a.txt")
+        assert not exists(b.envd_port, "/home/user/only-a.txt")
+        assert not exists(port, "/home/user/only-a.txt")
+        assert_continues(port, before)
+    finally:
+        for kid in kids:
+            assert driver.kill(kid.sandbox_id)
+    for kid in kids:
+        assert_gone(driver, kid)
+    forks = driver.home / "forks"
+    assert not forks.exists() or list(forks.iterdir()) == []  # capture freed with its last child
+
+
+def test_kill_paused_to_disk_parent(driver, parent):
+    driver.pause_to_disk(parent.sandbox_id)
+    assert driver.kill(parent.sandbox_id)
+    assert_gone(driver, parent)
+    assert driver.list() == []
