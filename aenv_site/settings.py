@@ -71,6 +71,7 @@ INSTALLED_APPS = [
     "nodes",
     "snapshots",
     "sandboxes",
+    "dashboard",
 ]
 
 MIDDLEWARE = [
@@ -84,6 +85,7 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "aenv_site.urls"
+LOGIN_URL = "/dashboard/login/"
 ASGI_APPLICATION = "aenv_site.asgi.application"
 APPEND_SLASH = False
 

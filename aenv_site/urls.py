@@ -2,11 +2,14 @@
 paths to E2B_API_URL as-is); admin and schema under their own prefixes."""
 from django.contrib import admin
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("dashboard/", include("dashboard.urls")),
+    path("", RedirectView.as_view(url="/dashboard/", permanent=False)),
     path("", include("sandboxes.urls")),
 ]
 

@@ -1,0 +1,26 @@
+"""Dashboard routes, mounted at /dashboard/."""
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from . import views
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path("login/", auth_views.LoginView.as_view(template_name="dashboard/login.html",
+                                                 redirect_authenticated_user=True,
+                                                 next_page="dashboard:overview"), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(next_page="dashboard:login"), name="logout"),
+    path("", views.overview, name="overview"),
+    path("team/", views.switch_team, name="switch-team"),
+    path("sandboxes/", views.sandbox_list, name="sandboxes"),
+    path("api/sandboxes.json", views.sandbox_list_json, name="sandboxes-json"),
+    path("sandboxes/<str:sandbox_id>/", views.sandbox_detail, name="sandbox"),
+    path("sandboxes/<str:sandbox_id>/kill", views.sandbox_kill, name="sandbox-kill"),
+    path("sandboxes/<str:sandbox_id>/timeout", views.sandbox_timeout, name="sandbox-timeout"),
+    path("templates/", views.template_list, name="templates"),
+    path("nodes/", views.node_list, name="nodes"),
+    path("api-keys/", views.api_key_list, name="api-keys"),
+    path("api-keys/create", views.api_key_create, name="api-key-create"),
+    path("api-keys/<int:key_id>/revoke", views.api_key_revoke, name="api-key-revoke"),
+]

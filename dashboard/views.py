@@ -1,0 +1,352 @@
+"""Team dashboard: server-rendered pages scoped to the signed-in user's current team.
+
+State never changes here directly: sandbox actions go through
+``sandboxes.services`` (the one place where sandbox state changes), and another
+team's sandbox or key is a 404 on every page and action."""
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+
+from asgiref.sync import sync_to_async
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.db.models import Count, Q, Sum
+from django.db.models.fields.json import KeyTransform
+from django.http import Http404, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from nodes.models import Node
+from sandboxes import services
+from sandboxes.errors import ApiError
+from sandboxes.models import LIVE_STATES, ApiKey, Sandbox, SandboxEvent, SandboxState, Template
+
+from .teams import current_team, set_current_team, user_teams
+
+LIST_LIMIT = 200
+TIMEOUT_CHOICES = [(300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (4 * 3600, "4 hours")]
+# Node usage counts the sandboxes that hold a VM (or are about to).
+VM_STATES = [s for s in LIVE_STATES if s not in (SandboxState.PAUSED,)]
+LIFECYCLE_TOOLTIP = "coming with the lifecycle issue"
+
+
+def team_page(view):
+    """``login_required`` + the current team as ``request.team`` (a page explaining
+    what to do when the user belongs to no team)."""
+
+    @login_required
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        team = current_team(request)
+        if team is None:
+            return render(request, "dashboard/no_team.html", status=403)
+        request.team = team
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def _base_context(request, section: str, **extra) -> dict:
+    return {"team": request.team, "teams": list(user_teams(request.user)), "section": section, **extra}
+
+
+def _actor(user) -> str:
+    return f"dashboard:{user.get_username()}"
+
+
+# --------------------------------------------------------------------------- team switcher
+
+
+@require_POST
+@login_required
+def switch_team(request):
+    team = user_teams(request.user).filter(slug=request.POST.get("team", "")).first()
+    if team is None:
+        raise Http404("no such team")
+    set_current_team(request, team)
+    target = request.POST.get("next", "")
+    # Only local dashboard paths; a sandbox page of the old team would 404, so go to the list.
+    if not target.startswith("/dashboard/"):
+        target = reverse("dashboard:overview")
+    elif target.startswith("/dashboard/sandboxes/"):
+        target = reverse("dashboard:sandboxes")
+    return redirect(target)
+
+
+# --------------------------------------------------------------------------- overview
+
+
+def _node_rows():
+    usage = {
+        row["node_id"]: row
+        for row in Sandbox.objects.filter(node__isnull=False, state__in=LIVE_STATES)
+        .values("node_id")
+        .annotate(
+            vcpu=Sum("cpu_count", filter=Q(state__in=VM_STATES)),
+            memory=Sum("memory_mb", filter=Q(state__in=VM_STATES)),
+            running=Count("id", filter=Q(state__in=VM_STATES)),
+            paused=Count("id", filter=Q(state=SandboxState.PAUSED)),
+        )
+    }
+    now = timezone.now()
+    rows = []
+    for node in Node.objects.all():
+        u = usage.get(node.id, {})
+        rows.append({
+            "node": node,
+            "alive": node.is_alive(now),
+            "heartbeat_age": (now - node.last_heartbeat_at).total_seconds() if node.last_heartbeat_at else None,
+            "vcpu_used": u.get("vcpu") or 0,
+            "memory_used": u.get("memory") or 0,
+            "running": u.get("running") or 0,
+            "paused": u.get("paused") or 0,
+        })
+    return rows
+
+
+def _chart(team, hours: int = 24, width: int = 640, height: int = 160) -> dict:
+    """Live sandboxes of the team at the end of each hour over the last ``hours``,
+    as SVG coordinates (no library)."""
+    now = timezone.now()
+    start = now - timedelta(hours=hours)
+    relevant = Sandbox.objects.filter(team=team).filter(
+        Q(state__in=LIVE_STATES) | Q(killed_at__gte=start) | Q(updated_at__gte=start)
+    ).values_list("created_at", "killed_at", "state", "updated_at")
+    spans = []
+    for created, killed, state, updated in relevant:
+        end = killed or (updated if state == SandboxState.ERROR else None)
+        spans.append((created, end))
+    points = []
+    for i in range(hours + 1):
+        t = start + timedelta(hours=i)
+        alive = sum(1 for created, end in spans if created <= t and (end is None or end > t))
+        points.append((t, alive))
+    peak = max((n for _, n in points), default=0)
+    scale = max(peak, 1)
+    pad = 24
+    coords = []
+    for i, (t, n) in enumerate(points):
+        x = pad + i * (width - 2 * pad) / hours
+        y = height - pad - n * (height - 2 * pad) / scale
+        coords.append({"x": round(x, 1), "y": round(y, 1), "n": n, "t": t})
+    line = " ".join(f"{c['x']},{c['y']}" for c in coords)
+    area = f"{pad},{height - pad} {line} {width - pad},{height - pad}"
+    return {"width": width, "height": height, "pad": pad, "points": coords, "line": line, "area": area,
+            "peak": peak, "now": points[-1][1], "baseline": height - pad, "top": pad, "right": width - pad,
+            "labels": [coords[0], coords[hours // 2], coords[-1]]}
+
+
+@require_GET
+@team_page
+def overview(request):
+    team = request.team
+    counts = dict(Sandbox.objects.filter(team=team).values_list("state").annotate(n=Count("id")).values_list("state", "n"))
+    state_counts = [(state, counts.get(state, 0)) for state in SandboxState.values]
+    events = SandboxEvent.objects.filter(sandbox__team=team).order_by("-started_at", "-id")[:15]
+    return render(request, "dashboard/overview.html", _base_context(
+        request, "overview", nodes=_node_rows(), state_counts=state_counts,
+        live_total=sum(counts.get(s, 0) for s in LIVE_STATES), events=events, chart=_chart(team),
+    ))
+
+
+# --------------------------------------------------------------------------- sandboxes
+
+
+def parse_metadata_filter(raw: str) -> tuple[dict[str, str], str]:
+    """``"env=prod, user=ann"`` (``,`` or ``&`` between pairs) → ``({...}, error)``."""
+    pairs, bad = {}, []
+    for part in raw.replace("&", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            bad.append(part)
+            continue
+        pairs[key.strip()] = value.strip()
+    error = f"ignored {', '.join(repr(b) for b in bad)}: metadata filters look like key=value" if bad else ""
+    return pairs, error
+
+
+def _filtered_sandboxes(team, params):
+    filters = {"state": params.get("state", ""), "template": params.get("template", ""),
+               "metadata": params.get("metadata", "").strip()}
+    qs = Sandbox.objects.filter(team=team).select_related("template", "node")
+    if filters["state"] == "live":
+        qs = qs.filter(state__in=LIVE_STATES)
+    elif filters["state"] in SandboxState.values:
+        qs = qs.filter(state=filters["state"])
+    else:
+        filters["state"] = ""
+    if filters["template"]:
+        qs = qs.filter(template_id=filters["template"])
+    metadata, error = parse_metadata_filter(filters["metadata"])
+    for i, (key, value) in enumerate(metadata.items()):
+        alias = f"_meta_{i}"
+        qs = qs.annotate(**{alias: KeyTransform(key, "metadata")}).filter(**{alias: value})
+    return qs.order_by("-started_at", "-id"), filters, error
+
+
+def _row(sandbox: Sandbox, now) -> dict:
+    live = sandbox.state in LIVE_STATES
+    return {
+        "id": sandbox.id,
+        "url": reverse("dashboard:sandbox", args=[sandbox.id]),
+        "state": sandbox.state,
+        "template": sandbox.template_id,
+        "node": sandbox.node_id or "",
+        "cpu_count": sandbox.cpu_count,
+        "memory_mb": sandbox.memory_mb,
+        "created_at": sandbox.created_at.isoformat(),
+        "age_s": int((now - sandbox.created_at).total_seconds()),
+        "end_at": sandbox.end_at.isoformat() if sandbox.end_at else None,
+        "expires_in_s": int((sandbox.end_at - now).total_seconds()) if live and sandbox.end_at else None,
+        "metadata": sandbox.metadata or {},
+    }
+
+
+@require_GET
+@team_page
+def sandbox_list(request):
+    qs, filters, error = _filtered_sandboxes(request.team, request.GET)
+    now = timezone.now()
+    rows = [_row(s, now) for s in qs[:LIST_LIMIT]]
+    templates = Template.objects.filter(Q(public=True) | Q(team=request.team)).order_by("id")
+    return render(request, "dashboard/sandboxes.html", _base_context(
+        request, "sandboxes", rows=rows, filters=filters, filter_error=error, templates=templates,
+        states=SandboxState.values, limit=LIST_LIMIT,
+    ))
+
+
+@require_GET
+@team_page
+def sandbox_list_json(request):
+    qs, filters, error = _filtered_sandboxes(request.team, request.GET)
+    now = timezone.now()
+    rows = [_row(s, now) for s in qs[:LIST_LIMIT]]
+    return JsonResponse({"sandboxes": rows, "count": len(rows), "limit": LIST_LIMIT, "filters": filters,
+                         "error": error, "generated_at": now.isoformat()})
+
+
+def _timeline(sandbox: Sandbox) -> list[dict]:
+    events = list(sandbox.events.order_by("started_at", "id"))
+    first = events[0].started_at if events else sandbox.created_at
+    return [{"event": e, "offset_s": (e.started_at - first).total_seconds()} for e in events]
+
+
+@require_GET
+@team_page
+def sandbox_detail(request, sandbox_id):
+    sandbox = get_object_or_404(Sandbox.objects.select_related("template", "node"), pk=sandbox_id,
+                                team=request.team)
+    now = timezone.now()
+    live = sandbox.state in LIVE_STATES
+    return render(request, "dashboard/sandbox_detail.html", _base_context(
+        request, "sandboxes", sandbox=sandbox, live=live, timeline=_timeline(sandbox),
+        expires_in=(sandbox.end_at - now).total_seconds() if live else None,
+        age=(now - sandbox.created_at).total_seconds(), timeout_choices=TIMEOUT_CHOICES,
+        lifecycle_actions=["pause", "resume", "snapshot", "fork"], lifecycle_tooltip=LIFECYCLE_TOOLTIP,
+    ))
+
+
+def _action_team(request, sandbox_id):
+    """Sync part of an action: the current team, and a 404 unless the sandbox is its."""
+    team = current_team(request)
+    if team is None or not Sandbox.objects.filter(pk=sandbox_id, team=team).exists():
+        raise Http404("sandbox not found")
+    return team
+
+
+@require_POST
+@login_required
+async def sandbox_kill(request, sandbox_id):
+    # Async: a kill waits for the node (up to the service's deadline) without holding a thread.
+    user = await request.auser()
+    team = await sync_to_async(_action_team)(request, sandbox_id)
+    try:
+        sandbox = await services.kill_sandbox(team, sandbox_id, actor=_actor(user))
+    except ApiError as exc:
+        messages.error(request, f"Kill failed: {exc.detail}")
+    else:
+        if sandbox.error_reason:
+            messages.warning(request, f"Sandbox {sandbox_id} killed, but: {sandbox.error_reason}")
+        else:
+            messages.success(request, f"Sandbox {sandbox_id} killed.")
+    return redirect("dashboard:sandbox", sandbox_id=sandbox_id)
+
+
+@require_POST
+@login_required
+async def sandbox_timeout(request, sandbox_id):
+    user = await request.auser()
+    team = await sync_to_async(_action_team)(request, sandbox_id)
+    try:
+        seconds = int(request.POST.get("seconds", ""))
+    except ValueError:
+        messages.error(request, "Timeout must be a whole number of seconds.")
+        return redirect("dashboard:sandbox", sandbox_id=sandbox_id)
+    try:
+        await services.set_timeout(team, sandbox_id, seconds, actor=_actor(user))
+    except ApiError as exc:
+        messages.error(request, f"Timeout not changed: {exc.detail}")
+    else:
+        from .templatetags.dashboard_tags import human_seconds  # noqa: PLC0415
+
+        messages.success(request, f"Sandbox {sandbox_id} now ends in {human_seconds(seconds)}.")
+    return redirect("dashboard:sandbox", sandbox_id=sandbox_id)
+
+
+# --------------------------------------------------------------------------- templates, nodes
+
+
+@require_GET
+@team_page
+def template_list(request):
+    templates = (
+        Template.objects.filter(Q(public=True) | Q(team=request.team))
+        .annotate(live=Count("sandboxes", filter=Q(sandboxes__team=request.team, sandboxes__state__in=LIVE_STATES)),
+                  total=Count("sandboxes", filter=Q(sandboxes__team=request.team)))
+        .order_by("id")
+    )
+    return render(request, "dashboard/templates.html", _base_context(request, "templates", templates=templates))
+
+
+@require_GET
+@team_page
+def node_list(request):
+    return render(request, "dashboard/nodes.html", _base_context(request, "nodes", nodes=_node_rows()))
+
+
+# --------------------------------------------------------------------------- API keys
+
+
+@require_GET
+@team_page
+def api_key_list(request):
+    keys = ApiKey.objects.filter(team=request.team).select_related("created_by").order_by("-created_at")
+    return render(request, "dashboard/api_keys.html", _base_context(request, "api-keys", keys=keys))
+
+
+@require_POST
+@team_page
+def api_key_create(request):
+    name = (request.POST.get("name") or "").strip()[:128] or "dashboard"
+    key, raw = ApiKey.generate(request.team, name=name, created_by=request.user)
+    response = render(request, "dashboard/api_key_created.html",
+                      _base_context(request, "api-keys", key=key, raw_key=raw))
+    response["Cache-Control"] = "no-store"  # the only time the raw key is ever shown
+    return response
+
+
+@require_POST
+@team_page
+def api_key_revoke(request, key_id):
+    key = get_object_or_404(ApiKey, pk=key_id, team=request.team)
+    if ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()):
+        messages.success(request, f"Key {key.prefix}… revoked.")
+    else:
+        messages.info(request, f"Key {key.prefix}… was already revoked.")
+    return redirect("dashboard:api-keys")

@@ -1,0 +1,190 @@
+"""Dashboard actions: kill and timeout through the lifecycle service, API keys,
+team isolation of every action, and the create_dashboard_user command."""
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from sandboxes.models import ApiKey, Sandbox, SandboxEvent, hash_api_key
+
+
+
+def make_sandbox(team, template, *, state="running", node=None, **fields):
+    return Sandbox.objects.create(team=team, template=template, node=node, state=state,
+                                  end_at=timezone.now() + timedelta(minutes=5), **fields)
+
+
+@pytest.fixture
+def user(team):
+    u = get_user_model().objects.create_user("alice", password="pw")
+    team.members.add(u)
+    return u
+
+
+@pytest.fixture
+def dash(client, user):
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def mine(team, base_template, node):
+    return make_sandbox(team, base_template, node=node)
+
+
+@pytest.fixture
+def theirs(other_team, base_template, node):
+    return make_sandbox(other_team, base_template, node=node)
+
+
+def test_kill_calls_service_and_shows_result(dash, mine, nodes_mock):
+    resp = dash.post(f"/dashboard/sandboxes/{mine.id}/kill", follow=True)
+    assert resp.redirect_chain[-1][0] == f"/dashboard/sandboxes/{mine.id}/"
+    assert f"Sandbox {mine.id} killed." in resp.content.decode()
+    nodes_mock.client.kill_sandbox.assert_awaited_once_with(nodes_mock.node, sandbox_id=mine.id)
+    mine.refresh_from_db()
+    assert mine.state == "killed" and mine.killed_at is not None
+    ops = list(SandboxEvent.objects.filter(sandbox=mine).order_by("id").values_list("operation", "outcome", "actor"))
+    assert ops == [("kill", "started", "dashboard:alice"), ("kill", "ok", "dashboard:alice")]
+
+
+def test_kill_unconfirmed_by_node_is_a_warning(dash, mine, nodes_mock):
+    nodes_mock.client.kill_sandbox.side_effect = RuntimeError("broker down")
+    html = dash.post(f"/dashboard/sandboxes/{mine.id}/kill", follow=True).content.decode()
+    assert "killed, but" in html and "broker down" in html
+
+
+def test_wrong_state_action_shows_service_error(dash, team, base_template, nodes_mock):
+    dead = make_sandbox(team, base_template, state="killed", killed_at=timezone.now())
+    for action, data in (("kill", {}), ("timeout", {"seconds": "300"})):
+        resp = dash.post(f"/dashboard/sandboxes/{dead.id}/{action}", data, follow=True)
+        assert resp.status_code == 200
+        assert "not found" in resp.content.decode() and "message-error" in resp.content.decode()
+    nodes_mock.client.kill_sandbox.assert_not_awaited()
+    dead.refresh_from_db()
+    assert dead.state == "killed"
+
+
+def test_set_timeout(dash, mine):
+    before = mine.end_at
+    resp = dash.post(f"/dashboard/sandboxes/{mine.id}/timeout", {"seconds": "3600"}, follow=True)
+    assert "now ends in 1h 0m" in resp.content.decode()
+    mine.refresh_from_db()
+    assert mine.end_at > before + timedelta(minutes=50)
+    assert SandboxEvent.objects.filter(sandbox=mine, operation="set_timeout", actor="dashboard:alice").exists()
+
+    for bad in ("abc", str(10 ** 9)):
+        html = dash.post(f"/dashboard/sandboxes/{mine.id}/timeout", {"seconds": bad}, follow=True).content.decode()
+        assert "message-error" in html
+
+
+def test_actions_on_other_teams_sandbox_are_404(dash, theirs, nodes_mock):
+    end_at = theirs.end_at
+    assert dash.post(f"/dashboard/sandboxes/{theirs.id}/kill").status_code == 404
+    assert dash.post(f"/dashboard/sandboxes/{theirs.id}/timeout", {"seconds": "60"}).status_code == 404
+    assert dash.post("/dashboard/sandboxes/inope/kill").status_code == 404
+    theirs.refresh_from_db()
+    assert theirs.state == "running" and theirs.end_at == end_at
+    assert not SandboxEvent.objects.filter(sandbox=theirs).exists()
+    nodes_mock.client.kill_sandbox.assert_not_awaited()
+
+
+def test_actions_need_post(dash, mine):
+    assert dash.get(f"/dashboard/sandboxes/{mine.id}/kill").status_code == 405
+    assert dash.get("/dashboard/api-keys/create").status_code == 405
+
+
+def test_actions_need_csrf(client, user, mine):
+    from django.test import Client
+
+    strict = Client(enforce_csrf_checks=True)
+    strict.force_login(user)
+    assert strict.post(f"/dashboard/sandboxes/{mine.id}/kill").status_code == 403
+    assert strict.post("/dashboard/api-keys/create", {"name": "x"}).status_code == 403
+
+
+def test_create_key_shows_raw_key_once_and_stores_hash(dash, team, user):
+    resp = dash.post("/dashboard/api-keys/create", {"name": "ci"})
+    assert resp.status_code == 200 and resp["Cache-Control"] == "no-store"
+    key = ApiKey.objects.get(team=team, name="ci")
+    html = resp.content.decode()
+    raw = html.split('data-secret>')[1].split("<")[0]
+    assert raw.startswith("e2b_") and len(raw) == 44
+    assert key.key_hash == hash_api_key(raw) and key.prefix == raw[:12] and key.created_by == user
+    assert raw not in {getattr(key, f.attname) for f in ApiKey._meta.fields}
+    listing = dash.get("/dashboard/api-keys/").content.decode()
+    assert key.prefix in listing and raw not in listing
+
+
+def test_created_key_works_against_the_api(dash, team, client):
+    html = dash.post("/dashboard/api-keys/create", {"name": "sdk"}).content.decode()
+    raw = html.split('data-secret>')[1].split("<")[0]
+    assert client.get("/v2/sandboxes", HTTP_X_API_KEY=raw).status_code == 200
+
+
+def test_revoke_key(dash, team, other_team):
+    key, raw = ApiKey.generate(team, name="old")
+    theirs, _ = ApiKey.generate(other_team)
+    resp = dash.post(f"/dashboard/api-keys/{key.pk}/revoke", follow=True)
+    assert "revoked" in resp.content.decode()
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+    first = key.revoked_at
+    dash.post(f"/dashboard/api-keys/{key.pk}/revoke")
+    key.refresh_from_db()
+    assert key.revoked_at == first
+    assert dash.get("/v2/sandboxes", HTTP_X_API_KEY=raw).status_code == 401
+
+    assert dash.post(f"/dashboard/api-keys/{theirs.pk}/revoke").status_code == 404
+    theirs.refresh_from_db()
+    assert theirs.revoked_at is None
+    assert theirs.prefix not in dash.get("/dashboard/api-keys/").content.decode()
+
+
+def test_create_dashboard_user_command(team, client):
+    out, err = StringIO(), StringIO()
+    call_command("create_dashboard_user", "--username", "carol", "--team", team.slug, stdout=out, stderr=err)
+    password = out.getvalue().strip().removeprefix("password: ")
+    assert password and "created user carol" in err.getvalue()
+    user = get_user_model().objects.get(username="carol")
+    assert team.members.filter(pk=user.pk).exists() and user.check_password(password)
+    assert client.post("/dashboard/login/", {"username": "carol", "password": password}).status_code == 302
+
+    # existing user: attached again without touching the password, or given a new one
+    out = StringIO()
+    call_command("create_dashboard_user", "--username", "carol", "--team", team.slug, stdout=out, stderr=StringIO())
+    assert out.getvalue() == ""
+    user.refresh_from_db()
+    assert user.check_password(password)
+    call_command("create_dashboard_user", "--username", "carol", "--team", team.slug, "--password", "s3cret",
+                 stdout=StringIO(), stderr=StringIO())
+    user.refresh_from_db()
+    assert user.check_password("s3cret") and team.members.filter(pk=user.pk).count() == 1
+
+    with pytest.raises(CommandError, match="no team"):
+        call_command("create_dashboard_user", "--username", "dave", "--team", "nope", stdout=StringIO(),
+                     stderr=StringIO())
+    assert not get_user_model().objects.filter(username="dave").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_kill_through_the_asgi_stack(async_client, team, base_template, node, nodes_mock):
+    """The action views are async (a kill waits for the node): exercise them on the ASGI handler."""
+    from asgiref.sync import sync_to_async
+
+    @sync_to_async
+    def setup():
+        u = get_user_model().objects.create_user("erin", password="pw")
+        team.members.add(u)
+        return u, make_sandbox(team, base_template, node=node)
+
+    user, sb = await setup()
+    await async_client.aforce_login(user)
+    resp = await async_client.post(f"/dashboard/sandboxes/{sb.id}/kill")
+    assert resp.status_code == 302 and resp["Location"] == f"/dashboard/sandboxes/{sb.id}/"
+    assert (await Sandbox.objects.aget(pk=sb.id)).state == "killed"
+    page = await async_client.get(resp["Location"])
+    assert f"Sandbox {sb.id} killed." in page.content.decode()
