@@ -2,7 +2,10 @@
 
 The database follows ``DATABASE_URL`` exactly like the server (settings read it):
 unset → SQLite; ``DATABASE_URL=postgres://postgres@127.0.0.1:5432/aenv`` →
-pytest-django creates and drops ``test_aenv`` on that PostgreSQL server."""
+pytest-django creates and drops ``test_aenv_<pid>`` on that PostgreSQL server (one
+name per run, so two runs on one server never drop each other's database)."""
+import os
+
 import pytest
 
 
@@ -17,6 +20,8 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, t
     db = settings.DATABASES["default"]
     if db["ENGINE"] == "django.db.backends.sqlite3":
         db.setdefault("TEST", {})["NAME"] = str(tmp_path_factory.mktemp("db") / "test.sqlite3")
+    else:
+        db.setdefault("TEST", {})["NAME"] = f"test_{db['NAME']}_{os.getpid()}"
 
 
 def pytest_report_header(config):
