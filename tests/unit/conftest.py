@@ -149,3 +149,20 @@ def _close_async_db_connections():
     from django.db import connections  # noqa: PLC0415
 
     SyncToAsync.single_thread_executor.submit(connections.close_all).result(timeout=10)
+
+
+@pytest.fixture
+def user(team):
+    """A dashboard user in ``team`` (password ``pw-alice-123``)."""
+    from django.contrib.auth import get_user_model  # noqa: PLC0415
+
+    u = get_user_model().objects.create_user("alice", password="pw-alice-123")
+    team.members.add(u)
+    return u
+
+
+@pytest.fixture
+def dash(client, user):
+    """Django test client signed in as ``user``."""
+    client.force_login(user)
+    return client

@@ -18,19 +18,6 @@ def make_sandbox(team, template, *, state="running", node=None, **fields):
 
 
 @pytest.fixture
-def user(team):
-    u = get_user_model().objects.create_user("alice", password="pw")
-    team.members.add(u)
-    return u
-
-
-@pytest.fixture
-def dash(client, user):
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
 def mine(team, base_template, node):
     return make_sandbox(team, base_template, node=node)
 

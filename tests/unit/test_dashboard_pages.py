@@ -18,19 +18,6 @@ def make_sandbox(team, template, *, state="running", node=None, metadata=None, *
 
 
 @pytest.fixture
-def user(team):
-    u = get_user_model().objects.create_user("alice", password="pw-alice-123")
-    team.members.add(u)
-    return u
-
-
-@pytest.fixture
-def dash(client, user):
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
 def mine(team, base_template, node):
     sb = make_sandbox(team, base_template, node=node, metadata={"env": "prod", "owner": "ann"})
     SandboxEvent.objects.create(sandbox=sb, operation="create", outcome="ok", to_state="running", duration_ms=812.5)
