@@ -191,3 +191,19 @@ async def boot_sandbox(node: Node, *, sandbox_id: str, image: str, cpu_count: in
 async def kill_sandbox(node: Node, *, sandbox_id: str, deadline: float | None = None) -> dict:
     """Stop the sandbox's VM on `node`; {"killed": False} if it was not running there."""
     return await _call(node, tasks.kill_sandbox, {"sandbox_id": sandbox_id}, deadline, f"kill of {sandbox_id}")
+
+
+async def pause_sandbox(node: Node, *, sandbox_id: str, to_disk: bool = True, deadline: float | None = None) -> dict:
+    """Pause the sandbox's VM on `node` (to disk: the QEMU process exits, RAM and device
+    state stay in its state dir). Returns {"to_disk", "timings": {phase: ms}}."""
+    return await _call(node, tasks.pause_sandbox, {"sandbox_id": sandbox_id, "to_disk": bool(to_disk)},
+                       deadline, f"pause of {sandbox_id}")
+
+
+async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,
+                         deadline: float | None = None) -> dict:
+    """Resume a paused VM on `node` and re-initialise its envd (clock, env vars, token).
+
+    Returns {"envd_host", "envd_port", "pid", "accel", "timings": {phase: ms}}."""
+    kwargs = dict(sandbox_id=sandbox_id, env_vars=dict(env_vars or {}), access_token=access_token)
+    return await _call(node, tasks.resume_sandbox, kwargs, deadline, f"resume of {sandbox_id}")

@@ -28,10 +28,13 @@ def _init_envd(host: str, port: int, env_vars: dict, access_token: str | None) -
         "defaultUser": "user",
         "defaultWorkdir": "/home/user",
     }
+    headers = {}
     if access_token is not None:
         body["accessToken"] = access_token
+        # A re-init (after a resume) reaches an envd that already requires the token.
+        headers["X-Access-Token"] = access_token
     try:
-        resp = httpx.post(f"http://{host}:{port}/init", json=body, timeout=ENVD_INIT_TIMEOUT)
+        resp = httpx.post(f"http://{host}:{port}/init", json=body, headers=headers, timeout=ENVD_INIT_TIMEOUT)
     except httpx.HTTPError as exc:
         raise EnvdInitFailed(f"envd /init at {host}:{port} failed: {exc!r}") from None
     if not resp.is_success:
@@ -71,3 +74,49 @@ def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int,
 @shared_task(name="nodes.kill_sandbox")
 def kill_sandbox(*, sandbox_id: str) -> dict:
     return {"killed": bool(get_driver().kill(sandbox_id))}
+
+
+def _round(timings: dict | None) -> dict:
+    return {k: round(float(v), 2) for k, v in (timings or {}).items()}
+
+
+@shared_task(name="nodes.pause_sandbox")
+def pause_sandbox(*, sandbox_id: str, to_disk: bool = True) -> dict:
+    """Pauses the VM: to disk (device state saved, QEMU process stopped, RAM file kept)
+    or in memory (vCPUs frozen, process kept). Returns {"to_disk", "timings"}."""
+    driver = get_driver()
+    started = time.perf_counter()
+    timings = driver.pause_to_disk(sandbox_id) if to_disk else driver.pause(sandbox_id)
+    timings = _round(timings)
+    timings["total_ms"] = round((time.perf_counter() - started) * 1000, 2)
+    return {"to_disk": bool(to_disk), "timings": timings}
+
+
+@shared_task(name="nodes.resume_sandbox")
+def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None) -> dict:
+    """Resumes a paused VM, then re-inits envd (fresh timestamp: the guest clock stood
+    still while paused). If /init fails the VM is paused to disk again, so the sandbox
+    stays consistently paused. Returns envd host/port, pid and timings like boot."""
+    driver = get_driver()
+    started = time.perf_counter()
+    info = driver.resume(sandbox_id)
+    t_resumed = time.perf_counter()
+    try:
+        _init_envd(info.envd_host, info.envd_port, env_vars, access_token)
+    except BaseException:
+        log.warning("envd init failed after resuming %s; pausing it again", sandbox_id)
+        try:
+            driver.pause_to_disk(sandbox_id)
+        except Exception:
+            log.exception("could not re-pause %s after a failed init", sandbox_id)
+        raise
+    timings = _round(info.timings)
+    timings["resume_ms"] = round((t_resumed - started) * 1000, 2)
+    timings["init"] = round((time.perf_counter() - t_resumed) * 1000, 2)
+    return {
+        "envd_host": info.envd_host,
+        "envd_port": info.envd_port,
+        "pid": info.pid,
+        "accel": info.accel,
+        "timings": timings,
+    }

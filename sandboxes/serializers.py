@@ -127,6 +127,30 @@ class RefreshSerializer(serializers.Serializer):
                                   default=settings.AENV_DEFAULT_TIMEOUT)
 
 
+class PauseSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/pause``: empty, ``{}`` or ``{"memory": bool}``
+    (``requireHealthyGuest`` is accepted and ignored)."""
+
+    memory = StrictBooleanField(required=False, allow_null=True, default=None)
+    requireHealthyGuest = StrictBooleanField(required=False, allow_null=True, default=None)
+
+
+class ResumeSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/resume`` (legacy) and ``/connect`` (v1): ``{"timeout": N}``;
+    a missing timeout means the default."""
+
+    timeout = StrictIntegerField(required=False, allow_null=True, min_value=0,
+                                 max_value=settings.AENV_MAX_TIMEOUT, default=None)
+    autoPause = StrictBooleanField(required=False, allow_null=True, default=None)
+
+
+class ConnectV2Serializer(ResumeSerializer):
+    """Body of ``POST /v2/sandboxes/{id}/connect``: ``timeout`` and ``memory`` optional
+    (``memory: false`` = cold boot ignoring the memory snapshot; resumed with memory for now)."""
+
+    memory = StrictBooleanField(required=False, allow_null=True, default=None)
+
+
 class ListQuerySerializer(serializers.Serializer):
     """Query string of ``GET /v2/sandboxes``."""
 

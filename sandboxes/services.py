@@ -521,3 +521,214 @@ def _set_end_at(sandbox: Sandbox, end_at: datetime, operation: str, actor: str, 
         _event(sandbox.pk, operation, from_state=sandbox.state, to_state=sandbox.state, actor=actor,
                details={**details, "end_at": end_at.isoformat()}).save()
     sandbox.end_at = end_at
+
+
+# --------------------------------------------------------------------------- pause / resume / connect
+
+# States a sandbox passes through on its own; connect, resume and a second pause wait
+# for them to settle instead of failing.
+SETTLING_STATES = [S.CREATING, S.PAUSING, S.RESUMING, S.SNAPSHOTTING, S.FORKING]
+# How long a pause / resume may take on the node (a TCG pause to disk writes the RAM file).
+LIFECYCLE_DEADLINE = float(getattr(settings, "AENV_LIFECYCLE_DEADLINE", settings.AENV_NODE_TASK_DEADLINE))
+SETTLE_POLL = 0.1
+
+
+def _not_running(sandbox_id: str, state: str) -> ApiError:
+    return ApiError(409, f'sandbox "{sandbox_id}" is not running (it is {state})')
+
+
+async def _settle(team: Team, sandbox_id: str) -> Sandbox:
+    """The sandbox once it is out of a transitional state (another request's pause,
+    resume or create finishing); 404 if it is gone."""
+    deadline = time.monotonic() + LIFECYCLE_DEADLINE + 30
+    sandbox = await _visible(team, sandbox_id)
+    while sandbox.state in SETTLING_STATES and time.monotonic() < deadline:
+        await asyncio.sleep(SETTLE_POLL)
+        sandbox = await _visible(team, sandbox_id)
+    if sandbox.state in SETTLING_STATES:
+        raise ApiError(504, f'sandbox "{sandbox_id}" is still {sandbox.state}')
+    if sandbox.state == S.KILLING:
+        raise ApiError(404, f'sandbox "{sandbox_id}" not found (being killed)')
+    return sandbox
+
+
+async def _node_of(sandbox: Sandbox):
+    from nodes.models import Node  # noqa: PLC0415
+
+    node = await Node.objects.filter(pk=sandbox.node_id).afirst() if sandbox.node_id else None
+    if node is None:
+        raise ApiError(503, f'sandbox "{sandbox.id}" has no node (node {sandbox.node_id} is gone)')
+    return node
+
+
+def _shielded(coro):
+    """Runs ``coro`` to completion even if the caller is cancelled (the client went
+    away): its outcome is written to the DB either way, never a half-done transition."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return asyncio.shield(task)
+
+
+def _node_failure(client, exc: BaseException, node, what: str) -> tuple[int, str, str]:
+    """(status, reason, kind) for a failed node call, mapped like create's."""
+    if isinstance(exc, (client.NodeTimeout, asyncio.TimeoutError)):
+        return 504, f"node {node.id} did not finish the {what} within {LIFECYCLE_DEADLINE:g} s", "NodeTimeout"
+    if isinstance(exc, client.NodeUnavailable):
+        return 503, f"node {node.id} is unavailable: {exc}", "NodeUnavailable"
+    if isinstance(exc, client.NodeTaskFailed):
+        kind = getattr(exc, "kind", "") or "NodeTaskFailed"
+        return 500, f"{what} failed on node {node.id}: {kind}: {exc}", kind
+    return 500, f"{what} failed on node {node.id}: {type(exc).__name__}: {exc}", type(exc).__name__
+
+
+def _op_phases(t0: float, node_ms: float | None) -> dict:
+    total = (time.monotonic() - t0) * 1000
+    phases = {"total": total}
+    if node_ms is not None:
+        phases = {"dispatch": max(total - node_ms, 0.0), "node": node_ms, "total": total}
+    return {k: round(float(v), 2) for k, v in phases.items()}
+
+
+async def pause_sandbox(team: Team, sandbox_id: str, memory: bool | None = None, actor: str = "") -> Sandbox:
+    """Pauses a running sandbox: ``running → pausing`` (durable), the node saves the VM
+    to disk (its QEMU process exits), ``→ paused``.
+
+    Always a memory + disk pause for now; ``memory=false`` (E2B's filesystem-only
+    pause) is accepted and recorded in the event. A pause already in progress is
+    joined (the answer comes when it is paused). Not running: 409; unknown: 404."""
+    while True:
+        sandbox = await _visible(team, sandbox_id)
+        if sandbox.state == S.PAUSING:
+            sandbox = await _settle(team, sandbox_id)
+            if sandbox.state == S.PAUSED:
+                return sandbox  # joined the concurrent pause
+            raise _not_running(sandbox_id, sandbox.state)
+        if sandbox.state != S.RUNNING:
+            raise _not_running(sandbox_id, sandbox.state)
+        node = await _node_of(sandbox)
+        event = _event(sandbox_id, "pause", outcome="started", from_state=S.RUNNING, actor=actor,
+                       details={"memory": memory})
+        if await _transition(sandbox_id, [S.RUNNING], S.PAUSING, event):
+            break  # else another request changed it meanwhile: look again
+    return await _shielded(_pause_on_node(sandbox, node, memory, actor))
+
+
+async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str) -> Sandbox:
+    client, _ = _node_api()
+    t0, started = time.monotonic(), timezone.now()
+    details = {"node": node.id, "to_disk": True, "memory": memory,
+               "mode": "filesystem requested, paused with memory" if memory is False else "memory"}
+    try:
+        result = await asyncio.wait_for(
+            client.pause_sandbox(node, sandbox_id=sandbox.id, to_disk=True, deadline=LIFECYCLE_DEADLINE),
+            timeout=LIFECYCLE_DEADLINE + 15,
+        )
+    except Exception as exc:  # mapped below, never a bare 500
+        status, reason, kind = _node_failure(client, exc, node, "pause")
+        log.warning("pause of sandbox %s failed: %s", sandbox.id, reason)
+        # The QEMU driver continues the VM when saving fails, so a failure reported by the
+        # node leaves it running. Without an answer (timeout, node gone) its state is
+        # unknown: mark the sandbox failed and remove whatever is left of the VM.
+        vm_runs = isinstance(exc, client.NodeTaskFailed)
+        cleanup = None if vm_runs else await _kill_on_node(node, sandbox.id, CLEANUP_DEADLINE)
+        event = _event(sandbox.id, "pause", outcome="error", from_state=S.PAUSING, started_at=started,
+                       duration_ms=_ms(t0), message=reason, actor=actor,
+                       details={**details, "kind": kind, "cleanup": cleanup})
+        if vm_runs:
+            moved = await _transition(sandbox.id, [S.PAUSING], S.RUNNING, event)
+        else:
+            moved = await _transition(sandbox.id, [S.PAUSING], S.ERROR, event, error_reason=reason)
+        if not moved:
+            await _record(event)  # killed meanwhile
+        raise ApiError(status, reason, error_code=_snake(kind) if status == 500 else None) from exc
+
+    timings = (result or {}).get("timings") or {}
+    phases = _op_phases(t0, timings.get("total_ms"))
+    event = _event(sandbox.id, "pause", from_state=S.PAUSING, started_at=started, duration_ms=_ms(t0),
+                   actor=actor, details={**details, "timings": timings, "phases": phases})
+    if not await _transition(sandbox.id, [S.PAUSING], S.PAUSED, event):
+        await _record(_event(sandbox.id, "pause", outcome="aborted", from_state=S.PAUSING, started_at=started,
+                             duration_ms=_ms(t0), actor=actor, message="sandbox was killed while pausing",
+                             details=details))
+        raise ApiError(404, f'sandbox "{sandbox.id}" not found (killed while pausing)')
+    paused = await Sandbox.objects.select_related("template").aget(pk=sandbox.pk)
+    paused.op_phases = phases
+    return paused
+
+
+async def resume_sandbox(team: Team, sandbox_id: str, timeout: int | None = None, actor: str = "") -> Sandbox:
+    """v1 resume: ``paused → resuming → running`` with ``end_at = now + timeout``.
+    Already running: 409; unknown or killed: 404. A pause in progress is waited for."""
+    timeout = _check_timeout(timeout)
+    resumed, sandbox = await _resume_or_running(team, sandbox_id, timeout, actor, operation="resume")
+    if not resumed:
+        raise ApiError(409, f'sandbox "{sandbox_id}" is already running')
+    return sandbox
+
+
+async def connect_sandbox(team: Team, sandbox_id: str, timeout: int | None = None,
+                          actor: str = "") -> tuple[bool, Sandbox]:
+    """Connect: a running sandbox only has its TTL extended (``end_at = max(end_at,
+    now + timeout)``) → ``(False, sandbox)``; a paused one is resumed → ``(True, sandbox)``."""
+    timeout = _check_timeout(timeout)
+    resumed, sandbox = await _resume_or_running(team, sandbox_id, timeout, actor, operation="connect")
+    if not resumed:
+        end_at = max(sandbox.end_at, timezone.now() + timedelta(seconds=timeout))
+        if end_at != sandbox.end_at:
+            await _set_end_at(sandbox, end_at, "connect", actor, {"timeout": timeout})
+    return resumed, sandbox
+
+
+async def _resume_or_running(team, sandbox_id, timeout, actor, operation) -> tuple[bool, Sandbox]:
+    while True:
+        sandbox = await _settle(team, sandbox_id)
+        if sandbox.state == S.RUNNING:
+            return False, sandbox
+        if sandbox.state != S.PAUSED:
+            raise ApiError(409, f'sandbox "{sandbox_id}" cannot be resumed (it is {sandbox.state})')
+        node = await _node_of(sandbox)
+        event = _event(sandbox_id, "resume", outcome="started", from_state=S.PAUSED, actor=actor,
+                       details={"via": operation, "timeout": timeout})
+        if await _transition(sandbox_id, [S.PAUSED], S.RESUMING, event):
+            break
+    return True, await _shielded(_resume_on_node(sandbox, node, timeout, actor, operation))
+
+
+async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, operation: str) -> Sandbox:
+    client, _ = _node_api()
+    t0, started = time.monotonic(), timezone.now()
+    details = {"node": node.id, "via": operation, "timeout": timeout}
+    try:
+        result = await asyncio.wait_for(
+            client.resume_sandbox(node, sandbox_id=sandbox.id, env_vars=sandbox.env_vars,
+                                  access_token=sandbox.envd_access_token or None, deadline=LIFECYCLE_DEADLINE),
+            timeout=LIFECYCLE_DEADLINE + 15,
+        )
+    except Exception as exc:  # mapped below
+        status, reason, kind = _node_failure(client, exc, node, "resume")
+        log.warning("resume of sandbox %s failed, it stays paused: %s", sandbox.id, reason)
+        # The node re-pauses a VM whose envd did not come back; the memory snapshot is
+        # still there, so the sandbox stays paused and a later connect can try again.
+        event = _event(sandbox.id, "resume", outcome="error", from_state=S.RESUMING, started_at=started,
+                       duration_ms=_ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
+        if not await _transition(sandbox.id, [S.RESUMING], S.PAUSED, event):
+            await _record(event)
+        raise ApiError(status, reason, error_code=_snake(kind) if status == 500 else None) from exc
+
+    timings = result.get("timings") or {}
+    node_ms = float(timings.get("total_ms", 0)) + float(timings.get("init", 0)) if timings else None
+    phases = _op_phases(t0, node_ms)
+    now = timezone.now()
+    event = _event(sandbox.id, "resume", from_state=S.RESUMING, started_at=started, duration_ms=_ms(t0),
+                   actor=actor, details={**details, "pid": result.get("pid"), "timings": timings, "phases": phases})
+    won = await _transition(sandbox.id, [S.RESUMING], S.RUNNING, event, envd_host=result["envd_host"],
+                            envd_port=result["envd_port"], end_at=now + timedelta(seconds=timeout))
+    if not won:
+        cleanup = await _kill_on_node(node, sandbox.id, CLEANUP_DEADLINE)
+        await _record(_event(sandbox.id, "resume", outcome="aborted", from_state=S.RESUMING, started_at=started,
+                             duration_ms=_ms(t0), actor=actor, message="sandbox was killed while resuming",
+                             details={**details, "cleanup": cleanup}))
+        raise ApiError(404, f'sandbox "{sandbox.id}" not found (killed while resuming)')
+    resumed = await Sandbox.objects.select_related("template").aget(pk=sandbox.pk)
+    resumed.op_phases = phases
+    return resumed

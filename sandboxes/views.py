@@ -13,19 +13,22 @@ from rest_framework.response import Response
 from . import services
 from .errors import ApiError
 from .serializers import (
+    ConnectV2Serializer,
     ErrorSerializer,
     HealthSerializer,
     ListedSandboxSerializer,
     ListQuerySerializer,
     NewSandboxSerializer,
     NewSandboxV2Serializer,
+    PauseSerializer,
     RefreshSerializer,
+    ResumeSerializer,
     SandboxDetailSerializer,
     SandboxSerializer,
     TimeoutSerializer,
 )
 
-ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404, 500, 503, 504)}
+ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404, 409, 500, 503, 504)}
 NO_CONTENT = {204: OpenApiResponse(description="done"), **ERRORS}
 
 
@@ -33,6 +36,18 @@ def _valid(serializer_class, data):
     serializer = serializer_class(data=data)
     serializer.is_valid(raise_exception=True)
     return serializer
+
+
+def _body(request) -> dict:
+    """The JSON body, or {} when there is none (SDK 2.20 pauses without a body)."""
+    data = request.data
+    return {} if data is None or data == "" or (hasattr(data, "__len__") and not len(data)) else data
+
+
+def _server_timing(sandbox) -> dict | None:
+    phases = getattr(sandbox, "op_phases", None) or {}
+    timing = ", ".join(f"{name};dur={ms}" for name, ms in phases.items())
+    return {"Server-Timing": timing} if timing else None
 
 
 def _team(request):
@@ -154,5 +169,56 @@ class SandboxRefreshView(APIView):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
+class SandboxPauseView(APIView):
+    """``/sandboxes/{id}/pause``: 204 paused; 409 not running (already paused); 404."""
+
+    @extend_schema(operation_id="sandbox_pause", request=PauseSerializer, responses=NO_CONTENT)
+    async def post(self, request, sandbox_id: str):
+        body = _valid(PauseSerializer, _body(request)).validated_data
+        sandbox = await services.pause_sandbox(_team(request), sandbox_id, memory=body.get("memory"),
+                                               actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT, headers=_server_timing(sandbox))
+
+
+class SandboxResumeView(APIView):
+    """``/sandboxes/{id}/resume`` (legacy SDK ≤2.5): 201 resumed; 409 already running."""
+
+    @extend_schema(operation_id="sandbox_resume", request=ResumeSerializer,
+                   responses={201: SandboxSerializer, **ERRORS})
+    async def post(self, request, sandbox_id: str):
+        body = _valid(ResumeSerializer, _body(request)).validated_data
+        sandbox = await services.resume_sandbox(_team(request), sandbox_id, body.get("timeout"),
+                                                actor=_actor(request))
+        return Response(SandboxSerializer(sandbox).data, status=status.HTTP_201_CREATED,
+                        headers=_server_timing(sandbox))
+
+
+class SandboxConnectView(APIView):
+    """``/sandboxes/{id}/connect`` (v1) and ``/v2/sandboxes/{id}/connect``: 200 with the
+    TTL extended if running, 201 if it was paused and has been resumed."""
+
+    connect_serializer = ResumeSerializer
+
+    @extend_schema(operation_id="sandbox_connect", request=ResumeSerializer,
+                   responses={200: SandboxSerializer, 201: SandboxSerializer, **ERRORS})
+    async def post(self, request, sandbox_id: str):
+        body = _valid(self.connect_serializer, _body(request)).validated_data
+        resumed, sandbox = await services.connect_sandbox(_team(request), sandbox_id, body.get("timeout"),
+                                                          actor=_actor(request))
+        return Response(SandboxSerializer(sandbox).data,
+                        status=status.HTTP_201_CREATED if resumed else status.HTTP_200_OK,
+                        headers=_server_timing(sandbox))
+
+
+class SandboxConnectV2View(SandboxConnectView):
+    connect_serializer = ConnectV2Serializer
+
+    @extend_schema(operation_id="sandbox_connect_v2", request=ConnectV2Serializer,
+                   responses={200: SandboxSerializer, 201: SandboxSerializer, **ERRORS})
+    async def post(self, request, sandbox_id: str):
+        return await super().post(request, sandbox_id)
+
+
 __all__ = ["ApiError", "HealthView", "SandboxesView", "SandboxesV2View", "SandboxView",
-           "SandboxTimeoutView", "SandboxRefreshView"]
+           "SandboxTimeoutView", "SandboxRefreshView", "SandboxPauseView", "SandboxResumeView",
+           "SandboxConnectView", "SandboxConnectV2View"]

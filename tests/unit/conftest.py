@@ -68,18 +68,24 @@ def _node_modules():
 
 BOOT_RESULT = {"envd_host": "127.0.0.1", "envd_port": 40001, "pid": 4242, "accel": "tcg",
                "timings": {"disk_ms": 10.0, "spawn_ms": 20.0, "envd_ms": 300.0, "total_ms": 330.0, "init": 15.0}}
+PAUSE_RESULT = {"to_disk": True, "timings": {"stop_ms": 1.0, "save_ms": 200.0, "total_ms": 250.0}}
+RESUME_RESULT = {"envd_host": "127.0.0.1", "envd_port": 40002, "pid": 4343, "accel": "tcg",
+                 "timings": {"total_ms": 400.0, "resume_ms": 400.0, "init": 12.0}}
 
 
 @pytest.fixture
 def nodes_mock(node):
-    """Fake node side: ``pick_node`` returns ``node``; ``boot_sandbox`` / ``kill_sandbox``
-    are AsyncMocks (set ``side_effect`` to make them fail or sleep)."""
+    """Fake node side: ``pick_node`` returns ``node``; ``boot_sandbox`` / ``kill_sandbox`` /
+    ``pause_sandbox`` / ``resume_sandbox`` are AsyncMocks (set ``side_effect`` to make
+    them fail or sleep)."""
     real_client, real_placement = _node_modules()
     client = SimpleNamespace(
         NodeError=real_client.NodeError, NodeUnavailable=real_client.NodeUnavailable,
         NodeTimeout=real_client.NodeTimeout, NodeTaskFailed=real_client.NodeTaskFailed,
         boot_sandbox=mock.AsyncMock(return_value=dict(BOOT_RESULT)),
         kill_sandbox=mock.AsyncMock(return_value={"killed": True}),
+        pause_sandbox=mock.AsyncMock(return_value=dict(PAUSE_RESULT)),
+        resume_sandbox=mock.AsyncMock(return_value=dict(RESUME_RESULT)),
     )
     placement = SimpleNamespace(NoNodeAvailable=real_placement.NoNodeAvailable,
                                 pick_node=mock.AsyncMock(return_value=node))

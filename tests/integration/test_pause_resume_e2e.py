@@ -1,0 +1,93 @@
+"""Pause / connect end to end with real VMs and the official SDK: a paused sandbox keeps
+its files and its running processes (memory snapshot), and nothing is left after kill."""
+import time
+from pathlib import Path
+
+import pytest
+from e2b import Sandbox, SandboxQuery, SandboxState
+
+pytestmark = pytest.mark.vm
+
+COUNTER = """\
+import os, time
+n = 0
+while True:
+    n += 1
+    with open("/home/user/counter.tmp", "w") as f:
+        f.write(f"{os.getpid()} {n}")
+    os.replace("/home/user/counter.tmp", "/home/user/counter.txt")
+    time.sleep(0.2)
+"""
+
+
+def _qemu_pids(sandbox_id: str) -> list[int]:
+    pids = []
+    for pid_dir in Path("/proc").iterdir():
+        if pid_dir.name.isdigit():
+            try:
+                cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "qemu-system" in cmdline and sandbox_id in cmdline:
+                pids.append(int(pid_dir.name))
+    return pids
+
+
+def _counter(sbx) -> tuple[int, int]:
+    pid, n = sbx.files.read("/home/user/counter.txt").split()
+    return int(pid), int(n)
+
+
+def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
+    sbx = Sandbox.create(timeout=600)
+    try:
+        sbx.files.write("/home/user/counter.py", COUNTER)
+        sbx.files.write("/home/user/keep.txt", "still here")
+        sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
+        deadline = time.monotonic() + 20
+        while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)
+        pid, n_before = _counter(sbx)
+        assert n_before >= 2
+
+        t0 = time.monotonic()
+        assert sbx.pause() is True
+        pause_s = time.monotonic() - t0
+        assert sbx.is_running() is False
+        paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+        assert sbx.sandbox_id in [s.sandbox_id for s in paused]
+        running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()
+        assert sbx.sandbox_id not in [s.sandbox_id for s in running]
+        assert sbx.pause() is False  # 409: already paused
+        # the QEMU process is gone while paused to disk; the state dir stays
+        assert sbx.sandbox_id in stack.vm_leftovers()["state_dirs"]
+        assert _qemu_pids(sbx.sandbox_id) == [], "pause to disk should stop the QEMU process"
+        time.sleep(3)  # long enough for a stale guest clock to show
+
+        t0 = time.monotonic()
+        again = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        connect_s = time.monotonic() - t0
+        assert again.sandbox_id == sbx.sandbox_id
+        assert again.is_running() is True
+        assert again.commands.run("echo back").stdout == "back\n"
+        assert again.files.read("/home/user/keep.txt") == "still here"
+        pid_after, n_after = _counter(again)
+        assert pid_after == pid, "the counter process was restarted, not resumed"
+        assert n_after >= n_before
+        time.sleep(1.5)
+        pid_later, n_later = _counter(again)
+        assert pid_later == pid and n_later > n_after, "the counter does not run after the resume"
+        guest_now = float(again.commands.run("date +%s.%N").stdout)
+        assert abs(guest_now - time.time()) < 10, "guest clock was not re-synced on resume"
+
+        # a running sandbox: connect only extends (200)
+        assert Sandbox.connect(sbx.sandbox_id, timeout=60).is_running()
+        print(f"\nPAUSE {pause_s * 1000:.0f} ms, CONNECT(resume) {connect_s * 1000:.0f} ms, "
+              f"counter {n_before}->{n_after}->{n_later}")
+    finally:
+        sbx.kill()
+    left = stack.vm_leftovers()
+    assert sbx.sandbox_id not in left["state_dirs"]
+    assert _qemu_pids(sbx.sandbox_id) == []
+    assert Sandbox.kill(sbx.sandbox_id) is False

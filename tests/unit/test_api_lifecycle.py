@@ -1,0 +1,321 @@
+"""Pause / resume / connect through the ASGI app, with the node side mocked: status
+codes, state transitions and the events written for each."""
+import asyncio
+from datetime import timedelta
+
+import pytest
+from conftest import PAUSE_RESULT, RESUME_RESULT
+from django.utils import timezone
+
+from sandboxes.models import Sandbox, SandboxEvent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def _state(sandbox_id: str) -> str:
+    return (await Sandbox.objects.aget(pk=sandbox_id)).state
+
+
+async def _events(sandbox_id: str, operation: str | None = None) -> list[tuple]:
+    qs = SandboxEvent.objects.filter(sandbox_id=sandbox_id).order_by("id")
+    if operation:
+        qs = qs.filter(operation=operation)
+    return [(e.operation, e.outcome, e.from_state, e.to_state) async for e in qs]
+
+
+@pytest.fixture
+def paused(api, create):
+    async def _paused(**body) -> dict:
+        sb = await create(**body)
+        resp = await api.post(f"/sandboxes/{sb['sandboxID']}/pause", json={})
+        assert resp.status_code == 204, resp.text
+        return sb
+
+    return _paused
+
+
+# --------------------------------------------------------------------------- pause
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"json": {}}, {"json": {"memory": True}}, {"json": {"memory": False}},
+                                    {"content": b"", "headers": {"content-type": "application/json"}},
+                                    {"json": {"memory": True, "requireHealthyGuest": True}}])
+async def test_pause_running_is_204_and_paused(api, create, nodes_mock, kwargs):
+    sb = await create()
+    resp = await api.post(f"/sandboxes/{sb['sandboxID']}/pause", **kwargs)
+    assert resp.status_code == 204, resp.text
+    assert resp.content == b""
+    assert "node;dur=" in resp.headers.get("server-timing", "")
+    assert await _state(sb["sandboxID"]) == "paused"
+    node_kwargs = nodes_mock.client.pause_sandbox.await_args.kwargs
+    assert node_kwargs["sandbox_id"] == sb["sandboxID"] and node_kwargs["to_disk"] is True
+    assert await _events(sb["sandboxID"], "pause") == [("pause", "started", "running", "pausing"),
+                                                        ("pause", "ok", "pausing", "paused")]
+    done = await SandboxEvent.objects.filter(sandbox_id=sb["sandboxID"], operation="pause", outcome="ok").aget()
+    assert done.details["to_disk"] is True and done.details["timings"] == PAUSE_RESULT["timings"]
+    assert done.details["memory"] == (kwargs.get("json") or {}).get("memory")
+
+
+async def test_paused_sandbox_is_listed_as_paused(api, paused):
+    sb = await paused()
+    listed = (await api.get("/v2/sandboxes", params={"state": "paused"})).json()
+    assert [s["sandboxID"] for s in listed] == [sb["sandboxID"]] and listed[0]["state"] == "paused"
+    assert (await api.get("/v2/sandboxes", params={"state": "running"})).json() == []
+    assert (await api.get("/sandboxes")).json() == []  # v1 list: running only
+    assert (await api.get(f"/sandboxes/{sb['sandboxID']}")).json()["state"] == "paused"
+
+
+async def test_pause_twice_is_409(api, paused, assert_error, nodes_mock):
+    sb = await paused()
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/pause"), 409, "not running")
+    assert nodes_mock.client.pause_sandbox.await_count == 1
+
+
+async def test_pause_unknown_killed_or_other_team_is_404(api, create, asgi_app, other_key, assert_error):
+    import httpx
+
+    assert_error(await api.post("/sandboxes/nope/pause"), 404, "not found")
+    sb = await create()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app), base_url="http://testserver",
+                                 headers={"X-API-Key": other_key}) as other:
+        assert_error(await other.post(f"/sandboxes/{sb['sandboxID']}/pause"), 404)
+        assert_error(await other.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 30}), 404)
+        assert_error(await other.post(f"/sandboxes/{sb['sandboxID']}/resume", json={}), 404)
+    assert await _state(sb["sandboxID"]) == "running"
+    assert (await api.delete(f"/sandboxes/{sb['sandboxID']}")).status_code == 204
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/pause"), 404)
+
+
+async def test_pause_rejects_bad_body(api, create, assert_error):
+    sb = await create()
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/pause", json={"memory": "yes"}), 400, "memory")
+    assert await _state(sb["sandboxID"]) == "running"
+
+
+async def test_pause_not_running_states_are_409(api, create, assert_error):
+    sb = await create()
+    await Sandbox.objects.filter(pk=sb["sandboxID"]).aupdate(state="snapshotting")
+    # snapshotting is transient: a pause does not wait for it, it is not "running"
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/pause"), 409, "not running")
+
+
+@pytest.mark.parametrize("exc_name, status, end_state", [
+    ("NodeTaskFailed", 500, "running"),   # the node answered: QEMU continued the VM
+    ("NodeTimeout", 504, "error"),        # no answer: state unknown, VM removed
+    ("NodeUnavailable", 503, "error"),
+])
+async def test_pause_failure_states(api, create, nodes_mock, assert_error, exc_name, status, end_state):
+    sb = await create()
+    exc_class = getattr(nodes_mock.client, exc_name)
+    nodes_mock.client.pause_sandbox.side_effect = (exc_class("migrate failed", kind="VMError")
+                                                   if exc_name == "NodeTaskFailed" else exc_class("boom"))
+    nodes_mock.client.kill_sandbox.reset_mock()
+    body = assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/pause"), status)
+    assert await _state(sb["sandboxID"]) == end_state
+    assert await _events(sb["sandboxID"], "pause") == [("pause", "started", "running", "pausing"),
+                                                        ("pause", "error", "pausing", end_state)]
+    if end_state == "running":
+        assert body.get("error_code") == "v_m_error"
+        assert nodes_mock.client.kill_sandbox.await_count == 0
+    else:
+        assert nodes_mock.client.kill_sandbox.await_count == 1  # nothing leaks
+        assert (await Sandbox.objects.aget(pk=sb["sandboxID"])).error_reason
+
+
+async def test_pause_after_failed_pause_works(api, create, nodes_mock):
+    sb = await create()
+    nodes_mock.client.pause_sandbox.side_effect = [nodes_mock.client.NodeTaskFailed("x", kind="VMError"),
+                                                   dict(PAUSE_RESULT)]
+    assert (await api.post(f"/sandboxes/{sb['sandboxID']}/pause")).status_code == 500
+    assert (await api.post(f"/sandboxes/{sb['sandboxID']}/pause")).status_code == 204
+    assert await _state(sb["sandboxID"]) == "paused"
+
+
+async def test_concurrent_pause_joins_the_first(api, create, nodes_mock):
+    sb = await create()
+    gate = asyncio.Event()
+
+    async def slow_pause(*args, **kwargs):
+        await gate.wait()
+        return dict(PAUSE_RESULT)
+
+    nodes_mock.client.pause_sandbox.side_effect = slow_pause
+    first = asyncio.ensure_future(api.post(f"/sandboxes/{sb['sandboxID']}/pause"))
+    for _ in range(100):
+        if await _state(sb["sandboxID"]) == "pausing":
+            break
+        await asyncio.sleep(0.02)
+    second = asyncio.ensure_future(api.post(f"/sandboxes/{sb['sandboxID']}/pause"))
+    await asyncio.sleep(0.3)
+    assert not second.done()
+    gate.set()
+    r1, r2 = await asyncio.gather(first, second)
+    assert (r1.status_code, r2.status_code) == (204, 204)
+    assert nodes_mock.client.pause_sandbox.await_count == 1
+    assert await _state(sb["sandboxID"]) == "paused"
+
+
+async def test_kill_paused_sandbox(api, paused, nodes_mock):
+    sb = await paused()
+    assert (await api.delete(f"/sandboxes/{sb['sandboxID']}")).status_code == 204
+    assert await _state(sb["sandboxID"]) == "killed"
+    assert nodes_mock.client.kill_sandbox.await_args.kwargs["sandbox_id"] == sb["sandboxID"]
+
+
+# --------------------------------------------------------------------------- resume (legacy)
+
+
+async def test_resume_paused_is_201_running(api, paused, nodes_mock):
+    sb = await paused(envVars={"A": "1"})
+    resp = await api.post(f"/sandboxes/{sb['sandboxID']}/resume", json={"timeout": 120})
+    assert resp.status_code == 201, resp.text
+    body = resp.json()
+    assert body["sandboxID"] == sb["sandboxID"] and body["envdAccessToken"] == sb["envdAccessToken"]
+    assert "node;dur=" in resp.headers.get("server-timing", "")
+    row = await Sandbox.objects.aget(pk=sb["sandboxID"])
+    assert row.state == "running" and row.envd_port == RESUME_RESULT["envd_port"]
+    assert 115 <= (row.end_at - timezone.now()).total_seconds() <= 121
+    kwargs = nodes_mock.client.resume_sandbox.await_args.kwargs
+    assert kwargs["sandbox_id"] == sb["sandboxID"] and kwargs["env_vars"] == {"A": "1"}
+    assert kwargs["access_token"] == sb["envdAccessToken"]
+    assert await _events(sb["sandboxID"], "resume") == [("resume", "started", "paused", "resuming"),
+                                                         ("resume", "ok", "resuming", "running")]
+
+
+async def test_resume_without_body_uses_default_timeout(api, paused, settings):
+    sb = await paused()
+    resp = await api.post(f"/sandboxes/{sb['sandboxID']}/resume")
+    assert resp.status_code == 201, resp.text
+    row = await Sandbox.objects.aget(pk=sb["sandboxID"])
+    assert abs((row.end_at - timezone.now()).total_seconds() - settings.AENV_DEFAULT_TIMEOUT) < 5
+
+
+async def test_resume_running_is_409_and_unknown_404(api, create, assert_error, nodes_mock):
+    sb = await create()
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/resume", json={"timeout": 60}), 409, "running")
+    assert_error(await api.post("/sandboxes/nope/resume", json={"timeout": 60}), 404)
+    assert nodes_mock.client.resume_sandbox.await_count == 0
+
+
+async def test_resume_bad_timeout_is_400(api, paused, assert_error):
+    sb = await paused()
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/resume", json={"timeout": "60"}), 400, "timeout")
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/resume", json={"timeout": -1}), 400, "timeout")
+    assert await _state(sb["sandboxID"]) == "paused"
+
+
+@pytest.mark.parametrize("exc_name, status", [("NodeTaskFailed", 500), ("NodeTimeout", 504),
+                                              ("NodeUnavailable", 503)])
+async def test_failed_resume_stays_paused(api, paused, nodes_mock, assert_error, exc_name, status):
+    sb = await paused()
+    exc_class = getattr(nodes_mock.client, exc_name)
+    nodes_mock.client.resume_sandbox.side_effect = (exc_class("envd init failed", kind="EnvdInitFailed")
+                                                    if exc_name == "NodeTaskFailed" else exc_class("boom"))
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 60}), status)
+    assert await _state(sb["sandboxID"]) == "paused"
+    assert await _events(sb["sandboxID"], "resume") == [("resume", "started", "paused", "resuming"),
+                                                         ("resume", "error", "resuming", "paused")]
+    # and a later connect can try again
+    nodes_mock.client.resume_sandbox.side_effect = None
+    assert (await api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 60})).status_code == 201
+
+
+# --------------------------------------------------------------------------- connect
+
+
+@pytest.mark.parametrize("path", ["/sandboxes/{id}/connect", "/v2/sandboxes/{id}/connect"])
+async def test_connect_paused_resumes_201(api, paused, nodes_mock, path):
+    sb = await paused()
+    resp = await api.post(path.format(id=sb["sandboxID"]), json={"timeout": 300})
+    assert resp.status_code == 201, resp.text
+    body = resp.json()
+    assert body["sandboxID"] == sb["sandboxID"] and body["envdAccessToken"] == sb["envdAccessToken"]
+    assert await _state(sb["sandboxID"]) == "running"
+    assert nodes_mock.client.resume_sandbox.await_count == 1
+
+
+@pytest.mark.parametrize("path", ["/sandboxes/{id}/connect", "/v2/sandboxes/{id}/connect"])
+async def test_connect_running_extends_only_200(api, create, nodes_mock, path):
+    sb = await create(timeout=600)
+    before = (await Sandbox.objects.aget(pk=sb["sandboxID"])).end_at
+    resp = await api.post(path.format(id=sb["sandboxID"]), json={"timeout": 30})  # shorter: no change
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["sandboxID"] == sb["sandboxID"] and resp.json()["envdAccessToken"] == sb["envdAccessToken"]
+    assert (await Sandbox.objects.aget(pk=sb["sandboxID"])).end_at == before
+    resp = await api.post(path.format(id=sb["sandboxID"]), json={"timeout": 3000})  # longer: extended
+    assert resp.status_code == 200
+    after = (await Sandbox.objects.aget(pk=sb["sandboxID"])).end_at
+    assert after > before + timedelta(seconds=2000)
+    assert nodes_mock.client.resume_sandbox.await_count == 0
+    assert ("connect", "ok", "running", "running") in await _events(sb["sandboxID"], "connect")
+
+
+async def test_connect_v2_lenient_bodies(api, paused):
+    sb = await paused()
+    assert (await api.post(f"/v2/sandboxes/{sb['sandboxID']}/connect", json={})).status_code == 201
+    assert (await api.post(f"/v2/sandboxes/{sb['sandboxID']}/connect")).status_code == 200
+    resp = await api.post(f"/v2/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 600, "memory": False})
+    assert resp.status_code == 200
+
+
+async def test_connect_unknown_or_killed_is_404(api, create, assert_error):
+    assert_error(await api.post("/sandboxes/nope/connect", json={"timeout": 30}), 404)
+    assert_error(await api.post("/v2/sandboxes/nope/connect", json={}), 404)
+    sb = await create()
+    assert (await api.delete(f"/sandboxes/{sb['sandboxID']}")).status_code == 204
+    assert_error(await api.post(f"/v2/sandboxes/{sb['sandboxID']}/connect", json={}), 404)
+
+
+async def test_connect_bad_body_is_400(api, create, assert_error):
+    sb = await create()
+    assert_error(await api.post(f"/v2/sandboxes/{sb['sandboxID']}/connect", json={"memory": 1}), 400, "memory")
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": True}), 400, "timeout")
+
+
+async def test_connect_while_pausing_waits_then_resumes(api, create, nodes_mock):
+    sb = await create()
+    gate = asyncio.Event()
+
+    async def slow_pause(*args, **kwargs):
+        await gate.wait()
+        return dict(PAUSE_RESULT)
+
+    nodes_mock.client.pause_sandbox.side_effect = slow_pause
+    pause = asyncio.ensure_future(api.post(f"/sandboxes/{sb['sandboxID']}/pause"))
+    for _ in range(100):
+        if await _state(sb["sandboxID"]) == "pausing":
+            break
+        await asyncio.sleep(0.02)
+    connect = asyncio.ensure_future(api.post(f"/v2/sandboxes/{sb['sandboxID']}/connect", json={}))
+    await asyncio.sleep(0.3)
+    assert not connect.done()
+    gate.set()
+    rp, rc = await asyncio.gather(pause, connect)
+    assert (rp.status_code, rc.status_code) == (204, 201)
+    assert await _state(sb["sandboxID"]) == "running"
+
+
+async def test_concurrent_connects_resume_once(api, paused, nodes_mock):
+    sb = await paused()
+
+    async def slow_resume(*args, **kwargs):
+        await asyncio.sleep(0.3)
+        return dict(RESUME_RESULT)
+
+    nodes_mock.client.resume_sandbox.side_effect = slow_resume
+    results = await asyncio.gather(*[api.post(f"/v2/sandboxes/{sb['sandboxID']}/connect", json={})
+                                     for _ in range(3)])
+    assert sorted(r.status_code for r in results) == [200, 200, 201]
+    assert nodes_mock.client.resume_sandbox.await_count == 1
+    assert await _state(sb["sandboxID"]) == "running"
+
+
+async def test_pause_resume_cycle_records_everything(api, paused, nodes_mock):
+    sb = await paused()
+    assert (await api.post(f"/v2/sandboxes/{sb['sandboxID']}/connect", json={})).status_code == 201
+    assert (await api.post(f"/sandboxes/{sb['sandboxID']}/pause", json={"memory": True})).status_code == 204
+    assert (await api.post(f"/sandboxes/{sb['sandboxID']}/resume", json={"timeout": 60})).status_code == 201
+    ops = [(op, outcome) for op, outcome, *_ in await _events(sb["sandboxID"])]
+    assert ops == [("create", "started"), ("create", "ok"), ("pause", "started"), ("pause", "ok"),
+                   ("resume", "started"), ("resume", "ok"), ("pause", "started"), ("pause", "ok"),
+                   ("resume", "started"), ("resume", "ok")]
