@@ -41,6 +41,29 @@ def _init_envd(host: str, port: int, env_vars: dict, access_token: str | None) -
         raise EnvdInitFailed(f"envd /init at {host}:{port} answered {resp.status_code}: {resp.text[:200]}")
 
 
+def _round(timings: dict | None) -> dict:
+    return {k: round(float(v), 2) for k, v in (timings or {}).items()}
+
+
+def _init_envd_or_undo(info, env_vars: dict, access_token: str | None, *, undo, what: str) -> None:
+    """Initialises a freshly started VM's envd; if that fails, `undo(sandbox_id)` puts
+    the VM back in a consistent state (killed after a boot, paused after a resume)."""
+    try:
+        _init_envd(info.envd_host, info.envd_port, env_vars, access_token)
+    except BaseException:
+        log.warning("envd init failed for %s; %s", info.sandbox_id, what)
+        try:
+            undo(info.sandbox_id)
+        except Exception:
+            log.exception("could not undo %s after a failed init", info.sandbox_id)
+        raise
+
+
+def _envd_result(info, timings: dict) -> dict:
+    return {"envd_host": info.envd_host, "envd_port": info.envd_port, "pid": info.pid,
+            "accel": info.accel, "timings": timings}
+
+
 @shared_task(name="nodes.boot_sandbox")
 def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int, disk_size_mb: int,
                  env_vars: dict, access_token: str | None) -> dict:
@@ -51,33 +74,15 @@ def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int,
                     memory_mb=memory_mb, disk_size_mb=disk_size_mb)
     info = driver.boot(spec)
     started = time.perf_counter()
-    try:
-        _init_envd(info.envd_host, info.envd_port, env_vars, access_token)
-    except BaseException:
-        log.warning("envd init failed for %s; killing its VM", sandbox_id)
-        try:
-            driver.kill(sandbox_id)
-        except Exception:
-            log.exception("could not kill %s after a failed init", sandbox_id)
-        raise
-    timings = {k: round(float(v), 2) for k, v in (info.timings or {}).items()}
+    _init_envd_or_undo(info, env_vars, access_token, undo=driver.kill, what="killing its VM")
+    timings = _round(info.timings)
     timings["init"] = round((time.perf_counter() - started) * 1000, 2)
-    return {
-        "envd_host": info.envd_host,
-        "envd_port": info.envd_port,
-        "pid": info.pid,
-        "accel": info.accel,
-        "timings": timings,
-    }
+    return _envd_result(info, timings)
 
 
 @shared_task(name="nodes.kill_sandbox")
 def kill_sandbox(*, sandbox_id: str) -> dict:
     return {"killed": bool(get_driver().kill(sandbox_id))}
-
-
-def _round(timings: dict | None) -> dict:
-    return {k: round(float(v), 2) for k, v in (timings or {}).items()}
 
 
 @shared_task(name="nodes.pause_sandbox")
@@ -101,22 +106,8 @@ def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None)
     started = time.perf_counter()
     info = driver.resume(sandbox_id)
     t_resumed = time.perf_counter()
-    try:
-        _init_envd(info.envd_host, info.envd_port, env_vars, access_token)
-    except BaseException:
-        log.warning("envd init failed after resuming %s; pausing it again", sandbox_id)
-        try:
-            driver.pause_to_disk(sandbox_id)
-        except Exception:
-            log.exception("could not re-pause %s after a failed init", sandbox_id)
-        raise
+    _init_envd_or_undo(info, env_vars, access_token, undo=driver.pause_to_disk, what="pausing it again")
     timings = _round(info.timings)
     timings["resume_ms"] = round((t_resumed - started) * 1000, 2)
     timings["init"] = round((time.perf_counter() - t_resumed) * 1000, 2)
-    return {
-        "envd_host": info.envd_host,
-        "envd_port": info.envd_port,
-        "pid": info.pid,
-        "accel": info.accel,
-        "timings": timings,
-    }
+    return _envd_result(info, timings)

@@ -307,7 +307,7 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str) 
                              details={"node": node.id, "cleanup": cleanup}))
         raise ApiError(409, f'sandbox "{sandbox.id}" was killed while it was being created', headers=NO_RETRY)
     created = await Sandbox.objects.select_related("template").aget(pk=sandbox.pk)
-    created.create_phases = phases
+    created.op_phases = phases
     return created
 
 

@@ -45,6 +45,7 @@ def _body(request) -> dict:
 
 
 def _server_timing(sandbox) -> dict | None:
+    """Server-Timing header from the phases (ms) a lifecycle service put on the sandbox."""
     phases = getattr(sandbox, "op_phases", None) or {}
     timing = ", ".join(f"{name};dur={ms}" for name, ms in phases.items())
     return {"Server-Timing": timing} if timing else None
@@ -78,10 +79,8 @@ class _CreateMixin:
             _team(request), **body.to_service_kwargs(),
             idempotency_key=request.headers.get("Idempotency-Key") or None, actor=_actor(request),
         )
-        phases = getattr(sandbox, "create_phases", None) or {}
-        timing = ", ".join(f"{name};dur={ms}" for name, ms in phases.items())
         return Response(SandboxSerializer(sandbox).data, status=status.HTTP_201_CREATED,
-                        headers={"Server-Timing": timing} if timing else None)
+                        headers=_server_timing(sandbox))
 
 
 IDEMPOTENCY = OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER, required=False)
