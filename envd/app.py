@@ -4,12 +4,14 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import time
 
 from . import files_http
 from .auth import AuthError, check_signature, token_matches
 from .clock import maybe_set_clock
 from .connect import ConnectError
+from .entropy import credit, decode_seed
 from .filesystem_service import FilesystemService
 from .processes import ProcessManager
 from .process_service import ProcessService
@@ -18,6 +20,10 @@ from .watchers import pump_all
 from .users import UnknownUser, lookup, username_from_basic_auth
 
 log = logging.getLogger("envd.app")
+
+# Host-driver endpoint (no token: it reveals nothing and only flushes dirty pages to disk), called
+# before a filesystem-only pause so no write still in the guest page cache is lost.
+SYNC_PATH = "/aenv/sync"
 
 UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
 
@@ -89,6 +95,9 @@ class EnvdApp:
             if path == "/health":
                 await _empty(send, 204)
                 return
+            if path == SYNC_PATH and method == "POST":
+                await self._sync(send)
+                return
             if path == "/files":
                 self._authorize_files(scope, headers, method)
                 if method == "GET":
@@ -152,6 +161,13 @@ class EnvdApp:
         if env_vars is not None:
             if not isinstance(env_vars, dict) or not all(isinstance(v, str) for v in env_vars.values()):
                 raise files_http.HTTPError(400, "envVars must be an object of strings")
+        seed = None
+        if data.get("entropySeed") is not None:
+            try:
+                seed = decode_seed(data["entropySeed"])
+            except ValueError as exc:
+                raise files_http.HTTPError(400, str(exc)) from None
+        if env_vars is not None:
             self.settings.env_vars = dict(env_vars)
         if data.get("accessToken"):
             self.settings.access_token = str(data["accessToken"])
@@ -161,6 +177,15 @@ class EnvdApp:
             self.settings.default_workdir = str(data["defaultWorkdir"])
         if data.get("timestamp"):
             maybe_set_clock(str(data["timestamp"]), self.settings.set_clock)
+        if seed is not None:
+            credit(seed, self.settings.credit_entropy)
+        await _empty(send, 204)
+
+    async def _sync(self, send):
+        """Flushes every filesystem (sync(2)) in a thread; answers 204 once it returned."""
+        started = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, os.sync)
+        log.info("sync done in %.0f ms", (time.monotonic() - started) * 1000)
         await _empty(send, 204)
 
     # -- RPC ------------------------------------------------------------------

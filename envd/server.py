@@ -15,6 +15,8 @@ def parse_args(argv=None):
     p.add_argument("--max-upload-bytes", type=int, default=1 << 30)
     p.add_argument("--set-clock", choices=["auto", "always", "never"], default="auto",
                    help="apply /init timestamp: auto = as root when skew > 1 s")
+    p.add_argument("--credit-entropy", choices=["auto", "never"], default="auto",
+                   help="/init entropySeed: auto = credit to the kernel pool (root) or mix in")
     p.add_argument("--access-token", default=None, help="require this X-Access-Token from the start")
     p.add_argument("--log-level", default="info")
     p.add_argument("--version", action="version", version=ENVD_VERSION)
@@ -34,7 +36,7 @@ def main(argv=None):
 
     settings = Settings(default_user=args.default_user, default_workdir=args.default_workdir,
                         max_upload_bytes=args.max_upload_bytes, set_clock=args.set_clock,
-                        access_token=args.access_token)
+                        access_token=args.access_token, credit_entropy=args.credit_entropy)
     uvicorn.run(EnvdApp(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
                 access_log=False, http=H11Protocol, loop="asyncio", ws="none", lifespan="on",
                 timeout_keep_alive=75, timeout_graceful_shutdown=2)

@@ -22,11 +22,16 @@ class EnvdInitFailed(Exception):
 
 
 def _init_envd(host: str, port: int, env_vars: dict, access_token: str | None) -> None:
+    import base64  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
     body = {
         "envVars": env_vars or {},
         "timestamp": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"),
         "defaultUser": "user",
         "defaultWorkdir": "/home/user",
+        # Fresh kernel entropy for every (re)start: restored and forked guests share RNG state.
+        "entropySeed": base64.b64encode(os.urandom(64)).decode(),
     }
     headers = {}
     if access_token is not None:

@@ -36,6 +36,9 @@ class BootSpec:
     cpu_count: int = 2
     memory_mb: int = 512
     disk_size_mb: int = 2048
+    # Read-only qcow2 disk layers, base first (a filesystem-only snapshot): the VM cold-boots
+    # `image`'s kernel on a new writable top over layers[-1] instead of over the image's rootfs.
+    layers: list[str] | None = None
 
 
 @dataclass
@@ -134,14 +137,19 @@ class VMDriver(abc.ABC):
         """Freezes the vCPUs in memory (the QEMU process stays; TCP connections survive)."""
 
     @abc.abstractmethod
-    def pause_to_disk(self, sandbox_id: str) -> dict[str, float]:
-        """Saves the device state into the state dir and stops the QEMU process. The RAM file
-        stays as the memory snapshot; info()/list() then report status "paused" with pid 0."""
+    def pause_to_disk(self, sandbox_id: str, memory: bool = True) -> dict[str, float]:
+        """Stops the QEMU process; info()/list() then report status "paused" with pid 0.
+        memory=True: the device state is saved into the state dir and the RAM file stays as the
+        memory snapshot (resume continues every process). memory=False: the guest's filesystems
+        are synced first (if that fails, nothing changes and VMError is raised), then only the
+        disk (top + chain) is kept and the RAM file is deleted; resume cold-boots the guest on
+        that disk (files intact, processes gone)."""
 
     @abc.abstractmethod
     def resume(self, sandbox_id: str) -> VMInfo:
-        """Continues a paused VM (either kind of pause); returns once envd answers /health.
-        After a pause_to_disk the VM runs in a new process (same id, same envd port)."""
+        """Continues a paused VM (any kind of pause); returns once envd answers /health.
+        After a pause_to_disk the VM runs in a new process (same id, same envd port); after a
+        filesystem-only one it is a cold boot (timings["cold_boot"] == 1)."""
 
     @abc.abstractmethod
     def snapshot(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:

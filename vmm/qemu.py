@@ -31,19 +31,24 @@ import subprocess
 import threading
 import time
 import uuid
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from vmm import hostinfo, ports
 from vmm.accel import detect_accel, kvm_openable
 from vmm.driver import BootSpec, BootTimeout, SnapshotManifest, VMDriver, VMError, VMInfo
 from vmm.images import find_image
+from vmm.locks import LockTimeout, vm_lock
 from vmm.qemu_cmdline import QEMU, VMPaths, qemu_command
 from vmm.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, prepare_migration
 from vmm.state import VMState, process_alive, read_pidfile, reap, valid_sandbox_id
 
 DEFAULT_BOOT_TIMEOUT = 60.0
+GUEST_SYNC_TIMEOUT = 120.0
+SYNC_PATH = "/aenv/sync"  # envd: sync(2), no token needed
+# vm.json statuses without a QEMU process: device state + RAM kept, or only the disk kept.
+OFFLINE = ("paused_disk", "paused_fs")
 
 
 def envd_healthy(host: str, port: int, timeout: float = 1.0) -> bool:
@@ -82,13 +87,16 @@ class QemuDriver(VMDriver):
         self.port_range = port_range
         self._accel = accel
         self._accel_lock = threading.Lock()
-        self._locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
-        self._locks_lock = threading.Lock()
+        self.locks_dir = self.home / "locks"
 
-    def _lock(self, sandbox_id: str) -> threading.Lock:
-        """Serializes lifecycle verbs on one sandbox within this process."""
-        with self._locks_lock:
-            return self._locks[sandbox_id]
+    @contextmanager
+    def _lock(self, sandbox_id: str):
+        """Serializes lifecycle verbs on one sandbox across threads and processes (flock)."""
+        try:
+            with vm_lock(self.locks_dir, sandbox_id) as lock:
+                yield lock
+        except LockTimeout as e:
+            raise VMError(str(e)) from None
 
     @property
     def accel(self) -> str:
@@ -109,32 +117,35 @@ class QemuDriver(VMDriver):
             raise VMError(f"invalid sandbox id {spec.sandbox_id!r}")
         image = find_image(self.images_dir, spec.image)
         accel = self.accel
+        for layer in spec.layers or ():
+            if not Path(layer).is_file():
+                raise VMError(f"disk layer {layer} does not exist")
         state_dir = self.sandboxes_dir / spec.sandbox_id
-        if state_dir.exists():
-            raise VMError(f"sandbox {spec.sandbox_id} already exists ({state_dir})")
-        failures = []
-        for attempt in (1, 2):
-            try:
-                return self._boot_once(spec, image, accel, state_dir, attempt)
-            except _BootAttemptFailed as e:
-                failures.append(e)
-                self._cleanup(state_dir, VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir))
-            except BaseException:
-                self._cleanup(state_dir, VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir))
-                raise
-        last = failures[-1]
-        msg = f"sandbox {spec.sandbox_id}: envd not healthy after 2 attempts ({'; '.join(map(str, failures))})"
-        if last.timed_out:
-            raise BootTimeout(msg, last.console)
-        raise VMError(msg + (f"\n--- console tail ---\n{last.console}" if last.console else ""))
+        with self._lock(spec.sandbox_id) as lock:
+            if state_dir.exists():
+                raise VMError(f"sandbox {spec.sandbox_id} already exists ({state_dir})")
+            failures = []
+            for attempt in (1, 2):
+                try:
+                    return self._boot_once(spec, image, accel, state_dir, attempt)
+                except _BootAttemptFailed as e:
+                    failures.append(e)
+                    self._cleanup(state_dir, VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir))
+                except BaseException:
+                    self._cleanup(state_dir, VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir))
+                    lock.discard()
+                    raise
+            lock.discard()
+        raise _attempts_error(spec.sandbox_id, failures)
 
     def _boot_once(self, spec: BootSpec, image, accel: str, state_dir: Path, attempt: int) -> VMInfo:
         t0 = time.monotonic()
         paths = VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir)
         port = ports.allocate(self.sandboxes_dir, state_dir, self.host_address, self.port_range)
-        base_mb = _virtual_size_mb(image.rootfs)
+        chain = [str(p) for p in spec.layers] if spec.layers else [str(image.rootfs)]
+        base_mb = _virtual_size_mb(Path(chain[-1]))
         disk_mb = max(spec.disk_size_mb, base_mb)
-        _run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image.rootfs), "-F", "qcow2",
+        _run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", chain[-1], "-F", "qcow2",
               str(paths.top), f"{disk_mb}M"])
         t_disk = time.monotonic()
         tsc = hostinfo.tsc_khz()
@@ -145,12 +156,23 @@ class QemuDriver(VMDriver):
                         host_port=port, state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
                         console=str(paths.console), pidfile=str(paths.pidfile), ram=str(paths.ram),
                         image=spec.image, image_dir=str(image.kernel.parent), kernel=str(image.kernel),
-                        initrd=str(image.initrd), rootfs=str(image.rootfs), tools=str(image.tools),
+                        initrd=str(image.initrd), rootfs=chain[0], tools=str(image.tools),
                         cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, disk_size_mb=disk_mb, argv=argv,
                         created_at=time.time(), tsc_khz=tsc, resize=disk_mb > base_mb, qemu=self.qemu,
-                        chain=[str(image.rootfs)])
+                        chain=chain)
         state.save()  # before spawning: a crash from here on still leaves a killable record
-        proc = subprocess.run(argv, capture_output=True, text=True, start_new_session=True, stdin=subprocess.DEVNULL)
+        t_spawn, t_ready = self._spawn_cold(state, paths, attempt)
+        state.timings = {"disk_ms": (t_disk - t0) * 1e3, "spawn_ms": (t_spawn - t_disk) * 1e3,
+                         "envd_ms": (t_ready - t_spawn) * 1e3, "total_ms": (t_ready - t0) * 1e3,
+                         "attempt": attempt}
+        state.save()
+        return self._to_info(state)
+
+    def _spawn_cold(self, state: VMState, paths: VMPaths, attempt: int) -> tuple[float, float]:
+        """Starts QEMU with state.argv (a cold boot of the guest kernel) and waits for envd.
+        Returns (spawned, ready) monotonic times; raises _BootAttemptFailed."""
+        proc = subprocess.run(state.argv, capture_output=True, text=True, start_new_session=True,
+                              stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             raise _BootAttemptFailed(f"attempt {attempt}: qemu exited {proc.returncode}: {proc.stderr.strip()[-500:]}",
                                      console_tail(paths.console))
@@ -166,26 +188,21 @@ class QemuDriver(VMDriver):
         except (QMPError, OSError) as e:
             raise _BootAttemptFailed(f"attempt {attempt}: QMP setup failed: {e}", console_tail(paths.console))
         deadline = t_spawn + self.boot_timeout
-        while not envd_healthy(self.host_address, port):
+        while not envd_healthy(state.host_address, state.host_port):
             if not process_alive(pid, str(paths.qmp)):
                 raise _BootAttemptFailed(f"attempt {attempt}: qemu died during boot", console_tail(paths.console))
             if time.monotonic() > deadline:
                 raise _BootAttemptFailed(f"attempt {attempt}: no /health after {self.boot_timeout:.0f}s",
                                          console_tail(paths.console), timed_out=True)
             time.sleep(0.05)
-        t_ready = time.monotonic()
-        state.timings = {"disk_ms": (t_disk - t0) * 1e3, "spawn_ms": (t_spawn - t_disk) * 1e3,
-                         "envd_ms": (t_ready - t_spawn) * 1e3, "total_ms": (t_ready - t0) * 1e3,
-                         "attempt": attempt}
-        state.save()
-        return self._to_info(state)
+        return t_spawn, time.monotonic()
 
     # -- kill -------------------------------------------------------------------------------
 
     def kill(self, sandbox_id: str) -> bool:
         if not valid_sandbox_id(sandbox_id):
             return False
-        with self._lock(sandbox_id):
+        with self._lock(sandbox_id) as lock:
             state_dir = self.sandboxes_dir / sandbox_id
             paths = VMPaths.for_sandbox(state_dir, sandbox_id, self.shm_dir)
             state = VMState.load(state_dir)
@@ -195,6 +212,7 @@ class QemuDriver(VMDriver):
                 unlink_ram = state.ram_owned
             existed = state_dir.exists() or (unlink_ram and paths.ram.exists())
             self._cleanup(state_dir, paths, unlink_ram=unlink_ram)
+            lock.discard()
         if state is not None and state.capture_ref:
             self._release_capture(Path(state.capture_ref))
         return existed
@@ -249,7 +267,7 @@ class QemuDriver(VMDriver):
         state = VMState.load(self.sandboxes_dir / sandbox_id)
         if state is None:
             return None
-        if state.status == "paused_disk":
+        if state.status in OFFLINE:
             return self._to_info(state)
         if not process_alive(state.pid, state.qmp):
             return None
@@ -259,7 +277,7 @@ class QemuDriver(VMDriver):
         out = []
         for d in sorted(self.sandboxes_dir.iterdir()) if self.sandboxes_dir.exists() else []:
             state = VMState.load(d)
-            if state is not None and (state.status == "paused_disk" or process_alive(state.pid, state.qmp)):
+            if state is not None and (state.status in OFFLINE or process_alive(state.pid, state.qmp)):
                 out.append(self._to_info(state))
         return out
 
@@ -269,7 +287,7 @@ class QemuDriver(VMDriver):
         state = VMState.load(self.sandboxes_dir / sandbox_id) if valid_sandbox_id(sandbox_id) else None
         if state is None:
             raise VMError(f"unknown sandbox {sandbox_id!r}")
-        if state.status != "paused_disk" and not process_alive(state.pid, state.qmp):
+        if state.status not in OFFLINE and not process_alive(state.pid, state.qmp):
             raise VMError(f"sandbox {sandbox_id}: QEMU process is gone")
         return state
 
@@ -336,7 +354,7 @@ class QemuDriver(VMDriver):
     def pause(self, sandbox_id: str) -> dict[str, float]:
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if state.status == "paused_disk":
+            if state.status in OFFLINE:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk")
             t0 = time.monotonic()
             with QMP(Path(state.qmp)) as q:
@@ -347,11 +365,16 @@ class QemuDriver(VMDriver):
             state.save()
             return timings
 
-    def pause_to_disk(self, sandbox_id: str) -> dict[str, float]:
+    def pause_to_disk(self, sandbox_id: str, memory: bool = True) -> dict[str, float]:
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if state.status == "paused_disk":
+            if state.status == ("paused_disk" if memory else "paused_fs"):
                 return {}
+            if state.status in OFFLINE:
+                raise VMError(f"sandbox {sandbox_id} is already paused to disk "
+                              f"({'without' if state.status == 'paused_fs' else 'with'} its memory); resume it first")
+            if not memory:
+                return self._pause_fs(state)
             paths = self._paths(state)
             device_state = paths.state_dir / "device.state"
             t0 = time.monotonic()
@@ -374,13 +397,7 @@ class QemuDriver(VMDriver):
                     q.execute("quit")
                 except QMPError:
                     pass  # the socket may close before the reply
-            pid = state.pid
-            end = time.monotonic() + 10.0
-            while process_alive(pid, state.qmp) and time.monotonic() < end:
-                time.sleep(0.002)
-            if process_alive(pid, state.qmp):
-                self._stop_process(paths)
-            reap(pid)
+            self._wait_exit(state, paths)
             t_exit = time.monotonic()
             state.pid = 0
             timings = {"stop_ms": (t_stop - t0) * 1e3, "save_ms": (t_saved - t_stop) * 1e3,
@@ -390,10 +407,119 @@ class QemuDriver(VMDriver):
             state.save()
             return timings
 
+    def _wait_exit(self, state: VMState, paths: VMPaths) -> None:
+        """Waits for a QEMU that was told to quit; stops it harder after 10 s."""
+        pid = state.pid
+        end = time.monotonic() + 10.0
+        while process_alive(pid, state.qmp) and time.monotonic() < end:
+            time.sleep(0.002)
+        if process_alive(pid, state.qmp):
+            self._stop_process(paths)
+        reap(pid)
+
+    def _guest_sync(self, state: VMState) -> None:
+        """Has envd run sync(2) so the guest page cache is on the virtual disk; raises VMError."""
+        conn = http.client.HTTPConnection(state.host_address, state.host_port, timeout=GUEST_SYNC_TIMEOUT)
+        try:
+            conn.request("POST", SYNC_PATH)
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status != 204:
+                raise VMError(f"sandbox {state.sandbox_id}: guest sync answered {resp.status}")
+        except (OSError, http.client.HTTPException) as e:
+            raise VMError(f"sandbox {state.sandbox_id}: guest sync failed: {e!r}") from None
+        finally:
+            conn.close()
+
+    def _pause_fs(self, state: VMState) -> dict[str, float]:
+        """Filesystem-only pause: guest sync, QEMU quits, RAM file deleted, disk chain kept.
+        A failed sync leaves the VM as it was (a dirty page cache must not be thrown away)."""
+        paths = self._paths(state)
+        t0 = time.monotonic()
+        was_paused = state.status == "paused"
+        if was_paused:  # the guest must run to flush its page cache
+            with QMP(paths.qmp) as q:
+                q.execute("cont")
+        try:
+            self._guest_sync(state)
+        except BaseException:
+            if was_paused:
+                with QMP(paths.qmp) as q:
+                    q.execute("stop")
+            raise
+        t_sync = time.monotonic()
+        with QMP(paths.qmp, timeout=30.0) as q:
+            q.execute("stop")
+            # From here only the disk is the VM: record that before QEMU exits.
+            state.status = "paused_fs"
+            state.device_state = ""
+            state.save()
+            try:
+                q.execute("quit")
+            except QMPError:
+                pass  # the socket may close before the reply
+        t_stop = time.monotonic()
+        self._wait_exit(state, paths)
+        t_exit = time.monotonic()
+        if state.ram_owned:
+            try:
+                paths.ram.unlink()
+            except FileNotFoundError:
+                pass
+        # The next start is a cold boot on a RAM file of its own (even if restored from a snapshot).
+        state.ram = str(VMPaths.for_sandbox(paths.state_dir, state.sandbox_id, self.shm_dir).ram)
+        state.ram_share = state.ram_owned = True
+        state.pid = 0
+        timings = {"sync_ms": (t_sync - t0) * 1e3, "stop_ms": (t_stop - t_sync) * 1e3,
+                   "exit_ms": (t_exit - t_stop) * 1e3, "total_ms": (time.monotonic() - t0) * 1e3}
+        state.timings.update({f"pause_fs.{k}": v for k, v in timings.items()})
+        state.save()
+        return timings
+
+    def _resume_cold(self, state: VMState) -> dict[str, float]:
+        """Cold-boots a filesystem-only paused VM on its own disk (same id, port and top).
+        On failure it stays paused_fs with no process and no RAM file."""
+        paths = self._paths(state)
+        self._stop_process(paths)  # a QEMU left by an interrupted pause
+        failures = []
+        for attempt in (1, 2):
+            t0 = time.monotonic()
+            state.argv = self._argv(state, incoming=False)
+            state.top_node = "root"
+            state.pid = 0
+            state.save()
+            for stale in (paths.pidfile, paths.ram):
+                try:
+                    stale.unlink()
+                except FileNotFoundError:
+                    pass
+            try:
+                t_spawn, t_ready = self._spawn_cold(state, paths, attempt)
+                return {"spawn_ms": (t_spawn - t0) * 1e3, "envd_ms": (t_ready - t_spawn) * 1e3,
+                        "total_ms": (t_ready - t0) * 1e3, "attempt": attempt, "cold_boot": 1}
+            except _BootAttemptFailed as e:
+                failures.append(e)
+            except BaseException:
+                self._undo_spawn(state, paths)
+                raise
+            self._undo_spawn(state, paths)
+        raise _attempts_error(state.sandbox_id, failures)
+
+    def _undo_spawn(self, state: VMState, paths: VMPaths) -> None:
+        self._stop_process(paths)
+        try:
+            paths.ram.unlink()
+        except FileNotFoundError:
+            pass
+        state.pid = 0
+        state.save()
+
     def resume(self, sandbox_id: str) -> VMInfo:
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if state.status == "paused_disk":
+            if state.status == "paused_fs":
+                timings = self._resume_cold(state)
+            elif state.status == "paused_disk":
                 timings = self._spawn_incoming(state, Path(state.device_state))
                 try:
                     Path(state.device_state).unlink()
@@ -421,7 +547,7 @@ class QemuDriver(VMDriver):
             raise VMError(f"snapshot dir {dest} is not empty")
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if state.status == "paused_disk":
+            if state.status in OFFLINE:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a snapshot")
             paths = self._paths(state)
             gen = state.generation + 1
@@ -484,6 +610,15 @@ class QemuDriver(VMDriver):
         m = manifest.machine
         if m.get("accel") != self.accel:
             raise VMError(f"snapshot was taken under {m.get('accel')}, this host runs {self.accel}")
+        with self._lock(sid) as lock:
+            try:
+                return self._restore_locked(manifest, sid, capture_ref)
+            except BaseException:
+                lock.discard()
+                raise
+
+    def _restore_locked(self, manifest: SnapshotManifest, sid: str, capture_ref: str) -> VMInfo:
+        m = manifest.machine
         state_dir = self.sandboxes_dir / sid
         if state_dir.exists():
             raise VMError(f"sandbox {sid} already exists ({state_dir})")
@@ -556,6 +691,14 @@ class QemuDriver(VMDriver):
         return VMInfo(sandbox_id=state.sandbox_id, pid=state.pid, envd_host=state.host_address,
                       envd_port=state.host_port, accel=state.accel, state_dir=Path(state.state_dir),
                       timings=dict(state.timings), status="running" if state.status == "running" else "paused")
+
+
+def _attempts_error(sandbox_id: str, failures: list) -> VMError:
+    last = failures[-1]
+    msg = f"sandbox {sandbox_id}: envd not healthy after {len(failures)} attempts ({'; '.join(map(str, failures))})"
+    if last.timed_out:
+        return BootTimeout(msg, last.console)
+    return VMError(msg + (f"\n--- console tail ---\n{last.console}" if last.console else ""))
 
 
 class _BootAttemptFailed(Exception):

@@ -33,7 +33,7 @@ class EnvdServer:
         command = [os.environ["ENVD_TEST_BINARY"]] if os.environ.get("ENVD_TEST_BINARY") else [sys.executable, "-m", "envd"]
         self.proc = subprocess.Popen(
             [*command, "--host", "127.0.0.1", "--port", str(self.port),
-             "--set-clock", "never", "--log-level", "warning", *extra_args],
+             "--set-clock", "never", "--credit-entropy", "never", "--log-level", "warning", *extra_args],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 20

@@ -154,3 +154,23 @@ def test_init_validation(envd):
     assert r.status_code == 400
     r = httpx.post(envd.url + "/init", json={"timestamp": "not-a-time"})
     assert r.status_code == 204  # clock problems never fail /init
+
+
+def test_init_entropy_seed_validation(envd):
+    import base64
+
+    for bad in ("not base64!", base64.b64encode(b"x" * 8).decode(), base64.b64encode(b"x" * 513).decode(), 42):
+        r = httpx.post(envd.url + "/init", json={"entropySeed": bad})
+        assert r.status_code == 400, bad
+        assert "entropySeed" in r.json()["message"]
+    # A bad seed fails the whole /init: nothing else in the body was applied.
+    r = httpx.post(envd.url + "/init", json={"envVars": {"SEED_TEST": "1"}, "entropySeed": "%%%"})
+    assert r.status_code == 400
+    assert "SEED_TEST" not in httpx.get(envd.url + "/envs").json()
+    r = httpx.post(envd.url + "/init", json={"entropySeed": base64.b64encode(b"\x01" * 64).decode()})
+    assert r.status_code == 204
+
+
+def test_sync_endpoint(envd):
+    assert httpx.post(envd.url + "/aenv/sync").status_code == 204
+    assert httpx.get(envd.url + "/aenv/sync").status_code in (401, 404)  # only POST is the sync

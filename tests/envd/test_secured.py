@@ -64,6 +64,7 @@ def test_sdk_without_token_is_rejected(secured):
 
 def test_raw_401_shape_and_health_is_open(secured):
     assert httpx.get(secured.url + "/health").status_code == 204
+    assert httpx.post(secured.url + "/aenv/sync").status_code == 204  # the driver has no token
     r = httpx.get(secured.url + "/files", params={"path": "/etc/hostname"})
     assert r.status_code == 401 and r.json()["code"] == 401 and r.json()["message"]
     r = httpx.post(secured.url + "/process.Process/List", content=b"{}",

@@ -179,6 +179,35 @@ def test_snapshot_restore_two(driver, parent, tmp_path):
     shutil.rmtree(tmp_path / "snap")
 
 
+def test_restores_get_distinct_entropy(driver, parent, tmp_path):
+    """Two restores of one snapshot, each /init'ed with its own entropySeed: envd credits it to
+    the kernel pool (console says so) and the children's /dev/urandom streams differ."""
+    import base64
+
+    import httpx
+
+    manifest = driver.snapshot(parent.sandbox_id, tmp_path / "snap")
+    kids = []
+    try:
+        for sid in ("lc-e1", "lc-e2"):
+            kid = driver.restore(manifest, BootSpec(sid))
+            kids.append(kid)
+            seed = base64.b64encode(os.urandom(64)).decode()
+            r = httpx.post(f"{kid.envd_url}/init", json={"entropySeed": seed}, timeout=30)
+            assert r.status_code == 204, r.text
+            r = httpx.post(f"{kid.envd_url}/init", json={"entropySeed": "not base64"}, timeout=30)
+            assert r.status_code == 400
+        outs = [sh(k.envd_port, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").strip() for k in kids]
+        assert len(outs[0]) == 64 and outs[0] != outs[1]
+        for kid in kids:
+            console = (kid.state_dir / "console.log").read_text(errors="replace")
+            assert "entropy: credited 512 bits" in console
+    finally:
+        for kid in kids:
+            driver.kill(kid.sandbox_id)
+    shutil.rmtree(tmp_path / "snap")
+
+
 def test_fork_two(driver, parent):
     port = parent.envd_port
     sh(port, "echo fork-marker > /home/user/fork.txt")
