@@ -148,6 +148,11 @@ class Sandbox(models.Model):
     # Idempotency-Key of the create request: a retried create with the same key
     # (same team, within the window) returns this sandbox instead of booting another.
     idempotency_key = models.CharField(max_length=255, blank=True, default="")
+    # Lineage (template → snapshot → sandboxes / forks): the snapshot this sandbox was
+    # restored from (its files must outlive it) and the sandbox it was forked from.
+    source_snapshot = models.ForeignKey("snapshots.Snapshot", null=True, blank=True, on_delete=models.SET_NULL,
+                                        related_name="sandboxes")
+    forked_from = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks")
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     started_at = models.DateTimeField(default=timezone.now, db_index=True)
     end_at = models.DateTimeField(db_index=True)

@@ -1,0 +1,103 @@
+"""Where a snapshot's files live, behind a small interface.
+
+The driver captures into a local directory and restores from one. A store decides
+where that directory is and what happens around it: ``posix_fs`` (the only store
+now) keeps the files node-local under ``AENV_HOME/snapshots/<id>/``. An object-store
+backend (S3) would upload in ``commit`` and download into ``local_dir`` on a node
+that lacks them, without the node tasks changing."""
+from __future__ import annotations
+
+import abc
+import os
+import re
+import shutil
+from pathlib import Path
+
+SNAPSHOT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+
+
+class SnapshotStoreError(Exception):
+    """The store cannot serve this snapshot (bad id, files missing)."""
+
+
+def _checked(snapshot_id: str) -> str:
+    """Ids become directory names: never a slash, dot-dot or anything odd."""
+    if not isinstance(snapshot_id, str) or not SNAPSHOT_ID.match(snapshot_id):
+        raise SnapshotStoreError(f"invalid snapshot id {snapshot_id!r}")
+    return snapshot_id
+
+
+class SnapshotStore(abc.ABC):
+    """One snapshot repository. Methods run on the node that holds or takes the files."""
+
+    name: str
+
+    @abc.abstractmethod
+    def prepare(self, snapshot_id: str) -> Path:
+        """A new, empty local directory for the driver to capture into."""
+
+    def commit(self, snapshot_id: str) -> None:
+        """Called once the capture in ``prepare``'s directory is complete."""
+
+    @abc.abstractmethod
+    def local_dir(self, snapshot_id: str) -> Path:
+        """The local directory holding the complete snapshot (for a restore)."""
+
+    @abc.abstractmethod
+    def size_bytes(self, snapshot_id: str) -> int:
+        """Bytes the snapshot really occupies (sparse files count their allocated blocks)."""
+
+    @abc.abstractmethod
+    def delete(self, snapshot_id: str) -> bool:
+        """Removes every file of the snapshot; False if there was nothing."""
+
+
+class PosixFsStore(SnapshotStore):
+    """Snapshots as plain directories on the node's filesystem."""
+
+    name = "posix_fs"
+
+    def __init__(self, root: Path):
+        self.root = Path(root).absolute()
+
+    def _dir(self, snapshot_id: str) -> Path:
+        return self.root / _checked(snapshot_id)
+
+    def prepare(self, snapshot_id: str) -> Path:
+        path = self._dir(snapshot_id)
+        self.root.mkdir(parents=True, exist_ok=True)
+        path.mkdir()  # FileExistsError: never capture over another snapshot
+        return path
+
+    def local_dir(self, snapshot_id: str) -> Path:
+        path = self._dir(snapshot_id)
+        if not (path / "manifest.json").is_file():
+            raise SnapshotStoreError(f"snapshot {snapshot_id} has no files on this node ({path})")
+        return path
+
+    def size_bytes(self, snapshot_id: str) -> int:
+        total = 0
+        for dirpath, _dirs, files in os.walk(self._dir(snapshot_id)):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                except OSError:
+                    pass
+        return total
+
+    def delete(self, snapshot_id: str) -> bool:
+        path = self._dir(snapshot_id)
+        if not path.exists():
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+        return not path.exists()
+
+
+def get_store() -> SnapshotStore:
+    """The store configured for this process (``AENV_SNAPSHOT_STORE``, default posix_fs)."""
+    from django.conf import settings  # noqa: PLC0415
+
+    kind = getattr(settings, "AENV_SNAPSHOT_STORE", None) or os.environ.get("AENV_SNAPSHOT_STORE", "posix_fs")
+    if kind != "posix_fs":
+        raise SnapshotStoreError(f"unknown snapshot store {kind!r} (only 'posix_fs' is implemented)")
+    return PosixFsStore(Path(settings.AENV_HOME) / "snapshots")
