@@ -207,3 +207,40 @@ async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_
     Returns {"envd_host", "envd_port", "pid", "accel", "timings": {phase: ms}}."""
     kwargs = dict(sandbox_id=sandbox_id, env_vars=dict(env_vars or {}), access_token=access_token)
     return await _call(node, tasks.resume_sandbox, kwargs, deadline, f"resume of {sandbox_id}")
+
+
+async def snapshot_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, memory: bool = True,
+                           deadline: float | None = None) -> dict:
+    """Capture the running VM into snapshot `snapshot_id` on `node` (it keeps running).
+
+    Returns {"manifest", "size_bytes", "memory", "timings"}; a full store fails with kind "StorageFull"."""
+    kwargs = dict(sandbox_id=sandbox_id, snapshot_id=snapshot_id, memory=bool(memory))
+    return await _call(node, tasks.snapshot_sandbox, kwargs, deadline, f"snapshot of {sandbox_id}")
+
+
+async def restore_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, env_vars: dict,
+                          access_token: str | None, source_token: str | None = None,
+                          deadline: float | None = None) -> dict:
+    """Start sandbox `sandbox_id` on `node` from snapshot `snapshot_id` and initialise its
+    envd (own token, handed over from `source_token`). Returns what boot_sandbox returns."""
+    kwargs = dict(sandbox_id=sandbox_id, snapshot_id=snapshot_id, env_vars=dict(env_vars or {}),
+                  access_token=access_token, source_token=source_token or None)
+    return await _call(node, tasks.restore_sandbox, kwargs, deadline, f"restore of {sandbox_id}")
+
+
+async def fork_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,
+                       children: list[dict], deadline: float | None = None) -> dict:
+    """Fork `sandbox_id` on `node` into `children` ({"sandbox_id", "env_vars", "access_token"}).
+
+    Returns {"parent": {"ok", "error"?}, "children": [{"sandbox_id", "ok", "envd_host", "envd_port",
+    "pid", "timings"} | {"sandbox_id", "ok": False, "kind", "message"}], "timings"}."""
+    kwargs = dict(sandbox_id=sandbox_id, env_vars=dict(env_vars or {}), access_token=access_token,
+                  children=[{"sandbox_id": c["sandbox_id"], "env_vars": dict(c.get("env_vars") or {}),
+                             "access_token": c.get("access_token") or None} for c in children])
+    return await _call(node, tasks.fork_sandbox, kwargs, deadline, f"fork of {sandbox_id}")
+
+
+async def delete_snapshot_files(node: Node, *, snapshot_id: str, deadline: float | None = None) -> dict:
+    """Remove snapshot `snapshot_id`'s files from `node`; {"deleted": False} if there were none."""
+    return await _call(node, tasks.delete_snapshot_files, {"snapshot_id": snapshot_id}, deadline,
+                       f"deletion of snapshot {snapshot_id}")

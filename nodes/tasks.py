@@ -3,8 +3,10 @@
 Exceptions propagate unchanged: with the JSON result serializer Celery stores their
 class name and args, which the control plane turns into NodeTaskFailed(kind, message).
 """
+import errno
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 import httpx
@@ -116,3 +118,150 @@ def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None)
     timings["resume_ms"] = round((t_resumed - started) * 1000, 2)
     timings["init"] = round((time.perf_counter() - t_resumed) * 1000, 2)
     return _envd_result(info, timings)
+
+
+# --- snapshots, restore and fork ---------------------------------------------
+
+class StorageFull(Exception):
+    """The snapshot store ran out of space while capturing (nothing partial is kept)."""
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
+
+
+def _handoff_token(host: str, port: int, source_token: str, access_token: str) -> None:
+    """A restored or forked envd still requires its source's token: present it once to
+    install the new sandbox's own token (envd /init accepts a new ``accessToken``)."""
+    try:
+        resp = httpx.post(f"http://{host}:{port}/init", json={"accessToken": access_token},
+                          headers={"X-Access-Token": source_token}, timeout=ENVD_INIT_TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise EnvdInitFailed(f"envd token handoff at {host}:{port} failed: {exc!r}") from None
+    if not resp.is_success:
+        raise EnvdInitFailed(f"envd token handoff at {host}:{port} answered {resp.status_code}: {resp.text[:200]}")
+
+
+def _take_over_envd(info, env_vars: dict, access_token: str | None, source_token: str | None, *,
+                    undo, what: str) -> None:
+    """/init of a VM started from a capture: its own token (handed over from the
+    source's), its env vars, a fresh clock; on failure ``undo`` (kill) it."""
+    if source_token and source_token != access_token:
+        try:
+            if not access_token:
+                raise EnvdInitFailed("a sandbox started from a secure source needs its own access token")
+            _handoff_token(info.envd_host, info.envd_port, source_token, access_token)
+        except BaseException:
+            log.warning("envd token handoff failed for %s; %s", info.sandbox_id, what)
+            try:
+                undo(info.sandbox_id)
+            except Exception:
+                log.exception("could not undo %s after a failed token handoff", info.sandbox_id)
+            raise
+    _init_envd_or_undo(info, env_vars, access_token, undo=undo, what=what)
+
+
+def _store():
+    from snapshots.storage import get_store
+
+    return get_store()
+
+
+@shared_task(name="nodes.snapshot_sandbox")
+def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) -> dict:
+    """Captures the running VM into the snapshot store (the VM pauses briefly, then
+    continues). A failure removes whatever was written, so no partial snapshot stays;
+    a full disk is reported as StorageFull. Returns {"manifest", "size_bytes", "timings"}."""
+    driver = get_driver()
+    store = _store()
+    started = time.perf_counter()
+    try:
+        dest = store.prepare(snapshot_id)
+    except OSError as exc:
+        if _is_disk_full(exc):
+            raise StorageFull(f"no space left in the snapshot store for {snapshot_id}: {exc}") from None
+        raise
+    try:
+        manifest = driver.snapshot(sandbox_id, dest)
+        store.commit(snapshot_id)
+    except BaseException as exc:
+        store.delete(snapshot_id)
+        if _is_disk_full(exc):
+            raise StorageFull(f"no space left in the snapshot store while capturing {sandbox_id}: {exc}") from None
+        raise
+    timings = _round(manifest.timings)
+    timings["task_ms"] = round((time.perf_counter() - started) * 1000, 2)
+    return {"manifest": manifest.to_json(), "size_bytes": store.size_bytes(snapshot_id),
+            "memory": True, "timings": timings}
+
+
+@shared_task(name="nodes.restore_sandbox")
+def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access_token: str | None,
+                    source_token: str | None = None) -> dict:
+    """Starts a new VM from a snapshot (copy-on-write memory and disk), then gives its
+    envd the new sandbox's token, env vars and clock; killed if that fails."""
+    from vmm.driver import BootSpec, SnapshotManifest
+
+    driver = get_driver()
+    manifest = SnapshotManifest.load(_store().local_dir(snapshot_id))
+    info = driver.restore(manifest, BootSpec(sandbox_id=sandbox_id))
+    started = time.perf_counter()
+    _take_over_envd(info, env_vars, access_token, source_token, undo=driver.kill, what="killing its VM")
+    timings = _round(info.timings)
+    timings["init"] = round((time.perf_counter() - started) * 1000, 2)
+    return _envd_result(info, timings)
+
+
+FORK_INIT_THREADS = 16
+
+
+@shared_task(name="nodes.fork_sandbox")
+def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, children: list[dict]) -> dict:
+    """One capture of the running parent, then a child per entry of ``children``
+    ({"sandbox_id", "env_vars", "access_token"}), each taking over its envd with its own
+    token. A child that fails (restore or /init) is killed and reported alone; its
+    siblings are unaffected. The parent is re-inited too (its clock stood still).
+
+    Returns {"parent": {"ok", "error"?}, "children": [{"sandbox_id", "ok", ...}], "timings"}."""
+    from vmm.driver import VMInfo
+
+    driver = get_driver()
+    ids = [c["sandbox_id"] for c in children]
+    started = time.perf_counter()
+    results = driver.fork(sandbox_id, len(ids), ids)  # raises only if the capture failed
+    t_forked = time.perf_counter()
+
+    parent = {"ok": True}
+    info = driver.info(sandbox_id)
+    try:
+        if info is None:
+            raise EnvdInitFailed(f"parent {sandbox_id} is gone after the fork")
+        _init_envd(info.envd_host, info.envd_port, env_vars, access_token)
+    except Exception as exc:  # reported; the parent keeps running as it is
+        parent = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+    def init_child(spec: dict, result) -> dict:
+        cid = spec["sandbox_id"]
+        if not isinstance(result, VMInfo):
+            return {"sandbox_id": cid, "ok": False, "kind": type(result).__name__, "message": str(result)}
+        t0 = time.perf_counter()
+        try:
+            _take_over_envd(result, spec.get("env_vars") or {}, spec.get("access_token"), access_token,
+                            undo=driver.kill, what="killing its VM")
+        except Exception as exc:
+            return {"sandbox_id": cid, "ok": False, "kind": type(exc).__name__, "message": str(exc)}
+        timings = _round(result.timings)
+        timings["init"] = round((time.perf_counter() - t0) * 1000, 2)
+        return {"sandbox_id": cid, "ok": True, **_envd_result(result, timings)}
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(ids), FORK_INIT_THREADS))) as pool:
+        out = list(pool.map(init_child, children, results))
+    timings = {"fork_ms": round((t_forked - started) * 1000, 2),
+               "total_ms": round((time.perf_counter() - started) * 1000, 2)}
+    return {"parent": parent, "children": out, "timings": timings}
+
+
+@shared_task(name="nodes.delete_snapshot_files")
+def delete_snapshot_files(*, snapshot_id: str) -> dict:
+    """Removes a snapshot's files from this node's store; {"deleted": False} if none."""
+    return {"deleted": bool(_store().delete(snapshot_id))}
