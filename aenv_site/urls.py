@@ -11,6 +11,8 @@ urlpatterns = [
     path("dashboard/", include("dashboard.urls")),
     path("", RedirectView.as_view(url="/dashboard/", permanent=False)),
     path("", include("sandboxes.urls")),
+    # Last: its DELETE /templates/{id} pattern must not shadow more specific template routes.
+    path("", include("snapshots.urls")),
 ]
 
 # Unknown URLs and crashes answer JSON {code, message} like the rest of the API.

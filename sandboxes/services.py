@@ -58,6 +58,13 @@ PAUSED_STATES = [s.value for s, shown in E2B_VISIBLE_STATE.items() if shown == "
 KILLABLE_STATES = [s for s in LIVE_STATES if s != S.KILLING]
 
 
+def _snapshots():
+    """snapshots.services, imported late (it builds on this module)."""
+    from snapshots import services  # noqa: PLC0415
+
+    return services
+
+
 def _node_api():
     """The node client and placement modules, imported late so that this module
     loads (and can be mocked) independently of the node side."""
@@ -171,7 +178,8 @@ async def create_sandbox(
     env_vars = _check_str_map("envVars", env_vars)
     if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
         raise ApiError(400, "Idempotency-Key must be 1 to 255 characters")
-    template = await resolve_template(team, template_ref)
+    snapshot = await _snapshots().resolve_snapshot(team, template_ref)
+    template = snapshot.template if snapshot is not None else await resolve_template(team, template_ref)
 
     now = timezone.now()
     fields = dict(
@@ -185,10 +193,16 @@ async def create_sandbox(
         idempotency_key=idempotency_key or "", created_at=now, started_at=now,
         end_at=now + timedelta(seconds=timeout),
     )
+    if snapshot is not None:
+        # A restore: the snapshot's size and envd; a secure source's envd is handed to a token of its own.
+        fields.update(source_snapshot=snapshot, cpu_count=snapshot.cpu_count, memory_mb=snapshot.memory_mb,
+                      disk_size_mb=snapshot.disk_size_mb, envd_version=snapshot.envd_version)
+        if snapshot.envd_access_token:
+            fields.update(secure=True, envd_access_token=new_envd_access_token())
     sandbox = await _insert_creating(fields, actor)
     if getattr(sandbox, "_replayed", False):
         return await _replay(sandbox)
-    task = asyncio.ensure_future(_boot(sandbox, template, timeout, actor))
+    task = asyncio.ensure_future(_boot(sandbox, template, timeout, actor, snapshot))
     # If the caller is cancelled the boot still finishes; its outcome is in the DB.
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return await asyncio.shield(task)
@@ -235,13 +249,19 @@ async def _replay(sandbox: Sandbox) -> Sandbox:
     return sandbox
 
 
-async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str) -> Sandbox:
+async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str, snapshot=None) -> Sandbox:
     client, placement = _node_api()
     t0 = time.monotonic()
     started = timezone.now()
     node = None
     try:
-        node = await placement.pick_node(sandbox.cpu_count, sandbox.memory_mb)
+        if snapshot is not None:  # a restore runs where the snapshot's files are
+            node = await _snapshots().restore_node(snapshot, placement.NoNodeAvailable)
+        else:
+            node = await placement.pick_node(sandbox.cpu_count, sandbox.memory_mb)
+    except ApiError as exc:
+        await _fail_create(sandbox, str(exc.detail), t0, started, actor, node=None, kind="SnapshotUnavailable")
+        raise
     except placement.NoNodeAvailable as exc:
         reason = f"no node available with {sandbox.cpu_count} vCPU and {sandbox.memory_mb} MB free"
         if str(exc):
@@ -263,6 +283,9 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str) 
                 node, sandbox_id=sandbox.id, image=template.image, cpu_count=sandbox.cpu_count,
                 memory_mb=sandbox.memory_mb, disk_size_mb=sandbox.disk_size_mb,
                 env_vars=sandbox.env_vars, access_token=sandbox.envd_access_token or None,
+            ) if snapshot is None else client.restore_sandbox(
+                node, sandbox_id=sandbox.id, snapshot_id=snapshot.id, env_vars=sandbox.env_vars,
+                access_token=sandbox.envd_access_token or None, source_token=snapshot.envd_access_token or None,
             ),
             # The node client enforces AENV_NODE_TASK_DEADLINE; this is only a backstop.
             timeout=settings.AENV_NODE_TASK_DEADLINE + 15,

@@ -1,0 +1,55 @@
+"""Wire models of the snapshot and fork endpoints (E2B names, strict JSON types)."""
+from django.conf import settings
+from rest_framework import serializers
+
+from sandboxes.serializers import SandboxSerializer, StrictBooleanField, StrictCharField, StrictIntegerField
+
+from .models import Snapshot
+
+
+class SnapshotRequestSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/snapshots``: ``{}``, ``name`` and/or ``memory``."""
+
+    name = StrictCharField(required=False, allow_null=True, allow_blank=True, max_length=128, default=None)
+    memory = StrictBooleanField(required=False, allow_null=True, default=None)
+
+
+class SnapshotInfoSerializer(serializers.ModelSerializer):
+    """Model ``SnapshotInfo``: ``snapshotID`` (usable as ``templateID``) and ``names``."""
+
+    snapshotID = serializers.CharField(source="id")
+    names = serializers.ListField(child=serializers.CharField())
+
+    class Meta:
+        model = Snapshot
+        fields = ["snapshotID", "names"]
+
+
+class SnapshotListQuerySerializer(serializers.Serializer):
+    """Query string of ``GET /snapshots``."""
+
+    sandboxID = serializers.CharField(required=False, allow_blank=True)
+    name = serializers.CharField(required=False, allow_blank=True)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=100, default=100)
+    nextToken = serializers.CharField(required=False, allow_blank=True)
+
+
+class ForkRequestSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/fork``: ``count`` (1..100, default 1) and
+    ``timeout`` (seconds for each child; default: the parent's timeout)."""
+
+    count = StrictIntegerField(required=False, allow_null=True, default=None)
+    timeout = StrictIntegerField(required=False, allow_null=True, min_value=0,
+                                 max_value=settings.AENV_MAX_TIMEOUT, default=None)
+
+
+class ForkErrorSerializer(serializers.Serializer):
+    code = serializers.IntegerField()
+    message = serializers.CharField()
+
+
+class ForkResultSerializer(serializers.Serializer):
+    """Model ``SandboxForkResult``: exactly one of ``sandbox`` or ``error``."""
+
+    sandbox = SandboxSerializer(required=False)
+    error = ForkErrorSerializer(required=False)

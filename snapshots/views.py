@@ -1,0 +1,80 @@
+"""E2B snapshot and fork endpoints (spec §2.6): a serializer checks the input, a
+function in ``snapshots.services`` does the work, a serializer renders the answer."""
+from adrf.views import APIView
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import status
+from rest_framework.response import Response
+
+from sandboxes.serializers import ErrorSerializer, SandboxSerializer
+from sandboxes.views import _actor, _body, _server_timing, _team, _valid
+
+from . import services
+from .serializers import (
+    ForkRequestSerializer,
+    ForkResultSerializer,
+    SnapshotInfoSerializer,
+    SnapshotListQuerySerializer,
+    SnapshotRequestSerializer,
+)
+
+ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404, 409, 500, 503, 504, 507)}
+
+
+class SandboxSnapshotsView(APIView):
+    """``POST /sandboxes/{id}/snapshots``: 201 SnapshotInfo; the sandbox keeps running."""
+
+    @extend_schema(operation_id="sandbox_snapshot_create", request=SnapshotRequestSerializer,
+                   responses={201: SnapshotInfoSerializer, **ERRORS})
+    async def post(self, request, sandbox_id: str):
+        body = _valid(SnapshotRequestSerializer, _body(request)).validated_data
+        snapshot = await services.create_snapshot(_team(request), sandbox_id, name=body.get("name"),
+                                                  memory=body.get("memory"), actor=_actor(request))
+        return Response(SnapshotInfoSerializer(snapshot).data, status=status.HTTP_201_CREATED,
+                        headers=_server_timing(snapshot))
+
+
+class SnapshotsView(APIView):
+    """``GET /snapshots``: the team's snapshots, newest first, ``X-Next-Token`` paginated."""
+
+    @extend_schema(operation_id="snapshots_list", parameters=[SnapshotListQuerySerializer],
+                   responses={200: SnapshotInfoSerializer(many=True), **ERRORS})
+    async def get(self, request):
+        q = _valid(SnapshotListQuerySerializer, request.query_params).validated_data
+        page = await services.list_snapshots(_team(request), sandbox_id=q.get("sandboxID") or None,
+                                             name=q.get("name") or None, limit=q["limit"],
+                                             next_token=q.get("nextToken") or None)
+        response = Response(SnapshotInfoSerializer(page.items, many=True).data)
+        if page.next_token:
+            response["X-Next-Token"] = page.next_token
+        response["Access-Control-Expose-Headers"] = "X-Next-Token"
+        return response
+
+
+class SandboxForkView(APIView):
+    """``POST /sandboxes/{id}/fork``: 201 with one ``{"sandbox"}`` or ``{"error"}`` per child."""
+
+    @extend_schema(operation_id="sandbox_fork", request=ForkRequestSerializer,
+                   responses={201: ForkResultSerializer(many=True), **ERRORS})
+    async def post(self, request, sandbox_id: str):
+        body = _valid(ForkRequestSerializer, _body(request)).validated_data
+        results = await services.fork_sandbox(_team(request), sandbox_id, count=body.get("count"),
+                                              timeout=body.get("timeout"), actor=_actor(request))
+        data = [{"sandbox": SandboxSerializer(r).data} if not isinstance(r, Exception)
+                else {"error": {"code": r.status_code, "message": str(r.detail)}} for r in results]
+        first = next((r for r in results if not isinstance(r, Exception)), None)
+        return Response(data, status=status.HTTP_201_CREATED, headers=_server_timing(first) if first else None)
+
+
+TEMPLATE_ID = OpenApiParameter("template_id", str, OpenApiParameter.PATH,
+                               description="snapshot id or name (percent-encoded, may hold one '/')")
+
+
+class TemplateDeleteView(APIView):
+    """``DELETE /templates/{id}``: the SDK's ``delete_snapshot``. 204; 404 unknown; 409
+    while live sandboxes restored from the snapshot still use its files."""
+
+    @extend_schema(operation_id="template_delete", parameters=[TEMPLATE_ID],
+                   responses={204: OpenApiResponse(description="deleted"), **ERRORS})
+    async def delete(self, request, template_id: str):
+        await services.delete_snapshot(_team(request), template_id, actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
