@@ -1,0 +1,170 @@
+"""POST /sandboxes/{id}/fork through the ASGI app with the node side mocked: validation,
+the per-node limit, per-child results, parent and child states, tokens, expiry and
+team isolation."""
+from datetime import timedelta
+from unittest import mock
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from sandboxes.models import Sandbox, SandboxEvent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _fork_result(fail: set[int] = frozenset()):
+    async def run(node, *, sandbox_id, env_vars, access_token, children, deadline=None):
+        out = []
+        for i, c in enumerate(children):
+            if i in fail:
+                out.append({"sandbox_id": c["sandbox_id"], "ok": False, "kind": "VMError", "message": "restore broke"})
+            else:
+                out.append({"sandbox_id": c["sandbox_id"], "ok": True, "envd_host": "127.0.0.1",
+                            "envd_port": 41000 + i, "pid": 500 + i, "accel": "tcg", "timings": {"init": 3.0}})
+        return {"parent": {"ok": True}, "children": out, "timings": {"fork_ms": 80.0, "total_ms": 600.0}}
+
+    return run
+
+
+@pytest.fixture
+def fork_mock(nodes_mock):
+    nodes_mock.client.fork_sandbox = mock.AsyncMock(side_effect=_fork_result())
+    return nodes_mock
+
+
+async def _fork(api, sandbox_id, **body):
+    return await api.post(f"/sandboxes/{sandbox_id}/fork", json=body)
+
+
+async def test_fork_into_three_with_one_failed_child(api, create, fork_mock):
+    fork_mock.client.fork_sandbox.side_effect = _fork_result(fail={1})
+    parent = await create(metadata={"k": "v"}, envVars={"E": "1"}, timeout=120)
+    before = await Sandbox.objects.aget(pk=parent["sandboxID"])
+    resp = await _fork(api, parent["sandboxID"], count=3, timeout=90)
+    assert resp.status_code == 201, resp.text
+    results = resp.json()
+    assert [sorted(r) for r in results] == [["sandbox"], ["error"], ["sandbox"]]
+    assert results[1]["error"]["code"] == 500 and "restore broke" in results[1]["error"]["message"]
+    kids = [r["sandbox"] for r in results if "sandbox" in r]
+    sent = fork_mock.client.fork_sandbox.await_args.kwargs
+    assert sent["sandbox_id"] == parent["sandboxID"] and sent["access_token"] == before.envd_access_token
+    assert sent["env_vars"] == {"E": "1"}
+    tokens = {c["access_token"] for c in sent["children"]}
+    assert len(tokens) == 3 and before.envd_access_token not in tokens
+    now = timezone.now()
+    for kid in kids:
+        row = await Sandbox.objects.aget(pk=kid["sandboxID"])
+        assert row.state == "running" and row.forked_from_id == parent["sandboxID"] and row.node_id == "n1"
+        assert row.metadata == {"k": "v"} and row.env_vars == {"E": "1"} and row.secure
+        assert kid["envdAccessToken"] == row.envd_access_token
+        assert abs((row.end_at - now) - timedelta(seconds=90)) < timedelta(seconds=5)
+    failed_id = sent["children"][1]["sandbox_id"]
+    failed = await Sandbox.objects.aget(pk=failed_id)
+    assert failed.state == "error" and "restore broke" in failed.error_reason
+    after = await Sandbox.objects.aget(pk=parent["sandboxID"])
+    assert after.state == "running" and after.end_at == before.end_at  # parent keeps id and expiry
+    ops = [(e.outcome, e.from_state, e.to_state) async for e in
+           SandboxEvent.objects.filter(sandbox_id=parent["sandboxID"], operation="fork").order_by("id")]
+    assert ops == [("started", "running", "forking"), ("ok", "forking", "running")]
+    listed = {s["sandboxID"] for s in (await api.get("/v2/sandboxes")).json()}
+    assert listed == {parent["sandboxID"], *(k["sandboxID"] for k in kids)}
+
+
+async def test_fork_defaults_count_one_and_inherits_timeout(api, create, fork_mock):
+    parent = await create(timeout=200)
+    assert (await api.post(f"/sandboxes/{parent['sandboxID']}/timeout", json={"timeout": 700})).status_code == 204
+    resp = await api.post(f"/sandboxes/{parent['sandboxID']}/fork")  # no body at all
+    assert resp.status_code == 201, resp.text
+    [only] = resp.json()
+    row = await Sandbox.objects.aget(pk=only["sandbox"]["sandboxID"])
+    assert abs((row.end_at - timezone.now()) - timedelta(seconds=700)) < timedelta(seconds=5)
+    fresh = await create(timeout=150)
+    kid = (await _fork(api, fresh["sandboxID"])).json()[0]["sandbox"]
+    row = await Sandbox.objects.aget(pk=kid["sandboxID"])
+    assert abs((row.end_at - timezone.now()) - timedelta(seconds=150)) < timedelta(seconds=5)
+
+
+@pytest.mark.parametrize("body, text", [({"count": 0}, "between 1 and 100"), ({"count": 101}, "between 1 and 100"),
+                                        ({"count": "2"}, "count"), ({"count": True}, "count"),
+                                        ({"timeout": -1}, "timeout"), ({"count": 2.5}, "count")])
+async def test_fork_bad_input_is_400(api, create, fork_mock, assert_error, body, text):
+    parent = await create()
+    assert_error(await _fork(api, parent["sandboxID"], **body), 400, text)
+    fork_mock.client.fork_sandbox.assert_not_awaited()
+    assert await Sandbox.objects.acount() == 1
+
+
+async def test_fork_over_the_node_limit_names_it(api, create, fork_mock, assert_error, settings):
+    parent = await create()
+    body = assert_error(await _fork(api, parent["sandboxID"], count=33), 400)
+    assert "AENV_FORK_MAX_PER_NODE=32" in body["message"]
+    settings.AENV_FORK_MAX_PER_NODE = 2
+    assert_error(await _fork(api, parent["sandboxID"], count=3), 400, "AENV_FORK_MAX_PER_NODE=2")
+    assert (await _fork(api, parent["sandboxID"], count=2)).status_code == 201
+    fork_mock.client.fork_sandbox.assert_awaited_once()
+
+
+async def test_fork_paused_unknown_other_team(api, create, fork_mock, assert_error, asgi_app, other_key):
+    assert_error(await _fork(api, "nope", count=1), 404, "not found")
+    parent = await create()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi_app), base_url="http://testserver",
+                                 headers={"X-API-Key": other_key}) as other:
+        assert_error(await _fork(other, parent["sandboxID"], count=1), 404)
+    assert (await api.post(f"/sandboxes/{parent['sandboxID']}/pause")).status_code == 204
+    assert_error(await _fork(api, parent["sandboxID"], count=1), 409, "not running")
+    fork_mock.client.fork_sandbox.assert_not_awaited()
+    assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "paused"
+    assert await Sandbox.objects.acount() == 1
+
+
+async def test_capture_failure_is_500_parent_runs_children_error(api, create, fork_mock, assert_error):
+    parent = await create()
+    fork_mock.client.fork_sandbox.side_effect = fork_mock.client.NodeTaskFailed("stop failed", kind="VMError")
+    assert_error(await _fork(api, parent["sandboxID"], count=2), 500, "fork failed")
+    assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "running"
+    kids = [s async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])]
+    assert len(kids) == 2 and {k.state for k in kids} == {"error"}
+    fork_mock.client.kill_sandbox.assert_not_awaited()
+
+
+async def test_capture_storage_full_is_507(api, create, fork_mock, assert_error):
+    parent = await create()
+    fork_mock.client.fork_sandbox.side_effect = fork_mock.client.NodeTaskFailed("ENOSPC", kind="StorageFull")
+    body = assert_error(await _fork(api, parent["sandboxID"], count=1), 507)
+    assert body["error_code"] == "insufficient_storage"
+    assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "running"
+
+
+async def test_fork_node_timeout_removes_everything(api, create, fork_mock, assert_error):
+    parent = await create()
+    fork_mock.client.fork_sandbox.side_effect = fork_mock.client.NodeTimeout("slow")
+    assert_error(await _fork(api, parent["sandboxID"], count=2), 504)
+    assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "error"
+    kids = [s.id async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"], state="error")]
+    killed = {c.kwargs["sandbox_id"] for c in fork_mock.client.kill_sandbox.await_args_list}
+    assert killed == {parent["sandboxID"], *kids} and len(kids) == 2
+
+
+async def test_parent_killed_during_fork_keeps_consistent_states(api, create, fork_mock):
+    parent = await create()
+    inner = _fork_result()
+
+    async def kill_midway(node, **kw):
+        await Sandbox.objects.filter(pk=kw["sandbox_id"]).aupdate(state="killed")  # a kill won meanwhile
+        await Sandbox.objects.filter(pk=kw["children"][0]["sandbox_id"]).aupdate(state="killed")
+        return await inner(node, **kw)
+
+    fork_mock.client.fork_sandbox.side_effect = kill_midway
+    resp = await _fork(api, parent["sandboxID"], count=2)
+    assert resp.status_code == 201, resp.text
+    first, second = resp.json()
+    assert first["error"]["code"] == 409 and "killed" in first["error"]["message"]
+    assert (await Sandbox.objects.aget(pk=second["sandbox"]["sandboxID"])).state == "running"
+    assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "killed"
+    aborted = await SandboxEvent.objects.filter(sandbox_id=parent["sandboxID"], operation="fork",
+                                                outcome="aborted").aexists()
+    assert aborted
+    # the killed child's VM, started after its kill, was removed
+    killed = [c.kwargs["sandbox_id"] for c in fork_mock.client.kill_sandbox.await_args_list]
+    assert fork_mock.client.fork_sandbox.await_args.kwargs["children"][0]["sandbox_id"] in killed
