@@ -1,0 +1,179 @@
+"""Node-side snapshot, restore, fork and delete tasks, run in-process with the VM driver
+replaced by a stub and envd by a small HTTP server that enforces access tokens like
+the real one (so the token handoff to a restored/forked child is really checked)."""
+import errno
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from nodes import driver as node_driver
+from nodes import tasks
+from snapshots.storage import PosixFsStore, SnapshotStoreError
+from vmm.driver import SnapshotManifest, VMError, VMInfo
+
+
+class TokenEnvd(http.server.BaseHTTPRequestHandler):
+    """POST /init: 401 unless X-Access-Token matches the current token (if any); an
+    ``accessToken`` in the body becomes the new token."""
+
+    token: str | None = None
+    calls: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        cls = type(self)
+        ok = not cls.token or self.headers.get("X-Access-Token") == cls.token
+        cls.calls.append((self.headers.get("X-Access-Token"), body, ok))
+        if ok and body.get("accessToken"):
+            cls.token = body["accessToken"]
+        self.send_response(204 if ok else 401)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def envd():
+    TokenEnvd.token, TokenEnvd.calls = None, []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), TokenEnvd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+class StubDriver:
+    """Records calls; ``snapshot`` writes a manifest like the QEMU driver."""
+
+    def __init__(self, port: int):
+        self.port, self.killed, self.fail_snapshot, self.fail_children = port, [], None, set()
+
+    def _info(self, sid):
+        return VMInfo(sandbox_id=sid, pid=1, envd_host="127.0.0.1", envd_port=self.port, accel="tcg",
+                      state_dir=Path("/nonexistent"), timings={"total_ms": 1.0})
+
+    def snapshot(self, sandbox_id, dest):
+        (Path(dest) / "memory.ram").write_bytes(b"x" * 4096)
+        if self.fail_snapshot:
+            raise self.fail_snapshot
+        m = SnapshotManifest(dir=Path(dest), layers=["/base"], memory_file=str(Path(dest) / "memory.ram"),
+                             device_state_file=str(Path(dest) / "device.state"), cpu_count=2, memory_mb=512,
+                             disk_size_mb=2048, machine={"accel": "tcg"}, source_sandbox_id=sandbox_id,
+                             timings={"pause_ms": 5.0})
+        m.save()
+        return m
+
+    def restore(self, manifest, spec):
+        self.restored = (manifest, spec)
+        return self._info(spec.sandbox_id)
+
+    def fork(self, sandbox_id, count, child_ids):
+        return [VMError("no port") if i in self.fail_children else self._info(cid) for i, cid in enumerate(child_ids)]
+
+    def info(self, sandbox_id):
+        return self._info(sandbox_id)
+
+    def kill(self, sandbox_id):
+        self.killed.append(sandbox_id)
+        return True
+
+
+@pytest.fixture
+def stub(envd, settings, tmp_path):
+    settings.AENV_HOME = tmp_path
+    d = StubDriver(envd)
+    node_driver.set_driver(d)
+    yield d
+    node_driver.set_driver(None)
+
+
+def test_store_rejects_odd_ids_and_never_overwrites(tmp_path):
+    store = PosixFsStore(tmp_path)
+    for bad in ("../x", "a/b", "", "X" * 3, "."):
+        with pytest.raises(SnapshotStoreError):
+            store.prepare(bad)
+    store.prepare("sabc")
+    with pytest.raises(FileExistsError):
+        store.prepare("sabc")
+    with pytest.raises(SnapshotStoreError):
+        store.local_dir("sabc")  # no manifest yet: not a complete snapshot
+    assert store.delete("sabc") is True and store.delete("sabc") is False
+
+
+def test_snapshot_writes_into_the_store(stub, tmp_path):
+    out = tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s1")
+    assert (tmp_path / "snapshots" / "s1" / "manifest.json").is_file()
+    assert out["manifest"]["source_sandbox_id"] == "i1" and out["size_bytes"] >= 4096
+    assert out["timings"]["pause_ms"] == 5.0 and "task_ms" in out["timings"]
+    json.dumps(out)  # the result travels through Celery's JSON serializer
+
+
+@pytest.mark.parametrize("exc, kind", [(OSError(errno.ENOSPC, "No space left on device"), tasks.StorageFull),
+                                       (VMError("cp: error writing 'memory.ram': No space left on device"),
+                                        tasks.StorageFull),
+                                       (VMError("QMP stop failed"), VMError)])
+def test_failed_snapshot_leaves_no_partial_files(stub, tmp_path, exc, kind):
+    stub.fail_snapshot = exc
+    with pytest.raises(kind):
+        tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s2")
+    assert not (tmp_path / "snapshots" / "s2").exists()
+
+
+def test_restore_hands_the_token_over_then_inits(stub, envd):
+    tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s3")
+    TokenEnvd.token = "source-token"  # the captured envd still wants its source's token
+    out = tasks.restore_sandbox(sandbox_id="i2", snapshot_id="s3", env_vars={"A": "1"}, access_token="own-token",
+                                source_token="source-token")
+    assert out["envd_port"] == envd and TokenEnvd.token == "own-token"
+    (h1, b1, ok1), (h2, b2, ok2) = TokenEnvd.calls
+    assert (h1, b1, ok1) == ("source-token", {"accessToken": "own-token"}, True)
+    assert h2 == "own-token" and ok2 and b2["envVars"] == {"A": "1"} and b2["timestamp"]
+    assert stub.restored[1].sandbox_id == "i2" and stub.killed == []
+
+
+def test_restore_with_wrong_source_token_kills_the_vm(stub):
+    tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s4")
+    TokenEnvd.token = "real-source"
+    with pytest.raises(tasks.EnvdInitFailed):
+        tasks.restore_sandbox(sandbox_id="i2", snapshot_id="s4", env_vars={}, access_token="own",
+                              source_token="guessed")
+    assert stub.killed == ["i2"]
+
+
+def test_restore_of_unknown_snapshot_fails_without_a_vm(stub):
+    with pytest.raises(SnapshotStoreError):
+        tasks.restore_sandbox(sandbox_id="i2", snapshot_id="snone", env_vars={}, access_token=None)
+    assert not hasattr(stub, "restored")
+
+
+def test_fork_inits_each_child_and_reports_failures_alone(stub):
+    stub.fail_children = {1}  # (one stub envd serves every VM here, so no tokens: they would race)
+    children = [{"sandbox_id": f"c{i}", "env_vars": {"C": str(i)}, "access_token": None} for i in range(3)]
+    out = tasks.fork_sandbox(sandbox_id="p", env_vars={"E": "1"}, access_token=None, children=children)
+    assert out["parent"] == {"ok": True}
+    inits = sorted(json.dumps(b["envVars"]) for _h, b, _ok in TokenEnvd.calls)
+    assert inits == ['{"C": "0"}', '{"C": "2"}', '{"E": "1"}']  # the parent is re-inited too
+    assert stub.killed == []
+    assert [c["ok"] for c in out["children"]] == [True, False, True]
+    assert out["children"][1]["kind"] == "VMError" and "no port" in out["children"][1]["message"]
+    json.dumps(out)
+
+
+def test_fork_child_token_handoff_failure_kills_only_that_child(stub):
+    TokenEnvd.token = "parent-token"
+    # a secure parent's child without a token of its own must not inherit the parent's
+    children = [{"sandbox_id": "c0", "env_vars": {}, "access_token": None}]
+    out = tasks.fork_sandbox(sandbox_id="p", env_vars={}, access_token="parent-token", children=children)
+    assert out["children"][0]["ok"] is False and out["children"][0]["kind"] == "EnvdInitFailed"
+    assert stub.killed == ["c0"]
+
+
+def test_delete_snapshot_files(stub, tmp_path):
+    tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s5")
+    assert tasks.delete_snapshot_files(snapshot_id="s5") == {"deleted": True}
+    assert tasks.delete_snapshot_files(snapshot_id="s5") == {"deleted": False}
+    assert not (tmp_path / "snapshots" / "s5").exists()
