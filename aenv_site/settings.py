@@ -154,6 +154,16 @@ SPECTACULAR_SETTINGS = {
 STATIC_URL = "/static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
 STATICFILES_DIRS = [BASE_DIR / "static"]
+# Third-party browser assets installed by scripts/setup_frontend.sh (npm, never committed):
+# only the built files are exposed, under static/vendor/. Absent until that script ran.
+_VENDOR = BASE_DIR / "vendor" / "node_modules" / "@xterm"
+STATICFILES_DIRS += [
+    (prefix, path) for prefix, path in [
+        ("vendor/xterm", _VENDOR / "xterm" / "lib"),
+        ("vendor/xterm-css", _VENDOR / "xterm" / "css"),
+        ("vendor/addon-fit", _VENDOR / "addon-fit" / "lib"),
+    ] if path.is_dir()
+]
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -51,6 +51,7 @@ fi
 echo "==> database schema"
 .venv/bin/python manage.py migrate --noinput -v 0
 .venv/bin/python manage.py bootstrap
+"$ROOT/scripts/setup_frontend.sh"
 .venv/bin/python manage.py collectstatic --noinput -v 0
 
 echo "==> base guest image (built once, cached under ${AENV_IMAGES_DIR:-$AENV_HOME/images})"
