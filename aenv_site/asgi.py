@@ -8,9 +8,14 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "aenv_site.settings")
 django_asgi_app = get_asgi_application()
 
+from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from dashboard.origin import SameOriginValidator  # noqa: E402
+from dashboard.routing import websocket_urlpatterns  # noqa: E402
+
+# Dashboard sockets: same-origin only (CSRF-safe), then the Django session and user.
 application = ProtocolTypeRouter({
     "http": django_asgi_app,
-    "websocket": URLRouter([]),
+    "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

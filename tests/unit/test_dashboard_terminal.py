@@ -1,0 +1,206 @@
+"""The terminal socket without a VM: who may open it (session auth, team isolation,
+same-origin check), closing with a code and reason for non-running sandboxes, and a
+refused, silent or garbage-speaking envd closing the socket promptly without leaking
+the consumer's tasks. The real-VM bridge is tests/integration/test_terminal.py."""
+import asyncio
+import socket
+import threading
+from datetime import timedelta
+
+import pytest
+from channels.testing import WebsocketCommunicator
+from django.utils import timezone
+
+from dashboard import envd_pty, terminal
+from dashboard.envd_pty import EnvelopeReader, envelope
+from sandboxes.models import Sandbox
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def make_sandbox(team, template, *, state="running", port=None, **fields):
+    return Sandbox.objects.create(team=team, template=template, state=state, envd_host="127.0.0.1",
+                                  envd_port=port or closed_port(), end_at=timezone.now() + timedelta(minutes=5),
+                                  **fields)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def headers_for(client=None, origin=b"http://testserver"):
+    headers = [(b"host", b"testserver")]
+    if origin is not None:
+        headers.append((b"origin", origin))
+    if client is not None:
+        headers.append((b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()))
+    return headers
+
+
+def communicator(sandbox_id, headers, query=""):
+    from aenv_site.asgi import application  # noqa: PLC0415
+
+    path = f"/ws/sandboxes/{sandbox_id}/terminal" + (f"?{query}" if query else "")
+    return WebsocketCommunicator(application, path, headers=headers)
+
+
+async def expect_close(comm, code, text="", timeout=10.0):
+    """Connects, then waits for the server's close; returns its reason."""
+    connected, _ = await comm.connect(timeout=timeout)
+    assert connected
+    while True:
+        msg = await comm.receive_output(timeout=timeout)
+        if msg["type"] == "websocket.close":
+            break
+    assert msg.get("code") == code, msg
+    assert text in msg.get("reason", ""), msg
+    await comm.disconnect(code=msg["code"], timeout=timeout)  # the browser's side of the close
+    return msg.get("reason", "")
+
+
+def leaked_terminal_tasks():
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith("terminal-") and not t.done()]
+
+
+@pytest.fixture
+def mine(team, base_template):
+    return make_sandbox(team, base_template)
+
+
+@pytest.fixture
+def theirs(other_team, base_template):
+    return make_sandbox(other_team, base_template)
+
+
+async def test_anonymous_is_closed_4401(db, mine):
+    await expect_close(communicator(mine.id, headers_for()), terminal.CLOSE_UNAUTHENTICATED, "sign in")
+
+
+async def test_other_teams_sandbox_looks_missing(dash, theirs):
+    reason = await expect_close(communicator(theirs.id, headers_for(dash)), terminal.CLOSE_NOT_FOUND)
+    assert reason == "sandbox not found"
+    unknown = await expect_close(communicator("inope", headers_for(dash)), terminal.CLOSE_NOT_FOUND)
+    assert unknown == reason  # a foreign id and an unknown id are indistinguishable
+
+
+async def test_member_of_both_teams_uses_current_team(dash, user, other_team, theirs, mine):
+    """Like every page, the socket acts for the dashboard's current team only."""
+    await asyncio.to_thread(other_team.members.add, user)
+    await expect_close(communicator(theirs.id, headers_for(dash)), terminal.CLOSE_NOT_FOUND)
+
+
+@pytest.mark.parametrize("origin", [b"http://evil.example", b"null", None, b"https://testserver.evil.example"])
+async def test_cross_origin_handshake_is_refused(dash, mine, origin):
+    comm = communicator(mine.id, headers_for(dash, origin=origin))
+    connected, _ = await comm.connect(timeout=5)
+    assert not connected
+    await comm.wait(timeout=5)
+
+
+@pytest.mark.parametrize("state,text", [("paused", "sandbox is paused: resume it"), ("killed", "sandbox was killed"),
+                                        ("error", "sandbox failed"), ("creating", "sandbox is creating")])
+async def test_not_running_is_closed_with_reason(dash, team, base_template, state, text):
+    sandbox = await asyncio.to_thread(make_sandbox, team, base_template, state=state)
+    await expect_close(communicator(sandbox.id, headers_for(dash)), terminal.CLOSE_NOT_RUNNING, text)
+
+
+async def test_unreachable_envd_closes_promptly(dash, mine):
+    started = asyncio.get_running_loop().time()
+    await expect_close(communicator(mine.id, headers_for(dash)), terminal.CLOSE_UNREACHABLE, "sandbox unreachable")
+    assert asyncio.get_running_loop().time() - started < 8
+    assert leaked_terminal_tasks() == []
+
+
+class SilentServer:
+    """Accepts TCP connections and never answers (a hung envd)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.conns = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self):
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+async def test_silent_envd_times_out_and_leaks_nothing(dash, team, base_template, monkeypatch):
+    monkeypatch.setattr(envd_pty, "STREAM_READ_TIMEOUT", 1.0)
+    monkeypatch.setattr(envd_pty, "UNARY_TIMEOUT", 1.0)
+    server = SilentServer()
+    try:
+        sandbox = await asyncio.to_thread(make_sandbox, team, base_template, port=server.port)
+        await expect_close(communicator(sandbox.id, headers_for(dash)), terminal.CLOSE_UNREACHABLE, "unreachable")
+    finally:
+        server.close()
+    assert leaked_terminal_tasks() == []
+
+
+async def test_kill_while_hung_closes_with_reason(dash, team, base_template, monkeypatch):
+    """A VM that stops answering without closing the connection: the state watcher,
+    not the envd stream, ends the terminal once the sandbox is killed."""
+    monkeypatch.setattr(terminal, "STATE_POLL_SECONDS", 0.2)
+    server = SilentServer()
+    try:
+        sandbox = await asyncio.to_thread(make_sandbox, team, base_template, port=server.port)
+        comm = communicator(sandbox.id, headers_for(dash))
+        connected, _ = await comm.connect(timeout=5)
+        assert connected
+        await asyncio.sleep(0.5)
+        await Sandbox.objects.filter(pk=sandbox.pk).aupdate(state="killed")
+        msg = await comm.receive_output(timeout=5)
+        assert msg == {"type": "websocket.close", "code": terminal.CLOSE_NOT_RUNNING, "reason": "sandbox was killed"}
+        await comm.disconnect(code=msg["code"], timeout=5)
+    finally:
+        server.close()
+    assert leaked_terminal_tasks() == []
+
+
+async def test_browser_leaving_cancels_the_bridge(dash, team, base_template):
+    server = SilentServer()
+    try:
+        sandbox = await asyncio.to_thread(make_sandbox, team, base_template, port=server.port)
+        comm = communicator(sandbox.id, headers_for(dash))
+        assert (await comm.connect(timeout=5))[0]
+        await asyncio.sleep(0.3)
+        names = {t.get_name() for t in leaked_terminal_tasks()}
+        assert names == {f"terminal-{sandbox.id}", f"terminal-{sandbox.id}-pump", f"terminal-{sandbox.id}-watch"}
+        await comm.disconnect()
+        await asyncio.sleep(0.1)
+    finally:
+        server.close()
+    assert leaked_terminal_tasks() == []
+
+
+def test_envelope_reader_reassembles_split_frames():
+    frames = envelope({"event": {"start": {"pid": 7}}}) + envelope({"event": {"keepalive": {}}})
+    reader = EnvelopeReader()
+    got = []
+    for i in range(len(frames)):
+        got += reader.feed(frames[i:i + 1])
+    assert got == [(0, {"event": {"start": {"pid": 7}}}), (0, {"event": {"keepalive": {}}})]
+    assert [envd_pty._event(m).kind for _, m in got] == ["start", "keepalive"]
+
+
+def test_detail_page_wires_the_terminal(dash, mine, team, base_template):
+    html = dash.get(f"/dashboard/sandboxes/{mine.id}/").content.decode()
+    assert f'data-ws-path="/ws/sandboxes/{mine.id}/terminal"' in html
+    assert "vendor/xterm/xterm.js" in html and "dashboard/terminal.js" in html
+    paused = make_sandbox(team, base_template, state="paused")
+    html = dash.get(f"/dashboard/sandboxes/{paused.id}/").content.decode()
+    assert "sandbox is paused: resume it to use the terminal" in html
