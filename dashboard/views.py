@@ -9,6 +9,7 @@ import functools
 from datetime import timedelta
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db.models import Count, Q, Sum
@@ -25,12 +26,13 @@ from sandboxes.errors import ApiError
 from sandboxes.models import LIVE_STATES, ApiKey, Sandbox, SandboxEvent, SandboxState, Template
 
 from .teams import current_team, set_current_team, user_teams
+from .terminal import TERMINAL_STATES, gone_reason
 
 LIST_LIMIT = 200
 TIMEOUT_CHOICES = [(300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (4 * 3600, "4 hours")]
 # Node usage counts the sandboxes that hold a VM (or are about to).
 VM_STATES = [s for s in LIVE_STATES if s not in (SandboxState.PAUSED,)]
-LIFECYCLE_TOOLTIP = "coming with the lifecycle issue"
+LIFECYCLE_TOOLTIP = "coming with the snapshots work"
 
 
 def team_page(view):
@@ -237,6 +239,39 @@ def _timeline(sandbox: Sandbox) -> list[dict]:
     return [{"event": e, "offset_s": (e.started_at - first).total_seconds()} for e in events]
 
 
+FORK_MAX = 8
+
+
+def snapshot_services():
+    """``snapshots.services`` once helper work on snapshots has landed, else None
+    (the snapshot and fork actions then stay disabled)."""
+    try:
+        from snapshots import services as snap  # noqa: PLC0415
+    except ImportError:
+        return None
+    needed = ("create_snapshot", "list_snapshots", "fork_sandbox")
+    return snap if all(hasattr(snap, name) for name in needed) else None
+
+
+def allowed_actions(sandbox: Sandbox) -> dict[str, bool]:
+    """Which lifecycle actions the sandbox's state allows (the service still decides)."""
+    state, snap = sandbox.state, snapshot_services() is not None
+    return {
+        "pause": state == SandboxState.RUNNING,
+        "resume": state == SandboxState.PAUSED,
+        "snapshot": snap and state == SandboxState.RUNNING,
+        "fork": snap and state == SandboxState.RUNNING,
+        "timeout": state in (SandboxState.RUNNING, SandboxState.PAUSED),
+        "kill": state in LIVE_STATES and state != SandboxState.KILLING,
+    }
+
+
+def _actions_context(sandbox: Sandbox) -> dict:
+    return {"actions": allowed_actions(sandbox), "timeout_choices": TIMEOUT_CHOICES, "fork_max": FORK_MAX,
+            "live": sandbox.state in LIVE_STATES,
+            "unavailable": "" if snapshot_services() else f"Snapshot and fork are {LIFECYCLE_TOOLTIP}."}
+
+
 @require_GET
 @team_page
 def sandbox_detail(request, sandbox_id):
@@ -244,12 +279,27 @@ def sandbox_detail(request, sandbox_id):
                                 team=request.team)
     now = timezone.now()
     live = sandbox.state in LIVE_STATES
+    timeline = _timeline(sandbox)
     return render(request, "dashboard/sandbox_detail.html", _base_context(
-        request, "sandboxes", sandbox=sandbox, live=live, timeline=_timeline(sandbox),
+        request, "sandboxes", sandbox=sandbox, timeline=timeline,
+        last_event_id=max((item["event"].id for item in timeline), default=None),
         expires_in=(sandbox.end_at - now).total_seconds() if live else None,
-        age=(now - sandbox.created_at).total_seconds(), timeout_choices=TIMEOUT_CHOICES,
-        lifecycle_actions=["pause", "resume", "snapshot", "fork"], lifecycle_tooltip=LIFECYCLE_TOOLTIP,
+        age=(now - sandbox.created_at).total_seconds(), **_actions_context(sandbox),
+        terminal_path=f"/ws/sandboxes/{sandbox.id}/terminal", terminal_ready=sandbox.state in TERMINAL_STATES,
+        terminal_unavailable=gone_reason(sandbox.state),
     ))
+
+
+@require_GET
+@team_page
+def sandbox_detail_json(request, sandbox_id):
+    """What the detail page polls: enough to notice that it must refresh."""
+    sandbox = get_object_or_404(Sandbox, pk=sandbox_id, team=request.team)
+    now = timezone.now()
+    last = sandbox.events.order_by("-id").values_list("id", flat=True).first()
+    row = _row(sandbox, now)
+    row.update(error_reason=sandbox.error_reason, last_event_id=last, generated_at=now.isoformat())
+    return JsonResponse(row)
 
 
 def _action_team(request, sandbox_id):
@@ -258,6 +308,23 @@ def _action_team(request, sandbox_id):
     if team is None or not Sandbox.objects.filter(pk=sandbox_id, team=team).exists():
         raise Http404("sandbox not found")
     return team
+
+
+def _wants_json(request) -> bool:
+    return "application/json" in request.headers.get("Accept", "")
+
+
+def _action_result(request, sandbox_id, level: str, text: str, *, status: int = 200, **extra):
+    """The outcome of an action: JSON ``{ok, level, message, ...}`` (with the API's
+    status on errors) for the page's inline result, else a message + redirect."""
+    if _wants_json(request):
+        return JsonResponse({"ok": level != "error", "level": level, "message": text, **extra}, status=status)
+    getattr(messages, level)(request, text)
+    return redirect("dashboard:sandbox", sandbox_id=sandbox_id)
+
+
+def _failed(request, sandbox_id, what: str, exc: ApiError):
+    return _action_result(request, sandbox_id, "error", f"{what}: {exc.detail}", status=exc.status_code)
 
 
 @require_POST
@@ -269,13 +336,42 @@ async def sandbox_kill(request, sandbox_id):
     try:
         sandbox = await services.kill_sandbox(team, sandbox_id, actor=_actor(user))
     except ApiError as exc:
-        messages.error(request, f"Kill failed: {exc.detail}")
-    else:
-        if sandbox.error_reason:
-            messages.warning(request, f"Sandbox {sandbox_id} killed, but: {sandbox.error_reason}")
-        else:
-            messages.success(request, f"Sandbox {sandbox_id} killed.")
-    return redirect("dashboard:sandbox", sandbox_id=sandbox_id)
+        return _failed(request, sandbox_id, "Kill failed", exc)
+    if sandbox.error_reason:
+        return _action_result(request, sandbox_id, "warning",
+                              f"Sandbox {sandbox_id} killed, but: {sandbox.error_reason}", state=sandbox.state)
+    return _action_result(request, sandbox_id, "success", f"Sandbox {sandbox_id} killed.", state=sandbox.state)
+
+
+@require_POST
+@login_required
+async def sandbox_pause(request, sandbox_id):
+    user = await request.auser()
+    team = await sync_to_async(_action_team)(request, sandbox_id)
+    try:
+        sandbox = await services.pause_sandbox(team, sandbox_id, actor=_actor(user))
+    except ApiError as exc:
+        return _failed(request, sandbox_id, "Pause failed", exc)
+    return _action_result(request, sandbox_id, "success", f"Sandbox {sandbox_id} paused.", state=sandbox.state)
+
+
+@require_POST
+@login_required
+async def sandbox_resume(request, sandbox_id):
+    """Resume through ``connect_sandbox`` (like the SDK's connect): a paused sandbox is
+    resumed with a fresh timeout; a running one only gets its timeout extended."""
+    user = await request.auser()
+    team = await sync_to_async(_action_team)(request, sandbox_id)
+    try:
+        seconds = int(request.POST.get("seconds") or settings.AENV_DEFAULT_TIMEOUT)
+    except ValueError:
+        return _action_result(request, sandbox_id, "error", "Timeout must be a whole number of seconds.", status=400)
+    try:
+        resumed, sandbox = await services.connect_sandbox(team, sandbox_id, timeout=seconds, actor=_actor(user))
+    except ApiError as exc:
+        return _failed(request, sandbox_id, "Resume failed", exc)
+    text = f"Sandbox {sandbox_id} resumed." if resumed else f"Sandbox {sandbox_id} was already running."
+    return _action_result(request, sandbox_id, "success" if resumed else "info", text, state=sandbox.state)
 
 
 @require_POST
@@ -286,17 +382,60 @@ async def sandbox_timeout(request, sandbox_id):
     try:
         seconds = int(request.POST.get("seconds", ""))
     except ValueError:
-        messages.error(request, "Timeout must be a whole number of seconds.")
-        return redirect("dashboard:sandbox", sandbox_id=sandbox_id)
+        return _action_result(request, sandbox_id, "error", "Timeout must be a whole number of seconds.", status=400)
     try:
-        await services.set_timeout(team, sandbox_id, seconds, actor=_actor(user))
+        sandbox = await services.set_timeout(team, sandbox_id, seconds, actor=_actor(user))
     except ApiError as exc:
-        messages.error(request, f"Timeout not changed: {exc.detail}")
-    else:
-        from .templatetags.dashboard_tags import human_seconds  # noqa: PLC0415
+        return _failed(request, sandbox_id, "Timeout not changed", exc)
+    from .templatetags.dashboard_tags import human_seconds  # noqa: PLC0415
 
-        messages.success(request, f"Sandbox {sandbox_id} now ends in {human_seconds(seconds)}.")
-    return redirect("dashboard:sandbox", sandbox_id=sandbox_id)
+    return _action_result(request, sandbox_id, "success",
+                          f"Sandbox {sandbox_id} now ends in {human_seconds(seconds)}.", state=sandbox.state)
+
+
+@require_POST
+@login_required
+async def sandbox_snapshot(request, sandbox_id):
+    user = await request.auser()
+    team = await sync_to_async(_action_team)(request, sandbox_id)
+    snap = snapshot_services()
+    if snap is None:
+        return _action_result(request, sandbox_id, "error", f"Snapshots are {LIFECYCLE_TOOLTIP}.", status=501)
+    name = (request.POST.get("name") or "").strip()[:128] or None
+    try:
+        snapshot = await snap.create_snapshot(team, sandbox_id, name=name, actor=_actor(user))
+    except ApiError as exc:
+        return _failed(request, sandbox_id, "Snapshot failed", exc)
+    return _action_result(request, sandbox_id, "success", f"Snapshot {snapshot.pk} of {sandbox_id} taken.",
+                          snapshot=str(snapshot.pk))
+
+
+@require_POST
+@login_required
+async def sandbox_fork(request, sandbox_id):
+    user = await request.auser()
+    team = await sync_to_async(_action_team)(request, sandbox_id)
+    snap = snapshot_services()
+    if snap is None:
+        return _action_result(request, sandbox_id, "error", f"Forks are {LIFECYCLE_TOOLTIP}.", status=501)
+    try:
+        count = int(request.POST.get("count", "1"))
+    except ValueError:
+        count = 0
+    if not 1 <= count <= FORK_MAX:
+        return _action_result(request, sandbox_id, "error", f"Fork count must be 1 to {FORK_MAX}.", status=400)
+    try:
+        results = await snap.fork_sandbox(team, sandbox_id, count=count, actor=_actor(user))
+    except ApiError as exc:
+        return _failed(request, sandbox_id, "Fork failed", exc)
+    forks = [r for r in results if isinstance(r, Sandbox)]
+    errors = [str(r.detail) for r in results if isinstance(r, ApiError)]
+    text = f"Forked {sandbox_id} into {len(forks)}: {', '.join(f.id for f in forks) or 'none'}."
+    if errors:
+        text += f" {len(errors)} failed: {'; '.join(errors)}"
+    level = "success" if not errors else ("warning" if forks else "error")
+    return _action_result(request, sandbox_id, level, text, status=200 if forks or not errors else 500,
+                          forks=[f.id for f in forks])
 
 
 # --------------------------------------------------------------------------- templates, nodes

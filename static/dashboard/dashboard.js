@@ -1,4 +1,5 @@
-/* aenv dashboard: confirmations, team switcher, live sandbox list (polling). No dependencies. */
+/* aenv dashboard: confirmations, team switcher, live sandbox list and detail (polling),
+   inline action results. No dependencies. */
 (function () {
   "use strict";
 
@@ -71,12 +72,101 @@
     setInterval(tick, 2000);
   }
 
-  document.addEventListener("DOMContentLoaded", function () {
-    document.querySelectorAll("form[data-confirm]").forEach(function (form) {
-      form.addEventListener("submit", function (event) {
-        if (!window.confirm(form.getAttribute("data-confirm"))) event.preventDefault();
+  // Sandbox detail: poll the small JSON endpoint; when the state or the event log
+  // changed, re-render the live regions from the page itself and announce the state.
+  function liveDetail(marker) {
+    var url = marker.getAttribute("data-json-url");
+    var status = document.querySelector("[data-live-status]");
+    var busy = false;
+
+    function refresh() {
+      return fetch(window.location.href, { credentials: "same-origin" })
+        .then(function (resp) { if (!resp.ok) throw new Error("HTTP " + resp.status); return resp.text(); })
+        .then(function (html) {
+          var doc = new DOMParser().parseFromString(html, "text/html");
+          document.querySelectorAll("[data-live-region]").forEach(function (region) {
+            var fresh = doc.querySelector('[data-live-region="' + region.getAttribute("data-live-region") + '"]');
+            if (fresh) region.innerHTML = fresh.innerHTML;
+          });
+        });
+    }
+
+    function tick(force) {
+      if (busy || (document.hidden && !force)) return Promise.resolve();
+      busy = true;
+      return fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } })
+        .then(function (resp) {
+          if (resp.redirected || !resp.ok) throw new Error("HTTP " + resp.status);
+          return resp.json();
+        })
+        .then(function (data) {
+          var lastEvent = data.last_event_id === null ? "" : String(data.last_event_id);
+          var changed = data.state !== marker.getAttribute("data-state") || lastEvent !== marker.getAttribute("data-last-event");
+          if (status) { status.textContent = "live"; status.classList.remove("stale"); }
+          if (!changed && !force) return null;
+          var stateChanged = data.state !== marker.getAttribute("data-state");
+          marker.setAttribute("data-state", data.state);
+          marker.setAttribute("data-last-event", lastEvent);
+          return refresh().then(function () {
+            if (stateChanged) document.dispatchEvent(new CustomEvent("sandbox:state", { detail: { state: data.state } }));
+          });
+        })
+        .catch(function () {
+          if (status) { status.textContent = "reconnecting…"; status.classList.add("stale"); }
+        })
+        .finally(function () { busy = false; });
+    }
+    setInterval(tick, 2000);
+    document.addEventListener("sandbox:changed", function () { tick(true); });
+  }
+
+  // Forms marked data-async post with fetch and show the answer (the API's message on
+  // errors) inline in [data-action-result]; without JS they post and redirect.
+  function submitAsync(form) {
+    var result = document.querySelector("[data-action-result]");
+    var buttons = form.querySelectorAll("button");
+    buttons.forEach(function (b) { b.disabled = true; });
+    if (result) {
+      result.hidden = false;
+      result.className = "action-result message message-info";
+      result.textContent = form.getAttribute("data-busy") || "Working…";
+    }
+    fetch(form.action, {
+      method: "POST", body: new FormData(form), credentials: "same-origin",
+      headers: { Accept: "application/json" },
+    })
+      .then(function (resp) {
+        return resp.json().catch(function () { return { ok: false, level: "error", message: "HTTP " + resp.status }; });
+      })
+      .then(function (data) {
+        if (result) {
+          result.className = "action-result message message-" + (data.level || (data.ok ? "success" : "error"));
+          result.textContent = data.message || (data.ok ? "Done." : "Failed.");
+          result.setAttribute("data-level", data.level || "");
+        }
+      })
+      .catch(function (err) {
+        if (result) { result.className = "action-result message message-error"; result.textContent = String(err); }
+      })
+      .finally(function () {
+        buttons.forEach(function (b) { b.disabled = false; });
+        document.dispatchEvent(new CustomEvent("sandbox:changed"));
       });
-    });
+  }
+
+  document.addEventListener("submit", function (event) {
+    var form = event.target;
+    if (form.hasAttribute("data-confirm") && !window.confirm(form.getAttribute("data-confirm"))) {
+      event.preventDefault();
+      return;
+    }
+    if (form.hasAttribute("data-async") && window.fetch) {
+      event.preventDefault();
+      submitAsync(form);
+    }
+  });
+
+  document.addEventListener("DOMContentLoaded", function () {
     document.querySelectorAll("select[data-autosubmit]").forEach(function (select) {
       select.addEventListener("change", function () { select.form.submit(); });
     });
@@ -90,5 +180,7 @@
     });
     var table = document.querySelector("[data-sandbox-table]");
     if (table) liveSandboxes(table);
+    var marker = document.querySelector("[data-sandbox-live]");
+    if (marker) liveDetail(marker);
   });
 })();

@@ -175,3 +175,77 @@ async def test_kill_through_the_asgi_stack(async_client, team, base_template, no
     assert (await Sandbox.objects.aget(pk=sb.id)).state == "killed"
     page = await async_client.get(resp["Location"])
     assert f"Sandbox {sb.id} killed." in page.content.decode()
+
+
+# --------------------------------------------------------------------------- pause / resume, inline JSON results
+
+JSON = {"HTTP_ACCEPT": "application/json"}
+
+
+def test_pause_and_resume_through_the_services(dash, mine, nodes_mock):
+    resp = dash.post(f"/dashboard/sandboxes/{mine.id}/pause", follow=True)
+    assert f"Sandbox {mine.id} paused." in resp.content.decode()
+    mine.refresh_from_db()
+    assert mine.state == "paused"
+    nodes_mock.client.pause_sandbox.assert_awaited_once()
+    page = dash.get(f"/dashboard/sandboxes/{mine.id}/").content.decode()
+    assert 'data-action="resume"' in page and 'data-action="pause"' not in page
+    assert "sandbox is paused: resume it to use the terminal" in page
+
+    resp = dash.post(f"/dashboard/sandboxes/{mine.id}/resume", {"seconds": "900"}, **JSON)
+    assert resp.status_code == 200
+    assert resp.json() == {"ok": True, "level": "success", "message": f"Sandbox {mine.id} resumed.",
+                           "state": "running"}
+    mine.refresh_from_db()
+    assert mine.state == "running" and mine.envd_port == 40002
+    assert mine.end_at > timezone.now() + timedelta(minutes=14)
+    ops = list(SandboxEvent.objects.filter(sandbox=mine).order_by("id").values_list("operation", "outcome", "actor"))
+    assert ops == [("pause", "started", "dashboard:alice"), ("pause", "ok", "dashboard:alice"),
+                   ("resume", "started", "dashboard:alice"), ("resume", "ok", "dashboard:alice")]
+
+
+def test_wrong_state_gives_the_apis_message_inline(dash, team, base_template, node, nodes_mock):
+    paused = make_sandbox(team, base_template, state="paused", node=node)
+    resp = dash.post(f"/dashboard/sandboxes/{paused.id}/pause", **JSON)
+    assert resp.status_code == 409
+    assert resp.json() == {"ok": False, "level": "error",
+                           "message": f'Pause failed: sandbox "{paused.id}" is not running (it is paused)'}
+    running = make_sandbox(team, base_template, node=node)
+    resp = dash.post(f"/dashboard/sandboxes/{running.id}/resume", **JSON)
+    assert resp.status_code == 200 and resp.json()["level"] == "info" and "already running" in resp.json()["message"]
+    html = dash.post(f"/dashboard/sandboxes/{paused.id}/timeout", {"seconds": "-5"}, follow=True).content.decode()
+    assert "message-error" in html and "Timeout not changed" in html
+    nodes_mock.client.pause_sandbox.assert_not_awaited()
+    nodes_mock.client.resume_sandbox.assert_not_awaited()
+
+
+def test_node_failure_is_reported_inline(dash, mine, nodes_mock):
+    from nodes.client import NodeTaskFailed
+
+    nodes_mock.client.pause_sandbox.side_effect = NodeTaskFailed("disk full", kind="OSError")
+    resp = dash.post(f"/dashboard/sandboxes/{mine.id}/pause", **JSON)
+    assert resp.status_code == 500 and "disk full" in resp.json()["message"]
+    mine.refresh_from_db()
+    assert mine.state == "running"  # the node reported the failure, the VM still runs
+
+
+def test_every_action_is_team_scoped(dash, theirs, nodes_mock):
+    for action in ("pause", "resume", "snapshot", "fork", "kill", "timeout"):
+        resp = dash.post(f"/dashboard/sandboxes/{theirs.id}/{action}", {"seconds": "60", "count": "1"}, **JSON)
+        assert resp.status_code == 404, action
+        assert resp.json()["code"] == 404
+    assert dash.get(f"/dashboard/api/sandboxes/{theirs.id}.json").status_code == 404
+    theirs.refresh_from_db()
+    assert theirs.state == "running"
+    assert not SandboxEvent.objects.filter(sandbox=theirs).exists()
+    nodes_mock.client.pause_sandbox.assert_not_awaited()
+    nodes_mock.client.kill_sandbox.assert_not_awaited()
+
+
+def test_detail_json_changes_with_events(dash, mine, nodes_mock):
+    before = dash.get(f"/dashboard/api/sandboxes/{mine.id}.json").json()
+    assert before["state"] == "running" and before["id"] == mine.id and before["last_event_id"] is None
+    dash.post(f"/dashboard/sandboxes/{mine.id}/pause")
+    after = dash.get(f"/dashboard/api/sandboxes/{mine.id}.json").json()
+    assert after["state"] == "paused"
+    assert after["last_event_id"] == SandboxEvent.objects.filter(sandbox=mine).latest("id").id

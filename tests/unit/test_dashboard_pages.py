@@ -93,9 +93,10 @@ def test_sandbox_list_and_detail_are_team_scoped(dash, mine, theirs):
     detail = dash.get(f"/dashboard/sandboxes/{mine.id}/")
     body = detail.content.decode()
     assert detail.status_code == 200 and "env=prod" in body and "812 ms" in body
-    assert "coming with the lifecycle issue" in body and "terminal is not available yet" in body
-    for action in ("Pause", "Resume", "Snapshot", "Fork"):
-        assert f'disabled title="coming with the lifecycle issue" aria-disabled="true">{action}<' in body
+    assert f'data-ws-path="/ws/sandboxes/{mine.id}/terminal"' in body
+    for action in ("pause", "timeout", "kill"):  # what a running sandbox offers
+        assert f'data-action="{action}"' in body
+    assert 'data-action="resume"' not in body
     assert dash.get(f"/dashboard/sandboxes/{theirs.id}/").status_code == 404
     assert dash.get("/dashboard/sandboxes/inope/").status_code == 404
 
