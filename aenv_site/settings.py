@@ -49,6 +49,20 @@ AENV_NODE_MEMORY_OVERCOMMIT = float(_env("AENV_NODE_MEMORY_OVERCOMMIT", "1.5"))
 AENV_BASE_CPU_COUNT = _env_int("AENV_BASE_CPU_COUNT", 2)
 AENV_BASE_MEMORY_MB = _env_int("AENV_BASE_MEMORY_MB", 512)
 AENV_BASE_DISK_MB = _env_int("AENV_BASE_DISK_MB", 2048)
+# Lifecycle (sandboxes.expiry, run_lifecycle, nodes.reconcile):
+# how long a pause / resume may take on the node (a TCG pause to disk writes the RAM file),
+AENV_LIFECYCLE_DEADLINE = _env_int("AENV_LIFECYCLE_DEADLINE", AENV_NODE_TASK_DEADLINE)
+# how long a paused sandbox is kept before it is killed and its files deleted (0: forever),
+AENV_PAUSED_RETENTION = _env_int("AENV_PAUSED_RETENTION", 30 * 24 * 3600)
+# how often the sweeper looks for expired sandboxes, and how many it handles at once,
+AENV_LIFECYCLE_PERIOD = float(_env("AENV_LIFECYCLE_PERIOD", "1.0"))
+AENV_LIFECYCLE_CONCURRENCY = _env_int("AENV_LIFECYCLE_CONCURRENCY", 4)
+# the minimum TTL a sandbox gets when traffic auto-resumes it,
+AENV_AUTO_RESUME_TIMEOUT = _env_int("AENV_AUTO_RESUME_TIMEOUT", 300)
+# and after how long a node treats a sandbox stuck in pausing / resuming / killing as
+# abandoned (its caller gave up) and reconciles it to what the VM really is.
+AENV_RECONCILE_STALE = _env_int("AENV_RECONCILE_STALE", AENV_LIFECYCLE_DEADLINE + 60)
+AENV_RECONCILE_INTERVAL = _env_int("AENV_RECONCILE_INTERVAL", 30)
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 

@@ -142,6 +142,8 @@ class Sandbox(models.Model):
     memory_mb = models.PositiveIntegerField(default=512)
     disk_size_mb = models.PositiveIntegerField(default=2048)
     auto_pause = models.BooleanField(default=False)
+    # With auto_pause: False pauses on expiry filesystem-only (E2B's autoPauseMemory).
+    auto_pause_memory = models.BooleanField(default=True)
     auto_resume = models.BooleanField(default=False)
     allow_internet_access = models.BooleanField(null=True, blank=True)
     network = models.JSONField(null=True, blank=True)

@@ -90,8 +90,11 @@ class NewSandboxV2Serializer(serializers.Serializer):
     timeout = StrictIntegerField(required=False, min_value=0, max_value=settings.AENV_MAX_TIMEOUT)
     metadata = StringMapField()
     envVars = StringMapField()
-    autoPause = StrictBooleanField(required=False, default=False)
-    autoPauseMemory = StrictBooleanField(required=False)
+    # What happens at the end of the TTL: absent → pause (aenv keeps work by default),
+    # false → kill (old SDKs always send false, which keeps E2B's kill for them).
+    autoPause = StrictBooleanField(required=False, default=True)
+    # false: the expiry pause is filesystem-only (processes are gone after a resume).
+    autoPauseMemory = StrictBooleanField(required=False, allow_null=True, default=None)
     autoResume = AutoResumeField(required=False, default=False)
     allow_internet_access = StrictBooleanField(required=False, allow_null=True, default=None)
     network = JsonObjectField(required=False, allow_null=True, default=None)
@@ -103,6 +106,7 @@ class NewSandboxV2Serializer(serializers.Serializer):
         return dict(
             template_ref=d["templateID"], timeout=d.get("timeout"), metadata=d.get("metadata") or {},
             env_vars=d.get("envVars") or {}, secure=d["secure"], auto_pause=d["autoPause"],
+            auto_pause_memory=d.get("autoPauseMemory") is not False,
             auto_resume=d["autoResume"], allow_internet_access=d["allow_internet_access"],
             network=d["network"],
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import inspect
 import json
 import logging
 import time
@@ -90,11 +91,13 @@ def _event(sandbox_id: str, operation: str, *, outcome="ok", from_state="", to_s
 
 
 @sync_to_async
-def _transition(sandbox_id: str, from_states, to_state: str, event: SandboxEvent, **fields) -> bool:
-    """Moves a sandbox to ``to_state`` only if it is in one of ``from_states``, and
-    records ``event`` in the same transaction. Returns False if another request won."""
+def _transition(sandbox_id: str, from_states, to_state: str, event: SandboxEvent, *, where: dict | None = None,
+                **fields) -> bool:
+    """Moves a sandbox to ``to_state`` only if it is in one of ``from_states`` (and matches
+    the extra lookups in ``where``, e.g. "still expired"), and records ``event`` in the same
+    transaction. Returns False if another request won."""
     with transaction.atomic():
-        updated = Sandbox.objects.filter(pk=sandbox_id, state__in=list(from_states)).update(
+        updated = Sandbox.objects.filter(pk=sandbox_id, state__in=list(from_states), **(where or {})).update(
             state=to_state, updated_at=timezone.now(), **fields
         )
         if updated:
@@ -161,8 +164,9 @@ async def create_sandbox(
     metadata: dict | None = None,
     env_vars: dict | None = None,
     secure: bool = False,
-    auto_pause: bool = False,
+    auto_pause: bool = True,
     auto_resume: bool = False,
+    auto_pause_memory: bool = True,
     allow_internet_access: bool | None = None,
     network: dict | None = None,
     idempotency_key: str | None = None,
@@ -188,7 +192,7 @@ async def create_sandbox(
         envd_access_token=new_envd_access_token() if secure else "",
         metadata=metadata, env_vars=env_vars, cpu_count=template.cpu_count,
         memory_mb=template.memory_mb, disk_size_mb=template.disk_size_mb,
-        auto_pause=auto_pause, auto_resume=auto_resume,
+        auto_pause=auto_pause, auto_resume=auto_resume, auto_pause_memory=auto_pause_memory,
         allow_internet_access=allow_internet_access, network=network,
         idempotency_key=idempotency_key or "", created_at=now, started_at=now,
         end_at=now + timedelta(seconds=timeout),
@@ -379,20 +383,28 @@ async def _kill_on_node(node, sandbox_id: str, deadline: float) -> dict:
 # --------------------------------------------------------------------------- kill
 
 
-async def kill_sandbox(team: Team, sandbox_id: str, actor: str = "") -> Sandbox:
+async def kill_sandbox(team: Team, sandbox_id: str, actor: str = "", *, from_states=None,
+                       where: dict | None = None, reason: str = "") -> Sandbox:
     """Kills a sandbox: ``→ killing`` (durable), the node kills the VM, ``→ killed``.
 
     If the node cannot confirm within KILL_DEADLINE (dead node, broker down) the
     sandbox is still recorded ``killed`` — the user asked for it, and it must stop
     being served — with the failure in ``error_reason`` and the event, so the node
     reconciles the orphan VM when it comes back. Unknown, already killed or another
-    team's sandbox: 404; of two concurrent kills exactly one wins, the other gets 404."""
+    team's sandbox: 404; of two concurrent kills exactly one wins, the other gets 404.
+
+    The lifecycle sweeper narrows the start condition (``from_states`` / ``where``,
+    e.g. "running and still expired") and names its ``reason``; if the condition no
+    longer holds the kill does not happen (409)."""
     sandbox = await _visible(team, sandbox_id)
     t0, started = time.monotonic(), timezone.now()
     if sandbox.state == S.KILLING:
         raise ApiError(404, f'sandbox "{sandbox_id}" not found (already being killed)')
-    event = _event(sandbox_id, "kill", outcome="started", from_state=sandbox.state, actor=actor)
-    if not await _transition(sandbox_id, KILLABLE_STATES, S.KILLING, event):
+    details = {"reason": reason} if reason else {}
+    event = _event(sandbox_id, "kill", outcome="started", from_state=sandbox.state, actor=actor, details=details)
+    if not await _transition(sandbox_id, from_states or KILLABLE_STATES, S.KILLING, event, where=where):
+        if from_states or where:
+            raise ApiError(409, f'sandbox "{sandbox_id}" changed meanwhile; not killed')
         raise ApiError(404, f'sandbox "{sandbox_id}" not found (already being killed)')
 
     node_id = sandbox.node_id
@@ -404,15 +416,15 @@ async def kill_sandbox(team: Team, sandbox_id: str, actor: str = "") -> Sandbox:
         node = await Node.objects.filter(pk=node_id).afirst()
         outcome = (await _kill_on_node(node, sandbox_id, KILL_DEADLINE) if node is not None
                    else {"ok": False, "error": f"node {node_id} no longer exists"})
-    reason = "" if outcome["ok"] else f"VM kill not confirmed by node {node_id}: {outcome['error']}"
-    if reason:
-        log.warning("sandbox %s: %s", sandbox_id, reason)
+    failure = "" if outcome["ok"] else f"VM kill not confirmed by node {node_id}: {outcome['error']}"
+    if failure:
+        log.warning("sandbox %s: %s", sandbox_id, failure)
     done = _event(sandbox_id, "kill", outcome="ok" if outcome["ok"] else "unconfirmed",
                   from_state=S.KILLING, started_at=started, duration_ms=_ms(t0), actor=actor,
-                  message=reason, details={"node": node_id, **outcome})
+                  message=failure, details={"node": node_id, **details, **outcome})
     fields = {"killed_at": timezone.now()}
-    if reason:
-        fields["error_reason"] = reason
+    if failure:
+        fields["error_reason"] = failure
     await _transition(sandbox_id, [S.KILLING], S.KILLED, done, **fields)
     return await Sandbox.objects.aget(pk=sandbox_id)
 
@@ -612,16 +624,61 @@ def _op_phases(t0: float, node_ms: float | None) -> dict:
     return {k: round(float(v), 2) for k, v in phases.items()}
 
 
-async def pause_sandbox(team: Team, sandbox_id: str, memory: bool | None = None, actor: str = "") -> Sandbox:
-    """Pauses a running sandbox: ``running → pausing`` (durable), the node saves the VM
-    to disk (its QEMU process exits), ``→ paused``.
+def _supports_fs_pause(client) -> bool:
+    """Whether the node client can pause filesystem-only (``memory=False``); until the
+    node task takes that argument a filesystem pause is done with memory (recorded)."""
+    try:
+        return "memory" in inspect.signature(client.pause_sandbox).parameters
+    except (TypeError, ValueError):
+        return False
 
-    Always a memory + disk pause for now; ``memory=false`` (E2B's filesystem-only
-    pause) is accepted and recorded in the event. A pause already in progress is
-    joined (the answer comes when it is paused). Not running: 409; unknown: 404."""
+
+class _Moved(Exception):
+    """While we waited for the node, the sandbox left the transitional state this
+    operation put it in: a kill, or the node reconciling it after a restart."""
+
+    def __init__(self, state: str | None):
+        super().__init__(state)
+        self.state = state
+
+
+WATCH_POLL = 0.5
+
+
+async def _await_node(call, sandbox_id: str, state: str):
+    """The node call's result — unless the sandbox leaves ``state`` first (then
+    ``_Moved``): a node worker that restarts mid-operation never answers the task, but
+    it reconciles the row to the VM's real state, and the caller should learn that
+    now, not at the deadline."""
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_POLL)
+            if done:
+                return task.result()
+            current = await Sandbox.objects.filter(pk=sandbox_id).values_list("state", flat=True).afirst()
+            if current != state:
+                raise _Moved(current)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def pause_sandbox(team: Team, sandbox_id: str, memory: bool | None = None, actor: str = "", *,
+                        expired_by: datetime | None = None) -> Sandbox:
+    """Pauses a running sandbox: ``running → pausing`` (durable), the node saves the VM
+    to disk (its QEMU process exits), ``→ paused``. ``memory=False`` is E2B's
+    filesystem-only pause (only the disk is kept; a resume cold-boots on it).
+
+    A pause already in progress is joined (the answer comes when it is paused). Not
+    running: 409; unknown: 404; node not alive: 503 and nothing changes.
+
+    ``expired_by`` is the lifecycle sweeper's TTL pause: it happens only while the
+    sandbox is running with ``end_at <= expired_by`` (a concurrent timeout extension
+    wins), and never joins; otherwise 409."""
     while True:
         sandbox = await _visible(team, sandbox_id)
-        if sandbox.state == S.PAUSING:
+        if sandbox.state == S.PAUSING and expired_by is None:
             sandbox = await _settle(team, sandbox_id)
             if sandbox.state == S.PAUSED:
                 return sandbox  # joined the concurrent pause
@@ -629,40 +686,61 @@ async def pause_sandbox(team: Team, sandbox_id: str, memory: bool | None = None,
         if sandbox.state != S.RUNNING:
             raise _not_running(sandbox_id, sandbox.state)
         node = await _node_of(sandbox)
-        event = _event(sandbox_id, "pause", outcome="started", from_state=S.RUNNING, actor=actor,
-                       details={"memory": memory})
-        if await _transition(sandbox_id, [S.RUNNING], S.PAUSING, event):
+        if not node.is_alive():
+            raise ApiError(503, f"node {node.id} is not alive (no recent heartbeat); sandbox not paused")
+        details = {"memory": memory}
+        if expired_by is not None:
+            details["reason"] = "expired"
+        event = _event(sandbox_id, "pause", outcome="started", from_state=S.RUNNING, actor=actor, details=details)
+        where = {"end_at__lte": expired_by} if expired_by is not None else None
+        if await _transition(sandbox_id, [S.RUNNING], S.PAUSING, event, where=where):
             break  # else another request changed it meanwhile: look again
+        if expired_by is not None:
+            raise ApiError(409, f'sandbox "{sandbox_id}" is no longer running and expired')
     return await _shielded(_pause_on_node(sandbox, node, memory, actor))
 
 
 async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str) -> Sandbox:
     client, _ = _node_api()
     t0, started = time.monotonic(), timezone.now()
-    details = {"node": node.id, "to_disk": True, "memory": memory,
-               "mode": "filesystem requested, paused with memory" if memory is False else "memory"}
+    fs_only = memory is False and _supports_fs_pause(client)
+    mode = "filesystem" if fs_only else ("filesystem requested, paused with memory" if memory is False else "memory")
+    details = {"node": node.id, "to_disk": True, "memory": memory, "mode": mode}
     try:
-        result = await asyncio.wait_for(
-            client.pause_sandbox(node, sandbox_id=sandbox.id, to_disk=True, deadline=LIFECYCLE_DEADLINE),
+        result = await _await_node(asyncio.wait_for(
+            client.pause_sandbox(node, sandbox_id=sandbox.id, to_disk=True, deadline=LIFECYCLE_DEADLINE,
+                                 **({"memory": False} if fs_only else {})),
             timeout=LIFECYCLE_DEADLINE + 15,
-        )
+        ), sandbox.id, S.PAUSING)
+    except _Moved as moved:
+        if moved.state == S.PAUSED:  # the node reconciled it: the pause had finished
+            return await Sandbox.objects.select_related("template").aget(pk=sandbox.pk)
+        await _record(_event(sandbox.id, "pause", outcome="aborted", from_state=S.PAUSING, started_at=started,
+                             duration_ms=_ms(t0), actor=actor, details=details,
+                             message=f"sandbox became {moved.state} while pausing"))
+        if moved.state == S.RUNNING:
+            raise ApiError(409, f'pause of sandbox "{sandbox.id}" was interrupted (node restarted); '
+                                "it is running") from None
+        raise ApiError(404, f'sandbox "{sandbox.id}" not found (killed while pausing)') from None
     except Exception as exc:  # mapped below, never a bare 500
         status, reason, kind = _node_failure(client, exc, node, "pause")
         log.warning("pause of sandbox %s failed: %s", sandbox.id, reason)
-        # The QEMU driver continues the VM when saving fails, so a failure reported by the
-        # node leaves it running. Without an answer (timeout, node gone) its state is
-        # unknown: mark the sandbox failed and remove whatever is left of the VM.
-        vm_runs = isinstance(exc, client.NodeTaskFailed)
-        cleanup = None if vm_runs else await _kill_on_node(node, sandbox.id, CLEANUP_DEADLINE)
-        event = _event(sandbox.id, "pause", outcome="error", from_state=S.PAUSING, started_at=started,
-                       duration_ms=_ms(t0), message=reason, actor=actor,
-                       details={**details, "kind": kind, "cleanup": cleanup})
-        if vm_runs:
-            moved = await _transition(sandbox.id, [S.PAUSING], S.RUNNING, event)
+        details = {**details, "kind": kind}
+        if isinstance(exc, client.NodeTaskFailed):
+            # The node answered: the QEMU driver continues the VM when saving fails (and a
+            # revoked task never touched it), so the sandbox is running again.
+            event = _event(sandbox.id, "pause", outcome="error", from_state=S.PAUSING, started_at=started,
+                           duration_ms=_ms(t0), message=reason, actor=actor, details=details)
+            if not await _transition(sandbox.id, [S.PAUSING], S.RUNNING, event):
+                await _record(event)  # killed meanwhile
         else:
-            moved = await _transition(sandbox.id, [S.PAUSING], S.ERROR, event, error_reason=reason)
-        if not moved:
-            await _record(event)  # killed meanwhile
+            # No answer (timeout, broker gone): the VM may be running, paused or mid-save.
+            # Guessing would be wrong half the time, so the sandbox stays "pausing" (shown
+            # paused; connect waits) and the node reconciles it to the VM's real state when
+            # it answers again (nodes.reconcile) — the VM is not killed.
+            await _record(_event(sandbox.id, "pause", outcome="unconfirmed", from_state=S.PAUSING,
+                                 started_at=started, duration_ms=_ms(t0), message=reason, actor=actor,
+                                 details=details))
         raise ApiError(status, reason, error_code=_snake(kind) if status == 500 else None) from exc
 
     timings = (result or {}).get("timings") or {}
@@ -702,6 +780,21 @@ async def connect_sandbox(team: Team, sandbox_id: str, timeout: int | None = Non
     return resumed, sandbox
 
 
+async def auto_resume(sandbox_id: str) -> Sandbox | None:
+    """The data plane's autoResume: traffic reached a paused (or pausing / resuming)
+    sandbox. If it was created with ``autoResume`` it is resumed exactly like a connect
+    (same transitions, events and node calls; concurrent callers join one resume) with
+    a TTL of at least AENV_AUTO_RESUME_TIMEOUT; returns it running. None when the
+    sandbox is unknown, not paused or has no autoResume. Raises ApiError on failure."""
+    sandbox = await (Sandbox.objects.select_related("team")
+                     .filter(pk=sandbox_id, state__in=[S.PAUSING, S.PAUSED, S.RESUMING]).afirst())
+    if sandbox is None or not sandbox.auto_resume:
+        return None
+    _, running = await connect_sandbox(sandbox.team, sandbox_id, settings.AENV_AUTO_RESUME_TIMEOUT,
+                                       actor="autoresume")
+    return running
+
+
 async def _resume_or_running(team, sandbox_id, timeout, actor, operation) -> tuple[bool, Sandbox]:
     while True:
         sandbox = await _settle(team, sandbox_id)
@@ -722,16 +815,27 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
     t0, started = time.monotonic(), timezone.now()
     details = {"node": node.id, "via": operation, "timeout": timeout}
     try:
-        result = await asyncio.wait_for(
+        result = await _await_node(asyncio.wait_for(
             client.resume_sandbox(node, sandbox_id=sandbox.id, env_vars=sandbox.env_vars,
                                   access_token=sandbox.envd_access_token or None, deadline=LIFECYCLE_DEADLINE),
             timeout=LIFECYCLE_DEADLINE + 15,
-        )
+        ), sandbox.id, S.RESUMING)
+    except _Moved as moved:
+        if moved.state == S.RUNNING:  # reconciled by the node: the resume had finished
+            return await Sandbox.objects.select_related("template").aget(pk=sandbox.pk)
+        await _record(_event(sandbox.id, "resume", outcome="aborted", from_state=S.RESUMING, started_at=started,
+                             duration_ms=_ms(t0), actor=actor, details=details,
+                             message=f"sandbox became {moved.state} while resuming"))
+        if moved.state == S.PAUSED:
+            raise ApiError(503, f'resume of sandbox "{sandbox.id}" was interrupted (node restarted); '
+                                "it is still paused") from None
+        raise ApiError(404, f'sandbox "{sandbox.id}" not found (killed while resuming)') from None
     except Exception as exc:  # mapped below
         status, reason, kind = _node_failure(client, exc, node, "resume")
         log.warning("resume of sandbox %s failed, it stays paused: %s", sandbox.id, reason)
         # The node re-pauses a VM whose envd did not come back; the memory snapshot is
-        # still there, so the sandbox stays paused and a later connect can try again.
+        # still there, so the sandbox stays paused and a later connect can try again. If
+        # the node never answered and resumes it later anyway, its reconcile pauses it again.
         event = _event(sandbox.id, "resume", outcome="error", from_state=S.RESUMING, started_at=started,
                        duration_ms=_ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
         if not await _transition(sandbox.id, [S.RESUMING], S.PAUSED, event):

@@ -34,8 +34,10 @@ def shared_images_dir() -> Path:
 class Stack:
     home: Path
     with_node: bool = True
+    with_lifecycle: bool = True
     extra_env: dict = field(default_factory=dict)
     procs: dict = field(default_factory=dict)
+    log_offsets: dict = field(default_factory=dict)
     api_url: str = ""
     sandbox_url: str = ""
     api_key: str = ""
@@ -63,10 +65,21 @@ class Stack:
         return out.stdout
 
     def _spawn(self, name: str, argv: list[str]) -> None:
+        path = self.home / f"{name}.log"
+        self.log_offsets[name] = path.stat().st_size if path.exists() else 0
         log = open(self.home / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+
+    def new_log(self, name: str) -> str:
+        """What the current process of ``name`` has logged (after its latest start)."""
+        path = self.home / f"{name}.log"
+        if not path.exists():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(self.log_offsets.get(name, 0))
+            return f.read().decode(errors="replace")
 
     def log(self, name: str) -> str:
         path = self.home / f"{name}.log"
@@ -88,7 +101,9 @@ class Stack:
         self.api_url = f"http://127.0.0.1:{api_port}"
         self.sandbox_url = f"http://127.0.0.1:{sandbox_port}"
         if self.with_node:
-            self._spawn("node", [PY, "manage.py", "run_node"])
+            self.start_node(wait=False)
+        if self.with_lifecycle:
+            self._spawn("lifecycle", [PY, "manage.py", "run_lifecycle"])
         self._spawn("api", [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(api_port), "aenv_site.asgi:application"])
         self._spawn("dataplane", [
             PY, "-m", "uvicorn", "aenv_site.dataplane:application", "--host", "127.0.0.1",
@@ -99,6 +114,19 @@ class Stack:
         if self.with_node:
             self._wait_node()
         return self
+
+    def start_node(self, wait: bool = True) -> None:
+        """(Re)starts the node worker, e.g. after a test killed it."""
+        self._spawn("node", [PY, "manage.py", "run_node"])
+        if wait:
+            self._wait_node(fresh=True)
+
+    def kill_node(self) -> None:
+        """SIGKILLs the node worker's process group, as a crash would (its VMs run on)."""
+        proc = self.procs.pop("node", None)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
     def _wait_http(self, url: str, name: str, deadline: float = 60) -> None:
         end = time.monotonic() + deadline
@@ -122,12 +150,14 @@ class Stack:
             time.sleep(0.2)
         raise RuntimeError(f"{name} did not listen on {port}:\n{self.log(name)}")
 
-    def _wait_node(self, deadline: float = 120) -> None:
+    def _wait_node(self, deadline: float = 120, fresh: bool = False) -> None:
+        """Until the node is alive; ``fresh``: until this worker (not a killed one, whose
+        last heartbeat may still count) has registered and started consuming."""
         end = time.monotonic() + deadline
         while time.monotonic() < end:
             self._check_alive("node")
             out = subprocess.run([PY, "manage.py", "node_status", "--quiet"], cwd=ROOT, env=self.env)
-            if out.returncode == 0:
+            if out.returncode == 0 and (not fresh or " ready." in self.new_log("node")):
                 return
             time.sleep(0.5)
         raise RuntimeError(f"node worker did not register:\n{self.log('node')}")

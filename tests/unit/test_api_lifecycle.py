@@ -101,8 +101,8 @@ async def test_pause_not_running_states_are_409(api, create, assert_error):
 
 @pytest.mark.parametrize("exc_name, status, end_state", [
     ("NodeTaskFailed", 500, "running"),   # the node answered: QEMU continued the VM
-    ("NodeTimeout", 504, "error"),        # no answer: state unknown, VM removed
-    ("NodeUnavailable", 503, "error"),
+    ("NodeTimeout", 504, "pausing"),      # no answer: the VM's state is unknown; it is kept
+    ("NodeUnavailable", 503, "pausing"),  # for the node to reconcile when it answers again
 ])
 async def test_pause_failure_states(api, create, nodes_mock, assert_error, exc_name, status, end_state):
     sb = await create()
@@ -112,14 +112,63 @@ async def test_pause_failure_states(api, create, nodes_mock, assert_error, exc_n
     nodes_mock.client.kill_sandbox.reset_mock()
     body = assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/pause"), status)
     assert await _state(sb["sandboxID"]) == end_state
-    assert await _events(sb["sandboxID"], "pause") == [("pause", "started", "running", "pausing"),
-                                                        ("pause", "error", "pausing", end_state)]
+    assert nodes_mock.client.kill_sandbox.await_count == 0  # the VM is never destroyed for a failed pause
     if end_state == "running":
         assert body.get("error_code") == "v_m_error"
-        assert nodes_mock.client.kill_sandbox.await_count == 0
+        assert await _events(sb["sandboxID"], "pause") == [("pause", "started", "running", "pausing"),
+                                                            ("pause", "error", "pausing", "running")]
     else:
-        assert nodes_mock.client.kill_sandbox.await_count == 1  # nothing leaks
-        assert (await Sandbox.objects.aget(pk=sb["sandboxID"])).error_reason
+        assert await _events(sb["sandboxID"], "pause") == [("pause", "started", "running", "pausing"),
+                                                            ("pause", "unconfirmed", "pausing", "")]
+        # shown as paused meanwhile; a second pause is refused, not repeated
+        assert (await api.get(f"/sandboxes/{sb['sandboxID']}")).json()["state"] == "paused"
+
+
+async def test_pause_memory_false_is_filesystem_only_when_the_node_supports_it(api, create, nodes_mock):
+    calls = []
+
+    async def pause(node, *, sandbox_id, to_disk=True, memory=True, deadline=None):
+        calls.append(memory)
+        return dict(PAUSE_RESULT)
+
+    nodes_mock.client.pause_sandbox = pause
+    for body, memory, mode in (({"memory": False}, False, "filesystem"), ({}, True, "memory")):
+        sb = await create()
+        assert (await api.post(f"/sandboxes/{sb['sandboxID']}/pause", json=body)).status_code == 204
+        assert calls[-1] is memory
+        done = await SandboxEvent.objects.filter(sandbox_id=sb["sandboxID"], operation="pause", outcome="ok").aget()
+        assert done.details["mode"] == mode
+
+
+async def test_pause_on_dead_node_is_503_and_changes_nothing(api, create, nodes_mock, assert_error):
+    sb = await create()
+    await nodes_mock.node.__class__.objects.filter(pk="n1").aupdate(
+        last_heartbeat_at=timezone.now() - timedelta(hours=1))
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/pause"), 503, "not alive")
+    assert await _state(sb["sandboxID"]) == "running"
+    assert await _events(sb["sandboxID"], "pause") == []
+    nodes_mock.client.pause_sandbox.assert_not_awaited()
+
+
+@pytest.mark.parametrize("reconciled, status", [("paused", 204), ("running", 409), ("killing", 404)])
+async def test_pause_waiter_follows_a_reconcile(api, create, nodes_mock, reconciled, status):
+    """A node worker that restarts mid-pause never answers the task; it reconciles the row
+    instead, and the waiting request answers from that at once (not at the deadline)."""
+    sb = await create()
+
+    async def never(*args, **kwargs):
+        await asyncio.sleep(3600)
+
+    nodes_mock.client.pause_sandbox.side_effect = never
+    request = asyncio.ensure_future(api.post(f"/sandboxes/{sb['sandboxID']}/pause"))
+    for _ in range(100):
+        if await _state(sb["sandboxID"]) == "pausing":
+            break
+        await asyncio.sleep(0.02)
+    await Sandbox.objects.filter(pk=sb["sandboxID"]).aupdate(state=reconciled)
+    resp = await asyncio.wait_for(request, 5)
+    assert resp.status_code == status, resp.text
+    assert await _state(sb["sandboxID"]) == reconciled
 
 
 async def test_pause_after_failed_pause_works(api, create, nodes_mock):
