@@ -66,8 +66,7 @@ def _lookup_sync(sandbox_id: str) -> Route | None:
     finally:
         # This runs on executor threads outside Django's request cycle: nothing else
         # would close (or drop a broken) connection.
-        for conn in connections.all(initialized_only=True):
-            conn.close_if_unusable_or_obsolete()
+        _close_unusable()
     if row is None:
         return None
     state, host, port, secure, token = row
@@ -163,6 +162,8 @@ class EnvdProxy:
     def __init__(self, cache: RouteCache | None = None):
         self.cache = cache or RouteCache()
         self._client: httpx.AsyncClient | None = None
+        # sandbox id → the auto-resume in progress, so concurrent requests join one.
+        self._resuming: dict[str, asyncio.Future] = {}
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -211,7 +212,11 @@ class EnvdProxy:
         sandbox_id, port = target
         route = await self.cache.get(sandbox_id)
         if route is not None and route.state in PAUSED_STATES:
-            route = await self.on_paused(route)
+            try:
+                route = await self.on_paused(route)
+            except ResumeFailed as exc:
+                return await _send_simple(send, *_json_response(exc.status, {
+                    "sandboxId": sandbox_id, "code": exc.status, "message": exc.message}))
         if route is None or route.state not in ROUTABLE_STATES or not route.host or not route.port:
             return await _send_simple(send, *not_found(sandbox_id))
         if port != ENVD_PORT:
@@ -228,9 +233,34 @@ class EnvdProxy:
         await self._forward(scope, receive, send, route, headers, query)
 
     async def on_paused(self, route: Route) -> Route | None:
-        """Hook for auto-resume (a later issue): return a running Route to serve the
-        request, or None to answer 502 'was not found' as E2B does for paused sandboxes."""
-        return None
+        """Traffic for a paused (or pausing / resuming) sandbox. With ``autoResume`` it
+        is resumed through the lifecycle service — the same transitions, events and node
+        calls as a connect — and the running Route is returned so the request is served;
+        concurrent requests join one resume. Without autoResume: None, answered with
+        E2B's 502 'was not found'. A failed resume raises ResumeFailed."""
+        pending = self._resuming.get(route.sandbox_id)
+        if pending is None:
+            pending = asyncio.ensure_future(self._auto_resume(route.sandbox_id))
+            self._resuming[route.sandbox_id] = pending
+            pending.add_done_callback(lambda _f, sid=route.sandbox_id: self._resuming.pop(sid, None))
+        # shield: a client that goes away does not cancel the resume others wait for
+        return await asyncio.shield(pending)
+
+    async def _auto_resume(self, sandbox_id: str) -> Route | None:
+        from sandboxes import services  # noqa: PLC0415 - Django must be set up first
+        from sandboxes.errors import ApiError  # noqa: PLC0415
+
+        try:
+            sandbox = await services.auto_resume(sandbox_id)
+        except ApiError as exc:
+            log.info("auto-resume of %s failed: %s", sandbox_id, exc.detail)
+            raise ResumeFailed(504 if exc.status_code == 504 else 502, f"auto-resume failed: {exc.detail}") from None
+        finally:
+            await sync_to_async(_close_unusable, thread_sensitive=True)()
+        if sandbox is None:
+            return None
+        self.cache.invalidate(sandbox_id)
+        return await self.cache.get(sandbox_id)
 
     async def _forward(self, scope, receive, send, route: Route, headers: dict, query: bytes):
         body_queue: asyncio.Queue = asyncio.Queue(maxsize=8)
@@ -293,6 +323,20 @@ class EnvdProxy:
             raise UpstreamBroken(f"upstream of {route.sandbox_id} broke mid-response: {exc!r}") from exc
         finally:
             await upstream.aclose()
+
+
+class ResumeFailed(Exception):
+    """Auto-resume of a paused sandbox failed; answered with ``status`` and ``message``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _close_unusable() -> None:
+    for conn in connections.all(initialized_only=True):
+        conn.close_if_unusable_or_obsolete()
 
 
 class UpstreamBroken(Exception):

@@ -1,17 +1,20 @@
-"""A real aenv stack (daphne + uvicorn + node worker + QEMU VMs) for the whole session."""
+"""A real aenv stack (daphne + uvicorn + node worker + lifecycle sweeper + QEMU VMs) for
+the whole session, and `running_stack` for modules that need their own settings."""
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 
 import pytest
 
 from .stack import ROOT, Stack
 
 
-@pytest.fixture(scope="session")
-def stack():
-    home = ROOT / "var" / "test-runs" / f"e2e-{uuid.uuid4().hex[:8]}"
-    s = Stack(home=home)
+@contextmanager
+def running_stack(prefix: str = "e2e", **kwargs):
+    """A started Stack under a fresh home; stopped, its VMs killed and its home removed after."""
+    home = ROOT / "var" / "test-runs" / f"{prefix}-{uuid.uuid4().hex[:8]}"
+    s = Stack(home=home, **kwargs)
     try:
         s.start()
         yield s
@@ -20,6 +23,12 @@ def stack():
         s.kill_vm_leftovers()
         if not os.environ.get("AENV_KEEP_TEST_HOME"):
             shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def stack():
+    with running_stack() as s:
+        yield s
 
 
 @pytest.fixture

@@ -206,3 +206,21 @@ class Stack:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def db(self, code: str) -> str:
+        """Runs Python in `manage.py shell` against this stack's database; returns stdout."""
+        return self.manage("shell", "-v", "0", "-c", code, timeout=120)
+
+    def qemu_pids(self, sandbox_id: str) -> list[int]:
+        """This stack's QEMU processes of one sandbox."""
+        out = []
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "qemu-system" in cmdline and str(self.home) in cmdline and sandbox_id in cmdline:
+                out.append(int(pid_dir.name))
+        return out

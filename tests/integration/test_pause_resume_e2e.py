@@ -3,6 +3,7 @@ its files and its running processes (memory snapshot), and nothing is left after
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
@@ -82,7 +83,22 @@ def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
         assert abs(guest_now - time.time()) < 10, "guest clock was not re-synced on resume"
 
         # a running sandbox: connect only extends (200)
-        assert Sandbox.connect(sbx.sandbox_id, timeout=60).is_running()
+        assert Sandbox.connect(sbx.sandbox_id, timeout=600).is_running()
+
+        # pause to disk again, then the legacy raw-HTTP resume (201): same process, same file
+        h = stack.headers()
+        assert httpx.post(f"{stack.api_url}/sandboxes/{sbx.sandbox_id}/pause", headers=h).status_code == 204
+        assert _qemu_pids(sbx.sandbox_id) == []
+        resp = httpx.post(f"{stack.api_url}/sandboxes/{sbx.sandbox_id}/resume", json={"timeout": 600},
+                          headers=h, timeout=300)
+        assert resp.status_code == 201, resp.text
+        assert resp.json()["sandboxID"] == sbx.sandbox_id
+        assert httpx.post(f"{stack.api_url}/sandboxes/{sbx.sandbox_id}/resume", json={},
+                          headers=h).status_code == 409  # already running
+        assert again.files.read("/home/user/keep.txt") == "still here"
+        pid_resumed, n_resumed = _counter(again)
+        time.sleep(1.5)
+        assert pid_resumed == pid and _counter(again)[1] > n_resumed >= n_later
         print(f"\nPAUSE {pause_s * 1000:.0f} ms, CONNECT(resume) {connect_s * 1000:.0f} ms, "
               f"counter {n_before}->{n_after}->{n_later}")
     finally:

@@ -279,3 +279,57 @@ async def test_insecure_sandbox_needs_no_token(stack):
     sbx = await make_sandbox(stack.up_port)
     r = await stack.client.post("/filesystem.Filesystem/Stat", content=b"{}", headers=hdr(sbx))
     assert r.status_code == 200
+
+
+# --------------------------------------------------------------------------- autoResume
+
+
+async def _paused_sandbox(stack, node, auto_resume=True):
+    sbx = await make_sandbox(stack.up_port, state="paused")
+    await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(auto_resume=auto_resume, node=node)
+    return sbx
+
+
+async def test_auto_resume_on_traffic_resumes_once_and_serves(stack, nodes_mock):
+    from sandboxes.models import SandboxEvent
+
+    gate = asyncio.Event()
+
+    async def slow_resume(node, **kwargs):
+        await gate.wait()
+        return {"envd_host": "127.0.0.1", "envd_port": stack.up_port, "pid": 1, "accel": "tcg", "timings": {}}
+
+    nodes_mock.client.resume_sandbox.side_effect = slow_resume
+    sbx = await _paused_sandbox(stack, nodes_mock.node)
+    requests = [asyncio.ensure_future(stack.client.post("/echo", content=f"r{i}".encode(), headers=hdr(sbx)))
+                for i in range(3)]
+    await asyncio.sleep(0.5)
+    assert not any(r.done() for r in requests)  # they wait for the resume
+    gate.set()
+    answers = await asyncio.gather(*requests)
+    assert [r.status_code for r in answers] == [200, 200, 200]
+    assert sorted(r.json()["body"] for r in answers) == ["r0", "r1", "r2"]
+    assert nodes_mock.client.resume_sandbox.await_count == 1
+    row = await sync_to_async(Sandbox.objects.get)(pk=sbx.pk)
+    assert row.state == "running" and row.end_at > timezone.now() + timedelta(seconds=250)
+    events = await sync_to_async(list)(SandboxEvent.objects.filter(sandbox_id=sbx.id, operation="resume")
+                                       .order_by("id").values_list("outcome", "to_state", "actor", "details"))
+    assert [(o, t, a) for o, t, a, _ in events] == [("started", "resuming", "autoresume"),
+                                                    ("ok", "running", "autoresume")]
+    assert events[0][3]["via"] == "connect"
+
+
+async def test_paused_without_auto_resume_stays_502(stack, nodes_mock):
+    sbx = await _paused_sandbox(stack, nodes_mock.node, auto_resume=False)
+    r = await stack.client.get("/health", headers=hdr(sbx))
+    assert r.status_code == 502 and r.json()["message"] == "The sandbox was not found"
+    nodes_mock.client.resume_sandbox.assert_not_awaited()
+    assert (await sync_to_async(Sandbox.objects.get)(pk=sbx.pk)).state == "paused"
+
+
+async def test_failed_auto_resume_is_502_and_stays_paused(stack, nodes_mock):
+    nodes_mock.client.resume_sandbox.side_effect = nodes_mock.client.NodeTaskFailed("no memory", kind="VMError")
+    sbx = await _paused_sandbox(stack, nodes_mock.node)
+    r = await stack.client.get("/health", headers=hdr(sbx))
+    assert r.status_code == 502 and "auto-resume failed" in r.json()["message"] and "no memory" in r.json()["message"]
+    assert (await sync_to_async(Sandbox.objects.get)(pk=sbx.pk)).state == "paused"
