@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import shutil
 import signal
@@ -35,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from vmm import hostinfo, ports
+from vmm import hostinfo, ports, template_snapshots
 from vmm.accel import detect_accel, kvm_openable
 from vmm.driver import BootSpec, BootTimeout, SnapshotManifest, VMDriver, VMError, VMInfo
 from vmm.images import find_image
@@ -43,6 +44,8 @@ from vmm.locks import LockTimeout, vm_lock
 from vmm.qemu_cmdline import QEMU, VMPaths, qemu_command
 from vmm.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, prepare_migration
 from vmm.state import VMState, process_alive, read_pidfile, reap, valid_sandbox_id
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BOOT_TIMEOUT = 60.0
 GUEST_SYNC_TIMEOUT = 120.0
@@ -73,7 +76,8 @@ def console_tail(path: Path, lines: int = 40) -> str:
 class QemuDriver(VMDriver):
     def __init__(self, home: Path, images_dir: Path, host_address: str = "127.0.0.1",
                  boot_timeout: float = DEFAULT_BOOT_TIMEOUT, qemu: str = QEMU, shm_dir: Path = Path("/dev/shm"),
-                 port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None):
+                 port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None,
+                 template_snapshots: bool = True):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
@@ -88,6 +92,7 @@ class QemuDriver(VMDriver):
         self._accel = accel
         self._accel_lock = threading.Lock()
         self.locks_dir = self.home / "locks"
+        self.template_snapshots = template_snapshots  # boot() restores a matching template snapshot
 
     @contextmanager
     def _lock(self, sandbox_id: str):
@@ -120,6 +125,17 @@ class QemuDriver(VMDriver):
         for layer in spec.layers or ():
             if not Path(layer).is_file():
                 raise VMError(f"disk layer {layer} does not exist")
+        if not spec.layers and self.template_snapshots:
+            manifest = template_snapshots.find(self.images_dir, image, spec.cpu_count, spec.memory_mb,
+                                               spec.disk_size_mb, accel, self.qemu)
+            if manifest is not None:
+                try:
+                    return self._restore(manifest, spec, capture_ref="", own_ram=True,
+                                         extra_timings={"from_template_snapshot": 1})
+                except (VMError, QMPError, OSError) as e:  # e.g. a damaged snapshot: a cold boot still works
+                    if (self.sandboxes_dir / spec.sandbox_id).exists():
+                        raise
+                    log.warning("sandbox %s: template snapshot restore failed, cold booting: %s", spec.sandbox_id, e)
         state_dir = self.sandboxes_dir / spec.sandbox_id
         with self._lock(spec.sandbox_id) as lock:
             if state_dir.exists():
@@ -164,7 +180,7 @@ class QemuDriver(VMDriver):
         t_spawn, t_ready = self._spawn_cold(state, paths, attempt)
         state.timings = {"disk_ms": (t_disk - t0) * 1e3, "spawn_ms": (t_spawn - t_disk) * 1e3,
                          "envd_ms": (t_ready - t_spawn) * 1e3, "total_ms": (t_ready - t0) * 1e3,
-                         "attempt": attempt}
+                         "attempt": attempt, "from_template_snapshot": 0}
         state.save()
         return self._to_info(state)
 
@@ -319,6 +335,8 @@ class QemuDriver(VMDriver):
         """Starts a destination QEMU for `state` (-incoming defer), loads the device state, runs
         it and waits for envd. On failure the new process is stopped and the error raised."""
         t0 = time.monotonic()
+        if not device_state.is_file():  # `exec:cat` of a missing file leaves QEMU waiting forever
+            raise VMError(f"sandbox {state.sandbox_id}: device state {device_state} is missing")
         state.argv = self._argv(state, incoming=True)
         state.top_node = "root"
         state.pid = 0
@@ -603,7 +621,8 @@ class QemuDriver(VMDriver):
     def restore(self, manifest: SnapshotManifest, spec: BootSpec) -> VMInfo:
         return self._restore(manifest, spec, capture_ref="")
 
-    def _restore(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str) -> VMInfo:
+    def _restore(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str,
+                 own_ram: bool = False, extra_timings: dict | None = None) -> VMInfo:
         sid = spec.sandbox_id
         if not valid_sandbox_id(sid):
             raise VMError(f"invalid sandbox id {sid!r}")
@@ -612,12 +631,18 @@ class QemuDriver(VMDriver):
             raise VMError(f"snapshot was taken under {m.get('accel')}, this host runs {self.accel}")
         with self._lock(sid) as lock:
             try:
-                return self._restore_locked(manifest, sid, capture_ref)
+                return self._restore_locked(manifest, sid, capture_ref, own_ram, extra_timings or {})
             except BaseException:
                 lock.discard()
                 raise
 
-    def _restore_locked(self, manifest: SnapshotManifest, sid: str, capture_ref: str) -> VMInfo:
+    def _restore_locked(self, manifest: SnapshotManifest, sid: str, capture_ref: str, own_ram: bool,
+                        extra_timings: dict) -> VMInfo:
+        """own_ram=False: RAM is MAP_PRIVATE over the snapshot's file (copy-on-write, page cache
+        shared between restores; but the VM's own later pause/snapshot must carry its whole RAM in
+        the migration stream). own_ram=True: the snapshot's RAM is first copied (sparse) into
+        the sandbox's own share=on file, exactly like a booted VM's, so every later verb stays on
+        the cheap device-state-only path (used for template snapshots)."""
         m = manifest.machine
         state_dir = self.sandboxes_dir / sid
         if state_dir.exists():
@@ -629,20 +654,27 @@ class QemuDriver(VMDriver):
             _run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", manifest.layers[-1], "-F", "qcow2",
                   str(paths.top), f"{manifest.disk_size_mb}M"])
             t_disk = time.monotonic()
+            if own_ram:
+                _run(["cp", "--sparse=always", manifest.memory_file, str(paths.ram)])
+            t_ram = time.monotonic()
             state = VMState(sandbox_id=sid, pid=0, accel=m["accel"], host_address=self.host_address,
                             host_port=port, state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
-                            console=str(paths.console), pidfile=str(paths.pidfile), ram=manifest.memory_file,
+                            console=str(paths.console), pidfile=str(paths.pidfile),
+                            ram=str(paths.ram) if own_ram else manifest.memory_file,
                             image=m.get("image", "base"), image_dir=m.get("image_dir", ""), kernel=m["kernel"],
                             initrd=m["initrd"], rootfs=manifest.layers[0], tools=m["tools"],
                             cpu_count=manifest.cpu_count, memory_mb=manifest.memory_mb,
                             disk_size_mb=manifest.disk_size_mb, argv=[], created_at=time.time(),
-                            tsc_khz=m["tsc_khz"], resize=m["resize"], qemu=m["qemu"], ram_share=False,
-                            ram_owned=False, chain=list(manifest.layers), capture_ref=capture_ref)
+                            tsc_khz=m["tsc_khz"], resize=m["resize"], qemu=m["qemu"], ram_share=own_ram,
+                            ram_owned=own_ram, chain=list(manifest.layers), capture_ref=capture_ref)
             timings = self._spawn_incoming(state, Path(manifest.device_state_file))
         except BaseException:
-            self._cleanup(state_dir, paths, unlink_ram=False)
+            self._cleanup(state_dir, paths, unlink_ram=own_ram)
             raise
-        timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3}
+        if own_ram:
+            timings["ram_copy_ms"] = (t_ram - t_disk) * 1e3
+        timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3,
+                   **extra_timings}
         state.status = "running"
         state.timings = timings
         state.save()

@@ -1,0 +1,116 @@
+"""Real QEMU microVMs: template snapshots make QemuDriver.boot() a restore.
+
+The default template shape (2 vCPU, 512 MiB, 2 GiB disk) is captured once by
+`python -m vmm.template_snapshots build` (setup.sh does it; here the fixture does, idempotently).
+A restored sandbox must be indistinguishable from a cold-booted one: envd answers, /init sets
+the clock (frozen at capture time) and the token, files written in one sandbox stay its own.
+"""
+
+import base64
+import json
+import os
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.vmm.test_lifecycle_vm import assert_gone
+from tests.vmm.test_qemu_vm import IMAGES_DIR
+from vmm import template_snapshots, toolsdrive
+from vmm.driver import BootSpec, get_driver
+from vmm.images import ensure_image
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def template():
+    if not Path("/usr/bin/qemu-system-x86_64").exists():
+        pytest.skip("qemu-system-x86_64 not installed")
+    ensure_image(IMAGES_DIR, "base")
+    if not toolsdrive.real_envd_available():
+        pytest.skip("placeholder envd answers /health only")
+    manifest = template_snapshots.build(IMAGES_DIR, "base", cpu_count=2, memory_mb=512, disk_size_mb=2048)
+    # The guest clock stands still from the capture on; make the lag measurable.
+    built = json.loads((Path(manifest.dir) / "template.json").read_text())["built_at"]
+    time.sleep(max(0.0, 4.0 - (time.time() - built)))
+    return manifest
+
+
+@pytest.fixture()
+def driver(template, tmp_path):
+    d = get_driver("qemu", tmp_path / "home", IMAGES_DIR)
+    yield d
+    for vm in d.list():
+        d.kill(vm.sandbox_id)
+
+
+def run(url: str, cmd: str, token: str | None = None) -> str:
+    """Runs cmd as root through envd with the official SDK (debug mode: no API)."""
+    from e2b import Sandbox
+    from e2b.connection_config import ConnectionConfig
+    from packaging.version import Version
+
+    headers = {"E2b-Sandbox-Id": "debug_sandbox_id", "E2b-Sandbox-Port": "49983"}
+    if token:
+        headers["X-Access-Token"] = token
+    cfg = ConnectionConfig(debug=True, sandbox_url=url, extra_sandbox_headers=headers)
+    sbx = Sandbox(sandbox_id="debug_sandbox_id", sandbox_domain=None, envd_version=Version("0.6.4"),
+                  envd_access_token=token, traffic_access_token=None, connection_config=cfg)
+    return sbx.commands.run(cmd, user="root", timeout=60).stdout
+
+
+def init(url: str, token: str) -> None:
+    now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    body = {"timestamp": now,
+            "entropySeed": base64.b64encode(os.urandom(64)).decode(), "envVars": {"FROM": "init"},
+            "accessToken": token}
+    r = httpx.post(f"{url}/init", json=body, timeout=30)
+    assert r.status_code == 204, r.text
+
+
+def test_boot_restores_from_template_snapshot(driver, template):
+    a = driver.boot(BootSpec("tp-a"))
+    print(f"\nboot from template snapshot: {a.timings}")
+    assert a.timings["from_template_snapshot"] == 1
+    lag = time.time() - float(run(a.envd_url, "date +%s.%N"))
+    assert lag > 2.0, f"the restored clock should lag (capture time), lag={lag:.1f}s"
+    init(a.envd_url, "tok-a")
+    skew = time.time() - float(run(a.envd_url, "date +%s.%N", token="tok-a"))
+    print(f"clock lag before /init {lag:.1f}s, after {skew:.3f}s")
+    assert abs(skew) < 2.0
+    assert httpx.get(f"{a.envd_url}/envs", timeout=10).status_code == 401  # the token is in force
+    run(a.envd_url, "echo only-a > /root/a.txt && sync", token="tok-a")
+
+    b = driver.boot(BootSpec("tp-b"))
+    assert b.timings["from_template_snapshot"] == 1 and b.envd_port != a.envd_port
+    init(b.envd_url, "tok-b")
+    assert run(b.envd_url, "test -e /root/a.txt && echo yes || echo no", token="tok-b").strip() == "no"
+    assert run(b.envd_url, "nproc; free -m | awk '/Mem:/{print $2}'", token="tok-b").split()[0] == "2"
+    assert driver.info("tp-b").status == "running"
+    # A template-restored sandbox owns its RAM (a sparse copy on /dev/shm), so its own pause to
+    # disk saves only the device state (~100 KiB), not the whole RAM.
+    assert Path(f"/dev/shm/aenv-{a.sandbox_id}.ram").exists()
+    t = driver.pause_to_disk("tp-a")
+    print(f"pause_to_disk of a template-restored sandbox: {t}")
+    assert (a.state_dir / "device.state").stat().st_size < 1 << 20
+    info = driver.resume("tp-a")
+    assert run(info.envd_url, "cat /root/a.txt", token="tok-a").strip() == "only-a"
+    for vm in (a, b):
+        assert driver.kill(vm.sandbox_id)
+        assert_gone(driver, vm)
+    assert Path(template.memory_file).exists() and Path(template.layers[-1]).exists()  # shared, kept
+
+
+def test_broken_template_snapshot_falls_back_to_cold_boot(driver, template, tmp_path, monkeypatch):
+    broken = replace(template, device_state_file=str(tmp_path / "missing.state"))
+    monkeypatch.setattr(template_snapshots, "find", lambda *a, **k: broken)
+    c = driver.boot(BootSpec("tp-c"))
+    print(f"\ncold boot after a failed template restore: {c.timings}")
+    assert c.timings["from_template_snapshot"] == 0
+    assert run(c.envd_url, "echo ok").strip() == "ok"
+    assert driver.kill("tp-c")
+    assert_gone(driver, c)
