@@ -61,7 +61,10 @@ def snapshot_dir(images_dir: Path, image: GuestImage, cpu_count: int, memory_mb:
 def find(images_dir: Path, image: GuestImage, cpu_count: int, memory_mb: int, disk_size_mb: int,
          accel: str, qemu: str = qemu_cmdline.QEMU) -> SnapshotManifest | None:
     """The matching complete template snapshot, or None (then the caller cold-boots)."""
-    d = snapshot_dir(images_dir, image, cpu_count, memory_mb, disk_size_mb, accel, qemu)
+    try:
+        d = snapshot_dir(images_dir, image, cpu_count, memory_mb, disk_size_mb, accel, qemu)
+    except (OSError, subprocess.SubprocessError):  # QEMU's version unknown: no snapshot can match
+        return None
     if not (d / "manifest.json").is_file():
         return None
     try:
