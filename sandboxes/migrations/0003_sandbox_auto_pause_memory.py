@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('sandboxes', '0001_initial'),
+        ('sandboxes', '0002_sandbox_lineage'),
     ]
 
     operations = [
