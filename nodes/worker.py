@@ -4,10 +4,12 @@ boots run in parallel on few cores)."""
 import logging
 
 from django.conf import settings
+from django.utils import timezone
 
 from aenv_site.celery import app as celery_app
 from nodes.driver import get_driver
 from nodes.heartbeat import Heartbeat, register_node
+from nodes.reconcile import Reconciler, purge_queue, reconcile_node
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +54,30 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
              node.id, node.accel, vcpus, memory_mb, node.queue)
     heartbeat = Heartbeat(node_id, settings.AENV_NODE_HEARTBEAT_INTERVAL, count_running)
     heartbeat.start()
+    reconciler = Reconciler(node_id, driver, settings.AENV_RECONCILE_INTERVAL, settings.AENV_RECONCILE_STALE)
     try:
+        reattach(node_id, node.queue, driver)
+        reconciler.start()
         celery_app.worker_main(worker_argv(node_id, concurrency, loglevel))
     finally:
+        reconciler.stop()
         heartbeat.stop()
+
+
+def reattach(node_id: str, queue: str, driver) -> list:
+    """Before consuming: drop tasks sent while no worker ran, then reconcile every
+    sandbox of this node with the VM the driver finds in its state dir (running and
+    paused VMs outlive the worker and are simply served again; operations the previous
+    worker died in are settled to the VM's real state — see nodes.reconcile)."""
+    started = timezone.now()
+    purged = purge_queue(queue)
+    try:
+        done = reconcile_node(node_id, driver, older_than=started, settled=True)
+    except Exception:  # noqa: BLE001 - the node still serves; the periodic pass retries
+        log.exception("reconcile of node %s at start failed", node_id)
+        return []
+    log.info("node %s reattached: %d stale task(s) dropped, %d sandbox(es) reconciled", node_id, purged, len(done))
+    return done
 
 
 def _version() -> str:

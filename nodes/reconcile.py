@@ -1,0 +1,228 @@
+"""Node-side reconcile: make the database agree with the VMs this node really has.
+
+Why here: only the node can look at its VMs (state dirs, processes), and a node worker
+that died mid-operation leaves sandboxes in ``pausing`` / ``resuming`` / ``creating`` /
+``killing`` with nobody to finish them — the API call that started the operation waits
+for a task result that will never come. On start (before consuming tasks) the worker
+reconciles every such row; later, a periodic pass picks up rows whose caller gave up
+long ago (AENV_RECONCILE_STALE). The VM's real state wins for interrupted operations:
+
+- pausing:  VM saved to disk → ``paused``; VM still running (or stopped mid-save) →
+  continued and its envd re-initialised → ``running``;
+- resuming: the resume's caller was answered with an error or is gone, so the VM is put
+  back to disk if it runs → ``paused`` (a later connect resumes it again);
+- creating: the boot was never acknowledged → VM removed, ``error``;
+- killing:  VM removed → ``killed``;
+- settled rows (startup only): ``running`` whose VM is saved to disk → ``paused``;
+  ``paused`` whose VM runs → saved to disk again; a row whose VM is gone → ``error``.
+A VM recorded as saved to disk never keeps a QEMU process (a worker killed between the
+save and QEMU's exit leaves one; it is stopped). VMs whose sandbox is killed or failed
+(an unconfirmed kill while the node was away) are removed.
+
+Every change is a conditional update on (state, updated_at) with a SandboxEvent
+(operation ``reconcile``, actor ``node:<id>``), so an operation that started meanwhile
+is never overwritten."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from django.db import close_old_connections, transaction
+from django.utils import timezone
+
+from sandboxes.models import Sandbox, SandboxEvent, SandboxState
+
+log = logging.getLogger(__name__)
+
+S = SandboxState
+TRANSITIONAL = [S.CREATING, S.PAUSING, S.RESUMING, S.KILLING]
+SETTLED = [S.RUNNING, S.PAUSED]
+DEAD = [S.KILLED, S.ERROR]
+
+
+def _vm_record(driver, sandbox_id: str):
+    """The driver's on-disk record of a VM (vmm.state.VMState), or None."""
+    from vmm.state import VMState  # noqa: PLC0415
+
+    sandboxes_dir = getattr(driver, "sandboxes_dir", None)
+    return VMState.load(Path(sandboxes_dir) / sandbox_id) if sandboxes_dir else None
+
+
+def _stop_stray_process(record) -> bool:
+    """A VM recorded as saved to disk (or filesystem-only) must have no QEMU process;
+    a worker killed between the save and QEMU's exit leaves one running. Returns True
+    if one was stopped."""
+    from vmm.state import process_alive, read_pidfile  # noqa: PLC0415
+
+    if record is None or record.status == "running" or record.status == "paused":
+        return False
+    pid = read_pidfile(Path(record.pidfile)) or record.pid
+    if not pid or not process_alive(pid, record.qmp):
+        return False
+    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return True
+        end = time.monotonic() + wait
+        while time.monotonic() < end and process_alive(pid, record.qmp):
+            time.sleep(0.02)
+        if not process_alive(pid, record.qmp):
+            return True
+    return True
+
+
+def _move(row: Sandbox, to_state: str, actor: str, message: str, details: dict | None = None, **fields) -> bool:
+    """Conditional on the row being exactly as we read it (state and updated_at)."""
+    now = timezone.now()
+    with transaction.atomic():
+        updated = Sandbox.objects.filter(pk=row.pk, state=row.state, updated_at=row.updated_at).update(
+            state=to_state, updated_at=now, **fields)
+        if updated:
+            SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", outcome="ok",
+                                        from_state=row.state, to_state=to_state, started_at=now,
+                                        message=message, details=details or {}, actor=actor)
+    return bool(updated)
+
+
+def _reinit_envd(row: Sandbox, info) -> None:
+    from nodes.tasks import _init_envd  # noqa: PLC0415 - the same /init the resume task sends
+
+    _init_envd(info.envd_host, info.envd_port, row.env_vars, row.envd_access_token or None)
+
+
+def _continue(driver, row: Sandbox) -> dict:
+    """Continues a VM whose pause was interrupted (vCPUs may be stopped) and re-syncs
+    its envd (clock, env, token)."""
+    info = driver.resume(row.pk)
+    _reinit_envd(row, info)
+    return {"envd_host": info.envd_host, "envd_port": info.envd_port}
+
+
+def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
+    """Brings one row and its VM into agreement; returns what was done (for the log)."""
+    info = driver.info(row.pk)
+    record = _vm_record(driver, row.pk)
+    stray = _stop_stray_process(record)
+    # saved to disk (with or without memory): no process; "paused" alone is an in-memory stop
+    on_disk = info is not None and record is not None and record.status not in ("running", "paused")
+    running = info is not None and info.status == "running"
+    details = {"vm": None if info is None else info.status, "stray_process_stopped": stray}
+
+    if row.state in (S.KILLING,) or row.state in DEAD:
+        if info is None and record is None:
+            return None
+        driver.kill(row.pk)
+        if row.state == S.KILLING:
+            _move(row, S.KILLED, actor, "kill finished by the node", details, killed_at=timezone.now())
+        else:
+            SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", from_state=row.state,
+                                        to_state=row.state, message="removed a VM left behind", details=details,
+                                        actor=actor)
+        return "removed"
+    if row.state == S.CREATING:
+        driver.kill(row.pk)
+        _move(row, S.ERROR, actor, "node restarted while the sandbox was being created", details,
+              error_reason="node worker restarted while the sandbox was being created")
+        return "create abandoned"
+    if info is None:
+        driver.kill(row.pk)  # whatever files are left
+        reason = f"VM lost: the node has no VM for this sandbox (it was {row.state})"
+        _move(row, S.ERROR, actor, reason, details, error_reason=reason)
+        return "lost"
+    if row.state == S.PAUSING:
+        if on_disk:
+            _move(row, S.PAUSED, actor, "pause had finished on the node", details)
+            return "paused"
+        fields = _continue(driver, row)
+        _move(row, S.RUNNING, actor, "pause was interrupted; the VM was continued", details, **fields)
+        return "running"
+    if row.state == S.RESUMING or (row.state == S.PAUSED and running):
+        if running:
+            driver.pause_to_disk(row.pk)
+            details["repaused"] = True
+        if row.state == S.RESUMING:
+            _move(row, S.PAUSED, actor, "resume was not acknowledged; the sandbox stays paused", details)
+        else:
+            SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", from_state=row.state,
+                                        to_state=row.state, message="VM was running; saved to disk again",
+                                        details=details, actor=actor)
+        return "paused"
+    if row.state == S.RUNNING and on_disk:
+        _move(row, S.PAUSED, actor, "the VM is saved to disk", details)
+        return "paused"
+    if stray:
+        SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", from_state=row.state,
+                                    to_state=row.state, message="stopped a QEMU process left after a pause",
+                                    details=details, actor=actor)
+        return "stray stopped"
+    return None
+
+
+def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool) -> list[tuple[str, str, str]]:
+    """Reconciles this node's rows last changed before ``older_than``: transitional ones
+    always, running / paused ones too when ``settled`` (at start), plus VMs of dead rows.
+    Returns ``[(sandbox_id, state_before, what_was_done)]``; one failing sandbox does not
+    stop the others."""
+    actor = f"node:{node_id}"
+    states = TRANSITIONAL + (SETTLED if settled else [])
+    rows = list(Sandbox.objects.filter(node_id=node_id, state__in=states, updated_at__lt=older_than))
+    sandboxes_dir = getattr(driver, "sandboxes_dir", None)
+    if sandboxes_dir is not None and Path(sandboxes_dir).is_dir():  # includes dead VMs' leftover files
+        known_vms = {d.name for d in Path(sandboxes_dir).iterdir() if d.is_dir()}
+    else:
+        known_vms = {vm.sandbox_id for vm in driver.list()}
+    rows += list(Sandbox.objects.filter(pk__in=known_vms, state__in=DEAD, updated_at__lt=older_than))
+    done = []
+    for row in rows:
+        try:
+            what = reconcile_sandbox(driver, row, actor)
+        except Exception as exc:  # noqa: BLE001 - reported, the others still run
+            log.exception("reconcile of sandbox %s (%s) failed", row.pk, row.state)
+            what = f"failed: {type(exc).__name__}: {exc}"
+        if what:
+            log.info("reconcile: sandbox %s was %s: %s", row.pk, row.state, what)
+            done.append((row.pk, row.state, what))
+    return done
+
+
+def purge_queue(queue: str) -> int:
+    """Drops the tasks sent to this node while its worker was down: their callers have
+    either given up or are watching the row the reconcile is about to fix, and running
+    them now (a pause of a sandbox just reconciled to running) would undo the reconcile."""
+    from aenv_site.celery import app as celery_app  # noqa: PLC0415
+
+    try:
+        with celery_app.connection_for_write() as conn:
+            return conn.default_channel.queue_purge(queue) or 0
+    except Exception:  # noqa: BLE001 - a broker hiccup must not stop the node from starting
+        log.exception("could not purge queue %s", queue)
+        return 0
+
+
+class Reconciler(threading.Thread):
+    """The periodic pass: rows stuck in a transitional state longer than ``stale``
+    seconds (their API call has long given up) are reconciled like at start."""
+
+    def __init__(self, node_id: str, driver, interval: float, stale: float):
+        super().__init__(name=f"reconcile-{node_id}", daemon=True)
+        self.node_id, self.driver, self.interval, self.stale = node_id, driver, interval, stale
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            try:
+                reconcile_node(self.node_id, self.driver, settled=False,
+                               older_than=timezone.now() - timedelta(seconds=self.stale))
+            except Exception:  # noqa: BLE001
+                log.exception("periodic reconcile of node %s failed", self.node_id)
+            finally:
+                close_old_connections()
+
+    def stop(self) -> None:
+        self._stopped.set()
