@@ -1,0 +1,76 @@
+"""Node worker restart with real VMs: SIGKILL the worker (as a crash would) and start it
+again. Running and paused sandboxes are served as before: a background counter process
+and a file survive in both, and the paused one resumes through the restarted worker."""
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from e2b import Sandbox
+
+from .test_pause_resume_e2e import COUNTER
+
+pytestmark = pytest.mark.vm
+
+
+def _counter(sbx) -> tuple[int, int]:
+    pid, n = sbx.files.read("/home/user/counter.txt").split()
+    return int(pid), int(n)
+
+
+def _start_counter(sbx) -> tuple[int, int]:
+    sbx.files.write("/home/user/counter.py", COUNTER)
+    sbx.files.write("/home/user/keep.txt", f"file of {sbx.sandbox_id}")
+    sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
+    deadline = time.monotonic() + 30
+    while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    return _counter(sbx)
+
+
+def _db(stack, sandbox_id: str) -> str:
+    return stack.db("from sandboxes.models import Sandbox\n"
+                    f"print(Sandbox.objects.get(pk='{sandbox_id}').state)").strip()
+
+
+def test_worker_restart_keeps_running_and_paused_sandboxes(stack, sdk_env):
+    with ThreadPoolExecutor(2) as pool:
+        running, paused = pool.map(lambda _: Sandbox.create(timeout=900, request_timeout=600), range(2))
+    try:
+        pid_r, n_r = _start_counter(running)
+        pid_p, n_p = _start_counter(paused)
+        assert paused.pause() is True
+        assert stack.qemu_pids(paused.sandbox_id) == []
+
+        stack.kill_node()
+        # the VMs outlive the worker; the running one keeps serving envd traffic meanwhile
+        assert stack.qemu_pids(running.sandbox_id)
+        assert running.commands.run("echo while-down").stdout == "while-down\n"
+        stack.start_node()
+        assert "reattached" in stack.new_log("node")
+
+        assert _db(stack, running.sandbox_id) == "running" and _db(stack, paused.sandbox_id) == "paused"
+        time.sleep(1)
+        pid_after, n_after = _counter(running)
+        assert pid_after == pid_r and n_after > n_r, "the running sandbox's process did not keep running"
+        assert running.files.read("/home/user/keep.txt") == f"file of {running.sandbox_id}"
+        # the restarted worker drives the running VM: pause and connect it through it
+        assert running.pause() is True
+        again = Sandbox.connect(running.sandbox_id, timeout=600)
+        assert _counter(again)[0] == pid_r
+
+        resumed = Sandbox.connect(paused.sandbox_id, timeout=600)
+        assert resumed.is_running()
+        assert resumed.files.read("/home/user/keep.txt") == f"file of {paused.sandbox_id}"
+        pid_after, n_after = _counter(resumed)
+        assert pid_after == pid_p and n_after >= n_p
+        time.sleep(1.5)
+        assert _counter(resumed) == (pid_p, _counter(resumed)[1]) and _counter(resumed)[1] > n_after
+    finally:
+        if "node" not in stack.procs:
+            stack.start_node()
+        for sbx in (running, paused):
+            Sandbox.kill(sbx.sandbox_id)
+    for sbx in (running, paused):
+        assert stack.qemu_pids(sbx.sandbox_id) == []
+        assert sbx.sandbox_id not in stack.vm_leftovers()["state_dirs"]
