@@ -8,6 +8,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
+from pathlib import Path
 
 import httpx
 from celery import shared_task
@@ -167,11 +168,43 @@ def _store():
     return get_store()
 
 
+# envd's host-driver endpoint that runs sync(2) in the guest (see envd/app.py SYNC_PATH).
+GUEST_SYNC_PATH = "/aenv/sync"
+GUEST_SYNC_TIMEOUT = 60.0
+
+
+def _guest_sync(driver, sandbox_id: str) -> None:
+    """Flushes the guest page cache to its virtual disk, so a disk-only capture holds
+    every write the guest has made."""
+    info = driver.info(sandbox_id)
+    if info is None:
+        raise EnvdInitFailed(f"sandbox {sandbox_id} is not running")
+    try:
+        resp = httpx.post(f"http://{info.envd_host}:{info.envd_port}{GUEST_SYNC_PATH}", timeout=GUEST_SYNC_TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise EnvdInitFailed(f"guest sync of {sandbox_id} failed: {exc!r}") from None
+    if resp.status_code != 204:
+        raise EnvdInitFailed(f"guest sync of {sandbox_id} answered {resp.status_code}: {resp.text[:200]}")
+
+
+def _drop_memory(manifest):
+    """A filesystem-only snapshot keeps the disk layers only: sandboxes started from it
+    cold-boot on them (no processes, smaller, no guest RAM kept on the node)."""
+    for name in (manifest.memory_file, manifest.device_state_file):
+        if name:
+            Path(name).unlink(missing_ok=True)
+    manifest.memory_file = ""
+    manifest.device_state_file = ""
+    manifest.save()
+    return manifest
+
+
 @shared_task(name="nodes.snapshot_sandbox")
 def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) -> dict:
     """Captures the running VM into the snapshot store (the VM pauses briefly, then
-    continues). A failure removes whatever was written, so no partial snapshot stays;
-    a full disk is reported as StorageFull. Returns {"manifest", "size_bytes", "timings"}."""
+    continues). ``memory=False``: the guest syncs first and only the disk layers are
+    kept. A failure removes whatever was written, so no partial snapshot stays; a full
+    disk is reported as StorageFull. Returns {"manifest", "size_bytes", "memory", "timings"}."""
     driver = get_driver()
     store = _store()
     started = time.perf_counter()
@@ -182,7 +215,11 @@ def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) 
             raise StorageFull(f"no space left in the snapshot store for {snapshot_id}: {exc}") from None
         raise
     try:
+        if not memory:
+            _guest_sync(driver, sandbox_id)
         manifest = driver.snapshot(sandbox_id, dest)
+        if not memory:
+            manifest = _drop_memory(manifest)
         store.commit(snapshot_id)
     except BaseException as exc:
         store.delete(snapshot_id)
@@ -192,19 +229,26 @@ def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) 
     timings = _round(manifest.timings)
     timings["task_ms"] = round((time.perf_counter() - started) * 1000, 2)
     return {"manifest": manifest.to_json(), "size_bytes": store.size_bytes(snapshot_id),
-            "memory": True, "timings": timings}
+            "memory": bool(memory), "timings": timings}
 
 
 @shared_task(name="nodes.restore_sandbox")
 def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access_token: str | None,
                     source_token: str | None = None) -> dict:
     """Starts a new VM from a snapshot (copy-on-write memory and disk), then gives its
-    envd the new sandbox's token, env vars and clock; killed if that fails."""
+    envd the new sandbox's token, env vars and clock; killed if that fails. A
+    filesystem-only snapshot is cold-booted on its disk layers instead."""
     from vmm.driver import BootSpec, SnapshotManifest
 
     driver = get_driver()
     manifest = SnapshotManifest.load(_store().local_dir(snapshot_id))
-    info = driver.restore(manifest, BootSpec(sandbox_id=sandbox_id))
+    if manifest.memory_file:
+        info = driver.restore(manifest, BootSpec(sandbox_id=sandbox_id))
+    else:
+        info = driver.boot(BootSpec(sandbox_id=sandbox_id, image=manifest.machine.get("image") or "base",
+                                    cpu_count=manifest.cpu_count, memory_mb=manifest.memory_mb,
+                                    disk_size_mb=manifest.disk_size_mb, layers=list(manifest.layers)))
+        source_token = None  # a cold-booted envd starts without a token
     started = time.perf_counter()
     _take_over_envd(info, env_vars, access_token, source_token, undo=driver.kill, what="killing its VM")
     timings = _round(info.timings)

@@ -201,7 +201,7 @@ async def create_sandbox(
         # A restore: the snapshot's size and envd; a secure source's envd is handed to a token of its own.
         fields.update(source_snapshot=snapshot, cpu_count=snapshot.cpu_count, memory_mb=snapshot.memory_mb,
                       disk_size_mb=snapshot.disk_size_mb, envd_version=snapshot.envd_version)
-        if snapshot.envd_access_token:
+        if snapshot.memory and snapshot.envd_access_token:
             fields.update(secure=True, envd_access_token=new_envd_access_token())
     sandbox = await _insert_creating(fields, actor)
     if getattr(sandbox, "_replayed", False):

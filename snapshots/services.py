@@ -123,8 +123,8 @@ async def create_snapshot(team: Team, sandbox_id: str, *, name: str | None = Non
                           actor: str = "") -> Snapshot:
     """Snapshots a running sandbox, which keeps running with the same id and expiry.
 
-    ``memory=False`` (E2B's filesystem-only snapshot) is accepted and recorded, but the
-    driver cannot yet cold-boot from a disk-only capture, so memory is captured too.
+    ``memory=False`` is E2B's filesystem-only snapshot: the guest syncs, only the disk
+    is kept, and sandboxes started from it cold-boot (files, no processes).
     Not running: 409; unknown or another team's: 404; full store: 507."""
     name = _check_name(name)
     if memory is not None and not isinstance(memory, bool):
@@ -141,7 +141,7 @@ async def create_snapshot(team: Team, sandbox_id: str, *, name: str | None = Non
 
 
 def _mode(memory) -> str:
-    return "filesystem requested, captured with memory" if memory is False else "memory"
+    return "filesystem" if memory is False else "memory"
 
 
 @sync_to_async
@@ -152,7 +152,7 @@ def _begin_snapshot(sandbox: Sandbox, node, name: str, memory, actor: str) -> Sn
             return None
         snapshot = Snapshot.objects.create(
             team_id=sandbox.team_id, name=name, source_sandbox=sandbox, template_id=sandbox.template_id,
-            node=node, memory=True, state=SS.CREATING, cpu_count=sandbox.cpu_count,
+            node=node, memory=memory is not False, state=SS.CREATING, cpu_count=sandbox.cpu_count,
             memory_mb=sandbox.memory_mb, disk_size_mb=sandbox.disk_size_mb, envd_version=sandbox.envd_version,
             envd_access_token=sandbox.envd_access_token,
         )

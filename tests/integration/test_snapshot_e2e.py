@@ -136,3 +136,32 @@ def test_snapshot_disk_full_is_a_clean_507(stack, sdk_env):
         subprocess.run(["umount", str(root)], check=False)
         sbx.kill()
     assert _qemu_pids(sbx.sandbox_id) == []
+
+
+def test_filesystem_only_snapshot_cold_boots_with_its_files(stack, sdk_env):
+    src = Sandbox.create(timeout=300)
+    snap_id = None
+    try:
+        src.files.write("/home/user/state.txt", "on disk")
+        pid, _ = _start_counter(src)
+        info = src.create_snapshot(mode="filesystem")
+        snap_id = info.snapshot_id
+        files = sorted(p.name for p in (stack.home / "snapshots" / snap_id).iterdir())
+        assert "memory.ram" not in files and "manifest.json" in files
+        assert src.is_running() and _counter(src)[0] == pid
+        fresh = Sandbox.create(snap_id, timeout=300)
+        try:
+            assert fresh.files.read("/home/user/state.txt") == "on disk"  # written just before: synced
+            assert fresh.files.exists("/home/user/counter.py")
+            out = fresh.commands.run("pgrep -f counter.py || echo none").stdout.strip()
+            assert out == "none", f"a cold boot must not carry processes over: {out}"
+            assert fresh.commands.run("echo fresh").stdout == "fresh\n"
+        finally:
+            fresh.kill()
+        assert Sandbox.delete_snapshot(snap_id) is True
+        snap_id = None
+    finally:
+        src.kill()
+        if snap_id:
+            Sandbox.delete_snapshot(snap_id)
+    assert _qemu_pids(src.sandbox_id) == [] and _qemu_pids(fresh.sandbox_id) == []

@@ -83,7 +83,13 @@ async def test_snapshot_body_variants_and_memory_false(api, create, snap_mock):
     assert body["names"] == []
     done = await SandboxEvent.objects.filter(sandbox_id=sb["sandboxID"], operation="snapshot",
                                              outcome="ok").order_by("-id").afirst()
-    assert done.details["memory"] is False and "filesystem requested" in done.details["mode"]
+    assert done.details["memory"] is False and done.details["mode"] == "filesystem"
+    assert snap_mock.client.snapshot_sandbox.await_args.kwargs["memory"] is False
+    snap = await Snapshot.objects.aget(pk=body["snapshotID"])
+    assert snap.memory is False
+    # a cold-booted envd has no token to hand over: a v1 create may stay non-secure
+    resp = await api.post("/sandboxes", json={"templateID": snap.id, "secure": False})
+    assert resp.status_code == 201 and "envdAccessToken" not in resp.json()
 
 
 async def test_same_name_moves_to_the_newest_snapshot(api, create, snap_mock):

@@ -21,12 +21,14 @@ class TokenEnvd(http.server.BaseHTTPRequestHandler):
 
     token: str | None = None
     calls: list = []
+    paths: list = []
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
         cls = type(self)
         ok = not cls.token or self.headers.get("X-Access-Token") == cls.token
         cls.calls.append((self.headers.get("X-Access-Token"), body, ok))
+        cls.paths.append(self.path)
         if ok and body.get("accessToken"):
             cls.token = body["accessToken"]
         self.send_response(204 if ok else 401)
@@ -39,7 +41,7 @@ class TokenEnvd(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def envd():
-    TokenEnvd.token, TokenEnvd.calls = None, []
+    TokenEnvd.token, TokenEnvd.calls, TokenEnvd.paths = None, [], []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), TokenEnvd)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server.server_address[1]
@@ -58,6 +60,7 @@ class StubDriver:
 
     def snapshot(self, sandbox_id, dest):
         (Path(dest) / "memory.ram").write_bytes(b"x" * 4096)
+        (Path(dest) / "device.state").write_bytes(b"d")
         if self.fail_snapshot:
             raise self.fail_snapshot
         m = SnapshotManifest(dir=Path(dest), layers=["/base"], memory_file=str(Path(dest) / "memory.ram"),
@@ -66,6 +69,10 @@ class StubDriver:
                              timings={"pause_ms": 5.0})
         m.save()
         return m
+
+    def boot(self, spec):
+        self.booted = spec
+        return self._info(spec.sandbox_id)
 
     def restore(self, manifest, spec):
         self.restored = (manifest, spec)
@@ -177,3 +184,17 @@ def test_delete_snapshot_files(stub, tmp_path):
     assert tasks.delete_snapshot_files(snapshot_id="s5") == {"deleted": True}
     assert tasks.delete_snapshot_files(snapshot_id="s5") == {"deleted": False}
     assert not (tmp_path / "snapshots" / "s5").exists()
+
+
+def test_filesystem_only_snapshot_syncs_keeps_disk_only_and_cold_boots(stub, tmp_path):
+    out = tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s6", memory=False)
+    assert TokenEnvd.paths == ["/aenv/sync"]  # the guest flushed its page cache first
+    d = tmp_path / "snapshots" / "s6"
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json"]
+    assert out["memory"] is False and out["manifest"]["memory_file"] == ""
+    TokenEnvd.token = None
+    tasks.restore_sandbox(sandbox_id="i9", snapshot_id="s6", env_vars={}, access_token="own",
+                          source_token="source-token")
+    assert stub.booted.sandbox_id == "i9" and stub.booted.layers == ["/base"]
+    assert not hasattr(stub, "restored")
+    assert TokenEnvd.token == "own" and TokenEnvd.calls[-1][0] == "own"  # no handoff to a fresh envd
