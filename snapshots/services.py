@@ -406,7 +406,8 @@ def _begin_fork(parent: Sandbox, node, count: int, timeout: int, actor: str) -> 
                                 "timeout": timeout}).save()
             children.append(child)
         sbx._event(parent.pk, "fork", outcome="started", from_state=S.RUNNING, to_state=S.FORKING, actor=actor,
-                   details={"count": count, "children": [c.id for c in children], "timeout": timeout}).save()
+                   details={"count": count, "children": [c.id for c in children],
+                            "child_timeout": timeout}).save()  # not "timeout": that is the parent's own
     return children
 
 

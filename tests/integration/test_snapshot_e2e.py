@@ -149,11 +149,13 @@ def test_filesystem_only_snapshot_cold_boots_with_its_files(stack, sdk_env):
         files = sorted(p.name for p in (stack.home / "snapshots" / snap_id).iterdir())
         assert "memory.ram" not in files and "manifest.json" in files
         assert src.is_running() and _counter(src)[0] == pid
+        found = src.commands.run("pgrep -f 'python3 [/]home/user/counter' || echo none").stdout.split()
+        assert str(pid) in found  # the probe below really finds the counter where it runs
         fresh = Sandbox.create(snap_id, timeout=300)
         try:
             assert fresh.files.read("/home/user/state.txt") == "on disk"  # written just before: synced
             assert fresh.files.exists("/home/user/counter.py")
-            out = fresh.commands.run("pgrep -f counter.py || echo none").stdout.strip()
+            out = fresh.commands.run("pgrep -f 'python3 [/]home/user/counter' || echo none").stdout.strip()
             assert out == "none", f"a cold boot must not carry processes over: {out}"
             assert fresh.commands.run("echo fresh").stdout == "fresh\n"
         finally:

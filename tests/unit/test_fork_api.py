@@ -79,6 +79,11 @@ async def test_fork_defaults_count_one_and_inherits_timeout(api, create, fork_mo
     [only] = resp.json()
     row = await Sandbox.objects.aget(pk=only["sandbox"]["sandboxID"])
     assert abs((row.end_at - timezone.now()) - timedelta(seconds=700)) < timedelta(seconds=5)
+    # a fork with an explicit child timeout does not change what the parent's next children inherit
+    assert (await _fork(api, parent["sandboxID"], timeout=30)).status_code == 201
+    kid = (await _fork(api, parent["sandboxID"])).json()[0]["sandbox"]
+    row = await Sandbox.objects.aget(pk=kid["sandboxID"])
+    assert abs((row.end_at - timezone.now()) - timedelta(seconds=700)) < timedelta(seconds=5)
     fresh = await create(timeout=150)
     kid = (await _fork(api, fresh["sandboxID"])).json()[0]["sandbox"]
     row = await Sandbox.objects.aget(pk=kid["sandboxID"])
