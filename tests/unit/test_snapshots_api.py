@@ -288,3 +288,17 @@ async def test_schema_lists_snapshot_routes(api):
     assert "post" in paths["/sandboxes/{sandbox_id}/snapshots"] and "post" in paths["/sandboxes/{sandbox_id}/fork"]
     assert "get" in paths["/snapshots"]
     assert any(p.startswith("/templates/") and "delete" in v for p, v in paths.items())
+
+
+async def test_restore_racing_a_delete_loses_cleanly(api, create, snap_mock, assert_error):
+    """The snapshot went ``deleting`` between resolving it and placing the restore: 409,
+    the new sandbox ends ``error`` and no node work starts."""
+    sb = await create()
+    snap_id = (await _snap(api, sb["sandboxID"]))["snapshotID"]
+    with mock.patch("snapshots.services.snapshot_still_ready", mock.AsyncMock(return_value=False)):
+        assert_error(await api.post("/v2/sandboxes", json={"templateID": snap_id}), 409, "being deleted")
+    lost = await Sandbox.objects.filter(source_snapshot_id=snap_id).aget()
+    assert lost.state == "error"
+    snap_mock.client.restore_sandbox.assert_not_awaited()
+    # a dependent in "error" does not pin the snapshot
+    assert (await api.delete(f"/templates/{snap_id}")).status_code == 204
