@@ -219,7 +219,7 @@ def sandbox_list(request):
     templates = Template.objects.filter(Q(public=True) | Q(team=request.team)).order_by("id")
     return render(request, "dashboard/sandboxes.html", _base_context(
         request, "sandboxes", rows=rows, filters=filters, filter_error=error, templates=templates,
-        states=SandboxState.values, limit=LIST_LIMIT,
+        states=SandboxState.values, limit=LIST_LIMIT, timeout_choices=TIMEOUT_CHOICES,
     ))
 
 
@@ -275,8 +275,8 @@ def _actions_context(sandbox: Sandbox) -> dict:
 @require_GET
 @team_page
 def sandbox_detail(request, sandbox_id):
-    sandbox = get_object_or_404(Sandbox.objects.select_related("template", "node"), pk=sandbox_id,
-                                team=request.team)
+    sandbox = get_object_or_404(Sandbox.objects.select_related("template", "node", "source_snapshot",
+                                                                "forked_from"), pk=sandbox_id, team=request.team)
     now = timezone.now()
     live = sandbox.state in LIVE_STATES
     timeline = _timeline(sandbox)
@@ -286,7 +286,8 @@ def sandbox_detail(request, sandbox_id):
         expires_in=(sandbox.end_at - now).total_seconds() if live else None,
         age=(now - sandbox.created_at).total_seconds(), **_actions_context(sandbox),
         terminal_path=f"/ws/sandboxes/{sandbox.id}/terminal", terminal_ready=sandbox.state in TERMINAL_STATES,
-        terminal_unavailable=gone_reason(sandbox.state),
+        terminal_unavailable=gone_reason(sandbox.state), forks=list(sandbox.forks.order_by("-created_at")[:50]),
+        snapshots=list(sandbox.snapshots.order_by("-created_at")[:50]) if snapshot_services() else [],
     ))
 
 
@@ -436,6 +437,92 @@ async def sandbox_fork(request, sandbox_id):
     level = "success" if not errors else ("warning" if forks else "error")
     return _action_result(request, sandbox_id, level, text, status=200 if forks or not errors else 500,
                           forks=[f.id for f in forks])
+
+
+@require_POST
+@login_required
+async def sandbox_create(request):
+    """New sandbox from a template or a snapshot (``template`` is either id, as in the
+    API's ``templateID``). Waits for the boot; on success goes to the sandbox page."""
+    user = await request.auser()
+    team = await sync_to_async(current_team)(request)
+    if team is None:
+        raise Http404("no team")
+    back = request.POST.get("back") or reverse("dashboard:sandboxes")
+    if not back.startswith("/dashboard/"):
+        back = reverse("dashboard:sandboxes")
+    ref = (request.POST.get("template") or "").strip()
+    metadata, error = parse_metadata_filter(request.POST.get("metadata", ""))
+    try:
+        seconds = int(request.POST.get("seconds") or settings.AENV_DEFAULT_TIMEOUT)
+    except ValueError:
+        error = "Timeout must be a whole number of seconds."
+    if not ref:
+        error = "Choose a template or snapshot."
+    if error:
+        return _create_result(request, back, "error", error, status=400)
+    try:
+        sandbox = await services.create_sandbox(team, ref, timeout=seconds, metadata=metadata, actor=_actor(user))
+    except ApiError as exc:
+        return _create_result(request, back, "error", f"Create failed: {exc.detail}", status=exc.status_code)
+    url = reverse("dashboard:sandbox", args=[sandbox.id])
+    return _create_result(request, url, "success", f"Sandbox {sandbox.id} created from {ref}.", status=201,
+                          sandbox=sandbox.id, redirect=url)
+
+
+def _create_result(request, target: str, level: str, text: str, *, status: int, **extra):
+    if _wants_json(request):
+        return JsonResponse({"ok": level != "error", "level": level, "message": text, **extra}, status=status)
+    getattr(messages, level)(request, text)
+    return redirect(target)
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def _lineage(team) -> list[dict]:
+    """Template → its snapshots → sandboxes restored from each; forks hang under
+    their parent sandbox. Only what the team can see, newest first."""
+    from snapshots.models import Snapshot  # noqa: PLC0415
+
+    snapshots = list(Snapshot.objects.filter(team=team).select_related("template", "source_sandbox", "node")
+                     .order_by("-created_at", "-id")[:LIST_LIMIT])
+    restored: dict[str, list] = {}
+    for sb in (Sandbox.objects.filter(team=team, source_snapshot__in=[s.pk for s in snapshots])
+               .order_by("-created_at")):
+        restored.setdefault(sb.source_snapshot_id, []).append(sb)
+    forks: dict[str, list] = {}
+    for sb in Sandbox.objects.filter(team=team, forked_from__isnull=False).order_by("-created_at")[:LIST_LIMIT]:
+        forks.setdefault(sb.forked_from_id, []).append(sb)
+    by_template: dict[str, dict] = {}
+    for snap in snapshots:
+        entry = by_template.setdefault(snap.template_id, {"template": snap.template, "snapshots": []})
+        entry["snapshots"].append({
+            "snapshot": snap,
+            "restored": [{"sandbox": sb, "forks": forks.get(sb.id, [])} for sb in restored.get(snap.pk, [])],
+            "source_forks": forks.get(snap.source_sandbox_id, []) if snap.source_sandbox_id else [],
+        })
+    return list(by_template.values())
+
+
+@require_GET
+@team_page
+def snapshot_list(request):
+    snap = snapshot_services()
+    if snap is None:
+        return render(request, "dashboard/snapshots.html", _base_context(
+            request, "snapshots", available=False, unavailable=f"Snapshots are {LIFECYCLE_TOOLTIP}."))
+    from snapshots.models import Snapshot  # noqa: PLC0415
+
+    rows = (Snapshot.objects.filter(team=request.team).select_related("template", "source_sandbox", "node")
+            .annotate(restored=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE_STATES)))
+            .order_by("-created_at", "-id")[:LIST_LIMIT])
+    fork_parents = (Sandbox.objects.filter(team=request.team, forks__isnull=False).distinct()
+                    .prefetch_related("forks").order_by("-created_at")[:LIST_LIMIT])
+    return render(request, "dashboard/snapshots.html", _base_context(
+        request, "snapshots", available=True, snapshots=rows, lineage=_lineage(request.team),
+        fork_parents=fork_parents, timeout_choices=TIMEOUT_CHOICES,
+    ))
 
 
 # --------------------------------------------------------------------------- templates, nodes

@@ -139,6 +139,10 @@
         return resp.json().catch(function () { return { ok: false, level: "error", message: "HTTP " + resp.status }; });
       })
       .then(function (data) {
+        if (data.ok && data.redirect) {
+          window.location.assign(data.redirect);
+          return;
+        }
         if (result) {
           result.className = "action-result message message-" + (data.level || (data.ok ? "success" : "error"));
           result.textContent = data.message || (data.ok ? "Done." : "Failed.");

@@ -249,3 +249,80 @@ def test_detail_json_changes_with_events(dash, mine, nodes_mock):
     after = dash.get(f"/dashboard/api/sandboxes/{mine.id}.json").json()
     assert after["state"] == "paused"
     assert after["last_event_id"] == SandboxEvent.objects.filter(sandbox=mine).latest("id").id
+
+
+# --------------------------------------------------------------------------- create, snapshot, fork, snapshots page
+
+
+def test_create_from_template_goes_to_the_new_sandbox(dash, team, base_template, nodes_mock):
+    resp = dash.post("/dashboard/sandboxes/create", {"template": "base", "seconds": "900", "metadata": "env=ui"})
+    sb = Sandbox.objects.get(team=team)
+    assert resp.status_code == 302 and resp["Location"] == f"/dashboard/sandboxes/{sb.id}/"
+    assert sb.state == "running" and sb.metadata == {"env": "ui"}
+    assert SandboxEvent.objects.filter(sandbox=sb, operation="create", actor="dashboard:alice").exists()
+
+    resp = dash.post("/dashboard/sandboxes/create", {"template": "base"}, **JSON)
+    assert resp.status_code == 201 and resp.json()["redirect"].startswith("/dashboard/sandboxes/i")
+
+
+def test_create_errors_are_inline(dash, team, base_template, other_team, nodes_mock):
+    from sandboxes.models import Template
+
+    Template.objects.create(id="private", team=other_team, public=False)
+    resp = dash.post("/dashboard/sandboxes/create", {"template": "private"}, **JSON)
+    assert resp.status_code == 400 and resp.json()["ok"] is False  # the API's answer for an invisible template
+    assert resp.json()["message"] == 'Create failed: template "private" not found'
+    resp = dash.post("/dashboard/sandboxes/create", {"template": "base", "seconds": "soon"}, **JSON)
+    assert resp.status_code == 400
+    assert not Sandbox.objects.exists()
+    nodes_mock.client.boot_sandbox.assert_not_awaited()
+
+
+def test_snapshot_and_fork_call_the_snapshot_services(dash, mine, team):
+    from unittest import mock
+
+    from sandboxes.errors import ApiError
+    from snapshots.models import Snapshot
+
+    snap = Snapshot(id="sabc", team=team, template=mine.template, name="n1")
+    child = Sandbox(id="ichild", team=team, template=mine.template, end_at=timezone.now())
+    with mock.patch("snapshots.services.create_snapshot", mock.AsyncMock(return_value=snap)) as create, \
+            mock.patch("snapshots.services.fork_sandbox",
+                       mock.AsyncMock(return_value=[child, ApiError(507, "store full")])) as fork:
+        resp = dash.post(f"/dashboard/sandboxes/{mine.id}/snapshot", {"name": "n1"}, **JSON)
+        assert resp.status_code == 200 and resp.json()["snapshot"] == "sabc"
+        create.assert_awaited_once_with(team, mine.id, name="n1", actor="dashboard:alice")
+        resp = dash.post(f"/dashboard/sandboxes/{mine.id}/fork", {"count": "2"}, **JSON)
+        body = resp.json()
+        assert resp.status_code == 200 and body["level"] == "warning" and body["forks"] == ["ichild"]
+        assert "1 failed: store full" in body["message"]
+        fork.assert_awaited_once_with(team, mine.id, count=2, actor="dashboard:alice")
+        assert dash.post(f"/dashboard/sandboxes/{mine.id}/fork", {"count": "0"}, **JSON).status_code == 400
+        create.side_effect = ApiError(409, "sandbox is not running")
+        resp = dash.post(f"/dashboard/sandboxes/{mine.id}/snapshot", **JSON)
+        assert resp.status_code == 409 and resp.json()["message"] == "Snapshot failed: sandbox is not running"
+    page = dash.get(f"/dashboard/sandboxes/{mine.id}/").content.decode()
+    assert 'data-action="snapshot"' in page and 'data-action="fork"' in page
+
+
+def test_snapshots_page_lineage_is_team_scoped(dash, team, other_team, base_template, node):
+    from snapshots.models import Snapshot
+
+    parent = make_sandbox(team, base_template, node=node)
+    snap = Snapshot.objects.create(team=team, template=base_template, source_sandbox=parent, name="golden",
+                                   state="ready", size_bytes=3 * 2**20)
+    restored = make_sandbox(team, base_template, node=node, source_snapshot=snap)
+    fork = make_sandbox(team, base_template, node=node, forked_from=restored)
+    fork_of_parent = make_sandbox(team, base_template, node=node, forked_from=parent)
+    hidden = Snapshot.objects.create(team=other_team, template=base_template, name="secret", state="ready")
+    html = dash.get("/dashboard/snapshots/").content.decode()
+    for thing in (snap.id, "golden", parent.id, restored.id, fork.id, fork_of_parent.id, "3.0\xa0MB"):
+        assert thing in html, thing
+    assert hidden.id not in html and "secret" not in html
+    lineage = html.split("data-lineage")[1]
+    # template → snapshot → restored sandbox → its fork, in that order
+    assert lineage.index("base") < lineage.index(snap.id) < lineage.index(restored.id) < lineage.index(fork.id)
+    assert 'value="%s"' % snap.id in html  # "New sandbox" from it
+    detail = dash.get(f"/dashboard/sandboxes/{restored.id}/").content.decode()
+    assert snap.id in detail and fork.id in detail
+    assert parent.id in dash.get(f"/dashboard/sandboxes/{fork_of_parent.id}/").content.decode()

@@ -7,8 +7,8 @@ from django.utils import timezone
 
 from sandboxes.models import Sandbox, SandboxEvent, Team
 
-PAGES = ["/dashboard/", "/dashboard/sandboxes/", "/dashboard/api/sandboxes.json", "/dashboard/templates/",
-         "/dashboard/nodes/", "/dashboard/api-keys/"]
+PAGES = ["/dashboard/", "/dashboard/sandboxes/", "/dashboard/api/sandboxes.json", "/dashboard/snapshots/",
+         "/dashboard/templates/", "/dashboard/nodes/", "/dashboard/api-keys/"]
 
 
 def make_sandbox(team, template, *, state="running", node=None, metadata=None, **fields):
@@ -39,7 +39,9 @@ def test_pages_require_login(client, db, path):
 
 
 @pytest.mark.parametrize("path", ["/dashboard/sandboxes/x/kill", "/dashboard/sandboxes/x/timeout",
-                                  "/dashboard/api-keys/create", "/dashboard/api-keys/1/revoke", "/dashboard/team/"])
+                                  "/dashboard/sandboxes/x/pause", "/dashboard/sandboxes/x/resume",
+                                  "/dashboard/sandboxes/x/snapshot", "/dashboard/sandboxes/x/fork",
+                                  "/dashboard/sandboxes/create", "/dashboard/api-keys/create", "/dashboard/api-keys/1/revoke", "/dashboard/team/"])
 def test_actions_require_login(client, db, path):
     resp = client.post(path)
     assert resp.status_code == 302 and resp["Location"].startswith("/dashboard/login/")
