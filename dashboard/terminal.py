@@ -4,9 +4,10 @@ xterm.js in the dashboard to a PTY shell run by the sandbox's envd.
 Protocol. Browser → server: text frames ``{"type": "input", "data": "..."}`` and
 ``{"type": "resize", "cols": C, "rows": R}`` (binary frames are raw input).
 Server → browser: binary frames are PTY output; text frames are JSON status:
-``{"type": "ready", "pid": P, "reconnected": bool}``, ``{"type": "exit", ...}``.
-The server ends the socket with a 4xxx close code whose reason says why
-(``CLOSE_*`` below), so the page can show it.
+``{"type": "ready", "pid": P, "reconnected": bool}``, ``{"type": "exit", ...}`` and,
+last, ``{"type": "close", "code": C, "reason": "..."}``: the server ends the socket
+with a 4xxx close code (``CLOSE_*`` below) and a reason saying why, which the page
+shows.
 
 The PTY outlives the socket: its pid (and a random tag, so a reused pid after a
 reboot is never mistaken for ours) is remembered in the user's session per
@@ -106,12 +107,12 @@ class TerminalConsumer(AsyncWebsocketConsumer):
         # failed handshake, without the code and reason the page shows.
         await self.accept()
         if user is None or not user.is_authenticated:
-            return await self.close(CLOSE_UNAUTHENTICATED, "sign in to use the terminal")
+            return await self._finish(CLOSE_UNAUTHENTICATED, "sign in to use the terminal")
         self.sandbox = await _find_sandbox(self.scope, self.sandbox_id)
         if self.sandbox is None:
-            return await self.close(CLOSE_NOT_FOUND, "sandbox not found")
+            return await self._finish(CLOSE_NOT_FOUND, "sandbox not found")
         if self.sandbox.state not in TERMINAL_STATES:
-            return await self.close(CLOSE_NOT_RUNNING, gone_reason(self.sandbox.state))
+            return await self._finish(CLOSE_NOT_RUNNING, gone_reason(self.sandbox.state))
         query = _query(self.scope)
         size = (_size(query.get("cols"), DEFAULT_SIZE[0]), _size(query.get("rows"), DEFAULT_SIZE[1]))
         self._task = asyncio.create_task(self._run(size), name=f"terminal-{self.sandbox_id}")
@@ -143,8 +144,12 @@ class TerminalConsumer(AsyncWebsocketConsumer):
     # ------------------------------------------------------------------ the bridge
 
     async def _finish(self, code: int, reason: str) -> None:
-        # A WebSocket close reason is at most 123 bytes.
-        await self.close(code, reason.encode()[:120].decode(errors="ignore"))
+        """Says why in a last JSON frame, then closes with the code and reason (daphne
+        drops close reasons, so the page reads the frame; a close reason is ≤123 bytes)."""
+        reason = reason.encode()[:120].decode(errors="ignore")
+        with contextlib.suppress(Exception):  # the socket may already be gone
+            await self.send(text_data=json.dumps({"type": "close", "code": code, "reason": reason}))
+        await self.close(code, reason)
 
     async def _run(self, size: tuple[int, int]) -> None:
         """Runs the bridge until the shell ends, the sandbox leaves the running state

@@ -65,10 +65,14 @@
           term.focus();
         } else if (msg.type === "exit") {
           term.write("\r\n[shell exited with code " + msg.exit_code + "]\r\n");
+        } else if (msg.type === "close") {
+          said = msg;
         }
       };
+      var said = null; // the server's last word: some servers drop close reasons
       ws.onclose = function (event) {
-        var reason = event.reason || (event.code === 1006 ? "connection lost" : "connection closed");
+        var reason = event.reason || (said && said.code === event.code ? said.reason : "") ||
+          (event.code === 1006 ? "connection lost" : "connection closed");
         show("closed (" + event.code + "): " + reason, "closed", event.code);
         again.hidden = false;
         ws = null;

@@ -3,6 +3,7 @@ same-origin check), closing with a code and reason for non-running sandboxes, an
 refused, silent or garbage-speaking envd closing the socket promptly without leaking
 the consumer's tasks. The real-VM bridge is tests/integration/test_terminal.py."""
 import asyncio
+import json
 import socket
 import threading
 from datetime import timedelta
@@ -47,13 +48,18 @@ def communicator(sandbox_id, headers, query=""):
 
 
 async def expect_close(comm, code, text="", timeout=10.0):
-    """Connects, then waits for the server's close; returns its reason."""
+    """Connects, then waits for the server's close (announced by a last JSON frame
+    with the same code and reason); returns the reason."""
     connected, _ = await comm.connect(timeout=timeout)
     assert connected
+    said = None
     while True:
         msg = await comm.receive_output(timeout=timeout)
         if msg["type"] == "websocket.close":
             break
+        if msg.get("text"):
+            said = json.loads(msg["text"])
+    assert said == {"type": "close", "code": msg.get("code"), "reason": msg.get("reason")}, (said, msg)
     assert msg.get("code") == code, msg
     assert text in msg.get("reason", ""), msg
     await comm.disconnect(code=msg["code"], timeout=timeout)  # the browser's side of the close
@@ -163,6 +169,8 @@ async def test_kill_while_hung_closes_with_reason(dash, team, base_template, mon
         assert connected
         await asyncio.sleep(0.5)
         await Sandbox.objects.filter(pk=sandbox.pk).aupdate(state="killed")
+        said = await comm.receive_json_from(timeout=5)
+        assert said == {"type": "close", "code": terminal.CLOSE_NOT_RUNNING, "reason": "sandbox was killed"}
         msg = await comm.receive_output(timeout=5)
         assert msg == {"type": "websocket.close", "code": terminal.CLOSE_NOT_RUNNING, "reason": "sandbox was killed"}
         await comm.disconnect(code=msg["code"], timeout=5)
