@@ -21,11 +21,15 @@ class ApiKeyInline(admin.TabularInline):
 
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
-    list_display = ["name", "slug", "created_at"]
-    search_fields = ["name", "slug"]
+    list_display = ["name", "slug", "member_count", "created_at"]
+    search_fields = ["name", "slug", "members__username"]
     prepopulated_fields = {"slug": ["name"]}
     filter_horizontal = ["members"]
     inlines = [ApiKeyInline]
+
+    @admin.display(description="members")
+    def member_count(self, obj) -> int:
+        return obj.members.count()
 
 
 @admin.register(ApiKey)
@@ -69,23 +73,37 @@ class SandboxEventInline(admin.TabularInline):
 
 @admin.register(Sandbox)
 class SandboxAdmin(admin.ModelAdmin):
-    list_display = ["id", "state", "template", "team", "node", "started_at", "end_at"]
-    list_filter = ["state", "template", "node", "team", "secure"]
-    search_fields = ["id", "alias", "template__id", "node__id", "error_reason"]
+    list_display = ["id", "state", "template", "team", "node", "cpu_count", "memory_mb", "lineage", "started_at",
+                    "end_at"]
+    list_filter = ["state", "template", "node", "team", "secure", "auto_pause",
+                   ("source_snapshot", admin.EmptyFieldListFilter), ("forked_from", admin.EmptyFieldListFilter)]
+    search_fields = ["id", "alias", "template__id", "node__id", "error_reason", "source_snapshot__id",
+                     "source_snapshot__name", "forked_from__id", "metadata"]
     date_hierarchy = "started_at"
     list_select_related = ["template", "team", "node"]
-    readonly_fields = [f.name for f in Sandbox._meta.fields]
+    # The envd token is a credential: never rendered (a read-only field would show it
+    # even when excluded, so it is left out of both lists).
+    readonly_fields = [f.name for f in Sandbox._meta.fields if f.name != "envd_access_token"]
     exclude = ["envd_access_token"]
     inlines = [SandboxEventInline]
 
     def has_add_permission(self, request):
         return False
 
+    @admin.display(description="from")
+    def lineage(self, obj) -> str:
+        if obj.forked_from_id:
+            return f"fork of {obj.forked_from_id}"
+        if obj.source_snapshot_id:
+            return f"snapshot {obj.source_snapshot_id}"
+        return "template"
+
 
 @admin.register(SandboxEvent)
 class SandboxEventAdmin(admin.ModelAdmin):
     list_display = ["started_at", "sandbox", "operation", "outcome", "from_state", "to_state", "duration_ms", "actor"]
-    list_filter = ["operation", "outcome"]
+    list_filter = ["operation", "outcome", "to_state"]
+    date_hierarchy = "started_at"
     search_fields = ["sandbox__id", "message", "actor"]
     readonly_fields = [f.name for f in SandboxEvent._meta.fields]
     list_select_related = ["sandbox"]

@@ -1,0 +1,66 @@
+"""Admin: the nodes as the control plane sees them (capacity, heartbeat, usage).
+
+Everything but ``draining`` is reported by the node worker itself and read-only
+here; draining (no new sandboxes placed on the node) is the operator's switch."""
+from django.contrib import admin
+from django.db.models import Count, Q
+from django.utils import timezone
+
+from sandboxes.models import LIVE_STATES
+
+from .models import Node
+
+
+class AliveFilter(admin.SimpleListFilter):
+    title = "heartbeat"
+    parameter_name = "alive"
+
+    def lookups(self, request, model_admin):
+        return [("yes", "alive"), ("no", "stale or never")]
+
+    def queryset(self, request, queryset):
+        from datetime import timedelta  # noqa: PLC0415
+
+        from django.conf import settings  # noqa: PLC0415
+
+        cutoff = timezone.now() - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
+        if self.value() == "yes":
+            return queryset.filter(last_heartbeat_at__gte=cutoff)
+        if self.value() == "no":
+            return queryset.filter(Q(last_heartbeat_at__lt=cutoff) | Q(last_heartbeat_at__isnull=True))
+        return queryset
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = ["id", "address", "driver", "accel", "alive", "vcpu_capacity", "memory_mb_capacity",
+                    "sandboxes_running", "live_sandboxes", "last_heartbeat_at", "draining", "version"]
+    list_filter = [AliveFilter, "draining", "driver", "accel"]
+    search_fields = ["id", "address", "version"]
+    list_editable = ["draining"]
+    readonly_fields = ["id", "address", "driver", "accel", "vcpu_capacity", "memory_mb_capacity",
+                       "sandboxes_running", "version", "started_at", "last_heartbeat_at"]
+    actions = ["drain", "undrain"]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(
+            _live=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE_STATES)))
+
+    def has_add_permission(self, request):
+        return False  # nodes register themselves (`manage.py run_node`)
+
+    @admin.display(boolean=True, description="alive")
+    def alive(self, obj) -> bool:
+        return obj.is_alive()
+
+    @admin.display(description="live sandboxes", ordering="_live")
+    def live_sandboxes(self, obj) -> int:
+        return obj._live
+
+    @admin.action(description="Drain selected nodes (place no new sandboxes)")
+    def drain(self, request, queryset):
+        self.message_user(request, f"draining {queryset.update(draining=True)} node(s)")
+
+    @admin.action(description="Stop draining selected nodes")
+    def undrain(self, request, queryset):
+        self.message_user(request, f"{queryset.update(draining=False)} node(s) take new sandboxes again")
