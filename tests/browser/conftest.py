@@ -1,0 +1,77 @@
+"""Browser tests: Playwright drives Debian's Chromium (headless) against a real aenv
+stack (daphne + uvicorn + node worker + QEMU VMs, tests/integration/stack.py).
+
+Needs ``/usr/bin/chromium`` and the xterm.js packages (both installed by
+``scripts/setup_frontend.sh``, which ``scripts/setup.sh`` runs). Without chromium the
+tests are skipped with that reason; without xterm.js they fail (it is part of the app).
+Screenshots of every page go to ``var/artifacts/screenshots/<run>/`` (git-ignored)."""
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.integration.stack import ROOT, Stack
+
+CHROMIUM = Path(os.environ.get("AENV_CHROMIUM", "/usr/bin/chromium"))
+XTERM = ROOT / "vendor" / "node_modules" / "@xterm" / "xterm" / "lib" / "xterm.js"
+PASSWORD = "pw-browser-" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture(scope="session")
+def chromium_path() -> Path:
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is not installed (scripts/setup_frontend.sh installs Debian's chromium)")
+    assert XTERM.exists(), f"{XTERM} is missing: run scripts/setup_frontend.sh (installs xterm.js from npm)"
+    return CHROMIUM
+
+
+@pytest.fixture(scope="session")
+def shots_dir() -> Path:
+    path = ROOT / "var" / "artifacts" / "screenshots" / f"run-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True, exist_ok=True)
+    print(f"\nbrowser screenshots: {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def web_stack(chromium_path):
+    """A real stack whose daphne serves collected static files (like a deployment)."""
+    home = ROOT / "var" / "test-runs" / f"browser-{uuid.uuid4().hex[:8]}"
+    stack = Stack(home=home)
+    try:
+        stack.home.mkdir(parents=True, exist_ok=True)
+        stack.manage("collectstatic", "--noinput", "-v", "0")
+        stack.start()
+        stack.manage("create_dashboard_user", "--username", "ada", "--team", "default", "--password", PASSWORD)
+        yield stack
+    finally:
+        stack.stop()
+        stack.kill_vm_leftovers()
+        if not os.environ.get("AENV_KEEP_TEST_HOME"):
+            shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def browser(chromium_path):
+    from playwright.sync_api import sync_playwright  # noqa: PLC0415
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=str(chromium_path), headless=True,
+                               args=["--no-sandbox", "--disable-dev-shm-usage"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def page(browser, web_stack):
+    context = browser.new_context(viewport={"width": 1360, "height": 1000}, base_url=web_stack.api_url)
+    pg = context.new_page()
+    pg.set_default_timeout(30_000)
+    try:
+        yield pg
+    finally:
+        context.close()
