@@ -15,6 +15,8 @@ import struct
 log = logging.getLogger("envd.entropy")
 
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2])
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07): once the crng is initialized, added entropy only reaches
+# /dev/urandom at the next scheduled reseed (up to 60 s later); this makes it immediate.
 MIN_SEED_BYTES = 16
 MAX_SEED_BYTES = 512
 
@@ -41,6 +43,7 @@ def pool_info(seed):
 def credit(seed, mode="auto", device="/dev/urandom", ioctl=fcntl.ioctl):
     """Adds the seed to the kernel pool. `auto`: credited with RNDADDENTROPY as root, otherwise
     (or if the ioctl is refused) only mixed in by writing it to the device; `never`: nothing.
+    Credited entropy is followed by RNDRESEEDCRNG so the new seed is used at once.
     Never raises: a failed credit must not fail /init. Returns what was done."""
     if mode == "never":
         return "skipped"
@@ -53,6 +56,10 @@ def credit(seed, mode="auto", device="/dev/urandom", ioctl=fcntl.ioctl):
         if os.geteuid() == 0:
             try:
                 ioctl(fd, RNDADDENTROPY, pool_info(seed))
+                try:
+                    ioctl(fd, RNDRESEEDCRNG, 0)
+                except OSError as exc:  # ENODATA: crng not ready yet, it will seed from the pool
+                    log.info("entropy: no immediate reseed (%s)", exc)
                 log.info("entropy: credited %d bits", len(seed) * 8)
                 return "credited"
             except OSError as exc:

@@ -36,13 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from vmm import hostinfo, ports, template_snapshots
+from vmm import hostinfo, ports, ramfile, template_snapshots
 from vmm.accel import detect_accel, kvm_openable
 from vmm.driver import BootSpec, BootTimeout, SnapshotManifest, VMDriver, VMError, VMInfo
 from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
 from vmm.qemu_cmdline import QEMU, VMPaths, qemu_command
-from vmm.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, prepare_migration
+from vmm.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, prepare_migration, set_ignore_shared
 from vmm.state import VMState, process_alive, read_pidfile, reap, valid_sandbox_id
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,12 @@ class QemuDriver(VMDriver):
             other = VMState.load(d)
             if other is not None and other.capture_ref == str(capture):
                 return
+        try:  # the capture's RAM copy lives on /dev/shm, outside the capture dir
+            memory = Path(SnapshotManifest.load(capture).memory_file)
+            if capture not in memory.parents:
+                memory.unlink(missing_ok=True)
+        except (OSError, ValueError, TypeError):
+            pass
         shutil.rmtree(capture, ignore_errors=True)
 
     # -- queries ----------------------------------------------------------------------------
@@ -331,7 +337,8 @@ class QemuDriver(VMDriver):
                                   console_tail(Path(state.console)))
             time.sleep(0.005)
 
-    def _spawn_incoming(self, state: VMState, device_state: Path) -> dict[str, float]:
+    def _spawn_incoming(self, state: VMState, device_state: Path, ignore_shared: bool = True,
+                        before_cont=None) -> dict[str, float]:
         """Starts a destination QEMU for `state` (-incoming defer), loads the device state, runs
         it and waits for envd. On failure the new process is stopped and the error raised."""
         t0 = time.monotonic()
@@ -359,7 +366,11 @@ class QemuDriver(VMDriver):
             t_spawn = time.monotonic()
             with QMP(paths.qmp, timeout=30.0) as q:
                 prepare_migration(q)
-                migrate_from_file(q, device_state)
+                if not ignore_shared:  # a full-RAM stream written without x-ignore-shared
+                    set_ignore_shared(q, False)
+                migrate_from_file(q, device_state, before_cont=before_cont)
+                if not ignore_shared:
+                    set_ignore_shared(q, True)
             t_run = time.monotonic()
             self._wait_health(state, self.boot_timeout)
         except BaseException:
@@ -400,9 +411,14 @@ class QemuDriver(VMDriver):
                 was_running = q.execute("query-status").get("status") == "running"
                 q.execute("stop")
                 t_stop = time.monotonic()
+                full_ram = not state.ram_share  # copy-on-write RAM travels in the stream anyway
                 try:
+                    if full_ram:  # plain format, so a share=on destination loads it (see _resume_incoming)
+                        set_ignore_shared(q, False)
                     migrate_to_file(q, device_state)
                 except BaseException:
+                    if full_ram:
+                        set_ignore_shared(q, True)
                     if was_running:
                         q.execute("cont")
                     raise
@@ -410,6 +426,7 @@ class QemuDriver(VMDriver):
                 # From here the device state + RAM file are the VM: record that before QEMU exits.
                 state.status = "paused_disk"
                 state.device_state = str(device_state)
+                state.device_state_full_ram = full_ram
                 state.save()
                 try:
                     q.execute("quit")
@@ -532,18 +549,59 @@ class QemuDriver(VMDriver):
         state.pid = 0
         state.save()
 
+    def _resume_incoming(self, state: VMState) -> dict[str, float]:
+        """Resume after pause_to_disk with memory. A copy-on-write VM (restored or forked:
+        share=off over a snapshot's RAM) saved its whole RAM into the device state; it comes
+        back on a share=on RAM file of its own that the stream fills, so its next pause or
+        snapshot saves only the device state again."""
+        device_state = Path(state.device_state)
+        saved = (state.ram, state.ram_share, state.ram_owned)
+        converting = not state.ram_share and state.device_state_full_ram
+        if converting:
+            own = VMPaths.for_sandbox(Path(state.state_dir), state.sandbox_id, self.shm_dir).ram
+            try:
+                own.unlink()
+            except FileNotFoundError:
+                pass
+            state.ram, state.ram_share, state.ram_owned = str(own), True, True
+        try:
+            punched = {}
+
+            def give_back_zero_pages():  # loading the stream touched (allocated) every page
+                t = time.monotonic()
+                punched["ram_zero_punched_mb"] = ramfile.punch_zero_pages(state.ram) / (1 << 20)
+                punched["ram_punch_ms"] = (time.monotonic() - t) * 1e3
+
+            timings = self._spawn_incoming(state, device_state, ignore_shared=not state.device_state_full_ram,
+                                           before_cont=give_back_zero_pages if converting else None)
+            timings.update(punched)
+        except BaseException:
+            if converting:
+                try:
+                    Path(state.ram).unlink()
+                except FileNotFoundError:
+                    pass
+                state.ram, state.ram_share, state.ram_owned = saved
+                state.pid = 0
+                state.save()
+            raise
+        if converting:
+            timings["ram_converted"] = 1
+        try:
+            device_state.unlink()
+        except FileNotFoundError:
+            pass
+        state.device_state = ""
+        state.device_state_full_ram = False
+        return timings
+
     def resume(self, sandbox_id: str) -> VMInfo:
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
             if state.status == "paused_fs":
                 timings = self._resume_cold(state)
             elif state.status == "paused_disk":
-                timings = self._spawn_incoming(state, Path(state.device_state))
-                try:
-                    Path(state.device_state).unlink()
-                except FileNotFoundError:
-                    pass
-                state.device_state = ""
+                timings = self._resume_incoming(state)
             else:
                 t0 = time.monotonic()
                 with QMP(Path(state.qmp)) as q:
@@ -559,6 +617,11 @@ class QemuDriver(VMDriver):
             return info
 
     def snapshot(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:
+        return self._snapshot(sandbox_id, dest_dir)
+
+    def _snapshot(self, sandbox_id: str, dest_dir: Path, memory_file: Path | None = None) -> SnapshotManifest:
+        """memory_file: where the RAM copy goes (default dest_dir/memory.ram); fork captures put
+        it on /dev/shm, where the copy is a page-cache-speed memcpy and children map it."""
         dest = Path(dest_dir).absolute()
         dest.mkdir(parents=True, exist_ok=True)
         if any(dest.iterdir()):
@@ -572,7 +635,7 @@ class QemuDriver(VMDriver):
             new_top = paths.state_dir / f"top-{gen}.qcow2"
             node = f"top{gen}"
             device_state = dest / "device.state"
-            memory = dest / "memory.ram"
+            memory = Path(memory_file) if memory_file else dest / "memory.ram"
             with QMP(paths.qmp, timeout=30.0) as q:
                 was_running = q.execute("query-status").get("status") == "running"
                 t0 = time.monotonic()
@@ -587,7 +650,11 @@ class QemuDriver(VMDriver):
                     t_disk = time.monotonic()
                     migrate_to_file(q, device_state)
                     t_dev = time.monotonic()
-                    _run(["cp", "--sparse=always", state.ram, str(memory)])
+                    if state.ram_share:
+                        _run(["cp", "--sparse=always", state.ram, str(memory)])
+                    else:  # copy-on-write RAM is all in the device state; restores only need a base
+                        with open(memory, "wb") as f:
+                            f.truncate(state.memory_mb << 20)
                     t_mem = time.monotonic()
                 finally:
                     if was_running:
@@ -688,11 +755,13 @@ class QemuDriver(VMDriver):
         if len(ids) != count or len(set(ids)) != count:
             raise VMError("child_ids must be `count` distinct ids")
         capture = (self.home / "forks" / f"{sandbox_id}-{tag}").absolute()
+        capture_ram = self.shm_dir / f"aenv-fork-{sandbox_id}-{tag}.ram"
         t0 = time.monotonic()
         try:
-            manifest = self.snapshot(sandbox_id, capture)
+            manifest = self._snapshot(sandbox_id, capture, memory_file=capture_ram)
         except BaseException:
             shutil.rmtree(capture, ignore_errors=True)
+            capture_ram.unlink(missing_ok=True)
             raise
         t_cap = time.monotonic()
 

@@ -59,7 +59,7 @@ def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, acc
 
     A restore/resume destination uses the same arguments except `ram_share` (False: MAP_PRIVATE
     copy-on-write over a snapshot's RAM file), the top in `paths`, `host_port` and `incoming`
-    (adds `-incoming defer`; the device state then comes from QMP migrate-incoming).
+    (adds `-S -incoming defer`; the device state then comes from QMP migrate-incoming).
     """
     if cpu_count < 1 or memory_mb < 64:
         raise ValueError("cpu_count must be >= 1 and memory_mb >= 64")
@@ -84,6 +84,6 @@ def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, acc
         "-device", "virtio-net-device,netdev=net0,id=vnet0",
         "-device", "virtio-balloon-device,free-page-reporting=on,id=balloon0",
     ]
-    if incoming:
-        argv += ["-incoming", "defer"]
+    if incoming:  # -S: stays stopped after loading, so the driver decides when it runs
+        argv += ["-S", "-incoming", "defer"]
     return argv

@@ -74,6 +74,13 @@ def prepare_migration(q: QMP) -> None:
     q.execute("migrate-set-parameters", **{"max-bandwidth": MAX_BANDWIDTH})
 
 
+def set_ignore_shared(q: QMP, on: bool) -> None:
+    """Toggles x-ignore-shared (only between migrations). Off makes the stream carry every RAM
+    block and drops the per-block address field, so a share=on destination loads the RAM into
+    its file instead of expecting it to be there already."""
+    q.execute("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": on}])
+
+
 def _shell_path(path: Path) -> str:
     import shlex
 
@@ -97,8 +104,9 @@ def migrate_to_file(q: QMP, path: Path, timeout: float = 60.0) -> None:
         time.sleep(0.001)
 
 
-def migrate_from_file(q: QMP, path: Path, timeout: float = 60.0) -> None:
-    """On a `-incoming defer` VM: loads the device state from `path`, then makes sure it runs."""
+def migrate_from_file(q: QMP, path: Path, timeout: float = 60.0, before_cont=None) -> None:
+    """On a `-incoming defer -S` VM: loads the device state from `path`, calls `before_cont()`
+    (the VM is loaded but stopped), then makes sure it runs."""
     import time
 
     q.execute("migrate-incoming", uri=f"exec:cat {_shell_path(path)}")
@@ -110,6 +118,9 @@ def migrate_from_file(q: QMP, path: Path, timeout: float = 60.0) -> None:
         if status in ("paused", "postmigrate", "prelaunch"):
             mig = q.execute("query-migrate").get("status")
             if mig == "completed":
+                if before_cont is not None:
+                    before_cont()
+                    before_cont = None
                 q.execute("cont")
                 continue
         if status in ("internal-error", "shutdown", "guest-panicked"):

@@ -53,6 +53,7 @@ class VMState:
     ram_share: bool = True  # False: MAP_PRIVATE over a snapshot's RAM file (restored sandboxes)
     ram_owned: bool = True  # kill() deletes `ram` only if the sandbox owns it
     device_state: str = ""  # saved device state of a pause_to_disk (in state_dir)
+    device_state_full_ram: bool = False  # that device state carries the RAM (x-ignore-shared off)
     chain: list[str] = field(default_factory=list)  # read-only disk layers under `top`, base first
     top_node: str = "root"  # QMP node name of the current top in the running QEMU
     generation: int = 0  # counts sealed layers, names the next top

@@ -30,7 +30,7 @@ def test_credit_as_root_uses_rndaddentropy(tmp_path, monkeypatch):
     seed = os.urandom(64)
     result = entropy.credit(seed, device=str(dev), ioctl=lambda fd, req, arg: calls.append((req, arg)))
     assert result == "credited"
-    assert calls == [(0x40085203, struct.pack("ii", 512, 64) + seed)]
+    assert calls == [(0x40085203, struct.pack("ii", 512, 64) + seed), (0x5207, 0)]  # credit, then reseed
     assert dev.read_bytes() == b""  # credited, not written
 
 

@@ -72,7 +72,7 @@ def test_restore_destination_differs_only_in_ram_share_top_port_and_incoming():
                     qmp=Path("/h/sandboxes/sb1/qmp.sock"), console=Path("/h/sandboxes/sb1/console.log"),
                     pidfile=Path("/h/sandboxes/sb1/qemu.pid"), ram=Path("/dev/shm/aenv-sb1.ram"))
     dst = make(paths=other, host_port=45000, ram_share=False, incoming=True)
-    assert dst[-2:] == ["-incoming", "defer"] and "-incoming" not in src
-    changed = [(a, b) for a, b in zip(src, dst[:-2]) if a != b]
-    assert len(src) == len(dst) - 2 and len(changed) == 3
+    assert dst[-3:] == ["-S", "-incoming", "defer"] and "-incoming" not in src and "-S" not in src
+    changed = [(a, b) for a, b in zip(src, dst[:-3]) if a != b]
+    assert len(src) == len(dst) - 3 and len(changed) == 3
     assert "share=off" in changed[0][1] and "top-1.qcow2" in changed[1][1] and "45000" in changed[2][1]

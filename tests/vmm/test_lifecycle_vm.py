@@ -219,6 +219,8 @@ def test_fork_two(driver, parent):
         for kid in kids:
             print(f"\nfork child {kid.sandbox_id}: {kid.timings}")
         a, b = kids
+        capture_ram = list(Path("/dev/shm").glob(f"aenv-fork-{parent.sandbox_id}-*.ram"))
+        assert len(capture_ram) == 1  # the capture's RAM copy is on tmpfs, mapped by both children
         assert driver.info(parent.sandbox_id).envd_port == port
         assert envd_healthy("127.0.0.1", port)
         for kid in kids:
@@ -235,6 +237,35 @@ def test_fork_two(driver, parent):
         assert_gone(driver, kid)
     forks = driver.home / "forks"
     assert not forks.exists() or list(forks.iterdir()) == []  # capture freed with its last child
+    assert not capture_ram[0].exists()
+
+
+def test_restored_vm_pause_to_disk_converts_to_own_ram(driver, parent, tmp_path):
+    """A copy-on-write VM's first pause_to_disk carries its RAM in the stream; the resume puts
+    it on a RAM file of its own (zero pages punched out), so the next pause saves ~100 KiB."""
+    manifest = driver.snapshot(parent.sandbox_id, tmp_path / "snap")
+    kid = driver.restore(manifest, BootSpec("lc-cow"))
+    try:
+        before = counter(kid.envd_port)
+        t1 = driver.pause_to_disk(kid.sandbox_id)
+        full = (kid.state_dir / "device.state").stat().st_size
+        info = driver.resume(kid.sandbox_id)
+        print(f"\ncow pause_to_disk {t1}, state {full >> 20} MiB; resume {info.timings}")
+        assert info.timings["ram_converted"] == 1
+        own = Path(f"/dev/shm/aenv-{kid.sandbox_id}.ram")
+        assert own.exists() and own.stat().st_blocks * 512 < 200 << 20  # not all 256 MiB
+        before = assert_continues(kid.envd_port, before)
+        t2 = driver.pause_to_disk(kid.sandbox_id)
+        small = (kid.state_dir / "device.state").stat().st_size
+        print(f"own-RAM pause_to_disk {t2}, state {small >> 10} KiB")
+        assert small < 1 << 20 < full
+        driver.resume(kid.sandbox_id)
+        assert_continues(kid.envd_port, before)
+    finally:
+        assert driver.kill(kid.sandbox_id)
+    assert_gone(driver, kid)
+    assert Path(manifest.memory_file).exists()  # the snapshot's RAM was never the kid's to delete
+    shutil.rmtree(tmp_path / "snap")
 
 
 def test_kill_paused_to_disk_parent(driver, parent):

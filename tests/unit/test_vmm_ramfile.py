@@ -1,0 +1,26 @@
+"""vmm.ramfile: zero pages of a RAM file become holes; data pages stay byte for byte."""
+import os
+
+from vmm.ramfile import PAGE, punch_zero_pages, zero_runs
+
+
+def test_zero_pages_are_punched_and_data_kept(tmp_path):
+    path = tmp_path / "ram"
+    size = 8 << 20
+    with open(path, "wb") as f:
+        f.write(bytes(size))  # fully allocated zeros
+        for off in (0, 5 * PAGE, (2 << 20) + 3 * PAGE, size - PAGE):
+            f.seek(off)
+            f.write(b"\x01" + bytes(PAGE - 2) + b"\x02")
+    before = path.read_bytes()
+    assert os.stat(path).st_blocks * 512 >= size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        runs = list(zero_runs(fd, size))
+    finally:
+        os.close(fd)
+    assert runs[0] == (PAGE, 4 * PAGE) and runs[-1][0] + runs[-1][1] == size - PAGE
+    freed = punch_zero_pages(path)
+    assert freed == size - 4 * PAGE
+    assert path.read_bytes() == before
+    assert os.stat(path).st_blocks * 512 <= 4 * PAGE + (64 << 10)  # only the data pages (+fs slack)

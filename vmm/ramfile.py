@@ -1,0 +1,63 @@
+"""Guest RAM files on /dev/shm: give all-zero pages back to tmpfs.
+
+Why: when a copy-on-write VM (restored or forked) is resumed onto a RAM file of its own, QEMU's
+migration loader reads every page of that new file to check it is zero, and on tmpfs a read
+fault allocates: the file would hold the guest's full memory size instead of what the guest
+really uses. Punching holes for the zero pages (while the VM is still stopped) undoes that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+PAGE = 4096
+CHUNK = 2 << 20
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def zero_runs(fd: int, size: int):
+    """(offset, length) of the runs of all-zero pages; pread never allocates tmpfs holes."""
+    zero_chunk, zero_page = bytes(CHUNK), bytes(PAGE)
+    start = None
+    for off in range(0, size, CHUNK):
+        data = os.pread(fd, CHUNK, off)
+        if data == zero_chunk[:len(data)]:
+            if start is None:
+                start = off
+            continue
+        for i in range(0, len(data), PAGE):
+            page = data[i:i + PAGE]
+            if page == zero_page[:len(page)]:
+                if start is None:
+                    start = off + i
+            elif start is not None:
+                yield start, off + i - start
+                start = None
+    if start is not None:
+        yield start, size - start
+
+
+def punch_zero_pages(path) -> int:
+    """Deallocates every all-zero page of `path` (the VM using it must be stopped); returns bytes."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        freed = 0
+        for offset, length in zero_runs(fd, size):
+            punch_hole(fd, offset, length)
+            freed += length
+        return freed
+    finally:
+        os.close(fd)
