@@ -178,19 +178,22 @@ async def _snapshot_on_node(sandbox: Sandbox, snapshot: Snapshot, node, memory, 
         # The node answered: the driver continued the VM and removed the partial capture.
         # No answer: the VM's state is unknown, so it is removed like after a failed pause.
         vm_runs = isinstance(exc, client.NodeTaskFailed)
-        cleanup = files = None
-        if not vm_runs:
-            cleanup = await sbx._kill_on_node(node, sandbox.id, sbx.CLEANUP_DEADLINE)
-            files = await _delete_files_quietly(node, snapshot.id)
         event = sbx._event(sandbox.id, "snapshot", outcome="error", from_state=S.SNAPSHOTTING, started_at=started,
-                           duration_ms=sbx._ms(t0), message=reason, actor=actor,
-                           details={**details, "kind": kind, "cleanup": cleanup, "files": files})
+                           duration_ms=sbx._ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
         if vm_runs:
             moved = await sbx._transition(sandbox.id, [S.SNAPSHOTTING], S.RUNNING, event)
         else:
             moved = await sbx._transition(sandbox.id, [S.SNAPSHOTTING], S.ERROR, event, error_reason=reason)
         if not moved:
-            await sbx._record(event)  # killed meanwhile
+            await sbx._record(event)  # killed, or settled by the node's reconcile, meanwhile
+        elif not vm_runs:
+            # Only the winner of the transition removes the VM: a restarted node worker may
+            # have continued it and set the sandbox running again meanwhile.
+            cleanup = await sbx._kill_on_node(node, sandbox.id, sbx.CLEANUP_DEADLINE)
+            await sbx._record(sbx._event(sandbox.id, "snapshot", outcome="cleanup", from_state=S.ERROR,
+                                         to_state=S.ERROR, actor=actor, details={**details, "cleanup": cleanup}))
+        if not vm_runs:
+            await _delete_files_quietly(node, snapshot.id)
         await Snapshot.objects.filter(pk=snapshot.pk).aupdate(state=SS.ERROR, error_reason=reason,
                                                               updated_at=timezone.now())
         raise ApiError(status, reason, error_code=code) from exc
@@ -454,25 +457,31 @@ async def _fork_failed(client, exc, parent, children, node, t0, started, details
     # The node answered: the capture failed and the driver continued the parent (no child
     # was started). No answer: parent and children are in an unknown state; remove them.
     vm_runs = isinstance(exc, client.NodeTaskFailed)
-    cleanup = None
-    if not vm_runs:
-        cleanup = {sid: await sbx._kill_on_node(node, sid, sbx.CLEANUP_DEADLINE)
-                   for sid in [parent.id] + [c.id for c in children]}
     event = sbx._event(parent.id, "fork", outcome="error", from_state=S.FORKING, started_at=started,
-                       duration_ms=sbx._ms(t0), message=reason, actor=actor,
-                       details={**details, "kind": kind, "cleanup": cleanup})
+                       duration_ms=sbx._ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
     if vm_runs:
         moved = await sbx._transition(parent.id, [S.FORKING], S.RUNNING, event)
     else:
         moved = await sbx._transition(parent.id, [S.FORKING], S.ERROR, event, error_reason=reason)
     if not moved:
         await sbx._record(event)
+    # Without an answer, each VM whose row this request moved to error is removed; a row
+    # settled meanwhile (killed, or reconciled by a restarted node worker) is left alone.
+    doomed = [parent.id] if moved and not vm_runs else []
     for child in children:
         child_event = sbx._event(child.id, "create", outcome="error", from_state=S.CREATING, started_at=started,
                                  duration_ms=sbx._ms(t0), message=reason, actor=actor,
                                  details={"forked_from": parent.id, "kind": kind})
-        if not await sbx._transition(child.id, [S.CREATING], S.ERROR, child_event, error_reason=reason):
+        if await sbx._transition(child.id, [S.CREATING], S.ERROR, child_event, error_reason=reason):
+            if not vm_runs:
+                doomed.append(child.id)
+        else:
             await sbx._record(child_event)
+    for sid in doomed:
+        cleanup = await sbx._kill_on_node(node, sid, sbx.CLEANUP_DEADLINE)
+        await sbx._record(sbx._event(sid, "fork" if sid == parent.id else "create", outcome="cleanup",
+                                     from_state=S.ERROR, to_state=S.ERROR, actor=actor,
+                                     details={**details, "cleanup": cleanup}))
     raise ApiError(status, reason, error_code=code) from exc
 
 

@@ -173,3 +173,20 @@ async def test_parent_killed_during_fork_keeps_consistent_states(api, create, fo
     # the killed child's VM, started after its kill, was removed
     killed = [c.kwargs["sandbox_id"] for c in fork_mock.client.kill_sandbox.await_args_list]
     assert fork_mock.client.fork_sandbox.await_args.kwargs["children"][0]["sandbox_id"] in killed
+
+
+async def test_timed_out_fork_spares_rows_settled_meanwhile(api, create, fork_mock, assert_error):
+    parent = await create()
+
+    async def reconciled_then_timeout(node, **kw):
+        await Sandbox.objects.filter(pk=kw["sandbox_id"]).aupdate(state="running")
+        await Sandbox.objects.filter(pk=kw["children"][0]["sandbox_id"]).aupdate(state="error")
+        raise fork_mock.client.NodeTimeout("worker restarted")
+
+    fork_mock.client.fork_sandbox.side_effect = reconciled_then_timeout
+    fork_mock.client.kill_sandbox.reset_mock()
+    assert_error(await _fork(api, parent["sandboxID"], count=2), 504)
+    assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "running"
+    sent = [c["sandbox_id"] for c in fork_mock.client.fork_sandbox.await_args.kwargs["children"]]
+    killed = [c.kwargs["sandbox_id"] for c in fork_mock.client.kill_sandbox.await_args_list]
+    assert killed == [sent[1]]  # only the child this request itself moved to error

@@ -302,3 +302,20 @@ async def test_restore_racing_a_delete_loses_cleanly(api, create, snap_mock, ass
     snap_mock.client.restore_sandbox.assert_not_awaited()
     # a dependent in "error" does not pin the snapshot
     assert (await api.delete(f"/templates/{snap_id}")).status_code == 204
+
+
+async def test_timed_out_snapshot_settled_by_the_node_is_not_killed(api, create, snap_mock, assert_error):
+    """A node worker restarted mid-snapshot continues the VM and sets the sandbox running
+    (its reconcile); the API call that then times out must not kill that VM."""
+    sb = await create()
+
+    async def reconciled_then_timeout(node, **kw):
+        await Sandbox.objects.filter(pk=kw["sandbox_id"]).aupdate(state="running")
+        raise snap_mock.client.NodeTimeout("worker restarted")
+
+    snap_mock.client.snapshot_sandbox.side_effect = reconciled_then_timeout
+    snap_mock.client.kill_sandbox.reset_mock()
+    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/snapshots", json={}), 504)
+    assert (await Sandbox.objects.aget(pk=sb["sandboxID"])).state == "running"
+    snap_mock.client.kill_sandbox.assert_not_awaited()
+    assert (await Snapshot.objects.aget()).state == "error"

@@ -1,0 +1,94 @@
+"""Node-side reconcile of interrupted snapshots and forks (a node worker that died
+mid-capture), in the style of ``nodes.reconcile`` and meant to be called from it:
+
+- a sandbox left ``snapshotting`` / ``forking``: the capture stopped its vCPUs and may
+  never have continued them, so the VM is continued and its envd re-initialised →
+  ``running`` (no VM → ``error``). Fork children left ``creating`` are
+  ``nodes.reconcile``'s (removed, ``error``);
+- a Snapshot left ``creating`` on this node: its partial files are removed → ``error``;
+- at start only (no task runs yet): fork captures no VM refers to any more are removed.
+
+Every change is conditional on the row being as read (state and updated_at), so an
+operation that started meanwhile is never overwritten."""
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from pathlib import Path
+
+from django.utils import timezone
+
+from sandboxes.models import Sandbox, SandboxEvent, SandboxState
+
+from .models import Snapshot, SnapshotState
+
+log = logging.getLogger(__name__)
+
+S = SandboxState
+INTERRUPTED = {S.SNAPSHOTTING: "snapshot", S.FORKING: "fork"}
+
+
+def reconcile_interrupted(node_id: str, driver, *, older_than: datetime, at_start: bool) -> list[tuple]:
+    """Returns ``[(kind, id, what_was_done)]``; one failing row does not stop the others."""
+    from nodes import reconcile as base  # noqa: PLC0415
+
+    actor = f"node:{node_id}"
+    done: list[tuple] = []
+    rows = Sandbox.objects.filter(node_id=node_id, state__in=list(INTERRUPTED), updated_at__lt=older_than)
+    for row in list(rows):
+        try:
+            done.append(("sandbox", row.pk, _settle_sandbox(base, driver, row, actor)))
+        except Exception:  # noqa: BLE001 - the next pass retries
+            log.exception("reconcile of %s sandbox %s failed", row.state, row.pk)
+    for snap in list(Snapshot.objects.filter(node_id=node_id, state=SnapshotState.CREATING,
+                                             updated_at__lt=older_than)):
+        done.append(("snapshot", snap.pk, _fail_snapshot(snap)))
+    if at_start:
+        done += [("fork capture", name, "removed") for name in _orphan_captures(driver)]
+    return done
+
+
+def _settle_sandbox(base, driver, row: Sandbox, actor: str) -> str:
+    op = INTERRUPTED[row.state]
+    info = driver.info(row.pk)
+    details = {"vm": None if info is None else info.status, "interrupted": op}
+    if info is None:
+        driver.kill(row.pk)  # whatever files are left
+        reason = f"VM lost: the node has no VM for this sandbox (it was {row.state})"
+        base._move(row, S.ERROR, actor, reason, details, error_reason=reason)
+        return "lost"
+    fields = base._continue(driver, row)
+    base._move(row, S.RUNNING, actor, f"{op} was interrupted by a node restart; the VM was continued",
+               details, **fields)
+    return "running"
+
+
+def _fail_snapshot(snap: Snapshot) -> str:
+    from snapshots.storage import get_store  # noqa: PLC0415
+
+    removed = get_store().delete(snap.pk)
+    reason = "the node worker stopped while capturing; nothing was kept"
+    Snapshot.objects.filter(pk=snap.pk, state=SnapshotState.CREATING, updated_at=snap.updated_at).update(
+        state=SnapshotState.ERROR, error_reason=reason, updated_at=timezone.now())
+    if snap.source_sandbox_id:
+        SandboxEvent.objects.create(sandbox_id=snap.source_sandbox_id, operation="reconcile",
+                                    message=f"snapshot {snap.pk} abandoned: {reason}",
+                                    details={"snapshot": snap.pk, "files_removed": removed})
+    return "error"
+
+
+def _orphan_captures(driver) -> list[str]:
+    """Fork captures (``<home>/forks/*``) that no VM state dir refers to: a fork killed
+    between capture and children. The driver deletes a capture only when its last child
+    goes, so nothing else would ever remove these."""
+    home = getattr(driver, "home", None)
+    release = getattr(driver, "_release_capture", None)
+    forks = Path(home) / "forks" if home else None
+    if forks is None or release is None or not forks.is_dir():
+        return []
+    removed = []
+    for capture in sorted(forks.iterdir()):
+        release(capture.absolute())
+        if not capture.exists():
+            removed.append(capture.name)
+    return removed
