@@ -13,6 +13,7 @@ long ago (AENV_RECONCILE_STALE). The VM's real state wins for interrupted operat
   back to disk if it runs → ``paused`` (a later connect resumes it again);
 - creating: the boot was never acknowledged → VM removed, ``error``;
 - killing:  VM removed → ``killed``;
+- snapshotting / forking: the source VM is continued → ``running``;
 - settled rows (startup only): ``running`` whose VM is saved to disk → ``paused``;
   ``paused`` whose VM runs → saved to disk again; a row whose VM is gone → ``error``.
 A VM recorded as saved to disk never keeps a QEMU process (a worker killed between the
@@ -40,7 +41,7 @@ from sandboxes.models import Sandbox, SandboxEvent, SandboxState
 log = logging.getLogger(__name__)
 
 S = SandboxState
-TRANSITIONAL = [S.CREATING, S.PAUSING, S.RESUMING, S.KILLING]
+TRANSITIONAL = [S.CREATING, S.PAUSING, S.RESUMING, S.KILLING, S.SNAPSHOTTING, S.FORKING]
 SETTLED = [S.RUNNING, S.PAUSED]
 DEAD = [S.KILLED, S.ERROR]
 
@@ -135,6 +136,15 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
         reason = f"VM lost: the node has no VM for this sandbox (it was {row.state})"
         _move(row, S.ERROR, actor, reason, details, error_reason=reason)
         return "lost"
+    if row.state in (S.SNAPSHOTTING, S.FORKING):
+        # the source of a snapshot / fork keeps running afterwards; its capture was never
+        # acknowledged (the snapshot record is for its own service to clean up)
+        if on_disk:
+            _move(row, S.PAUSED, actor, f"{row.state} was interrupted; the VM is saved to disk", details)
+            return "paused"
+        fields = _continue(driver, row)
+        _move(row, S.RUNNING, actor, f"{row.state} was interrupted; the VM was continued", details, **fields)
+        return "running"
     if row.state == S.PAUSING:
         if on_disk:
             _move(row, S.PAUSED, actor, "pause had finished on the node", details)
@@ -166,11 +176,14 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
 
 def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool) -> list[tuple[str, str, str]]:
     """Reconciles this node's rows last changed before ``older_than``: transitional ones
-    always, running / paused ones too when ``settled`` (at start), plus VMs of dead rows.
+    always (snapshotting / forking only at start), running / paused ones too when
+    ``settled`` (at start), plus VMs of dead rows.
     Returns ``[(sandbox_id, state_before, what_was_done)]``; one failing sandbox does not
     stop the others."""
     actor = f"node:{node_id}"
-    states = TRANSITIONAL + (SETTLED if settled else [])
+    # Snapshots and forks may legitimately run long (copying layers to a store): only a
+    # worker restart, which certainly ended them, reconciles those.
+    states = TRANSITIONAL + SETTLED if settled else [s for s in TRANSITIONAL if s not in (S.SNAPSHOTTING, S.FORKING)]
     rows = list(Sandbox.objects.filter(node_id=node_id, state__in=states, updated_at__lt=older_than))
     sandboxes_dir = getattr(driver, "sandboxes_dir", None)
     if sandboxes_dir is not None and Path(sandboxes_dir).is_dir():  # includes dead VMs' leftover files

@@ -99,3 +99,42 @@ def test_worker_killed_mid_pause_reconciles(stack, sdk_env):
             stack.start_node()
         Sandbox.kill(sbx.sandbox_id)
     _nothing_left(stack, sbx.sandbox_id)
+
+
+def test_worker_killed_mid_resume_reconciles(stack, sdk_env):
+    sbx = Sandbox.create(timeout=600)
+    try:
+        sbx.files.write("/home/user/counter.py", COUNTER)
+        sbx.files.write("/home/user/keep.txt", "kept")
+        sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
+        deadline = time.monotonic() + 30
+        while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        counter_pid = int(sbx.files.read("/home/user/counter.txt").split()[0])
+        assert sbx.pause() is True
+
+        connect, box = _in_thread(lambda: httpx.post(f"{stack.api_url}/sandboxes/{sbx.sandbox_id}/connect",
+                                                     json={"timeout": 600}, headers=stack.headers(), timeout=600))
+        end = time.monotonic() + 60
+        while "nodes.resume_sandbox" not in stack.new_log("node") and time.monotonic() < end:
+            time.sleep(0.005)
+        stack.kill_node()  # mid-resume
+        stack.start_node()
+        connect.join(60)
+        assert not connect.is_alive(), "the connect request waited for the node deadline"
+        status, state = box["result"].status_code, _db(stack, sbx.sandbox_id)
+        print(f"\nconnect answered {status}; sandbox {state}")
+        # an unacknowledged resume leaves the sandbox paused (VM saved again, no stray QEMU);
+        # a resume whose answer was out before the kill simply stands
+        assert (status, state) in ((503, "paused"), (201, "running")), box["result"].text
+        if state == "paused":
+            assert stack.qemu_pids(sbx.sandbox_id) == []
+        again = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        assert again.files.read("/home/user/keep.txt") == "kept"
+        assert int(again.files.read("/home/user/counter.txt").split()[0]) == counter_pid
+        assert len(stack.qemu_pids(sbx.sandbox_id)) == 1
+    finally:
+        if "node" not in stack.procs:
+            stack.start_node()
+        Sandbox.kill(sbx.sandbox_id)
+    _nothing_left(stack, sbx.sandbox_id)

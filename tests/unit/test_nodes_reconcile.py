@@ -165,3 +165,13 @@ def test_a_failing_sandbox_does_not_stop_the_others(fake, make, monkeypatch):
     done = dict((sid, what) for sid, _, what in _run(fake))
     assert done[bad.pk].startswith("failed") and _state(bad) == "pausing"
     assert _state(good) == "paused"
+
+
+def test_interrupted_snapshot_or_fork_continues_the_source(fake, make):
+    snap = make("snapshotting", "running", fake)
+    fork = make("forking", "paused", fake)  # stopped in memory for the capture
+    _run(fake, settled=False)  # the periodic pass leaves long snapshots / forks alone
+    assert (_state(snap), _state(fork)) == ("snapshotting", "forking") and fake.calls == []
+    _run(fake)
+    assert _state(snap) == "running" and _state(fork) == "running"
+    assert ("resume", fork.pk) in fake.calls and fake.vms[fork.pk] == "running"
