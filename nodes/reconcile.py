@@ -13,7 +13,8 @@ long ago (AENV_RECONCILE_STALE). The VM's real state wins for interrupted operat
   back to disk if it runs → ``paused`` (a later connect resumes it again);
 - creating: the boot was never acknowledged → VM removed, ``error``;
 - killing:  VM removed → ``killed``;
-- snapshotting / forking: the source VM is continued → ``running``;
+- snapshotting / forking (and snapshot records, fork captures): ``snapshots.reconcile``,
+  called from here;
 - settled rows (startup only): ``running`` whose VM is saved to disk → ``paused``;
   ``paused`` whose VM runs → saved to disk again; a row whose VM is gone → ``error``.
 A VM recorded as saved to disk never keeps a QEMU process (a worker killed between the
@@ -41,7 +42,7 @@ from sandboxes.models import Sandbox, SandboxEvent, SandboxState
 log = logging.getLogger(__name__)
 
 S = SandboxState
-TRANSITIONAL = [S.CREATING, S.PAUSING, S.RESUMING, S.KILLING, S.SNAPSHOTTING, S.FORKING]
+TRANSITIONAL = [S.CREATING, S.PAUSING, S.RESUMING, S.KILLING]
 SETTLED = [S.RUNNING, S.PAUSED]
 DEAD = [S.KILLED, S.ERROR]
 
@@ -136,15 +137,6 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
         reason = f"VM lost: the node has no VM for this sandbox (it was {row.state})"
         _move(row, S.ERROR, actor, reason, details, error_reason=reason)
         return "lost"
-    if row.state in (S.SNAPSHOTTING, S.FORKING):
-        # the source of a snapshot / fork keeps running afterwards; its capture was never
-        # acknowledged (the snapshot record is for its own service to clean up)
-        if on_disk:
-            _move(row, S.PAUSED, actor, f"{row.state} was interrupted; the VM is saved to disk", details)
-            return "paused"
-        fields = _continue(driver, row)
-        _move(row, S.RUNNING, actor, f"{row.state} was interrupted; the VM was continued", details, **fields)
-        return "running"
     if row.state == S.PAUSING:
         if on_disk:
             _move(row, S.PAUSED, actor, "pause had finished on the node", details)
@@ -176,14 +168,12 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
 
 def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool) -> list[tuple[str, str, str]]:
     """Reconciles this node's rows last changed before ``older_than``: transitional ones
-    always (snapshotting / forking only at start), running / paused ones too when
-    ``settled`` (at start), plus VMs of dead rows.
+    always, running / paused ones too when ``settled`` (at start), plus VMs of dead rows;
+    then interrupted snapshots and forks (``snapshots.reconcile``).
     Returns ``[(sandbox_id, state_before, what_was_done)]``; one failing sandbox does not
     stop the others."""
     actor = f"node:{node_id}"
-    # Snapshots and forks may legitimately run long (copying layers to a store): only a
-    # worker restart, which certainly ended them, reconciles those.
-    states = TRANSITIONAL + SETTLED if settled else [s for s in TRANSITIONAL if s not in (S.SNAPSHOTTING, S.FORKING)]
+    states = TRANSITIONAL + (SETTLED if settled else [])
     rows = list(Sandbox.objects.filter(node_id=node_id, state__in=states, updated_at__lt=older_than))
     sandboxes_dir = getattr(driver, "sandboxes_dir", None)
     if sandboxes_dir is not None and Path(sandboxes_dir).is_dir():  # includes dead VMs' leftover files
@@ -201,6 +191,16 @@ def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool)
         if what:
             log.info("reconcile: sandbox %s was %s: %s", row.pk, row.state, what)
             done.append((row.pk, row.state, what))
+    try:
+        from snapshots.reconcile import reconcile_interrupted  # noqa: PLC0415
+    except ImportError:
+        return done
+    try:
+        for kind, ident, what in reconcile_interrupted(node_id, driver, older_than=older_than, at_start=settled):
+            log.info("reconcile: %s %s: %s", kind, ident, what)
+            done.append((ident, kind, what))
+    except Exception:  # noqa: BLE001 - reported; the sandboxes above are settled anyway
+        log.exception("reconcile of interrupted snapshots / forks on node %s failed", node_id)
     return done
 
 
