@@ -338,7 +338,7 @@ class QemuDriver(VMDriver):
             time.sleep(0.005)
 
     def _spawn_incoming(self, state: VMState, device_state: Path, ignore_shared: bool = True,
-                        before_cont=None) -> dict[str, float]:
+                        before_cont=None, before_incoming=None) -> dict[str, float]:
         """Starts a destination QEMU for `state` (-incoming defer), loads the device state, runs
         it and waits for envd. On failure the new process is stopped and the error raised."""
         t0 = time.monotonic()
@@ -366,6 +366,8 @@ class QemuDriver(VMDriver):
             t_spawn = time.monotonic()
             with QMP(paths.qmp, timeout=30.0) as q:
                 prepare_migration(q)
+                if before_incoming is not None:  # e.g. the RAM file must be complete before the guest runs
+                    before_incoming()
                 if not ignore_shared:  # a full-RAM stream written without x-ignore-shared
                     set_ignore_shared(q, False)
                 migrate_from_file(q, device_state, before_cont=before_cont)
@@ -716,14 +718,14 @@ class QemuDriver(VMDriver):
             raise VMError(f"sandbox {sid} already exists ({state_dir})")
         t0 = time.monotonic()
         paths = VMPaths.for_sandbox(state_dir, sid, self.shm_dir)
+        copy = None
         try:
+            if own_ram:  # copied in the background while the disk is made and QEMU starts
+                copy = _RamCopy(Path(manifest.memory_file), paths.ram, manifest.memory_mb << 20)
             port = ports.allocate(self.sandboxes_dir, state_dir, self.host_address, self.port_range)
             _run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", manifest.layers[-1], "-F", "qcow2",
                   str(paths.top), f"{manifest.disk_size_mb}M"])
             t_disk = time.monotonic()
-            if own_ram:
-                _run(["cp", "--sparse=always", manifest.memory_file, str(paths.ram)])
-            t_ram = time.monotonic()
             state = VMState(sandbox_id=sid, pid=0, accel=m["accel"], host_address=self.host_address,
                             host_port=port, state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
                             console=str(paths.console), pidfile=str(paths.pidfile),
@@ -734,12 +736,16 @@ class QemuDriver(VMDriver):
                             disk_size_mb=manifest.disk_size_mb, argv=[], created_at=time.time(),
                             tsc_khz=m["tsc_khz"], resize=m["resize"], qemu=m["qemu"], ram_share=own_ram,
                             ram_owned=own_ram, chain=list(manifest.layers), capture_ref=capture_ref)
-            timings = self._spawn_incoming(state, Path(manifest.device_state_file))
+            timings = self._spawn_incoming(state, Path(manifest.device_state_file),
+                                           before_incoming=copy.wait if copy else None)
         except BaseException:
+            if copy is not None:
+                copy.wait(raise_error=False)
             self._cleanup(state_dir, paths, unlink_ram=own_ram)
             raise
-        if own_ram:
-            timings["ram_copy_ms"] = (t_ram - t_disk) * 1e3
+        if copy is not None:
+            timings["ram_copy_ms"] = copy.elapsed_ms
+            timings["ram_copy_wait_ms"] = copy.waited_ms
         timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3,
                    **extra_timings}
         state.status = "running"
@@ -792,6 +798,47 @@ class QemuDriver(VMDriver):
         return VMInfo(sandbox_id=state.sandbox_id, pid=state.pid, envd_host=state.host_address,
                       envd_port=state.host_port, accel=state.accel, state_dir=Path(state.state_dir),
                       timings=dict(state.timings), status="running" if state.status == "running" else "paused")
+
+
+class _RamCopy:
+    """A sparse copy of a snapshot's RAM into a new file, running in a thread. The file gets
+    its final size before the thread starts, so QEMU may map it meanwhile; it must not run the
+    guest before wait() returned."""
+
+    def __init__(self, src: Path, dst: Path, size: int):
+        self.dst = dst
+        self.error: BaseException | None = None
+        self.waited_ms = 0.0
+        fd = os.open(dst, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.t0 = time.monotonic()
+        self.t1 = self.t0
+        self.thread = threading.Thread(target=self._run, args=(src, fd), daemon=True, name=f"ramcopy-{dst.name}")
+        self.thread.start()
+
+    def _run(self, src: Path, fd: int) -> None:
+        try:
+            ramfile.copy_sparse_into(src, fd)
+        except BaseException as e:
+            self.error = e
+        finally:
+            os.close(fd)
+            self.t1 = time.monotonic()
+
+    @property
+    def elapsed_ms(self) -> float:
+        return (self.t1 - self.t0) * 1e3
+
+    def wait(self, raise_error: bool = True) -> None:
+        t = time.monotonic()
+        self.thread.join()
+        self.waited_ms = (time.monotonic() - t) * 1e3
+        if raise_error and self.error is not None:
+            raise VMError(f"copying the snapshot RAM into {self.dst} failed: {self.error}")
 
 
 def _attempts_error(sandbox_id: str, failures: list) -> VMError:

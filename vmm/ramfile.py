@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -61,3 +62,44 @@ def punch_zero_pages(path) -> int:
         return freed
     finally:
         os.close(fd)
+
+
+def copy_sparse_into(src, fd_out: int) -> int:
+    """Copies the data extents of `src` into the open file `fd_out` at the same offsets (holes
+    stay holes; fd_out must already have its final size). In-kernel copy: copy_file_range, or
+    sendfile across filesystems. Returns the bytes copied."""
+    fd_in = os.open(src, os.O_RDONLY)
+    try:
+        size = os.fstat(fd_in).st_size
+        copied, off = 0, 0
+        use_cfr = hasattr(os, "copy_file_range")
+        while off < size:
+            try:
+                start = os.lseek(fd_in, off, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only a hole is left
+                    break
+                raise
+            end = os.lseek(fd_in, start, os.SEEK_HOLE)
+            pos = start
+            while pos < end:
+                n = 0
+                if use_cfr:
+                    try:
+                        n = os.copy_file_range(fd_in, fd_out, end - pos, pos, pos)
+                    except OSError as e:
+                        if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                            raise
+                        use_cfr = False
+                        continue
+                else:
+                    os.lseek(fd_out, pos, os.SEEK_SET)
+                    n = os.sendfile(fd_out, fd_in, pos, end - pos)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"short copy of {src} at {pos}")
+                pos += n
+                copied += n
+            off = end
+        return copied
+    finally:
+        os.close(fd_in)

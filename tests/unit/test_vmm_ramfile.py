@@ -24,3 +24,25 @@ def test_zero_pages_are_punched_and_data_kept(tmp_path):
     assert freed == size - 4 * PAGE
     assert path.read_bytes() == before
     assert os.stat(path).st_blocks * 512 <= 4 * PAGE + (64 << 10)  # only the data pages (+fs slack)
+
+
+def test_copy_sparse_into_keeps_offsets_and_holes(tmp_path):
+    from vmm.ramfile import copy_sparse_into
+
+    src = tmp_path / "src"
+    size = 16 << 20
+    with open(src, "wb") as f:
+        f.truncate(size)
+        for off in (0, 3 << 20, size - PAGE):
+            f.seek(off)
+            f.write(os.urandom(PAGE * 2 if off < size - PAGE else PAGE))
+    dst = tmp_path / "dst"
+    fd = os.open(dst, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        copied = copy_sparse_into(src, fd)
+    finally:
+        os.close(fd)
+    assert dst.read_bytes() == src.read_bytes()
+    assert copied < 1 << 20  # only the data extents, not the 16 MiB of holes
+    assert os.stat(dst).st_blocks * 512 < 1 << 20
