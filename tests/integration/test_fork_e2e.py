@@ -9,7 +9,7 @@ import pytest
 from e2b import Sandbox
 
 from .test_pause_resume_e2e import _counter, _qemu_pids
-from .test_snapshot_e2e import _start_counter
+from .test_snapshot_e2e import _shm_files, _start_counter
 
 pytestmark = pytest.mark.vm
 
@@ -24,6 +24,7 @@ def _assert_gone(stack, ids):
     for sid in ids:
         assert sid not in left["state_dirs"], f"state dir of {sid} left behind"
         assert _qemu_pids(sid) == [], f"QEMU of {sid} still runs"
+        assert _shm_files(sid) == [], f"RAM file of {sid} left in /dev/shm"
 
 
 def test_fork_into_four(stack, sdk_env):
@@ -135,3 +136,4 @@ def test_kill_parent_during_fork_leaks_nothing(stack, sdk_env):
     left = stack.vm_leftovers()
     assert left["processes"] == [] and left["state_dirs"] == [], left
     assert _fork_dirs(stack) == [], "the fork capture was leaked"
+    _assert_gone(stack, [parent.sandbox_id] + child_ids)

@@ -3,6 +3,7 @@ one snapshot both see the file and the still-running background process; deletin
 snapshot is refused while one of them lives; a full snapshot store fails cleanly."""
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +23,12 @@ def _start_counter(sbx) -> tuple[int, int]:
         time.sleep(0.2)
     time.sleep(1)
     return _counter(sbx)
+
+
+def _shm_files(sandbox_id: str) -> list[str]:
+    """Guest RAM files of a sandbox (its own, or a fork capture of it) in /dev/shm."""
+    return sorted(p.name for p in Path("/dev/shm").glob("aenv-*")
+                  if p.name == f"aenv-{sandbox_id}.ram" or p.name.startswith(f"aenv-fork-{sandbox_id}-"))
 
 
 def _snapshot_dirs(stack) -> list[str]:
@@ -92,7 +99,7 @@ def test_snapshot_restore_twice_then_delete(stack, sdk_env):
             Sandbox.delete_snapshot(snap_id)
     left = stack.vm_leftovers()
     for sid in [src.sandbox_id] + [s.sandbox_id for s in restored]:
-        assert sid not in left["state_dirs"] and _qemu_pids(sid) == []
+        assert sid not in left["state_dirs"] and _qemu_pids(sid) == [] and _shm_files(sid) == []
 
 
 def test_snapshot_of_unknown_or_paused_sandbox(stack, sdk_env):
