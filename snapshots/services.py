@@ -364,6 +364,9 @@ async def fork_sandbox(team: Team, sandbox_id: str, *, count: int | None = 1, ti
     if parent.state != S.RUNNING:
         raise sbx._not_running(sandbox_id, parent.state)
     node = await sbx._node_of(parent)
+    if not await _has_room(node.pk, parent.cpu_count * count, parent.memory_mb * count):
+        raise ApiError(503, f"node {node.pk} has no room for {count} more sandbox(es) of {parent.cpu_count} vCPU / "
+                            f"{parent.memory_mb} MiB (forks start on their parent's node)", headers=sbx.NO_RETRY)
     if timeout is None:
         timeout = await _inherited_timeout(parent)
     children = await _begin_fork(parent, node, count, timeout, actor)
@@ -528,4 +531,17 @@ async def restore_node(snapshot: Snapshot, no_node_error: type[Exception]):
     node = await Node.objects.filter(pk=snapshot.node_id).afirst() if snapshot.node_id else None
     if node is None or node.draining or not node.is_alive():
         raise no_node_error(f"node {snapshot.node_id} holding snapshot {snapshot.id} is not available")
+    if not await _has_room(node.pk, snapshot.cpu_count, snapshot.memory_mb):
+        raise no_node_error(f"node {node.pk} holding snapshot {snapshot.id} has no room for "
+                            f"{snapshot.cpu_count} vCPU / {snapshot.memory_mb} MiB")
     return node
+
+
+async def _has_room(node_id: str, cpu_count: int, memory_mb: int) -> bool:
+    """Placement's own arithmetic (capacity minus what live sandboxes reserve) for the one
+    node a restore or fork must use."""
+    from nodes import placement  # noqa: PLC0415
+
+    node = await placement._candidates().filter(pk=node_id).afirst()
+    return (node is not None and node.cpu_reserved + cpu_count <= node.vcpu_capacity
+            and node.memory_reserved + memory_mb <= node.memory_mb_capacity)

@@ -174,3 +174,38 @@ def test_filesystem_only_snapshot_cold_boots_with_its_files(stack, sdk_env):
         if snap_id:
             Sandbox.delete_snapshot(snap_id)
     assert _qemu_pids(src.sandbox_id) == [] and _qemu_pids(fresh.sandbox_id) == []
+
+
+def test_snapshot_of_a_restored_sandbox_outlives_its_parent_snapshot(stack, sdk_env):
+    """template → snapshot A → sandbox → snapshot B: once A is deleted (allowed after its
+    sandbox is killed: B holds its own copies), B still restores with file and process."""
+    src = Sandbox.create(timeout=300)
+    mid = last = None
+    snaps = []
+    try:
+        src.files.write("/home/user/gen.txt", "A")
+        pid, _ = _start_counter(src)
+        snaps.append(src.create_snapshot().snapshot_id)
+        src.kill()
+        mid = Sandbox.create(snaps[0], timeout=300)
+        mid.files.write("/home/user/gen.txt", "B")
+        snaps.append(mid.create_snapshot().snapshot_id)
+        mid.kill()
+        assert Sandbox.delete_snapshot(snaps[0]) is True
+        last = Sandbox.create(snaps[1], timeout=300)
+        assert last.files.read("/home/user/gen.txt") == "B"
+        p1, n1 = _counter(last)
+        time.sleep(0.6)
+        p2, n2 = _counter(last)
+        assert p1 == p2 == pid and n2 > n1, "the process captured in A, carried through B, does not run"
+        detail = httpx.get(f"{stack.api_url}/sandboxes/{last.sandbox_id}", headers=stack.headers()).json()
+        assert detail["state"] == "running"
+    finally:
+        for sbx in (src, mid, last):
+            if sbx is not None:
+                sbx.kill()
+        for sid in snaps:
+            Sandbox.delete_snapshot(sid)
+    assert _snapshot_dirs(stack) == []
+    for sbx in (src, mid, last):
+        assert _qemu_pids(sbx.sandbox_id) == [] and _shm_files(sbx.sandbox_id) == []

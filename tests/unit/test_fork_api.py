@@ -190,3 +190,14 @@ async def test_timed_out_fork_spares_rows_settled_meanwhile(api, create, fork_mo
     sent = [c["sandbox_id"] for c in fork_mock.client.fork_sandbox.await_args.kwargs["children"]]
     killed = [c.kwargs["sandbox_id"] for c in fork_mock.client.kill_sandbox.await_args_list]
     assert killed == [sent[1]]  # only the child this request itself moved to error
+
+
+async def test_fork_beyond_node_capacity_is_503(api, create, fork_mock, assert_error):
+    parent = await create()  # 2 vCPU / 512 MiB; the node has 64 vCPU / 65536 MiB
+    from nodes.models import Node
+
+    await Node.objects.filter(pk="n1").aupdate(memory_mb_capacity=512 * 3)
+    assert_error(await _fork(api, parent["sandboxID"], count=3), 503, "no room")
+    assert (await _fork(api, parent["sandboxID"], count=2)).status_code == 201
+    assert_error(await _fork(api, parent["sandboxID"], count=1), 503, "no room")  # now full
+    assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "running"

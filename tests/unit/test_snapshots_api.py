@@ -319,3 +319,13 @@ async def test_timed_out_snapshot_settled_by_the_node_is_not_killed(api, create,
     assert (await Sandbox.objects.aget(pk=sb["sandboxID"])).state == "running"
     snap_mock.client.kill_sandbox.assert_not_awaited()
     assert (await Snapshot.objects.aget()).state == "error"
+
+
+async def test_restore_on_a_full_node_is_503(api, create, snap_mock, assert_error):
+    sb = await create()
+    snap_id = (await _snap(api, sb["sandboxID"]))["snapshotID"]
+    from nodes.models import Node
+
+    await Node.objects.filter(pk="n1").aupdate(memory_mb_capacity=700)  # the source holds 512
+    assert_error(await api.post("/v2/sandboxes", json={"templateID": snap_id}), 503, "no room")
+    snap_mock.client.restore_sandbox.assert_not_awaited()
