@@ -368,3 +368,25 @@ async def test_pause_resume_cycle_records_everything(api, paused, nodes_mock):
     assert ops == [("create", "started"), ("create", "ok"), ("pause", "started"), ("pause", "ok"),
                    ("resume", "started"), ("resume", "ok"), ("pause", "started"), ("pause", "ok"),
                    ("resume", "started"), ("resume", "ok")]
+
+
+@pytest.mark.parametrize("reconciled, status", [("running", 201), ("paused", 503), ("killing", 404)])
+async def test_resume_waiter_follows_a_reconcile(api, paused, nodes_mock, reconciled, status):
+    """A node worker that restarts mid-resume never answers; its reconcile decides."""
+    sb = await paused()
+
+    async def never(*args, **kwargs):
+        await asyncio.sleep(3600)
+
+    nodes_mock.client.resume_sandbox.side_effect = never
+    request = asyncio.ensure_future(api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 60}))
+    for _ in range(100):
+        if await _state(sb["sandboxID"]) == "resuming":
+            break
+        await asyncio.sleep(0.02)
+    await Sandbox.objects.filter(pk=sb["sandboxID"]).aupdate(state=reconciled)
+    resp = await asyncio.wait_for(request, 5)
+    assert resp.status_code == status, resp.text
+    assert await _state(sb["sandboxID"]) == reconciled
+    if status != 201:
+        assert ("resume", "aborted", "resuming", "") in await _events(sb["sandboxID"], "resume")
