@@ -116,10 +116,8 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
     running = info is not None and info.status == "running"
     details = {"vm": None if info is None else info.status, "stray_process_stopped": stray}
 
-    if row.state in (S.KILLING,) or row.state in DEAD:
-        if info is None and record is None:
-            return None
-        driver.kill(row.pk)
+    if row.state == S.KILLING or row.state in DEAD:
+        driver.kill(row.pk)  # also a state dir without vm.json (a boot cut off early)
         if row.state == S.KILLING:
             _move(row, S.KILLED, actor, "kill finished by the node", details, killed_at=timezone.now())
         else:

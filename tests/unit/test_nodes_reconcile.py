@@ -141,6 +141,14 @@ def test_vm_of_a_killed_sandbox_is_removed(fake, make, tmp_path):
     assert _state(dead) == "killed"
 
 
+def test_leftover_dir_of_a_failed_create_is_removed(fake, make, tmp_path):
+    failed = make("error")  # the driver has no record of it, only a directory
+    fake.sandboxes_dir = tmp_path
+    (tmp_path / failed.pk).mkdir()
+    _run(fake, settled=False)
+    assert ("kill", failed.pk) in fake.calls and _state(failed) == "error"
+
+
 def test_rows_changed_after_the_cutoff_are_left_alone(fake, make):
     sb = make("pausing", "paused_disk", fake)
     _run(fake, older_than=timezone.now() - timedelta(minutes=1))
