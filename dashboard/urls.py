@@ -17,6 +17,7 @@ urlpatterns = [
     path("api/sandboxes.json", views.sandbox_list_json, name="sandboxes-json"),
     path("sandboxes/create", views.sandbox_create, name="sandbox-create"),
     path("snapshots/", views.snapshot_list, name="snapshots"),
+    path("snapshots/<str:snapshot_id>/delete", views.snapshot_delete, name="snapshot-delete"),
     path("sandboxes/<str:sandbox_id>/", views.sandbox_detail, name="sandbox"),
     path("api/sandboxes/<str:sandbox_id>.json", views.sandbox_detail_json, name="sandbox-json"),
     path("sandboxes/<str:sandbox_id>/kill", views.sandbox_kill, name="sandbox-kill"),

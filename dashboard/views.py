@@ -525,6 +525,24 @@ def snapshot_list(request):
     ))
 
 
+@require_POST
+@login_required
+async def snapshot_delete(request, snapshot_id):
+    """Deletes a snapshot and its files; refused (the API's 409) while sandboxes started
+    from it still run. Another team's snapshot is a 404 like an unknown one."""
+    user = await request.auser()
+    team = await sync_to_async(current_team)(request)
+    snap = snapshot_services()
+    if team is None or snap is None:
+        raise Http404("snapshot not found")
+    back = reverse("dashboard:snapshots")
+    try:
+        await snap.delete_snapshot(team, snapshot_id, actor=_actor(user))
+    except ApiError as exc:
+        return _create_result(request, back, "error", f"Delete failed: {exc.detail}", status=exc.status_code)
+    return _create_result(request, back, "success", f"Snapshot {snapshot_id} deleted.", status=200, redirect=back)
+
+
 # --------------------------------------------------------------------------- templates, nodes
 
 

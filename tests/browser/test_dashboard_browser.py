@@ -54,8 +54,9 @@ def type_line(page, line: str, expect: str) -> None:
     """Types ``line`` in the terminal once the prompt is there; waits for ``expect`` (a
     regex) alone on a line of the screen."""
     page.wait_for_selector('[data-terminal-status][data-status="open"]', timeout=60_000)
-    page.wait_for_function("() => /\\$\\s*$/m.test(document.querySelector('[data-terminal-screen] .xterm-rows').innerText)",
-                           timeout=60_000)
+    page.wait_for_function(
+        "() => /\\$\\s*$/m.test(document.querySelector('[data-terminal-screen] .xterm-rows').innerText)",
+        timeout=60_000)
     page.click("[data-terminal-screen]")
     page.keyboard.type(line)
     page.keyboard.press("Enter")
@@ -188,10 +189,17 @@ def test_snapshot_new_sandbox_from_it_and_fork(page, web_stack, shots_dir):
     assert lineage.index("base") < lineage.index(snapshot) < lineage.index(restored)
     assert parent in lineage and fork in lineage
     shot(page, shots_dir, "15-snapshots-lineage")
+    # Deleting it while a sandbox started from it runs: the API's refusal, inline.
+    page.click(f"tr[data-snapshot={snapshot}] button[data-action=delete-snapshot]")
+    page.wait_for_selector("[data-action-result][data-level=error]", timeout=60_000)
+    assert "Delete failed:" in page.inner_text("[data-action-result]")
 
     for sandbox_id in (restored, fork, parent):
         page.goto(f"/dashboard/sandboxes/{sandbox_id}/")
         page.click("button[data-action=kill]")
         wait_badge(page, "killed", timeout=120_000)
+    page.goto("/dashboard/snapshots/")
+    page.click(f"tr[data-snapshot={snapshot}] button[data-action=delete-snapshot]")
+    page.wait_for_selector(f"tr[data-snapshot={snapshot}]", state="detached", timeout=120_000)
     assert errors == []
     assert web_stack.vm_leftovers()["processes"] == []

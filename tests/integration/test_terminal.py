@@ -151,7 +151,8 @@ class Screen:
         deadline = asyncio.get_running_loop().time() + timeout
         while not check(self):
             left = deadline - asyncio.get_running_loop().time()
-            assert left > 0 and self.closed is None, f"waiting for {what}: closed={self.closed} tail={self.output[-400:]!r}"
+            assert left > 0 and self.closed is None, \
+                f"waiting for {what}: closed={self.closed} tail={self.output[-400:]!r}"
             try:
                 await self._one(min(left, 5))
             except asyncio.TimeoutError:

@@ -76,8 +76,8 @@ def test_list_columns_show_lineage_and_liveness(data):
 
 def test_change_pages_never_show_secrets(data):
     c = data["client"]
-    for url in (f"/admin/sandboxes/sandbox/{data['parent'].pk}/change/", f"/admin/snapshots/snapshot/{data['snap'].pk}/change/",
-                f"/admin/nodes/node/{data['alive'].pk}/change/"):
+    for url in (f"/admin/sandboxes/sandbox/{data['parent'].pk}/change/",
+                f"/admin/snapshots/snapshot/{data['snap'].pk}/change/", f"/admin/nodes/node/{data['alive'].pk}/change/"):
         page = c.get(url)
         body = page.content.decode()
         assert page.status_code == 200, url

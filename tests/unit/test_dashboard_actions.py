@@ -326,3 +326,28 @@ def test_snapshots_page_lineage_is_team_scoped(dash, team, other_team, base_temp
     detail = dash.get(f"/dashboard/sandboxes/{restored.id}/").content.decode()
     assert snap.id in detail and fork.id in detail
     assert parent.id in dash.get(f"/dashboard/sandboxes/{fork_of_parent.id}/").content.decode()
+
+
+def test_delete_snapshot_inline_result_and_team_scope(dash, team, other_team, base_template, node, nodes_mock):
+    from unittest import mock
+
+    from snapshots.models import Snapshot
+
+    snap = Snapshot.objects.create(team=team, template=base_template, node=node, name="old", state="ready")
+    in_use = Snapshot.objects.create(team=team, template=base_template, node=node, name="used", state="ready")
+    make_sandbox(team, base_template, node=node, source_snapshot=in_use)
+    theirs = Snapshot.objects.create(team=other_team, template=base_template, node=node, state="ready")
+    nodes_mock.client.delete_snapshot_files = mock.AsyncMock(return_value={"deleted": True})
+
+    resp = dash.post(f"/dashboard/snapshots/{in_use.id}/delete", **JSON)
+    assert resp.status_code == 409 and resp.json()["message"].startswith("Delete failed: ")
+    assert Snapshot.objects.filter(pk=in_use.pk, state="ready").exists()
+
+    resp = dash.post(f"/dashboard/snapshots/{theirs.id}/delete", **JSON)
+    assert resp.status_code == 404
+    assert Snapshot.objects.filter(pk=theirs.pk).exists()
+
+    resp = dash.post(f"/dashboard/snapshots/{snap.id}/delete", follow=True)
+    assert f"Snapshot {snap.id} deleted." in resp.content.decode()
+    assert not Snapshot.objects.filter(pk=snap.pk).exists()
+    nodes_mock.client.delete_snapshot_files.assert_awaited_once()

@@ -41,7 +41,8 @@ def test_pages_require_login(client, db, path):
 @pytest.mark.parametrize("path", ["/dashboard/sandboxes/x/kill", "/dashboard/sandboxes/x/timeout",
                                   "/dashboard/sandboxes/x/pause", "/dashboard/sandboxes/x/resume",
                                   "/dashboard/sandboxes/x/snapshot", "/dashboard/sandboxes/x/fork",
-                                  "/dashboard/sandboxes/create", "/dashboard/api-keys/create", "/dashboard/api-keys/1/revoke", "/dashboard/team/"])
+                                  "/dashboard/sandboxes/create", "/dashboard/snapshots/s1/delete",
+                                  "/dashboard/api-keys/create", "/dashboard/api-keys/1/revoke", "/dashboard/team/"])
 def test_actions_require_login(client, db, path):
     resp = client.post(path)
     assert resp.status_code == 302 and resp["Location"].startswith("/dashboard/login/")
