@@ -13,8 +13,15 @@ at the client and split with the API's Server-Timing header (node = raw driver t
 in the same request; ratio = client / node). Create/snapshot/fork through the API are not
 timed here yet.
 
-    .venv/bin/python bench/lifecycle.py [--runs 10] [--memory 256] [--cpu 1] [--api auto]
-Writes a table to stdout and JSON to bench/results/lifecycle-<UTC stamp>.json.
+Host memory per forked child: after every child has answered, /proc/<pid>/smaps_rollup of each
+child QEMU. PSS divides each shared page (the fork capture's RAM file on tmpfs, QEMU's binary and
+libraries) evenly among the processes mapping it, so the mean child PSS is a child's fair share;
+Pss_Anon is what it owns alone (guest pages it changed, copy-on-write, plus QEMU's own heap and
+TCG translation buffers). The MemAvailable drop per child is a second, noisier view (other load
+on the host moves it; it also includes the capture file and page tables).
+
+    .venv/bin/python bench/lifecycle.py [--runs 10] [--memory 256] [--cpu 1] [--ops create,fork4] [--api auto]
+Writes the table to stdout and JSON + markdown to bench/results/lifecycle-<UTC stamp>.{json,md}.
 """
 from __future__ import annotations
 
@@ -112,19 +119,23 @@ class Raw:
         t0 = time.monotonic()
         template_snapshots.build(self.images_dir, "base", a.cpu, a.memory, a.disk, progress=print)
         self.extra["template_snapshot_ready_s"] = round(time.monotonic() - t0, 1)
+        ops = set(a.ops.split(","))
         try:
-            self.creates()
-            parent = self.driver.boot(self.spec("parent"))
-            url = parent.envd_url
-            run_cmd(url, "echo bench > /root/state.txt && python3 -c 'print(1)'")
-            self.pause_resume(parent.sandbox_id)
-            self.pause_to_disk(parent.sandbox_id)
-            self.fs_pause(parent.sandbox_id)
-            self.snapshots(parent.sandbox_id)
-            for count, runs in ((4, a.fork4_runs), (16, a.fork16_runs)):
-                for _ in range(runs):
-                    self.fork(parent.sandbox_id, count)
-            self.driver.kill(parent.sandbox_id)
+            if "create" in ops:
+                self.creates()
+            if ops - {"create"}:
+                parent = self.driver.boot(self.spec("parent"))
+                run_cmd(parent.envd_url, "echo bench > /root/state.txt && python3 -c 'print(1)'")
+                sid = parent.sandbox_id
+                for op, fn in (("pause", self.pause_resume), ("disk", self.pause_to_disk), ("fs", self.fs_pause),
+                               ("snapshot", self.snapshots)):
+                    if op in ops:
+                        fn(sid)
+                for count, runs in ((4, a.fork4_runs), (16, a.fork16_runs)):
+                    if f"fork{count}" in ops:
+                        for _ in range(runs):
+                            self.fork(sid, count)
+                self.driver.kill(sid)
         finally:
             for vm in self.driver.list():
                 self.driver.kill(vm.sandbox_id)
@@ -280,13 +291,26 @@ def summarize(samples: dict[str, list[float]]) -> dict:
                 "n": len(v)} for k, v in samples.items()}
 
 
-def print_table(summary: dict) -> None:
-    print(f"\n{'operation':44} {'median':>9} {'min':>9} {'max':>9} {'n':>3}  target")
+def table(summary: dict) -> list[str]:
+    """Markdown table: one row per measured quantity, with the issue's target where it has one."""
+    lines = ["| operation | median | min | max | n | unit | target |", "|---|---:|---:|---:|---:|---|---|"]
     for name, s in summary.items():
         target = TARGETS.get(name)
-        verdict = "" if target is None else f"≤{target} {'ok' if s['median'] <= target else 'MISSED'}"
-        unit = "MiB" if name.endswith("_mib") else ("x" if name.endswith(".ratio") else "ms")
-        print(f"{name:44} {s['median']:9.1f} {s['min']:9.1f} {s['max']:9.1f} {s['n']:3}  {unit} {verdict}")
+        verdict = "" if target is None else f"≤ {target} {'ok' if s['median'] <= target else '**missed**'}"
+        unit = "MiB" if name.endswith("_mib") else ("×" if name.endswith(".ratio") else "ms")
+        lines.append(f"| {name} | {s['median']:.1f} | {s['min']:.1f} | {s['max']:.1f} | {s['n']} | {unit} | {verdict} |")
+    return lines
+
+
+def write_results(result: dict, stamp: str) -> Path:
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"lifecycle-{stamp}.json"
+    out.write_text(json.dumps(result, indent=2))
+    head = (f"# lifecycle benchmark {stamp}\n\nshape {result.get('shape')}, ops {result.get('ops')}, "
+            f"host {result.get('host')}\n\n")
+    out.with_suffix(".md").write_text(head + "\n".join(table(result["summary"])) + "\n")
+    return out
 
 
 def main() -> int:
@@ -300,12 +324,19 @@ def main() -> int:
     parser.add_argument("--memory", type=int, default=256)
     parser.add_argument("--disk", type=int, default=2048)
     parser.add_argument("--images-dir", default=os.environ.get("AENV_IMAGES_DIR", str(DEFAULT_IMAGES_DIR)))
+    parser.add_argument("--ops", default="create,pause,disk,fs,snapshot,fork4,fork16",
+                        help="raw operations to run (comma separated)")
     parser.add_argument("--no-raw", action="store_true", help="only the API part")
     parser.add_argument("--api", default="", help="API base URL, or 'auto' to start a stack of its own")
     parser.add_argument("--api-key", default=os.environ.get("E2B_API_KEY", ""))
+    parser.add_argument("--render", type=Path, help="only re-render an earlier JSON result as markdown")
     args = parser.parse_args()
+    if args.render:
+        result = json.loads(args.render.read_text())
+        print(write_results(result, result["when"]).with_suffix(".md").read_text())
+        return 0
 
-    result: dict = {"benchmark": "lifecycle", "shape": {"cpu": args.cpu, "memory_mb": args.memory,
+    result: dict = {"benchmark": "lifecycle", "ops": args.ops, "shape": {"cpu": args.cpu, "memory_mb": args.memory,
                                                         "disk_mb": args.disk}}
     samples: dict[str, list[float]] = {}
     if not args.no_raw:
@@ -332,16 +363,13 @@ def main() -> int:
                 shutil.rmtree(stack.home, ignore_errors=True)
         result["api_note"] = "API sandboxes use the 'base' template's shape (2 vCPU, 512 MiB), not --cpu/--memory"
     summary = summarize(samples)
-    print_table(summary)
+    print("\n".join(table(summary)))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"lifecycle-{stamp}.json"
     result.update({"when": stamp, "summary": summary, "samples": samples, "targets": TARGETS,
                    "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release(),
                             "loadavg_at_end": os.getloadavg()}})
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out.relative_to(ROOT)}")
+    out = write_results(result, stamp)
+    print(f"wrote {out.relative_to(ROOT)} (+ .md)")
     return 0
 
 
