@@ -139,6 +139,8 @@ class TerminalConsumer(AsyncWebsocketConsumer):
             else:
                 raise ValueError(kind)
         except (ValueError, KeyError, TypeError):
+            if self._task is not None:
+                self._task.cancel()  # no second close from the bridge
             await self._finish(CLOSE_BAD_MESSAGE, "bad terminal message")
 
     # ------------------------------------------------------------------ the bridge

@@ -195,6 +195,24 @@ async def test_browser_leaving_cancels_the_bridge(dash, team, base_template):
     assert leaked_terminal_tasks() == []
 
 
+@pytest.mark.parametrize("frame", ['{"type": "bogus"}', "not json", '["input"]', '{"type": "resize", "cols": 80}'])
+async def test_garbage_from_the_browser_closes_4400(dash, team, base_template, frame):
+    server = SilentServer()
+    try:
+        sandbox = await asyncio.to_thread(make_sandbox, team, base_template, port=server.port)
+        comm = communicator(sandbox.id, headers_for(dash))
+        assert (await comm.connect(timeout=5))[0]
+        await comm.send_to(text_data=frame)
+        assert await comm.receive_json_from(timeout=5) == {"type": "close", "code": 4400,
+                                                           "reason": "bad terminal message"}
+        assert (await comm.receive_output(timeout=5))["code"] == terminal.CLOSE_BAD_MESSAGE
+        await comm.disconnect(code=terminal.CLOSE_BAD_MESSAGE)
+        await asyncio.sleep(0.1)
+    finally:
+        server.close()
+    assert leaked_terminal_tasks() == []
+
+
 def test_envelope_reader_reassembles_split_frames():
     frames = envelope({"event": {"start": {"pid": 7}}}) + envelope({"event": {"keepalive": {}}})
     reader = EnvelopeReader()
@@ -212,3 +230,20 @@ def test_detail_page_wires_the_terminal(dash, mine, team, base_template):
     paused = make_sandbox(team, base_template, state="paused")
     html = dash.get(f"/dashboard/sandboxes/{paused.id}/").content.decode()
     assert "sandbox is paused: resume it to use the terminal" in html
+
+
+@pytest.mark.parametrize("origin,host,ok", [
+    ("http://dash.example:8000", "dash.example:8000", True),
+    ("https://dash.example", "dash.example:443", True),
+    ("https://dash.example", "dash.example", True),
+    ("http://dash.example", "dash.example:8000", False),    # another port is another origin
+    ("http://dash.example.evil.io", "dash.example", False),
+    ("file://dash.example", "dash.example", False),
+    ("https://proxy.example", "127.0.0.1:3000", True),      # listed in CSRF_TRUSTED_ORIGINS
+    ("", "dash.example", False),
+])
+def test_origin_rule(settings, origin, host, ok):
+    from dashboard.origin import origin_allowed
+
+    settings.CSRF_TRUSTED_ORIGINS = ["https://proxy.example"]
+    assert origin_allowed({b"origin": origin.encode(), b"host": host.encode()}) is ok
