@@ -297,6 +297,11 @@ async def delete_snapshot(team: Team, snapshot_id: str, actor: str = "") -> None
     if snapshot.state == SS.CREATING:
         raise ApiError(409, f'snapshot "{snapshot.id}" is still being created')
     previous = await _begin_delete(snapshot)
+    # Shielded: a client that goes away must not leave the snapshot stuck in "deleting".
+    await sbx._shielded(_delete_on_node(snapshot, previous, actor))
+
+
+async def _delete_on_node(snapshot: Snapshot, previous: str, actor: str) -> None:
     t0 = time.monotonic()
     if snapshot.node is not None and previous == SS.ERROR:
         await _delete_files_quietly(snapshot.node, snapshot.id)  # a failed capture left nothing, normally
