@@ -32,7 +32,7 @@ from django.utils import timezone
 
 from sandboxes import services as sbx
 from sandboxes.errors import ApiError
-from sandboxes.models import LIVE_STATES, Sandbox, SandboxState, Team, new_envd_access_token
+from sandboxes.models import LIVE_STATES, Sandbox, SandboxState, Team, Template, new_envd_access_token
 
 from .models import NAME_RE, Snapshot, SnapshotState
 
@@ -293,7 +293,10 @@ async def delete_snapshot(team: Team, snapshot_id: str, actor: str = "") -> None
     reads its layers and memory: 409 (kill those first)."""
     snapshot = await _snapshot_of(team, snapshot_id)
     if snapshot is None or snapshot.state == SS.DELETING:
-        raise ApiError(404, f'template or snapshot "{snapshot_id}" not found')
+        note = ""
+        if await Template.objects.filter(Q(pk=snapshot_id) | Q(alias=snapshot_id)).aexists():
+            note = " (it names a template, not a snapshot: templates are not deleted through this API)"
+        raise ApiError(404, f'snapshot "{snapshot_id}" not found{note}')
     if snapshot.state == SS.CREATING:
         raise ApiError(409, f'snapshot "{snapshot.id}" is still being created')
     previous = await _begin_delete(snapshot)

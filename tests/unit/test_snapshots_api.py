@@ -259,6 +259,7 @@ async def test_delete_by_name_unknown_and_other_team(api, other_api, create, sna
     sb = await create()
     snap_id = (await _snap(api, sb["sandboxID"], name="named"))["snapshotID"]
     assert_error(await api.delete("/templates/nope"), 404)
+    assert_error(await api.delete("/templates/base"), 404, "names a template, not a snapshot")
     async with other_api:
         assert_error(await other_api.delete(f"/templates/{snap_id}"), 404)
     assert await Snapshot.objects.filter(pk=snap_id).aexists()
