@@ -6,7 +6,11 @@ mid-capture), in the style of ``nodes.reconcile`` and meant to be called from it
   ``running`` (no VM → ``error``). Fork children left ``creating`` are
   ``nodes.reconcile``'s (removed, ``error``);
 - a Snapshot left ``creating`` on this node: its partial files are removed → ``error``;
-- at start only (no task runs yet): fork captures no VM refers to any more are removed.
+- fork captures no VM refers to any more are removed.
+
+All of it only at start, before the worker consumes tasks: then nothing can still be
+capturing. A periodic pass must not judge by age (a long capture under TCG is not an
+interrupted one); while the worker runs, the API's own deadline handles a lost capture.
 
 Every change is conditional on the row being as read (state and updated_at), so an
 operation that started meanwhile is never overwritten."""
@@ -29,8 +33,12 @@ INTERRUPTED = {S.SNAPSHOTTING: "snapshot", S.FORKING: "fork"}
 
 
 def reconcile_interrupted(node_id: str, driver, *, older_than: datetime, at_start: bool) -> list[tuple]:
-    """Returns ``[(kind, id, what_was_done)]``; one failing row does not stop the others."""
+    """Returns ``[(kind, id, what_was_done)]``; one failing row does not stop the others.
+    Does nothing unless ``at_start`` (see the module docstring)."""
     from nodes import reconcile as base  # noqa: PLC0415
+
+    if not at_start:
+        return []
 
     actor = f"node:{node_id}"
     done: list[tuple] = []
@@ -43,8 +51,7 @@ def reconcile_interrupted(node_id: str, driver, *, older_than: datetime, at_star
     for snap in list(Snapshot.objects.filter(node_id=node_id, state=SnapshotState.CREATING,
                                              updated_at__lt=older_than)):
         done.append(("snapshot", snap.pk, _fail_snapshot(snap)))
-    if at_start:
-        done += [("fork capture", name, "removed") for name in _orphan_captures(driver)]
+    done += [("fork capture", name, "removed") for name in _orphan_captures(driver)]
     return done
 
 

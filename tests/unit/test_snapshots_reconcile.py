@@ -69,12 +69,20 @@ def test_interrupted_operations_settle(team, base_template, node, envd, settings
     assert {("isnap", "running"), ("ifork", "running"), ("igone", "error")} <= ops
 
 
-def test_recent_rows_and_periodic_pass_leave_captures(team, base_template, node, envd, settings,  # noqa: F811
-                                                      tmp_path):
+def test_periodic_pass_leaves_long_captures_alone(team, base_template, node, envd, settings,  # noqa: F811
+                                                  tmp_path):
+    """While the worker runs, an old ``snapshotting`` row may be a long capture in
+    progress: only the pass at start (nothing runs yet) settles anything."""
     settings.AENV_HOME = tmp_path
     _sandbox(team, base_template, node, "isnap", "snapshotting")
+    snap = Snapshot.objects.create(team=team, template=base_template, node=node)
+    Snapshot.objects.filter(pk=snap.pk).update(updated_at=timezone.now() - timedelta(minutes=5))
     (tmp_path / "forks" / "orphan-1").mkdir(parents=True)
     driver = ReconcileDriver(envd, tmp_path, alive={"isnap"})
-    done = reconcile_interrupted(node.id, driver, older_than=timezone.now() - timedelta(hours=1), at_start=False)
+    done = reconcile_interrupted(node.id, driver, older_than=timezone.now(), at_start=False)
     assert done == [] and driver.resumed == [] and driver.released == []
-    assert Sandbox.objects.get(pk="isnap").state == "snapshotting"  # a snapshot still in progress
+    assert Sandbox.objects.get(pk="isnap").state == "snapshotting"
+    assert Snapshot.objects.get(pk=snap.pk).state == "creating"
+    # at start, only rows last changed before the worker started count
+    done = reconcile_interrupted(node.id, driver, older_than=timezone.now() - timedelta(hours=1), at_start=True)
+    assert Sandbox.objects.get(pk="isnap").state == "snapshotting" and driver.resumed == []
