@@ -36,9 +36,12 @@ class VMPaths:
 
 
 def kernel_cmdline(tsc_khz: int, resize: bool = False) -> str:
-    """Guest kernel arguments; the TSC pair prevents the microvm calibration hang."""
+    """Guest kernel arguments; the TSC pair prevents the microvm calibration hang, and
+    tsc=reliable keeps the TSC as clocksource with several vCPUs (under TCG the boot-time sync
+    check fails, the kernel falls back to jiffies and the guest clock then loses time when the
+    host is busy)."""
     args = ["console=ttyS0", "panic=-1", "quiet", "net.ifnames=0", "8250.nr_uarts=1",
-            f"tsc_early_khz={tsc_khz}", f"lpj={lpj(tsc_khz)}"]
+            f"tsc_early_khz={tsc_khz}", f"lpj={lpj(tsc_khz)}", "tsc=reliable"]
     if resize:
         args.append("aenv.resize=1")
     return " ".join(args)

@@ -50,6 +50,7 @@ def test_devices_disks_network_and_control():
 def test_kernel_cmdline_has_tsc_fix():
     line = kernel_cmdline(2445406)
     assert "tsc_early_khz=2445406" in line and f"lpj={2445406 * 4}" in line
+    assert "tsc=reliable" in line.split()  # TSC clocksource with several vCPUs
     assert "aenv.resize" not in line and "aenv.resize=1" in kernel_cmdline(1, resize=True)
     assert lpj(2000000) == 8000000
 

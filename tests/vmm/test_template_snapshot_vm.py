@@ -82,6 +82,10 @@ def test_boot_restores_from_template_snapshot(driver, template):
     skew = time.time() - float(run(a.envd_url, "date +%s.%N", token="tok-a"))
     print(f"clock lag before /init {lag:.1f}s, after {skew:.3f}s")
     assert abs(skew) < 2.0
+    # With 2 vCPUs the guest keeps the TSC clocksource (tsc=reliable); on jiffies it would lose
+    # time whenever the host is busy.
+    assert run(a.envd_url, "cat /sys/devices/system/clocksource/clocksource0/current_clocksource",
+               token="tok-a").strip() == "tsc"
     assert httpx.get(f"{a.envd_url}/envs", timeout=10).status_code == 401  # the token is in force
     run(a.envd_url, "echo only-a > /root/a.txt && sync", token="tok-a")
 
