@@ -9,6 +9,7 @@ import threading
 from datetime import timedelta
 
 import pytest
+from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.utils import timezone
 
@@ -93,7 +94,7 @@ async def test_other_teams_sandbox_looks_missing(dash, theirs):
 
 async def test_member_of_both_teams_uses_current_team(dash, user, other_team, theirs, mine):
     """Like every page, the socket acts for the dashboard's current team only."""
-    await asyncio.to_thread(other_team.members.add, user)
+    await sync_to_async(other_team.members.add)(user)
     await expect_close(communicator(theirs.id, headers_for(dash)), terminal.CLOSE_NOT_FOUND)
 
 
@@ -108,7 +109,7 @@ async def test_cross_origin_handshake_is_refused(dash, mine, origin):
 @pytest.mark.parametrize("state,text", [("paused", "sandbox is paused: resume it"), ("killed", "sandbox was killed"),
                                         ("error", "sandbox failed"), ("creating", "sandbox is creating")])
 async def test_not_running_is_closed_with_reason(dash, team, base_template, state, text):
-    sandbox = await asyncio.to_thread(make_sandbox, team, base_template, state=state)
+    sandbox = await sync_to_async(make_sandbox)(team, base_template, state=state)
     await expect_close(communicator(sandbox.id, headers_for(dash)), terminal.CLOSE_NOT_RUNNING, text)
 
 
@@ -150,7 +151,7 @@ async def test_silent_envd_times_out_and_leaks_nothing(dash, team, base_template
     monkeypatch.setattr(envd_pty, "UNARY_TIMEOUT", 1.0)
     server = SilentServer()
     try:
-        sandbox = await asyncio.to_thread(make_sandbox, team, base_template, port=server.port)
+        sandbox = await sync_to_async(make_sandbox)(team, base_template, port=server.port)
         await expect_close(communicator(sandbox.id, headers_for(dash)), terminal.CLOSE_UNREACHABLE, "unreachable")
     finally:
         server.close()
@@ -163,7 +164,7 @@ async def test_kill_while_hung_closes_with_reason(dash, team, base_template, mon
     monkeypatch.setattr(terminal, "STATE_POLL_SECONDS", 0.2)
     server = SilentServer()
     try:
-        sandbox = await asyncio.to_thread(make_sandbox, team, base_template, port=server.port)
+        sandbox = await sync_to_async(make_sandbox)(team, base_template, port=server.port)
         comm = communicator(sandbox.id, headers_for(dash))
         connected, _ = await comm.connect(timeout=5)
         assert connected
@@ -182,7 +183,7 @@ async def test_kill_while_hung_closes_with_reason(dash, team, base_template, mon
 async def test_browser_leaving_cancels_the_bridge(dash, team, base_template):
     server = SilentServer()
     try:
-        sandbox = await asyncio.to_thread(make_sandbox, team, base_template, port=server.port)
+        sandbox = await sync_to_async(make_sandbox)(team, base_template, port=server.port)
         comm = communicator(sandbox.id, headers_for(dash))
         assert (await comm.connect(timeout=5))[0]
         await asyncio.sleep(0.3)
@@ -199,7 +200,7 @@ async def test_browser_leaving_cancels_the_bridge(dash, team, base_template):
 async def test_garbage_from_the_browser_closes_4400(dash, team, base_template, frame):
     server = SilentServer()
     try:
-        sandbox = await asyncio.to_thread(make_sandbox, team, base_template, port=server.port)
+        sandbox = await sync_to_async(make_sandbox)(team, base_template, port=server.port)
         comm = communicator(sandbox.id, headers_for(dash))
         assert (await comm.connect(timeout=5))[0]
         await comm.send_to(text_data=frame)
