@@ -4,7 +4,8 @@ stack (daphne + uvicorn + node worker + QEMU VMs, tests/integration/stack.py).
 Needs ``/usr/bin/chromium`` and the xterm.js packages (both installed by
 ``scripts/setup_frontend.sh``, which ``scripts/setup.sh`` runs). Without chromium the
 tests are skipped with that reason; without xterm.js they fail (it is part of the app).
-Screenshots of every page go to ``var/artifacts/screenshots/<run>/`` (git-ignored)."""
+Screenshots of every page go to ``var/artifacts/screenshots/dashboard/`` (git-ignored,
+replaced by each run; ``AENV_SCREENSHOTS_DIR`` moves them)."""
 import os
 import shutil
 import uuid
@@ -29,7 +30,9 @@ def chromium_path() -> Path:
 
 @pytest.fixture(scope="session")
 def shots_dir() -> Path:
-    path = ROOT / "var" / "artifacts" / "screenshots" / f"run-{uuid.uuid4().hex[:8]}"
+    """The last run's screenshots (replaced by every run, so they never pile up)."""
+    path = Path(os.environ.get("AENV_SCREENSHOTS_DIR") or ROOT / "var" / "artifacts" / "screenshots" / "dashboard")
+    shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True, exist_ok=True)
     print(f"\nbrowser screenshots: {path}")
     return path
