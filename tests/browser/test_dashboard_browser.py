@@ -100,6 +100,18 @@ def test_sign_in_terminal_pause_resume_kill(page, web_stack, shots_dir):
     assert re.search(r"^hello-\d+\s*$", terminal_text(page), re.M)  # output, not just the typed line
     shot(page, shots_dir, "04-sandbox-terminal")
 
+    # A reload re-attaches to the same shell (its state is still there).
+    type_line(page, "export MARK=$((6*7)); echo set-$MARK", "set-42")
+    page.reload()
+    page.wait_for_selector('[data-terminal-status][data-status="open"]', timeout=60_000)
+    assert status.inner_text() == f"reattached to shell pid {pid}"
+    page.click("[data-terminal-screen]")
+    page.keyboard.type("echo mark-$MARK")
+    page.keyboard.press("Enter")
+    page.wait_for_function(
+        "() => /^mark-42\\s*$/m.test(document.querySelector('[data-terminal-screen] .xterm-rows').innerText)",
+        timeout=60_000)
+
     # Pause: confirmation, inline result, state changes live, terminal closes with a reason.
     page.click("button[data-action=pause]")
     page.wait_for_selector("[data-action-result][data-level=success]", timeout=300_000)
