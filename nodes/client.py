@@ -193,11 +193,13 @@ async def kill_sandbox(node: Node, *, sandbox_id: str, deadline: float | None = 
     return await _call(node, tasks.kill_sandbox, {"sandbox_id": sandbox_id}, deadline, f"kill of {sandbox_id}")
 
 
-async def pause_sandbox(node: Node, *, sandbox_id: str, to_disk: bool = True, deadline: float | None = None) -> dict:
+async def pause_sandbox(node: Node, *, sandbox_id: str, to_disk: bool = True, memory: bool = True,
+                        deadline: float | None = None) -> dict:
     """Pause the sandbox's VM on `node` (to disk: the QEMU process exits, RAM and device
-    state stay in its state dir). Returns {"to_disk", "timings": {phase: ms}}."""
-    return await _call(node, tasks.pause_sandbox, {"sandbox_id": sandbox_id, "to_disk": bool(to_disk)},
-                       deadline, f"pause of {sandbox_id}")
+    state stay in its state dir; ``memory=False``: only the disk is kept).
+    Returns {"to_disk", "memory", "timings": {phase: ms}}."""
+    kwargs = {"sandbox_id": sandbox_id, "to_disk": bool(to_disk), "memory": bool(memory)}
+    return await _call(node, tasks.pause_sandbox, kwargs, deadline, f"pause of {sandbox_id}")
 
 
 async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,

@@ -94,15 +94,20 @@ def kill_sandbox(*, sandbox_id: str) -> dict:
 
 
 @shared_task(name="nodes.pause_sandbox")
-def pause_sandbox(*, sandbox_id: str, to_disk: bool = True) -> dict:
+def pause_sandbox(*, sandbox_id: str, to_disk: bool = True, memory: bool = True) -> dict:
     """Pauses the VM: to disk (device state saved, QEMU process stopped, RAM file kept)
-    or in memory (vCPUs frozen, process kept). Returns {"to_disk", "timings"}."""
+    or in memory (vCPUs frozen, process kept). ``memory=False`` is the filesystem-only
+    pause: the guest syncs, only the disk is kept, a resume cold-boots on it.
+    Returns {"to_disk", "memory", "timings"}."""
     driver = get_driver()
     started = time.perf_counter()
-    timings = driver.pause_to_disk(sandbox_id) if to_disk else driver.pause(sandbox_id)
+    if not memory:
+        timings = driver.pause_to_disk(sandbox_id, memory=False)
+    else:
+        timings = driver.pause_to_disk(sandbox_id) if to_disk else driver.pause(sandbox_id)
     timings = _round(timings)
     timings["total_ms"] = round((time.perf_counter() - started) * 1000, 2)
-    return {"to_disk": bool(to_disk), "timings": timings}
+    return {"to_disk": bool(to_disk or not memory), "memory": bool(memory), "timings": timings}
 
 
 @shared_task(name="nodes.resume_sandbox")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import inspect
 import json
 import logging
 import time
@@ -282,7 +281,7 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str, 
     if not await Sandbox.objects.filter(pk=sandbox.pk, state=S.CREATING).aupdate(node=node):
         raise ApiError(409, f'sandbox "{sandbox.id}" was killed while it was being created', headers=NO_RETRY)
     try:
-        result = await asyncio.wait_for(
+        result = await _await_node(asyncio.wait_for(
             client.boot_sandbox(
                 node, sandbox_id=sandbox.id, image=template.image, cpu_count=sandbox.cpu_count,
                 memory_mb=sandbox.memory_mb, disk_size_mb=sandbox.disk_size_mb,
@@ -293,7 +292,14 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str, 
             ),
             # The node client enforces AENV_NODE_TASK_DEADLINE; this is only a backstop.
             timeout=settings.AENV_NODE_TASK_DEADLINE + 15,
-        )
+        ), sandbox.id, S.CREATING, tolerate=(S.KILLING, S.KILLED))
+    except _Moved as moved:
+        # A restarted node worker reconciled the row (creating → error) and owns the
+        # cleanup of whatever VM was half-booted: answer now, not at the deadline.
+        reason = f"node {node.id} restarted while the sandbox was being created (now {moved.state})"
+        await _record(_event(sandbox.id, "create", outcome="error", from_state=S.CREATING, started_at=started,
+                             duration_ms=_ms(t0), actor=actor, message=reason, details={"node": node.id}))
+        raise ApiError(503, reason, headers=NO_RETRY) from None
     except (client.NodeTimeout, asyncio.TimeoutError) as exc:
         reason = f"node {node.id} did not finish booting within {settings.AENV_NODE_TASK_DEADLINE} s"
         await _fail_create(sandbox, reason, t0, started, actor, node=node, kind="NodeTimeout")
@@ -624,15 +630,6 @@ def _op_phases(t0: float, node_ms: float | None) -> dict:
     return {k: round(float(v), 2) for k, v in phases.items()}
 
 
-def _supports_fs_pause(client) -> bool:
-    """Whether the node client can pause filesystem-only (``memory=False``); until the
-    node task takes that argument a filesystem pause is done with memory (recorded)."""
-    try:
-        return "memory" in inspect.signature(client.pause_sandbox).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class _Moved(Exception):
     """While we waited for the node, the sandbox left the transitional state this
     operation put it in: a kill, or the node reconciling it after a restart."""
@@ -645,11 +642,12 @@ class _Moved(Exception):
 WATCH_POLL = 0.5
 
 
-async def _await_node(call, sandbox_id: str, state: str):
+async def _await_node(call, sandbox_id: str, state: str, tolerate: tuple = ()):
     """The node call's result — unless the sandbox leaves ``state`` first (then
     ``_Moved``): a node worker that restarts mid-operation never answers the task, but
     it reconciles the row to the VM's real state, and the caller should learn that
-    now, not at the deadline."""
+    now, not at the deadline. States in ``tolerate`` keep the wait going (e.g. a kill
+    during a create, which needs the boot's answer to clean up the VM)."""
     task = asyncio.ensure_future(call)
     try:
         while True:
@@ -657,7 +655,7 @@ async def _await_node(call, sandbox_id: str, state: str):
             if done:
                 return task.result()
             current = await Sandbox.objects.filter(pk=sandbox_id).values_list("state", flat=True).afirst()
-            if current != state:
+            if current != state and current not in tolerate:
                 raise _Moved(current)
     finally:
         if not task.done():
@@ -703,13 +701,13 @@ async def pause_sandbox(team: Team, sandbox_id: str, memory: bool | None = None,
 async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str) -> Sandbox:
     client, _ = _node_api()
     t0, started = time.monotonic(), timezone.now()
-    fs_only = memory is False and _supports_fs_pause(client)
-    mode = "filesystem" if fs_only else ("filesystem requested, paused with memory" if memory is False else "memory")
+    fs_only = memory is False
+    mode = "filesystem" if fs_only else "memory"
     details = {"node": node.id, "to_disk": True, "memory": memory, "mode": mode}
     try:
         result = await _await_node(asyncio.wait_for(
-            client.pause_sandbox(node, sandbox_id=sandbox.id, to_disk=True, deadline=LIFECYCLE_DEADLINE,
-                                 **({"memory": False} if fs_only else {})),
+            client.pause_sandbox(node, sandbox_id=sandbox.id, to_disk=True, memory=not fs_only,
+                                 deadline=LIFECYCLE_DEADLINE),
             timeout=LIFECYCLE_DEADLINE + 15,
         ), sandbox.id, S.PAUSING)
     except _Moved as moved:

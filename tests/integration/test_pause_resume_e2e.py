@@ -107,3 +107,33 @@ def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
     assert sbx.sandbox_id not in left["state_dirs"]
     assert _qemu_pids(sbx.sandbox_id) == []
     assert Sandbox.kill(sbx.sandbox_id) is False
+
+
+def test_filesystem_pause_keeps_files_and_drops_processes(stack, sdk_env):
+    """pause(mode="filesystem") → {"memory": false}: the guest syncs, only the disk is kept,
+    connect cold-boots on it. A file written just before the pause (still in the guest's
+    page cache, never synced by the test) survives; the background process does not."""
+    sbx = Sandbox.create(timeout=600)
+    try:
+        sbx.files.write("/home/user/counter.py", COUNTER)
+        sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
+        deadline = time.monotonic() + 20
+        while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        sbx.files.write("/home/user/unsynced.txt", "written right before the pause")
+        assert sbx.pause(mode="filesystem") is True
+        assert sbx.is_running() is False
+        assert _qemu_pids(sbx.sandbox_id) == []
+        assert not any(Path("/dev/shm").glob(f"aenv-{sbx.sandbox_id}*")), "a filesystem pause keeps no RAM"
+
+        again = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        assert again.files.read("/home/user/unsynced.txt") == "written right before the pause"
+        assert again.commands.run("echo rebooted").stdout == "rebooted\n"
+        procs = again.commands.run("ps -eo args").stdout
+        assert "counter.py" not in procs, "processes must not survive a filesystem-only pause"
+        guest_now = float(again.commands.run("date +%s.%N").stdout)
+        assert abs(guest_now - time.time()) < 10
+    finally:
+        sbx.kill()
+    assert sbx.sandbox_id not in stack.vm_leftovers()["state_dirs"]
+    assert _qemu_pids(sbx.sandbox_id) == []

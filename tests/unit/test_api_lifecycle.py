@@ -49,6 +49,7 @@ async def test_pause_running_is_204_and_paused(api, create, nodes_mock, kwargs):
     assert await _state(sb["sandboxID"]) == "paused"
     node_kwargs = nodes_mock.client.pause_sandbox.await_args.kwargs
     assert node_kwargs["sandbox_id"] == sb["sandboxID"] and node_kwargs["to_disk"] is True
+    assert node_kwargs["memory"] is ((kwargs.get("json") or {}).get("memory") is not False)
     assert await _events(sb["sandboxID"], "pause") == [("pause", "started", "running", "pausing"),
                                                         ("pause", "ok", "pausing", "paused")]
     done = await SandboxEvent.objects.filter(sandbox_id=sb["sandboxID"], operation="pause", outcome="ok").aget()

@@ -1,4 +1,6 @@
 """E2B endpoints end to end through the ASGI app, with the node side mocked."""
+import asyncio
+import time
 from datetime import datetime, timedelta
 
 import pytest
@@ -211,3 +213,27 @@ async def test_wrong_method_is_405_json(api, assert_error, method, path):
 @pytest.mark.parametrize("path", ["/nope", "/v2/sandboxes/", "/sandboxes/a/b/c", "/v9/sandboxes"])
 async def test_unknown_url_is_404_json(api, assert_error, path):
     assert_error(await api.get(path), 404)
+
+
+async def test_create_answers_at_once_when_a_restarted_node_fails_it(api, nodes_mock, assert_error):
+    """A node worker that dies mid-boot never answers the task; on restart it reconciles
+    the row creating → error. The create request learns that from the row, not at the
+    node deadline."""
+    booting = asyncio.Event()
+
+    async def never_answers(node, **kwargs):
+        booting.set()
+        await asyncio.sleep(3600)
+
+    async def reconcile_when_booting():
+        await booting.wait()
+        await Sandbox.objects.filter(state="creating").aupdate(state="error", error_reason="node restarted")
+
+    nodes_mock.client.boot_sandbox.side_effect = never_answers
+    reconciler = asyncio.create_task(reconcile_when_booting())
+    started = time.monotonic()
+    resp = await api.post("/v2/sandboxes", json={"templateID": "base"})
+    await reconciler
+    assert time.monotonic() - started < 10
+    body = assert_error(resp, 503, "restarted")
+    assert "now error" in body["message"]

@@ -84,15 +84,6 @@ async def test_autopause_memory_false_pauses_filesystem_only(create, nodes_mock)
     assert done.details["mode"] == "filesystem" and done.details["memory"] is False
 
 
-async def test_autopause_memory_false_without_node_support_pauses_with_memory(create, nodes_mock):
-    sb = await create(timeout=60, autoPauseMemory=False)
-    await _expire(sb["sandboxID"])
-    await expiry.sweep_once()
-    assert "memory" not in nodes_mock.client.pause_sandbox.await_args.kwargs
-    done = (await _events(sb["sandboxID"], "pause"))[-1]
-    assert done.details["mode"] == "filesystem requested, paused with memory"
-
-
 async def test_extension_after_the_decision_wins(create, team, nodes_mock):
     sb = await create(timeout=60)
     await _expire(sb["sandboxID"])
