@@ -361,7 +361,9 @@ def main() -> int:
                 stack.stop()
                 stack.kill_vm_leftovers()
                 shutil.rmtree(stack.home, ignore_errors=True)
-        result["api_note"] = "API sandboxes use the 'base' template's shape (2 vCPU, 512 MiB), not --cpu/--memory"
+        result["api_note"] = ("API sandboxes use the 'base' template's shape (2 vCPU, 512 MiB), not --cpu/--memory. "
+                              "pause_fs_only sends memory:false; until nodes.tasks.pause_sandbox takes `memory`, "
+                              "the lifecycle service pauses with memory instead (recorded in the pause event).")
     summary = summarize(samples)
     print("\n".join(table(summary)))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
