@@ -15,6 +15,7 @@ from tests.vmm.test_qemu_vm import IMAGES_DIR, live_qemu_processes
 from vmm import toolsdrive
 from vmm.driver import BootSpec, VMError, get_driver
 from vmm.images import ensure_image
+from vmm.qemu import envd_healthy
 
 pytestmark = pytest.mark.vm
 
@@ -46,6 +47,20 @@ def test_fs_pause_keeps_files_not_processes(driver, tmp_path):
     sh(port, "setsid nohup sleep 100000 >/dev/null 2>&1 </dev/null &")
     assert guest_pids(port, "slee[p] 100000")
     driver.pause(info.sandbox_id)  # from an in-memory pause: the driver must run the guest to sync
+    # A sync that fails (envd gone, guest hung) aborts the pause and changes nothing.
+    real_sync = driver._guest_sync
+
+    def failing_sync(state):
+        raise VMError("sync refused (test)")
+
+    driver._guest_sync = failing_sync
+    with pytest.raises(VMError, match="sync refused"):
+        driver.pause_to_disk(info.sandbox_id, memory=False)
+    driver._guest_sync = real_sync
+    still = driver.info(info.sandbox_id)
+    assert still.status == "paused" and still.pid == info.pid  # the same QEMU, still frozen in memory
+    assert Path(f"/dev/shm/aenv-{info.sandbox_id}.ram").exists()
+    assert not envd_healthy("127.0.0.1", port, timeout=0.5)  # its vCPUs were stopped again
     timings = driver.pause_to_disk(info.sandbox_id, memory=False)
     print(f"\npause_to_disk(memory=False): {timings}")
     assert timings["sync_ms"] >= 0 and timings["total_ms"] > 0
