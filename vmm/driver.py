@@ -152,10 +152,12 @@ class VMDriver(abc.ABC):
         filesystem-only one it is a cold boot (timings["cold_boot"] == 1)."""
 
     @abc.abstractmethod
-    def snapshot(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:
+    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True) -> SnapshotManifest:
         """Captures disk, memory and device state into dest_dir (owned by the caller) during a
         brief pause; the VM then continues on a new empty disk top. timings["pause_ms"] is the
-        window the guest was stopped."""
+        window the guest was stopped. memory=False: the guest's filesystems are synced first and
+        only the disk layers are captured (memory_file and device_state_file are ""); start
+        sandboxes from it with boot(BootSpec(..., layers=manifest.layers))."""
 
     @abc.abstractmethod
     def restore(self, manifest: SnapshotManifest, spec: BootSpec) -> VMInfo:

@@ -618,12 +618,16 @@ class QemuDriver(VMDriver):
             info.timings = timings
             return info
 
-    def snapshot(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:
-        return self._snapshot(sandbox_id, dest_dir)
+    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True) -> SnapshotManifest:
+        return self._snapshot(sandbox_id, dest_dir, memory=memory)
 
-    def _snapshot(self, sandbox_id: str, dest_dir: Path, memory_file: Path | None = None) -> SnapshotManifest:
+    def _snapshot(self, sandbox_id: str, dest_dir: Path, memory_file: Path | None = None,
+                  memory: bool = True) -> SnapshotManifest:
         """memory_file: where the RAM copy goes (default dest_dir/memory.ram); fork captures put
-        it on /dev/shm, where the copy is a page-cache-speed memcpy and children map it."""
+        it on /dev/shm, where the copy is a page-cache-speed memcpy and children map it.
+        memory=False: the guest syncs first and only the disk layers are captured (no device
+        state, no RAM copy: a pause of a few ms); the manifest's memory and device state
+        files are "" and sandboxes start from it with BootSpec(layers=manifest.layers)."""
         dest = Path(dest_dir).absolute()
         dest.mkdir(parents=True, exist_ok=True)
         if any(dest.iterdir()):
@@ -637,9 +641,22 @@ class QemuDriver(VMDriver):
             new_top = paths.state_dir / f"top-{gen}.qcow2"
             node = f"top{gen}"
             device_state = dest / "device.state"
-            memory = Path(memory_file) if memory_file else dest / "memory.ram"
+            ram_copy = Path(memory_file) if memory_file else dest / "memory.ram"
+            resumed_for_sync = False
+            if not memory:  # the page cache must reach the disk; the guest has to run for that
+                if state.status == "paused":
+                    with QMP(paths.qmp) as q:
+                        q.execute("cont")
+                    resumed_for_sync = True
+                try:
+                    self._guest_sync(state)
+                except BaseException:
+                    if resumed_for_sync:
+                        with QMP(paths.qmp) as q:
+                            q.execute("stop")
+                    raise
             with QMP(paths.qmp, timeout=30.0) as q:
-                was_running = q.execute("query-status").get("status") == "running"
+                was_running = q.execute("query-status").get("status") == "running" and not resumed_for_sync
                 t0 = time.monotonic()
                 q.execute("stop")
                 t_stop = time.monotonic()
@@ -650,12 +667,15 @@ class QemuDriver(VMDriver):
                     state.top, state.top_node, state.generation = str(new_top), node, gen
                     state.save()
                     t_disk = time.monotonic()
-                    migrate_to_file(q, device_state)
+                    if memory:
+                        migrate_to_file(q, device_state)
                     t_dev = time.monotonic()
-                    if state.ram_share:
-                        _run(["cp", "--sparse=always", state.ram, str(memory)])
+                    if not memory:
+                        pass
+                    elif state.ram_share:
+                        _run(["cp", "--sparse=always", state.ram, str(ram_copy)])
                     else:  # copy-on-write RAM is all in the device state; restores only need a base
-                        with open(memory, "wb") as f:
+                        with open(ram_copy, "wb") as f:
                             f.truncate(state.memory_mb << 20)
                     t_mem = time.monotonic()
                 finally:
@@ -676,7 +696,8 @@ class QemuDriver(VMDriver):
                        "pause_ms": (t_cont - t0) * 1e3, "layers_copy_ms": (t_done - t_cont) * 1e3,
                        "total_ms": (t_done - t0) * 1e3}
             manifest = SnapshotManifest(
-                dir=dest, layers=layers, memory_file=str(memory), device_state_file=str(device_state),
+                dir=dest, layers=layers, memory_file=str(ram_copy) if memory else "",
+                device_state_file=str(device_state) if memory else "",
                 cpu_count=state.cpu_count, memory_mb=state.memory_mb, disk_size_mb=state.disk_size_mb,
                 machine={"qemu": state.qemu, "accel": state.accel, "kernel": state.kernel, "initrd": state.initrd,
                          "tools": state.tools, "tsc_khz": state.tsc_khz, "resize": state.resize,

@@ -87,8 +87,13 @@ def test_fs_pause_keeps_files_not_processes(driver, tmp_path):
     assert guest_pids(port, "slee[p] 100000") == []  # processes are gone
 
     # Layers: a snapshot's chain boots a new VM that sees the files; its writes stay its own.
-    sh(port, "echo layered > /home/user/layer.txt && sync")
-    manifest = driver.snapshot(info.sandbox_id, tmp_path / "snap")
+    sh(port, "echo layered > /home/user/layer.txt")  # not synced: snapshot(memory=False) syncs
+    manifest = driver.snapshot(info.sandbox_id, tmp_path / "snap", memory=False)
+    print(f"snapshot(memory=False): {manifest.timings}")
+    assert manifest.memory_file == "" and manifest.device_state_file == ""
+    names = {p.name for p in (tmp_path / "snap").iterdir()}
+    assert "manifest.json" in names and all(n.startswith("layer-") for n in names - {"manifest.json"}), names
+    assert manifest.timings["memory_copy_ms"] < 5 and driver.info(info.sandbox_id).status == "running"
     child = driver.boot(BootSpec("fs-2", cpu_count=1, memory_mb=256, layers=manifest.layers))
     try:
         print(f"boot over layers: {child.timings}")
