@@ -63,6 +63,16 @@ AENV_AUTO_RESUME_TIMEOUT = _env_int("AENV_AUTO_RESUME_TIMEOUT", 300)
 # abandoned (its caller gave up) and reconciles it to what the VM really is.
 AENV_RECONCILE_STALE = _env_int("AENV_RECONCILE_STALE", AENV_LIFECYCLE_DEADLINE + 60)
 AENV_RECONCILE_INTERVAL = _env_int("AENV_RECONCILE_INTERVAL", 30)
+# Snapshot store (snapshots.storage): "posix_fs" keeps snapshot files on the node that
+# took them; "s3" also uploads them (chunked, content-addressed) to a bucket, so any node
+# can restore them, downloading into a bounded cache under AENV_HOME/cache/snapshots.
+AENV_SNAPSHOT_BACKEND = _env("AENV_SNAPSHOT_BACKEND", "posix_fs")
+AENV_S3_ENDPOINT = _env("AENV_S3_ENDPOINT", "")  # empty: AWS's own endpoint for the region
+AENV_S3_BUCKET = _env("AENV_S3_BUCKET", "")
+AENV_S3_REGION = _env("AENV_S3_REGION", "")
+AENV_S3_PREFIX = _env("AENV_S3_PREFIX", "")  # key prefix, e.g. one per deployment sharing a bucket
+AENV_S3_CONCURRENCY = _env_int("AENV_S3_CONCURRENCY", 8)  # parallel chunk transfers
+AENV_SNAPSHOT_CACHE_MB = _env_int("AENV_SNAPSHOT_CACHE_MB", 20 * 1024)
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 

@@ -528,21 +528,34 @@ async def _finish_child(child: Sandbox, result: dict | None, node, timeout: int,
 
 
 async def restore_node(snapshot: Snapshot, no_node_error: type[Exception]):
-    """The node a sandbox restored from ``snapshot`` must run on (its files are there).
+    """The node a sandbox restored from ``snapshot`` runs on.
+
+    posix_fs: the snapshot's own node (only it has the files). s3: that node when it
+    is alive with room (no download), else any alive node with room (placement's
+    choice), which fetches the files from the bucket.
 
     Called after the sandbox row (with ``source_snapshot``) exists: a snapshot that went
     ``deleting`` meanwhile is a 409, so a delete and a restore never both succeed."""
     from nodes.models import Node  # noqa: PLC0415
+    from nodes import placement  # noqa: PLC0415
+
+    from .storage import backend_name  # noqa: PLC0415
 
     if not await snapshot_still_ready(snapshot.id):
         raise ApiError(409, f'snapshot "{snapshot.id}" is being deleted', headers=sbx.NO_RETRY)
     node = await Node.objects.filter(pk=snapshot.node_id).afirst() if snapshot.node_id else None
-    if node is None or node.draining or not node.is_alive():
+    own_ok = node is not None and not node.draining and node.is_alive()
+    if own_ok and await _has_room(node.pk, snapshot.cpu_count, snapshot.memory_mb):
+        return node
+    if backend_name() == "s3":
+        try:
+            return await placement.pick_node(snapshot.cpu_count, snapshot.memory_mb)
+        except placement.NoNodeAvailable as exc:
+            raise no_node_error(f"no node can restore snapshot {snapshot.id}: {exc}") from exc
+    if not own_ok:
         raise no_node_error(f"node {snapshot.node_id} holding snapshot {snapshot.id} is not available")
-    if not await _has_room(node.pk, snapshot.cpu_count, snapshot.memory_mb):
-        raise no_node_error(f"node {node.pk} holding snapshot {snapshot.id} has no room for "
-                            f"{snapshot.cpu_count} vCPU / {snapshot.memory_mb} MiB")
-    return node
+    raise no_node_error(f"node {node.pk} holding snapshot {snapshot.id} has no room for "
+                        f"{snapshot.cpu_count} vCPU / {snapshot.memory_mb} MiB")
 
 
 async def _has_room(node_id: str, cpu_count: int, memory_mb: int) -> bool:

@@ -1,0 +1,410 @@
+"""The S3 snapshot store: snapshots any node can restore.
+
+Objects (under ``AENV_S3_PREFIX``):
+
+- ``chunks/<sha256>``: a 4 MiB piece of some snapshot file, named by its content.
+  All-zero pieces are not stored; equal pieces (a layer two snapshots share, the
+  unchanged parts of a child's layers) are one object.
+- ``snapshots/<id>/manifest.json``: the snapshot: each file's size and chunk list,
+  and the driver's SnapshotManifest with its paths made relative (``$SNAPSHOT/…``
+  for the snapshot's own files, ``$IMAGES/…`` for the template base layer, kernel
+  and tools, which every node builds itself). Written last: it exists only for a
+  complete upload.
+- ``refs/<sha256>/<id>``: empty marker, "snapshot <id> uses this chunk".
+
+Reference scheme and its trade-off: a commit writes a chunk's marker *before* it
+checks whether the chunk exists, and after its manifest is written it checks every
+chunk again and re-uploads any that vanished. A delete removes the manifest, then
+its own markers, and a chunk only when no marker is left. So a delete never removes
+a chunk whose marker it saw, and a commit that raced a delete finds the chunk gone
+in its final check. The window left open is a delete that lists a chunk's markers
+before a commit writes its marker and deletes the chunk only after that commit's
+final check: one request round trip against a whole upload. No lock object, no
+listing of the bucket; the price is a marker object per (chunk, snapshot), and a
+crash mid-delete leaks chunks (never loses them): the doomed manifest is kept at
+``trash/<id>.json`` until its chunks are released, and a repeated delete finishes.
+
+The node that took a snapshot keeps its local copy (``AENV_HOME/snapshots/<id>``,
+as posix_fs). Other nodes download into ``AENV_HOME/cache/snapshots/<id>`` (see
+storage_cache), rewrite the paths to theirs and re-point each layer's backing file."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .storage import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked
+from .storage_cache import CacheFull, SnapshotCache
+from .storage_chunks import CHUNK_SIZE, Chunk, allocated_bytes, chunk_spans, digest, read_chunk
+
+log = logging.getLogger(__name__)
+
+FORMAT = "aenv-snapshot/1"
+SNAP, IMAGES = "$SNAPSHOT", "$IMAGES"
+FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SHA = re.compile(r"^[0-9a-f]{64}$")
+SKIP_FILES = {"manifest.json", ".last_used"}
+
+
+def make_client(endpoint: str = "", region: str = "", concurrency: int = 8):
+    """A boto3 S3 client; credentials come from the standard AWS sources."""
+    import boto3  # noqa: PLC0415
+    from botocore.config import Config  # noqa: PLC0415
+
+    config = Config(max_pool_connections=max(10, concurrency), retries={"max_attempts": 5, "mode": "standard"},
+                    s3={"addressing_style": "path"} if endpoint else None)
+    return boto3.client("s3", endpoint_url=endpoint or None, region_name=region or None, config=config)
+
+
+def _is_missing(exc: Exception) -> bool:
+    code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def relativize(value, snap_dir: Path, images_dirs: list[Path]):
+    """``value`` (manifest JSON) with absolute paths into the snapshot dir or the
+    images dir replaced by ``$SNAPSHOT``/``$IMAGES`` forms."""
+    roots = [(str(snap_dir), SNAP)] + [(str(d), IMAGES) for d in images_dirs]
+    if isinstance(value, dict):
+        return {k: relativize(v, snap_dir, images_dirs) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relativize(v, snap_dir, images_dirs) for v in value]
+    if isinstance(value, str):
+        for root, token in roots:
+            if value == root or value.startswith(root + "/"):
+                return token + value[len(root):]
+    return value
+
+
+def localize(value, snap_dir: Path, images_dir: Path):
+    """The inverse of relativize, onto this node's directories."""
+    if isinstance(value, dict):
+        return {k: localize(v, snap_dir, images_dir) for k, v in value.items()}
+    if isinstance(value, list):
+        return [localize(v, snap_dir, images_dir) for v in value]
+    if isinstance(value, str):
+        for token, root in ((SNAP, snap_dir), (IMAGES, images_dir)):
+            if value == token or value.startswith(token + "/"):
+                return str(root) + value[len(token):]
+    return value
+
+
+# --------------------------------------------------------------------------- store
+
+
+class S3Store(SnapshotStore):
+    """Local captures as posix_fs, plus an S3 copy any node can restore from."""
+
+    name = "s3"
+
+    def __init__(self, *, home: Path, images_dir: Path, bucket: str, client=None, endpoint: str = "",
+                 region: str = "", prefix: str = "", concurrency: int = 8, cache_limit_bytes: int = 20 << 30,
+                 pin_seconds: float = 600.0, chunk_size: int = CHUNK_SIZE):
+        if not bucket:
+            raise SnapshotStoreError("the s3 snapshot store needs a bucket (AENV_S3_BUCKET)")
+        home = Path(home).absolute()
+        self.local = PosixFsStore(home / "snapshots")
+        self.cache = SnapshotCache(home / "cache" / "snapshots", home / "sandboxes", cache_limit_bytes,
+                                   pin_seconds)
+        self.images_dir = Path(images_dir).absolute()
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.concurrency = max(1, int(concurrency))
+        self.chunk_size = int(chunk_size)
+        self.s3 = client or make_client(endpoint, region, self.concurrency)
+
+    # ------------------------------------------------------------------ keys
+
+    def manifest_key(self, snapshot_id: str) -> str:
+        return f"{self.prefix}snapshots/{snapshot_id}/manifest.json"
+
+    def chunk_key(self, sha: str) -> str:
+        return f"{self.prefix}chunks/{sha}"
+
+    def ref_key(self, sha: str, snapshot_id: str) -> str:
+        return f"{self.prefix}refs/{sha}/{snapshot_id}"
+
+    def trash_key(self, snapshot_id: str) -> str:
+        return f"{self.prefix}trash/{snapshot_id}.json"
+
+    def _where(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    # ------------------------------------------------------------------ small S3 helpers
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self.s3.head_object(Bucket=self.bucket, Key=key)
+            return True
+        except Exception as exc:
+            if _is_missing(exc):
+                return False
+            raise
+
+    def _get_json(self, key: str) -> dict | None:
+        try:
+            body = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except Exception as exc:
+            if _is_missing(exc):
+                return None
+            raise
+        return json.loads(body)
+
+    def _put_json(self, key: str, doc: dict) -> None:
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=json.dumps(doc, indent=1).encode(),
+                           ContentType="application/json")
+
+    def _pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="aenv-s3")
+
+    # ------------------------------------------------------------------ interface
+
+    def prepare(self, snapshot_id: str) -> Path:
+        return self.local.prepare(snapshot_id)
+
+    def size_bytes(self, snapshot_id: str) -> int:
+        for path in (self.local._dir(snapshot_id), self.cache.path(_checked(snapshot_id))):
+            if path.exists():
+                return allocated_bytes(path)
+        return 0
+
+    def commit(self, snapshot_id: str) -> dict:
+        """Uploads the finished capture; harmless to repeat. Returns counts (chunks
+        referenced, uploaded, bytes uploaded)."""
+        src = self.local.local_dir(snapshot_id)
+        touched: set[str] = set()
+        try:
+            return self._commit(snapshot_id, src, touched)
+        except BaseException as exc:
+            self._abandon(snapshot_id, touched)
+            if isinstance(exc, (SnapshotStoreError, KeyboardInterrupt, SystemExit)) or not isinstance(exc, Exception):
+                raise
+            raise SnapshotStoreError(f"upload of snapshot {snapshot_id} to {self._where()} failed: {exc}") from exc
+
+    def _abandon(self, snapshot_id: str, touched: set[str]) -> None:
+        """A failed commit releases the markers it wrote (best effort: a failure here
+        only leaks chunks). A manifest already written stays: delete removes it."""
+        if self._manifest_written(snapshot_id):
+            return
+        for sha in sorted(touched):
+            try:
+                self._release(sha, snapshot_id)
+            except Exception as exc:  # the store is unreachable: nothing more to do
+                log.warning("could not release chunk %s of failed snapshot %s: %s", sha, snapshot_id, exc)
+                return
+
+    def _manifest_written(self, snapshot_id: str) -> bool:
+        try:
+            return self._exists(self.manifest_key(snapshot_id))
+        except Exception:
+            return True  # unknown: keep the markers rather than risk a manifest's chunks
+
+    def _commit(self, snapshot_id: str, src: Path, touched: set[str]) -> dict:
+        manifest = json.loads((src / "manifest.json").read_text())
+        names = sorted(p.name for p in src.iterdir() if p.is_file() and p.name not in SKIP_FILES)
+        for name in names:
+            if not FILE_NAME.match(name):
+                raise SnapshotStoreError(f"unexpected file name {name!r} in snapshot {snapshot_id}")
+        jobs = [(name, chunk) for name in names for chunk in chunk_spans(src / name, self.chunk_size)]
+        stats = {"chunks": 0, "uploaded": 0, "uploaded_bytes": 0}
+
+        def upload(job):
+            name, chunk = job
+            data = read_chunk(src / name, chunk)
+            if data is None:
+                return None
+            sha = digest(data)
+            touched.add(sha)
+            self.s3.put_object(Bucket=self.bucket, Key=self.ref_key(sha, snapshot_id), Body=b"")
+            if self._exists(self.chunk_key(sha)):
+                return sha, 0
+            self.s3.put_object(Bucket=self.bucket, Key=self.chunk_key(sha), Body=data)
+            return sha, len(data)
+
+        files = {name: {"size": (src / name).stat().st_size, "chunks": []} for name in names}
+        where: dict[str, tuple[str, Chunk]] = {}
+        with self._pool() as pool:
+            for (name, chunk), result in zip(jobs, pool.map(upload, jobs)):
+                if result is None:
+                    continue
+                sha, sent = result
+                files[name]["chunks"].append([chunk.offset, chunk.length, sha])
+                where.setdefault(sha, (name, chunk))
+                stats["chunks"] += 1
+                stats["uploaded"] += 1 if sent else 0
+                stats["uploaded_bytes"] += sent
+            doc = {
+                "format": FORMAT, "snapshot_id": snapshot_id, "chunk_size": self.chunk_size, "files": files,
+                "stored_bytes": sum(c[1] for f in files.values() for c in f["chunks"]),
+                "manifest": relativize(manifest, Path(manifest.get("dir") or src),
+                                       _unique([self.images_dir, self.images_dir.resolve()])),
+            }
+            self._put_json(self.manifest_key(snapshot_id), doc)
+
+            def recheck(sha):  # a concurrent delete may have removed a chunk we found present
+                if self._exists(self.chunk_key(sha)):
+                    return 0
+                name, chunk = where[sha]
+                data = read_chunk(src / name, chunk)
+                self.s3.put_object(Bucket=self.bucket, Key=self.chunk_key(sha), Body=data)
+                return 1
+
+            stats["reuploaded"] = sum(pool.map(recheck, list(where)))
+        stats["unique_chunks"] = len(where)
+        log.info("snapshot %s committed to %s: %s", snapshot_id, self._where(), stats)
+        return stats
+
+    def local_dir(self, snapshot_id: str) -> Path:
+        snapshot_id = _checked(snapshot_id)
+        own = self.local._dir(snapshot_id)
+        if (own / "manifest.json").is_file():
+            return own
+        found = self.cache.lookup(snapshot_id)
+        if found is not None:
+            return found
+        with self.cache.entry_lock(snapshot_id):
+            found = self.cache.lookup(snapshot_id)  # another restore fetched it meanwhile
+            if found is not None:
+                return found
+            self.cache.clear_staging(snapshot_id)
+            try:
+                return self._download(snapshot_id)
+            except SnapshotStoreError:
+                raise
+            except CacheFull as exc:
+                raise SnapshotStoreError(str(exc)) from exc
+            except Exception as exc:
+                raise SnapshotStoreError(f"download of snapshot {snapshot_id} from {self._where()} failed: "
+                                         f"{exc}") from exc
+
+    def _download(self, snapshot_id: str) -> Path:
+        doc = self._get_json(self.manifest_key(snapshot_id))
+        if doc is None:
+            raise SnapshotStoreError(f"snapshot {snapshot_id} is neither on this node nor in {self._where()}")
+        if doc.get("format") != FORMAT:
+            raise SnapshotStoreError(f"snapshot {snapshot_id} has an unknown format {doc.get('format')!r}")
+        final = self.cache.path(snapshot_id)
+        manifest = localize(doc["manifest"], final, self.images_dir)
+        manifest["dir"] = str(final)
+        self._check_base(snapshot_id, manifest)
+        self.cache.make_room(int(doc.get("stored_bytes") or 0), keep=snapshot_id)
+        staging = self.cache.staging_dir(snapshot_id)
+        try:
+            self._fetch_files(doc, staging)
+            layers = manifest.get("layers") or []
+            for lower, upper in zip(layers, layers[1:]):
+                name = _own_file(upper, final)
+                subprocess.run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", lower,
+                                str(staging / name)], check=True, capture_output=True, text=True)
+            (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
+            path = self.cache.install(staging, snapshot_id)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        log.info("snapshot %s downloaded from %s into %s", snapshot_id, self._where(), path)
+        return path
+
+    def _check_base(self, snapshot_id: str, manifest: dict) -> None:
+        """The template base layer (and the kernel and tools the VM state needs) are
+        this node's own image build: they must be here, at the same place."""
+        machine = manifest.get("machine") or {}
+        layers = manifest.get("layers") or []
+        needed = [("template base layer", layers[0] if layers else "")] + [
+            (what, machine.get(key) or "") for what, key in
+            (("guest kernel", "kernel"), ("initrd", "initrd"), ("tools drive", "tools"))]
+        for what, path in needed:
+            if not path or not Path(path).is_file():
+                build = Path(machine.get("image_dir") or "").name or "unknown"
+                raise SnapshotStoreError(
+                    f"snapshot {snapshot_id} needs its {what} {path or '(none)'} (image build {build}) which this "
+                    f"node does not have in {self.images_dir}; build the same image here "
+                    f"(python -m vmm.images build --name {machine.get('image') or 'base'})")
+
+    def _fetch_files(self, doc: dict, staging: Path) -> None:
+        fds = {}
+        try:
+            jobs = []
+            for name, info in doc["files"].items():
+                if not FILE_NAME.match(name):
+                    raise SnapshotStoreError(f"bad file name {name!r} in the manifest of {doc.get('snapshot_id')}")
+                fd = os.open(staging / name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+                fds[name] = fd
+                os.ftruncate(fd, int(info["size"]))
+                for offset, length, sha in info["chunks"]:
+                    if not SHA.match(sha) or offset < 0 or offset + length > int(info["size"]):
+                        raise SnapshotStoreError(f"bad chunk entry for {name} in {doc.get('snapshot_id')}")
+                    jobs.append((fd, int(offset), int(length), sha))
+
+            def fetch(job):
+                fd, offset, length, sha = job
+                data = self.s3.get_object(Bucket=self.bucket, Key=self.chunk_key(sha))["Body"].read()
+                if len(data) != length or digest(data) != sha:
+                    raise SnapshotStoreError(f"chunk {sha} is damaged in {self._where()}")
+                os.pwrite(fd, data, offset)
+
+            with self._pool() as pool:
+                list(pool.map(fetch, jobs))
+            for fd in fds.values():
+                os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def delete(self, snapshot_id: str) -> bool:
+        """Removes the manifest, this node's copies and the chunks no other snapshot
+        uses. Other nodes' cached copies go by LRU eviction."""
+        snapshot_id = _checked(snapshot_id)
+        removed = self.local.delete(snapshot_id)
+        removed = self.cache.remove(snapshot_id) or removed
+        try:
+            return self._delete_remote(snapshot_id) or removed
+        except SnapshotStoreError:
+            raise
+        except Exception as exc:
+            raise SnapshotStoreError(f"deleting snapshot {snapshot_id} from {self._where()} failed: {exc}") from exc
+
+    def _delete_remote(self, snapshot_id: str) -> bool:
+        doc = self._get_json(self.manifest_key(snapshot_id))
+        if doc is not None:
+            self._put_json(self.trash_key(snapshot_id), doc)
+            self.s3.delete_object(Bucket=self.bucket, Key=self.manifest_key(snapshot_id))
+        else:
+            doc = self._get_json(self.trash_key(snapshot_id))  # an interrupted delete
+            if doc is None:
+                return False
+        shas = sorted({c[2] for f in doc.get("files", {}).values() for c in f.get("chunks", [])})
+        with self._pool() as pool:
+            list(pool.map(lambda sha: self._release(sha, snapshot_id), shas))
+        self.s3.delete_object(Bucket=self.bucket, Key=self.trash_key(snapshot_id))
+        return True
+
+    def _release(self, sha: str, snapshot_id: str) -> None:
+        """Drops this snapshot's marker; the chunk goes when no marker is left."""
+        self.s3.delete_object(Bucket=self.bucket, Key=self.ref_key(sha, snapshot_id))
+        left = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}refs/{sha}/", MaxKeys=1)
+        if not left.get("KeyCount"):
+            self.s3.delete_object(Bucket=self.bucket, Key=self.chunk_key(sha))
+
+
+def _unique(paths: list[Path]) -> list[Path]:
+    out = []
+    for p in paths:
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def _own_file(path: str, snap_dir: Path) -> str:
+    """The name of one of the snapshot's own files (a layer above the base)."""
+    p = Path(path)
+    if p.parent != snap_dir or not FILE_NAME.match(p.name):
+        raise SnapshotStoreError(f"layer {path} is not one of the snapshot's own files")
+    return p.name

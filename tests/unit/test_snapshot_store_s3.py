@@ -1,0 +1,378 @@
+"""The S3 snapshot store against a real S3 API (a ``moto_server`` subprocess, boto3
+with endpoint_url; nothing mocked): chunking and zero-skipping, dedup between
+snapshots, download onto another "node" (paths and qcow2 backing files re-pointed),
+a missing base image, reference-counted delete, and the bounded LRU cache."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+
+from snapshots.storage import SnapshotStoreError
+from snapshots.storage_cache import LAST_USED
+from snapshots.storage_chunks import Chunk, chunk_spans, read_chunk
+from snapshots.storage_s3 import S3Store
+
+CHUNK = 64 << 10  # small chunks keep the test files small
+BUCKET = "aenv-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real moto S3 server for this module, with an empty bucket."""
+    port = _free_port()
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None, "moto_server exited"
+            time.sleep(0.1)
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+        _client(url).create_bucket(Bucket=BUCKET)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _client(url):
+    return boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                        aws_secret_access_key="testing")
+
+
+@pytest.fixture
+def s3(s3_endpoint):
+    """The raw client, and a fresh key prefix so tests do not see each other's objects."""
+    return _client(s3_endpoint), f"t-{uuid.uuid4().hex[:8]}"
+
+
+def _keys(client, prefix, sub=""):
+    out = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}/{sub}"):
+        out += [o["Key"][len(prefix) + 1:] for o in page.get("Contents", [])]
+    return sorted(out)
+
+
+def _store(s3, home, images, **kw) -> S3Store:
+    client, prefix = s3
+    return S3Store(home=home, images_dir=images, bucket=BUCKET, client=client, prefix=prefix, chunk_size=CHUNK,
+                   concurrency=4, **kw)
+
+
+def _images(tmp_path) -> Path:
+    """A fake image build: base layer, kernel, initrd, tools (only their presence matters)."""
+    d = tmp_path / "images" / "base-abc"
+    d.mkdir(parents=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(d / "rootfs.qcow2"), "64M"], check=True)
+    for name in ("vmlinuz", "initrd.cpio", "tools.img"):
+        (d / name).write_bytes(b"x")
+    return tmp_path / "images"
+
+
+def _capture(home: Path, images: Path, sid: str, ram: bytes | dict[int, bytes]) -> Path:
+    """A snapshot dir shaped like QemuDriver.snapshot()'s: two qcow2 layers chained by
+    absolute backing paths onto the base, a sparse RAM file, a device state."""
+    d = home / "snapshots" / sid
+    d.mkdir(parents=True)
+    base = images / "base-abc" / "rootfs.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2",
+                    str(d / "layer-0.qcow2"), "64M"], check=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(d / "layer-0.qcow2"), "-F", "qcow2",
+                    str(d / "layer-1.qcow2"), "64M"], check=True)
+    with open(d / "memory.ram", "wb") as f:
+        f.truncate(16 * CHUNK)
+        for offset, data in (ram.items() if isinstance(ram, dict) else [(0, ram)]):
+            f.seek(offset)
+            f.write(data)
+    (d / "device.state").write_bytes(b"QEVM" + b"\x01" * 1000)
+    manifest = {
+        "dir": str(d), "layers": [str(base), str(d / "layer-0.qcow2"), str(d / "layer-1.qcow2")],
+        "memory_file": str(d / "memory.ram"), "device_state_file": str(d / "device.state"),
+        "cpu_count": 1, "memory_mb": 1, "disk_size_mb": 64,
+        "machine": {"kernel": str(images / "base-abc" / "vmlinuz"), "initrd": str(images / "base-abc" / "initrd.cpio"),
+                    "tools": str(images / "base-abc" / "tools.img"), "image": "base",
+                    "image_dir": str(images / "base-abc"), "accel": "tcg", "qemu": "qemu-system-x86_64"},
+        "source_sandbox_id": "i1", "created_at": 1.0, "timings": {},
+    }
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+def _backing(path: Path) -> str:
+    out = subprocess.run(["qemu-img", "info", "--output=json", "-U", str(path)], check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out)["backing-filename"]
+
+
+# --------------------------------------------------------------------------- chunking
+
+
+def test_chunk_spans_skip_holes_and_read_chunk_drops_zeros(tmp_path):
+    f = tmp_path / "sparse"
+    with open(f, "wb") as fh:
+        fh.truncate(10 * CHUNK + 100)
+        fh.seek(3 * CHUNK + 5)
+        fh.write(b"data")
+        fh.seek(5 * CHUNK)
+        fh.write(bytes(CHUNK))  # written zeros: allocated, but nothing to store
+        fh.seek(10 * CHUNK)
+        fh.write(b"tail")
+    spans = list(chunk_spans(f, CHUNK))
+    assert Chunk(0, CHUNK) not in spans, "a hole was read"
+    assert Chunk(3 * CHUNK, CHUNK) in spans and Chunk(10 * CHUNK, 100) in spans
+    stored = [c for c in spans if read_chunk(f, c) is not None]
+    assert stored == [Chunk(3 * CHUNK, CHUNK), Chunk(10 * CHUNK, 100)]
+
+
+# --------------------------------------------------------------------------- commit
+
+
+def test_commit_stores_nonzero_chunks_once_and_is_idempotent(s3, tmp_path):
+    client, prefix = s3
+    images = _images(tmp_path)
+    home = tmp_path / "n1"
+    pattern = os.urandom(CHUNK)
+    # the same non-zero chunk twice, zeros between: one chunk object for the RAM
+    _capture(home, images, "snap-a", {0: pattern, 7 * CHUNK: pattern})
+    store = _store(s3, home, images)
+    stats = store.commit("snap-a")
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/snap-a/manifest.json")["Body"].read())
+    ram = doc["files"]["memory.ram"]
+    assert ram["size"] == 16 * CHUNK
+    assert [c[0] for c in ram["chunks"]] == [0, 7 * CHUNK] and ram["chunks"][0][2] == ram["chunks"][1][2]
+    assert set(doc["files"]) == {"layer-0.qcow2", "layer-1.qcow2", "memory.ram", "device.state"}
+    # paths are relative: nothing of this node's directories is left in the manifest
+    text = json.dumps(doc["manifest"])
+    assert str(tmp_path) not in text
+    assert doc["manifest"]["layers"] == ["$IMAGES/base-abc/rootfs.qcow2", "$SNAPSHOT/layer-0.qcow2",
+                                         "$SNAPSHOT/layer-1.qcow2"]
+    chunks = _keys(client, prefix, "chunks/")
+    assert len(chunks) == stats["unique_chunks"] == stats["uploaded"]
+    assert stats["chunks"] > stats["unique_chunks"]  # the repeated RAM chunk was sent once
+    stored = sum(client.head_object(Bucket=BUCKET, Key=f"{prefix}/{k}")["ContentLength"] for k in chunks)
+    assert stored < 6 * CHUNK, "zero chunks were uploaded"
+    assert len(_keys(client, prefix, "refs/")) == len(chunks)
+
+    again = store.commit("snap-a")  # harmless, uploads nothing
+    assert again["uploaded"] == 0 and again["reuploaded"] == 0
+    assert _keys(client, prefix, "chunks/") == chunks
+
+
+def test_second_snapshot_uploads_only_what_changed(s3, tmp_path):
+    client, prefix = s3
+    images = _images(tmp_path)
+    home = tmp_path / "n1"
+    ram = {i * CHUNK: os.urandom(CHUNK) for i in range(6)}
+    _capture(home, images, "parent", ram)
+    store = _store(s3, home, images)
+    first = store.commit("parent")
+    changed = dict(ram)
+    changed[2 * CHUNK] = os.urandom(CHUNK)  # the child touched one page range
+    _capture(home, images, "child", changed)
+    second = store.commit("child")
+    # one RAM chunk, plus the layer headers that name their own (different) directory
+    assert second["uploaded"] <= 3, second
+    assert second["chunks"] == first["chunks"]
+    assert len(_keys(client, prefix, "chunks/")) == first["unique_chunks"] + second["uploaded"]
+
+
+# --------------------------------------------------------------------------- download
+
+
+def test_other_node_downloads_rewrites_paths_and_rebases(s3, tmp_path):
+    images = _images(tmp_path)
+    src = _capture(tmp_path / "n1", images, "snap-b", {CHUNK: os.urandom(CHUNK)})
+    _store(s3, tmp_path / "n1", images).commit("snap-b")
+
+    other = _store(s3, tmp_path / "n2", images)
+    local = other.local_dir("snap-b")
+    assert local == tmp_path / "n2" / "cache" / "snapshots" / "snap-b"
+    for name in ("memory.ram", "device.state"):
+        assert (local / name).read_bytes() == (src / name).read_bytes()
+    assert os.stat(local / "memory.ram").st_blocks * 512 < 4 * CHUNK, "the RAM file was not kept sparse"
+    manifest = json.loads((local / "manifest.json").read_text())
+    assert manifest["dir"] == str(local)
+    assert manifest["layers"] == [str(images / "base-abc" / "rootfs.qcow2"), str(local / "layer-0.qcow2"),
+                                  str(local / "layer-1.qcow2")]
+    assert manifest["memory_file"] == str(local / "memory.ram")
+    assert manifest["machine"]["kernel"] == str(images / "base-abc" / "vmlinuz")
+    assert _backing(local / "layer-0.qcow2") == str(images / "base-abc" / "rootfs.qcow2")
+    assert _backing(local / "layer-1.qcow2") == str(local / "layer-0.qcow2")
+    subprocess.run(["qemu-img", "check", "-q", str(local / "layer-1.qcow2")], check=True)
+    assert other.local_dir("snap-b") == local  # a second lookup is the cache
+    assert not list(local.parent.glob(".tmp-*"))
+
+    # the node that took it uses its own copy
+    assert _store(s3, tmp_path / "n1", images).local_dir("snap-b") == src
+
+
+def test_missing_base_image_or_snapshot_is_a_clear_error(s3, tmp_path):
+    images = _images(tmp_path)
+    _capture(tmp_path / "n1", images, "snap-c", b"x")
+    _store(s3, tmp_path / "n1", images).commit("snap-c")
+    elsewhere = tmp_path / "other-images"
+    elsewhere.mkdir()
+    with pytest.raises(SnapshotStoreError, match="template base layer .*image build base-abc"):
+        _store(s3, tmp_path / "n2", elsewhere).local_dir("snap-c")
+    assert not (tmp_path / "n2" / "cache" / "snapshots" / "snap-c").exists()
+    with pytest.raises(SnapshotStoreError, match="neither on this node nor in s3://"):
+        _store(s3, tmp_path / "n2", images).local_dir("nope")
+    with pytest.raises(SnapshotStoreError, match="invalid snapshot id"):
+        _store(s3, tmp_path / "n2", images).local_dir("../etc")
+
+
+# --------------------------------------------------------------------------- delete
+
+
+def test_delete_keeps_shared_chunks_until_the_last_user_goes(s3, tmp_path):
+    client, prefix = s3
+    images = _images(tmp_path)
+    home = tmp_path / "n1"
+    shared, own = os.urandom(CHUNK), os.urandom(CHUNK)
+    _capture(home, images, "s1", {0: shared})
+    _capture(home, images, "s2", {0: shared, CHUNK: own})
+    store = _store(s3, home, images)
+    store.commit("s1")
+    store.commit("s2")
+    other = _store(s3, tmp_path / "n2", images)
+    other.local_dir("s2")  # a cached copy on another node
+
+    assert store.delete("s1") is True
+    assert not (home / "snapshots" / "s1").exists()
+    assert "snapshots/s1/manifest.json" not in _keys(client, prefix)
+    assert not [k for k in _keys(client, prefix, "refs/") if k.endswith("/s1")]
+    # s2 is whole: every chunk it lists is still there, and it downloads on a fresh node
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/s2/manifest.json")["Body"].read())
+    left = set(_keys(client, prefix, "chunks/"))
+    assert {f"chunks/{c[2]}" for f in doc["files"].values() for c in f["chunks"]} <= left
+    fresh = _store(s3, tmp_path / "n3", images).local_dir("s2")
+    assert (fresh / "memory.ram").read_bytes()[:CHUNK] == shared
+
+    assert other.delete("s2") is True  # from another node: its cache entry goes too
+    assert not (tmp_path / "n2" / "cache" / "snapshots" / "s2").exists()
+    assert _keys(client, prefix) == [], "objects left behind"
+    assert other.delete("s2") is False
+    assert store.delete("s1") is False
+
+
+def test_interrupted_delete_is_finished_by_the_next(s3, tmp_path):
+    client, prefix = s3
+    images = _images(tmp_path)
+    _capture(tmp_path / "n1", images, "s3", {0: os.urandom(CHUNK)})
+    store = _store(s3, tmp_path / "n1", images)
+    store.commit("s3")
+    # a delete that stopped after moving the manifest to the trash
+    manifest_key = f"{prefix}/snapshots/s3/manifest.json"
+    body = client.get_object(Bucket=BUCKET, Key=manifest_key)["Body"].read()
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/trash/s3.json", Body=body)
+    client.delete_object(Bucket=BUCKET, Key=manifest_key)
+    assert store.delete("s3") is True
+    assert _keys(client, prefix) == []
+
+
+def test_commit_restores_a_chunk_a_racing_delete_removed(s3, tmp_path):
+    """The reference scheme's guarantee: a snapshot committed while another one with
+    the same chunk is deleted still has every chunk afterwards."""
+    client, prefix = s3
+    images = _images(tmp_path)
+    home = tmp_path / "n1"
+    data = os.urandom(CHUNK)
+    _capture(home, images, "old", {0: data})
+    _capture(home, images, "new", {0: data})
+    store = _store(s3, home, images)
+    store.commit("old")
+    # "new" has written its markers and seen the chunks present; then "old" is deleted
+    store.commit("new")
+    store.delete("old")
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/new/manifest.json")["Body"].read())
+    needed = {f"chunks/{c[2]}" for f in doc["files"].values() for c in f["chunks"]}
+    assert needed <= set(_keys(client, prefix, "chunks/"))
+    # and if a chunk did vanish (a delete in the window), a re-commit puts it back
+    victim = sorted(needed)[0]
+    client.delete_object(Bucket=BUCKET, Key=f"{prefix}/{victim}")
+    assert store.commit("new")["uploaded"] >= 1
+    assert needed <= set(_keys(client, prefix, "chunks/"))
+    store.delete("new")
+    assert _keys(client, prefix) == []
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def test_cache_evicts_least_recently_used_but_never_what_a_vm_uses(s3, tmp_path):
+    images = _images(tmp_path)
+    src_home = tmp_path / "n1"
+    src = _store(s3, src_home, images)
+    for sid in ("c1", "c2", "c3", "c4"):
+        _capture(src_home, images, sid, {i * CHUNK: os.urandom(CHUNK) for i in range(8)})
+        src.commit(sid)
+
+    node = tmp_path / "n2"
+    probe = _store(s3, node, images, cache_limit_bytes=1 << 40, pin_seconds=0)
+    one = probe.local_dir("c1")
+    entry_size = sum(os.stat(p).st_blocks * 512 for p in one.iterdir())
+    probe.cache.remove("c1")
+    # room for two entries (and a bit), not three
+    store = _store(s3, node, images, cache_limit_bytes=int(entry_size * 2.5), pin_seconds=0)
+    c1 = store.local_dir("c1")
+    time.sleep(0.05)
+    c2 = store.local_dir("c2")
+    # a VM on this node was restored from c1: its state file names c1's files
+    vm = node / "sandboxes" / "i-live"
+    vm.mkdir(parents=True)
+    (vm / "vm.json").write_text(json.dumps({"chain": json.loads((c1 / "manifest.json").read_text())["layers"],
+                                            "ram": str(c1 / "memory.ram")}))
+    time.sleep(0.05)
+    store.local_dir("c3")  # c1 is the least recently used, but in use: c2 goes
+    cached = sorted(p.name for p in store.cache.entries())
+    assert cached == ["c1", "c3"]
+    assert (c1 / "memory.ram").exists() and not c2.exists()
+
+    # a lookup pins an entry for a while (a restore between lookup and its vm.json)
+    pinned = _store(s3, node, images, cache_limit_bytes=int(entry_size * 2.5), pin_seconds=3600)
+    (pinned.cache.path("c3") / LAST_USED).touch()
+    with pytest.raises(SnapshotStoreError, match="cache .* is full"):
+        pinned.local_dir("c4")  # c1 is used by a VM, c3 just looked up: no room
+    assert not (node / "cache" / "snapshots" / "c4").exists()
+    assert not list((node / "cache" / "snapshots").glob(".tmp-c4-*"))
+
+    # once the VM is gone c1 can be evicted, and a delete of a used entry keeps it
+    (vm / "vm.json").unlink()
+    store.local_dir("c4")
+    assert sorted(p.name for p in store.cache.entries()) == ["c3", "c4"]
+    for sid in ("c1", "c2", "c3", "c4"):
+        src.delete(sid)
+
+
+def test_delete_keeps_a_cached_copy_a_vm_still_reads(s3, tmp_path):
+    images = _images(tmp_path)
+    _capture(tmp_path / "n1", images, "u1", b"abc")
+    _store(s3, tmp_path / "n1", images).commit("u1")
+    node = _store(s3, tmp_path / "n2", images, pin_seconds=0)
+    entry = node.local_dir("u1")
+    vm = tmp_path / "n2" / "sandboxes" / "i-x"
+    vm.mkdir(parents=True)
+    (vm / "vm.json").write_text(json.dumps({"ram": str(entry / "memory.ram")}))
+    assert node.delete("u1") is True  # the remote objects go
+    assert entry.exists(), "a running VM's snapshot files were deleted"
+    (vm / "vm.json").unlink()
+    assert node.cache.remove("u1") is True and not entry.exists()
