@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -215,6 +216,7 @@ class S3Store(SnapshotStore):
                 raise SnapshotStoreError(f"unexpected file name {name!r} in snapshot {snapshot_id}")
         jobs = [(name, chunk) for name in names for chunk in chunk_spans(src / name, self.chunk_size)]
         stats = {"chunks": 0, "uploaded": 0, "uploaded_bytes": 0}
+        claim = threading.Lock()
 
         def upload(job):
             name, chunk = job
@@ -222,7 +224,10 @@ class S3Store(SnapshotStore):
             if data is None:
                 return None
             sha = digest(data)
-            touched.add(sha)
+            with claim:  # a chunk repeated within this snapshot is sent by one thread only
+                if sha in touched:
+                    return sha, 0
+                touched.add(sha)
             self.s3.put_object(Bucket=self.bucket, Key=self.ref_key(sha, snapshot_id), Body=b"")
             if self._exists(self.chunk_key(sha)):
                 return sha, 0

@@ -376,3 +376,27 @@ def test_delete_keeps_a_cached_copy_a_vm_still_reads(s3, tmp_path):
     assert entry.exists(), "a running VM's snapshot files were deleted"
     (vm / "vm.json").unlink()
     assert node.cache.remove("u1") is True and not entry.exists()
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_get_store_follows_the_backend_setting(settings, s3_endpoint, tmp_path):
+    from snapshots.storage import PosixFsStore, get_store
+
+    settings.AENV_SNAPSHOT_BACKEND = "posix_fs"
+    assert isinstance(get_store(), PosixFsStore)
+    settings.AENV_SNAPSHOT_BACKEND = "s3"
+    settings.AENV_S3_ENDPOINT, settings.AENV_S3_BUCKET, settings.AENV_S3_REGION = s3_endpoint, BUCKET, "us-east-1"
+    settings.AENV_S3_PREFIX, settings.AENV_SNAPSHOT_CACHE_MB = "cfg", 64
+    store = get_store()
+    assert isinstance(store, S3Store) and store.bucket == BUCKET and store.prefix == "cfg/"
+    assert store.cache.limit_bytes == 64 << 20 and get_store() is store
+    assert store.cache.root == settings.AENV_HOME / "cache" / "snapshots"
+    assert store._get_json(store.manifest_key("absent")) is None  # really talks to the server
+    settings.AENV_S3_BUCKET = ""
+    with pytest.raises(SnapshotStoreError, match="AENV_S3_BUCKET"):
+        get_store()
+    settings.AENV_SNAPSHOT_BACKEND = "ftp"
+    with pytest.raises(SnapshotStoreError, match="unknown snapshot backend"):
+        get_store()
