@@ -112,6 +112,7 @@ class SnapshotCache:
         ``needed_bytes`` more fit under the limit; CacheFull if they cannot."""
         evicted = []
         with self.cache_lock():
+            self._sweep_leftovers()
             used = self.used_bytes()
             candidates = sorted((e for e in self.entries() if e.name != keep), key=_last_used)
             for entry in candidates:
@@ -130,6 +131,24 @@ class SnapshotCache:
         for name in evicted:
             log.info("snapshot cache: evicted %s", name)
         return evicted
+
+    def _sweep_leftovers(self) -> None:
+        """Removes what a crashed worker left: half-removed entries, and downloads of
+        ids nobody is downloading now (their entry lock is free)."""
+        for path in self.root.glob(".tmp-*"):
+            if path.name.startswith(".tmp-rm-"):
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            snapshot_id = path.name[len(".tmp-"):].rsplit("-", 1)[0]
+            with open(self.root / f".lock-{snapshot_id}", "a") as f:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a download of this id is running
+                try:
+                    shutil.rmtree(path, ignore_errors=True)
+                finally:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
     def staging_dir(self, snapshot_id: str) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -204,7 +204,13 @@ def test_other_node_downloads_rewrites_paths_and_rebases(s3, tmp_path):
     _store(s3, tmp_path / "n1", images).commit("snap-b")
 
     other = _store(s3, tmp_path / "n2", images)
+    # what a crashed worker left: a half-removed entry and another id's download
+    crumbs = tmp_path / "n2" / "cache" / "snapshots"
+    for name in (".tmp-rm-old-1234abcd", ".tmp-zzz-1234abcd"):
+        (crumbs / name).mkdir(parents=True)
+        (crumbs / name / "memory.ram").write_bytes(b"x" * 100)
     local = other.local_dir("snap-b")
+    assert not list(crumbs.glob(".tmp-*")), "leftovers were not swept"
     assert local == tmp_path / "n2" / "cache" / "snapshots" / "snap-b"
     for name in ("memory.ram", "device.state"):
         assert (local / name).read_bytes() == (src / name).read_bytes()
