@@ -203,11 +203,14 @@ async def pause_sandbox(node: Node, *, sandbox_id: str, to_disk: bool = True, me
 
 
 async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,
-                         deadline: float | None = None) -> dict:
-    """Resume a paused VM on `node` and re-initialise its envd (clock, env vars, token).
+                         memory: bool = True, deadline: float | None = None) -> dict:
+    """Resume a paused VM on `node` and re-initialise its envd (clock, env vars, token);
+    ``memory=False`` cold-boots it on its disk instead of restoring its memory.
 
     Returns {"envd_host", "envd_port", "pid", "accel", "timings": {phase: ms}}."""
     kwargs = dict(sandbox_id=sandbox_id, env_vars=dict(env_vars or {}), access_token=access_token)
+    if not memory:
+        kwargs["memory"] = False
     return await _call(node, tasks.resume_sandbox, kwargs, deadline, f"resume of {sandbox_id}")
 
 

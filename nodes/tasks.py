@@ -8,7 +8,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from pathlib import Path
 
 import httpx
 from celery import shared_task
@@ -111,15 +110,28 @@ def pause_sandbox(*, sandbox_id: str, to_disk: bool = True, memory: bool = True)
 
 
 @shared_task(name="nodes.resume_sandbox")
-def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None) -> dict:
+def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, memory: bool = True) -> dict:
     """Resumes a paused VM, then re-inits envd (fresh timestamp: the guest clock stood
-    still while paused). If /init fails the VM is paused to disk again, so the sandbox
+    still while paused). ``memory=False`` cold-boots on the disk, discarding a memory
+    snapshot (E2B's "reboot" resume). If /init fails the VM is paused again the way it
+    came back (to disk with memory, or filesystem-only after a cold boot), so the sandbox
     stays consistently paused. Returns envd host/port, pid and timings like boot."""
     driver = get_driver()
     started = time.perf_counter()
-    info = driver.resume(sandbox_id)
+    info = driver.resume(sandbox_id, memory=memory)
     t_resumed = time.perf_counter()
-    _init_envd_or_undo(info, env_vars, access_token, undo=driver.pause_to_disk, what="pausing it again")
+    cold = bool(info.timings.get("cold_boot"))
+
+    def pause_again(sid: str) -> None:
+        if cold:  # nothing in memory worth keeping; the disk is what the sandbox is
+            try:
+                driver.pause_to_disk(sid, memory=False)
+                return
+            except Exception:
+                log.warning("filesystem pause of %s failed; pausing with memory", sid)
+        driver.pause_to_disk(sid)
+
+    _init_envd_or_undo(info, env_vars, access_token, undo=pause_again, what="pausing it again")
     timings = _round(info.timings)
     timings["resume_ms"] = round((t_resumed - started) * 1000, 2)
     timings["init"] = round((time.perf_counter() - t_resumed) * 1000, 2)
@@ -174,36 +186,6 @@ def _store():
 
 
 # envd's host-driver endpoint that runs sync(2) in the guest (see envd/app.py SYNC_PATH).
-GUEST_SYNC_PATH = "/aenv/sync"
-GUEST_SYNC_TIMEOUT = 60.0
-
-
-def _guest_sync(driver, sandbox_id: str) -> None:
-    """Flushes the guest page cache to its virtual disk, so a disk-only capture holds
-    every write the guest has made."""
-    info = driver.info(sandbox_id)
-    if info is None:
-        raise EnvdInitFailed(f"sandbox {sandbox_id} is not running")
-    try:
-        resp = httpx.post(f"http://{info.envd_host}:{info.envd_port}{GUEST_SYNC_PATH}", timeout=GUEST_SYNC_TIMEOUT)
-    except httpx.HTTPError as exc:
-        raise EnvdInitFailed(f"guest sync of {sandbox_id} failed: {exc!r}") from None
-    if resp.status_code != 204:
-        raise EnvdInitFailed(f"guest sync of {sandbox_id} answered {resp.status_code}: {resp.text[:200]}")
-
-
-def _drop_memory(manifest):
-    """A filesystem-only snapshot keeps the disk layers only: sandboxes started from it
-    cold-boot on them (no processes, smaller, no guest RAM kept on the node)."""
-    for name in (manifest.memory_file, manifest.device_state_file):
-        if name:
-            Path(name).unlink(missing_ok=True)
-    manifest.memory_file = ""
-    manifest.device_state_file = ""
-    manifest.save()
-    return manifest
-
-
 @shared_task(name="nodes.snapshot_sandbox")
 def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) -> dict:
     """Captures the running VM into the snapshot store (the VM pauses briefly, then
@@ -220,11 +202,8 @@ def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) 
             raise StorageFull(f"no space left in the snapshot store for {snapshot_id}: {exc}") from None
         raise
     try:
-        if not memory:
-            _guest_sync(driver, sandbox_id)
-        manifest = driver.snapshot(sandbox_id, dest)
-        if not memory:
-            manifest = _drop_memory(manifest)
+        # memory=False: the driver syncs the guest and captures the disk layers only.
+        manifest = driver.snapshot(sandbox_id, dest, memory=memory)
         store.commit(snapshot_id)
     except BaseException as exc:
         store.delete(snapshot_id)

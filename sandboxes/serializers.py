@@ -150,7 +150,7 @@ class ResumeSerializer(serializers.Serializer):
 
 class ConnectV2Serializer(ResumeSerializer):
     """Body of ``POST /v2/sandboxes/{id}/connect``: ``timeout`` and ``memory`` optional
-    (``memory: false`` = cold boot ignoring the memory snapshot; resumed with memory for now)."""
+    (``memory: false`` = cold boot on the disk, ignoring the memory snapshot)."""
 
     memory = StrictBooleanField(required=False, allow_null=True, default=None)
 

@@ -766,11 +766,14 @@ async def resume_sandbox(team: Team, sandbox_id: str, timeout: int | None = None
 
 
 async def connect_sandbox(team: Team, sandbox_id: str, timeout: int | None = None,
-                          actor: str = "") -> tuple[bool, Sandbox]:
+                          actor: str = "", memory: bool | None = None) -> tuple[bool, Sandbox]:
     """Connect: a running sandbox only has its TTL extended (``end_at = max(end_at,
-    now + timeout)``) → ``(False, sandbox)``; a paused one is resumed → ``(True, sandbox)``."""
+    now + timeout)``) → ``(False, sandbox)``; a paused one is resumed → ``(True, sandbox)``.
+    ``memory=False`` (SDK ``on_resume="reboot"``) resumes a paused sandbox by a cold
+    boot on its disk, ignoring its memory snapshot."""
     timeout = _check_timeout(timeout)
-    resumed, sandbox = await _resume_or_running(team, sandbox_id, timeout, actor, operation="connect")
+    resumed, sandbox = await _resume_or_running(team, sandbox_id, timeout, actor, operation="connect",
+                                                memory=memory)
     if not resumed:
         end_at = max(sandbox.end_at, timezone.now() + timedelta(seconds=timeout))
         if end_at != sandbox.end_at:
@@ -793,7 +796,7 @@ async def auto_resume(sandbox_id: str) -> Sandbox | None:
     return running
 
 
-async def _resume_or_running(team, sandbox_id, timeout, actor, operation) -> tuple[bool, Sandbox]:
+async def _resume_or_running(team, sandbox_id, timeout, actor, operation, memory=None) -> tuple[bool, Sandbox]:
     while True:
         sandbox = await _settle(team, sandbox_id)
         if sandbox.state == S.RUNNING:
@@ -802,20 +805,25 @@ async def _resume_or_running(team, sandbox_id, timeout, actor, operation) -> tup
             raise ApiError(409, f'sandbox "{sandbox_id}" cannot be resumed (it is {sandbox.state})')
         node = await _node_of(sandbox)
         event = _event(sandbox_id, "resume", outcome="started", from_state=S.PAUSED, actor=actor,
-                       details={"via": operation, "timeout": timeout})
+                       details={"via": operation, "timeout": timeout, "memory": memory})
         if await _transition(sandbox_id, [S.PAUSED], S.RESUMING, event):
             break
-    return True, await _shielded(_resume_on_node(sandbox, node, timeout, actor, operation))
+    return True, await _shielded(_resume_on_node(sandbox, node, timeout, actor, operation, memory))
 
 
-async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, operation: str) -> Sandbox:
+async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, operation: str,
+                          memory: bool | None = None) -> Sandbox:
     client, _ = _node_api()
     t0, started = time.monotonic(), timezone.now()
     details = {"node": node.id, "via": operation, "timeout": timeout}
+    reboot = {"memory": False} if memory is False else {}
+    if reboot:
+        details["mode"] = "reboot"
     try:
         result = await _await_node(asyncio.wait_for(
             client.resume_sandbox(node, sandbox_id=sandbox.id, env_vars=sandbox.env_vars,
-                                  access_token=sandbox.envd_access_token or None, deadline=LIFECYCLE_DEADLINE),
+                                  access_token=sandbox.envd_access_token or None, deadline=LIFECYCLE_DEADLINE,
+                                  **reboot),
             timeout=LIFECYCLE_DEADLINE + 15,
         ), sandbox.id, S.RESUMING)
     except _Moved as moved:

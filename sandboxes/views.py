@@ -203,7 +203,7 @@ class SandboxConnectView(APIView):
     async def post(self, request, sandbox_id: str):
         body = _valid(self.connect_serializer, _body(request)).validated_data
         resumed, sandbox = await services.connect_sandbox(_team(request), sandbox_id, body.get("timeout"),
-                                                          actor=_actor(request))
+                                                          actor=_actor(request), memory=body.get("memory"))
         return Response(SandboxSerializer(sandbox).data,
                         status=status.HTTP_201_CREATED if resumed else status.HTTP_200_OK,
                         headers=_server_timing(sandbox))

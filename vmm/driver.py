@@ -146,10 +146,12 @@ class VMDriver(abc.ABC):
         that disk (files intact, processes gone)."""
 
     @abc.abstractmethod
-    def resume(self, sandbox_id: str) -> VMInfo:
+    def resume(self, sandbox_id: str, memory: bool = True) -> VMInfo:
         """Continues a paused VM (any kind of pause); returns once envd answers /health.
         After a pause_to_disk the VM runs in a new process (same id, same envd port); after a
-        filesystem-only one it is a cold boot (timings["cold_boot"] == 1)."""
+        filesystem-only one it is a cold boot (timings["cold_boot"] == 1). ``memory=False``
+        discards a memory snapshot and cold-boots on the disk instead (E2B's "reboot"
+        resume: processes are gone, writes the guest had not flushed may be lost)."""
 
     @abc.abstractmethod
     def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True) -> SnapshotManifest:

@@ -513,6 +513,22 @@ class QemuDriver(VMDriver):
         state.save()
         return timings
 
+    def _discard_memory(self, state: VMState) -> None:
+        """Turns a memory-paused VM into a filesystem-paused one without a guest sync (the
+        guest is not running): its process, device state and RAM go, the disk stays."""
+        paths = self._paths(state)
+        self._stop_process(paths)
+        if state.device_state:
+            Path(state.device_state).unlink(missing_ok=True)
+        if state.ram_owned:
+            paths.ram.unlink(missing_ok=True)
+        state.status = "paused_fs"
+        state.device_state = ""
+        state.ram = str(VMPaths.for_sandbox(paths.state_dir, state.sandbox_id, self.shm_dir).ram)
+        state.ram_share = state.ram_owned = True
+        state.pid = 0
+        state.save()
+
     def _resume_cold(self, state: VMState) -> dict[str, float]:
         """Cold-boots a filesystem-only paused VM on its own disk (same id, port and top).
         On failure it stays paused_fs with no process and no RAM file."""
@@ -597,9 +613,11 @@ class QemuDriver(VMDriver):
         state.device_state_full_ram = False
         return timings
 
-    def resume(self, sandbox_id: str) -> VMInfo:
+    def resume(self, sandbox_id: str, memory: bool = True) -> VMInfo:
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
+            if not memory and state.status in ("paused", "paused_disk"):
+                self._discard_memory(state)
             if state.status == "paused_fs":
                 timings = self._resume_cold(state)
             elif state.status == "paused_disk":

@@ -391,3 +391,17 @@ async def test_resume_waiter_follows_a_reconcile(api, paused, nodes_mock, reconc
     assert await _state(sb["sandboxID"]) == reconciled
     if status != 201:
         assert ("resume", "aborted", "resuming", "") in await _events(sb["sandboxID"], "resume")
+
+
+async def test_connect_v2_memory_false_reboots_on_the_node(api, paused, nodes_mock):
+    """SDK ``connect(on_resume="reboot")`` sends ``{"memory": false}``: the node is asked to
+    cold-boot on the disk; a plain connect restores the memory snapshot."""
+    sb = await paused()
+    resp = await api.post(f"/v2/sandboxes/{sb['sandboxID']}/connect", json={"memory": False})
+    assert resp.status_code == 201, resp.text
+    assert nodes_mock.client.resume_sandbox.await_args.kwargs["memory"] is False
+    done = await SandboxEvent.objects.filter(sandbox_id=sb["sandboxID"], operation="resume", outcome="ok").alast()
+    assert done.details["mode"] == "reboot"
+    other = await paused()
+    assert (await api.post(f"/v2/sandboxes/{other['sandboxID']}/connect", json={})).status_code == 201
+    assert "memory" not in nodes_mock.client.resume_sandbox.await_args.kwargs

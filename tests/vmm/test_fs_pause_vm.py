@@ -117,3 +117,26 @@ def test_fs_pause_keeps_files_not_processes(driver, tmp_path):
     assert list((driver.home / "locks").iterdir()) == []  # lock files go with their VMs
     with pytest.raises(VMError):
         driver.boot(BootSpec("fs-3", layers=[str(tmp_path / "missing.qcow2")]))
+
+
+def test_resume_without_memory_reboots_on_the_disk(driver):
+    """resume(memory=False) after a pause to disk (E2B's on_resume="reboot"): the memory
+    snapshot is discarded, the VM cold-boots on its disk with the same id and port; files
+    the guest had synced are there, processes are not, and no RAM or device state is left."""
+    info = driver.boot(BootSpec("fs-reboot", cpu_count=1, memory_mb=256))
+    port = info.envd_port
+    sh(port, "echo kept > /home/user/synced.txt && sync")
+    sh(port, "setsid nohup sleep 100001 >/dev/null 2>&1 </dev/null &")
+    assert guest_pids(port, "slee[p] 100001")
+    driver.pause_to_disk(info.sandbox_id)
+    state_dir = driver.sandboxes_dir / info.sandbox_id
+    assert (state_dir / "device.state").exists()
+    resumed = driver.resume(info.sandbox_id, memory=False)
+    assert resumed.timings.get("cold_boot") == 1
+    assert resumed.envd_port == port and resumed.status == "running"
+    assert sh(port, "cat /home/user/synced.txt").strip() == "kept"
+    assert guest_pids(port, "slee[p] 100001") == []
+    assert not (state_dir / "device.state").exists()
+    driver.kill(info.sandbox_id)
+    assert not state_dir.exists()
+    assert not list(Path(driver.shm_dir).glob(f"aenv-{info.sandbox_id}*"))
