@@ -310,17 +310,35 @@ async def _delete_on_node(snapshot: Snapshot, previous: str, actor: str) -> None
         await _delete_files_quietly(snapshot.node, snapshot.id)  # a failed capture left nothing, normally
     elif snapshot.node is not None:
         client, _ = sbx._node_api()
+        deleter = await _deleting_node(snapshot)
         try:
             result = await asyncio.wait_for(
-                client.delete_snapshot_files(snapshot.node, snapshot_id=snapshot.id, deadline=DELETE_DEADLINE),
+                client.delete_snapshot_files(deleter, snapshot_id=snapshot.id, deadline=DELETE_DEADLINE),
                 timeout=DELETE_DEADLINE + 15)
         except Exception as exc:  # the files are still there: the snapshot stays usable
-            status, reason, _kind, code = _node_error(client, exc, snapshot.node, "snapshot deletion")
+            status, reason, _kind, code = _node_error(client, exc, deleter, "snapshot deletion")
             await Snapshot.objects.filter(pk=snapshot.pk, state=SS.DELETING).aupdate(
                 state=previous, updated_at=timezone.now())
             raise ApiError(status, reason, error_code=code) from exc
         log.info("snapshot %s deleted by %s (files: %s, %.0f ms)", snapshot.id, actor, result, sbx._ms(t0))
     await Snapshot.objects.filter(pk=snapshot.pk).adelete()
+
+
+async def _deleting_node(snapshot: Snapshot):
+    """The node that deletes the files: the snapshot's own — or, with the s3 backend
+    (the bucket is the truth, any node can reach it), any alive node when that one is
+    gone. Copies cached on other nodes leave by eviction."""
+    from nodes.models import Node  # noqa: PLC0415
+
+    from .storage import backend_name  # noqa: PLC0415
+
+    own = snapshot.node
+    if backend_name() != "s3" or own.is_alive():
+        return own
+    async for node in Node.objects.filter(draining=False).order_by("id"):
+        if node.is_alive():
+            return node
+    return own  # nobody else either: the node client reports it unavailable
 
 
 @sync_to_async

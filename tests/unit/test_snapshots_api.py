@@ -330,3 +330,32 @@ async def test_restore_on_a_full_node_is_503(api, create, snap_mock, assert_erro
     await Node.objects.filter(pk="n1").aupdate(memory_mb_capacity=700)  # the source holds 512
     assert_error(await api.post("/v2/sandboxes", json={"templateID": snap_id}), 503, "no room")
     snap_mock.client.restore_sandbox.assert_not_awaited()
+
+
+@pytest.mark.parametrize("backend, deleter", [("s3", "spare"), ("posix_fs", None)])
+async def test_delete_when_the_snapshots_node_is_gone(api, create, snap_mock, settings, backend, deleter):
+    """With s3 the bucket is the truth: another alive node deletes the files when the
+    snapshot's node is dead. posix_fs files exist only on that node: the delete fails
+    with 503 and the snapshot stays usable."""
+    from datetime import timedelta  # noqa: PLC0415
+
+    from nodes.models import Node  # noqa: PLC0415
+
+    settings.AENV_SNAPSHOT_BACKEND = backend
+    sb = await create()
+    snap = await _snap(api, sb["sandboxID"])
+    await Node.objects.acreate(id="spare", address="127.0.0.9", vcpu_capacity=8, memory_mb_capacity=4096,
+                               last_heartbeat_at=timezone.now())
+    await Node.objects.filter(pk=snap_mock.node.pk).aupdate(last_heartbeat_at=timezone.now() - timedelta(hours=1))
+    if deleter is None:
+        snap_mock.client.delete_snapshot_files.side_effect = snap_mock.client.NodeUnavailable("node is dead")
+    resp = await api.delete(f"/templates/{snap['snapshotID']}")
+    used = snap_mock.client.delete_snapshot_files.await_args.args[0].pk
+    if deleter:
+        assert resp.status_code == 204, resp.text
+        assert used == deleter
+        assert not await Snapshot.objects.filter(pk=snap["snapshotID"]).aexists()
+    else:
+        assert resp.status_code == 503, resp.text
+        assert used == snap_mock.node.pk
+        assert (await Snapshot.objects.aget(pk=snap["snapshotID"])).state == "ready"
