@@ -56,8 +56,11 @@ def web_stack(chromium_path):
             shutil.rmtree(home, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium_path):
+    """Module-scoped on purpose: while Playwright's sync API is active it owns a running
+    event loop in the main thread, and pytest-asyncio tests collected after this package
+    (tests/envd, ...) could not start theirs."""
     from playwright.sync_api import sync_playwright  # noqa: PLC0415
 
     with sync_playwright() as pw:

@@ -63,10 +63,20 @@ def test_skips_ports_in_use_and_claimed(tmp_path):
             raise AssertionError("expected exhaustion: one port busy, the other claimed")
 
 
+def _port_free_now() -> int:
+    """A port nothing listens on right now (VMs of concurrent runs use the default range)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_released_when_state_dir_goes(tmp_path):
     import shutil
 
     sandboxes = tmp_path / "sandboxes"
-    p1 = ports.allocate(sandboxes, sandboxes / "a", port_range=(45200, 45200))
+    only = _port_free_now()
+    p1 = ports.allocate(sandboxes, sandboxes / "a", port_range=(only, only))
     shutil.rmtree(sandboxes / "a")
-    assert ports.allocate(sandboxes, sandboxes / "b", port_range=(45200, 45200)) == p1
+    assert ports.allocate(sandboxes, sandboxes / "b", port_range=(only, only)) == p1
