@@ -137,6 +137,53 @@ def add_memory(add, prefix: str, pids: list[int], avail0: int) -> None:
     add(f"{prefix}_memavailable_drop_per_child_mib", (avail0 - avail1) / len(pids) / MIB)
 
 
+class LoadMonitor:
+    """Samples the 1-minute load average and the QEMU processes that are not this benchmark's
+    (other users of the host) every few seconds, so a result says how quiet the host was. Our own
+    guests (fork ×16 runs 17 TCG guests on 2 cores) push the load up by themselves."""
+
+    def __init__(self, every: float = 5.0):
+        import threading  # noqa: PLC0415
+
+        self.every, self.phase, self.samples = every, "setup", []
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def foreign_qemus() -> int:
+        mine = str(ROOT / "var" / "bench-runs")
+        n = 0
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                cmd = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "qemu-system" in cmd.split(" ", 1)[0] and mine not in cmd and ".tmp-template-vm-" not in cmd:
+                n += 1
+        return n
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(self.every):
+            self.samples.append((self.phase, os.getloadavg()[0], self.foreign_qemus()))
+
+    def start(self) -> "LoadMonitor":
+        self.thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self.stop_event.set()
+        self.thread.join(timeout=self.every + 1)
+        out = {}
+        for phase in dict.fromkeys(p for p, _, _ in self.samples):
+            loads = [x for p, x, _ in self.samples if p == phase]
+            others = [q for p, _, q in self.samples if p == phase]
+            out[phase] = {"load1_mean": round(statistics.mean(loads), 2), "load1_max": round(max(loads), 2),
+                          "other_qemu_max": max(others), "samples": len(loads)}
+        return out
+
+
 def ensure_template_snapshot(args) -> float:
     """Builds the template snapshot of the benchmark's shape if missing; seconds it took."""
     images_dir = Path(args.images_dir).absolute()
@@ -643,6 +690,7 @@ def main() -> int:
 
     t_start = time.monotonic()
     load0 = os.getloadavg()
+    monitor = LoadMonitor().start()
     result: dict = {"benchmark": "lifecycle", "ops": args.ops, "quick": args.quick,
                     "shape": {"cpu": args.cpu, "memory_mb": args.memory, "disk_mb": args.disk},
                     "repetitions": {"runs": args.runs, "cold": args.cold_runs, "fs_only": args.fs_runs,
@@ -651,6 +699,7 @@ def main() -> int:
     result["template_snapshot_ready_s"] = ensure_template_snapshot(args)
     samples: dict[str, list[float]] = {}
     if not args.no_raw:
+        monitor.phase = "raw"
         raw = Raw(args)
         raw.run()
         samples.update(raw.samples)
@@ -661,6 +710,7 @@ def main() -> int:
             stack, template = start_stack(args)
             api, sandbox_url, key = stack.api_url, stack.sandbox_url, stack.api_key
         try:
+            monitor.phase = "api"
             a = Api(args, api, sandbox_url, key, template, stack)
             a.run()
             samples.update(a.samples)
@@ -671,9 +721,13 @@ def main() -> int:
                 stack.kill_vm_leftovers()
                 shutil.rmtree(stack.home, ignore_errors=True)
         result["api_template"] = template
-    if args.fork16_runs < args.runs:
+    if "fork16" in args.ops.split(",") and args.fork16_runs < args.runs:
         result["notes"].append(f"fork ×16 repeated {args.fork16_runs}× (not {args.runs}): each repetition starts "
                                "16 guests on 2 cores and takes ~10-20 s per side")
+    load = monitor.stop()
+    for phase, v in load.items():
+        result["notes"].append(f"{phase} part: 1-min load average mean {v['load1_mean']}, max {v['load1_max']}; "
+                               f"at most {v['other_qemu_max']} QEMU process(es) of other users running")
     summary = summarize(samples)
     rows = summary_rows(summary)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -681,7 +735,7 @@ def main() -> int:
                    "overhead_target_ms": OVERHEAD_TARGET, "duration_s": round(time.monotonic() - t_start),
                    "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release(),
                             "loadavg_at_start": [round(x, 2) for x in load0],
-                            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]}})
+                            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "load_during": load}})
     out = write_results(result, stamp, ROOT / "var" / "bench-quick" if args.quick else ROOT / "bench" / "results")
     print(out.with_suffix(".md").read_text())
     print(f"wrote {out.relative_to(ROOT)} (+ .md)")
