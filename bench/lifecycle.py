@@ -341,6 +341,8 @@ class Api:
         self.template, self.stack = template, stack
         self.samples: dict[str, list[float]] = {}
         self.notes: list[str] = []
+        self.live: set[str] = set()  # sandboxes this run started and has not killed yet
+        self.started: set[str] = set()  # every one, for the RAM-file sweep after the stack stops
 
     def add(self, name: str, value: float) -> None:
         self.samples.setdefault(name, []).append(value)
@@ -385,6 +387,20 @@ class Api:
         resp = client.delete(f"{self.api}/sandboxes/{sid}", headers=self.headers, timeout=120)
         if resp.status_code not in (204, 404):
             raise RuntimeError(f"kill {sid}: {resp.status_code} {resp.text[:300]}")
+        self.live.discard(sid)
+
+    def track(self, *ids: str) -> None:
+        self.live.update(ids)
+        self.started.update(ids)
+
+    def kill_all(self, client) -> None:
+        """After a failure: kill what is still alive through the API, so the node removes
+        its VMs and RAM files the normal way (a SIGKILL would leave them in /dev/shm)."""
+        for sid in list(self.live):
+            try:
+                self.kill(client, sid)
+            except Exception as exc:  # noqa: BLE001 - best effort, the stack teardown follows
+                print(f"cleanup: kill {sid} failed: {exc}", file=sys.stderr)
 
     def create(self, client, name: str, template: str) -> dict:
         """A create through the API → envd answering (the API answers after envd /init) →
@@ -393,6 +409,7 @@ class Api:
         resp, _ = self.timed(client, name, "POST", "/v2/sandboxes", 201, node_of=self.create_node_ms,
                              json={"templateID": template, "timeout": 3600, "metadata": {"bench": "lifecycle"}})
         sbx = resp.json()
+        self.track(sbx["sandboxID"])
         if self.command(sbx).strip() != "ok":
             raise RuntimeError(f"{name}: first command did not answer ok")
         self.add(f"api.{name}_first_command", ms(t0, time.perf_counter()))
@@ -403,39 +420,43 @@ class Api:
 
         a, ops = self.args, set(self.args.ops.split(","))
         with httpx.Client() as client:
-            if "create" in ops:
-                for _ in range(a.runs):
-                    self.kill(client, self.create(client, "create_from_template", self.template)["sandboxID"])
-            if not ops - {"create"}:
-                return
-            parent = self.create(client, "parent_create", self.template)
-            sid = parent["sandboxID"]
-            self.command(parent, "echo bench > /root/state.txt")
             try:
-                if "disk" in ops or "pause" in ops:
-                    for _ in range(a.runs):
-                        self.timed(client, "pause_to_disk", "POST", f"/sandboxes/{sid}/pause", 204, json={})
-                        self.timed(client, "resume_from_disk", "POST", f"/sandboxes/{sid}/connect", 201,
-                                   json={"timeout": 3600})
-                        # nothing for the node to do: the whole call is control plane
-                        self.timed(client, "connect_running", "POST", f"/sandboxes/{sid}/connect", 200,
-                                   node_of=lambda p: 0.0, json={"timeout": 3600})
-                if "fs" in ops:
-                    for _ in range(a.fs_runs):
-                        self.timed(client, "pause_fs_only", "POST", f"/sandboxes/{sid}/pause", 204,
-                                   json={"memory": False})
-                        self.timed(client, "resume_fs_only_cold_boot", "POST", f"/sandboxes/{sid}/connect", 201,
-                                   json={"timeout": 3600})
-                    # a cold boot lost the processes, not the files; the parent goes on as is
-                if "snapshot" in ops:
-                    self.snapshots(client, sid)
-                for count, runs in ((4, a.fork4_runs), (16, a.fork16_runs)):
-                    if f"fork{count}" in ops:
-                        for _ in range(runs):
-                            self.fork(client, sid, count)
-                self.pause_windows(sid)
-            finally:
-                self.kill(client, sid)
+                self._run(client, a, ops)
+            except BaseException:
+                self.kill_all(client)
+                raise
+
+    def _run(self, client, a, ops) -> None:
+        if "create" in ops:
+            for _ in range(a.runs):
+                self.kill(client, self.create(client, "create_from_template", self.template)["sandboxID"])
+        if not ops - {"create"}:
+            return
+        parent = self.create(client, "parent_create", self.template)
+        sid = parent["sandboxID"]
+        self.command(parent, "echo bench > /root/state.txt")
+        if "disk" in ops or "pause" in ops:
+            for _ in range(a.runs):
+                self.timed(client, "pause_to_disk", "POST", f"/sandboxes/{sid}/pause", 204, json={})
+                self.timed(client, "resume_from_disk", "POST", f"/sandboxes/{sid}/connect", 201,
+                           json={"timeout": 3600})
+                # nothing for the node to do: the whole call is control plane
+                self.timed(client, "connect_running", "POST", f"/sandboxes/{sid}/connect", 200,
+                           node_of=lambda p: 0.0, json={"timeout": 3600})
+        if "fs" in ops:
+            # a cold-boot resume loses the processes, not the files; the parent goes on as is
+            for _ in range(a.fs_runs):
+                self.timed(client, "pause_fs_only", "POST", f"/sandboxes/{sid}/pause", 204, json={"memory": False})
+                self.timed(client, "resume_fs_only_cold_boot", "POST", f"/sandboxes/{sid}/connect", 201,
+                           json={"timeout": 3600})
+        if "snapshot" in ops:
+            self.snapshots(client, sid)
+        for count, runs in ((4, a.fork4_runs), (16, a.fork16_runs)):
+            if f"fork{count}" in ops:
+                for _ in range(runs):
+                    self.fork(client, sid, count)
+        self.pause_windows(sid)
+        self.kill(client, sid)
 
     def snapshots(self, client, sid: str) -> None:
         for _ in range(self.args.runs):
@@ -454,6 +475,7 @@ class Api:
                              json={"count": count, "timeout": 600})
         entries = resp.json()
         kids = [e["sandbox"] for e in entries if "sandbox" in e]
+        self.track(*(k["sandboxID"] for k in kids))
         try:
             if len(kids) != count:
                 raise RuntimeError(f"API fork x{count}: {[e['error'] for e in entries if 'error' in e]}")
@@ -706,6 +728,7 @@ def main() -> int:
     if args.api:
         stack = None
         api, sandbox_url, key, template = args.api, args.sandbox_url, args.api_key, args.api_template
+        a = None
         if api == "auto":
             stack, template = start_stack(args)
             api, sandbox_url, key = stack.api_url, stack.sandbox_url, stack.api_key
@@ -720,6 +743,11 @@ def main() -> int:
                 stack.stop()
                 stack.kill_vm_leftovers()
                 shutil.rmtree(stack.home, ignore_errors=True)
+                # RAM files of VMs that only a SIGKILL above ended (none after a clean run)
+                for sid in a.started if a is not None else ():
+                    shm = Path("/dev/shm")
+                    for f in [*shm.glob(f"aenv-{sid}.ram"), *shm.glob(f"aenv-fork-{sid}-*.ram")]:
+                        f.unlink(missing_ok=True)
         result["api_template"] = template
     if "fork16" in args.ops.split(",") and args.fork16_runs < args.runs:
         result["notes"].append(f"fork ×16 repeated {args.fork16_runs}× (not {args.runs}): each repetition starts "
