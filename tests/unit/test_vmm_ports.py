@@ -47,12 +47,27 @@ def test_processes_get_distinct_ports(tmp_path):
     assert len(set(got)) == 12
 
 
+def _busy_port_with_free_neighbour(busy: socket.socket) -> int:
+    """Binds `busy` to a port whose next port is free right now (VMs of concurrent runs
+    hold ports anywhere in the ephemeral range)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            candidate = probe.getsockname()[1]
+        if candidate < 65535 and ports.bind_free("127.0.0.1", candidate + 1):
+            try:
+                busy.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+            busy.listen()
+            return candidate
+    raise AssertionError("no port with a free neighbour found")
+
+
 def test_skips_ports_in_use_and_claimed(tmp_path):
     sandboxes = tmp_path / "sandboxes"
     with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        busy_port = busy.getsockname()[1]
+        busy_port = _busy_port_with_free_neighbour(busy)
         port = ports.allocate(sandboxes, sandboxes / "a", port_range=(busy_port, busy_port + 1))
         assert port == busy_port + 1
         try:
