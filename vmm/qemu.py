@@ -81,7 +81,7 @@ class QemuDriver(VMDriver):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
-        self.images_dir = Path(images_dir)
+        self.images_dir = Path(images_dir).resolve()  # recorded paths must not go through a symlink that may vanish
         self.sandboxes_dir = self.home / "sandboxes"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.host_address = host_address

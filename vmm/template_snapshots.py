@@ -94,9 +94,18 @@ def find(images_dir: Path, image: GuestImage, cpu_count: int, memory_mb: int, di
     if not (d / "manifest.json").is_file():
         return None
     try:
-        return SnapshotManifest.load(d)
+        manifest = SnapshotManifest.load(d)
     except (OSError, ValueError, TypeError):
         return None
+    return manifest if _files_present(manifest) else None
+
+
+def _files_present(manifest: SnapshotManifest) -> bool:
+    """Every file the manifest names still exists (an images dir reached through a path
+    that is gone, or a half-deleted build, makes it stale: rebuilt by the next build)."""
+    required = [*manifest.layers, manifest.memory_file, manifest.device_state_file]
+    recorded = [(manifest.machine or {}).get(k) for k in ("kernel", "initrd", "tools")]
+    return all(p and Path(p).exists() for p in required) and all(Path(p).exists() for p in recorded if p)
 
 
 class _Lock:
@@ -119,7 +128,9 @@ def build(images_dir: Path, image_name: str = "base", cpu_count: int = 2, memory
     Idempotent: an existing snapshot for the same key is returned as is."""
     from vmm.qemu import DEFAULT_BOOT_TIMEOUT, QemuDriver  # noqa: PLC0415 - qemu imports this module
 
-    images_dir = Path(images_dir).absolute()
+    # Resolved: the manifest records absolute paths, which must not go through a symlink
+    # (e.g. a checkout's var/images pointing at a shared cache) that may disappear.
+    images_dir = Path(images_dir).resolve()
     image = find_image(images_dir, image_name)
     work = Path(tempfile.mkdtemp(prefix=".tmp-template-vm-", dir=images_dir))
     try:

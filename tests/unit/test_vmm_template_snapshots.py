@@ -36,12 +36,22 @@ def test_find_needs_a_complete_manifest(tmp_path, monkeypatch):
     d.mkdir(parents=True)
     (d / "memory.ram").write_bytes(b"")  # an interrupted build: no manifest yet
     assert template_snapshots.find(tmp_path, img, 2, 512, 2048, "tcg") is None
+    base = tmp_path / "base.qcow2"
+    for f in (base, d / "layer-0.qcow2", d / "device.state", tmp_path / "k"):
+        f.write_bytes(b"x")
     (d / "manifest.json").write_text(json.dumps({
-        "dir": str(d), "layers": ["/base.qcow2", str(d / "layer-0.qcow2")], "memory_file": str(d / "memory.ram"),
+        "dir": str(d), "layers": [str(base), str(d / "layer-0.qcow2")], "memory_file": str(d / "memory.ram"),
         "device_state_file": str(d / "device.state"), "cpu_count": 2, "memory_mb": 512, "disk_size_mb": 2048,
-        "machine": {"accel": "tcg"}}))
+        "machine": {"accel": "tcg", "kernel": str(tmp_path / "k")}}))
     found = template_snapshots.find(tmp_path, img, 2, 512, 2048, "tcg")
     assert found is not None and Path(found.dir) == d and found.memory_mb == 512
+    # a file it names is gone (e.g. recorded through a path that no longer exists): stale, a miss
+    for gone in (base, tmp_path / "k"):
+        data = gone.read_bytes()
+        gone.unlink()
+        assert template_snapshots.find(tmp_path, img, 2, 512, 2048, "tcg") is None
+        gone.write_bytes(data)
+    assert template_snapshots.find(tmp_path, img, 2, 512, 2048, "tcg") is not None
     assert template_snapshots.find(tmp_path, img, 2, 1024, 2048, "tcg") is None
     (d / "manifest.json").write_text("{not json")
     assert template_snapshots.find(tmp_path, img, 2, 512, 2048, "tcg") is None
