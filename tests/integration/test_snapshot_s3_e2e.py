@@ -4,17 +4,15 @@ gone (as on another node, or after cache eviction) a create from it downloads it
 and the restored sandbox has the file and the still-running process; deleting the
 snapshot removes every object it stored."""
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
-import boto3
 import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
+
+from tests.moto_s3 import CREDENTIALS, moto_server
+from tests.moto_s3 import client as s3_client
 
 from .conftest import running_stack
 from .test_pause_resume_e2e import _counter, _qemu_pids
@@ -23,45 +21,19 @@ from .test_snapshot_e2e import _start_counter
 pytestmark = pytest.mark.vm
 
 BUCKET = "aenv-e2e"
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def moto_s3():
-    port = _free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert proc.poll() is None, "moto_server exited"
-            time.sleep(0.1)
-        client = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
-                              aws_access_key_id=CREDS["AWS_ACCESS_KEY_ID"],
-                              aws_secret_access_key=CREDS["AWS_SECRET_ACCESS_KEY"])
-        client.create_bucket(Bucket=BUCKET)
-        yield url, client
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with moto_server(BUCKET) as url:
+        yield url, s3_client(url)
 
 
 @pytest.fixture(scope="module")
 def s3_stack(moto_s3):
     url, _ = moto_s3
     env = {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_S3_ENDPOINT": url, "AENV_S3_BUCKET": BUCKET,
-           "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": f"e2e-{uuid.uuid4().hex[:6]}", **CREDS}
+           "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": f"e2e-{uuid.uuid4().hex[:6]}", **CREDENTIALS}
     with running_stack("s3", extra_env=env) as s:
         yield s
 

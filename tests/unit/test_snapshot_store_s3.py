@@ -4,59 +4,31 @@ snapshots, download onto another "node" (paths and qcow2 backing files re-pointe
 a missing base image, reference-counted delete, and the bounded LRU cache."""
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
-import boto3
 import pytest
 
 from snapshots.storage import SnapshotStoreError
 from snapshots.storage_cache import LAST_USED
 from snapshots.storage_chunks import Chunk, chunk_spans, read_chunk
 from snapshots.storage_s3 import S3Store
+from tests.moto_s3 import CREDENTIALS, moto_server
+from tests.moto_s3 import client as _client
 
 CHUNK = 64 << 10  # small chunks keep the test files small
 BUCKET = "aenv-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """A real moto S3 server for this module, with an empty bucket."""
-    port = _free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert proc.poll() is None, "moto_server exited"
-            time.sleep(0.1)
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-        _client(url).create_bucket(Bucket=BUCKET)
+    for name, value in CREDENTIALS.items():
+        os.environ.setdefault(name, value)
+    with moto_server(BUCKET) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _client(url):
-    return boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
-                        aws_secret_access_key="testing")
 
 
 @pytest.fixture
