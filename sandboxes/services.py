@@ -477,19 +477,21 @@ class Page:
     next_token: str | None
 
 
-def _encode_token(sandbox: Sandbox) -> str:
-    raw = json.dumps([sandbox.started_at.isoformat(), sandbox.id]).encode()
+def encode_page_token(when: datetime, pk: str) -> str:
+    """Opaque ``nextToken`` of a keyset page: the last row's (timestamp, id)."""
+    raw = json.dumps([when.isoformat(), pk]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def _decode_token(token: str) -> tuple[datetime, str]:
+def decode_page_token(token: str) -> tuple[datetime, str]:
+    """``encode_page_token``'s (timestamp, id); anything else is a 400."""
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        started, sandbox_id = json.loads(raw)
-        when = datetime.fromisoformat(started)
-        if not isinstance(sandbox_id, str) or when.tzinfo is None:
+        stamp, pk = json.loads(raw)
+        when = datetime.fromisoformat(stamp)
+        if not isinstance(pk, str) or when.tzinfo is None:
             raise ValueError("bad token contents")
-        return when, sandbox_id
+        return when, pk
     except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid nextToken") from exc
 
@@ -517,7 +519,7 @@ async def list_sandboxes(
     if template:
         qs = qs.filter(Q(template_id=template) | Q(template__alias=template))
     if next_token:
-        when, last_id = _decode_token(next_token)
+        when, last_id = decode_page_token(next_token)
         if order == "asc":
             qs = qs.filter(Q(started_at__gt=when) | Q(started_at=when, id__gt=last_id))
         else:
@@ -526,7 +528,7 @@ async def list_sandboxes(
     rows = [s async for s in qs[: limit + 1]]
     more = len(rows) > limit
     rows = rows[:limit]
-    return Page(rows, _encode_token(rows[-1]) if more else None)
+    return Page(rows, encode_page_token(rows[-1].started_at, rows[-1].id) if more else None)
 
 
 # --------------------------------------------------------------------------- TTL

@@ -16,13 +16,10 @@ disconnects, and failures end in a consistent, reported state.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import json
 import logging
 import os
 import time
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -180,13 +177,8 @@ async def _snapshot_on_node(sandbox: Sandbox, snapshot: Snapshot, node, memory, 
         vm_runs = isinstance(exc, client.NodeTaskFailed)
         event = sbx._event(sandbox.id, "snapshot", outcome="error", from_state=S.SNAPSHOTTING, started_at=started,
                            duration_ms=sbx._ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
-        if vm_runs:
-            moved = await sbx._transition(sandbox.id, [S.SNAPSHOTTING], S.RUNNING, event)
-        else:
-            moved = await sbx._transition(sandbox.id, [S.SNAPSHOTTING], S.ERROR, event, error_reason=reason)
-        if not moved:
-            await sbx._record(event)  # killed, or settled by the node's reconcile, meanwhile
-        elif not vm_runs:
+        moved = await _end_failed_operation(sandbox.id, S.SNAPSHOTTING, event, vm_runs, reason)
+        if moved and not vm_runs:
             # Only the winner of the transition removes the VM: a restarted node worker may
             # have continued it and set the sandbox running again meanwhile.
             cleanup = await sbx._kill_on_node(node, sandbox.id, sbx.CLEANUP_DEADLINE)
@@ -243,24 +235,20 @@ async def _delete_files_quietly(node, snapshot_id: str) -> dict:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
+async def _end_failed_operation(sandbox_id: str, from_state: str, event, vm_runs: bool, reason: str) -> bool:
+    """After a failed snapshot or fork: back to running if the node answered (its driver
+    continued the VM), else error. False if the row had moved meanwhile (killed, or
+    settled by a restarted node's reconcile): then the event is only recorded."""
+    if vm_runs:
+        moved = await sbx._transition(sandbox_id, [from_state], S.RUNNING, event)
+    else:
+        moved = await sbx._transition(sandbox_id, [from_state], S.ERROR, event, error_reason=reason)
+    if not moved:
+        await sbx._record(event)
+    return moved
+
+
 # --------------------------------------------------------------------------- list
-
-
-def _encode_token(snapshot: Snapshot) -> str:
-    raw = json.dumps([snapshot.created_at.isoformat(), snapshot.id]).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _decode_token(token: str) -> tuple[datetime, str]:
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        created, snapshot_id = json.loads(raw)
-        when = datetime.fromisoformat(created)
-        if not isinstance(snapshot_id, str) or when.tzinfo is None:
-            raise ValueError("bad token contents")
-        return when, snapshot_id
-    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
-        raise ApiError(400, "invalid nextToken") from exc
 
 
 async def list_snapshots(team: Team, *, sandbox_id: str | None = None, name: str | None = None,
@@ -276,12 +264,12 @@ async def list_snapshots(team: Team, *, sandbox_id: str | None = None, name: str
         ref = normalize_ref(team, name)
         qs = qs.filter(Q(pk=ref) | Q(name=ref))
     if next_token:
-        when, last_id = _decode_token(next_token)
+        when, last_id = sbx.decode_page_token(next_token)
         qs = qs.filter(Q(created_at__lt=when) | Q(created_at=when, id__lt=last_id))
     rows = [s async for s in qs.order_by("-created_at", "-id")[: limit + 1]]
     more = len(rows) > limit
     rows = rows[:limit]
-    return Page(rows, _encode_token(rows[-1]) if more else None)
+    return Page(rows, sbx.encode_page_token(rows[-1].created_at, rows[-1].id) if more else None)
 
 
 # --------------------------------------------------------------------------- delete
@@ -488,12 +476,7 @@ async def _fork_failed(client, exc, parent, children, node, t0, started, details
     vm_runs = isinstance(exc, client.NodeTaskFailed)
     event = sbx._event(parent.id, "fork", outcome="error", from_state=S.FORKING, started_at=started,
                        duration_ms=sbx._ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
-    if vm_runs:
-        moved = await sbx._transition(parent.id, [S.FORKING], S.RUNNING, event)
-    else:
-        moved = await sbx._transition(parent.id, [S.FORKING], S.ERROR, event, error_reason=reason)
-    if not moved:
-        await sbx._record(event)
+    moved = await _end_failed_operation(parent.id, S.FORKING, event, vm_runs, reason)
     # Without an answer, each VM whose row this request moved to error is removed; a row
     # settled meanwhile (killed, or reconciled by a restarted node worker) is left alone.
     doomed = [parent.id] if moved and not vm_runs else []
