@@ -8,8 +8,9 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from .test_pause_resume_e2e import _counter, _qemu_pids
-from .test_snapshot_e2e import _shm_files, _start_counter
+from .guest_counter import read_counter, start_counter
+from .test_pause_resume_e2e import _qemu_pids
+from .test_snapshot_e2e import _shm_files
 
 pytestmark = pytest.mark.vm
 
@@ -32,7 +33,7 @@ def test_fork_into_four(stack, sdk_env):
     children = []
     try:
         parent.files.write("/home/user/state.txt", "from parent")
-        pid, _ = _start_counter(parent)
+        pid, _ = start_counter(parent)
         end_before = parent.get_info().end_at
         t0 = time.monotonic()
         results = parent.fork(count=4, timeout=300)
@@ -45,14 +46,14 @@ def test_fork_into_four(stack, sdk_env):
         info = parent.get_info()
         assert info.end_at == end_before and parent.is_running()
         time.sleep(0.6)
-        assert _counter(parent)[0] == pid
+        assert read_counter(parent)[0] == pid
         for c in children:
             assert c.files.read("/home/user/state.txt") == "from parent"
-            p1, n1 = _counter(c)
+            p1, n1 = read_counter(c)
             assert p1 == pid, "the child's counter was restarted, not forked"
             assert c.get_info().state.value == "running"
         time.sleep(0.6)
-        assert all(_counter(c)[1] > 0 for c in children)
+        assert all(read_counter(c)[1] > 0 for c in children)
         # a write in one child is invisible to its siblings and the parent
         children[0].files.write("/home/user/state.txt", "child 0 was here")
         children[0].files.write("/home/user/only0.txt", "x")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from .test_pause_resume_e2e import COUNTER
+from .guest_counter import read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 
@@ -58,13 +58,8 @@ def test_kill_during_pause(stack, sdk_env):
 def test_worker_killed_mid_pause_reconciles(stack, sdk_env):
     sbx = Sandbox.create(timeout=600)
     try:
-        sbx.files.write("/home/user/counter.py", COUNTER)
         sbx.files.write("/home/user/keep.txt", "kept")
-        sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
-        deadline = time.monotonic() + 30
-        while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        counter_pid = int(sbx.files.read("/home/user/counter.txt").split()[0])
+        counter_pid, _ = start_counter(sbx)
 
         t0 = time.monotonic()
         pause, box = _in_thread(lambda: httpx.post(f"{stack.api_url}/sandboxes/{sbx.sandbox_id}/pause",
@@ -89,7 +84,7 @@ def test_worker_killed_mid_pause_reconciles(stack, sdk_env):
         # either way the sandbox works and its process and file are intact
         assert sbx.commands.run("echo ok").stdout == "ok\n"
         assert sbx.files.read("/home/user/keep.txt") == "kept"
-        assert int(sbx.files.read("/home/user/counter.txt").split()[0]) == counter_pid
+        assert read_counter(sbx)[0] == counter_pid
         events = stack.db("from sandboxes.models import SandboxEvent as E\n"
                           f"for e in E.objects.filter(sandbox_id='{sbx.sandbox_id}', operation='reconcile'):\n"
                           "    print(e.from_state, e.to_state, e.actor)")
@@ -104,13 +99,8 @@ def test_worker_killed_mid_pause_reconciles(stack, sdk_env):
 def test_worker_killed_mid_resume_reconciles(stack, sdk_env):
     sbx = Sandbox.create(timeout=600)
     try:
-        sbx.files.write("/home/user/counter.py", COUNTER)
         sbx.files.write("/home/user/keep.txt", "kept")
-        sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
-        deadline = time.monotonic() + 30
-        while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        counter_pid = int(sbx.files.read("/home/user/counter.txt").split()[0])
+        counter_pid, _ = start_counter(sbx)
         assert sbx.pause() is True
 
         connect, box = _in_thread(lambda: httpx.post(f"{stack.api_url}/sandboxes/{sbx.sandbox_id}/connect",
@@ -131,7 +121,7 @@ def test_worker_killed_mid_resume_reconciles(stack, sdk_env):
             assert stack.qemu_pids(sbx.sandbox_id) == []
         again = Sandbox.connect(sbx.sandbox_id, timeout=600)
         assert again.files.read("/home/user/keep.txt") == "kept"
-        assert int(again.files.read("/home/user/counter.txt").split()[0]) == counter_pid
+        assert read_counter(again)[0] == counter_pid
         assert len(stack.qemu_pids(sbx.sandbox_id)) == 1
     finally:
         if "node" not in stack.procs:

@@ -7,19 +7,9 @@ import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
+from .guest_counter import read_counter, start_counter
+
 pytestmark = pytest.mark.vm
-
-COUNTER = """\
-import os, time
-n = 0
-while True:
-    n += 1
-    with open("/home/user/counter.tmp", "w") as f:
-        f.write(f"{os.getpid()} {n}")
-    os.replace("/home/user/counter.tmp", "/home/user/counter.txt")
-    time.sleep(0.2)
-"""
-
 
 def _qemu_pids(sandbox_id: str) -> list[int]:
     pids = []
@@ -34,22 +24,11 @@ def _qemu_pids(sandbox_id: str) -> list[int]:
     return pids
 
 
-def _counter(sbx) -> tuple[int, int]:
-    pid, n = sbx.files.read("/home/user/counter.txt").split()
-    return int(pid), int(n)
-
-
 def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
     sbx = Sandbox.create(timeout=600)
     try:
-        sbx.files.write("/home/user/counter.py", COUNTER)
         sbx.files.write("/home/user/keep.txt", "still here")
-        sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
-        deadline = time.monotonic() + 20
-        while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1)
-        pid, n_before = _counter(sbx)
+        pid, n_before = start_counter(sbx)
         assert n_before >= 2
 
         t0 = time.monotonic()
@@ -73,11 +52,11 @@ def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
         assert again.is_running() is True
         assert again.commands.run("echo back").stdout == "back\n"
         assert again.files.read("/home/user/keep.txt") == "still here"
-        pid_after, n_after = _counter(again)
+        pid_after, n_after = read_counter(again)
         assert pid_after == pid, "the counter process was restarted, not resumed"
         assert n_after >= n_before
         time.sleep(1.5)
-        pid_later, n_later = _counter(again)
+        pid_later, n_later = read_counter(again)
         assert pid_later == pid and n_later > n_after, "the counter does not run after the resume"
         guest_now = float(again.commands.run("date +%s.%N").stdout)
         assert abs(guest_now - time.time()) < 10, "guest clock was not re-synced on resume"
@@ -96,9 +75,9 @@ def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
         assert httpx.post(f"{stack.api_url}/sandboxes/{sbx.sandbox_id}/resume", json={},
                           headers=h).status_code == 409  # already running
         assert again.files.read("/home/user/keep.txt") == "still here"
-        pid_resumed, n_resumed = _counter(again)
+        pid_resumed, n_resumed = read_counter(again)
         time.sleep(1.5)
-        assert pid_resumed == pid and _counter(again)[1] > n_resumed >= n_later
+        assert pid_resumed == pid and read_counter(again)[1] > n_resumed >= n_later
         print(f"\nPAUSE {pause_s * 1000:.0f} ms, CONNECT(resume) {connect_s * 1000:.0f} ms, "
               f"counter {n_before}->{n_after}->{n_later}")
     finally:
@@ -115,11 +94,7 @@ def test_filesystem_pause_keeps_files_and_drops_processes(stack, sdk_env):
     page cache, never synced by the test) survives; the background process does not."""
     sbx = Sandbox.create(timeout=600)
     try:
-        sbx.files.write("/home/user/counter.py", COUNTER)
-        sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
-        deadline = time.monotonic() + 20
-        while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
-            time.sleep(0.2)
+        start_counter(sbx)
         sbx.files.write("/home/user/unsynced.txt", "written right before the pause")
         assert sbx.pause(mode="filesystem") is True
         assert sbx.is_running() is False

@@ -7,25 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from e2b import Sandbox
 
-from .test_pause_resume_e2e import COUNTER
+from .guest_counter import read_counter, start_counter
 
 pytestmark = pytest.mark.vm
-
-
-def _counter(sbx) -> tuple[int, int]:
-    pid, n = sbx.files.read("/home/user/counter.txt").split()
-    return int(pid), int(n)
-
-
-def _start_counter(sbx) -> tuple[int, int]:
-    sbx.files.write("/home/user/counter.py", COUNTER)
-    sbx.files.write("/home/user/keep.txt", f"file of {sbx.sandbox_id}")
-    sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
-    deadline = time.monotonic() + 30
-    while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1)
-    return _counter(sbx)
 
 
 def _db(stack, sandbox_id: str) -> str:
@@ -37,8 +21,10 @@ def test_worker_restart_keeps_running_and_paused_sandboxes(stack, sdk_env):
     with ThreadPoolExecutor(2) as pool:
         running, paused = pool.map(lambda _: Sandbox.create(timeout=900, request_timeout=600), range(2))
     try:
-        pid_r, n_r = _start_counter(running)
-        pid_p, n_p = _start_counter(paused)
+        for sbx in (running, paused):
+            sbx.files.write("/home/user/keep.txt", f"file of {sbx.sandbox_id}")
+        pid_r, n_r = start_counter(running)
+        pid_p, n_p = start_counter(paused)
         assert paused.pause() is True
         assert stack.qemu_pids(paused.sandbox_id) == []
 
@@ -51,21 +37,21 @@ def test_worker_restart_keeps_running_and_paused_sandboxes(stack, sdk_env):
 
         assert _db(stack, running.sandbox_id) == "running" and _db(stack, paused.sandbox_id) == "paused"
         time.sleep(1)
-        pid_after, n_after = _counter(running)
+        pid_after, n_after = read_counter(running)
         assert pid_after == pid_r and n_after > n_r, "the running sandbox's process did not keep running"
         assert running.files.read("/home/user/keep.txt") == f"file of {running.sandbox_id}"
         # the restarted worker drives the running VM: pause and connect it through it
         assert running.pause() is True
         again = Sandbox.connect(running.sandbox_id, timeout=600)
-        assert _counter(again)[0] == pid_r
+        assert read_counter(again)[0] == pid_r
 
         resumed = Sandbox.connect(paused.sandbox_id, timeout=600)
         assert resumed.is_running()
         assert resumed.files.read("/home/user/keep.txt") == f"file of {paused.sandbox_id}"
-        pid_after, n_after = _counter(resumed)
+        pid_after, n_after = read_counter(resumed)
         assert pid_after == pid_p and n_after >= n_p
         time.sleep(1.5)
-        pid_later, n_later = _counter(resumed)  # one read: the counter ticks every 0.2 s
+        pid_later, n_later = read_counter(resumed)  # one read: the counter ticks every 0.2 s
         assert pid_later == pid_p and n_later > n_after, "the paused sandbox's process does not run after resume"
     finally:
         if "node" not in stack.procs:

@@ -10,19 +10,10 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
-from .test_pause_resume_e2e import COUNTER, _counter, _qemu_pids
+from .guest_counter import read_counter, start_counter
+from .test_pause_resume_e2e import _qemu_pids
 
 pytestmark = pytest.mark.vm
-
-
-def _start_counter(sbx) -> tuple[int, int]:
-    sbx.files.write("/home/user/counter.py", COUNTER)
-    sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
-    deadline = time.monotonic() + 30
-    while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1)
-    return _counter(sbx)
 
 
 def _shm_files(sandbox_id: str) -> list[str]:
@@ -42,7 +33,7 @@ def test_snapshot_restore_twice_then_delete(stack, sdk_env):
     snap_id = None
     try:
         src.files.write("/home/user/state.txt", "captured")
-        pid, n0 = _start_counter(src)
+        pid, n0 = start_counter(src)
         info = src.create_snapshot(name="e2e-snap")
         snap_id = info.snapshot_id
         assert info.names == ["e2e-snap"]
@@ -50,7 +41,7 @@ def test_snapshot_restore_twice_then_delete(stack, sdk_env):
         # the source keeps running with the same id (and its counter keeps counting)
         assert src.is_running()
         time.sleep(0.6)
-        assert _counter(src)[0] == pid and _counter(src)[1] > n0
+        assert read_counter(src)[0] == pid and read_counter(src)[1] > n0
         listed = Sandbox.list_snapshots(sandbox_id=src.sandbox_id).next_items()
         assert [s.snapshot_id for s in listed] == [snap_id]
         assert [s.snapshot_id for s in Sandbox.list_snapshots(name="e2e-snap").next_items()] == [snap_id]
@@ -64,10 +55,10 @@ def test_snapshot_restore_twice_then_delete(stack, sdk_env):
         for sbx in restored:
             assert sbx.sandbox_id != src.sandbox_id
             assert sbx.files.read("/home/user/state.txt") == "captured"
-            p1, n1 = _counter(sbx)
+            p1, n1 = read_counter(sbx)
             assert p1 == pid, "the background process was restarted, not restored"
             time.sleep(0.6)
-            p2, n2 = _counter(sbx)
+            p2, n2 = read_counter(sbx)
             assert p2 == pid and n2 > n1, "the restored counter does not run"
             assert sbx.commands.run("echo $ORIGIN").stdout.strip() == "restored"
             guest_now = float(sbx.commands.run("date +%s.%N").stdout)
@@ -150,12 +141,12 @@ def test_filesystem_only_snapshot_cold_boots_with_its_files(stack, sdk_env):
     snap_id = None
     try:
         src.files.write("/home/user/state.txt", "on disk")
-        pid, _ = _start_counter(src)
+        pid, _ = start_counter(src)
         info = src.create_snapshot(mode="filesystem")
         snap_id = info.snapshot_id
         files = sorted(p.name for p in (stack.home / "snapshots" / snap_id).iterdir())
         assert "memory.ram" not in files and "manifest.json" in files
-        assert src.is_running() and _counter(src)[0] == pid
+        assert src.is_running() and read_counter(src)[0] == pid
         found = src.commands.run("pgrep -f 'python3 [/]home/user/counter' || echo none").stdout.split()
         assert str(pid) in found  # the probe below really finds the counter where it runs
         fresh = Sandbox.create(snap_id, timeout=300)
@@ -184,7 +175,7 @@ def test_snapshot_of_a_restored_sandbox_outlives_its_parent_snapshot(stack, sdk_
     snaps = []
     try:
         src.files.write("/home/user/gen.txt", "A")
-        pid, _ = _start_counter(src)
+        pid, _ = start_counter(src)
         snaps.append(src.create_snapshot().snapshot_id)
         src.kill()
         mid = Sandbox.create(snaps[0], timeout=300)
@@ -194,9 +185,9 @@ def test_snapshot_of_a_restored_sandbox_outlives_its_parent_snapshot(stack, sdk_
         assert Sandbox.delete_snapshot(snaps[0]) is True
         last = Sandbox.create(snaps[1], timeout=300)
         assert last.files.read("/home/user/gen.txt") == "B"
-        p1, n1 = _counter(last)
+        p1, n1 = read_counter(last)
         time.sleep(0.6)
-        p2, n2 = _counter(last)
+        p2, n2 = read_counter(last)
         assert p1 == p2 == pid and n2 > n1, "the process captured in A, carried through B, does not run"
         detail = httpx.get(f"{stack.api_url}/sandboxes/{last.sandbox_id}", headers=stack.headers()).json()
         assert detail["state"] == "running"

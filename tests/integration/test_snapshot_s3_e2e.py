@@ -15,8 +15,8 @@ from tests.moto_s3 import CREDENTIALS, moto_server
 from tests.moto_s3 import client as s3_client
 
 from .conftest import running_stack
-from .test_pause_resume_e2e import _counter, _qemu_pids
-from .test_snapshot_e2e import _start_counter
+from .guest_counter import read_counter, start_counter
+from .test_pause_resume_e2e import _qemu_pids
 
 pytestmark = pytest.mark.vm
 
@@ -63,7 +63,7 @@ def test_restore_downloads_from_s3_then_delete_removes_objects(s3_sdk, moto_s3):
     snap_id = None
     try:
         src.files.write("/home/user/state.txt", "from s3")
-        pid, _ = _start_counter(src)
+        pid, _ = start_counter(src)
         snap_id = src.create_snapshot().snapshot_id
         keys = _objects(client, prefix)
         assert f"snapshots/{snap_id}/manifest.json" in keys
@@ -79,10 +79,10 @@ def test_restore_downloads_from_s3_then_delete_removes_objects(s3_sdk, moto_s3):
         assert (cached / "manifest.json").is_file(), "the restore did not come from the download cache"
         assert not local.exists()
         assert restored.files.read("/home/user/state.txt") == "from s3"
-        p1, n1 = _counter(restored)
+        p1, n1 = read_counter(restored)
         assert p1 == pid, "the background process was restarted, not restored"
         time.sleep(0.8)
-        p2, n2 = _counter(restored)
+        p2, n2 = read_counter(restored)
         assert p2 == pid and n2 > n1, "the restored counter does not run"
 
         with pytest.raises(SandboxException) as err:
