@@ -6,11 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vmm.test_lifecycle_vm import assert_gone, sh
-from tests.vmm.test_qemu_vm import IMAGES_DIR
-from vmm import toolsdrive
-from vmm.driver import BootSpec, get_driver
-from vmm.images import ensure_image
+from tests.vmm.test_lifecycle_vm import assert_gone, real_driver, sh
+from vmm.driver import BootSpec
 
 pytestmark = pytest.mark.vm
 
@@ -24,15 +21,8 @@ def allocated(path: Path) -> int:
 
 @pytest.fixture()
 def driver(tmp_path):
-    if not Path("/usr/bin/qemu-system-x86_64").exists():
-        pytest.skip("qemu-system-x86_64 not installed")
-    ensure_image(IMAGES_DIR, "base")
-    if not toolsdrive.real_envd_available():
-        pytest.skip("placeholder envd answers /health only")
-    d = get_driver("qemu", tmp_path / "home", IMAGES_DIR)
-    yield d
-    for vm in d.list():
-        d.kill(vm.sandbox_id)
+    with real_driver(tmp_path / "home") as d:
+        yield d
 
 
 def test_freed_guest_memory_returns_to_the_host(driver):

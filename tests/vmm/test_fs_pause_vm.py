@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.vmm.test_lifecycle_vm import assert_gone, exists, sh
+from tests.vmm.test_lifecycle_vm import assert_gone, exists, real_driver, sh
 from tests.vmm.test_qemu_vm import IMAGES_DIR, live_qemu_processes
-from vmm import toolsdrive
 from vmm.driver import BootSpec, VMError, get_driver
-from vmm.images import ensure_image
 from vmm.qemu import envd_healthy
 
 pytestmark = pytest.mark.vm
@@ -22,15 +20,8 @@ pytestmark = pytest.mark.vm
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    if not Path("/usr/bin/qemu-system-x86_64").exists():
-        pytest.skip("qemu-system-x86_64 not installed")
-    ensure_image(IMAGES_DIR, "base")
-    if not toolsdrive.real_envd_available():
-        pytest.skip("placeholder envd answers /health only")
-    d = get_driver("qemu", tmp_path_factory.mktemp("fspause") / "home", IMAGES_DIR)
-    yield d
-    for vm in d.list():
-        d.kill(vm.sandbox_id)
+    with real_driver(tmp_path_factory.mktemp("fspause") / "home") as d:
+        yield d
 
 
 def guest_pids(port: int, pattern: str) -> list[str]:

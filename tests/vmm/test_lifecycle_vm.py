@@ -6,6 +6,7 @@ count that keeps growing from the old value proves the process (guest RAM + CPU 
 a restarted guest would show another pid or no file. Timings are printed (run with -s).
 """
 
+import contextlib
 import os
 import shutil
 import time
@@ -81,17 +82,27 @@ def assert_gone(driver, info):
     assert driver.info(info.sandbox_id) is None
 
 
-@pytest.fixture(scope="module")
-def driver(tmp_path_factory):
+@contextlib.contextmanager
+def real_driver(home: Path):
+    """A QEMU driver on the shared images with the real envd (skips where QEMU or the real
+    envd is missing); every VM it still has is killed afterwards."""
     if not Path("/usr/bin/qemu-system-x86_64").exists():
         pytest.skip("qemu-system-x86_64 not installed")
     ensure_image(IMAGES_DIR, "base")
     if not toolsdrive.real_envd_available():
         pytest.skip("placeholder envd answers /health only")
-    d = get_driver("qemu", tmp_path_factory.mktemp("lifecycle") / "home", IMAGES_DIR)
-    yield d
-    for vm in d.list():
-        d.kill(vm.sandbox_id)
+    d = get_driver("qemu", home, IMAGES_DIR)
+    try:
+        yield d
+    finally:
+        for vm in d.list():
+            d.kill(vm.sandbox_id)
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    with real_driver(tmp_path_factory.mktemp("lifecycle") / "home") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
