@@ -52,18 +52,25 @@ def _round(timings: dict | None) -> dict:
     return {k: round(float(v), 2) for k, v in (timings or {}).items()}
 
 
-def _init_envd_or_undo(info, env_vars: dict, access_token: str | None, *, undo, what: str) -> None:
-    """Initialises a freshly started VM's envd; if that fails, `undo(sandbox_id)` puts
-    the VM back in a consistent state (killed after a boot, paused after a resume)."""
+def _step_or_undo(step, info, *, undo, what: str, label: str) -> None:
+    """Runs ``step()`` on a freshly started VM; if it fails, ``undo(sandbox_id)`` puts the
+    VM back in a consistent state (killed after a boot, paused after a resume) and the
+    failure propagates."""
     try:
-        _init_envd(info.envd_host, info.envd_port, env_vars, access_token)
+        step()
     except BaseException:
-        log.warning("envd init failed for %s; %s", info.sandbox_id, what)
+        log.warning("%s failed for %s; %s", label, info.sandbox_id, what)
         try:
             undo(info.sandbox_id)
         except Exception:
-            log.exception("could not undo %s after a failed init", info.sandbox_id)
+            log.exception("could not undo %s after a failed %s", info.sandbox_id, label)
         raise
+
+
+def _init_envd_or_undo(info, env_vars: dict, access_token: str | None, *, undo, what: str) -> None:
+    """Initialises a freshly started VM's envd, undoing the start if that fails."""
+    _step_or_undo(lambda: _init_envd(info.envd_host, info.envd_port, env_vars, access_token), info,
+                  undo=undo, what=what, label="envd init")
 
 
 def _envd_result(info, timings: dict) -> dict:
@@ -165,17 +172,12 @@ def _take_over_envd(info, env_vars: dict, access_token: str | None, source_token
     """/init of a VM started from a capture: its own token (handed over from the
     source's), its env vars, a fresh clock; on failure ``undo`` (kill) it."""
     if source_token and source_token != access_token:
-        try:
+        def handoff() -> None:
             if not access_token:
                 raise EnvdInitFailed("a sandbox started from a secure source needs its own access token")
             _handoff_token(info.envd_host, info.envd_port, source_token, access_token)
-        except BaseException:
-            log.warning("envd token handoff failed for %s; %s", info.sandbox_id, what)
-            try:
-                undo(info.sandbox_id)
-            except Exception:
-                log.exception("could not undo %s after a failed token handoff", info.sandbox_id)
-            raise
+
+        _step_or_undo(handoff, info, undo=undo, what=what, label="envd token handoff")
     _init_envd_or_undo(info, env_vars, access_token, undo=undo, what=what)
 
 
@@ -185,7 +187,6 @@ def _store():
     return get_store()
 
 
-# envd's host-driver endpoint that runs sync(2) in the guest (see envd/app.py SYNC_PATH).
 @shared_task(name="nodes.snapshot_sandbox")
 def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) -> dict:
     """Captures the running VM into the snapshot store (the VM pauses briefly, then
