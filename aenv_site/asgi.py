@@ -1,5 +1,6 @@
 """ASGI entry for daphne: HTTP goes to Django (API, dashboard, admin); WebSockets
-go to Channels consumers. The sandbox data plane is a separate app
+go to Channels consumers. Request bodies reach Django whole whatever their framing
+(aenv_site.request_body: chunked bodies, one size limit). The sandbox data plane is a separate app
 (aenv_site.dataplane) served by uvicorn, because daphne buffers request bodies."""
 import os
 
@@ -7,6 +8,10 @@ from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "aenv_site.settings")
 django_asgi_app = get_asgi_application()
+
+from aenv_site.request_body import BoundedRequestBody  # noqa: E402
+
+http_app = BoundedRequestBody(django_asgi_app)
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
@@ -16,6 +21,6 @@ from dashboard.routing import websocket_urlpatterns  # noqa: E402
 
 # Dashboard sockets: same-origin only (CSRF-safe), then the Django session and user.
 application = ProtocolTypeRouter({
-    "http": django_asgi_app,
+    "http": http_app,
     "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

@@ -73,6 +73,10 @@ AENV_S3_REGION = _env("AENV_S3_REGION", "")
 AENV_S3_PREFIX = _env("AENV_S3_PREFIX", "")  # key prefix, e.g. one per deployment sharing a bucket
 AENV_S3_CONCURRENCY = _env_int("AENV_S3_CONCURRENCY", 8)  # parallel chunk transfers
 AENV_SNAPSHOT_CACHE_MB = _env_int("AENV_SNAPSHOT_CACHE_MB", 20 * 1024)
+# The largest request body the API and the dashboard take, chunked or with a length
+# (aenv_site.request_body answers 413 past it); Django's own form limit follows it.
+AENV_API_MAX_BODY_BYTES = _env_int("AENV_API_MAX_BODY_BYTES", 2621440)
+DATA_UPLOAD_MAX_MEMORY_SIZE = AENV_API_MAX_BODY_BYTES
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 

@@ -280,6 +280,3 @@ class ErrorSerializer(serializers.Serializer):
     message = serializers.CharField()
     error_code = serializers.CharField(required=False)
 
-
-class HealthSerializer(serializers.Serializer):
-    status = serializers.CharField()

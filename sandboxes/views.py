@@ -15,7 +15,6 @@ from .errors import ApiError
 from .serializers import (
     ConnectV2Serializer,
     ErrorSerializer,
-    HealthSerializer,
     ListedSandboxSerializer,
     ListQuerySerializer,
     NewSandboxSerializer,
@@ -60,14 +59,15 @@ def _actor(request) -> str:
 
 
 class HealthView(APIView):
-    """Liveness of the API server; no authentication."""
+    """Liveness of the API server; no authentication. 204 with no body, as E2B's API
+    spec and AgentENV answer (health checkers look at the status only)."""
 
     authentication_classes: list = []
     permission_classes = [AllowAny]
 
-    @extend_schema(responses={200: HealthSerializer}, auth=[])
+    @extend_schema(responses={204: None}, auth=[])
     async def get(self, request):
-        return Response({"status": "ok"})
+        return Response(status=204)
 
 
 class _CreateMixin:

@@ -38,6 +38,28 @@ def test_api_bad_input(stack):
     assert_error(httpx.get(f"{stack.api_url}/v2/sandboxes?nextToken=garbage", headers=h), 400)
 
 
+def test_api_health_is_204_without_a_body(stack):
+    resp = httpx.get(f"{stack.api_url}/health")
+    assert resp.status_code == 204 and resp.content == b""
+
+
+def test_api_chunked_bodies_through_daphne(stack):
+    """Node's fetch (the TS SDK) sends JSON with Transfer-Encoding: chunked and no length."""
+    def chunked(data: bytes, n: int = 5):
+        yield from (data[i:i + n] for i in range(0, len(data), n))
+
+    h = {**stack.headers(), "Content-Type": "application/json"}
+    body = b'{"templateID": "no-such-template", "metadata": {"a": "b"}}'
+    # the body was read: the template it names is refused (a lost body says "templateID: required")
+    assert_error(httpx.post(f"{stack.api_url}/v2/sandboxes", content=chunked(body), headers=h), 400,
+                 "no-such-template")
+    assert_error(httpx.post(f"{stack.api_url}/sandboxes/inope/timeout", content=chunked(b'{"timeout": 5}'),
+                            headers=h), 404)
+    big = b'{"templateID": "base", "metadata": {"a": "' + b"x" * 3_000_000 + b'"}}'
+    assert_error(httpx.post(f"{stack.api_url}/v2/sandboxes", content=chunked(big, 65536), headers=h), 413)
+    assert_error(httpx.post(f"{stack.api_url}/v2/sandboxes", content=big, headers=h), 413)
+
+
 def test_api_unknown_sandbox(stack):
     h = stack.headers()
     assert_error(httpx.get(f"{stack.api_url}/sandboxes/inope", headers=h), 404)

@@ -95,9 +95,9 @@ def nodes_mock(node):
 
 @pytest.fixture
 def asgi_app():
-    from aenv_site.asgi import django_asgi_app  # noqa: PLC0415
+    from aenv_site.asgi import http_app  # noqa: PLC0415
 
-    return django_asgi_app
+    return http_app
 
 
 @pytest.fixture

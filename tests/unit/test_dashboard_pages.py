@@ -51,7 +51,7 @@ def test_actions_require_login(client, db, path):
 def test_root_redirects_to_dashboard_and_api_still_works(client, db):
     resp = client.get("/")
     assert resp.status_code == 302 and resp["Location"] == "/dashboard/"
-    assert client.get("/health").status_code == 200
+    assert client.get("/health").status_code == 204
 
 
 def test_login_and_logout(client, user):
