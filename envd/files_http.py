@@ -96,25 +96,53 @@ async def download(scope, receive, send, settings, headers):
         out_headers = [(b"content-type", b"application/octet-stream")]
         name = os.path.basename(path).replace('"', "")
         out_headers.append((b"content-disposition", f'attachment; filename="{name}"'.encode("utf-8", "replace")))
+        # st_size is not the length of every file: /proc reports 0 and sysfs 4096
+        # whatever the content. Whatever fits in the first read is sent with its true
+        # length; a longer file streams to its end (a regular file's st_size is then the
+        # length, and a file that shrinks meanwhile breaks the response, never pads it).
+        head, ended = _read_head(fd)
+        limit = None
         if gz:
             out_headers.append((b"content-encoding", b"gzip"))
             compressor = zlib.compressobj(6, zlib.DEFLATED, 31)
-        elif stat.S_ISREG(st.st_mode):
-            out_headers.append((b"content-length", str(st.st_size).encode()))
+        elif ended:
+            out_headers.append((b"content-length", str(len(head)).encode()))
+        elif stat.S_ISREG(st.st_mode) and st.st_size > len(head):
+            limit = st.st_size
+            out_headers.append((b"content-length", str(limit).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": out_headers})
-        while True:
-            chunk = os.read(fd, CHUNK)
-            if not chunk:
-                break
+        sent = 0
+        chunk = head
+        while chunk:
+            if limit is not None:
+                chunk = chunk[:limit - sent]
+            sent += len(chunk)
             if gz:
                 chunk = compressor.compress(chunk)
-                if not chunk:
-                    continue
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if ended or (limit is not None and sent >= limit):
+                break
+            chunk = os.read(fd, CHUNK)
+        if limit is not None and sent < limit:
+            raise ConnectionError(f"{path} shrank while it was read ({sent} of {limit} bytes)")
         tail = compressor.flush() if gz else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
     finally:
         os.close(fd)
+
+
+def _read_head(fd) -> tuple[bytes, bool]:
+    """The first CHUNK bytes of a file, and whether that is all of it (reads until
+    CHUNK bytes or end of file: pseudo-files may return short reads)."""
+    parts, size = [], 0
+    while size < CHUNK:
+        part = os.read(fd, CHUNK - size)
+        if not part:
+            return b"".join(parts), True
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts), False
 
 
 class _Sink:

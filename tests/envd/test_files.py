@@ -45,6 +45,30 @@ def test_stream_read(sandbox, workdir):
     assert b"".join(sandbox.files.read(f"{workdir}/big", format="stream")) == data
 
 
+def test_pseudo_files_read_to_their_end(sandbox):
+    """/proc reports st_size 0 and sysfs 4096 whatever the content: envd reads to the end."""
+    boot_id = open("/proc/sys/kernel/random/boot_id").read()
+    assert len(boot_id) == 37 and sandbox.files.read("/proc/sys/kernel/random/boot_id") == boot_id
+    assert sandbox.files.read("/proc/version") == open("/proc/version").read()
+    assert sandbox.files.read("/proc/version", gzip=True) == open("/proc/version").read()
+    sys_file = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if os.path.exists(sys_file):
+        assert sandbox.files.read(sys_file) == open(sys_file).read()
+    # longer than one read, still reported as 0 bytes: streams to the end
+    maps = sandbox.files.read("/proc/self/mountinfo", format="bytes")
+    assert maps.endswith(b"\n") and b" / " in maps
+    kallsyms = sandbox.files.read("/proc/kallsyms", format="bytes")
+    assert len(kallsyms) > 65536 and kallsyms == open("/proc/kallsyms", "rb").read()
+
+
+def test_sizes_around_one_read(sandbox, workdir):
+    for size in (0, 1, 65535, 65536, 65537, 200_000):
+        data = os.urandom(size)
+        with open(f"{workdir}/s{size}", "wb") as f:
+            f.write(data)
+        assert sandbox.files.read(f"{workdir}/s{size}", format="bytes") == data, size
+
+
 def test_write_files_multipart(sandbox, workdir):
     infos = sandbox.files.write_files([
         {"path": f"{workdir}/m1.txt", "data": "1"},
