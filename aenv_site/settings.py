@@ -7,6 +7,8 @@ from pathlib import Path
 
 import dj_database_url
 
+from aenv_site.secret_key import load_secret_key
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -80,8 +82,9 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = AENV_API_MAX_BODY_BYTES
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 
-SECRET_KEY = _env("DJANGO_SECRET_KEY", "aenv-dev-insecure-change-me")
 DEBUG = _env_bool("DJANGO_DEBUG", False)
+# Generated on first start and kept in AENV_HOME/secret_key (0600); DJANGO_SECRET_KEY wins.
+SECRET_KEY = load_secret_key(AENV_HOME, os.environ.get("DJANGO_SECRET_KEY"), DEBUG)
 ALLOWED_HOSTS = [h for h in _env("DJANGO_ALLOWED_HOSTS", "*").split(",") if h]
 
 INSTALLED_APPS = [
