@@ -37,7 +37,7 @@ from pathlib import Path
 from django.db import close_old_connections, transaction
 from django.utils import timezone
 
-from sandboxes.models import Sandbox, SandboxEvent, SandboxState
+from sandboxes.models import Sandbox, SandboxEvent, SandboxState, with_route_generation
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _move(row: Sandbox, to_state: str, actor: str, message: str, details: dict |
     now = timezone.now()
     with transaction.atomic():
         updated = Sandbox.objects.filter(pk=row.pk, state=row.state, updated_at=row.updated_at).update(
-            state=to_state, updated_at=now, **fields)
+            state=to_state, updated_at=now, **with_route_generation(fields))
         if updated:
             SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", outcome="ok",
                                         from_state=row.state, to_state=to_state, started_at=now,

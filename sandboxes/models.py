@@ -134,6 +134,9 @@ class Sandbox(models.Model):
     envd_version = models.CharField(max_length=32, default="0.6.4")
     envd_host = models.CharField(max_length=255, blank=True, default="")
     envd_port = models.PositiveIntegerField(null=True, blank=True)
+    # Bumped whenever the VM process behind the sandbox (and so its envd route) changes:
+    # the data plane never reuses a route or a pooled connection of an older generation.
+    vm_generation = models.PositiveIntegerField(default=0)
     secure = models.BooleanField(default=False)
     envd_access_token = models.CharField(max_length=128, blank=True, default="")
     metadata = models.JSONField(default=dict, blank=True)
@@ -182,6 +185,14 @@ class Sandbox(models.Model):
     @property
     def envd_base_url(self) -> str:
         return f"http://{self.envd_host}:{self.envd_port}"
+
+
+def with_route_generation(fields: dict) -> dict:
+    """The update ``fields`` of a state write; one that sets a new envd route also bumps
+    ``vm_generation`` (every writer of a sandbox's state passes its fields through here)."""
+    if "envd_port" in fields or "envd_host" in fields:
+        return {**fields, "vm_generation": models.F("vm_generation") + 1}
+    return fields
 
 
 class SandboxEvent(models.Model):

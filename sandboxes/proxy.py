@@ -6,6 +6,12 @@ buffering (Connect streams stay open for minutes), which is why this is a raw
 ASGI app under uvicorn and not a Django view under daphne. "Sandbox gone" answers
 are the 502s the E2B SDK matches on (spec §1.5, §4.6).
 
+Routes are read from the database on every request, never from a cache: a pause,
+resume or kill changes the VM process behind a sandbox, and a route (or a pooled
+connection) from before it would reach a process that is gone or, worse, whatever
+now listens at its address. Upstream connections are pooled per sandbox and VM
+generation (``sandboxes.proxy_pools``) for the same reason.
+
 Note: the upstream client (httpx/httpcore) is half-duplex over HTTP/1.1 — it reads
 the response after the request body is complete. The request body is still
 forwarded chunk by chunk as it arrives; E2B clients are half-duplex too.
@@ -15,18 +21,17 @@ import hmac
 import json
 import logging
 import re
-import time
 from dataclasses import dataclass
-from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 from asgiref.sync import sync_to_async
 from django.db import connections
 
+from .proxy_pools import UpstreamPools
+
 log = logging.getLogger(__name__)
 
 ENVD_PORT = 49983
-CACHE_TTL = 1.0
 CONNECT_TIMEOUT = 3.0
 
 MSG_NOT_FOUND = "The sandbox was not found"
@@ -55,6 +60,16 @@ class Route:
     port: int | None
     secure: bool
     token: str
+    generation: int = 0
+
+    @property
+    def routable(self) -> bool:
+        return self.state in ROUTABLE_STATES and bool(self.host) and bool(self.port)
+
+    @property
+    def upstream(self) -> tuple[int, str, int | None]:
+        """What identifies the VM process behind the route (and so its connections)."""
+        return self.generation, self.host, self.port
 
 
 def _lookup_sync(sandbox_id: str) -> Route | None:
@@ -62,42 +77,23 @@ def _lookup_sync(sandbox_id: str) -> Route | None:
 
     try:
         row = (Sandbox.objects.filter(pk=sandbox_id)
-               .values_list("state", "envd_host", "envd_port", "secure", "envd_access_token").first())
+               .values_list("state", "envd_host", "envd_port", "secure", "envd_access_token", "vm_generation")
+               .first())
     finally:
         # This runs on executor threads outside Django's request cycle: nothing else
         # would close (or drop a broken) connection.
         _close_unusable()
     if row is None:
         return None
-    state, host, port, secure, token = row
-    return Route(sandbox_id, state, host or "", port, bool(secure), token or "")
+    state, host, port, secure, token, generation = row
+    return Route(sandbox_id, state, host or "", port, bool(secure), token or "", generation or 0)
 
 
-class RouteCache:
-    """Routable sandboxes for ≤ CACHE_TTL seconds. Only *running* routes are cached,
-    so a resumed or newly created sandbox is never hidden by a stale miss."""
-
-    def __init__(self, ttl: float = CACHE_TTL, max_entries: int = 10000):
-        self.ttl = ttl
-        self.max_entries = max_entries
-        self._entries: dict[str, tuple[float, Route]] = {}
+class RouteTable:
+    """The current route of a sandbox, read from the database each time it is asked."""
 
     async def get(self, sandbox_id: str) -> Route | None:
-        hit = self._entries.get(sandbox_id)
-        now = time.monotonic()
-        if hit and hit[0] > now:
-            return hit[1]
-        route = await sync_to_async(_lookup_sync, thread_sensitive=False)(sandbox_id)
-        if route is not None and route.state in ROUTABLE_STATES and route.host and route.port:
-            if len(self._entries) >= self.max_entries:
-                self._entries = {k: v for k, v in self._entries.items() if v[0] > now}
-            self._entries[sandbox_id] = (now + self.ttl, route)
-        else:
-            self._entries.pop(sandbox_id, None)
-        return route
-
-    def invalidate(self, sandbox_id: str) -> None:
-        self._entries.pop(sandbox_id, None)
+        return await sync_to_async(_lookup_sync, thread_sensitive=False)(sandbox_id)
 
 
 def _json_response(status: int, body: dict):
@@ -157,31 +153,16 @@ def _has_body(headers: dict[bytes, bytes]) -> bool:
 
 
 class EnvdProxy:
-    """ASGI app. One instance per process (it owns the upstream connection pool)."""
+    """ASGI app. One instance per process (it owns the upstream connection pools)."""
 
-    def __init__(self, cache: RouteCache | None = None):
-        self.cache = cache or RouteCache()
-        self._client: httpx.AsyncClient | None = None
+    def __init__(self, routes: RouteTable | None = None):
+        self.routes = routes or RouteTable()
+        self.pools = UpstreamPools(CONNECT_TIMEOUT)
         # sandbox id → the auto-resume in progress, so concurrent requests join one.
         self._resuming: dict[str, asyncio.Future] = {}
 
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(connect=CONNECT_TIMEOUT, read=None, write=None, pool=CONNECT_TIMEOUT),
-                limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256, keepalive_expiry=30),
-                follow_redirects=False,
-                trust_env=False,
-                # One client serves every sandbox and user: never keep their cookies.
-                cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
-            )
-        return self._client
-
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self.pools.aclose()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -210,14 +191,11 @@ class EnvdProxy:
                 "message": "missing E2b-Sandbox-Id header (or a {port}-{sandboxId}.{domain} host)",
             }))
         sandbox_id, port = target
-        route = await self.cache.get(sandbox_id)
-        if route is not None and route.state in PAUSED_STATES:
-            try:
-                route = await self.on_paused(route)
-            except ResumeFailed as exc:
-                return await _send_simple(send, *_json_response(exc.status, {
-                    "sandboxId": sandbox_id, "code": exc.status, "message": exc.message}))
-        if route is None or route.state not in ROUTABLE_STATES or not route.host or not route.port:
+        try:
+            route = await self.current_route(sandbox_id)
+        except ResumeFailed as exc:
+            return await _send_simple(send, *exc.response(sandbox_id))
+        if route is None:
             return await _send_simple(send, *not_found(sandbox_id))
         if port != ENVD_PORT:
             # Guest port forwarding arrives in a later issue.
@@ -231,6 +209,18 @@ class EnvdProxy:
                     "message": "missing or invalid X-Access-Token" if given else "missing X-Access-Token header",
                 }))
         await self._forward(scope, receive, send, route, headers, query)
+
+    async def current_route(self, sandbox_id: str) -> Route | None:
+        """The sandbox's route as the database has it now; a paused one with autoResume
+        is resumed first (see ``on_paused``). None: nothing to route to (the caller
+        answers 'was not found'). Raises ResumeFailed."""
+        route = await self.routes.get(sandbox_id)
+        if route is not None and route.state in PAUSED_STATES:
+            route = await self.on_paused(route)
+        if route is None or not route.routable:
+            self.pools.forget(sandbox_id)
+            return None
+        return route
 
     async def on_paused(self, route: Route) -> Route | None:
         """Traffic for a paused (or pausing / resuming) sandbox. With ``autoResume`` it
@@ -259,8 +249,7 @@ class EnvdProxy:
             await sync_to_async(_close_unusable, thread_sensitive=True)()
         if sandbox is None:
             return None
-        self.cache.invalidate(sandbox_id)
-        return await self.cache.get(sandbox_id)
+        return await self.routes.get(sandbox_id)
 
     async def _forward(self, scope, receive, send, route: Route, headers: dict, query: bytes):
         body_queue: asyncio.Queue = asyncio.Queue(maxsize=8)
@@ -293,36 +282,64 @@ class EnvdProxy:
         target = scope.get("raw_path") or scope["path"].encode()
         if query:
             target += b"?" + query
-        url = httpx.URL(scheme="http", host=route.host, port=route.port, raw_path=target)
-        request = httpx.Request(
-            scope["method"], url, headers=_forward_headers(scope["headers"]),
-            content=body() if _has_body(headers) else None,
-            extensions={"timeout": self.client.timeout.as_dict()},
-        )
-        try:
-            upstream = await self.client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
-                httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            log.info("upstream %s:%s of %s failed: %r", route.host, route.port, route.sandbox_id, exc)
-            self.cache.invalidate(route.sandbox_id)
-            current = await self.cache.get(route.sandbox_id)
-            gone = current is None or current.state not in ROUTABLE_STATES
-            return await _send_simple(send, *(not_found if gone else port_closed)(route.sandbox_id))
-        try:
-            await send({"type": "http.response.start", "status": upstream.status_code,
-                        "headers": _response_headers(upstream.headers.raw)})
-            async for chunk in upstream.aiter_raw():
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except httpx.HTTPError as exc:
-            # The sandbox died mid-stream. Raising makes uvicorn drop the connection, so
-            # the client sees a broken stream (and probes /health) instead of a clean end.
-            self.cache.invalidate(route.sandbox_id)
-            log.info("upstream of %s broke mid-response (%r); dropping the client connection", route.sandbox_id, exc)
-            raise UpstreamBroken(f"upstream of {route.sandbox_id} broke mid-response: {exc!r}") from exc
-        finally:
-            await upstream.aclose()
+        # A refused connection sent nothing, so it is retried once if the sandbox's route
+        # has moved on meanwhile (paused and auto-resumed, resumed elsewhere).
+        for attempt in (1, 2):
+            url = httpx.URL(scheme="http", host=route.host, port=route.port, raw_path=target)
+            async with self.pools.use(route.sandbox_id, route.upstream) as client:
+                request = httpx.Request(
+                    scope["method"], url, headers=_forward_headers(scope["headers"]),
+                    content=body() if _has_body(headers) else None,
+                    extensions={"timeout": client.timeout.as_dict()},
+                )
+                try:
+                    upstream = await client.send(request, stream=True)
+                except NOT_SENT as exc:
+                    log.info("upstream %s:%s of %s refused (%r)", route.host, route.port, route.sandbox_id, exc)
+                except SENT_MAYBE as exc:
+                    log.info("upstream %s:%s of %s failed: %r", route.host, route.port, route.sandbox_id, exc)
+                    return await self._answer_gone(send, route)
+                else:
+                    return await _relay(send, upstream, route)
+            try:
+                current = await self.current_route(route.sandbox_id)
+            except ResumeFailed as exc:
+                return await _send_simple(send, *exc.response(route.sandbox_id))
+            if attempt == 1 and current is not None and current.upstream != route.upstream:
+                route = current
+                continue
+            return await _send_simple(send, *(not_found if current is None else port_closed)(route.sandbox_id))
+
+    async def _answer_gone(self, send, route: Route):
+        """The upstream failed after (part of) the request may have reached it: no
+        retry; 'was not found' if the sandbox has no route any more, else 'port is not open'."""
+        current = await self.routes.get(route.sandbox_id)
+        if current is None or not current.routable:
+            self.pools.forget(route.sandbox_id)
+            return await _send_simple(send, *not_found(route.sandbox_id))
+        return await _send_simple(send, *port_closed(route.sandbox_id))
+
+
+# Failures before a byte of the request left: safe to retry on a newer route.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+SENT_MAYBE = (httpx.PoolTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+async def _relay(send, upstream: httpx.Response, route: Route):
+    try:
+        await send({"type": "http.response.start", "status": upstream.status_code,
+                    "headers": _response_headers(upstream.headers.raw)})
+        async for chunk in upstream.aiter_raw():
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except httpx.HTTPError as exc:
+        # The sandbox died mid-stream. Raising makes uvicorn drop the connection, so
+        # the client sees a broken stream (and probes /health) instead of a clean end.
+        log.info("upstream of %s broke mid-response (%r); dropping the client connection", route.sandbox_id, exc)
+        raise UpstreamBroken(f"upstream of {route.sandbox_id} broke mid-response: {exc!r}") from exc
+    finally:
+        await upstream.aclose()
 
 
 class ResumeFailed(Exception):
@@ -332,6 +349,9 @@ class ResumeFailed(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+    def response(self, sandbox_id: str):
+        return _json_response(self.status, {"sandboxId": sandbox_id, "code": self.status, "message": self.message})
 
 
 def _close_unusable() -> None:

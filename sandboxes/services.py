@@ -37,6 +37,7 @@ from .models import (
     Team,
     Template,
     new_envd_access_token,
+    with_route_generation,
 )
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def _transition(sandbox_id: str, from_states, to_state: str, event: SandboxEvent
     transaction. Returns False if another request won."""
     with transaction.atomic():
         updated = Sandbox.objects.filter(pk=sandbox_id, state__in=list(from_states), **(where or {})).update(
-            state=to_state, updated_at=timezone.now(), **fields
+            state=to_state, updated_at=timezone.now(), **with_route_generation(fields)
         )
         if updated:
             event.to_state = to_state

@@ -11,10 +11,11 @@ import pytest
 import uvicorn
 from asgiref.sync import sync_to_async
 from django.db import connections
+from django.db.models import F
 from django.utils import timezone
 
 from sandboxes.models import Sandbox, Team, Template
-from sandboxes.proxy import EnvdProxy
+from sandboxes.proxy import EnvdProxy, Route
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,10 +38,12 @@ class Upstream:
         self.release = asyncio.Event()
         self.disconnected = asyncio.Event()
         self.seen_headers = None
+        self.clients = []  # (host, port) of each request's connection
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
+        self.clients.append(tuple(scope["client"]))
         path = scope["path"]
         headers = [(n.decode(), v.decode()) for n, v in scope["headers"]]
         self.seen_headers = headers
@@ -180,15 +183,45 @@ async def test_other_port_is_502_port_not_open(stack):
     assert r.status_code == 502 and r.json()["message"] == "The sandbox is running but port is not open"
 
 
-async def test_killed_after_being_cached_is_502_not_found(stack):
+async def test_killed_right_after_a_request_is_502_not_found(stack):
     sbx = await make_sandbox(stack.up_port)
-    assert (await stack.client.get("/health", headers=hdr(sbx))).status_code == 204  # cached now
+    assert (await stack.client.get("/health", headers=hdr(sbx))).status_code == 204
     await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(state="killed")
-    # envd is gone with its VM; the cached route now fails to connect and is re-checked
-    stack.up_server.should_exit = True
-    await asyncio.sleep(0.3)
+    # even with its old address still answering, a killed sandbox is not served
     r = await stack.client.get("/health", headers=hdr(sbx))
     assert r.status_code == 502 and "was not found" in r.json()["message"]
+    assert len(stack.proxy.pools) == 0  # its pool is closed
+
+
+async def test_connections_are_pooled_per_vm_generation(stack):
+    sbx = await make_sandbox(stack.up_port)
+    for _ in range(3):
+        assert (await stack.client.get("/health", headers=hdr(sbx))).status_code == 204
+    assert len(set(stack.upstream.clients)) == 1  # one kept-alive connection served all three
+    # a new VM process at the very same address (e.g. resumed onto the same port)
+    await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(vm_generation=F("vm_generation") + 1)
+    assert (await stack.client.get("/health", headers=hdr(sbx))).status_code == 204
+    assert len(set(stack.upstream.clients)) == 2  # never the connection of the old generation
+
+
+async def test_route_that_moved_between_lookup_and_connect_is_retried(stack):
+    """A refused connection sent nothing: if the route changed meanwhile (a resume onto
+    a new port), the request is sent once more to the new route."""
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    closed_port = free.getsockname()[1]
+    free.close()
+    sbx = await make_sandbox(stack.up_port)
+    real_get = stack.proxy.routes.get
+    stale = [Route(sbx.id, "running", "127.0.0.1", closed_port, False, "", generation=0)]
+
+    async def get(sandbox_id):
+        return stale.pop() if stale else await real_get(sandbox_id)
+
+    stack.proxy.routes.get = get
+    await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(vm_generation=1)
+    r = await stack.client.post("/echo", content=b"payload", headers=hdr(sbx))
+    assert r.status_code == 200 and r.json()["body"] == "payload"
 
 
 async def test_running_but_envd_refusing_is_port_not_open(stack):
@@ -333,3 +366,26 @@ async def test_failed_auto_resume_is_502_and_stays_paused(stack, nodes_mock):
     r = await stack.client.get("/health", headers=hdr(sbx))
     assert r.status_code == 502 and "auto-resume failed" in r.json()["message"] and "no memory" in r.json()["message"]
     assert (await sync_to_async(Sandbox.objects.get)(pk=sbx.pk)).state == "paused"
+
+
+async def test_traffic_right_after_a_pause_auto_resumes_onto_the_new_vm(stack, nodes_mock):
+    """The route used a moment ago is not trusted: a pause is seen on the very next
+    request (even while the old address still answers) and the resumed VM serves it."""
+    new_vm = Upstream()
+    server, task, new_port = await serve(new_vm)
+    try:
+        nodes_mock.client.resume_sandbox.return_value = {
+            "envd_host": "127.0.0.1", "envd_port": new_port, "pid": 2, "accel": "tcg", "timings": {}}
+        sbx = await make_sandbox(stack.up_port)
+        await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(auto_resume=True, node=nodes_mock.node)
+        assert (await stack.client.post("/echo", content=b"before", headers=hdr(sbx))).status_code == 200
+        await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(state="paused")  # paused just now
+        r = await stack.client.post("/echo", content=b"after", headers=hdr(sbx))
+        assert r.status_code == 200 and r.json()["body"] == "after"
+        assert len(stack.upstream.clients) == 1 and len(new_vm.clients) == 1
+        assert nodes_mock.client.resume_sandbox.await_count == 1
+        row = await sync_to_async(Sandbox.objects.get)(pk=sbx.pk)
+        assert row.state == "running" and row.envd_port == new_port and row.vm_generation == 1
+    finally:
+        server.should_exit = True
+        await task
