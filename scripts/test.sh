@@ -12,6 +12,7 @@ export AENV_HOME="${AENV_HOME:-$ROOT/var}"
 export AENV_IMAGES_DIR="${AENV_IMAGES_DIR:-$AENV_HOME/images}"
 
 "$ROOT/scripts/setup.sh"
+"$ROOT/scripts/setup_ts_sdk.sh"  # the TypeScript E2B SDK for tests/ts/ (tests/integration/test_ts_sdk.py)
 
 # PostgreSQL for the second unit-test run.
 PG_URL="${AENV_TEST_PG_URL:-postgres://postgres@127.0.0.1:5432/aenv}"

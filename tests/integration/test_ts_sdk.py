@@ -1,0 +1,89 @@
+"""End to end with real VMs: the official E2B TypeScript SDK (npm `e2b`, newest 2.x,
+installed at test time into var/node/e2b-ts/ by scripts/setup_ts_sdk.sh) drives the
+stack from Node's own test runner. The tests are the ESM files in tests/ts/; this module
+runs them against the shared `stack` and requires that node reported passes and no
+failures."""
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from .stack import ROOT
+
+pytestmark = pytest.mark.vm
+
+TS_DIR = ROOT / "tests" / "ts"
+SDK_DIR = ROOT / "var" / "node" / "e2b-ts"
+NODE_TIMEOUT = 900  # s; the suite takes a few minutes under TCG on 2 cores
+
+# node's end-of-run summary: "ℹ pass 12" (spec reporter) or "# pass 12" (TAP)
+SUMMARY = re.compile(r"^\s*(?:ℹ|#)\s*(tests|pass|fail|cancelled|skipped|todo)\s+(\d+)\s*$", re.MULTILINE)
+
+
+def _sandbox_ids(stack) -> set[str]:
+    """Every sandbox of the stack's team, running or paused (all pages)."""
+    ids, token = set(), None
+    while True:
+        params = {"limit": 100, **({"nextToken": token} if token else {})}
+        resp = httpx.get(f"{stack.api_url}/v2/sandboxes", params=params, headers=stack.headers(), timeout=30)
+        resp.raise_for_status()
+        ids |= {s["sandboxID"] for s in resp.json()}
+        token = resp.headers.get("x-next-token")
+        if not token:
+            return ids
+
+
+def _node_version(node: str) -> tuple[int, ...]:
+    out = subprocess.run([node, "--version"], capture_output=True, text=True, check=True).stdout
+    return tuple(int(x) for x in re.findall(r"\d+", out)[:3])
+
+
+@pytest.mark.timeout(NODE_TIMEOUT + 300)
+def test_typescript_sdk_suite(stack):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed (scripts/setup_ts_sdk.sh installs it with apt-get)")
+    # idempotent: returns at once when a satisfying e2b is already installed
+    setup = subprocess.run([str(ROOT / "scripts" / "setup_ts_sdk.sh")], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "AENV_TS_SDK_DIR": str(SDK_DIR)}, timeout=600)
+    assert setup.returncode == 0, f"scripts/setup_ts_sdk.sh failed:\n{setup.stdout}\n{setup.stderr}"
+
+    files = sorted(str(p.relative_to(ROOT)) for p in TS_DIR.glob("*.test.mjs"))
+    assert files, f"no *.test.mjs files in {TS_DIR}"
+    argv = [node, "--test", "--test-reporter=spec"]
+    if _node_version(node) >= (20, 10):
+        argv.append("--test-concurrency=1")  # one file at a time: few VMs at once on a small host
+    argv += files
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(
+        E2B_API_URL=stack.api_url,
+        E2B_SANDBOX_URL=stack.sandbox_url,
+        E2B_API_KEY=stack.api_key,
+        AENV_E2B_TS_DIR=str(SDK_DIR),  # tests/ts/helpers.mjs imports the SDK from here
+        NO_COLOR="1",
+    )
+    before = _sandbox_ids(stack)
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=NODE_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"node --test did not finish in {NODE_TIMEOUT} s:\n{out}")
+    elapsed = time.monotonic() - started
+    output = proc.stdout + ("\n[stderr]\n" + proc.stderr if proc.stderr.strip() else "")
+    print(f"\n$ {' '.join(argv)}\n{output}\nTS SDK suite: exit {proc.returncode} in {elapsed:.1f} s")
+
+    counts = {k: int(v) for k, v in SUMMARY.findall(proc.stdout)}
+    assert {"pass", "fail"} <= counts.keys(), f"no summary from node --test:\n{output}"
+    assert counts["fail"] == 0, f"{counts['fail']} TypeScript SDK test(s) failed:\n{output}"
+    assert counts.get("cancelled", 0) == 0, f"{counts['cancelled']} TypeScript SDK test(s) cancelled:\n{output}"
+    assert counts["pass"] > 0, f"node reported no passed tests:\n{output}"
+    assert proc.returncode == 0, f"node --test exited with {proc.returncode}:\n{output}"
+    # the suite's after hooks killed every sandbox it created
+    left = _sandbox_ids(stack) - before
+    assert not left, f"the TypeScript suite left sandboxes behind: {sorted(left)}"
