@@ -18,6 +18,16 @@ if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm >/dev/null
 fi
 
+# e2b 2.51 declares node ">=20.18.1 <21 || >=22" (Debian 12's and Ubuntu 24.04's own nodejs is 18).
+if ! node -e '
+  const [maj, min, pat] = process.versions.node.split(".").map(Number);
+  process.exit((maj === 20 && (min > 18 || (min === 18 && pat >= 1))) || maj >= 22 ? 0 : 1);
+'; then
+  echo "setup_ts_sdk: the TypeScript E2B SDK needs Node.js >= 20.18.1 (or >= 22); found $(node --version)." >&2
+  echo "  Install a newer nodejs (e.g. from NodeSource) and run this again." >&2
+  exit 1
+fi
+
 installed_version() {
   local manifest="$PREFIX/node_modules/e2b/package.json"
   [ -f "$manifest" ] && node -p "require(process.argv[1]).version" "$manifest" 2>/dev/null || true
