@@ -68,6 +68,9 @@ AENV_RECONCILE_INTERVAL = _env_int("AENV_RECONCILE_INTERVAL", 30)
 # Snapshot store (snapshots.storage): "posix_fs" keeps snapshot files on the node that
 # took them; "s3" also uploads them (chunked, content-addressed) to a bucket, so any node
 # can restore them, downloading into a bounded cache under AENV_HOME/cache/snapshots.
+# The most children one fork may start (they all land on the parent's node); the API
+# and the dashboard share it.
+AENV_FORK_MAX_PER_NODE = _env_int("AENV_FORK_MAX_PER_NODE", 32)
 AENV_SNAPSHOT_BACKEND = _env("AENV_SNAPSHOT_BACKEND", "posix_fs")
 AENV_S3_ENDPOINT = _env("AENV_S3_ENDPOINT", "")  # empty: AWS's own endpoint for the region
 AENV_S3_BUCKET = _env("AENV_S3_BUCKET", "")

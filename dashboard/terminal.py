@@ -26,7 +26,8 @@ from types import SimpleNamespace
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
-from sandboxes.models import Sandbox, SandboxState
+from sandboxes.models import Sandbox
+from sandboxes.states import ROUTABLE, SandboxState
 
 from .envd_pty import EnvdError, EnvdPty
 from .teams import current_team
@@ -44,7 +45,7 @@ CLOSE_UNREACHABLE = 4502    # envd refused, failed or went silent
 # closes the terminal promptly even when the envd connection lingers.
 STATE_POLL_SECONDS = 2.0
 # States in which the VM (and so the PTY) keeps running.
-TERMINAL_STATES = {SandboxState.RUNNING, SandboxState.SNAPSHOTTING, SandboxState.FORKING}
+TERMINAL_STATES = ROUTABLE  # a terminal needs a VM whose envd takes traffic
 DEFAULT_SIZE = (80, 24)
 MAX_INPUT_BATCH = 64 * 1024
 

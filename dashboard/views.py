@@ -23,7 +23,10 @@ from django.views.decorators.http import require_GET, require_POST
 from nodes.models import Node
 from sandboxes import services
 from sandboxes.errors import ApiError
-from sandboxes.models import LIVE_STATES, ApiKey, Sandbox, SandboxEvent, SandboxState, Template
+from sandboxes.models import ApiKey, Sandbox, SandboxEvent, Template
+from sandboxes.states import LIVE, RESERVING, SandboxState, can_start
+from snapshots import services as snapshot_services
+from snapshots.models import Snapshot
 
 from .teams import current_team, set_current_team, user_teams
 from .terminal import TERMINAL_STATES, gone_reason
@@ -31,8 +34,6 @@ from .terminal import TERMINAL_STATES, gone_reason
 LIST_LIMIT = 200
 TIMEOUT_CHOICES = [(300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (4 * 3600, "4 hours")]
 # Node usage counts the sandboxes that hold a VM (or are about to).
-VM_STATES = [s for s in LIVE_STATES if s not in (SandboxState.PAUSED,)]
-LIFECYCLE_TOOLTIP = "coming with the snapshots work"
 
 
 def team_page(view):
@@ -84,12 +85,12 @@ def switch_team(request):
 def _node_rows():
     usage = {
         row["node_id"]: row
-        for row in Sandbox.objects.filter(node__isnull=False, state__in=LIVE_STATES)
+        for row in Sandbox.objects.filter(node__isnull=False, state__in=LIVE)
         .values("node_id")
         .annotate(
-            vcpu=Sum("cpu_count", filter=Q(state__in=VM_STATES)),
-            memory=Sum("memory_mb", filter=Q(state__in=VM_STATES)),
-            running=Count("id", filter=Q(state__in=VM_STATES)),
+            vcpu=Sum("cpu_count", filter=Q(state__in=RESERVING)),
+            memory=Sum("memory_mb", filter=Q(state__in=RESERVING)),
+            running=Count("id", filter=Q(state__in=RESERVING)),
             paused=Count("id", filter=Q(state=SandboxState.PAUSED)),
         )
     }
@@ -115,7 +116,7 @@ def _chart(team, hours: int = 24, width: int = 640, height: int = 160) -> dict:
     now = timezone.now()
     start = now - timedelta(hours=hours)
     relevant = Sandbox.objects.filter(team=team).filter(
-        Q(state__in=LIVE_STATES) | Q(killed_at__gte=start) | Q(updated_at__gte=start)
+        Q(state__in=LIVE) | Q(killed_at__gte=start) | Q(updated_at__gte=start)
     ).values_list("created_at", "killed_at", "state", "updated_at")
     spans = []
     for created, killed, state, updated in relevant:
@@ -150,7 +151,7 @@ def overview(request):
     events = SandboxEvent.objects.filter(sandbox__team=team).order_by("-started_at", "-id")[:15]
     return render(request, "dashboard/overview.html", _base_context(
         request, "overview", nodes=_node_rows(), state_counts=state_counts,
-        live_total=sum(counts.get(s, 0) for s in LIVE_STATES), events=events, chart=_chart(team),
+        live_total=sum(counts.get(s, 0) for s in LIVE), events=events, chart=_chart(team),
     ))
 
 
@@ -178,7 +179,7 @@ def _filtered_sandboxes(team, params):
                "metadata": params.get("metadata", "").strip()}
     qs = Sandbox.objects.filter(team=team).select_related("template", "node")
     if filters["state"] == "live":
-        qs = qs.filter(state__in=LIVE_STATES)
+        qs = qs.filter(state__in=LIVE)
     elif filters["state"] in SandboxState.values:
         qs = qs.filter(state=filters["state"])
     else:
@@ -193,7 +194,7 @@ def _filtered_sandboxes(team, params):
 
 
 def _row(sandbox: Sandbox, now) -> dict:
-    live = sandbox.state in LIVE_STATES
+    live = sandbox.state in LIVE
     return {
         "id": sandbox.id,
         "url": reverse("dashboard:sandbox", args=[sandbox.id]),
@@ -239,37 +240,25 @@ def _timeline(sandbox: Sandbox) -> list[dict]:
     return [{"event": e, "offset_s": (e.started_at - first).total_seconds()} for e in events]
 
 
-FORK_MAX = 8
-
-
-def snapshot_services():
-    """``snapshots.services`` once helper work on snapshots has landed, else None
-    (the snapshot and fork actions then stay disabled)."""
-    try:
-        from snapshots import services as snap  # noqa: PLC0415
-    except ImportError:
-        return None
-    needed = ("create_snapshot", "list_snapshots", "fork_sandbox")
-    return snap if all(hasattr(snap, name) for name in needed) else None
 
 
 def allowed_actions(sandbox: Sandbox) -> dict[str, bool]:
-    """Which lifecycle actions the sandbox's state allows (the service still decides)."""
-    state, snap = sandbox.state, snapshot_services() is not None
+    """Which lifecycle actions the sandbox's state allows, as the transition table says
+    (the lifecycle code still decides)."""
+    state = sandbox.state
     return {
-        "pause": state == SandboxState.RUNNING,
-        "resume": state == SandboxState.PAUSED,
-        "snapshot": snap and state == SandboxState.RUNNING,
-        "fork": snap and state == SandboxState.RUNNING,
+        "pause": can_start("pause", state),
+        "resume": can_start("resume", state),
+        "snapshot": can_start("snapshot", state),
+        "fork": can_start("fork", state),
         "timeout": state in (SandboxState.RUNNING, SandboxState.PAUSED),
-        "kill": state in LIVE_STATES and state != SandboxState.KILLING,
+        "kill": can_start("kill", state),
     }
 
 
 def _actions_context(sandbox: Sandbox) -> dict:
-    return {"actions": allowed_actions(sandbox), "timeout_choices": TIMEOUT_CHOICES, "fork_max": FORK_MAX,
-            "live": sandbox.state in LIVE_STATES,
-            "unavailable": "" if snapshot_services() else f"Snapshot and fork are {LIFECYCLE_TOOLTIP}."}
+    return {"actions": allowed_actions(sandbox), "timeout_choices": TIMEOUT_CHOICES,
+            "fork_max": snapshot_services.fork_max_per_node(), "live": sandbox.state in LIVE}
 
 
 @require_GET
@@ -278,7 +267,7 @@ def sandbox_detail(request, sandbox_id):
     sandbox = get_object_or_404(Sandbox.objects.select_related("template", "node", "source_snapshot",
                                                                 "forked_from"), pk=sandbox_id, team=request.team)
     now = timezone.now()
-    live = sandbox.state in LIVE_STATES
+    live = sandbox.state in LIVE
     timeline = _timeline(sandbox)
     return render(request, "dashboard/sandbox_detail.html", _base_context(
         request, "sandboxes", sandbox=sandbox, timeline=timeline,
@@ -287,7 +276,7 @@ def sandbox_detail(request, sandbox_id):
         age=(now - sandbox.created_at).total_seconds(), **_actions_context(sandbox),
         terminal_path=f"/ws/sandboxes/{sandbox.id}/terminal", terminal_ready=sandbox.state in TERMINAL_STATES,
         terminal_unavailable=gone_reason(sandbox.state), forks=list(sandbox.forks.order_by("-created_at")[:50]),
-        snapshots=list(sandbox.snapshots.order_by("-created_at")[:50]) if snapshot_services() else [],
+        snapshots=list(sandbox.snapshots.order_by("-created_at")[:50]),
     ))
 
 
@@ -399,12 +388,9 @@ async def sandbox_timeout(request, sandbox_id):
 async def sandbox_snapshot(request, sandbox_id):
     user = await request.auser()
     team = await sync_to_async(_action_team)(request, sandbox_id)
-    snap = snapshot_services()
-    if snap is None:
-        return _action_result(request, sandbox_id, "error", f"Snapshots are {LIFECYCLE_TOOLTIP}.", status=501)
     name = (request.POST.get("name") or "").strip()[:128] or None
     try:
-        snapshot = await snap.create_snapshot(team, sandbox_id, name=name, actor=_actor(user))
+        snapshot = await snapshot_services.create_snapshot(team, sandbox_id, name=name, actor=_actor(user))
     except ApiError as exc:
         return _failed(request, sandbox_id, "Snapshot failed", exc)
     return _action_result(request, sandbox_id, "success", f"Snapshot {snapshot.pk} of {sandbox_id} taken.",
@@ -416,17 +402,15 @@ async def sandbox_snapshot(request, sandbox_id):
 async def sandbox_fork(request, sandbox_id):
     user = await request.auser()
     team = await sync_to_async(_action_team)(request, sandbox_id)
-    snap = snapshot_services()
-    if snap is None:
-        return _action_result(request, sandbox_id, "error", f"Forks are {LIFECYCLE_TOOLTIP}.", status=501)
     try:
         count = int(request.POST.get("count", "1"))
     except ValueError:
         count = 0
-    if not 1 <= count <= FORK_MAX:
-        return _action_result(request, sandbox_id, "error", f"Fork count must be 1 to {FORK_MAX}.", status=400)
+    fork_max = snapshot_services.fork_max_per_node()
+    if not 1 <= count <= fork_max:
+        return _action_result(request, sandbox_id, "error", f"Fork count must be 1 to {fork_max}.", status=400)
     try:
-        results = await snap.fork_sandbox(team, sandbox_id, count=count, actor=_actor(user))
+        results = await snapshot_services.fork_sandbox(team, sandbox_id, count=count, actor=_actor(user))
     except ApiError as exc:
         return _failed(request, sandbox_id, "Fork failed", exc)
     forks = [r for r in results if isinstance(r, Sandbox)]
@@ -483,8 +467,6 @@ def _create_result(request, target: str, level: str, text: str, *, status: int, 
 def _lineage(team) -> list[dict]:
     """Template → its snapshots → sandboxes restored from each; forks hang under
     their parent sandbox. Only what the team can see, newest first."""
-    from snapshots.models import Snapshot  # noqa: PLC0415
-
     snapshots = list(Snapshot.objects.filter(team=team).select_related("template", "source_sandbox", "node")
                      .order_by("-created_at", "-id")[:LIST_LIMIT])
     restored: dict[str, list] = {}
@@ -508,19 +490,13 @@ def _lineage(team) -> list[dict]:
 @require_GET
 @team_page
 def snapshot_list(request):
-    snap = snapshot_services()
-    if snap is None:
-        return render(request, "dashboard/snapshots.html", _base_context(
-            request, "snapshots", available=False, unavailable=f"Snapshots are {LIFECYCLE_TOOLTIP}."))
-    from snapshots.models import Snapshot  # noqa: PLC0415
-
     rows = (Snapshot.objects.filter(team=request.team).select_related("template", "source_sandbox", "node")
-            .annotate(restored=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE_STATES)))
+            .annotate(restored=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE)))
             .order_by("-created_at", "-id")[:LIST_LIMIT])
     fork_parents = (Sandbox.objects.filter(team=request.team, forks__isnull=False).distinct()
                     .prefetch_related("forks").order_by("-created_at")[:LIST_LIMIT])
     return render(request, "dashboard/snapshots.html", _base_context(
-        request, "snapshots", available=True, snapshots=rows, lineage=_lineage(request.team),
+        request, "snapshots", snapshots=rows, lineage=_lineage(request.team),
         fork_parents=fork_parents, timeout_choices=TIMEOUT_CHOICES,
     ))
 
@@ -532,12 +508,11 @@ async def snapshot_delete(request, snapshot_id):
     from it still run. Another team's snapshot is a 404 like an unknown one."""
     user = await request.auser()
     team = await sync_to_async(current_team)(request)
-    snap = snapshot_services()
-    if team is None or snap is None:
+    if team is None:
         raise Http404("snapshot not found")
     back = reverse("dashboard:snapshots")
     try:
-        await snap.delete_snapshot(team, snapshot_id, actor=_actor(user))
+        await snapshot_services.delete_snapshot(team, snapshot_id, actor=_actor(user))
     except ApiError as exc:
         return _create_result(request, back, "error", f"Delete failed: {exc.detail}", status=exc.status_code)
     return _create_result(request, back, "success", f"Snapshot {snapshot_id} deleted.", status=200, redirect=back)
@@ -551,7 +526,7 @@ async def snapshot_delete(request, snapshot_id):
 def template_list(request):
     templates = (
         Template.objects.filter(Q(public=True) | Q(team=request.team))
-        .annotate(live=Count("sandboxes", filter=Q(sandboxes__team=request.team, sandboxes__state__in=LIVE_STATES)),
+        .annotate(live=Count("sandboxes", filter=Q(sandboxes__team=request.team, sandboxes__state__in=LIVE)),
                   total=Count("sandboxes", filter=Q(sandboxes__team=request.team)))
         .order_by("id")
     )

@@ -6,7 +6,7 @@ from django.contrib import admin
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from sandboxes.models import LIVE_STATES
+from sandboxes.states import LIVE
 
 from .models import Node
 
@@ -44,7 +44,7 @@ class NodeAdmin(admin.ModelAdmin):
 
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(
-            _live=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE_STATES)))
+            _live=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE)))
 
     def has_add_permission(self, request):
         return False  # nodes register themselves (`manage.py run_node`)

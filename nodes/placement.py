@@ -12,10 +12,8 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from nodes.models import Node
+from sandboxes.states import RESERVING
 
-# Sandbox states whose VM holds (or is about to hold) CPU and memory on its node.
-# Spelled as strings: nodes sits below sandboxes and does not import it.
-RESERVING_STATES = ("creating", "running", "pausing", "resuming", "snapshotting", "forking", "killing")
 
 
 class NoNodeAvailable(Exception):
@@ -24,7 +22,7 @@ class NoNodeAvailable(Exception):
 
 def _candidates():
     cutoff = timezone.now() - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
-    live = Q(sandboxes__state__in=RESERVING_STATES)
+    live = Q(sandboxes__state__in=RESERVING)
     return Node.objects.filter(draining=False, last_heartbeat_at__gte=cutoff).annotate(
         cpu_reserved=Coalesce(Sum("sandboxes__cpu_count", filter=live), 0),
         memory_reserved=Coalesce(Sum("sandboxes__memory_mb", filter=live), 0),

@@ -34,17 +34,18 @@ import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from django.db import close_old_connections, transaction
+from django.db import close_old_connections
 from django.utils import timezone
 
-from sandboxes.models import Sandbox, SandboxEvent, SandboxState, with_route_generation
+from sandboxes.models import Sandbox, SandboxEvent
+from sandboxes.states import DEAD, SandboxState
+from sandboxes.transitions import transition_sync
 
 log = logging.getLogger(__name__)
 
 S = SandboxState
 TRANSITIONAL = [S.CREATING, S.PAUSING, S.RESUMING, S.KILLING]
 SETTLED = [S.RUNNING, S.PAUSED]
-DEAD = [S.KILLED, S.ERROR]
 
 
 def _vm_record(driver, sandbox_id: str):
@@ -81,15 +82,9 @@ def _stop_stray_process(record) -> bool:
 
 def _move(row: Sandbox, to_state: str, actor: str, message: str, details: dict | None = None, **fields) -> bool:
     """Conditional on the row being exactly as we read it (state and updated_at)."""
-    now = timezone.now()
-    with transaction.atomic():
-        updated = Sandbox.objects.filter(pk=row.pk, state=row.state, updated_at=row.updated_at).update(
-            state=to_state, updated_at=now, **with_route_generation(fields))
-        if updated:
-            SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", outcome="ok",
-                                        from_state=row.state, to_state=to_state, started_at=now,
-                                        message=message, details=details or {}, actor=actor)
-    return bool(updated)
+    event = SandboxEvent(sandbox_id=row.pk, operation="reconcile", outcome="ok", from_state=row.state,
+                         started_at=timezone.now(), message=message, details=details or {}, actor=actor)
+    return transition_sync(row.pk, [row.state], to_state, event, where={"updated_at": row.updated_at}, **fields)
 
 
 def _reinit_envd(row: Sandbox, info) -> None:

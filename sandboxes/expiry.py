@@ -28,7 +28,8 @@ from django.utils import timezone
 
 from . import services
 from .errors import ApiError
-from .models import Sandbox, SandboxEvent, SandboxState, Team
+from .models import Sandbox, SandboxEvent, Team
+from .states import SandboxState
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from .states import E2B_VIEW, SandboxState  # noqa: F401 - SandboxState: the field's choices, re-exported
+
 SANDBOX_ID_ALPHABET = string.ascii_lowercase + string.digits
 
 
@@ -95,33 +97,6 @@ class Template(models.Model):
         return self.id
 
 
-class SandboxState(models.TextChoices):
-    CREATING = "creating"
-    RUNNING = "running"
-    PAUSING = "pausing"
-    PAUSED = "paused"
-    RESUMING = "resuming"
-    SNAPSHOTTING = "snapshotting"
-    FORKING = "forking"
-    KILLING = "killing"
-    KILLED = "killed"
-    ERROR = "error"
-
-
-# States in which the E2B API still shows a sandbox, and how it shows them.
-E2B_VISIBLE_STATE = {
-    SandboxState.CREATING: "running",
-    SandboxState.RUNNING: "running",
-    SandboxState.SNAPSHOTTING: "running",
-    SandboxState.FORKING: "running",
-    SandboxState.RESUMING: "running",
-    SandboxState.KILLING: "running",
-    SandboxState.PAUSING: "paused",
-    SandboxState.PAUSED: "paused",
-}
-LIVE_STATES = [s.value for s in E2B_VISIBLE_STATE]
-
-
 class Sandbox(models.Model):
     id = models.CharField(primary_key=True, max_length=64, default=new_sandbox_id)
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="sandboxes")
@@ -180,19 +155,11 @@ class Sandbox(models.Model):
 
     @property
     def e2b_state(self) -> str | None:
-        return E2B_VISIBLE_STATE.get(self.state)
+        return E2B_VIEW.get(self.state)
 
     @property
     def envd_base_url(self) -> str:
         return f"http://{self.envd_host}:{self.envd_port}"
-
-
-def with_route_generation(fields: dict) -> dict:
-    """The update ``fields`` of a state write; one that sets a new envd route also bumps
-    ``vm_generation`` (every writer of a sandbox's state passes its fields through here)."""
-    if "envd_port" in fields or "envd_host" in fields:
-        return {**fields, "vm_generation": models.F("vm_generation") + 1}
-    return fields
 
 
 class SandboxEvent(models.Model):

@@ -28,6 +28,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from .proxy_pools import UpstreamPools
+from .states import RESUMABLE, ROUTABLE
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,6 @@ HOP_BY_HOP = frozenset({
 ROUTING_HEADERS = frozenset({b"e2b-sandbox-id", b"e2b-sandbox-port", b"host"})
 # uvicorn writes its own; the upstream's would be duplicates.
 RESPONSE_DROP = frozenset({b"date", b"server"})
-# Sandbox states whose VM runs and whose envd takes traffic. "killing" is not one:
-# a stream broken by a kill must probe as "was not found" (spec §4.6).
-ROUTABLE_STATES = frozenset({"running", "snapshotting", "forking"})
-PAUSED_STATES = frozenset({"pausing", "paused", "resuming"})
 
 HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<id>[A-Za-z0-9_-]+)\.")
 
@@ -64,7 +61,7 @@ class Route:
 
     @property
     def routable(self) -> bool:
-        return self.state in ROUTABLE_STATES and bool(self.host) and bool(self.port)
+        return self.state in ROUTABLE and bool(self.host) and bool(self.port)
 
     @property
     def upstream(self) -> tuple[int, str, int | None]:
@@ -215,7 +212,7 @@ class EnvdProxy:
         is resumed first (see ``on_paused``). None: nothing to route to (the caller
         answers 'was not found'). Raises ResumeFailed."""
         route = await self.routes.get(sandbox_id)
-        if route is not None and route.state in PAUSED_STATES:
+        if route is not None and route.state in RESUMABLE:
             route = await self.on_paused(route)
         if route is None or not route.routable:
             self.pools.forget(sandbox_id)

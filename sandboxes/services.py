@@ -28,17 +28,9 @@ from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 
 from .errors import ApiError
-from .models import (
-    E2B_VISIBLE_STATE,
-    LIVE_STATES,
-    Sandbox,
-    SandboxEvent,
-    SandboxState,
-    Team,
-    Template,
-    new_envd_access_token,
-    with_route_generation,
-)
+from .models import Sandbox, SandboxEvent, Team, Template, new_envd_access_token
+from .states import E2B_PAUSED, E2B_RUNNING, KILLABLE, LIVE, SETTLING, SandboxState
+from .transitions import insert_creating, transition
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +45,6 @@ CLEANUP_DEADLINE = 10.0
 # sandbox, and neither "no capacity" nor "node dead" heals within its backoff.
 NO_RETRY = {"Should-Retry": "false"}
 
-RUNNING_STATES = [s.value for s, shown in E2B_VISIBLE_STATE.items() if shown == "running"]
-PAUSED_STATES = [s.value for s, shown in E2B_VISIBLE_STATE.items() if shown == "paused"]
-# States a kill may start from ("killing" is excluded: a second kill loses the race).
-KILLABLE_STATES = [s for s in LIVE_STATES if s != S.KILLING]
 
 
 def _snapshots():
@@ -90,20 +78,7 @@ def _event(sandbox_id: str, operation: str, *, outcome="ok", from_state="", to_s
     )
 
 
-@sync_to_async
-def _transition(sandbox_id: str, from_states, to_state: str, event: SandboxEvent, *, where: dict | None = None,
-                **fields) -> bool:
-    """Moves a sandbox to ``to_state`` only if it is in one of ``from_states`` (and matches
-    the extra lookups in ``where``, e.g. "still expired"), and records ``event`` in the same
-    transaction. Returns False if another request won."""
-    with transaction.atomic():
-        updated = Sandbox.objects.filter(pk=sandbox_id, state__in=list(from_states), **(where or {})).update(
-            state=to_state, updated_at=timezone.now(), **with_route_generation(fields)
-        )
-        if updated:
-            event.to_state = to_state
-            event.save()
-    return bool(updated)
+_transition = transition  # the one writer (sandboxes.transitions); shorter at the call sites
 
 
 @sync_to_async
@@ -147,7 +122,7 @@ async def _visible(team: Team, sandbox_id: str, states=None) -> Sandbox:
     """A sandbox of this team that the E2B API still shows; anything else is a 404
     (including other teams' sandboxes, so ids cannot be probed)."""
     sandbox = await Sandbox.objects.filter(
-        pk=sandbox_id, team=team, state__in=states or LIVE_STATES
+        pk=sandbox_id, team=team, state__in=states or LIVE
     ).afirst()
     if sandbox is None:
         raise ApiError(404, f'sandbox "{sandbox_id}" not found')
@@ -187,7 +162,7 @@ async def create_sandbox(
 
     now = timezone.now()
     fields = dict(
-        team=team, template=template, state=S.CREATING, alias=template.alias,
+        team=team, template=template, alias=template.alias,
         envd_version=template.envd_version, secure=secure,
         envd_access_token=new_envd_access_token() if secure else "",
         metadata=metadata, env_vars=env_vars, cpu_count=template.cpu_count,
@@ -219,11 +194,9 @@ def _insert_creating(fields: dict, actor: str) -> Sandbox:
     key = fields["idempotency_key"]
     for _ in range(3):
         try:
-            with transaction.atomic():
-                sandbox = Sandbox.objects.create(**fields)
-                _event(sandbox.id, "create", outcome="started", to_state=S.CREATING, actor=actor,
-                       details={"template": sandbox.template_id, "idempotency_key": key}).save()
-            return sandbox
+            return insert_creating(_event("", "create", outcome="started", actor=actor,
+                                          details={"template": fields["template"].id, "idempotency_key": key}),
+                                   **fields)
         except IntegrityError:
             if not key:
                 raise
@@ -409,7 +382,7 @@ async def kill_sandbox(team: Team, sandbox_id: str, actor: str = "", *, from_sta
         raise ApiError(404, f'sandbox "{sandbox_id}" not found (already being killed)')
     details = {"reason": reason} if reason else {}
     event = _event(sandbox_id, "kill", outcome="started", from_state=sandbox.state, actor=actor, details=details)
-    if not await _transition(sandbox_id, from_states or KILLABLE_STATES, S.KILLING, event, where=where):
+    if not await _transition(sandbox_id, from_states or KILLABLE, S.KILLING, event, where=where):
         if from_states or where:
             raise ApiError(409, f'sandbox "{sandbox_id}" changed meanwhile; not killed')
         raise ApiError(404, f'sandbox "{sandbox_id}" not found (already being killed)')
@@ -467,7 +440,7 @@ def _apply_metadata(qs, metadata: dict[str, str]):
 
 async def list_running(team: Team, metadata: dict[str, str] | None = None) -> list[Sandbox]:
     """v1 list: every running sandbox of the team, newest first."""
-    qs = Sandbox.objects.filter(team=team, state__in=RUNNING_STATES)
+    qs = Sandbox.objects.filter(team=team, state__in=E2B_RUNNING)
     qs = _apply_metadata(qs, metadata or {}).order_by("-started_at", "-id")
     return [s async for s in qs]
 
@@ -512,7 +485,7 @@ async def list_sandboxes(
     a sandbox even while others are created or killed between calls."""
     db_states: list[str] = []
     for state in states or ["running", "paused"]:
-        db_states += RUNNING_STATES if state == "running" else PAUSED_STATES
+        db_states += E2B_RUNNING if state == "running" else E2B_PAUSED
     qs = Sandbox.objects.filter(team=team, state__in=db_states)
     qs = _apply_metadata(qs, metadata or {})
     if started_after is not None:
@@ -557,7 +530,7 @@ async def refresh(team: Team, sandbox_id: str, seconds: int, actor: str = "") ->
 @sync_to_async
 def _set_end_at(sandbox: Sandbox, end_at: datetime, operation: str, actor: str, details: dict) -> None:
     with transaction.atomic():
-        updated = Sandbox.objects.filter(pk=sandbox.pk, state__in=LIVE_STATES).update(
+        updated = Sandbox.objects.filter(pk=sandbox.pk, state__in=LIVE).update(
             end_at=end_at, updated_at=timezone.now()
         )
         if not updated:
@@ -569,9 +542,6 @@ def _set_end_at(sandbox: Sandbox, end_at: datetime, operation: str, actor: str, 
 
 # --------------------------------------------------------------------------- pause / resume / connect
 
-# States a sandbox passes through on its own; connect, resume and a second pause wait
-# for them to settle instead of failing.
-SETTLING_STATES = [S.CREATING, S.PAUSING, S.RESUMING, S.SNAPSHOTTING, S.FORKING]
 # How long a pause / resume may take on the node (a TCG pause to disk writes the RAM file).
 LIFECYCLE_DEADLINE = float(getattr(settings, "AENV_LIFECYCLE_DEADLINE", settings.AENV_NODE_TASK_DEADLINE))
 SETTLE_POLL = 0.1
@@ -586,10 +556,10 @@ async def _settle(team: Team, sandbox_id: str) -> Sandbox:
     resume or create finishing); 404 if it is gone."""
     deadline = time.monotonic() + LIFECYCLE_DEADLINE + 30
     sandbox = await _visible(team, sandbox_id)
-    while sandbox.state in SETTLING_STATES and time.monotonic() < deadline:
+    while sandbox.state in SETTLING and time.monotonic() < deadline:
         await asyncio.sleep(SETTLE_POLL)
         sandbox = await _visible(team, sandbox_id)
-    if sandbox.state in SETTLING_STATES:
+    if sandbox.state in SETTLING:
         raise ApiError(504, f'sandbox "{sandbox_id}" is still {sandbox.state}')
     if sandbox.state == S.KILLING:
         raise ApiError(404, f'sandbox "{sandbox_id}" not found (being killed)')

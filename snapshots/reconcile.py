@@ -22,14 +22,15 @@ from pathlib import Path
 
 from django.utils import timezone
 
-from sandboxes.models import Sandbox, SandboxEvent, SandboxState
+from sandboxes.models import Sandbox, SandboxEvent
+from sandboxes.states import TRANSITIONS, SandboxState
 
 from .models import Snapshot, SnapshotState
 
 log = logging.getLogger(__name__)
 
 S = SandboxState
-INTERRUPTED = {S.SNAPSHOTTING: "snapshot", S.FORKING: "fork"}
+INTERRUPTED = {TRANSITIONS[op].in_flight: op for op in ("snapshot", "fork")}
 
 
 def reconcile_interrupted(node_id: str, driver, *, older_than: datetime, at_start: bool) -> list[tuple]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from datetime import timedelta
 
@@ -29,7 +28,9 @@ from django.utils import timezone
 
 from sandboxes import services as sbx
 from sandboxes.errors import ApiError
-from sandboxes.models import LIVE_STATES, Sandbox, SandboxState, Team, Template, new_envd_access_token
+from sandboxes.models import Sandbox, Team, Template, new_envd_access_token
+from sandboxes.states import LIVE, SandboxState
+from sandboxes.transitions import insert_creating, transition_sync
 
 from .models import NAME_RE, Snapshot, SnapshotState
 
@@ -51,9 +52,8 @@ STORAGE_FULL_STATUS = 507
 
 def fork_max_per_node() -> int:
     """``AENV_FORK_MAX_PER_NODE``: the most children one fork may start (all land on the
-    parent's node). A setting, or the environment variable, default 32."""
-    value = getattr(settings, "AENV_FORK_MAX_PER_NODE", None) or os.environ.get("AENV_FORK_MAX_PER_NODE") or 32
-    return int(value)
+    parent's node), read at call time."""
+    return int(settings.AENV_FORK_MAX_PER_NODE)
 
 
 def _node_error(client, exc: BaseException, node, what: str) -> tuple[int, str, str, str | None]:
@@ -144,18 +144,17 @@ def _mode(memory) -> str:
 @sync_to_async
 def _begin_snapshot(sandbox: Sandbox, node, name: str, memory, actor: str) -> Snapshot | None:
     with transaction.atomic():
-        if not Sandbox.objects.filter(pk=sandbox.pk, state=S.RUNNING).update(
-                state=S.SNAPSHOTTING, updated_at=timezone.now()):
-            return None
-        snapshot = Snapshot.objects.create(
+        snapshot = Snapshot(
             team_id=sandbox.team_id, name=name, source_sandbox=sandbox, template_id=sandbox.template_id,
             node=node, memory=memory is not False, state=SS.CREATING, cpu_count=sandbox.cpu_count,
             memory_mb=sandbox.memory_mb, disk_size_mb=sandbox.disk_size_mb, envd_version=sandbox.envd_version,
             envd_access_token=sandbox.envd_access_token,
         )
-        sbx._event(sandbox.pk, "snapshot", outcome="started", from_state=S.RUNNING, to_state=S.SNAPSHOTTING,
-                   actor=actor, details={"snapshot": snapshot.id, "name": name, "memory": memory,
-                                         "mode": _mode(memory)}).save()
+        event = sbx._event(sandbox.pk, "snapshot", outcome="started", from_state=S.RUNNING, actor=actor,
+                           details={"snapshot": snapshot.id, "name": name, "memory": memory, "mode": _mode(memory)})
+        if not transition_sync(sandbox.pk, [S.RUNNING], S.SNAPSHOTTING, event):
+            return None
+        snapshot.save(force_insert=True)
     return snapshot
 
 
@@ -216,13 +215,12 @@ def _finish_snapshot(snapshot: Snapshot, result: dict, event) -> bool:
         Snapshot.objects.filter(pk=snapshot.pk).update(
             state=SS.READY, manifest=result.get("manifest") or {}, size_bytes=int(result.get("size_bytes") or 0),
             updated_at=timezone.now())
-        moved = Sandbox.objects.filter(pk=event.sandbox_id, state=S.SNAPSHOTTING).update(
-            state=S.RUNNING, updated_at=timezone.now())
-        event.to_state = S.RUNNING if moved else ""
+        moved = transition_sync(event.sandbox_id, [S.SNAPSHOTTING], S.RUNNING, event)
         if not moved:
             event.outcome, event.message = "aborted", "sandbox was killed while snapshotting; the snapshot is kept"
-        event.save()
-    return bool(moved)
+            event.to_state = ""
+            event.save()
+    return moved
 
 
 async def _delete_files_quietly(node, snapshot_id: str) -> dict:
@@ -338,7 +336,7 @@ def _begin_delete(snapshot: Snapshot) -> str:
         if not Snapshot.objects.filter(pk=snapshot.pk, state=snapshot.state).update(
                 state=SS.DELETING, updated_at=timezone.now()):
             raise ApiError(404, f'template or snapshot "{snapshot.id}" not found (being deleted)')
-    users = list(Sandbox.objects.filter(source_snapshot_id=snapshot.pk, state__in=LIVE_STATES)
+    users = list(Sandbox.objects.filter(source_snapshot_id=snapshot.pk, state__in=LIVE)
                  .order_by("created_at").values_list("id", flat=True)[:6])
     if users:
         Snapshot.objects.filter(pk=snapshot.pk, state=SS.DELETING).update(state=snapshot.state,
@@ -407,12 +405,17 @@ def _begin_fork(parent: Sandbox, node, count: int, timeout: int, actor: str) -> 
     children reserve their node's capacity before the node starts them)."""
     now = timezone.now()
     with transaction.atomic():
-        if not Sandbox.objects.filter(pk=parent.pk, state=S.RUNNING).update(state=S.FORKING, updated_at=now):
+        started = sbx._event(parent.pk, "fork", outcome="started", from_state=S.RUNNING, actor=actor,
+                             details={"count": count, "child_timeout": timeout})  # not "timeout": the parent's own
+        if not transition_sync(parent.pk, [S.RUNNING], S.FORKING, started):
             return None
         children = []
         for _ in range(count):
-            child = Sandbox.objects.create(
-                team_id=parent.team_id, template_id=parent.template_id, node=node, state=S.CREATING,
+            child = insert_creating(
+                sbx._event("", "create", outcome="started", actor=actor,
+                           details={"template": parent.template_id, "forked_from": parent.pk, "node": node.id,
+                                    "timeout": timeout}),
+                team_id=parent.team_id, template_id=parent.template_id, node=node,
                 alias=parent.alias, client_id=parent.client_id, envd_version=parent.envd_version,
                 secure=parent.secure, envd_access_token=new_envd_access_token() if parent.envd_access_token else "",
                 metadata=dict(parent.metadata or {}), env_vars=dict(parent.env_vars or {}),
@@ -421,13 +424,9 @@ def _begin_fork(parent: Sandbox, node, count: int, timeout: int, actor: str) -> 
                 allow_internet_access=parent.allow_internet_access, network=parent.network,
                 forked_from=parent, created_at=now, started_at=now, end_at=now + timedelta(seconds=timeout),
             )
-            sbx._event(child.id, "create", outcome="started", to_state=S.CREATING, actor=actor,
-                       details={"template": child.template_id, "forked_from": parent.pk, "node": node.id,
-                                "timeout": timeout}).save()
             children.append(child)
-        sbx._event(parent.pk, "fork", outcome="started", from_state=S.RUNNING, to_state=S.FORKING, actor=actor,
-                   details={"count": count, "children": [c.id for c in children],
-                            "child_timeout": timeout}).save()  # not "timeout": that is the parent's own
+        started.details["children"] = [c.id for c in children]
+        started.save(update_fields=["details"])
     return children
 
 

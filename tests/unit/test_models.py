@@ -3,7 +3,9 @@ import re
 
 import pytest
 
-from sandboxes.models import E2B_VISIBLE_STATE, ApiKey, SandboxState, Team, hash_api_key, new_sandbox_id
+from sandboxes.models import ApiKey, Team, hash_api_key, new_sandbox_id
+from sandboxes.states import E2B_VIEW as E2B_VISIBLE_STATE
+from sandboxes.states import SandboxState
 
 pytestmark = pytest.mark.django_db
 

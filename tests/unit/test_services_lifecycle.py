@@ -137,10 +137,10 @@ async def test_two_concurrent_kills_one_wins(team, base_template, nodes_mock):
 
 async def test_transition_is_conditional(team, base_template, nodes_mock):
     sb = await services.create_sandbox(team, "base")
-    ev = services._event(sb.id, "test")
+    ev = services._event(sb.id, "kill")
     assert await services._transition(sb.id, ["running"], "killing", ev) is True
-    assert await services._transition(sb.id, ["running"], "killing", services._event(sb.id, "test")) is False
-    assert await SandboxEvent.objects.filter(sandbox=sb, operation="test").acount() == 1
+    assert await services._transition(sb.id, ["running"], "killing", services._event(sb.id, "kill")) is False
+    assert await SandboxEvent.objects.filter(sandbox=sb, operation="kill", outcome="ok").acount() == 1
 
 
 async def test_dead_node_does_not_hang_kill(team, base_template, nodes_mock, monkeypatch):
