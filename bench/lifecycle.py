@@ -2,7 +2,7 @@
 the same operations through the E2B API in the same run, so the control-plane overhead shows.
 
 One guest shape (default 1 vCPU / 256 MiB); median of --runs. Its template snapshot is built
-first if missing (vmm.template_snapshots.build, idempotent, in the shared images dir).
+first if missing (vmm.templates.build, idempotent, in the shared images dir).
 
 Raw part: create from the template snapshot → envd answering (and a few cold boots for
 comparison); pause / resume in memory; pause to disk / resume; filesystem-only pause / cold
@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vmm import template_snapshots  # noqa: E402
+from vmm import templates  # noqa: E402
 from vmm.driver import BootSpec  # noqa: E402
 from vmm.images import DEFAULT_IMAGES_DIR, ensure_image  # noqa: E402
 from vmm.qemu import QemuDriver, envd_healthy  # noqa: E402
@@ -189,7 +189,7 @@ def ensure_template_snapshot(args) -> float:
     images_dir = Path(args.images_dir).absolute()
     ensure_image(images_dir, "base", progress=lambda m: None)
     t0 = time.monotonic()
-    template_snapshots.build(images_dir, "base", args.cpu, args.memory, args.disk, progress=print)
+    templates.build(images_dir, "base", args.cpu, args.memory, args.disk, progress=print)
     return round(time.monotonic() - t0, 1)
 
 
@@ -202,6 +202,7 @@ class Raw:
         self.images_dir = Path(args.images_dir).absolute()
         self.home = (ROOT / "var" / "bench-runs" / f"lifecycle-{uuid.uuid4().hex[:8]}").absolute()
         self.driver = QemuDriver(home=self.home, images_dir=self.images_dir, boot_timeout=120)
+        self.templates = templates.TemplateCache(self.images_dir)
         self.samples: dict[str, list[float]] = {}
         self.n = 0
 
@@ -215,6 +216,17 @@ class Raw:
     def spec(self, sid: str) -> BootSpec:
         return BootSpec(sid, cpu_count=self.args.cpu, memory_mb=self.args.memory, disk_size_mb=self.args.disk)
 
+    def start(self, spec: BootSpec):
+        """Like the node's create: a restore of the booted template (built first), else a cold boot."""
+        template = self.templates.find(self.driver, spec)
+        if template is None:
+            info = self.driver.boot(spec)
+            info.timings["from_template_snapshot"] = 0
+        else:
+            info = self.driver.restore(template, spec, template=True)
+            info.timings["from_template_snapshot"] = 1
+        return info
+
     def run(self) -> None:
         a = self.args
         ops = set(a.ops.split(","))
@@ -222,7 +234,7 @@ class Raw:
             if "create" in ops:
                 self.creates()
             if ops - {"create"}:
-                parent = self.driver.boot(self.spec("parent"))
+                parent = self.start(self.spec("parent"))
                 run_cmd(parent.envd_url, "echo bench > /root/state.txt && python3 -c 'print(1)'")
                 sid = parent.sandbox_id
                 for op, fn in (("pause", self.pause_resume), ("disk", self.pause_to_disk), ("fs", self.fs_pause),
@@ -243,7 +255,7 @@ class Raw:
         for _ in range(self.args.runs):
             sid = self.sid("create")
             t0 = time.perf_counter()
-            info = self.driver.boot(self.spec(sid))
+            info = self.start(self.spec(sid))
             t1 = time.perf_counter()
             assert info.timings.get("from_template_snapshot") == 1, info.timings
             run_cmd(info.envd_url)
@@ -254,14 +266,12 @@ class Raw:
             t0 = time.perf_counter()
             self.driver.kill(sid)
             self.add("kill", ms(t0, time.perf_counter()))
-        cold = QemuDriver(home=self.home, images_dir=self.images_dir, boot_timeout=120, template_snapshots=False)
         for _ in range(self.args.cold_runs):
             sid = self.sid("cold")
             t0 = time.perf_counter()
-            info = cold.boot(self.spec(sid))
+            self.driver.boot(self.spec(sid))  # boot() never restores a template
             self.add("create_cold_boot", ms(t0, time.perf_counter()))
-            assert info.timings.get("from_template_snapshot") == 0
-            cold.kill(sid)
+            self.driver.kill(sid)
 
     def pause_resume(self, sid: str) -> None:
         for _ in range(self.args.runs):

@@ -1,4 +1,5 @@
-"""The node's one VM driver instance, created on first use from settings.
+"""The node's one VM driver instance, created on first use from settings, and its cache
+of booted templates (``vmm.templates``).
 
 Why a holder: tasks run on many worker threads and must share one driver (it owns
 port allocation and state dirs); unit tests swap in a stub with `set_driver`.
@@ -25,6 +26,13 @@ def get_driver():
                 **({"boot_timeout": settings.AENV_BOOT_TIMEOUT} if settings.AENV_DRIVER == "qemu" else {}),
             )
         return _driver
+
+
+def get_templates():
+    """The booted templates of this node's images dir (cheap: a path, read per lookup)."""
+    from vmm.templates import TemplateCache  # noqa: PLC0415
+
+    return TemplateCache(settings.AENV_IMAGES_DIR)
 
 
 def set_driver(driver) -> None:

@@ -58,7 +58,7 @@ echo "==> base guest image (built once, cached under ${AENV_IMAGES_DIR:-$AENV_HO
 .venv/bin/python -m vmm.images build --name base --images-dir "${AENV_IMAGES_DIR:-$AENV_HOME/images}"
 # The default template shape (sandboxes.Template defaults: 2 vCPU, 512 MiB, 2 GiB disk) booted once and
 # captured with envd running: creating a sandbox is then a restore, not a cold boot. Cached per image
-# build + shape + accelerator + QEMU version; a miss only means slower (cold) creates.
+# build + shape + driver fingerprint (accelerator, QEMU version, ...); a miss only means slower (cold) creates.
 echo "==> template snapshot of the base image (2 vCPU, 512 MiB)"
-.venv/bin/python -m vmm.template_snapshots build --image base --cpu 2 --memory 512 --disk 2048 \
+.venv/bin/python -m vmm.templates build --image base --cpu 2 --memory 512 --disk 2048 \
   --images-dir "${AENV_IMAGES_DIR:-$AENV_HOME/images}"

@@ -7,14 +7,17 @@ state dirs so a restarted worker can list() and reattach to VMs that outlived it
 from __future__ import annotations
 
 import abc
+import importlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vmm.images import ImageNotFound  # re-exported: part of the driver contract
 
-__all__ = ["BootSpec", "VMInfo", "SnapshotManifest", "VMDriver", "VMError", "ImageNotFound", "BootTimeout", "get_driver"]
+__all__ = ["BootSpec", "VMInfo", "SnapshotManifest", "VMDriver", "VMError", "ImageNotFound", "BootTimeout",
+           "SnapshotUnusable", "get_driver", "register_driver", "driver_names"]
 
 
 class VMError(Exception):
@@ -27,6 +30,12 @@ class BootTimeout(VMError):
     def __init__(self, message: str, console_tail: str = ""):
         super().__init__(message + (f"\n--- console tail ---\n{console_tail}" if console_tail else ""))
         self.console_tail = console_tail
+
+
+class SnapshotUnusable(VMError):
+    """A snapshot cannot be restored on this host: it was taken by another driver or under
+    another accelerator, or something it needs (its files, the image build it was taken
+    on) is not here. The message names what."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ class SnapshotManifest:
     source_sandbox_id: str = ""
     created_at: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    fingerprint: dict = field(default_factory=dict)  # the driver's fingerprint() when it was taken
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -106,7 +116,21 @@ class SnapshotManifest:
 class VMDriver(abc.ABC):
     """One hypervisor backend. Implementations must be safe to use from several threads."""
 
+    name: str  # its registry name (AENV_DRIVER)
     accel: str
+
+    @abc.abstractmethod
+    def fingerprint(self) -> dict:
+        """What a memory snapshot taken by this driver must match to be restored by it: a
+        JSON-able dict, equal across instances and processes on one host setup, always with
+        "driver" (the registry name). Template snapshots are cached under it (QEMU: driver,
+        accelerator, QEMU version, the command-line builder's source)."""
+
+    @abc.abstractmethod
+    def check_snapshot(self, manifest: "SnapshotManifest") -> None:
+        """Raises SnapshotUnusable unless this host has what a restore of ``manifest`` needs
+        from outside the snapshot's own dir (the image build it was taken on, the same
+        driver and accelerator). Cheap: looks at files, starts nothing."""
 
     @abc.abstractmethod
     def boot(self, spec: BootSpec) -> VMInfo:
@@ -162,10 +186,14 @@ class VMDriver(abc.ABC):
         sandboxes from it with boot(BootSpec(..., layers=manifest.layers))."""
 
     @abc.abstractmethod
-    def restore(self, manifest: SnapshotManifest, spec: BootSpec) -> VMInfo:
+    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
         """A new sandbox `spec.sandbox_id` running from the snapshot (copy-on-write memory and
         disk); returns once envd answers /health. Only spec.sandbox_id is used: cpu, memory
-        and image come from the manifest."""
+        and image come from the manifest. ``template=True``: the snapshot is a booted
+        template (vmm.templates) that many sandboxes start from and then live on
+        independently; the driver may give the VM its own copy of the memory up front so
+        its later pause / snapshot / fork stay as cheap as a booted VM's (QEMU copies the
+        RAM file). Raises SnapshotUnusable for a snapshot of another driver or accelerator."""
 
     @abc.abstractmethod
     def fork(self, sandbox_id: str, count: int, child_ids: list[str] | None = None) -> list[VMInfo | Exception]:
@@ -179,15 +207,32 @@ class VMDriver(abc.ABC):
         """Host resources for placement: {"vcpus": int, "memory_mb": int}."""
 
 
+# name -> factory(home=, images_dir=, host_address=, **options), or "module:attribute" of one,
+# imported on first use: importing this module loads no backend (and no backend cycle).
+_REGISTRY: dict[str, Callable[..., VMDriver] | str] = {
+    "qemu": "vmm.qemu:QemuDriver",
+    "firecracker": "vmm.firecracker:FirecrackerDriver",
+}
+
+
+def register_driver(name: str, factory: Callable[..., VMDriver] | str) -> None:
+    """Adds (or replaces) a driver: ``factory`` is called like ``get_driver`` calls it, or
+    is a "module:attribute" path to such a callable."""
+    _REGISTRY[name] = factory
+
+
+def driver_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
 def get_driver(name: str, home: Path, images_dir: Path, host_address: str = "127.0.0.1", **options) -> VMDriver:
-    """Driver factory; `name` is AENV_DRIVER ("qemu" | "firecracker"); `options` are
+    """The driver registered as `name` (AENV_DRIVER: "qemu", "firecracker", ...); `options` are
     driver-specific keyword arguments (e.g. QEMU's `boot_timeout`)."""
-    if name == "qemu":
-        from vmm.qemu import QemuDriver
-
-        return QemuDriver(home=Path(home), images_dir=Path(images_dir), host_address=host_address, **options)
-    if name == "firecracker":
-        from vmm.firecracker import FirecrackerDriver
-
-        return FirecrackerDriver(home=Path(home), images_dir=Path(images_dir), host_address=host_address)
-    raise VMError(f"unknown VM driver {name!r} (expected 'qemu' or 'firecracker')")
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise VMError(f"unknown VM driver {name!r} (expected one of {', '.join(map(repr, driver_names()))})") from None
+    if isinstance(factory, str):
+        module, _, attribute = factory.partition(":")
+        factory = getattr(importlib.import_module(module), attribute)
+    return factory(home=Path(home), images_dir=Path(images_dir), host_address=host_address, **options)

@@ -14,9 +14,10 @@ from vmm.driver import VMError
 
 
 class FirecrackerDriver:
+    name = "firecracker"
     accel = "kvm"
 
-    def __init__(self, home: Path, images_dir: Path, host_address: str = "127.0.0.1"):
+    def __init__(self, home: Path, images_dir: Path, host_address: str = "127.0.0.1", **options):
         if not kvm_openable() or shutil.which("firecracker") is None:
             raise VMError("firecracker needs a usable /dev/kvm and the firecracker binary; not available on this host")
         raise VMError("the firecracker driver is not implemented yet; use AENV_DRIVER=qemu")

@@ -22,6 +22,7 @@ File ownership:
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import logging
@@ -34,11 +35,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
-from vmm import hostinfo, ports, ramfile, template_snapshots
+from vmm import hostinfo, ports, qemu_cmdline, ramfile
 from vmm.accel import detect_accel, kvm_openable
-from vmm.driver import BootSpec, BootTimeout, SnapshotManifest, VMDriver, VMError, VMInfo
+from vmm.driver import BootSpec, BootTimeout, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo
 from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
 from vmm.qemu_cmdline import QEMU, VMPaths, qemu_command
@@ -66,6 +68,18 @@ def envd_healthy(host: str, port: int, timeout: float = 1.0) -> bool:
         conn.close()
 
 
+@lru_cache(maxsize=8)
+def qemu_version(qemu: str = QEMU) -> str:
+    out = subprocess.run([qemu, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()[0].strip()
+
+
+def cmdline_digest() -> str:
+    """The command-line builder's source: a changed device or kernel argument no longer
+    matches a saved device state."""
+    return hashlib.sha256(Path(qemu_cmdline.__file__).read_bytes()).hexdigest()[:16]
+
+
 def console_tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
@@ -74,10 +88,11 @@ def console_tail(path: Path, lines: int = 40) -> str:
 
 
 class QemuDriver(VMDriver):
+    name = "qemu"
+
     def __init__(self, home: Path, images_dir: Path, host_address: str = "127.0.0.1",
                  boot_timeout: float = DEFAULT_BOOT_TIMEOUT, qemu: str = QEMU, shm_dir: Path = Path("/dev/shm"),
-                 port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None,
-                 template_snapshots: bool = True):
+                 port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
@@ -92,7 +107,6 @@ class QemuDriver(VMDriver):
         self._accel = accel
         self._accel_lock = threading.Lock()
         self.locks_dir = self.home / "locks"
-        self.template_snapshots = template_snapshots  # boot() restores a matching template snapshot
 
     @contextmanager
     def _lock(self, sandbox_id: str):
@@ -115,6 +129,34 @@ class QemuDriver(VMDriver):
                     self._accel = detect_accel(self.images_dir, image.kernel, image.initrd)
             return self._accel
 
+    def fingerprint(self) -> dict:
+        """A memory snapshot restores only into the identical machine: same accelerator, same
+        QEMU (device state format) and the same command line (see qemu_cmdline)."""
+        try:
+            version = qemu_version(self.qemu)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise VMError(f"cannot run {self.qemu} --version: {e}") from None
+        return {"driver": self.name, "accel": self.accel, "qemu": version, "cmdline": cmdline_digest()}
+
+    def check_snapshot(self, manifest: SnapshotManifest) -> None:
+        """The snapshot is QEMU's, and this host has the image build it was taken on: the
+        template base layer under its disk chain, the kernel, initrd and tools drive the
+        device state belongs to (every node builds its images itself, at the same paths)."""
+        taken_by = (manifest.fingerprint or {}).get("driver", self.name)
+        if taken_by != self.name:
+            raise SnapshotUnusable(f"snapshot was taken by the {taken_by} driver; this host runs {self.name}")
+        machine = manifest.machine or {}
+        needed = [("template base layer", manifest.layers[0] if manifest.layers else "")] + [
+            (what, machine.get(key) or "") for what, key in
+            (("guest kernel", "kernel"), ("initrd", "initrd"), ("tools drive", "tools"))]
+        for what, path in needed:
+            if not path or not Path(path).is_file():
+                build = Path(machine.get("image_dir") or "").name or "unknown"
+                raise SnapshotUnusable(
+                    f"needs its {what} {path or '(none)'} (image build {build}) which this node does not have in "
+                    f"{self.images_dir}; build the same image here "
+                    f"(python -m vmm.images build --name {machine.get('image') or 'base'})")
+
     # -- boot -------------------------------------------------------------------------------
 
     def boot(self, spec: BootSpec) -> VMInfo:
@@ -125,17 +167,6 @@ class QemuDriver(VMDriver):
         for layer in spec.layers or ():
             if not Path(layer).is_file():
                 raise VMError(f"disk layer {layer} does not exist")
-        if not spec.layers and self.template_snapshots:
-            manifest = template_snapshots.find(self.images_dir, image, spec.cpu_count, spec.memory_mb,
-                                               spec.disk_size_mb, accel, self.qemu)
-            if manifest is not None:
-                try:
-                    return self._restore(manifest, spec, capture_ref="", own_ram=True,
-                                         extra_timings={"from_template_snapshot": 1})
-                except (VMError, QMPError, OSError) as e:  # e.g. a damaged snapshot: a cold boot still works
-                    if (self.sandboxes_dir / spec.sandbox_id).exists():
-                        raise
-                    log.warning("sandbox %s: template snapshot restore failed, cold booting: %s", spec.sandbox_id, e)
         state_dir = self.sandboxes_dir / spec.sandbox_id
         with self._lock(spec.sandbox_id) as lock:
             if state_dir.exists():
@@ -180,7 +211,7 @@ class QemuDriver(VMDriver):
         t_spawn, t_ready = self._spawn_cold(state, paths, attempt)
         state.timings = {"disk_ms": (t_disk - t0) * 1e3, "spawn_ms": (t_spawn - t_disk) * 1e3,
                          "envd_ms": (t_ready - t_spawn) * 1e3, "total_ms": (t_ready - t0) * 1e3,
-                         "attempt": attempt, "from_template_snapshot": 0}
+                         "attempt": attempt}
         state.save()
         return self._to_info(state)
 
@@ -714,7 +745,7 @@ class QemuDriver(VMDriver):
                        "pause_ms": (t_cont - t0) * 1e3, "layers_copy_ms": (t_done - t_cont) * 1e3,
                        "total_ms": (t_done - t0) * 1e3}
             manifest = SnapshotManifest(
-                dir=dest, layers=layers, memory_file=str(ram_copy) if memory else "",
+                dir=dest, fingerprint=self.fingerprint(), layers=layers, memory_file=str(ram_copy) if memory else "",
                 device_state_file=str(device_state) if memory else "",
                 cpu_count=state.cpu_count, memory_mb=state.memory_mb, disk_size_mb=state.disk_size_mb,
                 machine={"qemu": state.qemu, "accel": state.accel, "kernel": state.kernel, "initrd": state.initrd,
@@ -726,26 +757,27 @@ class QemuDriver(VMDriver):
             state.save()
             return manifest
 
-    def restore(self, manifest: SnapshotManifest, spec: BootSpec) -> VMInfo:
-        return self._restore(manifest, spec, capture_ref="")
+    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
+        # A template's RAM is copied into the sandbox's own share=on file (see _restore_locked).
+        return self._restore(manifest, spec, capture_ref="", own_ram=template)
 
     def _restore(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str,
-                 own_ram: bool = False, extra_timings: dict | None = None) -> VMInfo:
+                 own_ram: bool = False) -> VMInfo:
         sid = spec.sandbox_id
         if not valid_sandbox_id(sid):
             raise VMError(f"invalid sandbox id {sid!r}")
         m = manifest.machine
         if m.get("accel") != self.accel:
-            raise VMError(f"snapshot was taken under {m.get('accel')}, this host runs {self.accel}")
+            raise SnapshotUnusable(f"snapshot was taken under {m.get('accel')}, this host runs {self.accel}")
+        self.check_snapshot(manifest)
         with self._lock(sid) as lock:
             try:
-                return self._restore_locked(manifest, sid, capture_ref, own_ram, extra_timings or {})
+                return self._restore_locked(manifest, sid, capture_ref, own_ram)
             except BaseException:
                 lock.discard()
                 raise
 
-    def _restore_locked(self, manifest: SnapshotManifest, sid: str, capture_ref: str, own_ram: bool,
-                        extra_timings: dict) -> VMInfo:
+    def _restore_locked(self, manifest: SnapshotManifest, sid: str, capture_ref: str, own_ram: bool) -> VMInfo:
         """own_ram=False: RAM is MAP_PRIVATE over the snapshot's file (copy-on-write, page cache
         shared between restores; but the VM's own later pause/snapshot must carry its whole RAM in
         the migration stream). own_ram=True: the snapshot's RAM is first copied (sparse) into
@@ -785,8 +817,7 @@ class QemuDriver(VMDriver):
         if copy is not None:
             timings["ram_copy_ms"] = copy.elapsed_ms
             timings["ram_copy_wait_ms"] = copy.waited_ms
-        timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3,
-                   **extra_timings}
+        timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3}
         state.status = "running"
         state.timings = timings
         state.save()

@@ -11,9 +11,11 @@ import json
 import socket
 from pathlib import Path
 
+from vmm.driver import VMError
 
-class QMPError(Exception):
-    """QMP returned an error or the socket failed."""
+
+class QMPError(VMError):
+    """QMP returned an error or the socket failed (a VMError: verbs may let it through)."""
 
 
 class QMP:

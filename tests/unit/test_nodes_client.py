@@ -83,6 +83,9 @@ class StubDriver:
     def capacity(self):
         return {"vcpus": 2, "memory_mb": 4096}
 
+    def fingerprint(self):  # no booted template matches it: creates cold-boot
+        return {"driver": "stub"}
+
 
 @pytest.fixture(scope="module")
 def envd_stub():

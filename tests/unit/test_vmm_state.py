@@ -95,7 +95,7 @@ def test_failed_boot_retries_once_and_leaves_nothing(tmp_path):
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(img / "rootfs.qcow2"), "64M"], check=True)
     _point(tmp_path / "images", "base", img)
     fake = tmp_path / "fake-qemu"
-    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 1\n"  # no version: no template snapshot can match
+    fake.write_text("#!/bin/sh\n"
                     "echo started >> %s\necho 'could not set up host forwarding rule' >&2\nexit 1\n"
                     % (tmp_path / "calls"))
     fake.chmod(0o755)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vmm.test_lifecycle_vm import assert_gone, real_driver, sh
+from tests.vmm.test_lifecycle_vm import assert_gone, real_driver, sh, start_vm
 from vmm.driver import BootSpec
 
 pytestmark = pytest.mark.vm
@@ -26,7 +26,7 @@ def driver(tmp_path):
 
 
 def test_freed_guest_memory_returns_to_the_host(driver):
-    info = driver.boot(BootSpec("balloon-1"))  # 2 vCPU, 512 MiB: a template restore when one exists
+    info = start_vm(driver, BootSpec("balloon-1"))  # 2 vCPU, 512 MiB: a template restore when one exists
     ram = Path(f"/dev/shm/aenv-{info.sandbox_id}.ram")
     port = info.envd_port
     # The guest driver is bound and negotiated VIRTIO_BALLOON_F_REPORTING (feature bit 5).

@@ -99,6 +99,18 @@ def real_driver(home: Path):
             d.kill(vm.sandbox_id)
 
 
+def start_vm(driver, spec: BootSpec):
+    """What the node's create does (nodes.tasks._start_vm) with the shared images' booted
+    templates: a restore of the template of this shape if there is one, else a cold boot."""
+    from unittest import mock
+
+    from nodes import tasks
+    from vmm.templates import TemplateCache
+
+    with mock.patch.object(tasks, "get_templates", lambda: TemplateCache(IMAGES_DIR)):
+        return tasks._start_vm(driver, spec)
+
+
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
     with real_driver(tmp_path_factory.mktemp("lifecycle") / "home") as d:

@@ -70,7 +70,9 @@ def run_in_guest(port: int, monkeypatch, cmd: str, user: str = "user") -> tuple[
 
 
 def test_boot_exec_kill(driver, monkeypatch):
-    info = driver.boot(BootSpec("vmtest-1", cpu_count=2, memory_mb=512))
+    from tests.vmm.test_lifecycle_vm import start_vm  # noqa: PLC0415 - that module imports this one
+
+    info = start_vm(driver, BootSpec("vmtest-1", cpu_count=2, memory_mb=512))  # the template shape
     try:
         assert info.accel == driver.accel in ("tcg", "kvm")
         assert envd_healthy(info.envd_host, info.envd_port)

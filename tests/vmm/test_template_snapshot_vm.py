@@ -1,7 +1,8 @@
-"""Real QEMU microVMs: template snapshots make QemuDriver.boot() a restore.
+"""Real QEMU microVMs: a booted template (vmm.templates) makes create a restore.
 
 The default template shape (2 vCPU, 512 MiB, 2 GiB disk) is captured once by
-`python -m vmm.template_snapshots build` (setup.sh does it; here the fixture does, idempotently).
+`python -m vmm.templates build` (setup.sh does it; here the fixture does, idempotently); the
+node's create (nodes.tasks._start_vm) restores it with `restore(..., template=True)`.
 A restored sandbox must be indistinguishable from a cold-booted one: envd answers, /init sets
 the clock (frozen at capture time) and the token, files written in one sandbox stay its own.
 """
@@ -18,8 +19,9 @@ import httpx
 import pytest
 
 from tests.vmm.test_lifecycle_vm import assert_gone
+from tests.vmm.test_lifecycle_vm import start_vm as start
 from tests.vmm.test_qemu_vm import IMAGES_DIR
-from vmm import template_snapshots, toolsdrive
+from vmm import templates, toolsdrive
 from vmm.driver import BootSpec, get_driver
 from vmm.images import ensure_image
 
@@ -33,7 +35,7 @@ def template():
     ensure_image(IMAGES_DIR, "base")
     if not toolsdrive.real_envd_available():
         pytest.skip("placeholder envd answers /health only")
-    manifest = template_snapshots.build(IMAGES_DIR, "base", cpu_count=2, memory_mb=512, disk_size_mb=2048)
+    manifest = templates.build(IMAGES_DIR, "base", cpu_count=2, memory_mb=512, disk_size_mb=2048)
     # The guest clock stands still from the capture on; make the lag measurable.
     built = json.loads((Path(manifest.dir) / "template.json").read_text())["built_at"]
     time.sleep(max(0.0, 4.0 - (time.time() - built)))
@@ -73,7 +75,8 @@ def init(url: str, token: str) -> None:
 
 
 def test_boot_restores_from_template_snapshot(driver, template):
-    a = driver.boot(BootSpec("tp-a"))
+    assert templates.TemplateCache(IMAGES_DIR).find(driver, BootSpec("tp-a")) == template
+    a = start(driver, BootSpec("tp-a"))
     print(f"\nboot from template snapshot: {a.timings}")
     assert a.timings["from_template_snapshot"] == 1
     lag = time.time() - float(run(a.envd_url, "date +%s.%N"))
@@ -89,7 +92,7 @@ def test_boot_restores_from_template_snapshot(driver, template):
     assert httpx.get(f"{a.envd_url}/envs", timeout=10).status_code == 401  # the token is in force
     run(a.envd_url, "echo only-a > /root/a.txt && sync", token="tok-a")
 
-    b = driver.boot(BootSpec("tp-b"))
+    b = start(driver, BootSpec("tp-b"))
     assert b.timings["from_template_snapshot"] == 1 and b.envd_port != a.envd_port
     init(b.envd_url, "tok-b")
     assert run(b.envd_url, "test -e /root/a.txt && echo yes || echo no", token="tok-b").strip() == "no"
@@ -111,8 +114,8 @@ def test_boot_restores_from_template_snapshot(driver, template):
 
 def test_broken_template_snapshot_falls_back_to_cold_boot(driver, template, tmp_path, monkeypatch):
     broken = replace(template, device_state_file=str(tmp_path / "missing.state"))
-    monkeypatch.setattr(template_snapshots, "find", lambda *a, **k: broken)
-    c = driver.boot(BootSpec("tp-c"))
+    monkeypatch.setattr(templates.TemplateCache, "find", lambda *a, **k: broken)
+    c = start(driver, BootSpec("tp-c"))
     print(f"\ncold boot after a failed template restore: {c.timings}")
     assert c.timings["from_template_snapshot"] == 0
     assert run(c.envd_url, "echo ok").strip() == "ok"
