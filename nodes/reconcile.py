@@ -49,8 +49,8 @@ SETTLED = [S.RUNNING, S.PAUSED]
 
 
 def _vm_record(driver, sandbox_id: str):
-    """The driver's on-disk record of a VM (vmm.state.VMState), or None."""
-    from vmm.state import VMState  # noqa: PLC0415
+    """The driver's on-disk record of a VM (vmm.qemu.state.VMState), or None."""
+    from vmm.qemu.state import VMState  # noqa: PLC0415
 
     sandboxes_dir = getattr(driver, "sandboxes_dir", None)
     return VMState.load(Path(sandboxes_dir) / sandbox_id) if sandboxes_dir else None
@@ -60,7 +60,7 @@ def _stop_stray_process(record) -> bool:
     """A VM recorded as saved to disk (or filesystem-only) must have no QEMU process;
     a worker killed between the save and QEMU's exit leaves one running. Returns True
     if one was stopped."""
-    from vmm.state import process_alive, read_pidfile  # noqa: PLC0415
+    from vmm.qemu.state import process_alive, read_pidfile  # noqa: PLC0415
 
     if record is None or record.status == "running" or record.status == "paused":
         return False

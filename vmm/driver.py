@@ -10,6 +10,7 @@ import abc
 import importlib
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,6 +19,14 @@ from vmm.images import ImageNotFound  # re-exported: part of the driver contract
 
 __all__ = ["BootSpec", "VMInfo", "SnapshotManifest", "VMDriver", "VMError", "ImageNotFound", "BootTimeout",
            "SnapshotUnusable", "get_driver", "register_driver", "driver_names"]
+
+
+SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def valid_sandbox_id(sandbox_id: str) -> bool:
+    """Ids become path parts and file names: no slashes, no dot-dot."""
+    return bool(SANDBOX_ID.match(sandbox_id)) and ".." not in sandbox_id
 
 
 class VMError(Exception):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from vmm.accel import kvm_openable
+from vmm.hostinfo import kvm_openable
 from vmm.driver import VMError
 
 

@@ -54,3 +54,14 @@ def capacity() -> dict:
     with open("/proc/meminfo") as f:
         total_kb = int(re.search(r"^MemTotal:\s+(\d+)", f.read(), re.M).group(1))
     return {"vcpus": os.cpu_count() or 1, "memory_mb": total_kb // 1024}
+
+
+def kvm_openable(path: str = "/dev/kvm") -> bool:
+    """/dev/kvm exists and this process may open it (whether guests really run on it is the
+    driver's probe: see vmm.qemu.accel)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    os.close(fd)
+    return True

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from vmm.hostinfo import _mhz_from_cpuinfo, lpj
-from vmm.qemu_cmdline import VMPaths, kernel_cmdline, qemu_command
+from vmm.qemu.cmdline import VMPaths, kernel_cmdline, qemu_command
 
 
 def make(accel="tcg", **kw):

@@ -1,7 +1,7 @@
-"""vmm.ramfile: zero pages of a RAM file become holes; data pages stay byte for byte."""
+"""vmm.qemu.ramfile: zero pages of a RAM file become holes; data pages stay byte for byte."""
 import os
 
-from vmm.ramfile import PAGE, punch_zero_pages, zero_runs
+from vmm.qemu.ramfile import PAGE, punch_zero_pages, zero_runs
 
 
 def test_zero_pages_are_punched_and_data_kept(tmp_path):
@@ -27,7 +27,7 @@ def test_zero_pages_are_punched_and_data_kept(tmp_path):
 
 
 def test_copy_sparse_into_keeps_offsets_and_holes(tmp_path):
-    from vmm.ramfile import copy_sparse_into
+    from vmm.qemu.ramfile import copy_sparse_into
 
     src = tmp_path / "src"
     size = 16 << 20

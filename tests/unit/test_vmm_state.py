@@ -9,7 +9,7 @@ import pytest
 
 from vmm.driver import BootSpec, VMError, get_driver
 from vmm.qemu import QemuDriver
-from vmm.state import VMState, process_alive, valid_sandbox_id
+from vmm.qemu.state import VMState, process_alive, valid_sandbox_id
 
 
 def state_for(tmp_path, sid, pid, marker):

@@ -8,16 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-def valid_sandbox_id(sandbox_id: str) -> bool:
-    """Ids become path parts and file names: no slashes, no dot-dot."""
-    return bool(SANDBOX_ID.match(sandbox_id)) and ".." not in sandbox_id
+from vmm.driver import valid_sandbox_id  # noqa: F401 - ids become path parts here
 
 
 @dataclass

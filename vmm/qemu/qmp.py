@@ -1,7 +1,7 @@
 """Minimal synchronous QMP client over a VM's unix socket.
 
 Why: quit, stop/cont, device-state migrate (x-ignore-shared) and blockdev snapshots for the
-lifecycle verbs in qemu.py. One short-lived
+lifecycle verbs of the QEMU driver. One short-lived
 connection per use keeps it safe across worker restarts.
 """
 

@@ -15,19 +15,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from vmm.hostinfo import lpj, tsc_khz
-from vmm.qemu_cmdline import QEMU
+from vmm.hostinfo import kvm_openable, lpj, tsc_khz
+from vmm.qemu.cmdline import QEMU
 
 PROBE_MARKER = "AENV-PROBE-OK"
-
-
-def kvm_openable(path: str = "/dev/kvm") -> bool:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False
-    os.close(fd)
-    return True
 
 
 def cache_key(kernel: Path) -> str:

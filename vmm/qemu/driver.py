@@ -1,0 +1,311 @@
+"""QEMU driver core: construction, accelerator and fingerprint, cold boot, kill, queries.
+
+The lifecycle verbs (vmm.qemu.lifecycle) and snapshot / restore / fork (vmm.qemu.snapshots)
+are mixed into QemuDriver from their own modules; see the package docstring for the why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from vmm import hostinfo, ports
+from vmm.driver import BootSpec, BootTimeout, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo
+from vmm.images import find_image
+from vmm.hostinfo import kvm_openable
+from vmm.locks import LockTimeout, vm_lock
+from vmm.qemu.accel import detect_accel
+from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
+from vmm.qemu.lifecycle import LifecycleMixin
+from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, OFFLINE, BootAttemptFailed, attempts_error, cmdline_digest,
+                              console_tail, envd_healthy, qemu_version, run, virtual_size_mb)
+from vmm.qemu.qmp import QMP, QMPError, prepare_migration
+from vmm.qemu.snapshots import SnapshotMixin
+from vmm.qemu.state import VMState, process_alive, read_pidfile, reap, valid_sandbox_id
+
+log = logging.getLogger(__name__)
+
+
+class QemuDriver(LifecycleMixin, SnapshotMixin, VMDriver):
+    name = "qemu"
+
+    def __init__(self, home: Path, images_dir: Path, host_address: str = "127.0.0.1",
+                 boot_timeout: float = DEFAULT_BOOT_TIMEOUT, qemu: str = QEMU, shm_dir: Path = Path("/dev/shm"),
+                 port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None):
+        if shutil.which(qemu) is None:
+            raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
+        self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
+        self.images_dir = Path(images_dir).resolve()  # recorded paths must not go through a symlink that may vanish
+        self.sandboxes_dir = self.home / "sandboxes"
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.host_address = host_address
+        self.boot_timeout = boot_timeout
+        self.qemu = qemu
+        self.shm_dir = Path(shm_dir)
+        self.port_range = port_range
+        self._accel = accel
+        self._accel_lock = threading.Lock()
+        self.locks_dir = self.home / "locks"
+
+    @contextmanager
+    def _lock(self, sandbox_id: str):
+        """Serializes lifecycle verbs on one sandbox across threads and processes (flock)."""
+        try:
+            with vm_lock(self.locks_dir, sandbox_id) as lock:
+                yield lock
+        except LockTimeout as e:
+            raise VMError(str(e)) from None
+
+    @property
+    def accel(self) -> str:
+        """'kvm' or 'tcg', detected once (probe boot, cached in images_dir/accel.json)."""
+        with self._accel_lock:
+            if self._accel is None:
+                if not kvm_openable():
+                    self._accel = "tcg"
+                else:  # needs the guest kernel for the probe boot
+                    image = find_image(self.images_dir, "base")
+                    self._accel = detect_accel(self.images_dir, image.kernel, image.initrd)
+            return self._accel
+
+    def fingerprint(self) -> dict:
+        """A memory snapshot restores only into the identical machine: same accelerator, same
+        QEMU (device state format) and the same command line (see vmm.qemu.cmdline)."""
+        try:
+            version = qemu_version(self.qemu)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise VMError(f"cannot run {self.qemu} --version: {e}") from None
+        return {"driver": self.name, "accel": self.accel, "qemu": version, "cmdline": cmdline_digest()}
+
+    def check_snapshot(self, manifest: SnapshotManifest) -> None:
+        """The snapshot is QEMU's, and this host has the image build it was taken on: the
+        template base layer under its disk chain, the kernel, initrd and tools drive the
+        device state belongs to (every node builds its images itself, at the same paths)."""
+        taken_by = (manifest.fingerprint or {}).get("driver", self.name)
+        if taken_by != self.name:
+            raise SnapshotUnusable(f"snapshot was taken by the {taken_by} driver; this host runs {self.name}")
+        machine = manifest.machine or {}
+        needed = [("template base layer", manifest.layers[0] if manifest.layers else "")] + [
+            (what, machine.get(key) or "") for what, key in
+            (("guest kernel", "kernel"), ("initrd", "initrd"), ("tools drive", "tools"))]
+        for what, path in needed:
+            if not path or not Path(path).is_file():
+                build = Path(machine.get("image_dir") or "").name or "unknown"
+                raise SnapshotUnusable(
+                    f"needs its {what} {path or '(none)'} (image build {build}) which this node does not have in "
+                    f"{self.images_dir}; build the same image here "
+                    f"(python -m vmm.images build --name {machine.get('image') or 'base'})")
+
+    # -- boot -------------------------------------------------------------------------------
+
+    def boot(self, spec: BootSpec) -> VMInfo:
+        if not valid_sandbox_id(spec.sandbox_id):
+            raise VMError(f"invalid sandbox id {spec.sandbox_id!r}")
+        image = find_image(self.images_dir, spec.image)
+        accel = self.accel
+        for layer in spec.layers or ():
+            if not Path(layer).is_file():
+                raise VMError(f"disk layer {layer} does not exist")
+        state_dir = self.sandboxes_dir / spec.sandbox_id
+        with self._lock(spec.sandbox_id) as lock:
+            if state_dir.exists():
+                raise VMError(f"sandbox {spec.sandbox_id} already exists ({state_dir})")
+            failures = []
+            for attempt in (1, 2):
+                try:
+                    return self._boot_once(spec, image, accel, state_dir, attempt)
+                except BootAttemptFailed as e:
+                    failures.append(e)
+                    self._cleanup(state_dir, VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir))
+                except BaseException:
+                    self._cleanup(state_dir, VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir))
+                    lock.discard()
+                    raise
+            lock.discard()
+        raise attempts_error(spec.sandbox_id, failures)
+
+    def _boot_once(self, spec: BootSpec, image, accel: str, state_dir: Path, attempt: int) -> VMInfo:
+        t0 = time.monotonic()
+        paths = VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir)
+        port = ports.allocate(self.sandboxes_dir, state_dir, self.host_address, self.port_range)
+        chain = [str(p) for p in spec.layers] if spec.layers else [str(image.rootfs)]
+        base_mb = virtual_size_mb(Path(chain[-1]))
+        disk_mb = max(spec.disk_size_mb, base_mb)
+        run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", chain[-1], "-F", "qcow2",
+              str(paths.top), f"{disk_mb}M"])
+        t_disk = time.monotonic()
+        tsc = hostinfo.tsc_khz()
+        argv = qemu_command(paths=paths, kernel=image.kernel, initrd=image.initrd, tools=image.tools, accel=accel,
+                            cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, host_address=self.host_address,
+                            host_port=port, tsc_khz=tsc, resize=disk_mb > base_mb, qemu=self.qemu)
+        state = VMState(sandbox_id=spec.sandbox_id, pid=0, accel=accel, host_address=self.host_address,
+                        host_port=port, state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
+                        console=str(paths.console), pidfile=str(paths.pidfile), ram=str(paths.ram),
+                        image=spec.image, image_dir=str(image.kernel.parent), kernel=str(image.kernel),
+                        initrd=str(image.initrd), rootfs=chain[0], tools=str(image.tools),
+                        cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, disk_size_mb=disk_mb, argv=argv,
+                        created_at=time.time(), tsc_khz=tsc, resize=disk_mb > base_mb, qemu=self.qemu,
+                        chain=chain)
+        state.save()  # before spawning: a crash from here on still leaves a killable record
+        t_spawn, t_ready = self._spawn_cold(state, paths, attempt)
+        state.timings = {"disk_ms": (t_disk - t0) * 1e3, "spawn_ms": (t_spawn - t_disk) * 1e3,
+                         "envd_ms": (t_ready - t_spawn) * 1e3, "total_ms": (t_ready - t0) * 1e3,
+                         "attempt": attempt}
+        state.save()
+        return self._to_info(state)
+
+    def _spawn_cold(self, state: VMState, paths: VMPaths, attempt: int) -> tuple[float, float]:
+        """Starts QEMU with state.argv (a cold boot of the guest kernel) and waits for envd.
+        Returns (spawned, ready) monotonic times; raises BootAttemptFailed."""
+        proc = subprocess.run(state.argv, capture_output=True, text=True, start_new_session=True,
+                              stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise BootAttemptFailed(f"attempt {attempt}: qemu exited {proc.returncode}: {proc.stderr.strip()[-500:]}",
+                                     console_tail(paths.console))
+        pid = read_pidfile(paths.pidfile)
+        if pid is None:
+            raise BootAttemptFailed(f"attempt {attempt}: no pidfile", console_tail(paths.console))
+        state.pid = pid
+        t_spawn = time.monotonic()
+        state.save()
+        try:
+            with QMP(paths.qmp, timeout=10.0) as q:
+                prepare_migration(q)  # always ready for pause_to_disk / snapshot / fork
+        except (QMPError, OSError) as e:
+            raise BootAttemptFailed(f"attempt {attempt}: QMP setup failed: {e}", console_tail(paths.console))
+        deadline = t_spawn + self.boot_timeout
+        while not envd_healthy(state.host_address, state.host_port):
+            if not process_alive(pid, str(paths.qmp)):
+                raise BootAttemptFailed(f"attempt {attempt}: qemu died during boot", console_tail(paths.console))
+            if time.monotonic() > deadline:
+                raise BootAttemptFailed(f"attempt {attempt}: no /health after {self.boot_timeout:.0f}s",
+                                         console_tail(paths.console), timed_out=True)
+            time.sleep(0.05)
+        return t_spawn, time.monotonic()
+
+    # -- kill -------------------------------------------------------------------------------
+
+    def kill(self, sandbox_id: str) -> bool:
+        if not valid_sandbox_id(sandbox_id):
+            return False
+        with self._lock(sandbox_id) as lock:
+            state_dir = self.sandboxes_dir / sandbox_id
+            paths = VMPaths.for_sandbox(state_dir, sandbox_id, self.shm_dir)
+            state = VMState.load(state_dir)
+            unlink_ram = True
+            if state is not None:
+                paths = self._paths(state)
+                unlink_ram = state.ram_owned
+            existed = state_dir.exists() or (unlink_ram and paths.ram.exists())
+            self._cleanup(state_dir, paths, unlink_ram=unlink_ram)
+            lock.discard()
+        if state is not None and state.capture_ref:
+            self._release_capture(Path(state.capture_ref))
+        return existed
+
+    def _stop_process(self, paths: VMPaths) -> None:
+        """Stops the QEMU of `paths` if it runs (QMP quit, SIGTERM, SIGKILL)."""
+        pid = read_pidfile(paths.pidfile)
+        marker = str(paths.qmp)
+        if pid and process_alive(pid, marker):
+            try:
+                with QMP(paths.qmp, timeout=2.0) as q:
+                    q.execute("quit")
+            except (QMPError, OSError):
+                pass
+            for sig, wait in ((None, 2.0), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+                if sig is not None:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        break
+                end = time.monotonic() + wait
+                while time.monotonic() < end and process_alive(pid, marker):
+                    time.sleep(0.02)
+                if not process_alive(pid, marker):
+                    break
+            reap(pid)
+
+    def _cleanup(self, state_dir: Path, paths: VMPaths, unlink_ram: bool = True) -> None:
+        """Stops the VM and deletes its state dir (top, sealed layers, device state) and, if it
+        owns it, its RAM file."""
+        self._stop_process(paths)
+        shutil.rmtree(state_dir, ignore_errors=True)
+        if unlink_ram:
+            try:
+                paths.ram.unlink()
+            except FileNotFoundError:
+                pass
+
+
+    def info(self, sandbox_id: str) -> VMInfo | None:
+        if not valid_sandbox_id(sandbox_id):
+            return None
+        state = VMState.load(self.sandboxes_dir / sandbox_id)
+        if state is None:
+            return None
+        if state.status in OFFLINE:
+            return self._to_info(state)
+        if not process_alive(state.pid, state.qmp):
+            return None
+        return self._to_info(state)
+
+    def list(self) -> list[VMInfo]:
+        out = []
+        for d in sorted(self.sandboxes_dir.iterdir()) if self.sandboxes_dir.exists() else []:
+            state = VMState.load(d)
+            if state is not None and (state.status in OFFLINE or process_alive(state.pid, state.qmp)):
+                out.append(self._to_info(state))
+        return out
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def _load(self, sandbox_id: str) -> VMState:
+        state = VMState.load(self.sandboxes_dir / sandbox_id) if valid_sandbox_id(sandbox_id) else None
+        if state is None:
+            raise VMError(f"unknown sandbox {sandbox_id!r}")
+        if state.status not in OFFLINE and not process_alive(state.pid, state.qmp):
+            raise VMError(f"sandbox {sandbox_id}: QEMU process is gone")
+        return state
+
+    @staticmethod
+    def _paths(state: VMState) -> VMPaths:
+        return VMPaths(state_dir=Path(state.state_dir), top=Path(state.top), qmp=Path(state.qmp),
+                       console=Path(state.console), pidfile=Path(state.pidfile), ram=Path(state.ram))
+
+    @staticmethod
+    def _argv(state: VMState, incoming: bool) -> list[str]:
+        """The command line from the recorded config only (identical for source and destination)."""
+        return qemu_command(paths=QemuDriver._paths(state), kernel=Path(state.kernel), initrd=Path(state.initrd),
+                            tools=Path(state.tools), accel=state.accel, cpu_count=state.cpu_count,
+                            memory_mb=state.memory_mb, host_address=state.host_address, host_port=state.host_port,
+                            tsc_khz=state.tsc_khz, resize=state.resize, qemu=state.qemu,
+                            ram_share=state.ram_share, incoming=incoming)
+
+    def _wait_health(self, state: VMState, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not envd_healthy(state.host_address, state.host_port):
+            if not process_alive(state.pid, state.qmp):
+                raise VMError(f"sandbox {state.sandbox_id}: qemu died\n{console_tail(Path(state.console))}")
+            if time.monotonic() > deadline:
+                raise BootTimeout(f"sandbox {state.sandbox_id}: no /health after {timeout:.0f}s",
+                                  console_tail(Path(state.console)))
+            time.sleep(0.005)
+
+
+    def capacity(self) -> dict:
+        return hostinfo.capacity()
+
+    @staticmethod
+    def _to_info(state: VMState) -> VMInfo:
+        return VMInfo(sandbox_id=state.sandbox_id, pid=state.pid, envd_host=state.host_address,
+                      envd_port=state.host_port, accel=state.accel, state_dir=Path(state.state_dir),
+                      timings=dict(state.timings), status="running" if state.status == "running" else "paused")
+

@@ -1,0 +1,327 @@
+"""QEMU driver, lifecycle half: pause / resume in memory, pause to disk (device state, or
+filesystem-only) and resume from it (an incoming migration of the device state over the same
+RAM file, or a cold boot on the kept disk).
+
+Why these recipes: see the package docstring (x-ignore-shared: saving a VM migrates only its
+device state; the share=on RAM file is the memory snapshot).
+"""
+
+from __future__ import annotations
+
+import http.client
+import subprocess
+import time
+from pathlib import Path
+
+from vmm.driver import VMError, VMInfo
+from vmm.qemu import ramfile
+from vmm.qemu.cmdline import VMPaths
+from vmm.qemu.process import GUEST_SYNC_TIMEOUT, OFFLINE, SYNC_PATH, BootAttemptFailed, attempts_error
+from vmm.qemu.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, prepare_migration, set_ignore_shared
+from vmm.qemu.state import VMState, read_pidfile, process_alive, reap
+
+
+class LifecycleMixin:
+    """pause / pause_to_disk / resume of QemuDriver (needs its _lock, _load, _paths, _argv,
+    _spawn_cold, _wait_health, _stop_process, _to_info)."""
+
+    def _spawn_incoming(self, state: VMState, device_state: Path, ignore_shared: bool = True,
+                        before_cont=None, before_incoming=None) -> dict[str, float]:
+        """Starts a destination QEMU for `state` (-incoming defer), loads the device state, runs
+        it and waits for envd. On failure the new process is stopped and the error raised."""
+        t0 = time.monotonic()
+        if not device_state.is_file():  # `exec:cat` of a missing file leaves QEMU waiting forever
+            raise VMError(f"sandbox {state.sandbox_id}: device state {device_state} is missing")
+        state.argv = self._argv(state, incoming=True)
+        state.top_node = "root"
+        state.pid = 0
+        state.save()
+        paths = self._paths(state)
+        try:
+            paths.pidfile.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            proc = subprocess.run(state.argv, capture_output=True, text=True, start_new_session=True,
+                                  stdin=subprocess.DEVNULL)
+            if proc.returncode != 0:
+                raise VMError(f"sandbox {state.sandbox_id}: qemu exited {proc.returncode}: "
+                              f"{proc.stderr.strip()[-500:]}")
+            pid = read_pidfile(paths.pidfile)
+            if pid is None:
+                raise VMError(f"sandbox {state.sandbox_id}: no pidfile")
+            state.pid = pid
+            t_spawn = time.monotonic()
+            with QMP(paths.qmp, timeout=30.0) as q:
+                prepare_migration(q)
+                if before_incoming is not None:  # e.g. the RAM file must be complete before the guest runs
+                    before_incoming()
+                if not ignore_shared:  # a full-RAM stream written without x-ignore-shared
+                    set_ignore_shared(q, False)
+                migrate_from_file(q, device_state, before_cont=before_cont)
+                if not ignore_shared:
+                    set_ignore_shared(q, True)
+            t_run = time.monotonic()
+            self._wait_health(state, self.boot_timeout)
+        except BaseException:
+            self._stop_process(paths)
+            raise
+        t_ready = time.monotonic()
+        return {"spawn_ms": (t_spawn - t0) * 1e3, "incoming_ms": (t_run - t_spawn) * 1e3,
+                "envd_ms": (t_ready - t_run) * 1e3, "total_ms": (t_ready - t0) * 1e3}
+
+
+    def pause(self, sandbox_id: str) -> dict[str, float]:
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if state.status in OFFLINE:
+                raise VMError(f"sandbox {sandbox_id} is paused to disk")
+            t0 = time.monotonic()
+            with QMP(Path(state.qmp)) as q:
+                q.execute("stop")
+            timings = {"pause_ms": (time.monotonic() - t0) * 1e3}
+            state.status = "paused"
+            state.timings.update(timings)
+            state.save()
+            return timings
+
+    def pause_to_disk(self, sandbox_id: str, memory: bool = True) -> dict[str, float]:
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if state.status == ("paused_disk" if memory else "paused_fs"):
+                return {}
+            if state.status in OFFLINE:
+                raise VMError(f"sandbox {sandbox_id} is already paused to disk "
+                              f"({'without' if state.status == 'paused_fs' else 'with'} its memory); resume it first")
+            if not memory:
+                return self._pause_fs(state)
+            paths = self._paths(state)
+            device_state = paths.state_dir / "device.state"
+            t0 = time.monotonic()
+            with QMP(paths.qmp, timeout=30.0) as q:
+                was_running = q.execute("query-status").get("status") == "running"
+                q.execute("stop")
+                t_stop = time.monotonic()
+                full_ram = not state.ram_share  # copy-on-write RAM travels in the stream anyway
+                try:
+                    if full_ram:  # plain format, so a share=on destination loads it (see _resume_incoming)
+                        set_ignore_shared(q, False)
+                    migrate_to_file(q, device_state)
+                except BaseException:
+                    if full_ram:
+                        set_ignore_shared(q, True)
+                    if was_running:
+                        q.execute("cont")
+                    raise
+                t_saved = time.monotonic()
+                # From here the device state + RAM file are the VM: record that before QEMU exits.
+                state.status = "paused_disk"
+                state.device_state = str(device_state)
+                state.device_state_full_ram = full_ram
+                state.save()
+                try:
+                    q.execute("quit")
+                except QMPError:
+                    pass  # the socket may close before the reply
+            self._wait_exit(state, paths)
+            t_exit = time.monotonic()
+            state.pid = 0
+            timings = {"stop_ms": (t_stop - t0) * 1e3, "save_ms": (t_saved - t_stop) * 1e3,
+                       "pause_to_disk_ms": (t_saved - t0) * 1e3, "exit_ms": (t_exit - t_saved) * 1e3,
+                       "total_ms": (t_exit - t0) * 1e3}
+            state.timings.update({f"pause_to_disk.{k}": v for k, v in timings.items()})
+            state.save()
+            return timings
+
+    def _wait_exit(self, state: VMState, paths: VMPaths) -> None:
+        """Waits for a QEMU that was told to quit; stops it harder after 10 s."""
+        pid = state.pid
+        end = time.monotonic() + 10.0
+        while process_alive(pid, state.qmp) and time.monotonic() < end:
+            time.sleep(0.002)
+        if process_alive(pid, state.qmp):
+            self._stop_process(paths)
+        reap(pid)
+
+    def _guest_sync(self, state: VMState) -> None:
+        """Has envd run sync(2) so the guest page cache is on the virtual disk; raises VMError."""
+        conn = http.client.HTTPConnection(state.host_address, state.host_port, timeout=GUEST_SYNC_TIMEOUT)
+        try:
+            conn.request("POST", SYNC_PATH)
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status != 204:
+                raise VMError(f"sandbox {state.sandbox_id}: guest sync answered {resp.status}")
+        except (OSError, http.client.HTTPException) as e:
+            raise VMError(f"sandbox {state.sandbox_id}: guest sync failed: {e!r}") from None
+        finally:
+            conn.close()
+
+    def _pause_fs(self, state: VMState) -> dict[str, float]:
+        """Filesystem-only pause: guest sync, QEMU quits, RAM file deleted, disk chain kept.
+        A failed sync leaves the VM as it was (a dirty page cache must not be thrown away)."""
+        paths = self._paths(state)
+        t0 = time.monotonic()
+        was_paused = state.status == "paused"
+        if was_paused:  # the guest must run to flush its page cache
+            with QMP(paths.qmp) as q:
+                q.execute("cont")
+        try:
+            self._guest_sync(state)
+        except BaseException:
+            if was_paused:
+                with QMP(paths.qmp) as q:
+                    q.execute("stop")
+            raise
+        t_sync = time.monotonic()
+        with QMP(paths.qmp, timeout=30.0) as q:
+            q.execute("stop")
+            # From here only the disk is the VM: record that before QEMU exits.
+            state.status = "paused_fs"
+            state.device_state = ""
+            state.save()
+            try:
+                q.execute("quit")
+            except QMPError:
+                pass  # the socket may close before the reply
+        t_stop = time.monotonic()
+        self._wait_exit(state, paths)
+        t_exit = time.monotonic()
+        if state.ram_owned:
+            try:
+                paths.ram.unlink()
+            except FileNotFoundError:
+                pass
+        # The next start is a cold boot on a RAM file of its own (even if restored from a snapshot).
+        state.ram = str(VMPaths.for_sandbox(paths.state_dir, state.sandbox_id, self.shm_dir).ram)
+        state.ram_share = state.ram_owned = True
+        state.pid = 0
+        timings = {"sync_ms": (t_sync - t0) * 1e3, "stop_ms": (t_stop - t_sync) * 1e3,
+                   "exit_ms": (t_exit - t_stop) * 1e3, "total_ms": (time.monotonic() - t0) * 1e3}
+        state.timings.update({f"pause_fs.{k}": v for k, v in timings.items()})
+        state.save()
+        return timings
+
+    def _discard_memory(self, state: VMState) -> None:
+        """Turns a memory-paused VM into a filesystem-paused one without a guest sync (the
+        guest is not running): its process, device state and RAM go, the disk stays."""
+        paths = self._paths(state)
+        self._stop_process(paths)
+        if state.device_state:
+            Path(state.device_state).unlink(missing_ok=True)
+        if state.ram_owned:
+            paths.ram.unlink(missing_ok=True)
+        state.status = "paused_fs"
+        state.device_state = ""
+        state.ram = str(VMPaths.for_sandbox(paths.state_dir, state.sandbox_id, self.shm_dir).ram)
+        state.ram_share = state.ram_owned = True
+        state.pid = 0
+        state.save()
+
+    def _resume_cold(self, state: VMState) -> dict[str, float]:
+        """Cold-boots a filesystem-only paused VM on its own disk (same id, port and top).
+        On failure it stays paused_fs with no process and no RAM file."""
+        paths = self._paths(state)
+        self._stop_process(paths)  # a QEMU left by an interrupted pause
+        failures = []
+        for attempt in (1, 2):
+            t0 = time.monotonic()
+            state.argv = self._argv(state, incoming=False)
+            state.top_node = "root"
+            state.pid = 0
+            state.save()
+            for stale in (paths.pidfile, paths.ram):
+                try:
+                    stale.unlink()
+                except FileNotFoundError:
+                    pass
+            try:
+                t_spawn, t_ready = self._spawn_cold(state, paths, attempt)
+                return {"spawn_ms": (t_spawn - t0) * 1e3, "envd_ms": (t_ready - t_spawn) * 1e3,
+                        "total_ms": (t_ready - t0) * 1e3, "attempt": attempt, "cold_boot": 1}
+            except BootAttemptFailed as e:
+                failures.append(e)
+            except BaseException:
+                self._undo_spawn(state, paths)
+                raise
+            self._undo_spawn(state, paths)
+        raise attempts_error(state.sandbox_id, failures)
+
+    def _undo_spawn(self, state: VMState, paths: VMPaths) -> None:
+        self._stop_process(paths)
+        try:
+            paths.ram.unlink()
+        except FileNotFoundError:
+            pass
+        state.pid = 0
+        state.save()
+
+    def _resume_incoming(self, state: VMState) -> dict[str, float]:
+        """Resume after pause_to_disk with memory. A copy-on-write VM (restored or forked:
+        share=off over a snapshot's RAM) saved its whole RAM into the device state; it comes
+        back on a share=on RAM file of its own that the stream fills, so its next pause or
+        snapshot saves only the device state again."""
+        device_state = Path(state.device_state)
+        saved = (state.ram, state.ram_share, state.ram_owned)
+        converting = not state.ram_share and state.device_state_full_ram
+        if converting:
+            own = VMPaths.for_sandbox(Path(state.state_dir), state.sandbox_id, self.shm_dir).ram
+            try:
+                own.unlink()
+            except FileNotFoundError:
+                pass
+            state.ram, state.ram_share, state.ram_owned = str(own), True, True
+        try:
+            punched = {}
+
+            def give_back_zero_pages():  # loading the stream touched (allocated) every page
+                t = time.monotonic()
+                punched["ram_zero_punched_mb"] = ramfile.punch_zero_pages(state.ram) / (1 << 20)
+                punched["ram_punch_ms"] = (time.monotonic() - t) * 1e3
+
+            timings = self._spawn_incoming(state, device_state, ignore_shared=not state.device_state_full_ram,
+                                           before_cont=give_back_zero_pages if converting else None)
+            timings.update(punched)
+        except BaseException:
+            if converting:
+                try:
+                    Path(state.ram).unlink()
+                except FileNotFoundError:
+                    pass
+                state.ram, state.ram_share, state.ram_owned = saved
+                state.pid = 0
+                state.save()
+            raise
+        if converting:
+            timings["ram_converted"] = 1
+        try:
+            device_state.unlink()
+        except FileNotFoundError:
+            pass
+        state.device_state = ""
+        state.device_state_full_ram = False
+        return timings
+
+    def resume(self, sandbox_id: str, memory: bool = True) -> VMInfo:
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if not memory and state.status in ("paused", "paused_disk"):
+                self._discard_memory(state)
+            if state.status == "paused_fs":
+                timings = self._resume_cold(state)
+            elif state.status == "paused_disk":
+                timings = self._resume_incoming(state)
+            else:
+                t0 = time.monotonic()
+                with QMP(Path(state.qmp)) as q:
+                    q.execute("cont")
+                t_cont = time.monotonic()
+                self._wait_health(state, self.boot_timeout)
+                timings = {"cont_ms": (t_cont - t0) * 1e3, "total_ms": (time.monotonic() - t0) * 1e3}
+            state.status = "running"
+            state.timings.update({f"resume.{k}": v for k, v in timings.items()})
+            state.save()
+            info = self._to_info(state)
+            info.timings = timings
+            return info
+

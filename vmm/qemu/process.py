@@ -1,0 +1,92 @@
+"""Process plumbing shared by the QEMU driver's verbs: envd health probes, QEMU's version and
+the command-line builder's digest (the driver fingerprint), qemu-img calls, boot attempts.
+
+Why a module of its own: the boot, lifecycle and snapshot halves of the driver all spawn and
+watch QEMU processes the same way; nothing here holds state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+from vmm.driver import BootTimeout, VMError
+from vmm.qemu import cmdline
+from vmm.qemu.cmdline import QEMU
+
+DEFAULT_BOOT_TIMEOUT = 60.0
+GUEST_SYNC_TIMEOUT = 120.0
+SYNC_PATH = "/aenv/sync"  # envd: sync(2), no token needed
+# vm.json statuses without a QEMU process: device state + RAM kept, or only the disk kept.
+OFFLINE = ("paused_disk", "paused_fs")
+
+
+def envd_healthy(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True when envd answers GET /health with 204 (slirp accepts then drops until the guest listens)."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 204
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+@lru_cache(maxsize=8)
+def qemu_version(qemu: str = QEMU) -> str:
+    out = subprocess.run([qemu, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()[0].strip()
+
+
+def cmdline_digest() -> str:
+    """The command-line builder's source: a changed device or kernel argument no longer
+    matches a saved device state."""
+    return hashlib.sha256(Path(cmdline.__file__).read_bytes()).hexdigest()[:16]
+
+
+def console_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+
+def attempts_error(sandbox_id: str, failures: list) -> VMError:
+    last = failures[-1]
+    msg = f"sandbox {sandbox_id}: envd not healthy after {len(failures)} attempts ({'; '.join(map(str, failures))})"
+    if last.timed_out:
+        return BootTimeout(msg, last.console)
+    return VMError(msg + (f"\n--- console tail ---\n{last.console}" if last.console else ""))
+
+
+class BootAttemptFailed(Exception):
+    def __init__(self, message: str, console: str, timed_out: bool = False):
+        super().__init__(message)
+        self.console = console
+        self.timed_out = timed_out
+
+
+def run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise VMError(f"{' '.join(cmd)}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+_size_cache: dict[tuple[str, float], int] = {}
+
+
+def virtual_size_mb(qcow2: Path) -> int:
+    """Virtual size of the template base (cached per file+mtime)."""
+    key = (str(qcow2), qcow2.stat().st_mtime)
+    if key not in _size_cache:
+        info = json.loads(run(["qemu-img", "info", "-U", "--output=json", str(qcow2)]))
+        _size_cache[key] = int(info["virtual-size"]) >> 20
+    return _size_cache[key]
+

@@ -1,0 +1,280 @@
+"""QEMU driver, snapshot half: snapshot (a brief stop: new disk top, device state, RAM copy),
+restore (a destination QEMU over the snapshot's files, copy-on-write RAM or, for booted
+templates, a RAM copy of its own) and fork (one capture, N restores); fork captures are the
+driver's and go with their last child.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from vmm import ports
+from vmm.driver import BootSpec, SnapshotManifest, SnapshotUnusable, VMError, VMInfo
+from vmm.qemu import ramfile
+from vmm.qemu.cmdline import VMPaths
+from vmm.qemu.process import OFFLINE, run
+from vmm.qemu.qmp import QMP, migrate_to_file
+from vmm.qemu.state import VMState, valid_sandbox_id
+
+
+class SnapshotMixin:
+    """snapshot / restore / fork of QemuDriver (needs its _lock, _load, _paths, _cleanup,
+    _spawn_incoming, _guest_sync, _to_info, fingerprint, check_snapshot)."""
+
+    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True) -> SnapshotManifest:
+        return self._snapshot(sandbox_id, dest_dir, memory=memory)
+
+    def _snapshot(self, sandbox_id: str, dest_dir: Path, memory_file: Path | None = None,
+                  memory: bool = True) -> SnapshotManifest:
+        """memory_file: where the RAM copy goes (default dest_dir/memory.ram); fork captures put
+        it on /dev/shm, where the copy is a page-cache-speed memcpy and children map it.
+        memory=False: the guest syncs first and only the disk layers are captured (no device
+        state, no RAM copy: a pause of a few ms); the manifest's memory and device state
+        files are "" and sandboxes start from it with BootSpec(layers=manifest.layers)."""
+        dest = Path(dest_dir).absolute()
+        dest.mkdir(parents=True, exist_ok=True)
+        if any(dest.iterdir()):
+            raise VMError(f"snapshot dir {dest} is not empty")
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if state.status in OFFLINE:
+                raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a snapshot")
+            paths = self._paths(state)
+            gen = state.generation + 1
+            new_top = paths.state_dir / f"top-{gen}.qcow2"
+            node = f"top{gen}"
+            device_state = dest / "device.state"
+            ram_copy = Path(memory_file) if memory_file else dest / "memory.ram"
+            resumed_for_sync = False
+            if not memory:  # the page cache must reach the disk; the guest has to run for that
+                if state.status == "paused":
+                    with QMP(paths.qmp) as q:
+                        q.execute("cont")
+                    resumed_for_sync = True
+                try:
+                    self._guest_sync(state)
+                except BaseException:
+                    if resumed_for_sync:
+                        with QMP(paths.qmp) as q:
+                            q.execute("stop")
+                    raise
+            with QMP(paths.qmp, timeout=30.0) as q:
+                was_running = q.execute("query-status").get("status") == "running" and not resumed_for_sync
+                t0 = time.monotonic()
+                q.execute("stop")
+                t_stop = time.monotonic()
+                try:
+                    q.execute("blockdev-snapshot-sync", **{"node-name": state.top_node, "snapshot-file": str(new_top),
+                                                            "snapshot-node-name": node, "format": "qcow2"})
+                    state.chain.append(state.top)  # sealed: read-only from now on, owned by the sandbox
+                    state.top, state.top_node, state.generation = str(new_top), node, gen
+                    state.save()
+                    t_disk = time.monotonic()
+                    if memory:
+                        migrate_to_file(q, device_state)
+                    t_dev = time.monotonic()
+                    if not memory:
+                        pass
+                    elif state.ram_share:
+                        run(["cp", "--sparse=always", state.ram, str(ram_copy)])
+                    else:  # copy-on-write RAM is all in the device state; restores only need a base
+                        with open(ram_copy, "wb") as f:
+                            f.truncate(state.memory_mb << 20)
+                    t_mem = time.monotonic()
+                finally:
+                    if was_running:
+                        q.execute("cont")
+                t_cont = time.monotonic()
+            # Outside the pause: copy the sealed layers (immutable now) so the snapshot dir does
+            # not depend on the sandbox, and point each copy at the previous one.
+            layers = [state.chain[0]]
+            for i, layer in enumerate(state.chain[1:]):
+                copy = dest / f"layer-{i}.qcow2"
+                run(["cp", "--sparse=always", layer, str(copy)])
+                run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", layers[-1], str(copy)])
+                layers.append(str(copy))
+            t_done = time.monotonic()
+            timings = {"stop_ms": (t_stop - t0) * 1e3, "disk_ms": (t_disk - t_stop) * 1e3,
+                       "device_ms": (t_dev - t_disk) * 1e3, "memory_copy_ms": (t_mem - t_dev) * 1e3,
+                       "pause_ms": (t_cont - t0) * 1e3, "layers_copy_ms": (t_done - t_cont) * 1e3,
+                       "total_ms": (t_done - t0) * 1e3}
+            manifest = SnapshotManifest(
+                dir=dest, fingerprint=self.fingerprint(), layers=layers, memory_file=str(ram_copy) if memory else "",
+                device_state_file=str(device_state) if memory else "",
+                cpu_count=state.cpu_count, memory_mb=state.memory_mb, disk_size_mb=state.disk_size_mb,
+                machine={"qemu": state.qemu, "accel": state.accel, "kernel": state.kernel, "initrd": state.initrd,
+                         "tools": state.tools, "tsc_khz": state.tsc_khz, "resize": state.resize,
+                         "image": state.image, "image_dir": state.image_dir, "source_argv": state.argv},
+                source_sandbox_id=sandbox_id, created_at=time.time(), timings=timings)
+            manifest.save()
+            state.timings.update({f"snapshot.{k}": v for k, v in timings.items()})
+            state.save()
+            return manifest
+
+    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
+        # A template's RAM is copied into the sandbox's own share=on file (see _restore_locked).
+        return self._restore(manifest, spec, capture_ref="", own_ram=template)
+
+    def _restore(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str,
+                 own_ram: bool = False) -> VMInfo:
+        sid = spec.sandbox_id
+        if not valid_sandbox_id(sid):
+            raise VMError(f"invalid sandbox id {sid!r}")
+        m = manifest.machine
+        if m.get("accel") != self.accel:
+            raise SnapshotUnusable(f"snapshot was taken under {m.get('accel')}, this host runs {self.accel}")
+        self.check_snapshot(manifest)
+        with self._lock(sid) as lock:
+            try:
+                return self._restore_locked(manifest, sid, capture_ref, own_ram)
+            except BaseException:
+                lock.discard()
+                raise
+
+    def _restore_locked(self, manifest: SnapshotManifest, sid: str, capture_ref: str, own_ram: bool) -> VMInfo:
+        """own_ram=False: RAM is MAP_PRIVATE over the snapshot's file (copy-on-write, page cache
+        shared between restores; but the VM's own later pause/snapshot must carry its whole RAM in
+        the migration stream). own_ram=True: the snapshot's RAM is first copied (sparse) into
+        the sandbox's own share=on file, exactly like a booted VM's, so every later verb stays on
+        the cheap device-state-only path (used for template snapshots)."""
+        m = manifest.machine
+        state_dir = self.sandboxes_dir / sid
+        if state_dir.exists():
+            raise VMError(f"sandbox {sid} already exists ({state_dir})")
+        t0 = time.monotonic()
+        paths = VMPaths.for_sandbox(state_dir, sid, self.shm_dir)
+        copy = None
+        try:
+            if own_ram:  # copied in the background while the disk is made and QEMU starts
+                copy = RamCopy(Path(manifest.memory_file), paths.ram, manifest.memory_mb << 20)
+            port = ports.allocate(self.sandboxes_dir, state_dir, self.host_address, self.port_range)
+            run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", manifest.layers[-1], "-F", "qcow2",
+                  str(paths.top), f"{manifest.disk_size_mb}M"])
+            t_disk = time.monotonic()
+            state = VMState(sandbox_id=sid, pid=0, accel=m["accel"], host_address=self.host_address,
+                            host_port=port, state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
+                            console=str(paths.console), pidfile=str(paths.pidfile),
+                            ram=str(paths.ram) if own_ram else manifest.memory_file,
+                            image=m.get("image", "base"), image_dir=m.get("image_dir", ""), kernel=m["kernel"],
+                            initrd=m["initrd"], rootfs=manifest.layers[0], tools=m["tools"],
+                            cpu_count=manifest.cpu_count, memory_mb=manifest.memory_mb,
+                            disk_size_mb=manifest.disk_size_mb, argv=[], created_at=time.time(),
+                            tsc_khz=m["tsc_khz"], resize=m["resize"], qemu=m["qemu"], ram_share=own_ram,
+                            ram_owned=own_ram, chain=list(manifest.layers), capture_ref=capture_ref)
+            timings = self._spawn_incoming(state, Path(manifest.device_state_file),
+                                           before_incoming=copy.wait if copy else None)
+        except BaseException:
+            if copy is not None:
+                copy.wait(raise_error=False)
+            self._cleanup(state_dir, paths, unlink_ram=own_ram)
+            raise
+        if copy is not None:
+            timings["ram_copy_ms"] = copy.elapsed_ms
+            timings["ram_copy_wait_ms"] = copy.waited_ms
+        timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3}
+        state.status = "running"
+        state.timings = timings
+        state.save()
+        return self._to_info(state)
+
+    def fork(self, sandbox_id: str, count: int, child_ids: list[str] | None = None) -> list[VMInfo | Exception]:
+        if count < 1:
+            raise VMError("fork count must be >= 1")
+        tag = uuid.uuid4().hex[:6]
+        ids = child_ids or [f"{sandbox_id[:48]}-f{tag}-{i}" for i in range(count)]
+        if len(ids) != count or len(set(ids)) != count:
+            raise VMError("child_ids must be `count` distinct ids")
+        capture = (self.home / "forks" / f"{sandbox_id}-{tag}").absolute()
+        capture_ram = self.shm_dir / f"aenv-fork-{sandbox_id}-{tag}.ram"
+        t0 = time.monotonic()
+        try:
+            manifest = self._snapshot(sandbox_id, capture, memory_file=capture_ram)
+        except BaseException:
+            shutil.rmtree(capture, ignore_errors=True)
+            capture_ram.unlink(missing_ok=True)
+            raise
+        t_cap = time.monotonic()
+
+        def child(cid: str) -> VMInfo:
+            info = self._restore(manifest, BootSpec(cid), capture_ref=str(capture))
+            info.timings.update({f"capture.{k}": v for k, v in manifest.timings.items()})
+            return info
+
+        with ThreadPoolExecutor(max_workers=min(count, 16)) as pool:
+            futures = [pool.submit(child, cid) for cid in ids]
+            results: list[VMInfo | Exception] = []
+            for f in futures:
+                exc = f.exception()
+                results.append(exc if exc is not None else f.result())
+        t_all = time.monotonic()
+        for r in results:
+            if isinstance(r, VMInfo):
+                r.timings["fork_all_ready_ms"] = (t_all - t0) * 1e3
+                r.timings["fork_capture_ms"] = (t_cap - t0) * 1e3
+        self._release_capture(capture)  # gone at once if every child failed
+        return results
+
+
+    def _release_capture(self, capture: Path) -> None:
+        """Deletes a fork capture once no sandbox state dir refers to it any more."""
+        for d in self.sandboxes_dir.iterdir() if self.sandboxes_dir.exists() else []:
+            other = VMState.load(d)
+            if other is not None and other.capture_ref == str(capture):
+                return
+        try:  # the capture's RAM copy lives on /dev/shm, outside the capture dir
+            memory = Path(SnapshotManifest.load(capture).memory_file)
+            if capture not in memory.parents:
+                memory.unlink(missing_ok=True)
+        except (OSError, ValueError, TypeError):
+            pass
+        shutil.rmtree(capture, ignore_errors=True)
+
+    # -- queries ----------------------------------------------------------------------------
+
+
+class RamCopy:
+    """A sparse copy of a snapshot's RAM into a new file, running in a thread. The file gets
+    its final size before the thread starts, so QEMU may map it meanwhile; it must not run the
+    guest before wait() returned."""
+
+    def __init__(self, src: Path, dst: Path, size: int):
+        self.dst = dst
+        self.error: BaseException | None = None
+        self.waited_ms = 0.0
+        fd = os.open(dst, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.t0 = time.monotonic()
+        self.t1 = self.t0
+        self.thread = threading.Thread(target=self._run, args=(src, fd), daemon=True, name=f"ramcopy-{dst.name}")
+        self.thread.start()
+
+    def _run(self, src: Path, fd: int) -> None:
+        try:
+            ramfile.copy_sparse_into(src, fd)
+        except BaseException as e:
+            self.error = e
+        finally:
+            os.close(fd)
+            self.t1 = time.monotonic()
+
+    @property
+    def elapsed_ms(self) -> float:
+        return (self.t1 - self.t0) * 1e3
+
+    def wait(self, raise_error: bool = True) -> None:
+        t = time.monotonic()
+        self.thread.join()
+        self.waited_ms = (time.monotonic() - t) * 1e3
+        if raise_error and self.error is not None:
+            raise VMError(f"copying the snapshot RAM into {self.dst} failed: {self.error}")
+
