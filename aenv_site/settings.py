@@ -54,6 +54,14 @@ AENV_BASE_DISK_MB = _env_int("AENV_BASE_DISK_MB", 2048)
 # Lifecycle (sandboxes.expiry, run_lifecycle, nodes.reconcile):
 # how long a pause / resume may take on the node (a TCG pause to disk writes the RAM file),
 AENV_LIFECYCLE_DEADLINE = _env_int("AENV_LIFECYCLE_DEADLINE", AENV_NODE_TASK_DEADLINE)
+# a snapshot capture (a TCG capture copies the guest RAM) and a fork (capture, `count`
+# restores and /inits), how long a kill waits for its node before it is recorded
+# unconfirmed, and how long a retried create with the same Idempotency-Key gets the same
+# sandbox,
+AENV_SNAPSHOT_DEADLINE = _env_int("AENV_SNAPSHOT_DEADLINE", AENV_LIFECYCLE_DEADLINE)
+AENV_FORK_DEADLINE = _env_int("AENV_FORK_DEADLINE", AENV_NODE_TASK_DEADLINE)
+AENV_KILL_DEADLINE = _env_int("AENV_KILL_DEADLINE", 30)
+AENV_IDEMPOTENCY_WINDOW = _env_int("AENV_IDEMPOTENCY_WINDOW", 24 * 3600)
 # how long a paused sandbox is kept before it is killed and its files deleted (0: forever),
 AENV_PAUSED_RETENTION = _env_int("AENV_PAUSED_RETENTION", 30 * 24 * 3600)
 # how often the sweeper looks for expired sandboxes, and how many it handles at once,

@@ -383,7 +383,7 @@ class Api:
     @staticmethod
     def create_node_ms(phases: dict) -> float | None:
         """A create's node time: its total minus placement (schedule) and the Celery round
-        trip without the node's work (dispatch); see sandboxes.services.create_phases."""
+        trip without the node's work (dispatch); see sandboxes.lifecycle.create.create_phases."""
         if "total" not in phases:
             return None
         return phases["total"] - phases.get("schedule", 0.0) - phases.get("dispatch", 0.0)

@@ -1,8 +1,9 @@
 """Team dashboard: server-rendered pages scoped to the signed-in user's current team.
 
 State never changes here directly: sandbox actions go through
-``sandboxes.services`` (the one place where sandbox state changes), and another
-team's sandbox or key is a 404 on every page and action."""
+``sandboxes.lifecycle`` / ``snapshots.lifecycle`` (which write every state change
+through ``sandboxes.transitions``), and another team's sandbox or key is a 404 on every
+page and action. Form input is checked here, like the API's serializers do."""
 from __future__ import annotations
 
 import functools
@@ -21,11 +22,16 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from nodes.models import Node
-from sandboxes import services
-from sandboxes.errors import ApiError
+from sandboxes.errors import status_of
+from sandboxes.lifecycle import create, kill, pause, ttl
+from sandboxes.lifecycle.errors import LifecycleError
+from sandboxes.lifecycle.options import SandboxOptions
 from sandboxes.models import ApiKey, Sandbox, SandboxEvent, Template
 from sandboxes.states import LIVE, RESERVING, SandboxState, can_start
-from snapshots import services as snapshot_services
+from snapshots.lifecycle import delete as snapshot_delete_op
+from snapshots.lifecycle import fork as fork_op
+from snapshots.lifecycle import snapshot as snapshot_op
+from snapshots.serializers import SnapshotRequestSerializer
 from snapshots.models import Snapshot
 
 from .teams import current_team, set_current_team, user_teams
@@ -258,7 +264,7 @@ def allowed_actions(sandbox: Sandbox) -> dict[str, bool]:
 
 def _actions_context(sandbox: Sandbox) -> dict:
     return {"actions": allowed_actions(sandbox), "timeout_choices": TIMEOUT_CHOICES,
-            "fork_max": snapshot_services.fork_max_per_node(), "live": sandbox.state in LIVE}
+            "fork_max": fork_op.fork_max_per_node(), "live": sandbox.state in LIVE}
 
 
 @require_GET
@@ -313,8 +319,19 @@ def _action_result(request, sandbox_id, level: str, text: str, *, status: int = 
     return redirect("dashboard:sandbox", sandbox_id=sandbox_id)
 
 
-def _failed(request, sandbox_id, what: str, exc: ApiError):
-    return _action_result(request, sandbox_id, "error", f"{what}: {exc.detail}", status=exc.status_code)
+def _failed(request, sandbox_id, what: str, exc: LifecycleError):
+    return _action_result(request, sandbox_id, "error", f"{what}: {exc.message}", status=status_of(exc))
+
+
+def _seconds(raw, default: int | None = None) -> tuple[int | None, str]:
+    """A timeout from a form: (seconds, "") or (None, what is wrong with it)."""
+    try:
+        seconds = int(raw) if raw not in (None, "") else default
+    except ValueError:
+        seconds = None
+    if seconds is None or not 0 <= seconds <= settings.AENV_MAX_TIMEOUT:
+        return None, f"Timeout must be a whole number of seconds from 0 to {settings.AENV_MAX_TIMEOUT}."
+    return seconds, ""
 
 
 @require_POST
@@ -324,8 +341,8 @@ async def sandbox_kill(request, sandbox_id):
     user = await request.auser()
     team = await sync_to_async(_action_team)(request, sandbox_id)
     try:
-        sandbox = await services.kill_sandbox(team, sandbox_id, actor=_actor(user))
-    except ApiError as exc:
+        sandbox = await kill.kill_sandbox(team, sandbox_id, actor=_actor(user))
+    except LifecycleError as exc:
         return _failed(request, sandbox_id, "Kill failed", exc)
     if sandbox.error_reason:
         return _action_result(request, sandbox_id, "warning",
@@ -339,8 +356,8 @@ async def sandbox_pause(request, sandbox_id):
     user = await request.auser()
     team = await sync_to_async(_action_team)(request, sandbox_id)
     try:
-        sandbox = await services.pause_sandbox(team, sandbox_id, actor=_actor(user))
-    except ApiError as exc:
+        sandbox = (await pause.pause_sandbox(team, sandbox_id, actor=_actor(user))).sandbox
+    except LifecycleError as exc:
         return _failed(request, sandbox_id, "Pause failed", exc)
     return _action_result(request, sandbox_id, "success", f"Sandbox {sandbox_id} paused.", state=sandbox.state)
 
@@ -352,13 +369,13 @@ async def sandbox_resume(request, sandbox_id):
     resumed with a fresh timeout; a running one only gets its timeout extended."""
     user = await request.auser()
     team = await sync_to_async(_action_team)(request, sandbox_id)
+    seconds, error = _seconds(request.POST.get("seconds"), settings.AENV_DEFAULT_TIMEOUT)
+    if error:
+        return _action_result(request, sandbox_id, "error", error, status=400)
     try:
-        seconds = int(request.POST.get("seconds") or settings.AENV_DEFAULT_TIMEOUT)
-    except ValueError:
-        return _action_result(request, sandbox_id, "error", "Timeout must be a whole number of seconds.", status=400)
-    try:
-        resumed, sandbox = await services.connect_sandbox(team, sandbox_id, timeout=seconds, actor=_actor(user))
-    except ApiError as exc:
+        resumed, result = await pause.connect_sandbox(team, sandbox_id, timeout=seconds, actor=_actor(user))
+        sandbox = result.sandbox
+    except LifecycleError as exc:
         return _failed(request, sandbox_id, "Resume failed", exc)
     text = f"Sandbox {sandbox_id} resumed." if resumed else f"Sandbox {sandbox_id} was already running."
     return _action_result(request, sandbox_id, "success" if resumed else "info", text, state=sandbox.state)
@@ -369,13 +386,12 @@ async def sandbox_resume(request, sandbox_id):
 async def sandbox_timeout(request, sandbox_id):
     user = await request.auser()
     team = await sync_to_async(_action_team)(request, sandbox_id)
+    seconds, error = _seconds(request.POST.get("seconds"))
+    if error:
+        return _action_result(request, sandbox_id, "error", f"Timeout not changed: {error}", status=400)
     try:
-        seconds = int(request.POST.get("seconds", ""))
-    except ValueError:
-        return _action_result(request, sandbox_id, "error", "Timeout must be a whole number of seconds.", status=400)
-    try:
-        sandbox = await services.set_timeout(team, sandbox_id, seconds, actor=_actor(user))
-    except ApiError as exc:
+        sandbox = await ttl.set_timeout(team, sandbox_id, seconds, actor=_actor(user))
+    except LifecycleError as exc:
         return _failed(request, sandbox_id, "Timeout not changed", exc)
     from .templatetags.dashboard_tags import human_seconds  # noqa: PLC0415
 
@@ -388,10 +404,14 @@ async def sandbox_timeout(request, sandbox_id):
 async def sandbox_snapshot(request, sandbox_id):
     user = await request.auser()
     team = await sync_to_async(_action_team)(request, sandbox_id)
-    name = (request.POST.get("name") or "").strip()[:128] or None
+    form = SnapshotRequestSerializer(data={"name": (request.POST.get("name") or "").strip() or None})
+    if not form.is_valid():
+        return _action_result(request, sandbox_id, "error", f"Snapshot not taken: {form.errors['name'][0]}",
+                              status=400)
     try:
-        snapshot = await snapshot_services.create_snapshot(team, sandbox_id, name=name, actor=_actor(user))
-    except ApiError as exc:
+        snapshot = (await snapshot_op.create_snapshot(team, sandbox_id, name=form.validated_data["name"],
+                                                      actor=_actor(user))).snapshot
+    except LifecycleError as exc:
         return _failed(request, sandbox_id, "Snapshot failed", exc)
     return _action_result(request, sandbox_id, "success", f"Snapshot {snapshot.pk} of {sandbox_id} taken.",
                           snapshot=str(snapshot.pk))
@@ -406,15 +426,15 @@ async def sandbox_fork(request, sandbox_id):
         count = int(request.POST.get("count", "1"))
     except ValueError:
         count = 0
-    fork_max = snapshot_services.fork_max_per_node()
+    fork_max = fork_op.fork_max_per_node()
     if not 1 <= count <= fork_max:
         return _action_result(request, sandbox_id, "error", f"Fork count must be 1 to {fork_max}.", status=400)
     try:
-        results = await snapshot_services.fork_sandbox(team, sandbox_id, count=count, actor=_actor(user))
-    except ApiError as exc:
+        results = await fork_op.fork_sandbox(team, sandbox_id, count=count, actor=_actor(user))
+    except LifecycleError as exc:
         return _failed(request, sandbox_id, "Fork failed", exc)
-    forks = [r for r in results if isinstance(r, Sandbox)]
-    errors = [str(r.detail) for r in results if isinstance(r, ApiError)]
+    forks = [r.sandbox for r in results if not isinstance(r, LifecycleError)]
+    errors = [r.message for r in results if isinstance(r, LifecycleError)]
     text = f"Forked {sandbox_id} into {len(forks)}: {', '.join(f.id for f in forks) or 'none'}."
     if errors:
         text += f" {len(errors)} failed: {'; '.join(errors)}"
@@ -437,18 +457,17 @@ async def sandbox_create(request):
         back = reverse("dashboard:sandboxes")
     ref = (request.POST.get("template") or "").strip()
     metadata, error = parse_metadata_filter(request.POST.get("metadata", ""))
-    try:
-        seconds = int(request.POST.get("seconds") or settings.AENV_DEFAULT_TIMEOUT)
-    except ValueError:
-        error = "Timeout must be a whole number of seconds."
+    seconds, timeout_error = _seconds(request.POST.get("seconds"), settings.AENV_DEFAULT_TIMEOUT)
+    error = error or timeout_error
     if not ref:
         error = "Choose a template or snapshot."
     if error:
         return _create_result(request, back, "error", error, status=400)
     try:
-        sandbox = await services.create_sandbox(team, ref, timeout=seconds, metadata=metadata, actor=_actor(user))
-    except ApiError as exc:
-        return _create_result(request, back, "error", f"Create failed: {exc.detail}", status=exc.status_code)
+        sandbox = (await create.create_sandbox(team, ref, SandboxOptions(metadata=metadata), timeout=seconds,
+                                               actor=_actor(user))).sandbox
+    except LifecycleError as exc:
+        return _create_result(request, back, "error", f"Create failed: {exc.message}", status=status_of(exc))
     url = reverse("dashboard:sandbox", args=[sandbox.id])
     return _create_result(request, url, "success", f"Sandbox {sandbox.id} created from {ref}.", status=201,
                           sandbox=sandbox.id, redirect=url)
@@ -512,9 +531,9 @@ async def snapshot_delete(request, snapshot_id):
         raise Http404("snapshot not found")
     back = reverse("dashboard:snapshots")
     try:
-        await snapshot_services.delete_snapshot(team, snapshot_id, actor=_actor(user))
-    except ApiError as exc:
-        return _create_result(request, back, "error", f"Delete failed: {exc.detail}", status=exc.status_code)
+        await snapshot_delete_op.delete_snapshot(team, snapshot_id, actor=_actor(user))
+    except LifecycleError as exc:
+        return _create_result(request, back, "error", f"Delete failed: {exc.message}", status=status_of(exc))
     return _create_result(request, back, "success", f"Snapshot {snapshot_id} deleted.", status=200, redirect=back)
 
 

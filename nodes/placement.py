@@ -46,3 +46,11 @@ async def pick_node(cpu_count: int, memory_mb: int) -> Node:
     if not fitting:
         raise NoNodeAvailable(f"no node has room for {cpu_count} vCPU / {memory_mb} MiB")
     return min(fitting, key=lambda n: (_load(n), n.sandboxes_running, n.id))
+
+
+async def has_room(node_id: str, cpu_count: int, memory_mb: int) -> bool:
+    """Whether one given node (a snapshot's, a fork parent's) fits ``cpu_count`` vCPUs and
+    ``memory_mb`` more, by the same arithmetic as ``pick_node``."""
+    node = await _candidates().filter(pk=node_id).afirst()
+    return (node is not None and node.cpu_reserved + cpu_count <= node.vcpu_capacity
+            and node.memory_reserved + memory_mb <= node.memory_mb_capacity)

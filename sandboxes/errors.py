@@ -1,5 +1,8 @@
 """Every error the API returns is JSON `{code, message}`: the E2B SDK parses the body
-of every error status before looking at it, and crashes on anything else."""
+of every error status before looking at it, and crashes on anything else.
+
+The one table from domain errors (``sandboxes.lifecycle.errors``) to HTTP lives here:
+the lifecycle never speaks HTTP, the views never pick status codes for it."""
 import logging
 
 from django.http import Http404
@@ -7,11 +10,34 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
+from .lifecycle import errors as domain
+
 log = logging.getLogger(__name__)
+
+STATUS = {
+    domain.Invalid: 400,
+    domain.NotFound: 404,
+    domain.Conflict: 409,
+    domain.Failed: 500,
+    domain.Unavailable: 503,
+    domain.Timeout: 504,
+    domain.StorageFull: 507,
+}
+# Failed creates are not retried by the SDK when told so: each retry would insert (and
+# fail) another sandbox, and neither "no capacity" nor "node dead" heals within its backoff.
+NO_RETRY = {"Should-Retry": "false"}
+
+
+def status_of(exc: domain.LifecycleError) -> int:
+    """The HTTP status of a domain error (also what the dashboard shows)."""
+    for kind in type(exc).__mro__:
+        if kind in STATUS:
+            return STATUS[kind]
+    return 500
 
 
 class ApiError(exceptions.APIException):
-    """An error with an explicit HTTP status and message, raised by services and views."""
+    """An error with an explicit HTTP status and message, raised by views (the edge)."""
 
     def __init__(self, status_code: int, message: str, error_code: str | None = None, headers=None):
         self.status_code = status_code
@@ -44,6 +70,10 @@ def e2b_exception_handler(exc, context):
         return error_response(404, str(exc) or "not found")
     if isinstance(exc, ApiError):
         return error_response(exc.status_code, str(exc.detail), exc.error_code, exc.extra_headers)
+    if isinstance(exc, domain.LifecycleError):
+        code = status_of(exc)
+        return error_response(code, exc.message, exc.code,
+                              None if exc.retry else NO_RETRY)
     if isinstance(exc, exceptions.ParseError):
         return error_response(400, f"malformed JSON body: {exc.detail}")
     response = exception_handler(exc, context)

@@ -26,8 +26,8 @@ from django.db.models import OuterRef, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from . import services
-from .errors import ApiError
+from .lifecycle import kill, pause
+from .lifecycle.errors import Conflict, LifecycleError, NotFound
 from .models import Sandbox, SandboxEvent, Team
 from .states import SandboxState
 
@@ -83,23 +83,23 @@ async def apply(action: Action) -> str:
     team = Team(pk=action.team_id)
     try:
         if action.kind == "expire_pause":
-            await services.pause_sandbox(team, action.sandbox_id, memory=action.memory, actor=ACTOR,
+            await pause.pause_sandbox(team, action.sandbox_id, memory=action.memory, actor=ACTOR,
                                          expired_by=action.seen)
             return "paused"
         if action.kind == "expire_kill":
-            await services.kill_sandbox(team, action.sandbox_id, actor=ACTOR, from_states=[S.RUNNING],
-                                        where={"end_at__lte": action.seen}, reason="expired")
+            await kill.kill_sandbox(team, action.sandbox_id, actor=ACTOR, from_states=[S.RUNNING],
+                                    where={"end_at__lte": action.seen}, reason="expired")
             return "killed"
         if action.kind == "retention_kill":
-            await services.kill_sandbox(team, action.sandbox_id, actor=ACTOR, from_states=[S.PAUSED],
-                                        where={"updated_at": action.updated_at}, reason="retention")
+            await kill.kill_sandbox(team, action.sandbox_id, actor=ACTOR, from_states=[S.PAUSED],
+                                    where={"updated_at": action.updated_at}, reason="retention")
             return "killed"
         raise ValueError(f"unknown action {action.kind!r}")
-    except ApiError as exc:
-        if exc.status_code in (404, 409):
-            return f"skipped: {exc.detail}"
-        log.warning("lifecycle %s of %s failed: %s", action.kind, action.sandbox_id, exc.detail)
-        return f"failed: {exc.detail}"
+    except (NotFound, Conflict) as exc:
+        return f"skipped: {exc.message}"
+    except LifecycleError as exc:
+        log.warning("lifecycle %s of %s failed: %s", action.kind, action.sandbox_id, exc.message)
+        return f"failed: {exc.message}"
 
 
 class Sweeper:

@@ -234,14 +234,14 @@ class EnvdProxy:
         return await asyncio.shield(pending)
 
     async def _auto_resume(self, sandbox_id: str) -> Route | None:
-        from sandboxes import services  # noqa: PLC0415 - Django must be set up first
-        from sandboxes.errors import ApiError  # noqa: PLC0415
+        from sandboxes.lifecycle import pause  # noqa: PLC0415 - Django must be set up first
+        from sandboxes.lifecycle.errors import LifecycleError, Timeout  # noqa: PLC0415
 
         try:
-            sandbox = await services.auto_resume(sandbox_id)
-        except ApiError as exc:
-            log.info("auto-resume of %s failed: %s", sandbox_id, exc.detail)
-            raise ResumeFailed(504 if exc.status_code == 504 else 502, f"auto-resume failed: {exc.detail}") from None
+            sandbox = await pause.auto_resume(sandbox_id)
+        except LifecycleError as exc:
+            log.info("auto-resume of %s failed: %s", sandbox_id, exc.message)
+            raise ResumeFailed(504 if isinstance(exc, Timeout) else 502, f"auto-resume failed: {exc.message}") from None
         finally:
             await sync_to_async(_close_unusable, thread_sensitive=True)()
         if sandbox is None:

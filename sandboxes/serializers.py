@@ -10,6 +10,7 @@ from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from .lifecycle.options import SandboxOptions
 from .models import Sandbox
 
 
@@ -83,6 +84,40 @@ class AutoResumeField(serializers.Field):
 # --------------------------------------------------------------------------- requests
 
 
+# What E2B's `network` object (camelCase on the wire; snake_case from some SDK builds)
+# can ask for that restricts or rewrites traffic. None of it is enforced yet, so a create
+# asking for any of it is refused rather than silently left open.
+_RESTRICTIONS = {
+    "allowOut": "an egress allow list", "denyOut": "an egress deny list",
+    "egressProxy": "an egress proxy", "rules": "per-host request rules", "dnsServers": "custom DNS servers",
+    "maskRequestHost": "a masked request host",
+}
+
+
+def _camel(key: str) -> str:
+    head, *rest = key.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def refuse_unenforced_network(allow_internet_access, network) -> None:
+    """A create may not ask for a network restriction aenv does not enforce yet: that
+    would promise isolation it does not give. What the SDKs send by default (internet
+    access allowed, no or an empty ``network``, public traffic allowed) passes."""
+    problems = []
+    if allow_internet_access is False:
+        problems.append("allow_internet_access: false (no egress blocking)")
+    for key, value in (network or {}).items():
+        name = _camel(key)
+        if name in _RESTRICTIONS and value not in (None, [], {}, ""):
+            problems.append(f"network.{key} ({_RESTRICTIONS[name]})")
+        elif name == "allowPublicTraffic" and value is False:
+            problems.append(f"network.{key}: false (private ingress)")
+    if problems:
+        raise serializers.ValidationError(
+            f"not supported yet: {'; '.join(problems)}. aenv does not enforce sandbox network policies yet, "
+            "so it refuses them instead of leaving the sandbox open")
+
+
 class NewSandboxV2Serializer(serializers.Serializer):
     """Body of ``POST /v2/sandboxes`` (SDK ≥2.51)."""
 
@@ -101,12 +136,16 @@ class NewSandboxV2Serializer(serializers.Serializer):
     # v2 dropped `secure` because every sandbox is secure; accept it if a client sends it.
     secure = StrictBooleanField(required=False, default=True)
 
-    def to_service_kwargs(self) -> dict:
+    def validate(self, data):
+        refuse_unenforced_network(data.get("allow_internet_access"), data.get("network"))
+        return data
+
+    def to_create(self) -> tuple[str, int | None, SandboxOptions]:
+        """(templateID, timeout or None for the default, the sandbox's options)."""
         d = self.validated_data
-        return dict(
-            template_ref=d["templateID"], timeout=d.get("timeout"), metadata=d.get("metadata") or {},
-            env_vars=d.get("envVars") or {}, secure=d["secure"], auto_pause=d["autoPause"],
-            auto_pause_memory=d.get("autoPauseMemory") is not False,
+        return d["templateID"], d.get("timeout"), SandboxOptions(
+            metadata=d.get("metadata") or {}, env_vars=d.get("envVars") or {}, secure=d["secure"],
+            auto_pause=d["autoPause"], auto_pause_memory=d.get("autoPauseMemory") is not False,
             auto_resume=d["autoResume"], allow_internet_access=d["allow_internet_access"],
             network=d["network"],
         )

@@ -1,5 +1,6 @@
 """E2B-compatible REST views. Thin on purpose: a serializer checks the input, a
-function in ``services`` does the work, a serializer renders the answer.
+function of ``sandboxes.lifecycle`` does the work, a serializer renders the answer;
+domain errors become HTTP in ``sandboxes.errors``.
 
 The views are async (adrf) so a create that waits tens of seconds for a VM does
 not hold one of the server's few sync threads."""
@@ -10,8 +11,8 @@ from rest_framework import status
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 
-from . import services
-from .errors import ApiError
+from .errors import NO_RETRY, ApiError
+from .lifecycle import create, kill, pause, queries, ttl
 from .serializers import (
     ConnectV2Serializer,
     ErrorSerializer,
@@ -43,9 +44,9 @@ def _body(request) -> dict:
     return {} if data is None or data == "" or (hasattr(data, "__len__") and not len(data)) else data
 
 
-def _server_timing(sandbox) -> dict | None:
-    """Server-Timing header from the phases (ms) a lifecycle service put on the sandbox."""
-    phases = getattr(sandbox, "op_phases", None) or {}
+def _server_timing(result) -> dict | None:
+    """Server-Timing header from the phases (ms) of a lifecycle result."""
+    phases = getattr(result, "phases", None) or {}
     timing = ", ".join(f"{name};dur={ms}" for name, ms in phases.items())
     return {"Server-Timing": timing} if timing else None
 
@@ -75,12 +76,14 @@ class _CreateMixin:
 
     async def _create(self, request):
         body = _valid(self.create_serializer, request.data)
-        sandbox = await services.create_sandbox(
-            _team(request), **body.to_service_kwargs(),
-            idempotency_key=request.headers.get("Idempotency-Key") or None, actor=_actor(request),
-        )
-        return Response(SandboxSerializer(sandbox).data, status=status.HTTP_201_CREATED,
-                        headers=_server_timing(sandbox))
+        key = request.headers.get("Idempotency-Key")
+        if key is not None and not 1 <= len(key) <= 255:
+            raise ApiError(400, "Idempotency-Key must be 1 to 255 characters", headers=NO_RETRY)
+        template_ref, timeout, options = body.to_create()
+        result = await create.create_sandbox(_team(request), template_ref, options, timeout=timeout,
+                                             idempotency_key=key or None, actor=_actor(request))
+        return Response(SandboxSerializer(result.sandbox).data, status=status.HTTP_201_CREATED,
+                        headers=_server_timing(result))
 
 
 IDEMPOTENCY = OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER, required=False)
@@ -93,8 +96,8 @@ class SandboxesView(_CreateMixin, APIView):
     @extend_schema(operation_id="sandboxes_list_v1", parameters=[METADATA],
                    responses={200: ListedSandboxSerializer(many=True), **ERRORS})
     async def get(self, request):
-        metadata = services.decode_metadata_filter(request.query_params.get("metadata"))
-        sandboxes = await services.list_running(_team(request), metadata)
+        metadata = queries.decode_metadata_filter(request.query_params.get("metadata"))
+        sandboxes = await queries.list_running(_team(request), metadata)
         return Response(ListedSandboxSerializer(sandboxes, many=True).data)
 
     @extend_schema(operation_id="sandboxes_create_v1", request=NewSandboxSerializer,
@@ -112,10 +115,10 @@ class SandboxesV2View(_CreateMixin, APIView):
                    responses={200: ListedSandboxSerializer(many=True), **ERRORS})
     async def get(self, request):
         q = _valid(ListQuerySerializer, request.query_params).validated_data
-        page = await services.list_sandboxes(
+        page = await queries.list_sandboxes(
             _team(request),
             states=q.get("state") or None,
-            metadata=services.decode_metadata_filter(q.get("metadata")),
+            metadata=queries.decode_metadata_filter(q.get("metadata")),
             order=q["order"],
             started_after=q.get("startedAfter"),
             template=q.get("template") or None,
@@ -139,12 +142,12 @@ class SandboxView(APIView):
 
     @extend_schema(operation_id="sandbox_get", responses={200: SandboxDetailSerializer, **ERRORS})
     async def get(self, request, sandbox_id: str):
-        sandbox = await services.get_sandbox(_team(request), sandbox_id)
+        sandbox = await queries.get_sandbox(_team(request), sandbox_id)
         return Response(SandboxDetailSerializer(sandbox).data)
 
     @extend_schema(operation_id="sandbox_kill", responses=NO_CONTENT)
     async def delete(self, request, sandbox_id: str):
-        await services.kill_sandbox(_team(request), sandbox_id, actor=_actor(request))
+        await kill.kill_sandbox(_team(request), sandbox_id, actor=_actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -154,7 +157,7 @@ class SandboxTimeoutView(APIView):
     @extend_schema(operation_id="sandbox_set_timeout", request=TimeoutSerializer, responses=NO_CONTENT)
     async def post(self, request, sandbox_id: str):
         body = _valid(TimeoutSerializer, request.data).validated_data
-        await services.set_timeout(_team(request), sandbox_id, body["timeout"], actor=_actor(request))
+        await ttl.set_timeout(_team(request), sandbox_id, body["timeout"], actor=_actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -164,7 +167,7 @@ class SandboxRefreshView(APIView):
     @extend_schema(operation_id="sandbox_refresh", request=RefreshSerializer, responses=NO_CONTENT)
     async def post(self, request, sandbox_id: str):
         body = _valid(RefreshSerializer, request.data).validated_data
-        await services.refresh(_team(request), sandbox_id, body["duration"], actor=_actor(request))
+        await ttl.refresh(_team(request), sandbox_id, body["duration"], actor=_actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -174,9 +177,9 @@ class SandboxPauseView(APIView):
     @extend_schema(operation_id="sandbox_pause", request=PauseSerializer, responses=NO_CONTENT)
     async def post(self, request, sandbox_id: str):
         body = _valid(PauseSerializer, _body(request)).validated_data
-        sandbox = await services.pause_sandbox(_team(request), sandbox_id, memory=body.get("memory"),
-                                               actor=_actor(request))
-        return Response(status=status.HTTP_204_NO_CONTENT, headers=_server_timing(sandbox))
+        result = await pause.pause_sandbox(_team(request), sandbox_id, memory=body.get("memory"),
+                                           actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT, headers=_server_timing(result))
 
 
 class SandboxResumeView(APIView):
@@ -186,10 +189,10 @@ class SandboxResumeView(APIView):
                    responses={201: SandboxSerializer, **ERRORS})
     async def post(self, request, sandbox_id: str):
         body = _valid(ResumeSerializer, _body(request)).validated_data
-        sandbox = await services.resume_sandbox(_team(request), sandbox_id, body.get("timeout"),
-                                                actor=_actor(request))
-        return Response(SandboxSerializer(sandbox).data, status=status.HTTP_201_CREATED,
-                        headers=_server_timing(sandbox))
+        result = await pause.resume_sandbox(_team(request), sandbox_id, body.get("timeout"),
+                                            actor=_actor(request))
+        return Response(SandboxSerializer(result.sandbox).data, status=status.HTTP_201_CREATED,
+                        headers=_server_timing(result))
 
 
 class SandboxConnectView(APIView):
@@ -202,11 +205,11 @@ class SandboxConnectView(APIView):
                    responses={200: SandboxSerializer, 201: SandboxSerializer, **ERRORS})
     async def post(self, request, sandbox_id: str):
         body = _valid(self.connect_serializer, _body(request)).validated_data
-        resumed, sandbox = await services.connect_sandbox(_team(request), sandbox_id, body.get("timeout"),
-                                                          actor=_actor(request), memory=body.get("memory"))
-        return Response(SandboxSerializer(sandbox).data,
+        resumed, result = await pause.connect_sandbox(_team(request), sandbox_id, body.get("timeout"),
+                                                      actor=_actor(request), memory=body.get("memory"))
+        return Response(SandboxSerializer(result.sandbox).data,
                         status=status.HTTP_201_CREATED if resumed else status.HTTP_200_OK,
-                        headers=_server_timing(sandbox))
+                        headers=_server_timing(result))
 
 
 class SandboxConnectV2View(SandboxConnectView):

@@ -1,5 +1,5 @@
 """Admin: snapshots with their team, source, node and size. Read-mostly: state changes
-go through ``snapshots.services`` (which also removes the files on the node)."""
+go through ``snapshots.lifecycle`` (which also removes the files on the node)."""
 from django.contrib import admin
 
 from .models import Snapshot

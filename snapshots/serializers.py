@@ -4,7 +4,8 @@ from rest_framework import serializers
 
 from sandboxes.serializers import SandboxSerializer, StrictBooleanField, StrictCharField, StrictIntegerField
 
-from .models import Snapshot
+from .lifecycle.fork import MAX_FORK_COUNT, fork_max_per_node
+from .models import NAME_RE, Snapshot
 
 
 class SnapshotRequestSerializer(serializers.Serializer):
@@ -12,6 +13,16 @@ class SnapshotRequestSerializer(serializers.Serializer):
 
     name = StrictCharField(required=False, allow_null=True, allow_blank=True, max_length=128, default=None)
     memory = StrictBooleanField(required=False, allow_null=True, default=None)
+
+    def validate_name(self, name):
+        if name in (None, ""):
+            return ""
+        if not NAME_RE.match(name):
+            raise serializers.ValidationError("name must be 1-128 characters: letters, digits, '_', '-' or '.', "
+                                              "starting with a letter or digit")
+        if name.startswith("s") and len(name) == 20 and name.isalnum() and name.islower():
+            raise serializers.ValidationError("name must not look like a snapshot id")
+        return name
 
 
 class SnapshotInfoSerializer(serializers.ModelSerializer):
@@ -39,6 +50,17 @@ class ForkRequestSerializer(serializers.Serializer):
     ``timeout`` (seconds for each child; default: the parent's timeout)."""
 
     count = StrictIntegerField(required=False, allow_null=True, default=None)
+
+    def validate_count(self, count):
+        count = 1 if count is None else count
+        if not 1 <= count <= MAX_FORK_COUNT:
+            raise serializers.ValidationError(f"count must be an integer between 1 and {MAX_FORK_COUNT}")
+        limit = fork_max_per_node()
+        if count > limit:
+            raise serializers.ValidationError(
+                f"count {count} is over the per-node fork limit AENV_FORK_MAX_PER_NODE={limit} "
+                "(all children start on the parent's node)")
+        return count
     timeout = StrictIntegerField(required=False, allow_null=True, min_value=0,
                                  max_value=settings.AENV_MAX_TIMEOUT, default=None)
 

@@ -1,14 +1,15 @@
 """E2B snapshot and fork endpoints (spec §2.6): a serializer checks the input, a
-function in ``snapshots.services`` does the work, a serializer renders the answer."""
+function of ``snapshots.lifecycle`` does the work, a serializer renders the answer."""
 from adrf.views import APIView
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
 from rest_framework.response import Response
 
 from sandboxes.serializers import ErrorSerializer, SandboxSerializer
+from sandboxes.errors import status_of
 from sandboxes.views import _actor, _body, _server_timing, _team, _valid
 
-from . import services
+from .lifecycle import delete, fork, queries, snapshot
 from .serializers import (
     ForkRequestSerializer,
     ForkResultSerializer,
@@ -27,10 +28,10 @@ class SandboxSnapshotsView(APIView):
                    responses={201: SnapshotInfoSerializer, **ERRORS})
     async def post(self, request, sandbox_id: str):
         body = _valid(SnapshotRequestSerializer, _body(request)).validated_data
-        snapshot = await services.create_snapshot(_team(request), sandbox_id, name=body.get("name"),
-                                                  memory=body.get("memory"), actor=_actor(request))
-        return Response(SnapshotInfoSerializer(snapshot).data, status=status.HTTP_201_CREATED,
-                        headers=_server_timing(snapshot))
+        taken = await snapshot.create_snapshot(_team(request), sandbox_id, name=body.get("name"),
+                                               memory=body.get("memory"), actor=_actor(request))
+        return Response(SnapshotInfoSerializer(taken.snapshot).data, status=status.HTTP_201_CREATED,
+                        headers=_server_timing(taken))
 
 
 class SnapshotsView(APIView):
@@ -40,9 +41,9 @@ class SnapshotsView(APIView):
                    responses={200: SnapshotInfoSerializer(many=True), **ERRORS})
     async def get(self, request):
         q = _valid(SnapshotListQuerySerializer, request.query_params).validated_data
-        page = await services.list_snapshots(_team(request), sandbox_id=q.get("sandboxID") or None,
-                                             name=q.get("name") or None, limit=q["limit"],
-                                             next_token=q.get("nextToken") or None)
+        page = await queries.list_snapshots(_team(request), sandbox_id=q.get("sandboxID") or None,
+                                            name=q.get("name") or None, limit=q["limit"],
+                                            next_token=q.get("nextToken") or None)
         response = Response(SnapshotInfoSerializer(page.items, many=True).data)
         if page.next_token:
             response["X-Next-Token"] = page.next_token
@@ -57,10 +58,10 @@ class SandboxForkView(APIView):
                    responses={201: ForkResultSerializer(many=True), **ERRORS})
     async def post(self, request, sandbox_id: str):
         body = _valid(ForkRequestSerializer, _body(request)).validated_data
-        results = await services.fork_sandbox(_team(request), sandbox_id, count=body.get("count"),
-                                              timeout=body.get("timeout"), actor=_actor(request))
-        data = [{"sandbox": SandboxSerializer(r).data} if not isinstance(r, Exception)
-                else {"error": {"code": r.status_code, "message": str(r.detail)}} for r in results]
+        results = await fork.fork_sandbox(_team(request), sandbox_id, count=body.get("count"),
+                                          timeout=body.get("timeout"), actor=_actor(request))
+        data = [{"sandbox": SandboxSerializer(r.sandbox).data} if not isinstance(r, Exception)
+                else {"error": {"code": status_of(r), "message": r.message}} for r in results]
         first = next((r for r in results if not isinstance(r, Exception)), None)
         return Response(data, status=status.HTTP_201_CREATED, headers=_server_timing(first) if first else None)
 
@@ -76,5 +77,5 @@ class TemplateDeleteView(APIView):
     @extend_schema(operation_id="template_delete", parameters=[TEMPLATE_ID],
                    responses={204: OpenApiResponse(description="deleted"), **ERRORS})
     async def delete(self, request, template_id: str):
-        await services.delete_snapshot(_team(request), template_id, actor=_actor(request))
+        await delete.delete_snapshot(_team(request), template_id, actor=_actor(request))
         return Response(status=status.HTTP_204_NO_CONTENT)

@@ -5,7 +5,7 @@ reconnect to the same PTY by pid after the socket went away, a pause closing the
 socket with its reason and the shell surviving the resume, and a kill closing it.
 
 The VM is booted in-process by the vmm driver (like the node worker does) and its
-envd initialised with an access token; the lifecycle services run for real, with
+envd initialised with an access token; the lifecycle runs for real, with
 the Celery hop to the node replaced by direct driver calls (``inproc_node``)."""
 import asyncio
 import secrets
@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from dashboard import terminal
 from nodes.models import Node
-from sandboxes import services
+from sandboxes.lifecycle import kill, pause
 from sandboxes.models import Sandbox, Team, Template
 
 from .stack import ROOT, shared_images_dir
@@ -98,7 +98,7 @@ def sandbox(vm, team, base_template, node):
 
 @pytest.fixture
 def inproc_node(vm):
-    """``sandboxes.services`` with node tasks run by the in-process driver."""
+    """``sandboxes.lifecycle`` with node tasks run by the in-process driver."""
     from nodes import client as real  # noqa: PLC0415
 
     async def kill_sandbox(node, *, sandbox_id, **_):
@@ -115,7 +115,7 @@ def inproc_node(vm):
     client = SimpleNamespace(NodeError=real.NodeError, NodeUnavailable=real.NodeUnavailable,
                              NodeTimeout=real.NodeTimeout, NodeTaskFailed=real.NodeTaskFailed,
                              kill_sandbox=kill_sandbox, pause_sandbox=pause_sandbox, resume_sandbox=resume_sandbox)
-    with mock.patch("sandboxes.services._node_api", return_value=(client, None)):
+    with mock.patch("sandboxes.lifecycle.core.node_api", return_value=(client, None)):
         yield client
 
 
@@ -221,13 +221,13 @@ async def test_pause_closes_with_reason_and_shell_survives_resume(sandbox, dash,
     screen = await connect(sandbox.id, dash)
     pid = (await screen.ready())["pid"]
     await screen.run("export MARK=before-pause", "$")
-    await services.pause_sandbox(team, sandbox.id, actor="test")
+    await pause.pause_sandbox(team, sandbox.id, actor="test")
     await screen.until(lambda s: s.closed is not None, timeout=30, what="close on pause")
     assert screen.closed["code"] == terminal.CLOSE_NOT_RUNNING
     assert screen.closed["reason"] == "sandbox is paused: resume it to use the terminal"
     await screen.comm.disconnect(code=screen.closed["code"])
 
-    await services.connect_sandbox(team, sandbox.id, timeout=300, actor="test")
+    await pause.connect_sandbox(team, sandbox.id, timeout=300, actor="test")
     again = await connect(sandbox.id, dash)
     ready = await again.ready()
     assert ready["pid"] == pid and ready["reconnected"] is True  # memory pause: the same process
@@ -240,7 +240,7 @@ async def test_kill_closes_with_reason(sandbox, dash, team, inproc_node):
     screen = await connect(sandbox.id, dash)
     await screen.ready()
     await screen.run("echo alive", "alive")
-    await services.kill_sandbox(team, sandbox.id, actor="test")
+    await kill.kill_sandbox(team, sandbox.id, actor="test")
     await screen.until(lambda s: s.closed is not None, timeout=30, what="close on kill")
     assert screen.closed == {"type": "websocket.close", "code": terminal.CLOSE_NOT_RUNNING,
                              "reason": "sandbox was killed"}

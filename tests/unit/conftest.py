@@ -89,7 +89,7 @@ def nodes_mock(node):
     )
     placement = SimpleNamespace(NoNodeAvailable=real_placement.NoNodeAvailable,
                                 pick_node=mock.AsyncMock(return_value=node))
-    with mock.patch("sandboxes.services._node_api", return_value=(client, placement)):
+    with mock.patch("sandboxes.lifecycle.core.node_api", return_value=(client, placement)):
         yield SimpleNamespace(client=client, placement=placement, node=node)
 
 

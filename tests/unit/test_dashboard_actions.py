@@ -278,17 +278,19 @@ def test_create_errors_are_inline(dash, team, base_template, other_team, nodes_m
     nodes_mock.client.boot_sandbox.assert_not_awaited()
 
 
-def test_snapshot_and_fork_call_the_snapshot_services(dash, mine, team):
+def test_snapshot_and_fork_call_the_snapshot_lifecycle(dash, mine, team):
     from unittest import mock
 
-    from sandboxes.errors import ApiError
+    from sandboxes.lifecycle.core import Result
+    from sandboxes.lifecycle.errors import Conflict, StorageFull
+    from snapshots.lifecycle.snapshot import Taken
     from snapshots.models import Snapshot
 
     snap = Snapshot(id="sabc", team=team, template=mine.template, name="n1")
     child = Sandbox(id="ichild", team=team, template=mine.template, end_at=timezone.now())
-    with mock.patch("snapshots.services.create_snapshot", mock.AsyncMock(return_value=snap)) as create, \
-            mock.patch("snapshots.services.fork_sandbox",
-                       mock.AsyncMock(return_value=[child, ApiError(507, "store full")])) as fork:
+    with mock.patch("snapshots.lifecycle.snapshot.create_snapshot", mock.AsyncMock(return_value=Taken(snap))) as create, \
+            mock.patch("snapshots.lifecycle.fork.fork_sandbox",
+                       mock.AsyncMock(return_value=[Result(child), StorageFull("store full")])) as fork:
         resp = dash.post(f"/dashboard/sandboxes/{mine.id}/snapshot", {"name": "n1"}, **JSON)
         assert resp.status_code == 200 and resp.json()["snapshot"] == "sabc"
         create.assert_awaited_once_with(team, mine.id, name="n1", actor="dashboard:alice")
@@ -298,7 +300,7 @@ def test_snapshot_and_fork_call_the_snapshot_services(dash, mine, team):
         assert "1 failed: store full" in body["message"]
         fork.assert_awaited_once_with(team, mine.id, count=2, actor="dashboard:alice")
         assert dash.post(f"/dashboard/sandboxes/{mine.id}/fork", {"count": "0"}, **JSON).status_code == 400
-        create.side_effect = ApiError(409, "sandbox is not running")
+        create.side_effect = Conflict("sandbox is not running")
         resp = dash.post(f"/dashboard/sandboxes/{mine.id}/snapshot", **JSON)
         assert resp.status_code == 409 and resp.json()["message"] == "Snapshot failed: sandbox is not running"
     page = dash.get(f"/dashboard/sandboxes/{mine.id}/").content.decode()

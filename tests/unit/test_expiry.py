@@ -10,7 +10,9 @@ from conftest import PAUSE_RESULT
 from django.core.management import call_command
 from django.utils import timezone
 
-from sandboxes import expiry, services
+from sandboxes import expiry
+from sandboxes.lifecycle import create, ttl
+from sandboxes.lifecycle.options import SandboxOptions
 from sandboxes.models import Sandbox, SandboxEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -88,7 +90,7 @@ async def test_extension_after_the_decision_wins(create, team, nodes_mock):
     sb = await create(timeout=60)
     await _expire(sb["sandboxID"])
     [action] = await expiry.due()
-    await services.set_timeout(team, sb["sandboxID"], 600)  # the user extends meanwhile
+    await ttl.set_timeout(team, sb["sandboxID"], 600)  # the user extends meanwhile
     assert (await expiry.apply(action)).startswith("skipped")
     assert await _state(sb["sandboxID"]) == "running"
     assert await _events(sb["sandboxID"], "pause") == []
@@ -193,7 +195,7 @@ async def test_run_loop_stops(create, nodes_mock):
 def test_management_command_once(team, base_template, nodes_mock, capsys):
     from asgiref.sync import async_to_sync
 
-    sb = async_to_sync(services.create_sandbox)(team, "base", timeout=60, auto_pause=False)
+    sb = async_to_sync(create.create_sandbox)(team, "base", SandboxOptions(auto_pause=False), timeout=60).sandbox
     Sandbox.objects.filter(pk=sb.id).update(end_at=timezone.now() - timedelta(seconds=5))
     call_command("run_lifecycle", "--once")
     assert f"{sb.id} expire_kill: killed" in capsys.readouterr().out

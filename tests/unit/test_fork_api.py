@@ -90,6 +90,21 @@ async def test_fork_defaults_count_one_and_inherits_timeout(api, create, fork_mo
     assert abs((row.end_at - timezone.now()) - timedelta(seconds=150)) < timedelta(seconds=5)
 
 
+async def test_fork_children_inherit_every_setting_of_the_parent(api, create, fork_mock):
+    """All of a parent's options reach each child, autoPauseMemory included (a child of a
+    filesystem-only-on-expiry parent once paused with memory)."""
+    parent = await create(metadata={"k": "v"}, envVars={"E": "1"}, autoPause=True, autoPauseMemory=False,
+                          autoResume={"enabled": True})
+    kid = (await _fork(api, parent["sandboxID"], count=1)).json()[0]["sandbox"]
+    row = await Sandbox.objects.aget(pk=kid["sandboxID"])
+    assert (row.auto_pause, row.auto_pause_memory, row.auto_resume) == (True, False, True)
+    assert row.metadata == {"k": "v"} and row.env_vars == {"E": "1"} and row.secure
+    parent_row = await Sandbox.objects.aget(pk=parent["sandboxID"])
+    from sandboxes.lifecycle.options import SandboxOptions  # noqa: PLC0415
+
+    assert SandboxOptions.of(row) == SandboxOptions.of(parent_row)
+
+
 @pytest.mark.parametrize("body, text", [({"count": 0}, "between 1 and 100"), ({"count": 101}, "between 1 and 100"),
                                         ({"count": "2"}, "count"), ({"count": True}, "count"),
                                         ({"timeout": -1}, "timeout"), ({"count": 2.5}, "count")])

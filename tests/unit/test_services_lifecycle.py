@@ -1,12 +1,12 @@
-"""Lifecycle service paths with the node side mocked: failures map to clean JSON
-errors, failed creates leave an ``error`` row + event and no VM, transitions are
-conditional so concurrent requests cannot both win."""
+"""Lifecycle paths with the node side mocked: failures map to clean JSON errors at the
+edge (domain errors inside), failed creates leave an ``error`` row + event and no VM,
+transitions are conditional so concurrent requests cannot both win."""
 import asyncio
 
 import pytest
 
-from sandboxes import services
-from sandboxes.errors import ApiError
+from sandboxes.lifecycle import core, create, kill
+from sandboxes.lifecycle.errors import Conflict, NotFound
 from sandboxes.models import Sandbox, SandboxEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -15,6 +15,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 async def _events(sandbox_id):
     return [(e.operation, e.outcome, e.to_state)
             async for e in SandboxEvent.objects.filter(sandbox_id=sandbox_id).order_by("id")]
+
+
+async def _new(team, **kwargs) -> Sandbox:
+    return (await create.create_sandbox(team, "base", **kwargs)).sandbox
 
 
 async def _only_sandbox():
@@ -84,14 +88,14 @@ async def test_killed_while_creating_kills_the_vm(team, base_template, nodes_moc
         return {"envd_host": "127.0.0.1", "envd_port": 1, "pid": 1, "accel": "tcg", "timings": {}}
 
     nodes_mock.client.boot_sandbox.side_effect = slow_boot
-    create = asyncio.create_task(services.create_sandbox(team, "base"))
+    creating = asyncio.create_task(_new(team))
     await booting.wait()
     sb = await Sandbox.objects.aget()
     assert sb.state == "creating" and sb.node_id == "n1"
-    await services.kill_sandbox(team, sb.id)
-    with pytest.raises(ApiError) as err:
-        await create
-    assert err.value.status_code == 409
+    await kill.kill_sandbox(team, sb.id)
+    with pytest.raises(Conflict) as err:
+        await creating
+    assert err.value.retry is False
     sb = await Sandbox.objects.aget()
     assert sb.state == "killed"
     # one kill from the kill request, one from create noticing it lost the race
@@ -105,7 +109,7 @@ async def test_cancelled_request_still_finishes_the_boot(team, base_template, no
         return {"envd_host": "127.0.0.1", "envd_port": 1, "pid": 1, "accel": "tcg", "timings": {}}
 
     nodes_mock.client.boot_sandbox.side_effect = slow_boot
-    task = asyncio.create_task(services.create_sandbox(team, "base"))
+    task = asyncio.create_task(_new(team))
     await asyncio.sleep(0.1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -123,12 +127,12 @@ async def test_two_concurrent_kills_one_wins(team, base_template, nodes_mock):
         await asyncio.sleep(0.2)
         return {"killed": True}
 
-    sb = await services.create_sandbox(team, "base")
+    sb = await _new(team)
     nodes_mock.client.kill_sandbox.side_effect = slow_kill
-    results = await asyncio.gather(services.kill_sandbox(team, sb.id), services.kill_sandbox(team, sb.id),
+    results = await asyncio.gather(kill.kill_sandbox(team, sb.id), kill.kill_sandbox(team, sb.id),
                                    return_exceptions=True)
     errors = [r for r in results if isinstance(r, Exception)]
-    assert len(errors) == 1 and isinstance(errors[0], ApiError) and errors[0].status_code == 404
+    assert len(errors) == 1 and isinstance(errors[0], NotFound)
     assert nodes_mock.client.kill_sandbox.await_count == 1
     assert (await Sandbox.objects.aget(pk=sb.id)).state == "killed"
     assert [e for e in await _events(sb.id) if e[0] == "kill"] == [("kill", "started", "killing"),
@@ -136,22 +140,22 @@ async def test_two_concurrent_kills_one_wins(team, base_template, nodes_mock):
 
 
 async def test_transition_is_conditional(team, base_template, nodes_mock):
-    sb = await services.create_sandbox(team, "base")
-    ev = services._event(sb.id, "kill")
-    assert await services._transition(sb.id, ["running"], "killing", ev) is True
-    assert await services._transition(sb.id, ["running"], "killing", services._event(sb.id, "kill")) is False
+    sb = await _new(team)
+    ev = core.event(sb.id, "kill")
+    assert await core.transition(sb.id, ["running"], "killing", ev) is True
+    assert await core.transition(sb.id, ["running"], "killing", core.event(sb.id, "kill")) is False
     assert await SandboxEvent.objects.filter(sandbox=sb, operation="kill", outcome="ok").acount() == 1
 
 
-async def test_dead_node_does_not_hang_kill(team, base_template, nodes_mock, monkeypatch):
-    monkeypatch.setattr(services, "KILL_DEADLINE", 0.2)
+async def test_dead_node_does_not_hang_kill(team, base_template, nodes_mock, settings):
+    settings.AENV_KILL_DEADLINE = 0.2
 
     async def hang(node, **kw):
         await asyncio.sleep(30)
 
-    sb = await services.create_sandbox(team, "base")
+    sb = await _new(team)
     nodes_mock.client.kill_sandbox.side_effect = hang
-    killed = await asyncio.wait_for(services.kill_sandbox(team, sb.id), timeout=5)
+    killed = await asyncio.wait_for(kill.kill_sandbox(team, sb.id), timeout=5)
     assert killed.state == "killed" and killed.killed_at is not None
     assert "not confirmed" in killed.error_reason and "n1" in killed.error_reason
     ev = await SandboxEvent.objects.filter(sandbox=sb, operation="kill", to_state="killed").aget()
@@ -159,11 +163,10 @@ async def test_dead_node_does_not_hang_kill(team, base_template, nodes_mock, mon
 
 
 async def test_kill_of_unknown_or_other_team(team, other_team, base_template, nodes_mock):
-    sb = await services.create_sandbox(team, "base")
+    sb = await _new(team)
     for t, sid in ((other_team, sb.id), (team, "inope")):
-        with pytest.raises(ApiError) as err:
-            await services.kill_sandbox(t, sid)
-        assert err.value.status_code == 404
+        with pytest.raises(NotFound):
+            await kill.kill_sandbox(t, sid)
     assert (await Sandbox.objects.aget(pk=sb.id)).state == "running"
 
 
@@ -218,7 +221,6 @@ async def test_idempotency_key_too_long_is_400(api, nodes_mock, assert_error):
 
 
 @pytest.mark.parametrize("seconds", [-1, 10**9, "5", True])
-async def test_service_validates_timeout(team, base_template, seconds):
-    with pytest.raises(ApiError) as err:
-        await services.create_sandbox(team, "base", timeout=seconds)
-    assert err.value.status_code == 400
+async def test_the_api_edge_validates_timeout(api, nodes_mock, assert_error, seconds):
+    assert_error(await api.post("/v2/sandboxes", json={"templateID": "base", "timeout": seconds}), 400)
+    nodes_mock.client.boot_sandbox.assert_not_awaited()

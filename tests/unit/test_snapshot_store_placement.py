@@ -9,7 +9,7 @@ from django.utils import timezone
 from nodes.models import Node
 from nodes.placement import NoNodeAvailable
 from snapshots.models import Snapshot, SnapshotState
-from snapshots.services import restore_node
+from snapshots.sources import restore_node
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -38,29 +38,29 @@ def _kill_node(node_id):
 async def test_own_node_is_preferred_with_either_backend(snapshot, settings):
     for backend in ("posix_fs", "s3"):
         settings.AENV_SNAPSHOT_BACKEND = backend
-        assert (await restore_node(snapshot, NoNodeAvailable)).pk == "own"
+        assert (await restore_node(snapshot)).pk == "own"
 
 
 async def test_posix_fs_needs_the_own_node(snapshot, settings):
     settings.AENV_SNAPSHOT_BACKEND = "posix_fs"
     await _kill_node("own")
     with pytest.raises(NoNodeAvailable, match="holding snapshot .* is not available"):
-        await restore_node(snapshot, NoNodeAvailable)
+        await restore_node(snapshot)
 
 
 async def test_s3_restores_on_another_alive_node(snapshot, settings):
     settings.AENV_SNAPSHOT_BACKEND = "s3"
     await _kill_node("own")
-    assert (await restore_node(snapshot, NoNodeAvailable)).pk == "other"
+    assert (await restore_node(snapshot)).pk == "other"
     await _kill_node("other")
     with pytest.raises(NoNodeAvailable, match=f"no node can restore snapshot {snapshot.id}"):
-        await restore_node(snapshot, NoNodeAvailable)
+        await restore_node(snapshot)
 
 
 async def test_s3_goes_elsewhere_when_the_own_node_is_full(snapshot, settings):
     settings.AENV_SNAPSHOT_BACKEND = "s3"
     await Node.objects.filter(pk="own").aupdate(memory_mb_capacity=256)
-    assert (await restore_node(snapshot, NoNodeAvailable)).pk == "other"
+    assert (await restore_node(snapshot)).pk == "other"
     settings.AENV_SNAPSHOT_BACKEND = "posix_fs"
     with pytest.raises(NoNodeAvailable, match="has no room"):
-        await restore_node(snapshot, NoNodeAvailable)
+        await restore_node(snapshot)

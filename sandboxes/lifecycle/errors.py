@@ -1,0 +1,46 @@
+"""What a lifecycle operation can fail with, in the domain's words.
+
+Why not HTTP errors: the sweeper, the data plane and the dashboard call the same
+operations as the API. Each kind below means one thing to every caller; only the API
+edge (``sandboxes.errors``) turns it into a status code, E2B's JSON and headers.
+"""
+
+
+class LifecycleError(Exception):
+    """``message`` is for people; ``code`` a stable snake_case name for programs (e.g.
+    the node's failure kind); ``retry`` False tells clients a retry cannot help."""
+
+    def __init__(self, message: str, *, code: str | None = None, retry: bool = True):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.retry = retry
+        self.kind = type(self).__name__  # for event logs: what failed (e.g. the node's error class)
+
+
+class NotFound(LifecycleError):
+    """No such sandbox or snapshot for this team (or it is gone)."""
+
+
+class Conflict(LifecycleError):
+    """The thing exists but its state does not allow the operation now."""
+
+
+class Invalid(LifecycleError):
+    """The request names something impossible (an unknown template, a count over a limit)."""
+
+
+class Unavailable(LifecycleError):
+    """No node can do it now (none alive, none with room, node unreachable)."""
+
+
+class Timeout(LifecycleError):
+    """The node did not finish within its deadline (the outcome is recorded when it does)."""
+
+
+class StorageFull(LifecycleError):
+    """The snapshot store has no room."""
+
+
+class Failed(LifecycleError):
+    """The node tried and failed (``code`` names the node's error kind)."""

@@ -1,0 +1,26 @@
+"""The lifecycle's domain errors become HTTP in one table at the API edge."""
+import pytest
+from rest_framework.response import Response
+
+from sandboxes.errors import STATUS, e2b_exception_handler, status_of
+from sandboxes.lifecycle import errors as domain
+
+
+@pytest.mark.parametrize("kind, status", [
+    (domain.Invalid, 400), (domain.NotFound, 404), (domain.Conflict, 409), (domain.Failed, 500),
+    (domain.Unavailable, 503), (domain.Timeout, 504), (domain.StorageFull, 507),
+])
+def test_each_domain_error_has_one_status(kind, status):
+    assert status_of(kind("x")) == status
+    response = e2b_exception_handler(kind("what happened", code="some_code"), {})
+    assert isinstance(response, Response) and response.status_code == status
+    assert response.data == {"code": status, "message": "what happened", "error_code": "some_code"}
+    assert "Should-Retry" not in response.headers
+
+
+def test_every_kind_is_in_the_table_and_no_retry_is_said():
+    kinds = {c for c in vars(domain).values() if isinstance(c, type) and issubclass(c, domain.LifecycleError)}
+    assert kinds - {domain.LifecycleError} == set(STATUS)
+    response = e2b_exception_handler(domain.Unavailable("no node", retry=False), {})
+    assert response.status_code == 503 and response.headers["Should-Retry"] == "false"
+    assert response.data == {"code": 503, "message": "no node"}
