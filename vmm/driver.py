@@ -7,6 +7,7 @@ state dirs so a restarted worker can list() and reattach to VMs that outlived it
 from __future__ import annotations
 
 import abc
+import enum
 import importlib
 import json
 import os
@@ -17,8 +18,9 @@ from pathlib import Path
 
 from vmm.images import ImageNotFound  # re-exported: part of the driver contract
 
-__all__ = ["BootSpec", "VMInfo", "SnapshotManifest", "VMDriver", "VMError", "ImageNotFound", "BootTimeout",
-           "SnapshotUnusable", "get_driver", "register_driver", "driver_names"]
+__all__ = ["BootSpec", "VMInfo", "VMStatus", "VMInspection", "Leftover", "SnapshotManifest", "VMDriver", "VMError",
+           "VMNotFound", "ImageNotFound", "BootTimeout", "SnapshotUnusable", "get_driver", "register_driver",
+           "driver_names", "valid_sandbox_id"]
 
 
 SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -33,6 +35,11 @@ class VMError(Exception):
     """A VM operation failed (QEMU refused to start, bad spec, host not capable...)."""
 
 
+class VMNotFound(VMError):
+    """A verb named a sandbox id the driver has no VM for (kill() returns False instead,
+    info() None and inspect() VMStatus.UNKNOWN)."""
+
+
 class BootTimeout(VMError):
     """envd did not answer /health before the deadline, even after one retry."""
 
@@ -45,6 +52,35 @@ class SnapshotUnusable(VMError):
     """A snapshot cannot be restored on this host: it was taken by another driver or under
     another accelerator, or something it needs (its files, the image build it was taken
     on) is not here. The message names what."""
+
+
+class VMStatus(enum.StrEnum):
+    """What a driver knows of one VM (inspect(); VMInfo.status is one of the first three)."""
+
+    RUNNING = "running"  # the guest runs
+    PAUSED = "paused"  # vCPUs stopped in memory: the hypervisor process stays (pause())
+    SAVED = "saved"  # paused to disk (pause_to_disk, with its memory or filesystem-only): no process
+    STOPPED = "stopped"  # something is left but cannot run or resume: its process died, a boot cut off
+    UNKNOWN = "unknown"  # nothing of this id on the host
+
+
+@dataclass(frozen=True)
+class VMInspection:
+    sandbox_id: str
+    status: VMStatus
+    pid: int = 0  # the hypervisor process while RUNNING / PAUSED
+    memory: bool = False  # SAVED with its memory (a resume continues its processes), else disk only
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Something a driver left on the host that no VM needs (found by stray(), removed by gc()):
+    e.g. a hypervisor process of a VM recorded as saved to disk (a worker killed between the
+    save and the process's exit), or a fork capture no child uses any more."""
+
+    kind: str  # "process", "fork capture", ... (the driver's words)
+    name: str  # what it is: a sandbox id, a capture's name
+    sandbox_id: str = ""  # the VM it belongs to, if any
 
 
 @dataclass(frozen=True)
@@ -68,7 +104,7 @@ class VMInfo:
     accel: str
     state_dir: Path
     timings: dict[str, float] = field(default_factory=dict)
-    status: str = "running"  # "running" | "paused" (pid is 0 after a pause_to_disk)
+    status: VMStatus = VMStatus.RUNNING  # RUNNING | PAUSED (in memory) | SAVED (to disk: pid is 0)
 
     @property
     def envd_url(self) -> str:
@@ -116,14 +152,25 @@ class SnapshotManifest:
         return path
 
     @classmethod
-    def load(cls, dir: Path) -> "SnapshotManifest":
-        data = json.loads((Path(dir) / "manifest.json").read_text())
+    def from_json(cls, data: dict) -> "SnapshotManifest":
+        data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         data["dir"] = Path(data["dir"])
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        return cls(**data)
+
+    @classmethod
+    def load(cls, dir: Path) -> "SnapshotManifest":
+        return cls.from_json(json.loads((Path(dir) / "manifest.json").read_text()))
 
 
 class VMDriver(abc.ABC):
-    """One hypervisor backend. Implementations must be safe to use from several threads."""
+    """One hypervisor backend. Implementations must be safe to use from several threads.
+
+    Errors: every verb raises VMError (or a subclass); a verb on an id the driver has no VM for
+    raises VMNotFound, except kill() (False), info() (None) and inspect() (UNKNOWN). A verb the
+    VM's state does not allow raises VMError: pause / snapshot / fork of a SAVED VM; pause_to_disk
+    of a VM saved the other way (with / without its memory). Repeating a state is not an error: pause of a PAUSED
+    VM, pause_to_disk of one already saved that way ({}), resume of a RUNNING VM.
+    """
 
     name: str  # its registry name (AENV_DRIVER)
     accel: str
@@ -154,12 +201,52 @@ class VMDriver(abc.ABC):
 
     @abc.abstractmethod
     def info(self, sandbox_id: str) -> VMInfo | None:
-        """The VM's info (running or paused), or None if it is unknown or dead."""
+        """The VM's info (running, paused or saved), or None if it is unknown or dead."""
 
     @abc.abstractmethod
     def list(self) -> list[VMInfo]:
         """All VMs found in state dirs whose process is alive, plus VMs paused to disk
         (reattach after a worker restart)."""
+
+    # -- what reconcile and the snapshot stores need (no caller knows the driver's files) ----
+
+    @abc.abstractmethod
+    def inspect(self, sandbox_id: str) -> VMInspection:
+        """The VM's real state on this host, never raising for an unknown id (UNKNOWN). Cheap:
+        reads records and checks processes, sends nothing to the guest."""
+
+    @abc.abstractmethod
+    def sandbox_ids(self) -> set[str]:
+        """Every id the driver holds anything of on this host (inspect() is not UNKNOWN),
+        including VMs that cannot run any more (STOPPED: kill() removes what is left)."""
+
+    @abc.abstractmethod
+    def stray(self, sandbox_id: str | None = None) -> list[Leftover]:
+        """What is left on the host that no VM needs (see Leftover): of one VM, or all of
+        them plus the driver's own leftovers. Changes nothing."""
+
+    @abc.abstractmethod
+    def remove_leftover(self, leftover: Leftover) -> bool:
+        """Removes one thing stray() found, if it is still stray; False if it was not."""
+
+    def gc(self, sandbox_id: str | None = None) -> list[Leftover]:
+        """Removes what stray() finds; returns what was removed."""
+        return [left for left in self.stray(sandbox_id) if self.remove_leftover(left)]
+
+    @abc.abstractmethod
+    def files_in_use(self) -> set[str]:
+        """Absolute paths of host files the driver's VMs use, their own and others' (the
+        disk layers and memory files of the snapshots they were restored from): a snapshot
+        cache must not delete those."""
+
+    @abc.abstractmethod
+    def adopt_snapshot(self, dir: Path) -> SnapshotManifest:
+        """Makes a snapshot copied to this host from another one restorable here. ``dir``
+        holds its files and a manifest.json whose paths are already this host's
+        (``manifest.dir`` is where the files will live; ``dir`` may be a staging dir renamed
+        to it afterwards). Checks what the snapshot needs from this host (check_snapshot) and
+        re-links its files among themselves (QEMU: each disk layer's backing file). Raises
+        SnapshotUnusable; returns the manifest."""
 
     # -- lifecycle ----------------------------------------------------------------------------
     # Every verb returns or records timings in ms. Guest clocks stop while paused and children
@@ -171,7 +258,7 @@ class VMDriver(abc.ABC):
 
     @abc.abstractmethod
     def pause_to_disk(self, sandbox_id: str, memory: bool = True) -> dict[str, float]:
-        """Stops the QEMU process; info()/list() then report status "paused" with pid 0.
+        """Stops the hypervisor process; info()/list() then report status SAVED with pid 0.
         memory=True: the device state is saved into the state dir and the RAM file stays as the
         memory snapshot (resume continues every process). memory=False: the guest's filesystems
         are synced first (if that fails, nothing changes and VMError is raised), then only the
@@ -221,6 +308,7 @@ class VMDriver(abc.ABC):
 _REGISTRY: dict[str, Callable[..., VMDriver] | str] = {
     "qemu": "vmm.qemu:QemuDriver",
     "firecracker": "vmm.firecracker:FirecrackerDriver",
+    "fake": "vmm.fake:FakeDriver",  # in memory, no processes: tests and the driver contract
 }
 
 

@@ -117,7 +117,8 @@ def test_paused_to_disk_is_listed_and_kill_spares_a_snapshot_ram_file(tmp_path):
     s.status, s.device_state = "paused_disk", str(Path(s.state_dir) / "device.state")
     s.save()
     info = driver.info("pz")
-    assert info.status == "paused" and info.pid == 0
+    assert info.status == "saved" and info.pid == 0
+    assert driver.inspect("pz").status == "saved" and driver.inspect("restored").status == "unknown"
     assert [i.sandbox_id for i in driver.list()] == ["pz"]
     r = state_for(tmp_path, "restored", 999999, "nope")
     snap_ram = tmp_path / "snap-memory.ram"
@@ -126,3 +127,42 @@ def test_paused_to_disk_is_listed_and_kill_spares_a_snapshot_ram_file(tmp_path):
     r.save()
     assert driver.kill("restored") is True and snap_ram.exists()
     assert driver.kill("pz") is True and driver.info("pz") is None and driver.list() == []
+
+
+def test_inspect_leftovers_and_files_in_use_without_real_vms(tmp_path):
+    """The verbs reconcile and the snapshot cache use, on records and stand-in processes:
+    inspect() statuses, a QEMU left running for a VM saved to disk (found, then stopped by
+    gc()), an orphan fork capture, and every path vm.json names as a file in use."""
+    marker = str(tmp_path / "marker-qmp.sock")
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker]) for _ in range(2)]
+    try:
+        driver = QemuDriver(home=tmp_path / "home", images_dir=tmp_path / "images", accel="tcg")
+        state_for(tmp_path, "live", procs[0].pid, marker)
+        state_for(tmp_path, "dead", 999999, "nope")
+        saved = state_for(tmp_path, "saved", procs[1].pid, marker)
+        saved.status, saved.pid, saved.chain = "paused_disk", 0, ["/snaps/s1/layer-0.qcow2"]
+        saved.capture_ref = str(tmp_path / "home" / "forks" / "used-1")
+        saved.save()
+        (tmp_path / "home" / "sandboxes" / "cut").mkdir()  # a boot cut off before its record
+        for capture in ("used-1", "orphan-2"):
+            (tmp_path / "home" / "forks" / capture).mkdir(parents=True)
+
+        status = {sid: driver.inspect(sid).status for sid in ("live", "dead", "saved", "cut", "nobody", "../x")}
+        assert status == {"live": "running", "dead": "stopped", "saved": "saved", "cut": "stopped",
+                          "nobody": "unknown", "../x": "unknown"}
+        assert driver.inspect("live").pid == procs[0].pid and driver.inspect("saved").memory is True
+        assert driver.sandbox_ids() == {"live", "dead", "saved", "cut"}
+        assert [(x.kind, x.name) for x in driver.stray()] == [("process", "saved"), ("fork capture", "orphan-2")]
+        assert driver.stray("live") == [] and len(driver.stray("saved")) == 1
+        used = driver.files_in_use()
+        assert {"/snaps/s1/layer-0.qcow2", saved.ram, saved.capture_ref, "/img/vmlinuz"} <= used
+
+        assert [(x.kind, x.name) for x in driver.gc()] == [("process", "saved"), ("fork capture", "orphan-2")]
+        procs[1].wait(timeout=10)  # the saved VM's leftover process got SIGTERM
+        assert driver.stray() == [] and driver.inspect("saved").status == "saved"
+        assert (tmp_path / "home" / "forks" / "used-1").exists()
+        assert not (tmp_path / "home" / "forks" / "orphan-2").exists()
+        assert process_alive(procs[0].pid, marker)  # a running VM is no leftover
+    finally:
+        for p in procs:
+            p.kill()

@@ -56,7 +56,8 @@ def test_fs_pause_keeps_files_not_processes(driver, tmp_path):
     print(f"\npause_to_disk(memory=False): {timings}")
     assert timings["sync_ms"] >= 0 and timings["total_ms"] > 0
     paused = driver.info(info.sandbox_id)
-    assert paused.status == "paused" and paused.pid == 0
+    assert paused.status == "saved" and paused.pid == 0
+    assert driver.inspect(info.sandbox_id).memory is False  # saved without its memory
     assert live_qemu_processes(str(info.state_dir)) == []
     assert not Path(f"/dev/shm/aenv-{info.sandbox_id}.ram").exists()  # the RAM is not kept
     assert not (info.state_dir / "device.state").exists()
@@ -67,7 +68,7 @@ def test_fs_pause_keeps_files_not_processes(driver, tmp_path):
         driver.pause_to_disk(info.sandbox_id)  # with memory: nothing left to save
     # A restarted worker (new driver object on the same home) sees it paused.
     again = get_driver("qemu", driver.home, IMAGES_DIR)
-    assert [(v.sandbox_id, v.status, v.pid) for v in again.list()] == [(info.sandbox_id, "paused", 0)]
+    assert [(v.sandbox_id, v.status, v.pid) for v in again.list()] == [(info.sandbox_id, "saved", 0)]
 
     resumed = again.resume(info.sandbox_id)
     print(f"resume (cold boot): {resumed.timings}")

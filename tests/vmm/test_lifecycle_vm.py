@@ -152,7 +152,8 @@ def test_pause_to_disk_resume(driver, parent):
     t = driver.pause_to_disk(parent.sandbox_id)
     print(f"\npause_to_disk: {t}")
     paused = driver.info(parent.sandbox_id)
-    assert paused.status == "paused" and paused.pid == 0
+    assert paused.status == "saved" and paused.pid == 0
+    assert driver.inspect(parent.sandbox_id).memory is True
     assert [v.sandbox_id for v in driver.list()] == [parent.sandbox_id]
     assert live_qemu_processes(str(parent.state_dir)) == []  # QEMU really exited
     assert Path(f"/dev/shm/aenv-{parent.sandbox_id}.ram").exists()  # the memory snapshot

@@ -17,12 +17,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vmm import hostinfo, ports
-from vmm.driver import BootSpec, BootTimeout, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo
+from vmm.driver import (BootSpec, BootTimeout, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo,
+                        VMNotFound, VMStatus)
 from vmm.images import find_image
 from vmm.hostinfo import kvm_openable
 from vmm.locks import LockTimeout, vm_lock
 from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
+from vmm.qemu.host import HostMixin
 from vmm.qemu.lifecycle import LifecycleMixin
 from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, OFFLINE, BootAttemptFailed, attempts_error, cmdline_digest,
                               console_tail, envd_healthy, qemu_version, run, virtual_size_mb)
@@ -32,8 +34,11 @@ from vmm.qemu.state import VMState, process_alive, read_pidfile, reap, valid_san
 
 log = logging.getLogger(__name__)
 
+# vm.json status -> VMInfo.status ("paused_disk" and "paused_fs": SAVED)
+_STATUS = {"running": VMStatus.RUNNING, "paused": VMStatus.PAUSED}
 
-class QemuDriver(LifecycleMixin, SnapshotMixin, VMDriver):
+
+class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
     name = "qemu"
 
     def __init__(self, home: Path, images_dir: Path, host_address: str = "127.0.0.1",
@@ -270,7 +275,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, VMDriver):
     def _load(self, sandbox_id: str) -> VMState:
         state = VMState.load(self.sandboxes_dir / sandbox_id) if valid_sandbox_id(sandbox_id) else None
         if state is None:
-            raise VMError(f"unknown sandbox {sandbox_id!r}")
+            raise VMNotFound(f"unknown sandbox {sandbox_id!r}")
         if state.status not in OFFLINE and not process_alive(state.pid, state.qmp):
             raise VMError(f"sandbox {sandbox_id}: QEMU process is gone")
         return state
@@ -307,5 +312,5 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, VMDriver):
     def _to_info(state: VMState) -> VMInfo:
         return VMInfo(sandbox_id=state.sandbox_id, pid=state.pid, envd_host=state.host_address,
                       envd_port=state.host_port, accel=state.accel, state_dir=Path(state.state_dir),
-                      timings=dict(state.timings), status="running" if state.status == "running" else "paused")
+                      timings=dict(state.timings), status=_STATUS.get(state.status, VMStatus.SAVED))
 

@@ -1,0 +1,221 @@
+"""The driver contract (vmm.driver.VMDriver), one suite for every driver: the in-memory fake and
+the real QEMU driver (real microVMs: marked ``vm``).
+
+Why one suite: code above the drivers (node tasks, reconcile, the snapshot stores, the template
+cache) is unit-tested on the fake, so the fake must behave like QEMU; a future driver
+(Firecracker) adds itself to DRIVERS and passes the same checks.
+
+Cost: one booted parent per driver for the whole module (a TCG cold boot is ~6-10 s), plus one
+restore and two fork children; the tests run in file order and leave the parent as the next one
+expects it. A guest is reached through a ``Guest`` adapter (files via envd for QEMU, the fake's
+dicts for the fake).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from vmm.driver import (BootSpec, SnapshotManifest, SnapshotUnusable, VMError, VMInfo, VMNotFound, VMStatus,
+                        get_driver)
+
+PARENT = "ct-parent"
+
+
+class FakeFiles:
+    """Files of a fake guest: its disk dict."""
+
+    def __init__(self, driver):
+        self.driver = driver
+
+    def write(self, info: VMInfo, path: str, text: str) -> None:
+        self.driver.guest(info.sandbox_id).disk[path] = text
+
+    def read(self, info: VMInfo, path: str) -> str | None:
+        return self.driver.guest(info.sandbox_id).disk.get(path)
+
+
+class EnvdFiles:
+    """Files of a real guest, through its envd (the official SDK in debug mode)."""
+
+    def write(self, info: VMInfo, path: str, text: str) -> None:
+        from tests.vmm.test_lifecycle_vm import sh  # noqa: PLC0415
+
+        sh(info.envd_port, f"echo {text} > {path} && sync")
+
+    def read(self, info: VMInfo, path: str) -> str | None:
+        from tests.vmm.test_lifecycle_vm import sh  # noqa: PLC0415
+
+        out = sh(info.envd_port, f"cat {path} 2>/dev/null || echo '<missing>'").strip()
+        return None if out == "<missing>" else out
+
+
+@dataclass
+class Env:
+    name: str
+    driver: object
+    files: object
+    images_dir: Path
+
+
+@contextlib.contextmanager
+def _fake(home: Path):
+    yield Env("fake", (d := get_driver("fake", home, home / "images")), FakeFiles(d), home / "images")
+
+
+@contextlib.contextmanager
+def _qemu(home: Path):
+    from tests.vmm.test_lifecycle_vm import real_driver  # noqa: PLC0415 - skips without QEMU / images
+    from tests.vmm.test_qemu_vm import IMAGES_DIR  # noqa: PLC0415
+
+    with real_driver(home) as d:
+        yield Env("qemu", d, EnvdFiles(), IMAGES_DIR)
+
+
+DRIVERS = {"fake": _fake, "qemu": _qemu}
+
+
+@pytest.fixture(scope="module", params=["fake", pytest.param("qemu", marks=pytest.mark.vm)])
+def env(request, tmp_path_factory):
+    with DRIVERS[request.param](tmp_path_factory.mktemp(request.param) / "home") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def parent(env):
+    """One booted VM per driver for the module (the tests below take it through its life)."""
+    info = env.driver.boot(BootSpec(PARENT, cpu_count=1, memory_mb=256, disk_size_mb=2048))
+    yield info
+    env.driver.kill(PARENT)
+
+
+def test_boot_is_running_in_info_list_and_inspect(env, parent):
+    d = env.driver
+    assert parent.sandbox_id == PARENT and parent.status is VMStatus.RUNNING and parent.pid > 0
+    assert parent.envd_port > 0 and parent.accel == d.accel
+    assert d.info(PARENT).status is VMStatus.RUNNING
+    assert [v.sandbox_id for v in d.list()] == [PARENT]
+    seen = d.inspect(PARENT)
+    assert seen.status is VMStatus.RUNNING and seen.pid == parent.pid
+    assert PARENT in d.sandbox_ids() and d.stray() == []
+    assert set(d.capacity()) >= {"vcpus", "memory_mb"}
+    with pytest.raises(VMError, match="already exists"):
+        d.boot(BootSpec(PARENT, cpu_count=1, memory_mb=256))
+    env.files.write(parent, "/home/user/ct.txt", "booted")
+
+
+def test_pause_and_resume_in_memory(env, parent):
+    d = env.driver
+    assert isinstance(d.pause(PARENT), dict)
+    assert d.inspect(PARENT).status is VMStatus.PAUSED and d.info(PARENT).status is VMStatus.PAUSED
+    d.pause(PARENT)  # again: not an error
+    info = d.resume(PARENT)
+    assert info.status is VMStatus.RUNNING and d.inspect(PARENT).status is VMStatus.RUNNING
+    assert info.pid == parent.pid and info.envd_port == parent.envd_port  # the same process
+    assert d.resume(PARENT).status is VMStatus.RUNNING  # resume of a running VM: not an error
+
+
+def test_pause_to_disk_is_saved_and_resume_brings_it_back(env, parent):
+    d = env.driver
+    d.pause_to_disk(PARENT)
+    seen = d.inspect(PARENT)
+    assert seen.status is VMStatus.SAVED and seen.memory and seen.pid == 0
+    assert d.info(PARENT).status is VMStatus.SAVED and d.info(PARENT).pid == 0
+    assert [v.sandbox_id for v in d.list()] == [PARENT] and d.stray() == []
+    assert d.pause_to_disk(PARENT) == {}  # already saved that way
+    info = d.resume(PARENT)
+    assert info.status is VMStatus.RUNNING and info.envd_port == parent.envd_port
+    assert d.inspect(PARENT).status is VMStatus.RUNNING
+    assert env.files.read(info, "/home/user/ct.txt") == "booted"
+
+
+def test_verbs_a_saved_vm_does_not_allow(env, parent, tmp_path):
+    d = env.driver
+    d.pause_to_disk(PARENT)
+    with pytest.raises(VMError):
+        d.pause(PARENT)
+    with pytest.raises(VMError):
+        d.snapshot(PARENT, tmp_path / "not-taken")
+    with pytest.raises(VMError):
+        d.fork(PARENT, 1)
+    with pytest.raises(VMError):
+        d.pause_to_disk(PARENT, memory=False)  # saved with its memory: resume first
+    assert d.inspect(PARENT).status is VMStatus.SAVED
+    assert d.resume(PARENT).status is VMStatus.RUNNING
+
+
+def test_snapshot_and_restore(env, parent, tmp_path):
+    d = env.driver
+    manifest = d.snapshot(PARENT, tmp_path / "snap")
+    assert (tmp_path / "snap" / "manifest.json").is_file() and manifest.fingerprint == d.fingerprint()
+    assert SnapshotManifest.load(tmp_path / "snap") == manifest
+    assert d.inspect(PARENT).status is VMStatus.RUNNING  # the source keeps running
+    env.files.write(parent, "/home/user/ct.txt", "after-snapshot")
+    child = d.restore(manifest, BootSpec("ct-restored"))
+    try:
+        assert child.status is VMStatus.RUNNING and d.inspect("ct-restored").status is VMStatus.RUNNING
+        assert child.envd_port != parent.envd_port
+        assert env.files.read(child, "/home/user/ct.txt") == "booted"  # the snapshot's state
+        assert {str(tmp_path / "snap")} & {str(Path(f).parent) for f in d.files_in_use()}
+        with pytest.raises(VMError, match="already exists"):
+            d.restore(manifest, BootSpec("ct-restored"))
+    finally:
+        assert d.kill("ct-restored")
+    assert d.inspect("ct-restored").status is VMStatus.UNKNOWN
+    assert env.files.read(parent, "/home/user/ct.txt") == "after-snapshot"
+    foreign = replace(manifest, fingerprint={**manifest.fingerprint, "driver": "elsewhere"})
+    with pytest.raises(SnapshotUnusable):
+        d.restore(foreign, BootSpec("ct-foreign"))
+    assert d.inspect("ct-foreign").status is VMStatus.UNKNOWN
+
+
+def test_fork_gives_independent_children(env, parent):
+    d = env.driver
+    children = d.fork(PARENT, 2, ["ct-child-a", "ct-child-b"])
+    try:
+        assert [c.sandbox_id for c in children] == ["ct-child-a", "ct-child-b"]
+        assert all(isinstance(c, VMInfo) and c.status is VMStatus.RUNNING for c in children)
+        assert len({c.envd_port for c in children} | {parent.envd_port}) == 3
+        assert d.inspect(PARENT).status is VMStatus.RUNNING  # the parent keeps its id and runs
+        a, b = children
+        assert env.files.read(a, "/home/user/ct.txt") == env.files.read(b, "/home/user/ct.txt") == "after-snapshot"
+        env.files.write(a, "/home/user/ct.txt", "only-a")
+        assert env.files.read(b, "/home/user/ct.txt") == "after-snapshot"
+        assert env.files.read(parent, "/home/user/ct.txt") == "after-snapshot"
+        assert env.files.read(a, "/home/user/ct.txt") == "only-a"
+    finally:
+        for c in children:
+            if isinstance(c, VMInfo):
+                d.kill(c.sandbox_id)
+    assert d.stray() == []  # the capture went with its last child
+
+
+def test_verbs_on_unknown_ids(env, tmp_path):
+    d = env.driver
+    for verb in (d.pause, d.pause_to_disk, d.resume):
+        with pytest.raises(VMNotFound):
+            verb("ct-nobody")
+    with pytest.raises(VMNotFound):
+        d.snapshot("ct-nobody", tmp_path / "s")
+    with pytest.raises(VMNotFound):
+        d.fork("ct-nobody", 1)
+    assert d.kill("ct-nobody") is False and d.info("ct-nobody") is None
+    assert d.inspect("ct-nobody").status is VMStatus.UNKNOWN and d.stray("ct-nobody") == []
+
+
+def test_fingerprint_is_stable_across_instances(env, tmp_path):
+    fp = env.driver.fingerprint()
+    assert fp["driver"] == env.name and fp == env.driver.fingerprint()
+    again = get_driver(env.name, tmp_path / "other-home", env.images_dir)
+    assert again.fingerprint() == fp
+
+
+def test_kill_leaves_nothing(env, parent):
+    d = env.driver
+    assert d.kill(PARENT) is True
+    assert d.inspect(PARENT).status is VMStatus.UNKNOWN and d.info(PARENT) is None
+    assert d.list() == [] and d.sandbox_ids() == set()
+    assert d.stray() == [] and d.gc() == [] and d.files_in_use() == set()
+    assert d.kill(PARENT) is False

@@ -1,0 +1,304 @@
+"""An in-memory VM driver: no processes, no hypervisor, only the state machine.
+
+Why: the driver contract (tests/contract/test_driver_contract.py) is written once and run
+against this driver and the real QEMU one, so the verbs mean the same everywhere; code above
+the drivers (node tasks, reconcile, snapshot stores, the template cache) is unit-tested on it
+instead of on hand-written stubs that drift from the contract.
+
+What it models: each VM's status (running / paused in memory / saved with or without its
+memory), a guest as two dicts (``memory``: what a resume with memory keeps, e.g. processes;
+``disk``: files, kept by every pause), snapshots as JSON files in the caller's dir (so the
+snapshot stores and a second driver instance can restore them), fork children that are
+independent copies, host capacity (a boot past it is refused), the fingerprint, and the
+documented errors (VMNotFound for unknown ids, VMError for verbs the state does not allow).
+Test hooks: ``guest(id)`` for the dicts, ``leave_process(id)`` for a stray process.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vmm.driver import (BootSpec, Leftover, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo,
+                        VMInspection, VMNotFound, VMStatus, valid_sandbox_id)
+from vmm.images import ImageNotFound
+
+STRAY_PROCESS, FORK_CAPTURE = "process", "fork capture"
+
+
+@dataclass
+class FakeGuest:
+    memory: dict = field(default_factory=dict)  # lost by a filesystem-only pause or a cold boot
+    disk: dict = field(default_factory=dict)  # kept by every pause; copied by snapshots
+
+
+@dataclass
+class _VM:
+    spec: BootSpec
+    status: VMStatus
+    port: int
+    pid: int
+    guest: FakeGuest
+    memory_kept: bool = True  # SAVED with its memory
+    uses: tuple[str, ...] = ()  # files of the snapshot it was restored from
+    capture: str = ""  # the fork capture it was restored from
+    stray_process: bool = False
+    timings: dict = field(default_factory=dict)
+
+
+class FakeDriver(VMDriver):
+    name = "fake"
+
+    def __init__(self, home: Path | None = None, images_dir: Path | None = None, host_address: str = "127.0.0.1",
+                 accel: str = "none", vcpus: int = 64, memory_mb: int = 65536, images: set[str] | None = None,
+                 **options):
+        self.home = Path(home) if home else None
+        self.images_dir = Path(images_dir) if images_dir else None
+        self.host_address = host_address
+        self.accel = accel
+        self.vcpus, self.memory_mb = vcpus, memory_mb
+        self.images = images  # None: every image name exists
+        self.vms: dict[str, _VM] = {}
+        self.captures: dict[str, set[str]] = {}  # fork capture -> children restored from it
+        self._lock = threading.RLock()
+        self._ports = itertools.count(40000)
+        self._pids = itertools.count(100000)
+
+    # -- identity ---------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict:
+        return {"driver": self.name, "accel": self.accel}
+
+    def check_snapshot(self, manifest: SnapshotManifest) -> None:
+        taken_by = (manifest.fingerprint or {}).get("driver")
+        if taken_by != self.name:
+            raise SnapshotUnusable(f"snapshot was taken by the {taken_by} driver; this host runs {self.name}")
+
+    def capacity(self) -> dict:
+        return {"vcpus": self.vcpus, "memory_mb": self.memory_mb}
+
+    # -- test hooks -------------------------------------------------------------------------
+
+    def guest(self, sandbox_id: str) -> FakeGuest:
+        return self._vm(sandbox_id).guest
+
+    def leave_process(self, sandbox_id: str) -> None:
+        """As if the worker died between a save to disk and the hypervisor's exit."""
+        vm = self._vm(sandbox_id)
+        if vm.status is not VMStatus.SAVED:
+            raise VMError(f"sandbox {sandbox_id} is not saved to disk")
+        vm.stray_process = True
+
+    # -- boot / kill ------------------------------------------------------------------------
+
+    def boot(self, spec: BootSpec) -> VMInfo:
+        guest = FakeGuest()
+        uses: tuple[str, ...] = ()
+        if spec.layers:
+            top = Path(spec.layers[-1])
+            if not top.is_file():
+                raise VMError(f"disk layer {top} does not exist")
+            guest.disk = json.loads(top.read_text())
+            uses = tuple(spec.layers)
+        elif self.images is not None and spec.image not in self.images:
+            raise ImageNotFound(f"image {spec.image!r} not built")
+        return self._start(spec, guest, uses=uses, timings={"total_ms": 0.0, "attempt": 1})
+
+    def _start(self, spec: BootSpec, guest: FakeGuest, uses=(), capture="", timings=None) -> VMInfo:
+        if not valid_sandbox_id(spec.sandbox_id):
+            raise VMError(f"invalid sandbox id {spec.sandbox_id!r}")
+        with self._lock:
+            if spec.sandbox_id in self.vms:
+                raise VMError(f"sandbox {spec.sandbox_id} already exists")
+            live = [vm.spec for vm in self.vms.values() if vm.status is not VMStatus.SAVED]
+            if (sum(s.cpu_count for s in live) + spec.cpu_count > self.vcpus
+                    or sum(s.memory_mb for s in live) + spec.memory_mb > self.memory_mb):
+                raise VMError(f"no capacity for {spec.sandbox_id}: {self.capacity()} in use")
+            vm = _VM(spec=spec, status=VMStatus.RUNNING, port=next(self._ports), pid=next(self._pids),
+                     guest=guest, uses=tuple(uses), capture=capture, timings=dict(timings or {}))
+            self.vms[spec.sandbox_id] = vm
+            return self._info(vm)
+
+    def kill(self, sandbox_id: str) -> bool:
+        with self._lock:
+            vm = self.vms.pop(sandbox_id, None)
+            if vm is not None and vm.capture:
+                children = self.captures.get(vm.capture, set())
+                children.discard(sandbox_id)
+                if not children:
+                    self.captures.pop(vm.capture, None)
+            return vm is not None
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def _vm(self, sandbox_id: str) -> _VM:
+        vm = self.vms.get(sandbox_id)
+        if vm is None:
+            raise VMNotFound(f"unknown sandbox {sandbox_id!r}")
+        return vm
+
+    def _info(self, vm: _VM, timings: dict | None = None) -> VMInfo:
+        return VMInfo(sandbox_id=vm.spec.sandbox_id, pid=0 if vm.status is VMStatus.SAVED else vm.pid,
+                      envd_host=self.host_address, envd_port=vm.port, accel=self.accel,
+                      state_dir=(self.home or Path("/nonexistent")) / "sandboxes" / vm.spec.sandbox_id,
+                      timings=dict(vm.timings if timings is None else timings), status=vm.status)
+
+    def info(self, sandbox_id: str) -> VMInfo | None:
+        with self._lock:
+            vm = self.vms.get(sandbox_id)
+            return None if vm is None else self._info(vm)
+
+    def list(self) -> list[VMInfo]:
+        with self._lock:
+            return [self._info(vm) for _, vm in sorted(self.vms.items())]
+
+    def inspect(self, sandbox_id: str) -> VMInspection:
+        with self._lock:
+            vm = self.vms.get(sandbox_id)
+            if vm is None:
+                return VMInspection(sandbox_id, VMStatus.UNKNOWN)
+            saved = vm.status is VMStatus.SAVED
+            return VMInspection(sandbox_id, vm.status, pid=0 if saved else vm.pid, memory=saved and vm.memory_kept)
+
+    def sandbox_ids(self) -> set[str]:
+        with self._lock:
+            return set(self.vms)
+
+    def stray(self, sandbox_id: str | None = None) -> list[Leftover]:
+        with self._lock:
+            ids = [sandbox_id] if sandbox_id is not None else sorted(self.vms)
+            found = [Leftover(STRAY_PROCESS, sid, sandbox_id=sid) for sid in ids
+                     if sid in self.vms and self.vms[sid].stray_process]
+            if sandbox_id is None:
+                found += [Leftover(FORK_CAPTURE, c) for c, children in sorted(self.captures.items()) if not children]
+            return found
+
+    def remove_leftover(self, leftover: Leftover) -> bool:
+        with self._lock:
+            if leftover.kind == STRAY_PROCESS:
+                vm = self.vms.get(leftover.sandbox_id)
+                if vm is None or not vm.stray_process:
+                    return False
+                vm.stray_process = False
+                return True
+            if leftover.kind == FORK_CAPTURE and not self.captures.get(leftover.name, {"x"}):
+                del self.captures[leftover.name]
+                return True
+            return False
+
+    def files_in_use(self) -> set[str]:
+        with self._lock:
+            return {path for vm in self.vms.values() for path in vm.uses}
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def pause(self, sandbox_id: str) -> dict[str, float]:
+        with self._lock:
+            vm = self._vm(sandbox_id)
+            if vm.status is VMStatus.SAVED:
+                raise VMError(f"sandbox {sandbox_id} is paused to disk")
+            vm.status = VMStatus.PAUSED
+            return {"pause_ms": 0.0}
+
+    def pause_to_disk(self, sandbox_id: str, memory: bool = True) -> dict[str, float]:
+        with self._lock:
+            vm = self._vm(sandbox_id)
+            if vm.status is VMStatus.SAVED:
+                if vm.memory_kept == memory:
+                    return {}
+                raise VMError(f"sandbox {sandbox_id} is already paused to disk "
+                              f"({'with' if vm.memory_kept else 'without'} its memory); resume it first")
+            if not memory:
+                vm.guest.memory = {}
+            vm.status, vm.memory_kept = VMStatus.SAVED, memory
+            return {"total_ms": 0.0}
+
+    def resume(self, sandbox_id: str, memory: bool = True) -> VMInfo:
+        with self._lock:
+            vm = self._vm(sandbox_id)
+            cold = vm.status is VMStatus.SAVED and not vm.memory_kept
+            if not memory and vm.status is not VMStatus.RUNNING:
+                cold = True
+            if cold:
+                vm.guest.memory = {}
+                vm.pid = next(self._pids)
+            elif vm.status is VMStatus.SAVED:
+                vm.pid = next(self._pids)  # a new process, same id and port
+            vm.status, vm.memory_kept = VMStatus.RUNNING, True
+            return self._info(vm, {"total_ms": 0.0, **({"cold_boot": 1} if cold else {})})
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True) -> SnapshotManifest:
+        dest = Path(dest_dir).absolute()
+        dest.mkdir(parents=True, exist_ok=True)
+        if any(dest.iterdir()):
+            raise VMError(f"snapshot dir {dest} is not empty")
+        with self._lock:
+            vm = self._vm(sandbox_id)
+            if vm.status is VMStatus.SAVED:
+                raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a snapshot")
+            disk = dest / "layer-0.json"
+            disk.write_text(json.dumps(vm.guest.disk))
+            files = {"memory_file": "", "device_state_file": ""}
+            if memory:
+                (dest / "memory.json").write_text(json.dumps(vm.guest.memory))
+                (dest / "device.json").write_text("{}")
+                files = {"memory_file": str(dest / "memory.json"), "device_state_file": str(dest / "device.json")}
+            manifest = SnapshotManifest(
+                dir=dest, layers=[str(disk)], cpu_count=vm.spec.cpu_count, memory_mb=vm.spec.memory_mb,
+                disk_size_mb=vm.spec.disk_size_mb, machine={"image": vm.spec.image, "accel": self.accel},
+                source_sandbox_id=sandbox_id, created_at=time.time(), timings={"pause_ms": 0.0, "total_ms": 0.0},
+                fingerprint=self.fingerprint(), **files)
+            manifest.save()
+            return manifest
+
+    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
+        self.check_snapshot(manifest)
+        files = [*manifest.layers, manifest.memory_file, manifest.device_state_file]
+        missing = [f for f in files if not f or not Path(f).is_file()]
+        if missing:
+            raise SnapshotUnusable(f"snapshot {manifest.dir} is missing {', '.join(missing) or 'its memory'}")
+        guest = FakeGuest(memory=json.loads(Path(manifest.memory_file).read_text()),
+                          disk=json.loads(Path(manifest.layers[-1]).read_text()))
+        shape = BootSpec(spec.sandbox_id, image=manifest.machine.get("image", "base"), cpu_count=manifest.cpu_count,
+                         memory_mb=manifest.memory_mb, disk_size_mb=manifest.disk_size_mb)
+        return self._start(shape, guest, uses=tuple(files),
+                           timings={"total_ms": 0.0, **({"ram_copy_ms": 0.0} if template else {})})
+
+    def fork(self, sandbox_id: str, count: int, child_ids: list[str] | None = None) -> list[VMInfo | Exception]:
+        if count < 1:
+            raise VMError("fork count must be >= 1")
+        with self._lock:
+            vm = self._vm(sandbox_id)
+            if vm.status is VMStatus.SAVED:
+                raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a fork")
+            tag = f"{sandbox_id}-{next(self._pids)}"
+            ids = child_ids or [f"{sandbox_id[:48]}-f{tag[-6:]}-{i}" for i in range(count)]
+            if len(ids) != count or len(set(ids)) != count:
+                raise VMError("child_ids must be `count` distinct ids")
+            captured = copy.deepcopy(vm.guest)
+            self.captures[tag] = set()
+            results: list[VMInfo | Exception] = []
+            for cid in ids:
+                try:
+                    shape = BootSpec(cid, image=vm.spec.image, cpu_count=vm.spec.cpu_count,
+                                     memory_mb=vm.spec.memory_mb, disk_size_mb=vm.spec.disk_size_mb)
+                    results.append(self._start(shape, copy.deepcopy(captured), capture=tag,
+                                               timings={"total_ms": 0.0}))
+                    self.captures[tag].add(cid)
+                except VMError as exc:
+                    results.append(exc)
+            if not self.captures[tag]:
+                del self.captures[tag]  # gone at once if every child failed
+            return results
+
+    def adopt_snapshot(self, dir: Path) -> SnapshotManifest:
+        manifest = SnapshotManifest.load(Path(dir))
+        self.check_snapshot(manifest)
+        return manifest
