@@ -1,6 +1,7 @@
 """Node-side reconcile: make the database agree with the VMs this node really has.
 
-Why here: only the node can look at its VMs (state dirs, processes), and a node worker
+Why here: only the node can look at its VMs (through its driver's ``inspect()``: no
+code here knows a hypervisor's files or processes), and a node worker
 that died mid-operation leaves sandboxes in ``pausing`` / ``resuming`` / ``creating`` /
 ``killing`` with nobody to finish them — the API call that started the operation waits
 for a task result that will never come. On start (before consuming tasks) the worker
@@ -17,8 +18,8 @@ long ago (AENV_RECONCILE_STALE). The VM's real state wins for interrupted operat
   called from here;
 - settled rows (startup only): ``running`` whose VM is saved to disk → ``paused``;
   ``paused`` whose VM runs → saved to disk again; a row whose VM is gone → ``error``.
-A VM recorded as saved to disk never keeps a QEMU process (a worker killed between the
-save and QEMU's exit leaves one; it is stopped). VMs whose sandbox is killed or failed
+A VM saved to disk never keeps a hypervisor process (a worker killed between the save and
+the process's exit leaves one; the driver's ``gc()`` stops it). VMs whose sandbox is killed or failed
 (an unconfirmed kill while the node was away) are removed.
 
 Every change is a conditional update on (state, updated_at) with a SandboxEvent
@@ -27,12 +28,8 @@ is never overwritten."""
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
-import time
 from datetime import datetime, timedelta
-from pathlib import Path
 
 from django.db import close_old_connections
 from django.utils import timezone
@@ -40,44 +37,13 @@ from django.utils import timezone
 from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.states import DEAD, SandboxState
 from sandboxes.transitions import transition_sync
+from vmm.driver import VMStatus
 
 log = logging.getLogger(__name__)
 
 S = SandboxState
 TRANSITIONAL = [S.CREATING, S.PAUSING, S.RESUMING, S.KILLING]
 SETTLED = [S.RUNNING, S.PAUSED]
-
-
-def _vm_record(driver, sandbox_id: str):
-    """The driver's on-disk record of a VM (vmm.qemu.state.VMState), or None."""
-    from vmm.qemu.state import VMState  # noqa: PLC0415
-
-    sandboxes_dir = getattr(driver, "sandboxes_dir", None)
-    return VMState.load(Path(sandboxes_dir) / sandbox_id) if sandboxes_dir else None
-
-
-def _stop_stray_process(record) -> bool:
-    """A VM recorded as saved to disk (or filesystem-only) must have no QEMU process;
-    a worker killed between the save and QEMU's exit leaves one running. Returns True
-    if one was stopped."""
-    from vmm.qemu.state import process_alive, read_pidfile  # noqa: PLC0415
-
-    if record is None or record.status == "running" or record.status == "paused":
-        return False
-    pid = read_pidfile(Path(record.pidfile)) or record.pid
-    if not pid or not process_alive(pid, record.qmp):
-        return False
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return True
-        end = time.monotonic() + wait
-        while time.monotonic() < end and process_alive(pid, record.qmp):
-            time.sleep(0.02)
-        if not process_alive(pid, record.qmp):
-            return True
-    return True
 
 
 def _move(row: Sandbox, to_state: str, actor: str, message: str, details: dict | None = None, **fields) -> bool:
@@ -103,16 +69,15 @@ def _continue(driver, row: Sandbox) -> dict:
 
 def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
     """Brings one row and its VM into agreement; returns what was done (for the log)."""
-    info = driver.info(row.pk)
-    record = _vm_record(driver, row.pk)
-    stray = _stop_stray_process(record)
-    # saved to disk (with or without memory): no process; "paused" alone is an in-memory stop
-    on_disk = info is not None and record is not None and record.status not in ("running", "paused")
-    running = info is not None and info.status == "running"
-    details = {"vm": None if info is None else info.status, "stray_process_stopped": stray}
+    stray = bool(driver.gc(row.pk))  # e.g. a process left running by a VM saved to disk
+    vm = driver.inspect(row.pk).status
+    present = vm in (VMStatus.RUNNING, VMStatus.PAUSED, VMStatus.SAVED)  # stopped / unknown: lost
+    on_disk = vm is VMStatus.SAVED  # saved to disk, with or without memory: no process
+    running = vm is VMStatus.RUNNING
+    details = {"vm": vm.value if present else None, "stray_process_stopped": stray}
 
     if row.state == S.KILLING or row.state in DEAD:
-        driver.kill(row.pk)  # also a state dir without vm.json (a boot cut off early)
+        driver.kill(row.pk)  # also what a boot cut off early left
         if row.state == S.KILLING:
             _move(row, S.KILLED, actor, "kill finished by the node", details, killed_at=timezone.now())
         else:
@@ -125,7 +90,7 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
         _move(row, S.ERROR, actor, "node restarted while the sandbox was being created", details,
               error_reason="node worker restarted while the sandbox was being created")
         return "create abandoned"
-    if info is None:
+    if not present:
         driver.kill(row.pk)  # whatever files are left
         reason = f"VM lost: the node has no VM for this sandbox (it was {row.state})"
         _move(row, S.ERROR, actor, reason, details, error_reason=reason)
@@ -153,7 +118,7 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
         return "paused"
     if stray:
         SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", from_state=row.state,
-                                    to_state=row.state, message="stopped a QEMU process left after a pause",
+                                    to_state=row.state, message="stopped a VM process left after a pause",
                                     details=details, actor=actor)
         return "stray stopped"
     return None
@@ -168,11 +133,7 @@ def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool)
     actor = f"node:{node_id}"
     states = TRANSITIONAL + (SETTLED if settled else [])
     rows = list(Sandbox.objects.filter(node_id=node_id, state__in=states, updated_at__lt=older_than))
-    sandboxes_dir = getattr(driver, "sandboxes_dir", None)
-    if sandboxes_dir is not None and Path(sandboxes_dir).is_dir():  # includes dead VMs' leftover files
-        known_vms = {d.name for d in Path(sandboxes_dir).iterdir() if d.is_dir()}
-    else:
-        known_vms = {vm.sandbox_id for vm in driver.list()}
+    known_vms = driver.sandbox_ids()  # includes dead VMs' leftovers
     rows += list(Sandbox.objects.filter(pk__in=known_vms, state__in=DEAD, updated_at__lt=older_than))
     done = []
     for row in rows:

@@ -6,7 +6,8 @@ mid-capture), in the style of ``nodes.reconcile`` and meant to be called from it
   ``running`` (no VM → ``error``). Fork children left ``creating`` are
   ``nodes.reconcile``'s (removed, ``error``);
 - a Snapshot left ``creating`` on this node: its partial files are removed → ``error``;
-- fork captures no VM refers to any more are removed.
+- what the driver left that no VM needs (fork captures no child uses, a process of a VM
+  saved to disk) is removed: ``driver.gc()``.
 
 All of it only at start, before the worker consumes tasks: then nothing can still be
 capturing. A periodic pass must not judge by age (a long capture under TCG is not an
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from pathlib import Path
 
 from django.utils import timezone
 
@@ -52,7 +52,9 @@ def reconcile_interrupted(node_id: str, driver, *, older_than: datetime, at_star
     for snap in list(Snapshot.objects.filter(node_id=node_id, state=SnapshotState.CREATING,
                                              updated_at__lt=older_than)):
         done.append(("snapshot", snap.pk, _fail_snapshot(snap)))
-    done += [("fork capture", name, "removed") for name in _orphan_captures(driver)]
+    # what the driver left that no VM needs: fork captures (a fork killed between capture and
+    # children: the driver deletes a capture only when its last child goes), stray processes
+    done += [(left.kind, left.name, "removed") for left in driver.gc()]
     return done
 
 
@@ -83,20 +85,3 @@ def _fail_snapshot(snap: Snapshot) -> str:
                                     message=f"snapshot {snap.pk} abandoned: {reason}",
                                     details={"snapshot": snap.pk, "files_removed": removed})
     return "error"
-
-
-def _orphan_captures(driver) -> list[str]:
-    """Fork captures (``<home>/forks/*``) that no VM state dir refers to: a fork killed
-    between capture and children. The driver deletes a capture only when its last child
-    goes, so nothing else would ever remove these."""
-    home = getattr(driver, "home", None)
-    release = getattr(driver, "_release_capture", None)
-    forks = Path(home) / "forks" if home else None
-    if forks is None or release is None or not forks.is_dir():
-        return []
-    removed = []
-    for capture in sorted(forks.iterdir()):
-        release(capture.absolute())
-        if not capture.exists():
-            removed.append(capture.name)
-    return removed

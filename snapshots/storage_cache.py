@@ -7,9 +7,9 @@ directory named after a snapshot id is always complete.
 
 Eviction is least-recently-used (``.last_used`` mtime, touched on every lookup)
 and never removes an entry a VM on this node still reads: restored VMs map the
-snapshot's RAM file and stack their disk on its layers, and their state files
-(``AENV_HOME/sandboxes/*/vm.json``) name those paths. A lookup also pins the entry
-for ``pin_seconds``, covering a restore between lookup and its vm.json."""
+snapshot's memory and stack their disk on its layers, and the VM driver says which
+files its VMs use (``files_in_use()``, e.g. from QEMU's vm.json records). A lookup also
+pins the entry for ``pin_seconds``, covering a restore between lookup and the VM's record."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .storage_chunks import allocated_bytes
@@ -33,9 +34,11 @@ class CacheFull(Exception):
 
 
 class SnapshotCache:
-    def __init__(self, root: Path, sandboxes_dir: Path, limit_bytes: int, pin_seconds: float = 600.0):
+    def __init__(self, root: Path, files_in_use: Callable[[], Iterable[str]], limit_bytes: int,
+                 pin_seconds: float = 600.0):
+        """``files_in_use``: the node's VM driver's ``files_in_use`` (paths its VMs read)."""
         self.root = Path(root).absolute()
-        self.sandboxes_dir = Path(sandboxes_dir)
+        self.files_in_use = files_in_use
         self.limit_bytes = int(limit_bytes)
         self.pin_seconds = float(pin_seconds)
 
@@ -74,16 +77,8 @@ class SnapshotCache:
                 return True
         except FileNotFoundError:
             pass
-        needle = f"{entry}/"
-        if not self.sandboxes_dir.is_dir():
-            return False
-        for state in self.sandboxes_dir.glob("*/vm.json"):
-            try:
-                if needle in state.read_text(errors="replace"):
-                    return True
-            except OSError:
-                continue
-        return False
+        inside = f"{entry}/"
+        return any(str(path).startswith(inside) for path in self.files_in_use())
 
     # ------------------------------------------------------------------ locks
 

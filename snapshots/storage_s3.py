@@ -26,7 +26,9 @@ crash mid-delete leaks chunks (never loses them): the doomed manifest is kept at
 
 The node that took a snapshot keeps its local copy (``AENV_HOME/snapshots/<id>``,
 as posix_fs). Other nodes download into ``AENV_HOME/cache/snapshots/<id>`` (see
-storage_cache), rewrite the paths to theirs and re-point each layer's backing file."""
+storage_cache), rewrite the paths to theirs and let the VM driver adopt the files
+(``adopt_snapshot``: QEMU re-points each layer's backing file); the driver also says
+beforehand whether this node can restore it at all (``check_snapshot``: the image build)."""
 from __future__ import annotations
 
 import json
@@ -34,10 +36,11 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from vmm.driver import SnapshotManifest, VMError
 
 from .storage import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked
 from .storage_cache import CacheFull, SnapshotCache
@@ -108,19 +111,31 @@ class S3Store(SnapshotStore):
 
     def __init__(self, *, home: Path, images_dir: Path, bucket: str, client=None, endpoint: str = "",
                  region: str = "", prefix: str = "", concurrency: int = 8, cache_limit_bytes: int = 20 << 30,
-                 pin_seconds: float = 600.0, chunk_size: int = CHUNK_SIZE):
+                 pin_seconds: float = 600.0, chunk_size: int = CHUNK_SIZE, driver=None):
+        """``driver``: the node's VM driver (vmm.driver.VMDriver), which adopts downloads and
+        says which cached files its VMs use; default the node's own (nodes.driver), made on
+        first use, since only downloads and eviction need it."""
         if not bucket:
             raise SnapshotStoreError("the s3 snapshot store needs a bucket (AENV_S3_BUCKET)")
         home = Path(home).absolute()
         self.local = PosixFsStore(home / "snapshots")
-        self.cache = SnapshotCache(home / "cache" / "snapshots", home / "sandboxes", cache_limit_bytes,
-                                   pin_seconds)
+        self._driver = driver
+        self.cache = SnapshotCache(home / "cache" / "snapshots", lambda: self.driver.files_in_use(),
+                                   cache_limit_bytes, pin_seconds)
         self.images_dir = Path(images_dir).absolute()
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.concurrency = max(1, int(concurrency))
         self.chunk_size = int(chunk_size)
         self.s3 = client or make_client(endpoint, region, self.concurrency)
+
+    @property
+    def driver(self):
+        if self._driver is None:
+            from nodes.driver import get_driver  # noqa: PLC0415 - the node's one driver
+
+            self._driver = get_driver()
+        return self._driver
 
     # ------------------------------------------------------------------ keys
 
@@ -304,12 +319,11 @@ class S3Store(SnapshotStore):
         staging = self.cache.staging_dir(snapshot_id)
         try:
             self._fetch_files(doc, staging)
-            layers = manifest.get("layers") or []
-            for lower, upper in zip(layers, layers[1:]):
-                name = _own_file(upper, final)
-                subprocess.run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", lower,
-                                str(staging / name)], check=True, capture_output=True, text=True)
             (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
+            try:
+                self.driver.adopt_snapshot(staging)  # e.g. each layer's backing file -> this node's
+            except VMError as exc:
+                raise SnapshotStoreError(f"snapshot {snapshot_id} cannot be used here: {exc}") from exc
             path = self.cache.install(staging, snapshot_id)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -318,20 +332,13 @@ class S3Store(SnapshotStore):
         return path
 
     def _check_base(self, snapshot_id: str, manifest: dict) -> None:
-        """The template base layer (and the kernel and tools the VM state needs) are
-        this node's own image build: they must be here, at the same place."""
-        machine = manifest.get("machine") or {}
-        layers = manifest.get("layers") or []
-        needed = [("template base layer", layers[0] if layers else "")] + [
-            (what, machine.get(key) or "") for what, key in
-            (("guest kernel", "kernel"), ("initrd", "initrd"), ("tools drive", "tools"))]
-        for what, path in needed:
-            if not path or not Path(path).is_file():
-                build = Path(machine.get("image_dir") or "").name or "unknown"
-                raise SnapshotStoreError(
-                    f"snapshot {snapshot_id} needs its {what} {path or '(none)'} (image build {build}) which this "
-                    f"node does not have in {self.images_dir}; build the same image here "
-                    f"(python -m vmm.images build --name {machine.get('image') or 'base'})")
+        """Before anything is downloaded: this node can restore the snapshot (the driver
+        checks what it needs from the node, e.g. the image build it was taken on, which
+        every node builds itself at the same place)."""
+        try:
+            self.driver.check_snapshot(SnapshotManifest.from_json(manifest))
+        except VMError as exc:
+            raise SnapshotStoreError(f"snapshot {snapshot_id} {exc}") from exc
 
     def _fetch_files(self, doc: dict, staging: Path) -> None:
         fds = {}
@@ -405,11 +412,3 @@ def _unique(paths: list[Path]) -> list[Path]:
         if p not in out:
             out.append(p)
     return out
-
-
-def _own_file(path: str, snap_dir: Path) -> str:
-    """The name of one of the snapshot's own files (a layer above the base)."""
-    p = Path(path)
-    if p.parent != snap_dir or not FILE_NAME.match(p.name):
-        raise SnapshotStoreError(f"layer {path} is not one of the snapshot's own files")
-    return p.name

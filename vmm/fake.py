@@ -11,7 +11,8 @@ memory), a guest as two dicts (``memory``: what a resume with memory keeps, e.g.
 snapshot stores and a second driver instance can restore them), fork children that are
 independent copies, host capacity (a boot past it is refused), the fingerprint, and the
 documented errors (VMNotFound for unknown ids, VMError for verbs the state does not allow).
-Test hooks: ``guest(id)`` for the dicts, ``leave_process(id)`` for a stray process.
+Test hooks: ``guest(id)`` for the dicts, ``leave_process(id)`` for a stray process, ``crash(id)``
+for a VM whose process died (STOPPED: only kill() helps).
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class FakeDriver(VMDriver):
     def guest(self, sandbox_id: str) -> FakeGuest:
         return self._vm(sandbox_id).guest
 
+    def crash(self, sandbox_id: str) -> None:
+        """Its process died (or its boot was cut off): STOPPED until killed."""
+        with self._lock:
+            self._vm(sandbox_id, live=False).status = VMStatus.STOPPED
+
     def leave_process(self, sandbox_id: str) -> None:
         """As if the worker died between a save to disk and the hypervisor's exit."""
         vm = self._vm(sandbox_id)
@@ -115,7 +121,7 @@ class FakeDriver(VMDriver):
         with self._lock:
             if spec.sandbox_id in self.vms:
                 raise VMError(f"sandbox {spec.sandbox_id} already exists")
-            live = [vm.spec for vm in self.vms.values() if vm.status is not VMStatus.SAVED]
+            live = [vm.spec for vm in self.vms.values() if vm.status in (VMStatus.RUNNING, VMStatus.PAUSED)]
             if (sum(s.cpu_count for s in live) + spec.cpu_count > self.vcpus
                     or sum(s.memory_mb for s in live) + spec.memory_mb > self.memory_mb):
                 raise VMError(f"no capacity for {spec.sandbox_id}: {self.capacity()} in use")
@@ -136,14 +142,16 @@ class FakeDriver(VMDriver):
 
     # -- queries ----------------------------------------------------------------------------
 
-    def _vm(self, sandbox_id: str) -> _VM:
+    def _vm(self, sandbox_id: str, live: bool = True) -> _VM:
         vm = self.vms.get(sandbox_id)
         if vm is None:
             raise VMNotFound(f"unknown sandbox {sandbox_id!r}")
+        if live and vm.status is VMStatus.STOPPED:
+            raise VMError(f"sandbox {sandbox_id}: its process is gone")
         return vm
 
     def _info(self, vm: _VM, timings: dict | None = None) -> VMInfo:
-        return VMInfo(sandbox_id=vm.spec.sandbox_id, pid=0 if vm.status is VMStatus.SAVED else vm.pid,
+        return VMInfo(sandbox_id=vm.spec.sandbox_id, pid=vm.pid if vm.status is not VMStatus.SAVED else 0,
                       envd_host=self.host_address, envd_port=vm.port, accel=self.accel,
                       state_dir=(self.home or Path("/nonexistent")) / "sandboxes" / vm.spec.sandbox_id,
                       timings=dict(vm.timings if timings is None else timings), status=vm.status)
@@ -151,11 +159,11 @@ class FakeDriver(VMDriver):
     def info(self, sandbox_id: str) -> VMInfo | None:
         with self._lock:
             vm = self.vms.get(sandbox_id)
-            return None if vm is None else self._info(vm)
+            return None if vm is None or vm.status is VMStatus.STOPPED else self._info(vm)
 
     def list(self) -> list[VMInfo]:
         with self._lock:
-            return [self._info(vm) for _, vm in sorted(self.vms.items())]
+            return [self._info(vm) for _, vm in sorted(self.vms.items()) if vm.status is not VMStatus.STOPPED]
 
     def inspect(self, sandbox_id: str) -> VMInspection:
         with self._lock:
@@ -163,7 +171,8 @@ class FakeDriver(VMDriver):
             if vm is None:
                 return VMInspection(sandbox_id, VMStatus.UNKNOWN)
             saved = vm.status is VMStatus.SAVED
-            return VMInspection(sandbox_id, vm.status, pid=0 if saved else vm.pid, memory=saved and vm.memory_kept)
+            running = vm.status in (VMStatus.RUNNING, VMStatus.PAUSED)
+            return VMInspection(sandbox_id, vm.status, pid=vm.pid if running else 0, memory=saved and vm.memory_kept)
 
     def sandbox_ids(self) -> set[str]:
         with self._lock:

@@ -2,7 +2,6 @@
 the VM's real state, settled rows are checked at start, VMs of dead rows are removed,
 and every change is conditional with a reconcile event by the node."""
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 from django.utils import timezone
@@ -10,50 +9,49 @@ from django.utils import timezone
 from nodes import reconcile
 from nodes.models import Node
 from sandboxes.models import Sandbox, SandboxEvent, Team, Template
+from vmm.driver import BootSpec
+from vmm.fake import FakeDriver
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-class FakeDriver:
-    """VMs by id: "running", "paused" (in memory) or "paused_disk"."""
+class RecordingDriver(FakeDriver):
+    """vmm's in-memory driver (the one the driver contract checks), recording the verbs
+    reconcile sends. ``put(id, status)`` makes a VM in that state."""
 
-    sandboxes_dir = None
-
-    def __init__(self, **vms):
-        self.vms = dict(vms)
+    def __init__(self):
+        super().__init__()
         self.calls = []
+        self._ports = iter(range(41000, 42000))  # not the rows' 40000: a moved port shows
 
-    def info(self, sid):
-        status = self.vms.get(sid)
-        if status is None:
-            return None
-        return SimpleNamespace(sandbox_id=sid, status="running" if status == "running" else "paused",
-                               envd_host="127.0.0.1", envd_port=40100)
+    def put(self, sid, status):
+        FakeDriver.boot(self, BootSpec(sid, cpu_count=1, memory_mb=256))
+        if status == "paused":
+            FakeDriver.pause(self, sid)
+        elif status == "saved":
+            FakeDriver.pause_to_disk(self, sid)
+        elif status == "stopped":
+            self.crash(sid)
 
-    def list(self):
-        return [self.info(s) for s in self.vms]
+    def status(self, sid):
+        return self.inspect(sid).status
 
-    def resume(self, sid):
+    def resume(self, sid, memory=True):
         self.calls.append(("resume", sid))
-        self.vms[sid] = "running"
-        return self.info(sid)
+        return super().resume(sid, memory)
 
-    def pause_to_disk(self, sid):
+    def pause_to_disk(self, sid, memory=True):
         self.calls.append(("pause_to_disk", sid))
-        self.vms[sid] = "paused_disk"
-        return {}
+        return super().pause_to_disk(sid, memory)
 
     def kill(self, sid):
         self.calls.append(("kill", sid))
-        return self.vms.pop(sid, None) is not None
+        return super().kill(sid)
 
 
 @pytest.fixture
 def fake(monkeypatch):
-    driver = FakeDriver()
-    monkeypatch.setattr(reconcile, "_vm_record",
-                        lambda d, sid: SimpleNamespace(status=d.vms[sid]) if sid in d.vms else None)
-    monkeypatch.setattr(reconcile, "_stop_stray_process", lambda record: False)
+    driver = RecordingDriver()
     inits = []
     monkeypatch.setattr(reconcile, "_reinit_envd", lambda row, info: inits.append(row.pk))
     driver.inits = inits
@@ -70,7 +68,7 @@ def make(db):
         sb = Sandbox.objects.create(team=team, template=tpl, state=state, node_id=node, envd_host="127.0.0.1",
                                     envd_port=40000, end_at=timezone.now() + timedelta(minutes=5))
         if vm is not None:
-            driver.vms[sb.pk] = vm
+            driver.put(sb.pk, vm)
         return sb
 
     return _make
@@ -91,25 +89,25 @@ def _reconcile_events(sb):
 
 
 def test_interrupted_pause_settles_to_the_vm(fake, make):
-    saved = make("pausing", "paused_disk", fake)
+    saved = make("pausing", "saved", fake)
     mid = make("pausing", "running", fake)  # the worker died before QEMU saved anything
     _run(fake)
     assert _state(saved) == "paused" and _reconcile_events(saved) == [("pausing", "paused", "node:n1")]
     assert _state(mid) == "running" and ("resume", mid.pk) in fake.calls and fake.inits == [mid.pk]
-    assert Sandbox.objects.get(pk=mid.pk).envd_port == 40100
+    assert Sandbox.objects.get(pk=mid.pk).envd_port == fake.info(mid.pk).envd_port >= 41000
 
 
 def test_unacknowledged_resume_stays_paused(fake, make):
     ran = make("resuming", "running", fake)
-    not_yet = make("resuming", "paused_disk", fake)
+    not_yet = make("resuming", "saved", fake)
     _run(fake)
-    assert _state(ran) == "paused" and fake.vms[ran.pk] == "paused_disk"
+    assert _state(ran) == "paused" and fake.status(ran.pk) == "saved"
     assert _state(not_yet) == "paused" and ("pause_to_disk", not_yet.pk) not in fake.calls
 
 
 def test_abandoned_create_and_kill(fake, make):
     creating = make("creating", "running", fake)
-    killing = make("killing", "paused_disk", fake)
+    killing = make("killing", "saved", fake)
     _run(fake)
     assert _state(creating) == "error" and creating.pk not in fake.vms
     assert "restarted" in Sandbox.objects.get(pk=creating.pk).error_reason
@@ -119,7 +117,7 @@ def test_abandoned_create_and_kill(fake, make):
 
 def test_settled_rows_only_at_start(fake, make):
     lost = make("running")  # its VM is gone
-    stale_running = make("running", "paused_disk", fake)
+    stale_running = make("running", "saved", fake)
     woke = make("paused", "running", fake)
     fine = make("running", "running", fake)
     _run(fake, settled=False)
@@ -128,43 +126,39 @@ def test_settled_rows_only_at_start(fake, make):
     _run(fake, settled=True)
     assert _state(lost) == "error" and "VM lost" in Sandbox.objects.get(pk=lost.pk).error_reason
     assert _state(stale_running) == "paused"
-    assert _state(woke) == "paused" and fake.vms[woke.pk] == "paused_disk"
+    assert _state(woke) == "paused" and fake.status(woke.pk) == "saved"
     assert _state(fine) == "running" and _reconcile_events(fine) == []
 
 
-def test_vm_of_a_killed_sandbox_is_removed(fake, make, tmp_path):
+def test_vm_of_a_killed_sandbox_is_removed(fake, make):
     dead = make("killed", "running", fake)
-    fake.sandboxes_dir = tmp_path
-    (tmp_path / dead.pk).mkdir()
     _run(fake)
     assert ("kill", dead.pk) in fake.calls and dead.pk not in fake.vms
     assert _state(dead) == "killed"
 
 
-def test_leftover_dir_of_a_failed_create_is_removed(fake, make, tmp_path):
-    failed = make("error")  # the driver has no record of it, only a directory
-    fake.sandboxes_dir = tmp_path
-    (tmp_path / failed.pk).mkdir()
+def test_leftover_dir_of_a_failed_create_is_removed(fake, make):
+    failed = make("error", "stopped", fake)  # what a boot cut off early left: it cannot run
     _run(fake, settled=False)
     assert ("kill", failed.pk) in fake.calls and _state(failed) == "error"
 
 
 def test_rows_changed_after_the_cutoff_are_left_alone(fake, make):
-    sb = make("pausing", "paused_disk", fake)
+    sb = make("pausing", "saved", fake)
     _run(fake, older_than=timezone.now() - timedelta(minutes=1))
     assert _state(sb) == "pausing" and fake.calls == []
 
 
 def test_other_nodes_rows_are_not_touched(fake, make):
     Node.objects.create(id="n2", address="x")
-    sb = make("pausing", "paused_disk", fake, node="n2")
+    sb = make("pausing", "saved", fake, node="n2")
     _run(fake)
     assert _state(sb) == "pausing"
 
 
 def test_a_failing_sandbox_does_not_stop_the_others(fake, make, monkeypatch):
     bad = make("pausing", "running", fake)
-    good = make("resuming", "paused_disk", fake)
+    good = make("resuming", "saved", fake)
 
     def broken_resume(sid):
         raise RuntimeError("qmp gone")
@@ -181,5 +175,15 @@ def test_interrupted_snapshot_or_fork_is_handed_to_snapshots_reconcile(fake, mak
     fork = make("forking", "paused", fake)  # stopped in memory for the capture
     done = _run(fake)
     assert _state(snap) == "running" and _state(fork) == "running"
-    assert ("resume", fork.pk) in fake.calls and fake.vms[fork.pk] == "running"
+    assert ("resume", fork.pk) in fake.calls and fake.status(fork.pk) == "running"
     assert {d[0] for d in done} >= {snap.pk, fork.pk}
+
+
+def test_a_process_left_after_a_save_is_stopped_by_the_driver(fake, make):
+    sb = make("paused", "saved", fake)
+    fake.leave_process(sb.pk)  # the worker died between the save and the process's exit
+    done = _run(fake)
+    assert (sb.pk, "paused", "stray stopped") in done and fake.stray() == []
+    assert _state(sb) == "paused" and fake.status(sb.pk) == "saved"
+    event = SandboxEvent.objects.get(sandbox_id=sb.pk, operation="reconcile")
+    assert event.details == {"vm": "saved", "stray_process_stopped": True}

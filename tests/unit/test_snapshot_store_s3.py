@@ -17,6 +17,7 @@ from snapshots.storage_chunks import Chunk, chunk_spans, read_chunk
 from snapshots.storage_s3 import S3Store
 from tests.moto_s3 import CREDENTIALS, moto_server
 from tests.moto_s3 import client as _client
+from vmm.qemu import QemuDriver
 
 CHUNK = 64 << 10  # small chunks keep the test files small
 BUCKET = "aenv-test"
@@ -45,9 +46,12 @@ def _keys(client, prefix, sub=""):
 
 
 def _store(s3, home, images, **kw) -> S3Store:
+    """A node's store, with that node's QEMU driver (nothing boots: it adopts downloads and
+    reads its vm.json records for the files its VMs use)."""
     client, prefix = s3
+    driver = QemuDriver(home=home, images_dir=images, accel="tcg")
     return S3Store(home=home, images_dir=images, bucket=BUCKET, client=client, prefix=prefix, chunk_size=CHUNK,
-                   concurrency=4, **kw)
+                   concurrency=4, driver=driver, **kw)
 
 
 def _images(tmp_path) -> Path:

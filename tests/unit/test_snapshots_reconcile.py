@@ -10,6 +10,7 @@ from test_snapshots_tasks import StubDriver, TokenEnvd, envd  # noqa: F401 - env
 from sandboxes.models import Sandbox, SandboxEvent
 from snapshots.models import Snapshot
 from snapshots.reconcile import reconcile_interrupted
+from vmm.driver import Leftover
 
 pytestmark = pytest.mark.django_db
 
@@ -26,10 +27,15 @@ class ReconcileDriver(StubDriver):
         self.resumed.append(sandbox_id)
         return self._info(sandbox_id)
 
-    def _release_capture(self, capture: Path):
-        self.released.append(capture.name)
-        if capture.name.startswith("orphan"):
-            capture.rmdir()
+    def gc(self, sandbox_id=None):
+        """Like QEMU's: fork captures no VM refers to (here: named orphan-*) are removed."""
+        removed = []
+        for capture in sorted((self.home / "forks").iterdir()):
+            self.released.append(capture.name)
+            if capture.name.startswith("orphan"):
+                capture.rmdir()
+                removed.append(Leftover("fork capture", capture.name))
+        return removed
 
 
 def _sandbox(team, template, node, sid, state):
