@@ -12,6 +12,8 @@ import sys
 
 import httpx
 
+from envd import ENVD_PORT
+
 
 class CliError(Exception):
     pass
@@ -84,7 +86,7 @@ def _frames(stream):
 def cmd_exec(args, api, sandbox, key):
     info = _check(httpx.get(f"{api}/sandboxes/{args.id}", headers={"X-API-Key": key})).json()
     headers = {
-        "E2b-Sandbox-Id": args.id, "E2b-Sandbox-Port": "49983", "Content-Type": "application/connect+json",
+        "E2b-Sandbox-Id": args.id, "E2b-Sandbox-Port": str(ENVD_PORT), "Content-Type": "application/connect+json",
         "Connect-Protocol-Version": "1",
     }
     if info.get("envdAccessToken"):

@@ -24,6 +24,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from envd import ENVD_PORT  # noqa: E402
+
 
 def parse_server_timing(value: str) -> dict[str, float]:
     phases = {}
@@ -43,7 +45,7 @@ def one_run(client: httpx.Client, api: str, sandbox_url: str, key: str) -> dict:
     t_api = time.perf_counter()
     resp.raise_for_status()
     sid = resp.json()["sandboxID"]
-    route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}
+    route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(ENVD_PORT)}
     while client.get(f"{sandbox_url}/health", headers=route, timeout=30).status_code != 204:
         time.sleep(0.005)
     t_ready = time.perf_counter()

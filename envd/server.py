@@ -3,13 +3,14 @@
 import argparse
 import logging
 
+from . import ENVD_PORT
 from .state import ENVD_VERSION, Settings
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="envd", description="aenv in-guest agent (E2B envd compatible)")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=49983)
+    p.add_argument("--port", type=int, default=ENVD_PORT)
     p.add_argument("--default-user", default="user", help="user for requests that name none")
     p.add_argument("--default-workdir", default=None, help="cwd for processes (default: user's home)")
     p.add_argument("--max-upload-bytes", type=int, default=1 << 30)
@@ -27,6 +28,7 @@ def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
+
     # Static imports of what uvicorn would load by name, so PyInstaller bundles them.
     import uvicorn.lifespan.on  # noqa: F401
     import uvicorn.loops.asyncio  # noqa: F401

@@ -16,11 +16,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vmm.errors import (BootTimeout, SnapshotUnusable,  # noqa: F401 - re-exported: callers import them here
+                        UnsupportedNetworkPolicy, VMError, VMNotFound)
 from vmm.images import ImageNotFound  # re-exported: part of the driver contract
+from vmm.net.spec import NetworkSpec
 
 __all__ = ["BootSpec", "VMInfo", "VMStatus", "VMInspection", "Leftover", "SnapshotManifest", "VMDriver", "VMError",
-           "VMNotFound", "ImageNotFound", "BootTimeout", "SnapshotUnusable", "get_driver", "register_driver",
-           "driver_names", "valid_sandbox_id"]
+           "VMNotFound", "ImageNotFound", "BootTimeout", "SnapshotUnusable", "UnsupportedNetworkPolicy",
+           "NetworkSpec", "get_driver", "register_driver", "driver_names", "valid_sandbox_id"]
 
 
 SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -29,29 +32,6 @@ SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 def valid_sandbox_id(sandbox_id: str) -> bool:
     """Ids become path parts and file names: no slashes, no dot-dot."""
     return bool(SANDBOX_ID.match(sandbox_id)) and ".." not in sandbox_id
-
-
-class VMError(Exception):
-    """A VM operation failed (QEMU refused to start, bad spec, host not capable...)."""
-
-
-class VMNotFound(VMError):
-    """A verb named a sandbox id the driver has no VM for (kill() returns False instead,
-    info() None and inspect() VMStatus.UNKNOWN)."""
-
-
-class BootTimeout(VMError):
-    """envd did not answer /health before the deadline, even after one retry."""
-
-    def __init__(self, message: str, console_tail: str = ""):
-        super().__init__(message + (f"\n--- console tail ---\n{console_tail}" if console_tail else ""))
-        self.console_tail = console_tail
-
-
-class SnapshotUnusable(VMError):
-    """A snapshot cannot be restored on this host: it was taken by another driver or under
-    another accelerator, or something it needs (its files, the image build it was taken
-    on) is not here. The message names what."""
 
 
 class VMStatus(enum.StrEnum):
@@ -93,6 +73,9 @@ class BootSpec:
     # Read-only qcow2 disk layers, base first (a filesystem-only snapshot): the VM cold-boots
     # `image`'s kernel on a new writable top over layers[-1] instead of over the image's rootfs.
     layers: list[str] | None = None
+    # What the VM's network must be (forwarded guest ports, egress policy): the driver's network
+    # backend attaches it, or refuses with UnsupportedNetworkPolicy what it cannot enforce.
+    network: NetworkSpec = field(default_factory=NetworkSpec)
 
 
 @dataclass

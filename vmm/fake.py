@@ -28,8 +28,41 @@ from pathlib import Path
 from vmm.driver import (BootSpec, Leftover, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo,
                         VMInspection, VMNotFound, VMStatus, valid_sandbox_id)
 from vmm.images import ImageNotFound
+from vmm.net import ENVD_PORT, Attachment, NetworkBackend, NetworkSpec
 
 STRAY_PROCESS, FORK_CAPTURE = "process", "fork capture"
+
+
+class FakeNetwork(NetworkBackend):
+    """Ports from a counter, policies in a dict. ``enforces_egress=True`` plays a backend
+    that can filter (the next issue's), for tests of what sits above the drivers."""
+
+    name = "fake"
+
+    def __init__(self, host_address: str = "127.0.0.1", enforces_egress: bool = False):
+        self.host_address, self.enforces_egress = host_address, enforces_egress
+        self.policies: dict[str, NetworkSpec] = {}
+        self._ports = itertools.count(40000)
+
+    def attach(self, sandbox_id: str, state_dir: Path, spec: NetworkSpec) -> Attachment:
+        self.check(spec)
+        attachment = Attachment(self.name, sandbox_id, self.host_address)
+        for guest_port in dict.fromkeys((ENVD_PORT, *spec.forward_ports)):
+            self.forward(attachment, state_dir, guest_port)
+        self.apply_egress(attachment, spec)
+        return attachment
+
+    def forward(self, attachment: Attachment, state_dir: Path, guest_port: int) -> int:
+        if guest_port not in attachment.forwards:
+            attachment.forwards[guest_port] = next(self._ports)
+        return attachment.forwards[guest_port]
+
+    def apply_egress(self, attachment: Attachment, spec: NetworkSpec) -> None:
+        self.check(spec)
+        self.policies[attachment.sandbox_id] = spec
+
+    def detach(self, attachment: Attachment, state_dir: Path) -> None:
+        self.policies.pop(attachment.sandbox_id, None)
 
 
 @dataclass
@@ -42,7 +75,7 @@ class FakeGuest:
 class _VM:
     spec: BootSpec
     status: VMStatus
-    port: int
+    network: Attachment
     pid: int
     guest: FakeGuest
     memory_kept: bool = True  # SAVED with its memory
@@ -57,7 +90,7 @@ class FakeDriver(VMDriver):
 
     def __init__(self, home: Path | None = None, images_dir: Path | None = None, host_address: str = "127.0.0.1",
                  accel: str = "none", vcpus: int = 64, memory_mb: int = 65536, images: set[str] | None = None,
-                 **options):
+                 network: NetworkBackend | None = None, **options):
         self.home = Path(home) if home else None
         self.images_dir = Path(images_dir) if images_dir else None
         self.host_address = host_address
@@ -67,7 +100,7 @@ class FakeDriver(VMDriver):
         self.vms: dict[str, _VM] = {}
         self.captures: dict[str, set[str]] = {}  # fork capture -> children restored from it
         self._lock = threading.RLock()
-        self._ports = itertools.count(40000)
+        self.net = network or FakeNetwork(host_address)
         self._pids = itertools.count(100000)
 
     # -- identity ---------------------------------------------------------------------------
@@ -103,6 +136,7 @@ class FakeDriver(VMDriver):
     # -- boot / kill ------------------------------------------------------------------------
 
     def boot(self, spec: BootSpec) -> VMInfo:
+        self.net.check(spec.network)
         guest = FakeGuest()
         uses: tuple[str, ...] = ()
         if spec.layers:
@@ -125,7 +159,8 @@ class FakeDriver(VMDriver):
             if (sum(s.cpu_count for s in live) + spec.cpu_count > self.vcpus
                     or sum(s.memory_mb for s in live) + spec.memory_mb > self.memory_mb):
                 raise VMError(f"no capacity for {spec.sandbox_id}: {self.capacity()} in use")
-            vm = _VM(spec=spec, status=VMStatus.RUNNING, port=next(self._ports), pid=next(self._pids),
+            network = self.net.attach(spec.sandbox_id, self._state_dir(spec.sandbox_id), spec.network)
+            vm = _VM(spec=spec, status=VMStatus.RUNNING, network=network, pid=next(self._pids),
                      guest=guest, uses=tuple(uses), capture=capture, timings=dict(timings or {}))
             self.vms[spec.sandbox_id] = vm
             return self._info(vm)
@@ -133,6 +168,8 @@ class FakeDriver(VMDriver):
     def kill(self, sandbox_id: str) -> bool:
         with self._lock:
             vm = self.vms.pop(sandbox_id, None)
+            if vm is not None:
+                self.net.detach(vm.network, self._state_dir(sandbox_id))
             if vm is not None and vm.capture:
                 children = self.captures.get(vm.capture, set())
                 children.discard(sandbox_id)
@@ -150,10 +187,13 @@ class FakeDriver(VMDriver):
             raise VMError(f"sandbox {sandbox_id}: its process is gone")
         return vm
 
+    def _state_dir(self, sandbox_id: str) -> Path:
+        return (self.home or Path("/nonexistent")) / "sandboxes" / sandbox_id  # never created
+
     def _info(self, vm: _VM, timings: dict | None = None) -> VMInfo:
         return VMInfo(sandbox_id=vm.spec.sandbox_id, pid=vm.pid if vm.status is not VMStatus.SAVED else 0,
-                      envd_host=self.host_address, envd_port=vm.port, accel=self.accel,
-                      state_dir=(self.home or Path("/nonexistent")) / "sandboxes" / vm.spec.sandbox_id,
+                      envd_host=vm.network.host_address, envd_port=vm.network.host_port(ENVD_PORT),
+                      accel=self.accel, state_dir=self._state_dir(vm.spec.sandbox_id),
                       timings=dict(vm.timings if timings is None else timings), status=vm.status)
 
     def info(self, sandbox_id: str) -> VMInfo | None:
@@ -269,6 +309,7 @@ class FakeDriver(VMDriver):
 
     def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
         self.check_snapshot(manifest)
+        self.net.check(spec.network)
         files = [*manifest.layers, manifest.memory_file, manifest.device_state_file]
         missing = [f for f in files if not f or not Path(f).is_file()]
         if missing:
@@ -276,7 +317,7 @@ class FakeDriver(VMDriver):
         guest = FakeGuest(memory=json.loads(Path(manifest.memory_file).read_text()),
                           disk=json.loads(Path(manifest.layers[-1]).read_text()))
         shape = BootSpec(spec.sandbox_id, image=manifest.machine.get("image", "base"), cpu_count=manifest.cpu_count,
-                         memory_mb=manifest.memory_mb, disk_size_mb=manifest.disk_size_mb)
+                         memory_mb=manifest.memory_mb, disk_size_mb=manifest.disk_size_mb, network=spec.network)
         return self._start(shape, guest, uses=tuple(files),
                            timings={"total_ms": 0.0, **({"ram_copy_ms": 0.0} if template else {})})
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from vmm.hostinfo import kvm_openable
 from vmm.driver import VMError
+from vmm.hostinfo import kvm_openable
 
 
 class FirecrackerDriver:

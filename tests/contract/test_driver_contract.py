@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from vmm.driver import (BootSpec, SnapshotManifest, SnapshotUnusable, VMError, VMInfo, VMNotFound, VMStatus,
-                        get_driver)
+from vmm.driver import (BootSpec, NetworkSpec, SnapshotManifest, SnapshotUnusable, UnsupportedNetworkPolicy, VMError,
+                        VMInfo, VMNotFound, VMStatus, get_driver)
 
 PARENT = "ct-parent"
 
@@ -210,6 +210,17 @@ def test_fingerprint_is_stable_across_instances(env, tmp_path):
     assert fp["driver"] == env.name and fp == env.driver.fingerprint()
     again = get_driver(env.name, tmp_path / "other-home", env.images_dir)
     assert again.fingerprint() == fp
+
+
+def test_a_network_policy_the_backend_cannot_enforce_is_refused(env):
+    """Today's backends (slirp, the fake's) cannot filter egress: a restriction is refused
+    before anything starts, never accepted and ignored."""
+    d = env.driver
+    for network in (NetworkSpec(allow_internet_access=False), NetworkSpec(allow_out=("10.1.0.0/16",)),
+                    NetworkSpec(deny_out=("0.0.0.0/0",))):
+        with pytest.raises(UnsupportedNetworkPolicy, match="cannot restrict egress"):
+            d.boot(BootSpec("ct-net", cpu_count=1, memory_mb=256, network=network))
+        assert d.inspect("ct-net").status is VMStatus.UNKNOWN
 
 
 def test_kill_leaves_nothing(env, parent):

@@ -9,6 +9,8 @@ from e2b.connection_config import ConnectionConfig
 from e2b.exceptions import AuthenticationException
 from packaging.version import Version
 
+from envd import ENVD_PORT
+
 from .conftest import EnvdServer
 
 TOKEN = "secret-token-123"
@@ -31,7 +33,7 @@ def secured(sandbox_user):
 
 
 def _sandbox(server, token):
-    headers = {"E2b-Sandbox-Id": "debug_sandbox_id", "E2b-Sandbox-Port": "49983"}
+    headers = {"E2b-Sandbox-Id": "debug_sandbox_id", "E2b-Sandbox-Port": str(ENVD_PORT)}
     if token:
         headers["X-Access-Token"] = token
     cfg = ConnectionConfig(debug=True, sandbox_url=server.url, extra_sandbox_headers=headers)

@@ -4,6 +4,8 @@ import uuid
 import httpx
 import pytest
 
+from envd import ENVD_PORT
+
 from .stack import ROOT, Stack
 
 
@@ -69,11 +71,11 @@ def test_api_unknown_sandbox(stack):
 
 def test_dataplane_unknown_sandbox_is_502_not_found(stack):
     for path in ("/health", "/files?path=/etc/hostname"):
-        resp = httpx.get(f"{stack.sandbox_url}{path}", headers={"E2b-Sandbox-Id": "inope", "E2b-Sandbox-Port": "49983"})
+        resp = httpx.get(f"{stack.sandbox_url}{path}", headers={"E2b-Sandbox-Id": "inope", "E2b-Sandbox-Port": str(ENVD_PORT)})
         assert_error(resp, 502, "was not found")
     resp = httpx.post(
         f"{stack.sandbox_url}/process.Process/List",
-        headers={"E2b-Sandbox-Id": "inope", "E2b-Sandbox-Port": "49983", "Content-Type": "application/json"},
+        headers={"E2b-Sandbox-Id": "inope", "E2b-Sandbox-Port": str(ENVD_PORT), "Content-Type": "application/json"},
         content=b"{}",
     )
     assert_error(resp, 502, "was not found")
@@ -87,7 +89,7 @@ def test_files_bad_requests_through_the_data_plane(stack):
     assert created.status_code == 201, created.text
     sid = created.json()["sandboxID"]
     token = created.json()["envdAccessToken"]
-    route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}
+    route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(ENVD_PORT)}
     try:
         assert_error(httpx.get(f"{stack.sandbox_url}/files?path=/etc/hostname", headers=route), 401)
         route["X-Access-Token"] = token

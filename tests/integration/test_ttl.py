@@ -14,6 +14,8 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from envd import ENVD_PORT
+
 from .conftest import running_stack
 
 pytestmark = pytest.mark.vm
@@ -94,7 +96,7 @@ def test_ttl_pause_kill_retention_and_auto_resume(ttl_stack, monkeypatch):
         assert _detail(stack, kid).json()["lifecycle"] == {"autoResume": False, "onTimeout": "kill"}
         assert _detail(stack, rid).json()["lifecycle"] == {"autoResume": True, "onTimeout": "pause"}
         resumable.files.write("/home/user/kept.txt", "kept across the auto-pause")
-        envd = {"E2b-Sandbox-Id": pid, "E2b-Sandbox-Port": "49983",
+        envd = {"E2b-Sandbox-Id": pid, "E2b-Sandbox-Port": str(ENVD_PORT),
                 "X-Access-Token": paused_sb["envdAccessToken"]}
         assert httpx.post(f"{stack.sandbox_url}/files?path=/home/user/a.txt&username=user", headers=envd,
                           files={"file": ("a.txt", b"file of A")}).status_code == 200

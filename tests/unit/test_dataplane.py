@@ -13,6 +13,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from envd import ENVD_PORT
 from sandboxes.models import Sandbox, Team, Template
 from tests.envd.conftest import ROOT, EnvdServer, sandbox_user  # noqa: F401 (fixture)
 
@@ -121,5 +122,5 @@ def test_killed_sandbox_breaks_the_stream_and_reads_as_not_running(sdk, sandbox_
 
 
 def test_unknown_sandbox_is_not_running(dataplane):
-    r = httpx.get(dataplane + "/health", headers={"E2b-Sandbox-Id": "inope", "E2b-Sandbox-Port": "49983"})
+    r = httpx.get(dataplane + "/health", headers={"E2b-Sandbox-Id": "inope", "E2b-Sandbox-Port": str(ENVD_PORT)})
     assert r.status_code == 502 and "was not found" in r.json()["message"]

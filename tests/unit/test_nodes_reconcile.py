@@ -22,7 +22,7 @@ class RecordingDriver(FakeDriver):
     def __init__(self):
         super().__init__()
         self.calls = []
-        self._ports = iter(range(41000, 42000))  # not the rows' 40000: a moved port shows
+        self.net._ports = iter(range(41000, 42000))  # not the rows' 40000: a moved port shows
 
     def put(self, sid, status):
         FakeDriver.boot(self, BootSpec(sid, cpu_count=1, memory_mb=256))

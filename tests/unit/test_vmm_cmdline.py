@@ -5,13 +5,15 @@ from pathlib import Path
 import pytest
 
 from vmm.hostinfo import _mhz_from_cpuinfo, lpj
+from vmm.net import ENVD_PORT, Attachment
 from vmm.qemu.cmdline import VMPaths, kernel_cmdline, qemu_command
 
 
 def make(accel="tcg", **kw):
     paths = VMPaths.for_sandbox(Path("/h/sandboxes/sb1"), "sb1")
     args = dict(paths=paths, kernel=Path("/img/vmlinuz"), initrd=Path("/img/initrd.cpio"), tools=Path("/img/tools.img"),
-                accel=accel, cpu_count=2, memory_mb=512, host_address="127.0.0.1", host_port=41234, tsc_khz=2445406)
+                accel=accel, cpu_count=2, memory_mb=512, tsc_khz=2445406,
+                network=Attachment("slirp", "sb1", "127.0.0.1", {ENVD_PORT: 41234}))
     args.update(kw)
     return qemu_command(**args)
 
@@ -41,7 +43,12 @@ def test_devices_disks_network_and_control():
     assert sum(d.startswith("virtio-blk-device") for d in devices) == 2
     assert "driver=file,node-name=rootfile,filename=/h/sandboxes/sb1/top.qcow2" in opt(argv, "-blockdev")
     assert any("tools.img,read-only=on" in b for b in opt(argv, "-blockdev"))
-    assert opt(argv, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:41234-:49983"]
+    assert opt(argv, "-netdev") == [f"user,id=net0,hostfwd=tcp:127.0.0.1:41234-:{ENVD_PORT}"]
+    more = make(network=Attachment("slirp", "sb1", "127.0.0.1", {ENVD_PORT: 41234, 8080: 41235}))
+    assert opt(more, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:41235-:8080,"
+                                    f"hostfwd=tcp:127.0.0.1:41234-:{ENVD_PORT}"]
+    with pytest.raises(ValueError, match="tap"):
+        make(network=Attachment("tap", "sb1", "127.0.0.1", {ENVD_PORT: 41234}))
     assert opt(argv, "-qmp") == ["unix:/h/sandboxes/sb1/qmp.sock,server=on,wait=off"]
     assert "-daemonize" in argv and opt(argv, "-pidfile") == ["/h/sandboxes/sb1/qemu.pid"]
     assert "-nographic" not in argv  # incompatible with -daemonize
@@ -72,7 +79,8 @@ def test_restore_destination_differs_only_in_ram_share_top_port_and_incoming():
     other = VMPaths(state_dir=Path("/h/sandboxes/sb1"), top=Path("/h/sandboxes/sb1/top-1.qcow2"),
                     qmp=Path("/h/sandboxes/sb1/qmp.sock"), console=Path("/h/sandboxes/sb1/console.log"),
                     pidfile=Path("/h/sandboxes/sb1/qemu.pid"), ram=Path("/dev/shm/aenv-sb1.ram"))
-    dst = make(paths=other, host_port=45000, ram_share=False, incoming=True)
+    dst = make(paths=other, network=Attachment("slirp", "sb1", "127.0.0.1", {ENVD_PORT: 45000}), ram_share=False,
+               incoming=True)
     assert dst[-3:] == ["-S", "-incoming", "defer"] and "-incoming" not in src and "-S" not in src
     changed = [(a, b) for a, b in zip(src, dst[:-3]) if a != b]
     assert len(src) == len(dst) - 3 and len(changed) == 3

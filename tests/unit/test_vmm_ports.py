@@ -6,7 +6,7 @@ import sys
 import threading
 from pathlib import Path
 
-from vmm import ports
+from vmm.net import ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_threads_get_distinct_ports(tmp_path):
 
 
 ALLOCATE = (
-    "import sys; from pathlib import Path; from vmm import ports; "
+    "import sys; from pathlib import Path; from vmm.net import ports; "
     "d = Path(sys.argv[1]); print(ports.allocate(d, d / sys.argv[2], port_range=(45100, 45130)))"
 )
 

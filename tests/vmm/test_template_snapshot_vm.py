@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from envd import ENVD_PORT
 from tests.vmm.test_lifecycle_vm import assert_gone
 from tests.vmm.test_lifecycle_vm import start_vm as start
 from tests.vmm.test_qemu_vm import IMAGES_DIR
@@ -56,7 +57,7 @@ def run(url: str, cmd: str, token: str | None = None) -> str:
     from e2b.connection_config import ConnectionConfig
     from packaging.version import Version
 
-    headers = {"E2b-Sandbox-Id": "debug_sandbox_id", "E2b-Sandbox-Port": "49983"}
+    headers = {"E2b-Sandbox-Id": "debug_sandbox_id", "E2b-Sandbox-Port": str(ENVD_PORT)}
     if token:
         headers["X-Access-Token"] = token
     cfg = ConnectionConfig(debug=True, sandbox_url=url, extra_sandbox_headers=headers)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vmm.hostinfo import lpj
 
+if TYPE_CHECKING:
+    from vmm.net.backend import Attachment
+
 QEMU = "qemu-system-x86_64"
-GUEST_PORT = 49983
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,23 @@ def accel_args(accel: str) -> list[str]:
     raise ValueError(f"unknown accel {accel!r}")
 
 
+def netdev(network: "Attachment") -> str:
+    """QEMU's network backend for a vmm.net Attachment: user-mode networking (slirp) with a
+    hostfwd per forwarded guest port."""
+    if network.backend != "slirp":
+        raise ValueError(f"no QEMU network device for the {network.backend!r} network backend")
+    forwards = ",".join(f"hostfwd=tcp:{network.host_address}:{host}-:{guest}"
+                        for guest, host in sorted(network.forwards.items()))
+    return f"user,id=net0,{forwards}"
+
+
 def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, accel: str, cpu_count: int,
-                 memory_mb: int, host_address: str, host_port: int, tsc_khz: int, resize: bool = False,
+                 memory_mb: int, network: "Attachment", tsc_khz: int, resize: bool = False,
                  qemu: str = QEMU, ram_share: bool = True, incoming: bool = False) -> list[str]:
-    """argv that boots a daemonized microvm; envd's guest port is forwarded to host_address:host_port.
+    """argv that boots a daemonized microvm on `network` (its forwarded guest ports, envd's included).
 
     A restore/resume destination uses the same arguments except `ram_share` (False: MAP_PRIVATE
-    copy-on-write over a snapshot's RAM file), the top in `paths`, `host_port` and `incoming`
+    copy-on-write over a snapshot's RAM file), the top in `paths`, the forwards' host ports and `incoming`
     (adds `-S -incoming defer`; the device state then comes from QMP migrate-incoming).
     """
     if cpu_count < 1 or memory_mb < 64:
@@ -83,7 +96,7 @@ def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, acc
         "-blockdev", f"driver=file,node-name=toolsfile,filename={tools},read-only=on",
         "-blockdev", "driver=raw,node-name=tools,file=toolsfile,read-only=on",
         "-device", "virtio-blk-device,drive=tools,id=vblk1",
-        "-netdev", f"user,id=net0,hostfwd=tcp:{host_address}:{host_port}-:{GUEST_PORT}",
+        "-netdev", netdev(network),
         "-device", "virtio-net-device,netdev=net0,id=vnet0",
         "-device", "virtio-balloon-device,free-page-reporting=on,id=balloon0",
     ]

@@ -16,12 +16,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from vmm import hostinfo, ports
+from vmm import hostinfo
 from vmm.driver import (BootSpec, BootTimeout, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo,
                         VMNotFound, VMStatus)
-from vmm.images import find_image
 from vmm.hostinfo import kvm_openable
+from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
+from vmm.net import ENVD_PORT, Attachment, SlirpBackend, ports
 from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
@@ -30,7 +31,7 @@ from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, OFFLINE, BootAttemptFailed, 
                               console_tail, envd_healthy, qemu_version, run, virtual_size_mb)
 from vmm.qemu.qmp import QMP, QMPError, prepare_migration
 from vmm.qemu.snapshots import SnapshotMixin
-from vmm.qemu.state import VMState, process_alive, read_pidfile, reap, valid_sandbox_id
+from vmm.qemu.state import VMState, other_forwards, process_alive, read_pidfile, reap, valid_sandbox_id
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         self._accel = accel
         self._accel_lock = threading.Lock()
         self.locks_dir = self.home / "locks"
+        # The VMs' network (vmm.net): QEMU user-mode networking, envd's port forwarded to the host.
+        self.net = SlirpBackend(host_address, self.sandboxes_dir, port_range)
 
     @contextmanager
     def _lock(self, sandbox_id: str):
@@ -113,6 +116,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
     def boot(self, spec: BootSpec) -> VMInfo:
         if not valid_sandbox_id(spec.sandbox_id):
             raise VMError(f"invalid sandbox id {spec.sandbox_id!r}")
+        self.net.check(spec.network)  # a policy the backend cannot enforce: refused before anything
         image = find_image(self.images_dir, spec.image)
         accel = self.accel
         for layer in spec.layers or ():
@@ -139,7 +143,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
     def _boot_once(self, spec: BootSpec, image, accel: str, state_dir: Path, attempt: int) -> VMInfo:
         t0 = time.monotonic()
         paths = VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir)
-        port = ports.allocate(self.sandboxes_dir, state_dir, self.host_address, self.port_range)
+        network = self.net.attach(spec.sandbox_id, state_dir, spec.network)
+        port = network.host_port(ENVD_PORT)
         chain = [str(p) for p in spec.layers] if spec.layers else [str(image.rootfs)]
         base_mb = virtual_size_mb(Path(chain[-1]))
         disk_mb = max(spec.disk_size_mb, base_mb)
@@ -148,10 +153,11 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         t_disk = time.monotonic()
         tsc = hostinfo.tsc_khz()
         argv = qemu_command(paths=paths, kernel=image.kernel, initrd=image.initrd, tools=image.tools, accel=accel,
-                            cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, host_address=self.host_address,
-                            host_port=port, tsc_khz=tsc, resize=disk_mb > base_mb, qemu=self.qemu)
+                            cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, network=network,
+                            tsc_khz=tsc, resize=disk_mb > base_mb, qemu=self.qemu)
         state = VMState(sandbox_id=spec.sandbox_id, pid=0, accel=accel, host_address=self.host_address,
-                        host_port=port, state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
+                        host_port=port, forwards=other_forwards(network), state_dir=str(state_dir),
+                        top=str(paths.top), qmp=str(paths.qmp),
                         console=str(paths.console), pidfile=str(paths.pidfile), ram=str(paths.ram),
                         image=spec.image, image_dir=str(image.kernel.parent), kernel=str(image.kernel),
                         initrd=str(image.initrd), rootfs=chain[0], tools=str(image.tools),
@@ -210,6 +216,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                 unlink_ram = state.ram_owned
             existed = state_dir.exists() or (unlink_ram and paths.ram.exists())
             self._cleanup(state_dir, paths, unlink_ram=unlink_ram)
+            if state is not None:
+                self.net.detach(self._attachment(state), state_dir)
             lock.discard()
         if state is not None and state.capture_ref:
             self._release_capture(Path(state.capture_ref))
@@ -290,9 +298,15 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         """The command line from the recorded config only (identical for source and destination)."""
         return qemu_command(paths=QemuDriver._paths(state), kernel=Path(state.kernel), initrd=Path(state.initrd),
                             tools=Path(state.tools), accel=state.accel, cpu_count=state.cpu_count,
-                            memory_mb=state.memory_mb, host_address=state.host_address, host_port=state.host_port,
+                            memory_mb=state.memory_mb, network=QemuDriver._attachment(state),
                             tsc_khz=state.tsc_khz, resize=state.resize, qemu=state.qemu,
                             ram_share=state.ram_share, incoming=incoming)
+
+    @staticmethod
+    def _attachment(state: VMState) -> Attachment:
+        """The VM's network as attached at its first start (ports stay with the VM)."""
+        forwards = {ENVD_PORT: state.host_port, **{int(g): h for g, h in state.forwards.items()}}
+        return Attachment("slirp", state.sandbox_id, state.host_address, forwards)
 
     def _wait_health(self, state: VMState, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -313,4 +327,3 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         return VMInfo(sandbox_id=state.sandbox_id, pid=state.pid, envd_host=state.host_address,
                       envd_port=state.host_port, accel=state.accel, state_dir=Path(state.state_dir),
                       timings=dict(state.timings), status=_STATUS.get(state.status, VMStatus.SAVED))
-

@@ -18,7 +18,7 @@ from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
 from vmm.qemu.process import GUEST_SYNC_TIMEOUT, OFFLINE, SYNC_PATH, BootAttemptFailed, attempts_error
 from vmm.qemu.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, prepare_migration, set_ignore_shared
-from vmm.qemu.state import VMState, read_pidfile, process_alive, reap
+from vmm.qemu.state import VMState, process_alive, read_pidfile, reap
 
 
 class LifecycleMixin:

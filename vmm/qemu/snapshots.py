@@ -14,13 +14,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vmm import ports
 from vmm.driver import BootSpec, SnapshotManifest, SnapshotUnusable, VMError, VMInfo
+from vmm.net import ENVD_PORT
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
 from vmm.qemu.process import OFFLINE, run
 from vmm.qemu.qmp import QMP, migrate_to_file
-from vmm.qemu.state import VMState, valid_sandbox_id
+from vmm.qemu.state import VMState, other_forwards, valid_sandbox_id
 
 
 class SnapshotMixin:
@@ -130,20 +130,22 @@ class SnapshotMixin:
         if m.get("accel") != self.accel:
             raise SnapshotUnusable(f"snapshot was taken under {m.get('accel')}, this host runs {self.accel}")
         self.check_snapshot(manifest)
+        self.net.check(spec.network)
         with self._lock(sid) as lock:
             try:
-                return self._restore_locked(manifest, sid, capture_ref, own_ram)
+                return self._restore_locked(manifest, spec, capture_ref, own_ram)
             except BaseException:
                 lock.discard()
                 raise
 
-    def _restore_locked(self, manifest: SnapshotManifest, sid: str, capture_ref: str, own_ram: bool) -> VMInfo:
+    def _restore_locked(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str, own_ram: bool) -> VMInfo:
         """own_ram=False: RAM is MAP_PRIVATE over the snapshot's file (copy-on-write, page cache
         shared between restores; but the VM's own later pause/snapshot must carry its whole RAM in
         the migration stream). own_ram=True: the snapshot's RAM is first copied (sparse) into
         the sandbox's own share=on file, exactly like a booted VM's, so every later verb stays on
         the cheap device-state-only path (used for template snapshots)."""
         m = manifest.machine
+        sid = spec.sandbox_id
         state_dir = self.sandboxes_dir / sid
         if state_dir.exists():
             raise VMError(f"sandbox {sid} already exists ({state_dir})")
@@ -153,12 +155,14 @@ class SnapshotMixin:
         try:
             if own_ram:  # copied in the background while the disk is made and QEMU starts
                 copy = RamCopy(Path(manifest.memory_file), paths.ram, manifest.memory_mb << 20)
-            port = ports.allocate(self.sandboxes_dir, state_dir, self.host_address, self.port_range)
+            network = self.net.attach(sid, state_dir, spec.network)
             run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", manifest.layers[-1], "-F", "qcow2",
                   str(paths.top), f"{manifest.disk_size_mb}M"])
             t_disk = time.monotonic()
             state = VMState(sandbox_id=sid, pid=0, accel=m["accel"], host_address=self.host_address,
-                            host_port=port, state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
+                            host_port=network.host_port(ENVD_PORT),
+                            forwards=other_forwards(network),
+                            state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
                             console=str(paths.console), pidfile=str(paths.pidfile),
                             ram=str(paths.ram) if own_ram else manifest.memory_file,
                             image=m.get("image", "base"), image_dir=m.get("image_dir", ""), kernel=m["kernel"],

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vmm.driver import valid_sandbox_id  # noqa: F401 - ids become path parts here
+from vmm.net import ENVD_PORT, Attachment
 
 
 @dataclass
@@ -52,6 +53,7 @@ class VMState:
     top_node: str = "root"  # QMP node name of the current top in the running QEMU
     generation: int = 0  # counts sealed layers, names the next top
     capture_ref: str = ""  # fork capture dir this sandbox was restored from (driver-owned)
+    forwards: dict[str, int] = field(default_factory=dict)  # guest port -> host port, besides envd's host_port
 
     def save(self) -> None:
         path = Path(self.state_dir) / "vm.json"
@@ -99,3 +101,8 @@ def reap(pid: int) -> None:
     except ChildProcessError:
         pass
 
+
+def other_forwards(network: Attachment) -> dict[str, int]:
+    """vm.json's record of a VM's forwards besides envd's (host_port): guest port (a string:
+    JSON keys) -> host port."""
+    return {str(guest): host for guest, host in network.forwards.items() if guest != ENVD_PORT}

@@ -1,0 +1,35 @@
+"""The errors every VM driver raises (re-exported by vmm.driver, where callers import them).
+
+Why a module of its own: the network backends (vmm.net) raise them too, and vmm.driver
+imports vmm.net for BootSpec.network; errors that live apart keep that one-way.
+"""
+
+from __future__ import annotations
+
+
+class VMError(Exception):
+    """A VM operation failed (QEMU refused to start, bad spec, host not capable...)."""
+
+
+class VMNotFound(VMError):
+    """A verb named a sandbox id the driver has no VM for (kill() returns False instead,
+    info() None and inspect() VMStatus.UNKNOWN)."""
+
+
+class BootTimeout(VMError):
+    """envd did not answer /health before the deadline, even after one retry."""
+
+    def __init__(self, message: str, console_tail: str = ""):
+        super().__init__(message + (f"\n--- console tail ---\n{console_tail}" if console_tail else ""))
+        self.console_tail = console_tail
+
+
+class SnapshotUnusable(VMError):
+    """A snapshot cannot be restored on this host: it was taken by another driver or under
+    another accelerator, or something it needs (its files, the image build it was taken
+    on) is not here. The message names what."""
+
+
+class UnsupportedNetworkPolicy(VMError):
+    """The VM's network backend cannot enforce what the NetworkSpec asks (e.g. an egress
+    restriction under slirp, which cannot filter); refused rather than silently ignored."""

@@ -1,0 +1,52 @@
+"""SlirpBackend: today's network, QEMU's user-mode networking (slirp).
+
+The guest gets 10.0.2.15/24 behind a NAT with gateway 10.0.2.2 and DNS 10.0.2.3 (configured by
+the guest init), outgoing connections go out through the QEMU process, and each forwarded guest
+port is a `hostfwd` on a free host port (vmm.net.ports: claimed in the VM's state dir). slirp
+cannot filter egress, so it refuses any restriction (check) instead of ignoring it; forwards are
+fixed when QEMU starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from envd import ENVD_PORT
+from vmm.net import ports
+from vmm.net.backend import Attachment, NetworkBackend
+from vmm.net.spec import NetworkSpec
+
+
+class SlirpBackend(NetworkBackend):
+    name = "slirp"
+    enforces_egress = False
+
+    def __init__(self, host_address: str, sandboxes_dir: Path, port_range: tuple[int, int] = ports.PORT_RANGE):
+        self.host_address = host_address
+        self.sandboxes_dir = Path(sandboxes_dir)
+        self.port_range = port_range
+
+    def attach(self, sandbox_id: str, state_dir: Path, spec: NetworkSpec) -> Attachment:
+        self.check(spec)
+        attachment = Attachment(self.name, sandbox_id, self.host_address)
+        for guest_port in dict.fromkeys((ENVD_PORT, *spec.forward_ports)):
+            self.forward(attachment, state_dir, guest_port)
+        self.apply_egress(attachment, spec)
+        return attachment
+
+    def forward(self, attachment: Attachment, state_dir: Path, guest_port: int) -> int:
+        if guest_port in attachment.forwards:
+            return attachment.forwards[guest_port]
+        claim = "port" if guest_port == ENVD_PORT else f"port-{guest_port}"
+        host_port = ports.allocate(self.sandboxes_dir, Path(state_dir), self.host_address, self.port_range,
+                                   claim=claim)
+        attachment.forwards[guest_port] = host_port
+        return host_port
+
+    def apply_egress(self, attachment: Attachment, spec: NetworkSpec) -> None:
+        self.check(spec)  # nothing to apply: slirp lets everything out, and refuses any restriction
+
+    def detach(self, attachment: Attachment, state_dir: Path) -> None:
+        for guest_port in attachment.forwards:  # the claims (they also go with the state dir)
+            claim = "port" if guest_port == ENVD_PORT else f"port-{guest_port}"
+            (Path(state_dir) / claim).unlink(missing_ok=True)

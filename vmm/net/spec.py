@@ -1,0 +1,50 @@
+"""What a sandbox's network must be (NetworkSpec) and the guest-side constants every backend
+shares. Plain data, no I/O: vmm.driver carries it in BootSpec, the API edge can build it from
+E2B's create fields (allow_internet_access, network.allowOut / denyOut).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from envd import ENVD_PORT
+
+# The guest's side of today's network (QEMU user-mode networking defaults), configured statically
+# by the guest init (vmm/guest/init.sh: eth0 10.0.2.15/24, default route, resolv.conf).
+GUEST_IP = "10.0.2.15"
+GUEST_PREFIX = 24
+GATEWAY = "10.0.2.2"
+DNS = "10.0.2.3"
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """A VM's network. The default is what every sandbox gets today: internet access, no
+    egress filter, envd's port forwarded to the host."""
+
+    allow_internet_access: bool = True  # E2B allow_internet_access; False: no egress at all
+    allow_out: tuple[str, ...] = ()  # E2B network.allowOut: the only destinations (CIDRs / hosts)
+    deny_out: tuple[str, ...] = ()  # E2B network.denyOut: destinations refused
+    forward_ports: tuple[int, ...] = (ENVD_PORT,)  # guest TCP ports reachable from the host
+
+    def restrictions(self) -> list[str]:
+        """The egress restrictions this spec asks for, in words (empty: none)."""
+        out = []
+        if not self.allow_internet_access:
+            out.append("no internet access (allow_internet_access: false)")
+        if self.allow_out:
+            out.append(f"egress only to {', '.join(self.allow_out)} (allowOut)")
+        if self.deny_out:
+            out.append(f"no egress to {', '.join(self.deny_out)} (denyOut)")
+        return out
+
+    def to_json(self) -> dict:
+        return {"allow_internet_access": self.allow_internet_access, "allow_out": list(self.allow_out),
+                "deny_out": list(self.deny_out), "forward_ports": list(self.forward_ports)}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> "NetworkSpec":
+        data = data or {}
+        return cls(allow_internet_access=bool(data.get("allow_internet_access", True)),
+                   allow_out=tuple(data.get("allow_out") or ()), deny_out=tuple(data.get("deny_out") or ()),
+                   forward_ports=tuple(int(p) for p in data.get("forward_ports") or (ENVD_PORT,)))
