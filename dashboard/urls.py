@@ -2,7 +2,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import views
+from . import actions, views
 
 app_name = "dashboard"
 
@@ -15,17 +15,17 @@ urlpatterns = [
     path("team/", views.switch_team, name="switch-team"),
     path("sandboxes/", views.sandbox_list, name="sandboxes"),
     path("api/sandboxes.json", views.sandbox_list_json, name="sandboxes-json"),
-    path("sandboxes/create", views.sandbox_create, name="sandbox-create"),
+    path("sandboxes/create", actions.sandbox_create, name="sandbox-create"),
     path("snapshots/", views.snapshot_list, name="snapshots"),
-    path("snapshots/<str:snapshot_id>/delete", views.snapshot_delete, name="snapshot-delete"),
+    path("snapshots/<str:snapshot_id>/delete", actions.snapshot_delete, name="snapshot-delete"),
     path("sandboxes/<str:sandbox_id>/", views.sandbox_detail, name="sandbox"),
     path("api/sandboxes/<str:sandbox_id>.json", views.sandbox_detail_json, name="sandbox-json"),
-    path("sandboxes/<str:sandbox_id>/kill", views.sandbox_kill, name="sandbox-kill"),
-    path("sandboxes/<str:sandbox_id>/pause", views.sandbox_pause, name="sandbox-pause"),
-    path("sandboxes/<str:sandbox_id>/resume", views.sandbox_resume, name="sandbox-resume"),
-    path("sandboxes/<str:sandbox_id>/snapshot", views.sandbox_snapshot, name="sandbox-snapshot"),
-    path("sandboxes/<str:sandbox_id>/fork", views.sandbox_fork, name="sandbox-fork"),
-    path("sandboxes/<str:sandbox_id>/timeout", views.sandbox_timeout, name="sandbox-timeout"),
+    path("sandboxes/<str:sandbox_id>/kill", actions.sandbox_kill, name="sandbox-kill"),
+    path("sandboxes/<str:sandbox_id>/pause", actions.sandbox_pause, name="sandbox-pause"),
+    path("sandboxes/<str:sandbox_id>/resume", actions.sandbox_resume, name="sandbox-resume"),
+    path("sandboxes/<str:sandbox_id>/snapshot", actions.sandbox_snapshot, name="sandbox-snapshot"),
+    path("sandboxes/<str:sandbox_id>/fork", actions.sandbox_fork, name="sandbox-fork"),
+    path("sandboxes/<str:sandbox_id>/timeout", actions.sandbox_timeout, name="sandbox-timeout"),
     path("templates/", views.template_list, name="templates"),
     path("nodes/", views.node_list, name="nodes"),
     path("api-keys/", views.api_key_list, name="api-keys"),

@@ -1,0 +1,152 @@
+"""Shared pieces of bench/lifecycle.py: targets and why they were missed, timing and
+memory helpers, the load monitor, the template snapshot the runs restore from."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+
+from vmm import templates
+from vmm.images import ensure_image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Targets from the issue (QEMU TCG, 2 host cores, 256 MiB guest), ms unless noted. They apply
+# to the raw name and to its api.<name> twin.
+TARGETS = {
+    "pause": 15, "pause_to_disk": 40, "resume_from_disk": 350, "snapshot_pause_window": 100,
+    "create_from_template": 400, "fork4_all_answering": 1000, "fork16_parent_pause": 100,
+    "fork16_all_answering": 4000, "fork4_child_pss_mib": 60, "fork16_child_pss_mib": 60,
+}
+OVERHEAD_TARGET = 15  # ms of control plane per operation
+MIB = 1 << 20
+
+# Why a target is missed on this machine (from the raw driver measurements and the node's
+# timings): shown next to a miss in the summary table.
+WHY_MISSED = {
+    "fork4_all_answering": "CPU-bound TCG on 2 host cores: 4 children restore and answer their first command "
+                           "at once (children_ready is most of it), plus the RAM copy in the capture",
+    "fork16_all_answering": "CPU-bound TCG on 2 host cores: 16 guests resume and run their first command at once "
+                            "on 2 cores (~8 vCPUs per core)",
+    "fork16_parent_pause": "the capture copies the 256 MiB guest RAM into the fork's tmpfs file while the "
+                           "parent's vCPUs are stopped (~70-90 ms of copy here), so host load tips it over 100 ms",
+    "fork4_child_pss_mib": "each child QEMU owns ~80 MiB anonymous memory: TCG translation buffers and QEMU heap "
+                           "per child, plus copy-on-write guest pages (shared RAM is only ~10 MiB of the PSS)",
+    "fork16_child_pss_mib": "each child QEMU owns ~80 MiB anonymous memory: TCG translation buffers and QEMU heap "
+                            "per child, plus copy-on-write guest pages",
+    "pause_to_disk": "CPU-bound TCG on 2 cores: the device state + RAM save competes with the guests' vCPUs",
+    "resume_from_disk": "CPU-bound TCG on 2 cores: incoming migration of 256 MiB, then envd must answer",
+    "create_from_template": "CPU-bound TCG on 2 cores: RAM copy of the template snapshot, then envd /init",
+    "snapshot_pause_window": "the capture copies the 256 MiB guest RAM while the vCPUs are stopped (~65-75 ms "
+                             "of copy here), so host load tips it over 100 ms",
+    "overhead": "control plane (see the dispatch column: the Celery round trip; the rest is HTTP, Django and "
+                "the DB transitions + SandboxEvents), on 2 cores shared with the guests",
+}
+
+
+def ms(t0: float, t1: float) -> float:
+    return (t1 - t0) * 1e3
+
+
+def run_cmd(url: str, cmd: str = "echo ok", *, sandbox_id: str = "bench", token: str | None = None,
+            envd_version: str = "0.6.4") -> str:
+    """One command through envd with the official SDK. ``url`` is either a VM's envd (raw part)
+    or the data plane, which routes by the E2b-Sandbox-Id header (API part)."""
+    from e2b import Sandbox  # noqa: PLC0415
+    from e2b.connection_config import ConnectionConfig  # noqa: PLC0415
+    from packaging.version import Version  # noqa: PLC0415
+
+    headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983"}
+    if token:  # the SDK sends envd's token as a header of the connection, like Sandbox.create does
+        headers["X-Access-Token"] = token
+    cfg = ConnectionConfig(debug=True, sandbox_url=url, extra_sandbox_headers=headers)
+    sbx = Sandbox(sandbox_id=sandbox_id, sandbox_domain=None, envd_version=Version(envd_version),
+                  envd_access_token=token, traffic_access_token=None, connection_config=cfg)
+    return sbx.commands.run(cmd, user="root", timeout=120).stdout
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """kB fields of /proc/<pid>/smaps_rollup (Rss, Pss, Pss_Anon, Pss_File, Pss_Shmem...)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key] = int(parts[0])
+    return out
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def add_memory(add, prefix: str, pids: list[int], avail0: int) -> None:
+    """Per-child host memory of forked children (see the module docstring)."""
+    time.sleep(1.0)
+    rollups = [smaps_rollup(pid) for pid in pids]
+    avail1 = mem_available()
+    add(f"{prefix}_child_pss_mib", statistics.mean(r.get("Pss", 0) for r in rollups) / 1024)
+    add(f"{prefix}_child_rss_mib", statistics.mean(r.get("Rss", 0) for r in rollups) / 1024)
+    add(f"{prefix}_child_pss_anon_mib", statistics.mean(r.get("Pss_Anon", 0) for r in rollups) / 1024)
+    add(f"{prefix}_memavailable_drop_per_child_mib", (avail0 - avail1) / len(pids) / MIB)
+
+
+class LoadMonitor:
+    """Samples the 1-minute load average and the QEMU processes that are not this benchmark's
+    (other users of the host) every few seconds, so a result says how quiet the host was. Our own
+    guests (fork ×16 runs 17 TCG guests on 2 cores) push the load up by themselves."""
+
+    def __init__(self, every: float = 5.0):
+        import threading  # noqa: PLC0415
+
+        self.every, self.phase, self.samples = every, "setup", []
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def foreign_qemus() -> int:
+        mine = str(ROOT / "var" / "bench-runs")
+        n = 0
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                cmd = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "qemu-system" in cmd.split(" ", 1)[0] and mine not in cmd and ".tmp-template-vm-" not in cmd:
+                n += 1
+        return n
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(self.every):
+            self.samples.append((self.phase, os.getloadavg()[0], self.foreign_qemus()))
+
+    def start(self) -> "LoadMonitor":
+        self.thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self.stop_event.set()
+        self.thread.join(timeout=self.every + 1)
+        out = {}
+        for phase in dict.fromkeys(p for p, _, _ in self.samples):
+            loads = [x for p, x, _ in self.samples if p == phase]
+            others = [q for p, _, q in self.samples if p == phase]
+            out[phase] = {"load1_mean": round(statistics.mean(loads), 2), "load1_max": round(max(loads), 2),
+                          "other_qemu_max": max(others), "samples": len(loads)}
+        return out
+
+
+def ensure_template_snapshot(args) -> float:
+    """Builds the template snapshot of the benchmark's shape if missing; seconds it took."""
+    images_dir = Path(args.images_dir).absolute()
+    ensure_image(images_dir, "base", progress=lambda m: None)
+    t0 = time.monotonic()
+    templates.build(images_dir, "base", args.cpu, args.memory, args.disk, progress=print)
+    return round(time.monotonic() - t0, 1)

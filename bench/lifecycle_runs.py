@@ -1,0 +1,361 @@
+"""The two halves of bench/lifecycle.py: the raw driver (QemuDriver in this process) and
+the same operations through the E2B API of a running stack."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+
+from vmm import templates
+from vmm.driver import BootSpec
+from vmm.qemu import QemuDriver, envd_healthy
+
+from bench.lifecycle_common import ROOT, add_memory, mem_available, ms, run_cmd
+
+
+class Raw:
+    """The driver half: every number is wall time around one driver call (plus what the call
+    itself reports in its timings)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.images_dir = Path(args.images_dir).absolute()
+        self.home = (ROOT / "var" / "bench-runs" / f"lifecycle-{uuid.uuid4().hex[:8]}").absolute()
+        self.driver = QemuDriver(home=self.home, images_dir=self.images_dir, boot_timeout=120)
+        self.templates = templates.TemplateCache(self.images_dir)
+        self.samples: dict[str, list[float]] = {}
+        self.n = 0
+
+    def add(self, name: str, value: float) -> None:
+        self.samples.setdefault(name, []).append(value)
+
+    def sid(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}-{self.n}"
+
+    def spec(self, sid: str) -> BootSpec:
+        return BootSpec(sid, cpu_count=self.args.cpu, memory_mb=self.args.memory, disk_size_mb=self.args.disk)
+
+    def start(self, spec: BootSpec):
+        """Like the node's create: a restore of the booted template (built first), else a cold boot."""
+        template = self.templates.find(self.driver, spec)
+        if template is None:
+            info = self.driver.boot(spec)
+            info.timings["from_template_snapshot"] = 0
+        else:
+            info = self.driver.restore(template, spec, template=True)
+            info.timings["from_template_snapshot"] = 1
+        return info
+
+    def run(self) -> None:
+        a = self.args
+        ops = set(a.ops.split(","))
+        try:
+            if "create" in ops:
+                self.creates()
+            if ops - {"create"}:
+                parent = self.start(self.spec("parent"))
+                run_cmd(parent.envd_url, "echo bench > /root/state.txt && python3 -c 'print(1)'")
+                sid = parent.sandbox_id
+                for op, fn in (("pause", self.pause_resume), ("disk", self.pause_to_disk), ("fs", self.fs_pause),
+                               ("snapshot", self.snapshots)):
+                    if op in ops:
+                        fn(sid)
+                for count, runs in ((4, a.fork4_runs), (16, a.fork16_runs)):
+                    if f"fork{count}" in ops:
+                        for _ in range(runs):
+                            self.fork(sid, count)
+                self.driver.kill(sid)
+        finally:
+            for vm in self.driver.list():
+                self.driver.kill(vm.sandbox_id)
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    def creates(self) -> None:
+        for _ in range(self.args.runs):
+            sid = self.sid("create")
+            t0 = time.perf_counter()
+            info = self.start(self.spec(sid))
+            t1 = time.perf_counter()
+            assert info.timings.get("from_template_snapshot") == 1, info.timings
+            run_cmd(info.envd_url)
+            t2 = time.perf_counter()
+            self.add("create_from_template", ms(t0, t1))
+            self.add("create_from_template_first_command", ms(t0, t2))
+            self.add("create.ram_copy", info.timings.get("ram_copy_ms", 0))
+            t0 = time.perf_counter()
+            self.driver.kill(sid)
+            self.add("kill", ms(t0, time.perf_counter()))
+        for _ in range(self.args.cold_runs):
+            sid = self.sid("cold")
+            t0 = time.perf_counter()
+            self.driver.boot(self.spec(sid))  # boot() never restores a template
+            self.add("create_cold_boot", ms(t0, time.perf_counter()))
+            self.driver.kill(sid)
+
+    def pause_resume(self, sid: str) -> None:
+        for _ in range(self.args.runs):
+            t0 = time.perf_counter()
+            t = self.driver.pause(sid)
+            self.add("pause", ms(t0, time.perf_counter()))
+            self.add("pause.qmp_stop", t["pause_ms"])
+            t0 = time.perf_counter()
+            self.driver.resume(sid)
+            self.add("resume_in_memory", ms(t0, time.perf_counter()))
+
+    def pause_to_disk(self, sid: str) -> None:
+        for _ in range(self.args.runs):
+            t0 = time.perf_counter()
+            t = self.driver.pause_to_disk(sid)
+            self.add("pause_to_disk", ms(t0, time.perf_counter()))
+            self.add("pause_to_disk.saved", t["pause_to_disk_ms"])
+            t0 = time.perf_counter()
+            self.driver.resume(sid)
+            self.add("resume_from_disk", ms(t0, time.perf_counter()))
+
+    def fs_pause(self, sid: str) -> None:
+        for _ in range(self.args.fs_runs):
+            t0 = time.perf_counter()
+            self.driver.pause_to_disk(sid, memory=False)
+            self.add("pause_fs_only", ms(t0, time.perf_counter()))
+            t0 = time.perf_counter()
+            info = self.driver.resume(sid)
+            self.add("resume_fs_only_cold_boot", ms(t0, time.perf_counter()))
+            assert info.timings.get("cold_boot") == 1
+
+    def snapshots(self, sid: str) -> None:
+        """Snapshot (pause window and total), then one restore from it (→ envd, → first command)."""
+        for i in range(self.args.runs):
+            dest = self.home / "snapshots" / f"s{i}"
+            t0 = time.perf_counter()
+            m = self.driver.snapshot(sid, dest)
+            self.add("snapshot_total", ms(t0, time.perf_counter()))
+            self.add("snapshot_pause_window", m.timings["pause_ms"])
+            self.add("snapshot.memory_copy", m.timings["memory_copy_ms"])
+            child = self.sid("restored")
+            t0 = time.perf_counter()
+            info = self.driver.restore(m, self.spec(child))
+            t1 = time.perf_counter()
+            run_cmd(info.envd_url)
+            self.add("create_from_snapshot", ms(t0, t1))
+            self.add("create_from_snapshot_first_command", ms(t0, time.perf_counter()))
+            self.driver.kill(child)
+            shutil.rmtree(dest)
+
+    def fork(self, sid: str, count: int) -> None:
+        avail0 = mem_available()
+        t0 = time.perf_counter()
+        results = self.driver.fork(sid, count)
+        kids = [r for r in results if not isinstance(r, Exception)]
+        if len(kids) != count:
+            raise RuntimeError(f"fork x{count}: {[r for r in results if isinstance(r, Exception)]}")
+        with concurrent.futures.ThreadPoolExecutor(count) as pool:
+            outs = list(pool.map(lambda k: run_cmd(k.envd_url), kids))
+        t_all = time.perf_counter()
+        assert all(o.strip() == "ok" for o in outs), outs
+        self.add(f"fork{count}_parent_pause", kids[0].timings["capture.pause_ms"])
+        self.add(f"fork{count}_children_ready", kids[0].timings["fork_all_ready_ms"])
+        self.add(f"fork{count}_all_answering", ms(t0, t_all))
+        add_memory(self.add, f"fork{count}", [k.pid for k in kids], avail0)
+        for k in kids:
+            self.driver.kill(k.sandbox_id)
+        assert envd_healthy("127.0.0.1", self.driver.info(sid).envd_port)
+
+
+class Api:
+    """The control-plane half: the same verbs through the E2B API, split by Server-Timing.
+    Every sample is named ``api.<raw name>`` so it lines up with the raw one."""
+
+    def __init__(self, args, api: str, sandbox_url: str, key: str, template: str, stack=None):
+        self.args, self.api, self.sandbox_url, self.key = args, api.rstrip("/"), sandbox_url.rstrip("/"), key
+        self.template, self.stack = template, stack
+        self.samples: dict[str, list[float]] = {}
+        self.notes: list[str] = []
+        self.live: set[str] = set()  # sandboxes this run started and has not killed yet
+        self.started: set[str] = set()  # every one, for the RAM-file sweep after the stack stops
+
+    def add(self, name: str, value: float) -> None:
+        self.samples.setdefault(name, []).append(value)
+
+    @property
+    def headers(self) -> dict:
+        return {"X-API-Key": self.key}
+
+    def timed(self, client, name: str, method: str, path: str, expect: int, *, node_of=None, **kw):
+        """One API call; adds api.<name> (client ms), .node, .overhead; returns (response, ms)."""
+        from bench.create_kill import parse_server_timing  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        resp = client.request(method, f"{self.api}{path}", headers=self.headers, timeout=600, **kw)
+        wall = ms(t0, time.perf_counter())
+        if resp.status_code != expect:
+            raise RuntimeError(f"{method} {path}: {resp.status_code} {resp.text[:300]}")
+        phases = parse_server_timing(resp.headers.get("server-timing", ""))
+        node = node_of(phases) if node_of else phases.get("node")
+        self.add(f"api.{name}", wall)
+        if node is not None:
+            self.add(f"api.{name}.node", node)
+            self.add(f"api.{name}.overhead", wall - node)
+            if "dispatch" in phases:  # the Celery round trip without the node's work
+                self.add(f"api.{name}.dispatch", phases["dispatch"])
+        return resp, wall
+
+    @staticmethod
+    def create_node_ms(phases: dict) -> float | None:
+        """A create's node time: its total minus placement (schedule) and the Celery round
+        trip without the node's work (dispatch); see sandboxes.lifecycle.create.create_phases."""
+        if "total" not in phases:
+            return None
+        return phases["total"] - phases.get("schedule", 0.0) - phases.get("dispatch", 0.0)
+
+    def command(self, sbx: dict, cmd: str = "echo ok") -> str:
+        """A command in an API sandbox through the data plane (official SDK, its own token)."""
+        return run_cmd(self.sandbox_url, cmd, sandbox_id=sbx["sandboxID"], token=sbx.get("envdAccessToken"),
+                       envd_version=sbx.get("envdVersion") or "0.6.4")
+
+    def kill(self, client, sid: str) -> None:
+        resp = client.delete(f"{self.api}/sandboxes/{sid}", headers=self.headers, timeout=120)
+        if resp.status_code not in (204, 404):
+            raise RuntimeError(f"kill {sid}: {resp.status_code} {resp.text[:300]}")
+        self.live.discard(sid)
+
+    def track(self, *ids: str) -> None:
+        self.live.update(ids)
+        self.started.update(ids)
+
+    def kill_all(self, client) -> None:
+        """After a failure: kill what is still alive through the API, so the node removes
+        its VMs and RAM files the normal way (a SIGKILL would leave them in /dev/shm)."""
+        for sid in list(self.live):
+            try:
+                self.kill(client, sid)
+            except Exception as exc:  # noqa: BLE001 - best effort, the stack teardown follows
+                print(f"cleanup: kill {sid} failed: {exc}", file=sys.stderr)
+
+    def create(self, client, name: str, template: str) -> dict:
+        """A create through the API → envd answering (the API answers after envd /init) →
+        the first command through the data plane."""
+        t0 = time.perf_counter()
+        resp, _ = self.timed(client, name, "POST", "/v2/sandboxes", 201, node_of=self.create_node_ms,
+                             json={"templateID": template, "timeout": 3600, "metadata": {"bench": "lifecycle"}})
+        sbx = resp.json()
+        self.track(sbx["sandboxID"])
+        if self.command(sbx).strip() != "ok":
+            raise RuntimeError(f"{name}: first command did not answer ok")
+        self.add(f"api.{name}_first_command", ms(t0, time.perf_counter()))
+        return sbx
+
+    def run(self) -> None:
+        import httpx  # noqa: PLC0415
+
+        a, ops = self.args, set(self.args.ops.split(","))
+        with httpx.Client() as client:
+            try:
+                self._run(client, a, ops)
+            except BaseException:
+                self.kill_all(client)
+                raise
+
+    def _run(self, client, a, ops) -> None:
+        if "create" in ops:
+            for _ in range(a.runs):
+                self.kill(client, self.create(client, "create_from_template", self.template)["sandboxID"])
+        if not ops - {"create"}:
+            return
+        parent = self.create(client, "parent_create", self.template)
+        sid = parent["sandboxID"]
+        self.command(parent, "echo bench > /root/state.txt")
+        if "disk" in ops or "pause" in ops:
+            for _ in range(a.runs):
+                self.timed(client, "pause_to_disk", "POST", f"/sandboxes/{sid}/pause", 204, json={})
+                self.timed(client, "resume_from_disk", "POST", f"/sandboxes/{sid}/connect", 201,
+                           json={"timeout": 3600})
+                # nothing for the node to do: the whole call is control plane
+                self.timed(client, "connect_running", "POST", f"/sandboxes/{sid}/connect", 200,
+                           node_of=lambda p: 0.0, json={"timeout": 3600})
+        if "fs" in ops:
+            # a cold-boot resume loses the processes, not the files; the parent goes on as is
+            for _ in range(a.fs_runs):
+                self.timed(client, "pause_fs_only", "POST", f"/sandboxes/{sid}/pause", 204, json={"memory": False})
+                self.timed(client, "resume_fs_only_cold_boot", "POST", f"/sandboxes/{sid}/connect", 201,
+                           json={"timeout": 3600})
+        if "snapshot" in ops:
+            self.snapshots(client, sid)
+        for count, runs in ((4, a.fork4_runs), (16, a.fork16_runs)):
+            if f"fork{count}" in ops:
+                for _ in range(runs):
+                    self.fork(client, sid, count)
+        self.pause_windows(sid)
+        self.kill(client, sid)
+
+    def snapshots(self, client, sid: str) -> None:
+        for _ in range(self.args.runs):
+            resp, _ = self.timed(client, "snapshot_total", "POST", f"/sandboxes/{sid}/snapshots", 201, json={})
+            snap = resp.json()["snapshotID"]
+            child = self.create(client, "create_from_snapshot", snap)
+            self.kill(client, child["sandboxID"])
+            gone = client.delete(f"{self.api}/templates/{snap}", headers=self.headers, timeout=120)
+            if gone.status_code != 204:
+                raise RuntimeError(f"delete snapshot {snap}: {gone.status_code} {gone.text[:300]}")
+
+    def fork(self, client, sid: str, count: int) -> None:
+        avail0 = mem_available()
+        t0 = time.perf_counter()
+        resp, _ = self.timed(client, f"fork{count}", "POST", f"/sandboxes/{sid}/fork", 201,
+                             json={"count": count, "timeout": 600})
+        entries = resp.json()
+        kids = [e["sandbox"] for e in entries if "sandbox" in e]
+        self.track(*(k["sandboxID"] for k in kids))
+        try:
+            if len(kids) != count:
+                raise RuntimeError(f"API fork x{count}: {[e['error'] for e in entries if 'error' in e]}")
+            with concurrent.futures.ThreadPoolExecutor(count) as pool:
+                outs = list(pool.map(self.command, kids))
+            t_all = time.perf_counter()
+            assert all(o.strip() == "ok" for o in outs), outs
+            self.add(f"api.fork{count}_all_answering", ms(t0, t_all))
+            if self.stack is not None:
+                pids = [p for k in kids for p in self.stack.qemu_pids(k["sandboxID"])]
+                if len(pids) == count:
+                    add_memory(self.add, f"api.fork{count}", pids, avail0)
+        finally:
+            with concurrent.futures.ThreadPoolExecutor(min(len(kids), 8) or 1) as pool:
+                list(pool.map(lambda k: self.kill(client, k["sandboxID"]), kids))
+
+    def pause_windows(self, sid: str) -> None:
+        """The node's capture timings of this parent's snapshots and forks, from the
+        SandboxEvents the control plane wrote (only with a stack of our own: needs its DB)."""
+        if self.stack is None:
+            self.notes.append("API parent pause windows need --api auto (read from the stack's SandboxEvents)")
+            return
+        code = f"""
+import json
+from sandboxes.models import SandboxEvent as E
+ev = E.objects.filter(sandbox_id={sid!r}, outcome="ok").order_by("id")
+snaps = [(e.details.get("timings") or {{}}).get("pause_ms") for e in ev.filter(operation="snapshot")]
+forks = []
+for e in ev.filter(operation="fork"):
+    kids = e.details.get("children") or []
+    t = {{}}
+    for c in E.objects.filter(sandbox_id__in=kids, operation="create", outcome="ok"):
+        t = (c.details or {{}}).get("timings") or {{}}
+        if "capture.pause_ms" in t:
+            break
+    forks.append({{"count": len(kids), "pause_ms": t.get("capture.pause_ms"),
+                  "ready_ms": t.get("fork_all_ready_ms")}})
+print("BENCH_JSON " + json.dumps({{"snapshots": snaps, "forks": forks}}))
+"""
+        out = self.stack.db(code)
+        data = json.loads(out.split("BENCH_JSON ", 1)[1])
+        for v in data["snapshots"]:
+            if v is not None:
+                self.add("api.snapshot_pause_window", v)
+        for f in data["forks"]:
+            if f["pause_ms"] is not None:
+                self.add(f"api.fork{f['count']}_parent_pause", f["pause_ms"])
+                self.add(f"api.fork{f['count']}_children_ready", f["ready_ms"])
