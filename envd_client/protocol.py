@@ -1,0 +1,356 @@
+"""What each envd call sends and how its answer is read, without any I/O.
+
+Why a module of its own: the sync and the async client differ only in how bytes move
+(``httpx.Client`` vs ``httpx.AsyncClient``). Request construction (paths, headers, JSON
+bodies, the ``/init`` body the node sends), stream decoding (envelopes → events, the
+end-of-stream error) and result types live here once, so the two clients stay thin
+mirrors of each other and cannot drift apart.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import ssl
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import lru_cache
+
+from envd.wire import (
+    FLAG_END_STREAM,
+    STREAM_CONTENT_TYPE,
+    UNARY_CONTENT_TYPE,
+    ConnectError,
+    EnvelopeReader,
+    decode_json,
+    encode_json,
+    envelope,
+    parse_end_stream,
+)
+
+from .errors import EnvdError, EnvdUnavailable
+
+# envd sends a keepalive event after this much silence (seconds) on our streams...
+KEEPALIVE_INTERVAL = 10
+# ...so a stream silent for longer than this is dead (VM frozen, network gone).
+STREAM_IDLE_TIMEOUT = 3 * KEEPALIVE_INTERVAL
+CONNECT_TIMEOUT = 5.0
+UNARY_TIMEOUT = 10.0
+HEALTH_TIMEOUT = 1.0
+INIT_TIMEOUT = 10.0   # what the node allows a fresh VM's /init
+SYNC_TIMEOUT = 120.0  # guest sync(2) of a dirty page cache under TCG
+SYNC_PATH = "/aenv/sync"
+ENTROPY_SEED_BYTES = 64
+
+# The E2B SDK's PTY shell (spec §4.3).
+SHELL = {"cmd": "/bin/bash", "args": ["-i", "-l"],
+         "envs": {"TERM": "xterm-256color", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One HTTP request to envd: ``expect`` lists the statuses that mean success."""
+
+    method: str
+    path: str
+    headers: dict = field(default_factory=dict)
+    content: bytes | None = None
+    params: dict | None = None
+    timeout: float | None = None  # None: the client's default
+    expect: tuple = (200,)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One process event: ``kind`` is start | data | end | keepalive. ``data`` events
+    say which ``stream`` (stdout, stderr or pty) the bytes came from."""
+
+    kind: str
+    pid: int | None = None
+    stream: str = ""
+    data: bytes = b""
+    exit_code: int | None = None
+    exited: bool = False
+    status: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished command: exit code (-1 if killed by a signal), output, envd's status
+    (``exit status 3``, ``signal: killed``) and error text."""
+
+    pid: int
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    status: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A running process as ``Process/List`` reports it."""
+
+    pid: int
+    tag: str | None
+    cmd: str
+    args: list
+    envs: dict
+    cwd: str | None
+
+
+# ------------------------------------------------------------------ requests
+
+def basic_auth(user: str) -> str:
+    """envd's way of naming the user a call runs as (no password)."""
+    return "Basic " + base64.b64encode(f"{user}:".encode()).decode()
+
+
+def _user_headers(user: str | None) -> dict:
+    return {"Authorization": basic_auth(user)} if user else {}
+
+
+def unary(method: str, message: dict, *, user: str | None = None, timeout: float | None = None) -> Request:
+    """A unary Connect call, e.g. ``unary("process.Process/List", {})``."""
+    return Request("POST", f"/{method}", {"Content-Type": UNARY_CONTENT_TYPE, **_user_headers(user)},
+                   encode_json(message), timeout=timeout)
+
+
+def stream(method: str, message: dict, *, user: str | None = None, deadline: float | None = None,
+           keepalive: float = KEEPALIVE_INTERVAL) -> Request:
+    """A server-streaming Connect call: one request envelope. ``deadline`` (seconds)
+    becomes ``connect-timeout-ms``, which envd applies to the process's lifetime."""
+    headers = {"Content-Type": STREAM_CONTENT_TYPE, "Keepalive-Ping-Interval": str(int(keepalive)),
+               **_user_headers(user)}
+    if deadline:
+        headers["Connect-Timeout-Ms"] = str(max(1, int(deadline * 1000)))
+    return Request("POST", f"/{method}", headers, envelope(encode_json(message)))
+
+
+def init_body(env_vars: dict | None = None, *, access_token: str | None = None, timestamp: datetime | None = None,
+              default_user: str = "user", default_workdir: str = "/home/user",
+              entropy_seed: bytes | None = None) -> dict:
+    """The body of the node's ``POST /init``: env vars, the host's clock, default user and
+    workdir, fresh kernel entropy (restored and forked guests share RNG state) and, when
+    given, the sandbox's access token."""
+    now = timestamp or datetime.now(timezone.utc)
+    body = {
+        "envVars": dict(env_vars or {}),
+        "timestamp": now.astimezone(timezone.utc).isoformat().replace("+00:00", "Z"),
+        "defaultUser": default_user,
+        "defaultWorkdir": default_workdir,
+        "entropySeed": base64.b64encode(entropy_seed if entropy_seed is not None
+                                        else os.urandom(ENTROPY_SEED_BYTES)).decode(),
+    }
+    if access_token is not None:
+        body["accessToken"] = access_token
+    return body
+
+
+def init(body: dict, *, timeout: float | None = INIT_TIMEOUT) -> Request:
+    return Request("POST", "/init", {"Content-Type": "application/json"}, encode_json(body),
+                   timeout=timeout, expect=(200, 204))
+
+
+def sync(*, timeout: float | None = SYNC_TIMEOUT) -> Request:
+    return Request("POST", SYNC_PATH, timeout=timeout, expect=(204,))
+
+
+def health(*, timeout: float | None = HEALTH_TIMEOUT) -> Request:
+    return Request("GET", "/health", timeout=timeout, expect=(200, 204))
+
+
+def process_config(cmd: str, args=(), *, envs: dict | None = None, cwd: str | None = None) -> dict:
+    config = {"cmd": cmd, "args": list(args)}
+    if envs:
+        config["envs"] = dict(envs)
+    if cwd:
+        config["cwd"] = cwd
+    return config
+
+
+def start(config: dict, *, pty: tuple[int, int] | None = None, tag: str | None = None, stdin: bool | None = None,
+          user: str | None = None, deadline: float | None = None) -> Request:
+    """``Process/Start`` of ``config``; ``pty`` is (cols, rows)."""
+    message: dict = {"process": config}
+    if pty is not None:
+        message["pty"] = {"size": {"cols": int(pty[0]), "rows": int(pty[1])}}
+    if tag is not None:
+        message["tag"] = tag
+    if stdin is not None:
+        message["stdin"] = bool(stdin)
+    return stream("process.Process/Start", message, user=user, deadline=deadline)
+
+
+def shell_config(*, envs: dict | None = None, cwd: str | None = None) -> dict:
+    """The login shell of a PTY (the SDK's), with extra ``envs``."""
+    return process_config(SHELL["cmd"], SHELL["args"], envs={**SHELL["envs"], **(envs or {})}, cwd=cwd)
+
+
+def command_config(command: str, *, envs: dict | None = None, cwd: str | None = None) -> dict:
+    """``bash -l -c <command>``, as the SDK runs every command."""
+    return process_config("/bin/bash", ["-l", "-c", command], envs=envs, cwd=cwd)
+
+
+def connect(pid: int) -> Request:
+    return stream("process.Process/Connect", {"process": {"pid": int(pid)}})
+
+
+def send_input(pid: int, data: bytes, *, pty: bool = True) -> Request:
+    kind = "pty" if pty else "stdin"
+    return unary("process.Process/SendInput", {"process": {"pid": int(pid)},
+                                               "input": {kind: base64.b64encode(data).decode()}})
+
+
+def resize(pid: int, cols: int, rows: int) -> Request:
+    return unary("process.Process/Update", {"process": {"pid": int(pid)},
+                                            "pty": {"size": {"cols": int(cols), "rows": int(rows)}}})
+
+
+def send_signal(pid: int, signal: str = "SIGKILL") -> Request:
+    name = signal if signal.startswith("SIGNAL_") else f"SIGNAL_{signal}"
+    return unary("process.Process/SendSignal", {"process": {"pid": int(pid)}, "signal": name})
+
+
+def list_processes() -> Request:
+    return unary("process.Process/List", {})
+
+
+def read_file(path: str, *, user: str | None = None) -> Request:
+    return Request("GET", "/files", params={"path": path, **({"username": user} if user else {})})
+
+
+def write_file(path: str, data: bytes, *, user: str | None = None) -> Request:
+    return Request("POST", "/files", {"Content-Type": "application/octet-stream"}, bytes(data),
+                   params={"path": path, **({"username": user} if user else {})})
+
+
+# ------------------------------------------------------------------ answers
+
+def json_answer(body: bytes) -> dict:
+    """A unary answer's JSON object; anything else is an ``internal`` error."""
+    try:
+        data = decode_json(body)
+    except (ValueError, UnicodeDecodeError):
+        raise EnvdError("internal", f"undecodable answer: {body[:200]!r}") from None
+    if not isinstance(data, (dict, list)):
+        raise EnvdError("internal", f"unexpected answer: {body[:200]!r}")
+    return data
+
+
+def event(message: dict) -> Event:
+    """A ``StartResponse`` / ``ConnectResponse`` message as an Event."""
+    ev = message.get("event") or {}
+    if "start" in ev:
+        return Event("start", pid=int(ev["start"].get("pid", 0)))
+    if "data" in ev:
+        data = ev["data"] or {}
+        for name in ("pty", "stdout", "stderr"):
+            if name in data:
+                return Event("data", stream=name, data=base64.b64decode(data[name] or ""))
+        return Event("data")
+    if "end" in ev:
+        end = ev["end"] or {}
+        return Event("end", exit_code=int(end.get("exitCode", end.get("exit_code", 0))),
+                     exited=bool(end.get("exited", False)), status=str(end.get("status", "")),
+                     error=str(end.get("error", "")))
+    return Event("keepalive")
+
+
+def process_infos(answer: dict) -> list[ProcessInfo]:
+    out = []
+    for proc in answer.get("processes", []):
+        config = proc.get("config") or {}
+        out.append(ProcessInfo(pid=int(proc.get("pid", 0)), tag=proc.get("tag"), cmd=config.get("cmd", ""),
+                               args=list(config.get("args", [])), envs=dict(config.get("envs", {})),
+                               cwd=config.get("cwd")))
+    return out
+
+
+class StreamDecoder:
+    """Turns a streaming answer's byte chunks into messages; ``done`` once the
+    end-of-stream envelope arrived, whose error ``check()`` raises."""
+
+    def __init__(self):
+        self._reader = EnvelopeReader()
+        self.done = False
+        self.error: dict | None = None
+        self.metadata: dict = {}
+
+    def feed(self, chunk: bytes) -> list[dict]:
+        """The complete messages in ``chunk`` (nothing after the end of the stream)."""
+        if self.done:
+            return []
+        try:
+            frames = self._reader.feed(chunk)
+        except ConnectError as exc:
+            raise EnvdError(exc.code, exc.message) from None
+        out = []
+        for flags, payload in frames:
+            if flags & FLAG_END_STREAM:
+                self.done = True
+                self.error, self.metadata = parse_end_stream(payload)
+                break
+            try:
+                out.append(decode_json(payload))
+            except (ValueError, UnicodeDecodeError):
+                raise EnvdError("internal", f"undecodable stream message: {payload[:200]!r}") from None
+        return out
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise EnvdError.from_dict(self.error)
+
+
+def unterminated() -> EnvdUnavailable:
+    return EnvdUnavailable("the stream ended without an end-of-stream message")
+
+
+class RunCollector:
+    """Builds a RunResult from a command's events, passing output to callbacks."""
+
+    def __init__(self, on_stdout=None, on_stderr=None):
+        self._callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+        self._out = {"stdout": bytearray(), "stderr": bytearray()}
+        self.pid = 0
+        self.end: Event | None = None
+
+    def add(self, ev: Event) -> None:
+        if ev.kind == "start":
+            self.pid = ev.pid or 0
+        elif ev.kind == "data" and ev.stream in self._out:
+            self._out[ev.stream] += ev.data
+            callback = self._callbacks[ev.stream]
+            if callback is not None:
+                callback(ev.data)
+        elif ev.kind == "end":
+            self.end = ev
+
+    def result(self) -> RunResult:
+        if self.end is None:
+            raise EnvdError("internal", "the command's stream ended without an end event")
+        return RunResult(pid=self.pid, exit_code=self.end.exit_code or 0, stdout=bytes(self._out["stdout"]),
+                         stderr=bytes(self._out["stderr"]), status=self.end.status, error=self.end.error)
+
+
+def written_entry(answer) -> dict:
+    """The first entry of ``POST /files``'s answer (``{"name", "type", "path"}``)."""
+    if not isinstance(answer, list) or not answer or not isinstance(answer[0], dict):
+        raise EnvdError("internal", f"unexpected /files answer: {answer!r:.200}")
+    return answer[0]
+
+
+@lru_cache(maxsize=1)
+def _default_tls() -> ssl.SSLContext:
+    return ssl.create_default_context()
+
+
+def tls_for(base_url: str):
+    """httpx's ``verify`` for ``base_url``: no TLS context for plain http (building
+    httpx's default costs ~20 ms per client, which a health poll cannot afford), one
+    shared verifying context for https (e.g. the CLI through a TLS data plane)."""
+    return _default_tls() if base_url.lower().startswith("https:") else False
