@@ -4,15 +4,14 @@ AENV_* spellings) so one set of exports serves the SDK and the CLI."""
 from __future__ import annotations
 
 import argparse
-import base64
+import contextlib
 import json
 import os
-import struct
 import sys
 
 import httpx
 
-from envd import ENVD_PORT
+from envd_client import EnvdClient, EnvdError, EnvdUnavailable
 
 
 class CliError(Exception):
@@ -70,52 +69,21 @@ def cmd_kill(args, api, _sandbox, key):
     return status
 
 
-def _frames(stream):
-    """Yields decoded Connect envelopes (flags, JSON) from a streaming response."""
-    buf = b""
-    for chunk in stream.iter_raw():
-        buf += chunk
-        while len(buf) >= 5:
-            flags, length = struct.unpack(">BI", buf[:5])
-            if len(buf) < 5 + length:
-                break
-            yield flags, json.loads(buf[5:5 + length] or b"{}")
-            buf = buf[5 + length:]
-
-
 def cmd_exec(args, api, sandbox, key):
     info = _check(httpx.get(f"{api}/sandboxes/{args.id}", headers={"X-API-Key": key})).json()
-    headers = {
-        "E2b-Sandbox-Id": args.id, "E2b-Sandbox-Port": str(ENVD_PORT), "Content-Type": "application/connect+json",
-        "Connect-Protocol-Version": "1",
-    }
-    if info.get("envdAccessToken"):
-        headers["X-Access-Token"] = info["envdAccessToken"]
-    if args.user:
-        headers["Authorization"] = "Basic " + base64.b64encode(f"{args.user}:".encode()).decode()
-    request = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", " ".join(args.command)]}, "stdin": False}
-    if args.cwd:
-        request["process"]["cwd"] = args.cwd
-    payload = json.dumps(request).encode()
     exit_code = 1
-    with httpx.stream("POST", f"{sandbox}/process.Process/Start", headers=headers,
-                      content=struct.pack(">BI", 0, len(payload)) + payload, timeout=None) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            _check(resp)
-        for flags, msg in _frames(resp):
-            if flags & 0x02:
-                if "error" in msg:
-                    raise CliError(f"{msg['error'].get('code')}: {msg['error'].get('message')}")
-                break
-            event = msg.get("event", {})
-            data = event.get("data", {})
-            for name, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                if name in data:
-                    out.buffer.write(base64.b64decode(data[name]))
+    # No idle limit on the stream (as ever): the data plane may first resume a paused sandbox.
+    with EnvdClient.through_proxy(sandbox, args.id, info.get("envdAccessToken"), stream_idle_timeout=None) as envd:
+        events = envd.start("/bin/bash", ["-l", "-c", " ".join(args.command)], cwd=args.cwd, user=args.user,
+                            stdin=False)
+        with contextlib.closing(events):
+            for event in events:
+                if event.kind == "data" and event.stream in ("stdout", "stderr"):
+                    out = sys.stdout if event.stream == "stdout" else sys.stderr
+                    out.buffer.write(event.data)
                     out.flush()
-            if "end" in event:
-                exit_code = event["end"].get("exitCode", 0)
+                elif event.kind == "end":
+                    exit_code = event.exit_code
     return exit_code if exit_code >= 0 else 128
 
 
@@ -153,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, *_config())
     except CliError as exc:
         print(f"aenv: {exc}", file=sys.stderr)
+        return 1
+    except EnvdUnavailable as exc:
+        print(f"aenv: cannot reach the sandbox: {exc.message}", file=sys.stderr)
+        return 1
+    except EnvdError as exc:  # an HTTP answer says its status, as the API's errors do
+        print(f"aenv: {exc.status or exc.code}: {exc.message}", file=sys.stderr)
         return 1
     except httpx.HTTPError as exc:
         print(f"aenv: cannot reach the server: {exc}", file=sys.stderr)

@@ -13,7 +13,12 @@ The PTY outlives the socket: its pid (and a random tag, so a reused pid after a
 reboot is never mistaken for ours) is remembered in the user's session per
 sandbox, and a reload re-attaches with ``Process/Connect``. Only members of the
 sandbox's team (the dashboard's current team) can open it; anything else looks
-like a missing sandbox."""
+like a missing sandbox.
+
+envd is reached directly (``envd_host:envd_port`` with the sandbox's X-Access-Token)
+through ``envd_client.AsyncEnvdClient`` from daphne's event loop: nothing blocks, every
+call has a timeout, and a PTY stream silent for longer than a few of envd's keepalive
+intervals counts as dead (VM frozen, network gone)."""
 from __future__ import annotations
 
 import asyncio
@@ -26,10 +31,11 @@ from types import SimpleNamespace
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
+from envd_client import AsyncEnvdClient, EnvdError
+from envd_client.protocol import STREAM_IDLE_TIMEOUT, UNARY_TIMEOUT
 from sandboxes.models import Sandbox
 from sandboxes.states import ROUTABLE, SandboxState
 
-from .envd_pty import EnvdError, EnvdPty
 from .teams import current_team
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,9 @@ STATE_POLL_SECONDS = 2.0
 # States in which the VM (and so the PTY) keeps running.
 TERMINAL_STATES = ROUTABLE  # a terminal needs a VM whose envd takes traffic
 DEFAULT_SIZE = (80, 24)
+# envd calls: a unary call's timeout; the silence after which the PTY stream is dead.
+ENVD_TIMEOUT = UNARY_TIMEOUT
+ENVD_STREAM_IDLE_TIMEOUT = STREAM_IDLE_TIMEOUT
 MAX_INPUT_BATCH = 64 * 1024
 
 
@@ -158,7 +167,8 @@ class TerminalConsumer(AsyncWebsocketConsumer):
         """Runs the bridge until the shell ends, the sandbox leaves the running state
         or envd fails, then closes the socket with the reason. Cancelled (the browser
         went away) it stops its helpers and the envd connection; the shell lives on."""
-        envd = EnvdPty(self.sandbox.envd_base_url, self.sandbox.envd_access_token)
+        envd = AsyncEnvdClient(self.sandbox.envd_base_url, self.sandbox.envd_access_token,
+                               timeout=ENVD_TIMEOUT, stream_idle_timeout=ENVD_STREAM_IDLE_TIMEOUT)
         self._writer: asyncio.Task | None = None
         tasks = [asyncio.create_task(self._pump(envd, size), name=f"terminal-{self.sandbox_id}-pump"),
                  asyncio.create_task(self._watch_state(), name=f"terminal-{self.sandbox_id}-watch")]
@@ -184,7 +194,7 @@ class TerminalConsumer(AsyncWebsocketConsumer):
                 await envd.aclose()
         await self._finish(code, reason)
 
-    async def _pump(self, envd: EnvdPty, size: tuple[int, int]) -> tuple[int, str]:
+    async def _pump(self, envd: AsyncEnvdClient, size: tuple[int, int]) -> tuple[int, str]:
         """Streams PTY output to the socket; returns the close code and reason."""
         try:
             stream, reconnected = await self._open(envd, size)
@@ -197,7 +207,8 @@ class TerminalConsumer(AsyncWebsocketConsumer):
                 return CLOSE_NOT_RUNNING, gone_reason(state)
             return CLOSE_UNREACHABLE, f"sandbox unreachable: {exc.message or exc.code}"
 
-    async def _forward(self, stream, envd: EnvdPty, size: tuple[int, int], reconnected: bool) -> tuple[int, str]:
+    async def _forward(self, stream, envd: AsyncEnvdClient, size: tuple[int, int],
+                       reconnected: bool) -> tuple[int, str]:
         async for event in stream:
             if event.kind == "start":
                 self.pid = event.pid
@@ -217,7 +228,7 @@ class TerminalConsumer(AsyncWebsocketConsumer):
                 return CLOSE_EXITED, f"shell exited ({detail})"
         return CLOSE_UNREACHABLE, "the shell's output stream ended"
 
-    async def _open(self, envd: EnvdPty, size: tuple[int, int]):
+    async def _open(self, envd: AsyncEnvdClient, size: tuple[int, int]):
         """(event stream, reconnected): the remembered shell if it still runs with our
         tag, else a new one."""
         remembered = await self._recall()
@@ -233,9 +244,9 @@ class TerminalConsumer(AsyncWebsocketConsumer):
                 self._tag = tag
                 return envd.connect(pid), True
         self._tag = "aenv-terminal-" + secrets.token_hex(8)
-        return envd.start_shell(size[0], size[1], self._tag), False
+        return envd.start_pty(size[0], size[1], tag=self._tag), False
 
-    async def _write_inputs(self, envd: EnvdPty) -> None:
+    async def _write_inputs(self, envd: AsyncEnvdClient) -> None:
         """Sends queued keystrokes (coalesced) and resizes to envd, in order."""
         while True:
             kind, value = await self.inputs.get()

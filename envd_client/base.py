@@ -20,11 +20,11 @@ class BaseClient:
     install); ``headers`` go on every request (e.g. the data plane's routing headers). Timeouts
     (seconds): ``timeout`` per unary call, ``connect_timeout`` to connect, and
     ``stream_idle_timeout`` of silence after which a stream counts as dead (envd sends
-    keepalives every ``protocol.KEEPALIVE_INTERVAL``)."""
+    keepalives every ``protocol.KEEPALIVE_INTERVAL``; None: never)."""
 
     def __init__(self, base_url: str, access_token: str | None = None, *, headers: dict | None = None,
                  timeout: float = protocol.UNARY_TIMEOUT, connect_timeout: float = protocol.CONNECT_TIMEOUT,
-                 stream_idle_timeout: float = protocol.STREAM_IDLE_TIMEOUT, transport=None):
+                 stream_idle_timeout: float | None = protocol.STREAM_IDLE_TIMEOUT, transport=None):
         self.base_url = base_url.rstrip("/")
         self.access_token = access_token or None
         self.timeout = timeout

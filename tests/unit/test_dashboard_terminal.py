@@ -13,8 +13,7 @@ from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.utils import timezone
 
-from dashboard import envd_pty, terminal
-from dashboard.envd_pty import EnvelopeReader, envelope
+from dashboard import terminal
 from sandboxes.models import Sandbox
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -147,8 +146,8 @@ class SilentServer:
 
 
 async def test_silent_envd_times_out_and_leaks_nothing(dash, team, base_template, monkeypatch):
-    monkeypatch.setattr(envd_pty, "STREAM_READ_TIMEOUT", 1.0)
-    monkeypatch.setattr(envd_pty, "UNARY_TIMEOUT", 1.0)
+    monkeypatch.setattr(terminal, "ENVD_STREAM_IDLE_TIMEOUT", 1.0)
+    monkeypatch.setattr(terminal, "ENVD_TIMEOUT", 1.0)
     server = SilentServer()
     try:
         sandbox = await sync_to_async(make_sandbox)(team, base_template, port=server.port)
@@ -212,16 +211,6 @@ async def test_garbage_from_the_browser_closes_4400(dash, team, base_template, f
     finally:
         server.close()
     assert leaked_terminal_tasks() == []
-
-
-def test_envelope_reader_reassembles_split_frames():
-    frames = envelope({"event": {"start": {"pid": 7}}}) + envelope({"event": {"keepalive": {}}})
-    reader = EnvelopeReader()
-    got = []
-    for i in range(len(frames)):
-        got += reader.feed(frames[i:i + 1])
-    assert got == [(0, {"event": {"start": {"pid": 7}}}), (0, {"event": {"keepalive": {}}})]
-    assert [envd_pty._event(m).kind for _, m in got] == ["start", "keepalive"]
 
 
 def test_detail_page_wires_the_terminal(dash, mine, team, base_template):
