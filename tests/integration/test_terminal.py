@@ -11,17 +11,17 @@ import asyncio
 import secrets
 import shutil
 import uuid
-from datetime import datetime, timedelta, timezone as dt_timezone
+from datetime import timedelta
 from types import SimpleNamespace
 from unittest import mock
 
-import httpx
 import pytest
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from dashboard import terminal
+from envd_client import EnvdClient
 from nodes.models import Node
 from sandboxes.lifecycle import kill, pause
 from sandboxes.models import Sandbox, Team, Template
@@ -53,12 +53,8 @@ def vm():
 
 def init_envd(info, token: str, *, again: bool = False) -> None:
     """What the node's boot/resume tasks do: /init with the token (a re-init must show it)."""
-    now = datetime.now(dt_timezone.utc).isoformat().replace("+00:00", "Z")
-    headers = {"X-Access-Token": token} if again else {}
-    resp = httpx.post(f"http://{info.envd_host}:{info.envd_port}/init", timeout=30, headers=headers,
-                      json={"envVars": {}, "timestamp": now, "defaultUser": "user",
-                            "defaultWorkdir": "/home/user", "accessToken": token})
-    assert resp.is_success, resp.text
+    with EnvdClient.at(info.envd_host, info.envd_port, token if again else None, timeout=30) as envd:
+        envd.init({}, access_token=token, timeout=30)
 
 
 @pytest.fixture
