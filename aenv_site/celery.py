@@ -7,4 +7,5 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "aenv_site.settings")
 
 app = Celery("aenv")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["nodes"])
+# The node agent registers its tasks itself (agent.worker imports agent.tasks): the
+# control plane only sends them by name (nodes.protocol) and never imports the agent.

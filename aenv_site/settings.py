@@ -51,7 +51,7 @@ AENV_NODE_MEMORY_OVERCOMMIT = float(_env("AENV_NODE_MEMORY_OVERCOMMIT", "1.5"))
 AENV_BASE_CPU_COUNT = _env_int("AENV_BASE_CPU_COUNT", 2)
 AENV_BASE_MEMORY_MB = _env_int("AENV_BASE_MEMORY_MB", 512)
 AENV_BASE_DISK_MB = _env_int("AENV_BASE_DISK_MB", 2048)
-# Lifecycle (sandboxes.expiry, run_lifecycle, nodes.reconcile):
+# Lifecycle (sandboxes.expiry, run_lifecycle, agent.reconcile):
 # how long a pause / resume may take on the node (a TCG pause to disk writes the RAM file),
 AENV_LIFECYCLE_DEADLINE = _env_int("AENV_LIFECYCLE_DEADLINE", AENV_NODE_TASK_DEADLINE)
 # a snapshot capture (a TCG capture copies the guest RAM) and a fork (capture, `count`
@@ -73,7 +73,7 @@ AENV_AUTO_RESUME_TIMEOUT = _env_int("AENV_AUTO_RESUME_TIMEOUT", 300)
 # abandoned (its caller gave up) and reconciles it to what the VM really is.
 AENV_RECONCILE_STALE = _env_int("AENV_RECONCILE_STALE", AENV_LIFECYCLE_DEADLINE + 60)
 AENV_RECONCILE_INTERVAL = _env_int("AENV_RECONCILE_INTERVAL", 30)
-# Snapshot store (snapshots.storage): "posix_fs" keeps snapshot files on the node that
+# Snapshot store (agent.stores): "posix_fs" keeps snapshot files on the node that
 # took them; "s3" also uploads them (chunked, content-addressed) to a bucket, so any node
 # can restore them, downloading into a bounded cache under AENV_HOME/cache/snapshots.
 # The most children one fork may start (they all land on the parent's node); the API

@@ -19,7 +19,7 @@ from celery import states
 from django.conf import settings
 
 from aenv_site.celery import app as celery_app
-from nodes import tasks
+from nodes import protocol
 from nodes.models import Node
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,13 @@ _sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix="aenv-node-send",
 _RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 
 
-def _publish(task, queue: str, kwargs: dict, expires: float) -> str:
-    result = task.apply_async(kwargs=kwargs, queue=queue, expires=expires, retry=True, retry_policy=_RETRY_POLICY)
+def _publish(task: str, queue: str, kwargs: dict, expires: float) -> str:
+    result = celery_app.send_task(task, kwargs=kwargs, queue=queue, expires=expires, retry=True,
+                                  retry_policy=_RETRY_POLICY)
     return result.id
 
 
-async def _send(task, node: Node, kwargs: dict, deadline: float) -> str:
+async def _send(task: str, node: Node, kwargs: dict, deadline: float) -> str:
     loop = asyncio.get_running_loop()
     # expires: a node that comes back after the caller gave up must not run it.
     fut = loop.run_in_executor(_sender, _publish, task, node.queue, kwargs, deadline)
@@ -163,7 +164,7 @@ def _raise_failure(node: Node, meta: dict, what: str):
     raise NodeTaskFailed(message, kind=kind)
 
 
-async def _call(node: Node, task, kwargs: dict, deadline: float | None, what: str):
+async def _call(node: Node, task: str, kwargs: dict, deadline: float | None, what: str):
     deadline = float(deadline if deadline is not None else settings.AENV_NODE_TASK_DEADLINE)
     fresh = await Node.objects.filter(pk=node.pk).afirst()
     if fresh is None or not fresh.is_alive():
@@ -185,12 +186,12 @@ async def boot_sandbox(node: Node, *, sandbox_id: str, image: str, cpu_count: in
     Returns {"envd_host", "envd_port", "pid", "accel", "timings": {phase: ms}}."""
     kwargs = dict(sandbox_id=sandbox_id, image=image, cpu_count=cpu_count, memory_mb=memory_mb,
                   disk_size_mb=disk_size_mb, env_vars=dict(env_vars or {}), access_token=access_token)
-    return await _call(node, tasks.boot_sandbox, kwargs, deadline, f"boot of {sandbox_id}")
+    return await _call(node, protocol.BOOT_SANDBOX, kwargs, deadline, f"boot of {sandbox_id}")
 
 
 async def kill_sandbox(node: Node, *, sandbox_id: str, deadline: float | None = None) -> dict:
     """Stop the sandbox's VM on `node`; {"killed": False} if it was not running there."""
-    return await _call(node, tasks.kill_sandbox, {"sandbox_id": sandbox_id}, deadline, f"kill of {sandbox_id}")
+    return await _call(node, protocol.KILL_SANDBOX, {"sandbox_id": sandbox_id}, deadline, f"kill of {sandbox_id}")
 
 
 async def pause_sandbox(node: Node, *, sandbox_id: str, to_disk: bool = True, memory: bool = True,
@@ -199,7 +200,7 @@ async def pause_sandbox(node: Node, *, sandbox_id: str, to_disk: bool = True, me
     state stay in its state dir; ``memory=False``: only the disk is kept).
     Returns {"to_disk", "memory", "timings": {phase: ms}}."""
     kwargs = {"sandbox_id": sandbox_id, "to_disk": bool(to_disk), "memory": bool(memory)}
-    return await _call(node, tasks.pause_sandbox, kwargs, deadline, f"pause of {sandbox_id}")
+    return await _call(node, protocol.PAUSE_SANDBOX, kwargs, deadline, f"pause of {sandbox_id}")
 
 
 async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,
@@ -211,7 +212,7 @@ async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_
     kwargs = dict(sandbox_id=sandbox_id, env_vars=dict(env_vars or {}), access_token=access_token)
     if not memory:
         kwargs["memory"] = False
-    return await _call(node, tasks.resume_sandbox, kwargs, deadline, f"resume of {sandbox_id}")
+    return await _call(node, protocol.RESUME_SANDBOX, kwargs, deadline, f"resume of {sandbox_id}")
 
 
 async def snapshot_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, memory: bool = True,
@@ -220,7 +221,7 @@ async def snapshot_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, mem
 
     Returns {"manifest", "size_bytes", "memory", "timings"}; a full store fails with kind "StorageFull"."""
     kwargs = dict(sandbox_id=sandbox_id, snapshot_id=snapshot_id, memory=bool(memory))
-    return await _call(node, tasks.snapshot_sandbox, kwargs, deadline, f"snapshot of {sandbox_id}")
+    return await _call(node, protocol.SNAPSHOT_SANDBOX, kwargs, deadline, f"snapshot of {sandbox_id}")
 
 
 async def restore_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, env_vars: dict,
@@ -230,7 +231,7 @@ async def restore_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, env_
     envd (own token, handed over from `source_token`). Returns what boot_sandbox returns."""
     kwargs = dict(sandbox_id=sandbox_id, snapshot_id=snapshot_id, env_vars=dict(env_vars or {}),
                   access_token=access_token, source_token=source_token or None)
-    return await _call(node, tasks.restore_sandbox, kwargs, deadline, f"restore of {sandbox_id}")
+    return await _call(node, protocol.RESTORE_SANDBOX, kwargs, deadline, f"restore of {sandbox_id}")
 
 
 async def fork_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,
@@ -242,10 +243,10 @@ async def fork_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_to
     kwargs = dict(sandbox_id=sandbox_id, env_vars=dict(env_vars or {}), access_token=access_token,
                   children=[{"sandbox_id": c["sandbox_id"], "env_vars": dict(c.get("env_vars") or {}),
                              "access_token": c.get("access_token") or None} for c in children])
-    return await _call(node, tasks.fork_sandbox, kwargs, deadline, f"fork of {sandbox_id}")
+    return await _call(node, protocol.FORK_SANDBOX, kwargs, deadline, f"fork of {sandbox_id}")
 
 
 async def delete_snapshot_files(node: Node, *, snapshot_id: str, deadline: float | None = None) -> dict:
     """Remove snapshot `snapshot_id`'s files from `node`; {"deleted": False} if there were none."""
-    return await _call(node, tasks.delete_snapshot_files, {"snapshot_id": snapshot_id}, deadline,
+    return await _call(node, protocol.DELETE_SNAPSHOT_FILES, {"snapshot_id": snapshot_id}, deadline,
                        f"deletion of snapshot {snapshot_id}")

@@ -3,6 +3,8 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import models
+
+from . import protocol
 from django.utils import timezone
 
 
@@ -27,7 +29,7 @@ class Node(models.Model):
 
     @property
     def queue(self) -> str:
-        return f"node.{self.id}"
+        return protocol.queue_of(self.pk)
 
     def is_alive(self, now=None) -> bool:
         if self.last_heartbeat_at is None:

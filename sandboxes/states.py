@@ -81,8 +81,8 @@ TRANSITIONS: dict[str, Operation] = {op.name: op for op in (
               failure=frozenset({S.RUNNING, S.ERROR})),
 )}
 
-# A node worker that restarts settles each row to what its VM really is (nodes.reconcile,
-# snapshots.reconcile): the only writes that do not follow an operation's own path.
+# A node worker that restarts settles each row to what its VM really is (agent.reconcile,
+# agent.reconcile_snapshots): the only writes that do not follow an operation's own path.
 RECONCILE: dict[str, frozenset[str]] = {
     S.CREATING: frozenset({S.ERROR}),
     S.KILLING: frozenset({S.KILLED}),

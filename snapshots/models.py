@@ -1,6 +1,6 @@
 """Snapshots: a captured sandbox (disk layers, memory, device state) that new
 sandboxes can start from. The files live on the node that took them (see
-``snapshots.storage``); this row is the control plane's record of them."""
+``agent.stores``); this row is the control plane's record of them."""
 import re
 import secrets
 

@@ -5,13 +5,14 @@ Why its own module: ``sandboxes.lifecycle.create`` needs this, and the rest of t
 snapshot lifecycle builds on the sandbox lifecycle; here neither imports the other."""
 from __future__ import annotations
 
+from django.conf import settings
+
 from nodes import placement
 from nodes.models import Node
 from sandboxes.lifecycle.errors import Conflict
 from sandboxes.models import Team
 
 from .models import Snapshot, SnapshotState as SS
-from .storage import backend_name
 
 
 def normalize_ref(team: Team, ref: str) -> str:
@@ -70,7 +71,7 @@ async def restore_node(snapshot: Snapshot):
     own_ok = node is not None and not node.draining and node.is_alive()
     if own_ok and await placement.has_room(node.pk, snapshot.cpu_count, snapshot.memory_mb):
         return node
-    if backend_name() == "s3":
+    if settings.AENV_SNAPSHOT_BACKEND == "s3":  # the bucket has the files: any node can fetch them
         try:
             return await placement.pick_node(snapshot.cpu_count, snapshot.memory_mb)
         except placement.NoNodeAvailable as exc:

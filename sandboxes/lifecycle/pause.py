@@ -100,7 +100,7 @@ async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str
             # No answer (timeout, broker gone): the VM may be running, paused or mid-save.
             # Guessing would be wrong half the time, so the sandbox stays "pausing" (shown
             # paused; connect waits) and the node reconciles it to the VM's real state when
-            # it answers again (nodes.reconcile) — the VM is not killed.
+            # it answers again (agent.reconcile) — the VM is not killed.
             await core.record(core.event(sandbox.id, "pause", outcome="unconfirmed", from_state=S.PAUSING,
                                  started_at=started, duration_ms=core.ms(t0), message=reason, actor=actor,
                                  details=details))

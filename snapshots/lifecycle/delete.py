@@ -8,6 +8,7 @@ import logging
 import time
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -69,10 +70,8 @@ async def _deleting_node(snapshot: Snapshot):
     gone. Copies cached on other nodes leave by eviction."""
     from nodes.models import Node  # noqa: PLC0415
 
-    from ..storage import backend_name  # noqa: PLC0415
-
     own = snapshot.node
-    if backend_name() != "s3" or own.is_alive():
+    if settings.AENV_SNAPSHOT_BACKEND != "s3" or own.is_alive():
         return own
     async for node in Node.objects.filter(draining=False).order_by("id"):
         if node.is_alive():

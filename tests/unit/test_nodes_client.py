@@ -19,7 +19,8 @@ from django.db import connections
 from django.utils import timezone
 
 from aenv_site.celery import app as celery_app
-from nodes import client, driver as node_driver
+from agent import driver as node_driver
+from nodes import client
 from nodes.client import NodeTaskFailed, NodeTimeout, NodeUnavailable, boot_sandbox, kill_sandbox
 from nodes.models import Node
 
@@ -221,8 +222,8 @@ async def test_broker_down_is_unavailable_not_a_hang(monkeypatch):
     node = await sync_to_async(alive_node)("nobroker")
     down = Celery("down", broker="redis://127.0.0.1:1/0", backend="redis://127.0.0.1:1/1")
     down.conf.broker_connection_timeout = 1
-    fake_task = SimpleNamespace(apply_async=lambda **kw: down.send_task("nodes.kill_sandbox", ignore_result=True, **kw))
-    monkeypatch.setattr(client.tasks, "kill_sandbox", fake_task)
+    monkeypatch.setattr(client.celery_app, "send_task",
+                        lambda name, **kw: down.send_task(name, ignore_result=True, **kw))
     t0 = time.perf_counter()
     with pytest.raises(NodeUnavailable, match="broker"):
         await kill_sandbox(node, sandbox_id="x", deadline=30)

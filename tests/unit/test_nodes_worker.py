@@ -8,8 +8,8 @@ from django.core.management import call_command
 from django.test import override_settings
 from django.utils import timezone
 
-from nodes import driver as node_driver, worker
-from nodes.heartbeat import Heartbeat, beat, register_node
+from agent import driver as node_driver, worker
+from agent.heartbeat import Heartbeat, beat, register_node
 from nodes.models import Node
 
 pytestmark = pytest.mark.django_db(transaction=True)

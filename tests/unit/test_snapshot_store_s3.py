@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from snapshots.storage import SnapshotStoreError
-from snapshots.storage_cache import LAST_USED
-from snapshots.storage_chunks import Chunk, chunk_spans, read_chunk
-from snapshots.storage_s3 import S3Store
+from agent.stores.base import SnapshotStoreError
+from agent.stores.cache import LAST_USED
+from agent.stores.chunks import Chunk, chunk_spans, read_chunk
+from agent.stores.s3 import S3Store
 from tests.moto_s3 import CREDENTIALS, moto_server
 from tests.moto_s3 import client as _client
 from vmm.qemu import QemuDriver
@@ -364,7 +364,7 @@ def test_delete_keeps_a_cached_copy_a_vm_still_reads(s3, tmp_path):
 
 
 def test_get_store_follows_the_backend_setting(settings, s3_endpoint, tmp_path):
-    from snapshots.storage import PosixFsStore, get_store
+    from agent.stores import PosixFsStore, get_store
 
     settings.AENV_SNAPSHOT_BACKEND = "posix_fs"
     assert isinstance(get_store(), PosixFsStore)

@@ -1,4 +1,4 @@
-"""Node-side reconcile of interrupted snapshots and forks (snapshots.reconcile) with a
+"""Node-side reconcile of interrupted snapshots and forks (agent.reconcile_snapshots) with a
 stub driver and a stub envd: rows end consistent, partial files and orphan captures go."""
 from datetime import timedelta
 from pathlib import Path
@@ -9,7 +9,7 @@ from test_snapshots_tasks import StubDriver, TokenEnvd, envd  # noqa: F401 - env
 
 from sandboxes.models import Sandbox, SandboxEvent
 from snapshots.models import Snapshot
-from snapshots.reconcile import reconcile_interrupted
+from agent.reconcile_snapshots import reconcile_interrupted
 from vmm.driver import Leftover
 
 pytestmark = pytest.mark.django_db

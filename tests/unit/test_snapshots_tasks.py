@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from nodes import driver as node_driver
-from nodes import tasks
-from snapshots.storage import PosixFsStore, SnapshotStoreError
+from agent import driver as node_driver
+from agent import tasks
+from agent.stores.base import PosixFsStore, SnapshotStoreError
 from vmm.driver import SnapshotManifest, VMError, VMInfo
 
 

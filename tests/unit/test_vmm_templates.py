@@ -117,7 +117,7 @@ class NodeDriver:
     (True, True, [("restore", "s1", True), ("boot", "s1")], 0),
 ])
 def test_node_create_restores_a_template_hit_else_boots(monkeypatch, hit, fails, calls, flag):
-    from nodes import tasks
+    from agent import tasks
 
     cache = SimpleNamespace(find=lambda driver, spec: object() if hit else None)
     monkeypatch.setattr(tasks, "get_templates", lambda: cache)

@@ -100,11 +100,11 @@ def real_driver(home: Path):
 
 
 def start_vm(driver, spec: BootSpec):
-    """What the node's create does (nodes.tasks._start_vm) with the shared images' booted
+    """What the node's create does (agent.tasks._start_vm) with the shared images' booted
     templates: a restore of the template of this shape if there is one, else a cold boot."""
     from unittest import mock
 
-    from nodes import tasks
+    from agent import tasks
     from vmm.templates import TemplateCache
 
     with mock.patch.object(tasks, "get_templates", lambda: TemplateCache(IMAGES_DIR)):

@@ -2,7 +2,7 @@
 
 The default template shape (2 vCPU, 512 MiB, 2 GiB disk) is captured once by
 `python -m vmm.templates build` (setup.sh does it; here the fixture does, idempotently); the
-node's create (nodes.tasks._start_vm) restores it with `restore(..., template=True)`.
+node's create (agent.tasks._start_vm) restores it with `restore(..., template=True)`.
 A restored sandbox must be indistinguishable from a cold-booted one: envd answers, /init sets
 the clock (frozen at capture time) and the token, files written in one sandbox stay its own.
 """

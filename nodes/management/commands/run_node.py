@@ -1,8 +1,8 @@
-"""`manage.py run_node`: this machine's node worker (see nodes.worker)."""
+"""`manage.py run_node`: this machine's node worker (see agent.worker)."""
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from nodes.worker import run_node
+from agent.worker import run_node
 
 
 class Command(BaseCommand):

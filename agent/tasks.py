@@ -2,51 +2,21 @@
 
 Exceptions propagate unchanged: with the JSON result serializer Celery stores their
 class name and args, which the control plane turns into NodeTaskFailed(kind, message).
+Task names are the protocol's (``nodes.protocol``), shared with the control plane's gateway.
 """
 import errno
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 
-import httpx
 from celery import shared_task
 
-from nodes.driver import get_driver, get_templates
+from nodes import protocol
+
+from .driver import get_driver, get_templates
+from .guest import EnvdInitFailed, handoff_token, init_envd
 
 log = logging.getLogger(__name__)
-
-ENVD_INIT_TIMEOUT = 10.0
-
-
-class EnvdInitFailed(Exception):
-    """envd in the fresh VM refused or did not answer POST /init."""
-
-
-def _init_envd(host: str, port: int, env_vars: dict, access_token: str | None) -> None:
-    import base64  # noqa: PLC0415
-    import os  # noqa: PLC0415
-
-    body = {
-        "envVars": env_vars or {},
-        "timestamp": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"),
-        "defaultUser": "user",
-        "defaultWorkdir": "/home/user",
-        # Fresh kernel entropy for every (re)start: restored and forked guests share RNG state.
-        "entropySeed": base64.b64encode(os.urandom(64)).decode(),
-    }
-    headers = {}
-    if access_token is not None:
-        body["accessToken"] = access_token
-        # A re-init (after a resume) reaches an envd that already requires the token.
-        headers["X-Access-Token"] = access_token
-    try:
-        resp = httpx.post(f"http://{host}:{port}/init", json=body, headers=headers, timeout=ENVD_INIT_TIMEOUT)
-    except httpx.HTTPError as exc:
-        raise EnvdInitFailed(f"envd /init at {host}:{port} failed: {exc!r}") from None
-    if not resp.is_success:
-        raise EnvdInitFailed(f"envd /init at {host}:{port} answered {resp.status_code}: {resp.text[:200]}")
-
 
 def _round(timings: dict | None) -> dict:
     return {k: round(float(v), 2) for k, v in (timings or {}).items()}
@@ -69,7 +39,7 @@ def _step_or_undo(step, info, *, undo, what: str, label: str) -> None:
 
 def _init_envd_or_undo(info, env_vars: dict, access_token: str | None, *, undo, what: str) -> None:
     """Initialises a freshly started VM's envd, undoing the start if that fails."""
-    _step_or_undo(lambda: _init_envd(info.envd_host, info.envd_port, env_vars, access_token), info,
+    _step_or_undo(lambda: init_envd(info.envd_host, info.envd_port, env_vars, access_token), info,
                   undo=undo, what=what, label="envd init")
 
 
@@ -98,7 +68,7 @@ def _start_vm(driver, spec):
     return info
 
 
-@shared_task(name="nodes.boot_sandbox")
+@shared_task(name=protocol.BOOT_SANDBOX)
 def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int, disk_size_mb: int,
                  env_vars: dict, access_token: str | None) -> dict:
     from vmm.driver import BootSpec
@@ -114,12 +84,12 @@ def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int,
     return _envd_result(info, timings)
 
 
-@shared_task(name="nodes.kill_sandbox")
+@shared_task(name=protocol.KILL_SANDBOX)
 def kill_sandbox(*, sandbox_id: str) -> dict:
     return {"killed": bool(get_driver().kill(sandbox_id))}
 
 
-@shared_task(name="nodes.pause_sandbox")
+@shared_task(name=protocol.PAUSE_SANDBOX)
 def pause_sandbox(*, sandbox_id: str, to_disk: bool = True, memory: bool = True) -> dict:
     """Pauses the VM: to disk (device state saved, QEMU process stopped, RAM file kept)
     or in memory (vCPUs frozen, process kept). ``memory=False`` is the filesystem-only
@@ -136,7 +106,7 @@ def pause_sandbox(*, sandbox_id: str, to_disk: bool = True, memory: bool = True)
     return {"to_disk": bool(to_disk or not memory), "memory": bool(memory), "timings": timings}
 
 
-@shared_task(name="nodes.resume_sandbox")
+@shared_task(name=protocol.RESUME_SANDBOX)
 def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, memory: bool = True) -> dict:
     """Resumes a paused VM, then re-inits envd (fresh timestamp: the guest clock stood
     still while paused). ``memory=False`` cold-boots on the disk, discarding a memory
@@ -175,18 +145,6 @@ def _is_disk_full(exc: BaseException) -> bool:
     return getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
 
 
-def _handoff_token(host: str, port: int, source_token: str, access_token: str) -> None:
-    """A restored or forked envd still requires its source's token: present it once to
-    install the new sandbox's own token (envd /init accepts a new ``accessToken``)."""
-    try:
-        resp = httpx.post(f"http://{host}:{port}/init", json={"accessToken": access_token},
-                          headers={"X-Access-Token": source_token}, timeout=ENVD_INIT_TIMEOUT)
-    except httpx.HTTPError as exc:
-        raise EnvdInitFailed(f"envd token handoff at {host}:{port} failed: {exc!r}") from None
-    if not resp.is_success:
-        raise EnvdInitFailed(f"envd token handoff at {host}:{port} answered {resp.status_code}: {resp.text[:200]}")
-
-
 def _take_over_envd(info, env_vars: dict, access_token: str | None, source_token: str | None, *,
                     undo, what: str) -> None:
     """/init of a VM started from a capture: its own token (handed over from the
@@ -195,19 +153,19 @@ def _take_over_envd(info, env_vars: dict, access_token: str | None, source_token
         def handoff() -> None:
             if not access_token:
                 raise EnvdInitFailed("a sandbox started from a secure source needs its own access token")
-            _handoff_token(info.envd_host, info.envd_port, source_token, access_token)
+            handoff_token(info.envd_host, info.envd_port, source_token, access_token)
 
         _step_or_undo(handoff, info, undo=undo, what=what, label="envd token handoff")
     _init_envd_or_undo(info, env_vars, access_token, undo=undo, what=what)
 
 
 def _store():
-    from snapshots.storage import get_store
+    from .stores import get_store  # noqa: PLC0415 - boto3 only on nodes that use s3
 
     return get_store()
 
 
-@shared_task(name="nodes.snapshot_sandbox")
+@shared_task(name=protocol.SNAPSHOT_SANDBOX)
 def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) -> dict:
     """Captures the running VM into the snapshot store (the VM pauses briefly, then
     continues). ``memory=False``: the guest syncs first and only the disk layers are
@@ -237,7 +195,7 @@ def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) 
             "memory": bool(memory), "timings": timings}
 
 
-@shared_task(name="nodes.restore_sandbox")
+@shared_task(name=protocol.RESTORE_SANDBOX)
 def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access_token: str | None,
                     source_token: str | None = None) -> dict:
     """Starts a new VM from a snapshot (copy-on-write memory and disk), then gives its
@@ -264,7 +222,7 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
 FORK_INIT_THREADS = 16
 
 
-@shared_task(name="nodes.fork_sandbox")
+@shared_task(name=protocol.FORK_SANDBOX)
 def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, children: list[dict]) -> dict:
     """One capture of the running parent, then a child per entry of ``children``
     ({"sandbox_id", "env_vars", "access_token"}), each taking over its envd with its own
@@ -285,7 +243,7 @@ def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, c
     try:
         if info is None:
             raise EnvdInitFailed(f"parent {sandbox_id} is gone after the fork")
-        _init_envd(info.envd_host, info.envd_port, env_vars, access_token)
+        init_envd(info.envd_host, info.envd_port, env_vars, access_token)
     except Exception as exc:  # reported; the parent keeps running as it is
         parent = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
@@ -310,7 +268,7 @@ def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, c
     return {"parent": parent, "children": out, "timings": timings}
 
 
-@shared_task(name="nodes.delete_snapshot_files")
+@shared_task(name=protocol.DELETE_SNAPSHOT_FILES)
 def delete_snapshot_files(*, snapshot_id: str) -> dict:
     """Removes a snapshot's files from this node's store; {"deleted": False} if none."""
     return {"deleted": bool(_store().delete(snapshot_id))}

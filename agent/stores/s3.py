@@ -42,9 +42,9 @@ from pathlib import Path
 
 from vmm.driver import SnapshotManifest, VMError
 
-from .storage import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked
-from .storage_cache import CacheFull, SnapshotCache
-from .storage_chunks import CHUNK_SIZE, Chunk, allocated_bytes, chunk_spans, digest, read_chunk
+from .base import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked
+from .cache import CacheFull, SnapshotCache
+from .chunks import CHUNK_SIZE, Chunk, allocated_bytes, chunk_spans, digest, read_chunk
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class S3Store(SnapshotStore):
                  region: str = "", prefix: str = "", concurrency: int = 8, cache_limit_bytes: int = 20 << 30,
                  pin_seconds: float = 600.0, chunk_size: int = CHUNK_SIZE, driver=None):
         """``driver``: the node's VM driver (vmm.driver.VMDriver), which adopts downloads and
-        says which cached files its VMs use; default the node's own (nodes.driver), made on
+        says which cached files its VMs use; default the node's own (agent.driver), made on
         first use, since only downloads and eviction need it."""
         if not bucket:
             raise SnapshotStoreError("the s3 snapshot store needs a bucket (AENV_S3_BUCKET)")
@@ -132,7 +132,7 @@ class S3Store(SnapshotStore):
     @property
     def driver(self):
         if self._driver is None:
-            from nodes.driver import get_driver  # noqa: PLC0415 - the node's one driver
+            from agent.driver import get_driver  # noqa: PLC0415 - the node's one driver
 
             self._driver = get_driver()
         return self._driver

@@ -1,10 +1,10 @@
 """Node-side reconcile of interrupted snapshots and forks (a node worker that died
-mid-capture), in the style of ``nodes.reconcile`` and meant to be called from it:
+mid-capture), in the style of ``agent.reconcile`` and meant to be called from it:
 
 - a sandbox left ``snapshotting`` / ``forking``: the capture stopped its vCPUs and may
   never have continued them, so the VM is continued and its envd re-initialised →
   ``running`` (no VM → ``error``). Fork children left ``creating`` are
-  ``nodes.reconcile``'s (removed, ``error``);
+  ``agent.reconcile``'s (removed, ``error``);
 - a Snapshot left ``creating`` on this node: its partial files are removed → ``error``;
 - what the driver left that no VM needs (fork captures no child uses, a process of a VM
   saved to disk) is removed: ``driver.gc()``.
@@ -25,7 +25,10 @@ from django.utils import timezone
 from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.states import TRANSITIONS, SandboxState
 
-from .models import Snapshot, SnapshotState
+from snapshots.models import Snapshot, SnapshotState
+
+from .settle import continue_vm, move
+from .stores import get_store
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,6 @@ INTERRUPTED = {TRANSITIONS[op].in_flight: op for op in ("snapshot", "fork")}
 def reconcile_interrupted(node_id: str, driver, *, older_than: datetime, at_start: bool) -> list[tuple]:
     """Returns ``[(kind, id, what_was_done)]``; one failing row does not stop the others.
     Does nothing unless ``at_start`` (see the module docstring)."""
-    from nodes import reconcile as base  # noqa: PLC0415
-
     if not at_start:
         return []
 
@@ -46,7 +47,7 @@ def reconcile_interrupted(node_id: str, driver, *, older_than: datetime, at_star
     rows = Sandbox.objects.filter(node_id=node_id, state__in=list(INTERRUPTED), updated_at__lt=older_than)
     for row in list(rows):
         try:
-            done.append(("sandbox", row.pk, _settle_sandbox(base, driver, row, actor)))
+            done.append(("sandbox", row.pk, _settle_sandbox(driver, row, actor)))
         except Exception:  # noqa: BLE001 - the next pass retries
             log.exception("reconcile of %s sandbox %s failed", row.state, row.pk)
     for snap in list(Snapshot.objects.filter(node_id=node_id, state=SnapshotState.CREATING,
@@ -58,24 +59,22 @@ def reconcile_interrupted(node_id: str, driver, *, older_than: datetime, at_star
     return done
 
 
-def _settle_sandbox(base, driver, row: Sandbox, actor: str) -> str:
+def _settle_sandbox(driver, row: Sandbox, actor: str) -> str:
     op = INTERRUPTED[row.state]
     info = driver.info(row.pk)
     details = {"vm": None if info is None else info.status, "interrupted": op}
     if info is None:
         driver.kill(row.pk)  # whatever files are left
         reason = f"VM lost: the node has no VM for this sandbox (it was {row.state})"
-        base._move(row, S.ERROR, actor, reason, details, error_reason=reason)
+        move(row, S.ERROR, actor, reason, details, error_reason=reason)
         return "lost"
-    fields = base._continue(driver, row)
-    base._move(row, S.RUNNING, actor, f"{op} was interrupted by a node restart; the VM was continued",
+    fields = continue_vm(driver, row)
+    move(row, S.RUNNING, actor, f"{op} was interrupted by a node restart; the VM was continued",
                details, **fields)
     return "running"
 
 
 def _fail_snapshot(snap: Snapshot) -> str:
-    from snapshots.storage import get_store  # noqa: PLC0415
-
     removed = get_store().delete(snap.pk)
     reason = "the node worker stopped while capturing; nothing was kept"
     Snapshot.objects.filter(pk=snap.pk, state=SnapshotState.CREATING, updated_at=snap.updated_at).update(

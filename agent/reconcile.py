@@ -14,7 +14,7 @@ long ago (AENV_RECONCILE_STALE). The VM's real state wins for interrupted operat
   back to disk if it runs → ``paused`` (a later connect resumes it again);
 - creating: the boot was never acknowledged → VM removed, ``error``;
 - killing:  VM removed → ``killed``;
-- snapshotting / forking (and snapshot records, fork captures): ``snapshots.reconcile``,
+- snapshotting / forking (and snapshot records, fork captures): ``agent.reconcile_snapshots``,
   called from here;
 - settled rows (startup only): ``running`` whose VM is saved to disk → ``paused``;
   ``paused`` whose VM runs → saved to disk again; a row whose VM is gone → ``error``.
@@ -36,35 +36,16 @@ from django.utils import timezone
 
 from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.states import DEAD, SandboxState
-from sandboxes.transitions import transition_sync
 from vmm.driver import VMStatus
+
+from .reconcile_snapshots import reconcile_interrupted
+from .settle import continue_vm, move
 
 log = logging.getLogger(__name__)
 
 S = SandboxState
 TRANSITIONAL = [S.CREATING, S.PAUSING, S.RESUMING, S.KILLING]
 SETTLED = [S.RUNNING, S.PAUSED]
-
-
-def _move(row: Sandbox, to_state: str, actor: str, message: str, details: dict | None = None, **fields) -> bool:
-    """Conditional on the row being exactly as we read it (state and updated_at)."""
-    event = SandboxEvent(sandbox_id=row.pk, operation="reconcile", outcome="ok", from_state=row.state,
-                         started_at=timezone.now(), message=message, details=details or {}, actor=actor)
-    return transition_sync(row.pk, [row.state], to_state, event, where={"updated_at": row.updated_at}, **fields)
-
-
-def _reinit_envd(row: Sandbox, info) -> None:
-    from nodes.tasks import _init_envd  # noqa: PLC0415 - the same /init the resume task sends
-
-    _init_envd(info.envd_host, info.envd_port, row.env_vars, row.envd_access_token or None)
-
-
-def _continue(driver, row: Sandbox) -> dict:
-    """Continues a VM whose pause was interrupted (vCPUs may be stopped) and re-syncs
-    its envd (clock, env, token)."""
-    info = driver.resume(row.pk)
-    _reinit_envd(row, info)
-    return {"envd_host": info.envd_host, "envd_port": info.envd_port}
 
 
 def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
@@ -79,7 +60,7 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
     if row.state == S.KILLING or row.state in DEAD:
         driver.kill(row.pk)  # also what a boot cut off early left
         if row.state == S.KILLING:
-            _move(row, S.KILLED, actor, "kill finished by the node", details, killed_at=timezone.now())
+            move(row, S.KILLED, actor, "kill finished by the node", details, killed_at=timezone.now())
         else:
             SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", from_state=row.state,
                                         to_state=row.state, message="removed a VM left behind", details=details,
@@ -87,34 +68,34 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
         return "removed"
     if row.state == S.CREATING:
         driver.kill(row.pk)
-        _move(row, S.ERROR, actor, "node restarted while the sandbox was being created", details,
+        move(row, S.ERROR, actor, "node restarted while the sandbox was being created", details,
               error_reason="node worker restarted while the sandbox was being created")
         return "create abandoned"
     if not present:
         driver.kill(row.pk)  # whatever files are left
         reason = f"VM lost: the node has no VM for this sandbox (it was {row.state})"
-        _move(row, S.ERROR, actor, reason, details, error_reason=reason)
+        move(row, S.ERROR, actor, reason, details, error_reason=reason)
         return "lost"
     if row.state == S.PAUSING:
         if on_disk:
-            _move(row, S.PAUSED, actor, "pause had finished on the node", details)
+            move(row, S.PAUSED, actor, "pause had finished on the node", details)
             return "paused"
-        fields = _continue(driver, row)
-        _move(row, S.RUNNING, actor, "pause was interrupted; the VM was continued", details, **fields)
+        fields = continue_vm(driver, row)
+        move(row, S.RUNNING, actor, "pause was interrupted; the VM was continued", details, **fields)
         return "running"
     if row.state == S.RESUMING or (row.state == S.PAUSED and running):
         if running:
             driver.pause_to_disk(row.pk)
             details["repaused"] = True
         if row.state == S.RESUMING:
-            _move(row, S.PAUSED, actor, "resume was not acknowledged; the sandbox stays paused", details)
+            move(row, S.PAUSED, actor, "resume was not acknowledged; the sandbox stays paused", details)
         else:
             SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", from_state=row.state,
                                         to_state=row.state, message="VM was running; saved to disk again",
                                         details=details, actor=actor)
         return "paused"
     if row.state == S.RUNNING and on_disk:
-        _move(row, S.PAUSED, actor, "the VM is saved to disk", details)
+        move(row, S.PAUSED, actor, "the VM is saved to disk", details)
         return "paused"
     if stray:
         SandboxEvent.objects.create(sandbox_id=row.pk, operation="reconcile", from_state=row.state,
@@ -127,7 +108,7 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
 def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool) -> list[tuple[str, str, str]]:
     """Reconciles this node's rows last changed before ``older_than``: transitional ones
     always, running / paused ones too when ``settled`` (at start), plus VMs of dead rows;
-    then interrupted snapshots and forks (``snapshots.reconcile``).
+    then interrupted snapshots and forks (``agent.reconcile_snapshots``).
     Returns ``[(sandbox_id, state_before, what_was_done)]``; one failing sandbox does not
     stop the others."""
     actor = f"node:{node_id}"
@@ -145,10 +126,6 @@ def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool)
         if what:
             log.info("reconcile: sandbox %s was %s: %s", row.pk, row.state, what)
             done.append((row.pk, row.state, what))
-    try:
-        from snapshots.reconcile import reconcile_interrupted  # noqa: PLC0415
-    except ImportError:
-        return done
     try:
         for kind, ident, what in reconcile_interrupted(node_id, driver, older_than=older_than, at_start=settled):
             log.info("reconcile: %s %s: %s", kind, ident, what)

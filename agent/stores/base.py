@@ -5,7 +5,7 @@ where that directory is and what happens around it; the node tasks never change:
 
 - ``posix_fs`` (default): the files stay node-local under ``AENV_HOME/snapshots/<id>/``;
   only the node that took a snapshot can restore it.
-- ``s3`` (``storage_s3.S3Store``, ``AENV_SNAPSHOT_BACKEND=s3``): the same local copy,
+- ``s3`` (``agent.stores.s3.S3Store``, ``AENV_SNAPSHOT_BACKEND=s3``): the same local copy,
   plus ``commit`` uploads it as content-addressed chunks to ``AENV_S3_BUCKET``; on a
   node that lacks the files ``local_dir`` downloads them into a bounded LRU cache
   (``AENV_HOME/cache/snapshots/<id>/``, ``AENV_SNAPSHOT_CACHE_MB``) and re-points
@@ -96,35 +96,3 @@ class PosixFsStore(SnapshotStore):
             return False
         shutil.rmtree(path, ignore_errors=True)
         return not path.exists()
-
-
-_S3_STORES: dict = {}
-
-
-def get_store() -> SnapshotStore:
-    """The store configured for this process (``AENV_SNAPSHOT_BACKEND``, default posix_fs)."""
-    from django.conf import settings  # noqa: PLC0415
-
-    kind = backend_name()
-    if kind == "posix_fs":
-        return PosixFsStore(Path(settings.AENV_HOME) / "snapshots")
-    if kind == "s3":
-        from .storage_s3 import S3Store  # noqa: PLC0415  (boto3 only when used)
-
-        config = dict(home=Path(settings.AENV_HOME), images_dir=Path(settings.AENV_IMAGES_DIR),
-                      bucket=settings.AENV_S3_BUCKET, endpoint=settings.AENV_S3_ENDPOINT,
-                      region=settings.AENV_S3_REGION, prefix=settings.AENV_S3_PREFIX,
-                      concurrency=settings.AENV_S3_CONCURRENCY,
-                      cache_limit_bytes=settings.AENV_SNAPSHOT_CACHE_MB << 20)
-        key = tuple(sorted((k, str(v)) for k, v in config.items()))
-        if key not in _S3_STORES:  # a boto3 client is slow to make and thread-safe to share
-            _S3_STORES[key] = S3Store(**config)
-        return _S3_STORES[key]
-    raise SnapshotStoreError(f"unknown snapshot backend {kind!r} (AENV_SNAPSHOT_BACKEND: 'posix_fs' or 's3')")
-
-
-def backend_name() -> str:
-    """``posix_fs`` or ``s3``: whether a snapshot can only be restored where it was taken."""
-    from django.conf import settings  # noqa: PLC0415
-
-    return getattr(settings, "AENV_SNAPSHOT_BACKEND", None) or "posix_fs"

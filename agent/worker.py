@@ -7,9 +7,10 @@ from django.conf import settings
 from django.utils import timezone
 
 from aenv_site.celery import app as celery_app
-from nodes.driver import get_driver
-from nodes.heartbeat import Heartbeat, register_node
-from nodes.reconcile import Reconciler, purge_queue, reconcile_node
+from . import tasks  # noqa: F401 - registers the node tasks with the Celery app this worker runs
+from .driver import get_driver
+from .heartbeat import Heartbeat, register_node
+from .reconcile import Reconciler, purge_queue, reconcile_node
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def reattach(node_id: str, queue: str, driver) -> list:
     """Before consuming: drop tasks sent while no worker ran, then reconcile every
     sandbox of this node with the VM the driver finds in its state dir (running and
     paused VMs outlive the worker and are simply served again; operations the previous
-    worker died in are settled to the VM's real state — see nodes.reconcile)."""
+    worker died in are settled to the VM's real state — see agent.reconcile)."""
     started = timezone.now()
     purged = purge_queue(queue)
     try:

@@ -1,0 +1,16 @@
+"""The node protocol: the names of the tasks the control plane sends to a node's queue
+(``node.<id>``) and the node agent (``agent.tasks``) runs. Both sides import these, and
+nothing else of each other. Payloads: the keyword arguments of ``nodes.client``'s calls."""
+
+BOOT_SANDBOX = "nodes.boot_sandbox"
+KILL_SANDBOX = "nodes.kill_sandbox"
+PAUSE_SANDBOX = "nodes.pause_sandbox"
+RESUME_SANDBOX = "nodes.resume_sandbox"
+SNAPSHOT_SANDBOX = "nodes.snapshot_sandbox"
+RESTORE_SANDBOX = "nodes.restore_sandbox"
+FORK_SANDBOX = "nodes.fork_sandbox"
+DELETE_SNAPSHOT_FILES = "nodes.delete_snapshot_files"
+
+
+def queue_of(node_id: str) -> str:
+    return f"node.{node_id}"
