@@ -27,12 +27,13 @@ import httpx
 from asgiref.sync import sync_to_async
 from django.db import connections
 
+from envd import ENVD_PORT
+
 from .proxy_pools import UpstreamPools
 from .states import RESUMABLE, ROUTABLE
 
 log = logging.getLogger(__name__)
 
-ENVD_PORT = 49983
 CONNECT_TIMEOUT = 3.0
 
 MSG_NOT_FOUND = "The sandbox was not found"

@@ -36,6 +36,7 @@ import time
 import uuid
 from pathlib import Path
 
+from envd_client import EnvdClient, EnvdError
 from vmm.driver import BootSpec, SnapshotManifest, VMDriver, VMError, get_driver
 from vmm.images import DEFAULT_IMAGES_DIR, GuestImage, ImageNotFound, digest, find_image
 
@@ -48,25 +49,13 @@ WARM_UP_USERS = ("root", "user")
 
 
 def warm_up(host: str, port: int, timeout: float = 60.0) -> None:
-    """Runs `bash -l -c true` as each WARM_UP_USERS user through envd's Connect RPC
-    (process.Process/Start, JSON codec, server stream). Raises OSError/RuntimeError on failure."""
-    import base64  # noqa: PLC0415
-    import http.client  # noqa: PLC0415
-    import struct  # noqa: PLC0415
-
-    for user in WARM_UP_USERS:
-        msg = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"], "envs": {}}}).encode()
-        conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        try:
-            conn.request("POST", "/process.Process/Start", body=struct.pack(">BI", 0, len(msg)) + msg, headers={
-                "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
-                "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()})
-            resp = conn.getresponse()
-            body = resp.read()
-        finally:
-            conn.close()
-        if resp.status != 200 or b'"exitCode"' in body and b'"exitCode":0' not in body.replace(b" ", b""):
-            raise RuntimeError(f"warm-up as {user}: HTTP {resp.status} {body[-300:]!r}")
+    """Runs `bash -l -c true` as each WARM_UP_USERS user through envd (the first command
+    of each user pages in what every later one needs). Raises EnvdError/RuntimeError."""
+    with EnvdClient.at(host, port, timeout=timeout, stream_idle_timeout=timeout) as envd:
+        for user in WARM_UP_USERS:
+            result = envd.run("true", user=user, stdin=None)
+            if not result.ok:
+                raise RuntimeError(f"warm-up as {user}: exit {result.exit_code}: {result.stderr[-300:]!r}")
 
 
 def snapshot_dir(images_dir: Path, image: GuestImage, cpu_count: int, memory_mb: int, disk_size_mb: int,
@@ -143,7 +132,7 @@ class TemplateCache:
                 progress(f"template VM booted in {info.timings.get('total_ms', 0) / 1000:.1f}s; capturing")
                 try:
                     warm_up(info.envd_host, info.envd_port)
-                except (OSError, RuntimeError) as e:  # only a slower first command, never a failed build
+                except (EnvdError, RuntimeError) as e:  # only a slower first command, never a failed build
                     progress(f"warm-up failed (ignored): {e}")
                 time.sleep(SETTLE_SECONDS if settle_seconds is None else settle_seconds)
                 final.parent.mkdir(parents=True, exist_ok=True)

@@ -8,15 +8,15 @@ device state; the share=on RAM file is the memory snapshot).
 
 from __future__ import annotations
 
-import http.client
 import subprocess
 import time
 from pathlib import Path
 
+from envd_client import EnvdClient, EnvdError, EnvdUnavailable
 from vmm.driver import VMError, VMInfo
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
-from vmm.qemu.process import GUEST_SYNC_TIMEOUT, OFFLINE, SYNC_PATH, BootAttemptFailed, attempts_error
+from vmm.qemu.process import GUEST_SYNC_TIMEOUT, OFFLINE, BootAttemptFailed, attempts_error
 from vmm.qemu.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, prepare_migration, set_ignore_shared
 from vmm.qemu.state import VMState, process_alive, read_pidfile, reap
 
@@ -145,17 +145,13 @@ class LifecycleMixin:
 
     def _guest_sync(self, state: VMState) -> None:
         """Has envd run sync(2) so the guest page cache is on the virtual disk; raises VMError."""
-        conn = http.client.HTTPConnection(state.host_address, state.host_port, timeout=GUEST_SYNC_TIMEOUT)
         try:
-            conn.request("POST", SYNC_PATH)
-            resp = conn.getresponse()
-            resp.read()
-            if resp.status != 204:
-                raise VMError(f"sandbox {state.sandbox_id}: guest sync answered {resp.status}")
-        except (OSError, http.client.HTTPException) as e:
-            raise VMError(f"sandbox {state.sandbox_id}: guest sync failed: {e!r}") from None
-        finally:
-            conn.close()
+            with EnvdClient.at(state.host_address, state.host_port) as envd:
+                envd.sync(timeout=GUEST_SYNC_TIMEOUT)
+        except EnvdUnavailable as e:
+            raise VMError(f"sandbox {state.sandbox_id}: guest sync failed: {e}") from None
+        except EnvdError as e:
+            raise VMError(f"sandbox {state.sandbox_id}: guest sync answered {e.status}: {e}") from None
 
     def _pause_fs(self, state: VMState) -> dict[str, float]:
         """Filesystem-only pause: guest sync, QEMU quits, RAM file deleted, disk chain kept.

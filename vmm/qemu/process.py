@@ -8,33 +8,26 @@ watch QEMU processes the same way; nothing here holds state.
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+from envd_client import EnvdClient
 from vmm.driver import BootTimeout, VMError
 from vmm.qemu import cmdline
 from vmm.qemu.cmdline import QEMU
 
 DEFAULT_BOOT_TIMEOUT = 60.0
 GUEST_SYNC_TIMEOUT = 120.0
-SYNC_PATH = "/aenv/sync"  # envd: sync(2), no token needed
 # vm.json statuses without a QEMU process: device state + RAM kept, or only the disk kept.
 OFFLINE = ("paused_disk", "paused_fs")
 
 
 def envd_healthy(host: str, port: int, timeout: float = 1.0) -> bool:
     """True when envd answers GET /health with 204 (slirp accepts then drops until the guest listens)."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 204
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
+    with EnvdClient.at(host, port) as envd:
+        return envd.health(timeout)
 
 
 @lru_cache(maxsize=8)
