@@ -107,7 +107,9 @@ async def _fork_on_node(parent: Sandbox, children: list[Sandbox], node, timeout:
     t0, started = time.monotonic(), timezone.now()
     details = {"node": node.id, "count": len(children), "children": [c.id for c in children]}
     try:
-        result = await asyncio.wait_for(
+        # A kill of the parent meanwhile still needs the node's answer (its children are
+        # kept); any other move is a restarted node's reconcile, answered at once.
+        result = await core.await_node(asyncio.wait_for(
             client.fork_sandbox(
                 node, sandbox_id=parent.id, env_vars=parent.env_vars,
                 access_token=parent.envd_access_token or None,
@@ -115,7 +117,9 @@ async def _fork_on_node(parent: Sandbox, children: list[Sandbox], node, timeout:
                           for c in children],
                 deadline=deadline),
             timeout=deadline + 15,
-        )
+        ), parent.id, S.FORKING, tolerate=(S.KILLING, S.KILLED))
+    except core.Moved as moved:
+        await _fork_interrupted(parent, children, moved.state, t0, started, details, actor)
     except Exception as exc:  # the whole fork failed: no child is served
         await _fork_failed(client, exc, parent, children, node, t0, started, details, actor, deadline)
 
@@ -133,6 +137,22 @@ async def _fork_on_node(parent: Sandbox, children: list[Sandbox], node, timeout:
     out = await asyncio.gather(*(_finish_child(c, by_id.get(c.id), node, timeout, t0, started, actor)
                                  for c in children))
     return [Result(child, phases) if isinstance(child, Sandbox) else child for child in out]
+
+
+async def _fork_interrupted(parent, children, state, t0, started, details, actor):
+    """The node restarted mid-fork and its reconcile settled the parent (``state``): no
+    child was acknowledged, so each still ``creating`` ends ``error`` (the node removes
+    whatever VM a child had)."""
+    reason = f"fork of sandbox {parent.id} was interrupted (node restarted); the parent is {state}"
+    await core.record(core.event(parent.id, "fork", outcome="aborted", from_state=S.FORKING, started_at=started,
+                                 duration_ms=core.ms(t0), actor=actor, message=reason, details=details))
+    for child in children:
+        failed = core.event(child.id, "create", outcome="error", from_state=S.CREATING, started_at=started,
+                            duration_ms=core.ms(t0), message=reason, actor=actor,
+                            details={"forked_from": parent.id, "kind": "NodeRestarted"})
+        if not await core.transition(child.id, [S.CREATING], S.ERROR, failed, error_reason=reason):
+            await core.record(failed)
+    raise Unavailable(reason)
 
 
 async def _fork_failed(client, exc, parent, children, node, t0, started, details, actor, deadline):

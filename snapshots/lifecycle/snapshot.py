@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from sandboxes.lifecycle import core
 from sandboxes.lifecycle.core import S
+from sandboxes.lifecycle.errors import Unavailable
 from sandboxes.models import Sandbox, Team
 from sandboxes.transitions import transition_sync
 
@@ -77,11 +78,21 @@ async def _snapshot_on_node(sandbox: Sandbox, snapshot: Snapshot, node, memory, 
     t0, started = time.monotonic(), timezone.now()
     details = {"node": node.id, "snapshot": snapshot.id, "memory": memory, "mode": _mode(memory)}
     try:
-        result = await asyncio.wait_for(
+        # A kill meanwhile still needs the node's answer (the capture is kept); any other
+        # move is a restarted node's reconcile, answered at once.
+        result = await core.await_node(asyncio.wait_for(
             client.snapshot_sandbox(node, sandbox_id=sandbox.id, snapshot_id=snapshot.id, memory=memory is not False,
                                     deadline=deadline),
             timeout=deadline + 15,
-        )
+        ), sandbox.id, S.SNAPSHOTTING, tolerate=(S.KILLING, S.KILLED))
+    except core.Moved as moved:
+        reason = f"snapshot of sandbox {sandbox.id} was interrupted (node restarted); the sandbox is {moved.state}"
+        await core.record(core.event(sandbox.id, "snapshot", outcome="aborted", from_state=S.SNAPSHOTTING,
+                                     started_at=started, duration_ms=core.ms(t0), actor=actor, message=reason,
+                                     details=details))
+        await Snapshot.objects.filter(pk=snapshot.pk, state=SS.CREATING).aupdate(
+            state=SS.ERROR, error_reason=reason, updated_at=timezone.now())
+        raise Unavailable(reason) from None
     except Exception as exc:  # mapped below, never a bare 500
         error = node_error(client, exc, node, "snapshot", deadline)
         reason, kind = error.message, error.kind

@@ -1,6 +1,7 @@
 """Snapshots through the ASGI app with the node side mocked: POST /sandboxes/{id}/snapshots,
 GET /snapshots, create from a snapshot, DELETE /templates/{id}; status codes, states,
 events, pagination and team isolation."""
+import asyncio
 from unittest import mock
 
 import httpx
@@ -359,3 +360,65 @@ async def test_delete_when_the_snapshots_node_is_gone(api, create, snap_mock, se
         assert resp.status_code == 503, resp.text
         assert used == snap_mock.node.pk
         assert (await Snapshot.objects.aget(pk=snap["snapshotID"])).state == "ready"
+
+
+async def _wait_state(sandbox_id: str, state: str) -> None:
+    for _ in range(200):
+        if (await Sandbox.objects.aget(pk=sandbox_id)).state == state:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{sandbox_id} never became {state}")
+
+
+async def _never(*args, **kwargs):
+    await asyncio.sleep(3600)
+
+
+@pytest.mark.parametrize("reconciled", ["running", "error"])
+async def test_snapshot_waiter_follows_a_reconcile(api, create, snap_mock, assert_error, reconciled):
+    """A node worker that restarts mid-capture never answers; its reconcile settles the
+    sandbox, and the waiting request answers from that at once with the snapshot failed."""
+    from snapshots.models import Snapshot  # noqa: PLC0415
+
+    sb = await create()
+    snap_mock.client.snapshot_sandbox.side_effect = _never
+    request = asyncio.ensure_future(api.post(f"/sandboxes/{sb['sandboxID']}/snapshots", json={}))
+    await _wait_state(sb["sandboxID"], "snapshotting")
+    await Sandbox.objects.filter(pk=sb["sandboxID"]).aupdate(state=reconciled)
+    resp = await asyncio.wait_for(request, 5)
+    assert_error(resp, 503, "interrupted")
+    snap = await Snapshot.objects.aget(source_sandbox_id=sb["sandboxID"])
+    assert snap.state == "error" and "node restarted" in snap.error_reason
+    assert ("aborted", "snapshotting", "") in await _events(sb["sandboxID"], "snapshot")
+
+
+async def test_fork_waiter_follows_a_reconcile(api, create, snap_mock, assert_error):
+    sb = await create()
+    snap_mock.client.fork_sandbox = mock.AsyncMock(side_effect=_never)
+    request = asyncio.ensure_future(api.post(f"/sandboxes/{sb['sandboxID']}/fork", json={"count": 2}))
+    await _wait_state(sb["sandboxID"], "forking")
+    await Sandbox.objects.filter(pk=sb["sandboxID"]).aupdate(state="running")
+    resp = await asyncio.wait_for(request, 5)
+    assert_error(resp, 503, "interrupted")
+    kids = [k async for k in Sandbox.objects.filter(forked_from_id=sb["sandboxID"])]
+    assert len(kids) == 2 and {k.state for k in kids} == {"error"}
+
+
+async def test_a_kill_during_the_capture_still_waits_for_the_node(api, create, snap_mock):
+    """A kill is not a reconcile: the capture's answer is still awaited and the snapshot kept."""
+    sb = await create()
+    gate = asyncio.Event()
+
+    async def slow(*args, **kwargs):
+        await gate.wait()
+        return dict(SNAP_RESULT)
+
+    snap_mock.client.snapshot_sandbox.side_effect = slow
+    request = asyncio.ensure_future(api.post(f"/sandboxes/{sb['sandboxID']}/snapshots", json={}))
+    await _wait_state(sb["sandboxID"], "snapshotting")
+    await Sandbox.objects.filter(pk=sb["sandboxID"]).aupdate(state="killing")
+    await asyncio.sleep(1.2)  # longer than the watch's poll: it must not give up
+    assert not request.done()
+    gate.set()
+    resp = await asyncio.wait_for(request, 5)
+    assert resp.status_code == 201, resp.text
