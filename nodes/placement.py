@@ -1,4 +1,4 @@
-"""Placement: which node gets a new sandbox.
+"""Placement: which node gets a new sandbox (created, restored or forked).
 
 Room is computed from the database (capacity minus what the node's live sandboxes
 reserve), not from the node's heartbeat, so two creates in quick succession see
@@ -13,7 +13,6 @@ from django.utils import timezone
 
 from nodes.models import Node
 from sandboxes.states import RESERVING
-
 
 
 class NoNodeAvailable(Exception):
@@ -35,22 +34,26 @@ def _load(node: Node) -> float:
     return max(cpu, mem)
 
 
-async def pick_node(cpu_count: int, memory_mb: int) -> Node:
-    """The least loaded alive node that still fits `cpu_count` vCPUs and `memory_mb`."""
-    fitting = [
-        node
-        async for node in _candidates()
-        if node.cpu_reserved + cpu_count <= node.vcpu_capacity
-        and node.memory_reserved + memory_mb <= node.memory_mb_capacity
-    ]
+def _fits(node: Node, cpu_count: int, memory_mb: int) -> bool:
+    return (node.cpu_reserved + cpu_count <= node.vcpu_capacity
+            and node.memory_reserved + memory_mb <= node.memory_mb_capacity)
+
+
+async def place(cpu_count: int, memory_mb: int, *, on: Node | None = None, prefer: Node | None = None) -> Node:
+    """The one placement decision, for anything that needs room on a node: a create (the
+    least loaded alive node that fits), a fork (``on`` its parent's node: that node or
+    nothing), a restore (``on`` the snapshot's node when only it has the files; ``prefer``
+    it when any node can fetch them). Raises NoNodeAvailable saying why."""
+    wanted = on or prefer
+    if wanted is not None:
+        node = await _candidates().filter(pk=wanted.pk).afirst()
+        if node is not None and _fits(node, cpu_count, memory_mb):
+            return node
+        if on is not None:
+            if node is None:
+                raise NoNodeAvailable(f"node {on.pk} is not available (not alive, or draining)")
+            raise NoNodeAvailable(f"node {on.pk} has no room for {cpu_count} vCPU / {memory_mb} MiB")
+    fitting = [node async for node in _candidates() if _fits(node, cpu_count, memory_mb)]
     if not fitting:
         raise NoNodeAvailable(f"no node has room for {cpu_count} vCPU / {memory_mb} MiB")
     return min(fitting, key=lambda n: (_load(n), n.sandboxes_running, n.id))
-
-
-async def has_room(node_id: str, cpu_count: int, memory_mb: int) -> bool:
-    """Whether one given node (a snapshot's, a fork parent's) fits ``cpu_count`` vCPUs and
-    ``memory_mb`` more, by the same arithmetic as ``pick_node``."""
-    node = await _candidates().filter(pk=node_id).afirst()
-    return (node is not None and node.cpu_reserved + cpu_count <= node.vcpu_capacity
-            and node.memory_reserved + memory_mb <= node.memory_mb_capacity)

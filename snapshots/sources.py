@@ -64,19 +64,19 @@ async def restore_node(snapshot: Snapshot):
     Called after the sandbox row (with ``source_snapshot``) exists: a snapshot that went
     ``deleting`` meanwhile is a Conflict, so a delete and a restore never both succeed.
     No node for it: ``placement.NoNodeAvailable``."""
-
     if not await snapshot_still_ready(snapshot.id):
         raise Conflict(f'snapshot "{snapshot.id}" is being deleted', retry=False)
-    node = await Node.objects.filter(pk=snapshot.node_id).afirst() if snapshot.node_id else None
-    own_ok = node is not None and not node.draining and node.is_alive()
-    if own_ok and await placement.has_room(node.pk, snapshot.cpu_count, snapshot.memory_mb):
-        return node
+    own = await Node.objects.filter(pk=snapshot.node_id).afirst() if snapshot.node_id else None
+    need = (snapshot.cpu_count, snapshot.memory_mb)
     if settings.AENV_SNAPSHOT_BACKEND == "s3":  # the bucket has the files: any node can fetch them
         try:
-            return await placement.pick_node(snapshot.cpu_count, snapshot.memory_mb)
+            return await placement.place(*need, prefer=own)
         except placement.NoNodeAvailable as exc:
             raise placement.NoNodeAvailable(f"no node can restore snapshot {snapshot.id}: {exc}") from exc
-    if not own_ok:
+    if own is None:
         raise placement.NoNodeAvailable(f"node {snapshot.node_id} holding snapshot {snapshot.id} is not available")
-    raise placement.NoNodeAvailable(f"node {node.pk} holding snapshot {snapshot.id} has no room for "
-                                    f"{snapshot.cpu_count} vCPU / {snapshot.memory_mb} MiB")
+    try:
+        return await placement.place(*need, on=own)
+    except placement.NoNodeAvailable as exc:
+        raise placement.NoNodeAvailable(str(exc).replace(f"node {own.pk}", f"node {own.pk} holding snapshot "
+                                                                           f"{snapshot.id}", 1)) from exc

@@ -120,7 +120,7 @@ async def _place(sandbox: Sandbox, snapshot, t0: float, started, actor: str):
     try:
         if snapshot is not None:  # a restore runs where the snapshot's files are
             return await sources.restore_node(snapshot)
-        return await placement.pick_node(sandbox.cpu_count, sandbox.memory_mb)
+        return await placement.place(sandbox.cpu_count, sandbox.memory_mb)
     except LifecycleError as exc:
         await _fail(sandbox, exc.message, t0, started, actor, node=None, kind="SnapshotUnavailable")
         exc.retry = False

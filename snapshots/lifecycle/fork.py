@@ -49,9 +49,11 @@ async def fork_sandbox(team: Team, sandbox_id: str, *, count: int | None = 1, ti
     if parent.state != S.RUNNING:
         raise core.not_running(sandbox_id, parent.state)
     node = await core.node_of(parent)
-    if not await placement.has_room(node.pk, parent.cpu_count * count, parent.memory_mb * count):
+    try:
+        await placement.place(parent.cpu_count * count, parent.memory_mb * count, on=node)
+    except placement.NoNodeAvailable:
         raise Unavailable(f"node {node.pk} has no room for {count} more sandbox(es) of {parent.cpu_count} vCPU / "
-                          f"{parent.memory_mb} MiB (forks start on their parent's node)", retry=False)
+                          f"{parent.memory_mb} MiB (forks start on their parent's node)", retry=False) from None
     if timeout is None:
         timeout = await _inherited_timeout(parent)
     children = await _begin_fork(parent, node, count, timeout, actor)

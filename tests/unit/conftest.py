@@ -75,7 +75,7 @@ RESUME_RESULT = {"envd_host": "127.0.0.1", "envd_port": 40002, "pid": 4343, "acc
 
 @pytest.fixture
 def nodes_mock(node):
-    """Fake node side: ``pick_node`` returns ``node``; ``boot_sandbox`` / ``kill_sandbox`` /
+    """Fake node side: ``place`` returns ``node``; ``boot_sandbox`` / ``kill_sandbox`` /
     ``pause_sandbox`` / ``resume_sandbox`` are AsyncMocks (set ``side_effect`` to make
     them fail or sleep)."""
     real_client, real_placement = _node_modules()
@@ -88,7 +88,7 @@ def nodes_mock(node):
         resume_sandbox=mock.AsyncMock(return_value=dict(RESUME_RESULT)),
     )
     placement = SimpleNamespace(NoNodeAvailable=real_placement.NoNodeAvailable,
-                                pick_node=mock.AsyncMock(return_value=node))
+                                place=mock.AsyncMock(return_value=node))
     with mock.patch("sandboxes.lifecycle.core.node_api", return_value=(client, placement)):
         yield SimpleNamespace(client=client, placement=placement, node=node)
 

@@ -27,7 +27,7 @@ async def _only_sandbox():
 
 
 async def test_no_node_is_503_without_retry(api, nodes_mock, assert_error):
-    nodes_mock.placement.pick_node.side_effect = nodes_mock.placement.NoNodeAvailable("full")
+    nodes_mock.placement.place.side_effect = nodes_mock.placement.NoNodeAvailable("full")
     resp = await api.post("/v2/sandboxes", json={"templateID": "base"})
     assert_error(resp, 503, "no node")
     assert resp.headers["should-retry"] == "false"

@@ -195,7 +195,7 @@ async def test_create_from_snapshot_restores_on_its_node(api, create, snap_mock)
         assert kwargs["access_token"] == new.envd_access_token != source_token
         assert resp.json()["envdAccessToken"] == new.envd_access_token
         assert snap_mock.client.restore_sandbox.await_args.args[0].id == "n1"
-    assert snap_mock.placement.pick_node.await_count == 1  # only the first, template create
+    assert snap_mock.placement.place.await_count == 1  # only the first, template create
 
 
 async def test_v1_create_from_secure_snapshot_is_secure(api, create, snap_mock):
