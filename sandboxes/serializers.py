@@ -42,6 +42,27 @@ class StrictBooleanField(serializers.BooleanField):
         return data
 
 
+class TimeoutField(StrictIntegerField):
+    """Seconds from 0 to ``AENV_MAX_TIMEOUT``, the limit read when a request is checked
+    (not when this module is imported)."""
+
+    default_error_messages = {"max_timeout": "Ensure this value is less than or equal to {max_value}."}
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("min_value", 0)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        if value > settings.AENV_MAX_TIMEOUT:
+            self.fail("max_timeout", max_value=settings.AENV_MAX_TIMEOUT)
+        return value
+
+
+def default_timeout() -> int:
+    return settings.AENV_DEFAULT_TIMEOUT
+
+
 class StringMapField(serializers.DictField):
     """A JSON object mapping strings to strings (metadata, envVars)."""
 
@@ -122,7 +143,7 @@ class NewSandboxV2Serializer(serializers.Serializer):
     """Body of ``POST /v2/sandboxes`` (SDK ≥2.51)."""
 
     templateID = StrictCharField(max_length=255)
-    timeout = StrictIntegerField(required=False, min_value=0, max_value=settings.AENV_MAX_TIMEOUT)
+    timeout = TimeoutField(required=False)
     metadata = StringMapField()
     envVars = StringMapField()
     # What happens at the end of the TTL: absent → pause (aenv keeps work by default),
@@ -160,14 +181,13 @@ class NewSandboxSerializer(NewSandboxV2Serializer):
 class TimeoutSerializer(serializers.Serializer):
     """Body of ``POST /sandboxes/{id}/timeout``."""
 
-    timeout = StrictIntegerField(min_value=0, max_value=settings.AENV_MAX_TIMEOUT)
+    timeout = TimeoutField()
 
 
 class RefreshSerializer(serializers.Serializer):
     """Body of ``POST /sandboxes/{id}/refreshes`` (extend-only keep-alive)."""
 
-    duration = StrictIntegerField(required=False, min_value=0, max_value=settings.AENV_MAX_TIMEOUT,
-                                  default=settings.AENV_DEFAULT_TIMEOUT)
+    duration = TimeoutField(required=False, default=default_timeout)
 
 
 class PauseSerializer(serializers.Serializer):
@@ -182,8 +202,7 @@ class ResumeSerializer(serializers.Serializer):
     """Body of ``POST /sandboxes/{id}/resume`` (legacy) and ``/connect`` (v1): ``{"timeout": N}``;
     a missing timeout means the default."""
 
-    timeout = StrictIntegerField(required=False, allow_null=True, min_value=0,
-                                 max_value=settings.AENV_MAX_TIMEOUT, default=None)
+    timeout = TimeoutField(required=False, allow_null=True, default=None)
     autoPause = StrictBooleanField(required=False, allow_null=True, default=None)
 
 

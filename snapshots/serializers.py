@@ -1,8 +1,8 @@
 """Wire models of the snapshot and fork endpoints (E2B names, strict JSON types)."""
-from django.conf import settings
 from rest_framework import serializers
 
-from sandboxes.serializers import SandboxSerializer, StrictBooleanField, StrictCharField, StrictIntegerField
+from sandboxes.serializers import (SandboxSerializer, StrictBooleanField, StrictCharField, StrictIntegerField,
+                                   TimeoutField)
 
 from .lifecycle.fork import MAX_FORK_COUNT, fork_max_per_node
 from .models import NAME_RE, Snapshot
@@ -61,8 +61,7 @@ class ForkRequestSerializer(serializers.Serializer):
                 f"count {count} is over the per-node fork limit AENV_FORK_MAX_PER_NODE={limit} "
                 "(all children start on the parent's node)")
         return count
-    timeout = StrictIntegerField(required=False, allow_null=True, min_value=0,
-                                 max_value=settings.AENV_MAX_TIMEOUT, default=None)
+    timeout = TimeoutField(required=False, allow_null=True, default=None)
 
 
 class ForkErrorSerializer(serializers.Serializer):

@@ -262,3 +262,17 @@ async def test_unenforced_network_restrictions_are_refused(api, nodes_mock, asse
 async def test_what_the_sdks_send_by_default_still_creates(api, nodes_mock, extra):
     resp = await api.post("/v2/sandboxes", json={"templateID": "base", **extra})
     assert resp.status_code == 201, resp.text
+
+
+async def test_timeout_limits_are_read_per_request(api, create, nodes_mock, assert_error, settings):
+    """AENV_MAX_TIMEOUT / AENV_DEFAULT_TIMEOUT are read when a request is checked, so a
+    changed setting applies without a restart (and override_settings reaches them)."""
+    settings.AENV_MAX_TIMEOUT = 100
+    assert_error(await api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 101}), 400, "100")
+    sid = (await create(timeout=100))["sandboxID"]
+    assert_error(await api.post(f"/sandboxes/{sid}/timeout", json={"timeout": 101}), 400)
+    settings.AENV_DEFAULT_TIMEOUT = 42
+    assert (await api.post(f"/sandboxes/{sid}/refreshes", json={})).status_code == 204
+    row = await Sandbox.objects.aget(pk=sid)
+    assert (row.end_at - timezone.now()).total_seconds() > 90  # refresh never shortens
+    assert_error(await api.post(f"/sandboxes/{sid}/fork", json={"timeout": 101}), 400)
