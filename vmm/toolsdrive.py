@@ -33,11 +33,6 @@ COLLECT = ["envd", "uvicorn"]
 EXCLUDE = ["tkinter", "django", "pytest", "boto3", "botocore", "celery", "IPython"]
 
 
-def real_envd_available() -> bool:
-    """The real agent exists once envd/__main__.py lands; until then a placeholder is frozen."""
-    return (ENVD_DIR / "__main__.py").exists()
-
-
 def _files_digest(root: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
@@ -50,7 +45,7 @@ def recipe_inputs() -> dict:
     """Everything that changes the tools drive: envd sources, guest scripts, this builder, the runtime."""
     dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
     return {
-        "envd": _files_digest(ENVD_DIR) if real_envd_available() else "placeholder",
+        "envd": _files_digest(ENVD_DIR),
         "guest": _files_digest(GUEST_DIR),
         "builder": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
         "python": sys.version,
@@ -61,18 +56,13 @@ def recipe_inputs() -> dict:
 
 
 def freeze_envd(work: Path, progress) -> Path:
-    """PyInstaller --onedir bundle of envd (or the placeholder); returns the bundle dir."""
-    if real_envd_available():
-        entry = GUEST_DIR / "envd_entry.py"
-        extra = []
-        for mod in COLLECT:
-            extra += ["--collect-submodules", mod]
-        extra += ["--hidden-import", "envd.__main__"]
-        progress("freezing envd/__main__.py with PyInstaller")
-    else:
-        entry = GUEST_DIR / "placeholder_envd.py"
-        extra = []
-        progress("envd/__main__.py not present yet: freezing the placeholder /health server")
+    """PyInstaller --onedir bundle of envd; returns the bundle dir."""
+    entry = GUEST_DIR / "envd_entry.py"
+    extra = []
+    for mod in COLLECT:
+        extra += ["--collect-submodules", mod]
+    extra += ["--hidden-import", "envd.__main__"]
+    progress("freezing envd/__main__.py with PyInstaller")
     for mod in EXCLUDE:
         extra += ["--exclude-module", mod]
     run([sys.executable, "-m", "PyInstaller", "--onedir", "--noconfirm", "--log-level", "WARN",
