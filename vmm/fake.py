@@ -44,14 +44,6 @@ class FakeNetwork(NetworkBackend):
         self.policies: dict[str, NetworkSpec] = {}
         self._ports = itertools.count(40000)
 
-    def attach(self, sandbox_id: str, state_dir: Path, spec: NetworkSpec) -> Attachment:
-        self.check(spec)
-        attachment = Attachment(self.name, sandbox_id, self.host_address)
-        for guest_port in dict.fromkeys((ENVD_PORT, *spec.forward_ports)):
-            self.forward(attachment, state_dir, guest_port)
-        self.apply_egress(attachment, spec)
-        return attachment
-
     def forward(self, attachment: Attachment, state_dir: Path, guest_port: int) -> int:
         if guest_port not in attachment.forwards:
             attachment.forwards[guest_port] = next(self._ports)

@@ -11,6 +11,7 @@ import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from envd import ENVD_PORT
 from vmm.errors import UnsupportedNetworkPolicy
 from vmm.net.spec import DNS, GATEWAY, GUEST_IP, NetworkSpec
 
@@ -48,11 +49,18 @@ class NetworkBackend(abc.ABC):
                 f"the {self.name} network backend cannot restrict egress ({'; '.join(restrictions)}); "
                 "aenv does not enforce egress policies yet")
 
-    @abc.abstractmethod
+    host_address: str  # where the host side of the forwards listens
+
     def attach(self, sandbox_id: str, state_dir: Path, spec: NetworkSpec) -> Attachment:
-        """Sets up the VM's network before its hypervisor starts: checks `spec`, forwards each
-        of its guest ports, applies its egress policy. Claims live in `state_dir` (they go
-        with it)."""
+        """Sets up the VM's network before its hypervisor starts: checks `spec`, forwards
+        envd's port and each of its guest ports, applies its egress policy. Claims live in
+        `state_dir` (they go with it)."""
+        self.check(spec)
+        attachment = Attachment(self.name, sandbox_id, self.host_address)
+        for guest_port in dict.fromkeys((ENVD_PORT, *spec.forward_ports)):
+            self.forward(attachment, state_dir, guest_port)
+        self.apply_egress(attachment, spec)
+        return attachment
 
     @abc.abstractmethod
     def forward(self, attachment: Attachment, state_dir: Path, guest_port: int) -> int:

@@ -26,14 +26,6 @@ class SlirpBackend(NetworkBackend):
         self.sandboxes_dir = Path(sandboxes_dir)
         self.port_range = port_range
 
-    def attach(self, sandbox_id: str, state_dir: Path, spec: NetworkSpec) -> Attachment:
-        self.check(spec)
-        attachment = Attachment(self.name, sandbox_id, self.host_address)
-        for guest_port in dict.fromkeys((ENVD_PORT, *spec.forward_ports)):
-            self.forward(attachment, state_dir, guest_port)
-        self.apply_egress(attachment, spec)
-        return attachment
-
     def forward(self, attachment: Attachment, state_dir: Path, guest_port: int) -> int:
         if guest_port in attachment.forwards:
             return attachment.forwards[guest_port]
