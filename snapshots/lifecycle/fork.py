@@ -20,7 +20,7 @@ from sandboxes.lifecycle.options import SandboxOptions
 from sandboxes.models import Sandbox, Team, new_envd_access_token
 from sandboxes.transitions import insert_creating, transition_sync
 
-from .common import end_failed_operation, node_error
+from .common import fail_capture
 
 log = logging.getLogger(__name__)
 
@@ -158,15 +158,11 @@ async def _fork_interrupted(parent, children, state, t0, started, details, actor
 
 
 async def _fork_failed(client, exc, parent, children, node, t0, started, details, actor, deadline):
-    error = node_error(client, exc, node, "fork", deadline)
-    reason, kind = error.message, error.kind
-    log.warning("fork of sandbox %s failed: %s", parent.id, reason)
     # The node answered: the capture failed and the driver continued the parent (no child
     # was started). No answer: parent and children are in an unknown state; remove them.
-    vm_runs = isinstance(exc, client.NodeTaskFailed)
-    event = core.event(parent.id, "fork", outcome="error", from_state=S.FORKING, started_at=started,
-                       duration_ms=core.ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
-    moved = await end_failed_operation(parent.id, S.FORKING, event, vm_runs, reason)
+    error, vm_runs, moved = await fail_capture(client, exc, node, parent.id, "fork", S.FORKING, details=details,
+                                               started=started, t0=t0, actor=actor, deadline=deadline)
+    reason, kind = error.message, error.kind
     # Without an answer, each VM whose row this request moved to error is removed; a row
     # settled meanwhile (killed, or reconciled by a restarted node worker) is left alone.
     doomed = [parent.id] if moved and not vm_runs else []

@@ -19,7 +19,7 @@ from sandboxes.models import Sandbox, Team
 from sandboxes.transitions import transition_sync
 
 from ..models import Snapshot, SnapshotState as SS
-from .common import delete_files_quietly, end_failed_operation, node_error
+from .common import delete_files_quietly, fail_capture
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +94,12 @@ async def _snapshot_on_node(sandbox: Sandbox, snapshot: Snapshot, node, memory, 
             state=SS.ERROR, error_reason=reason, updated_at=timezone.now())
         raise Unavailable(reason) from None
     except Exception as exc:  # mapped below, never a bare 500
-        error = node_error(client, exc, node, "snapshot", deadline)
-        reason, kind = error.message, error.kind
-        log.warning("snapshot of sandbox %s failed: %s", sandbox.id, reason)
         # The node answered: the driver continued the VM and removed the partial capture.
         # No answer: the VM's state is unknown, so it is removed like after a failed pause.
-        vm_runs = isinstance(exc, client.NodeTaskFailed)
-        event = core.event(sandbox.id, "snapshot", outcome="error", from_state=S.SNAPSHOTTING, started_at=started,
-                           duration_ms=core.ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
-        moved = await end_failed_operation(sandbox.id, S.SNAPSHOTTING, event, vm_runs, reason)
+        error, vm_runs, moved = await fail_capture(client, exc, node, sandbox.id, "snapshot", S.SNAPSHOTTING,
+                                                   details=details, started=started, t0=t0, actor=actor,
+                                                   deadline=deadline)
+        reason = error.message
         if moved and not vm_runs:
             # Only the winner of the transition removes the VM: a restarted node worker may
             # have continued it and set the sandbox running again meanwhile.
