@@ -78,5 +78,5 @@ async def restore_node(snapshot: Snapshot):
     try:
         return await placement.place(*need, on=own)
     except placement.NoNodeAvailable as exc:
-        raise placement.NoNodeAvailable(str(exc).replace(f"node {own.pk}", f"node {own.pk} holding snapshot "
-                                                                           f"{snapshot.id}", 1)) from exc
+        holding = f"node {own.pk} holding snapshot {snapshot.id}"
+        raise placement.NoNodeAvailable(str(exc).replace(f"node {own.pk}", holding, 1)) from exc

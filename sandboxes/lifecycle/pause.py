@@ -78,11 +78,11 @@ async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str
         if moved.state == S.PAUSED:  # the node reconciled it: the pause had finished
             return Result(await core.reload(sandbox))
         await core.record(core.event(sandbox.id, "pause", outcome="aborted", from_state=S.PAUSING, started_at=started,
-                             duration_ms=core.ms(t0), actor=actor, details=details,
-                             message=f"sandbox became {moved.state} while pausing"))
+                                     duration_ms=core.ms(t0), actor=actor, details=details,
+                                     message=f"sandbox became {moved.state} while pausing"))
         if moved.state == S.RUNNING:
             raise Conflict(f'pause of sandbox "{sandbox.id}" was interrupted (node restarted); '
-                                "it is running") from None
+                           "it is running") from None
         raise NotFound(f'sandbox "{sandbox.id}" not found (killed while pausing)') from None
     except Exception as exc:  # mapped below, never a bare 500
         error = core.node_failure(client, exc, node, "pause", deadline)
@@ -93,7 +93,7 @@ async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str
             # The node answered: the QEMU driver continues the VM when saving fails (and a
             # revoked task never touched it), so the sandbox is running again.
             event = core.event(sandbox.id, "pause", outcome="error", from_state=S.PAUSING, started_at=started,
-                           duration_ms=core.ms(t0), message=reason, actor=actor, details=details)
+                               duration_ms=core.ms(t0), message=reason, actor=actor, details=details)
             if not await core.transition(sandbox.id, [S.PAUSING], S.RUNNING, event):
                 await core.record(event)  # killed meanwhile
         else:
@@ -102,18 +102,18 @@ async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str
             # paused; connect waits) and the node reconciles it to the VM's real state when
             # it answers again (agent.reconcile) — the VM is not killed.
             await core.record(core.event(sandbox.id, "pause", outcome="unconfirmed", from_state=S.PAUSING,
-                                 started_at=started, duration_ms=core.ms(t0), message=reason, actor=actor,
-                                 details=details))
+                                         started_at=started, duration_ms=core.ms(t0), message=reason, actor=actor,
+                                         details=details))
         raise error from exc
 
     timings = (result or {}).get("timings") or {}
     phases = core.op_phases(t0, timings.get("total_ms"))
     event = core.event(sandbox.id, "pause", from_state=S.PAUSING, started_at=started, duration_ms=core.ms(t0),
-                   actor=actor, details={**details, "timings": timings, "phases": phases})
+                       actor=actor, details={**details, "timings": timings, "phases": phases})
     if not await core.transition(sandbox.id, [S.PAUSING], S.PAUSED, event):
         await core.record(core.event(sandbox.id, "pause", outcome="aborted", from_state=S.PAUSING, started_at=started,
-                             duration_ms=core.ms(t0), actor=actor, message="sandbox was killed while pausing",
-                             details=details))
+                                     duration_ms=core.ms(t0), actor=actor, message="sandbox was killed while pausing",
+                                     details=details))
         raise NotFound(f'sandbox "{sandbox.id}" not found (killed while pausing)')
     return Result(await core.reload(sandbox), phases)
 
@@ -169,7 +169,7 @@ async def _resume_or_running(team, sandbox_id, timeout, actor, operation, memory
             raise Conflict(f'sandbox "{sandbox_id}" cannot be resumed (it is {sandbox.state})')
         node = await core.node_of(sandbox)
         event = core.event(sandbox_id, "resume", outcome="started", from_state=S.PAUSED, actor=actor,
-                       details={"via": operation, "timeout": timeout, "memory": memory})
+                           details={"via": operation, "timeout": timeout, "memory": memory})
         if await core.transition(sandbox_id, [S.PAUSED], S.RESUMING, event):
             break
     return True, await core.shielded(_resume_on_node(sandbox, node, timeout, actor, operation, memory))
@@ -195,11 +195,11 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
         if moved.state == S.RUNNING:  # reconciled by the node: the resume had finished
             return Result(await core.reload(sandbox))
         await core.record(core.event(sandbox.id, "resume", outcome="aborted", from_state=S.RESUMING, started_at=started,
-                             duration_ms=core.ms(t0), actor=actor, details=details,
-                             message=f"sandbox became {moved.state} while resuming"))
+                                     duration_ms=core.ms(t0), actor=actor, details=details,
+                                     message=f"sandbox became {moved.state} while resuming"))
         if moved.state == S.PAUSED:
             raise Unavailable(f'resume of sandbox "{sandbox.id}" was interrupted (node restarted); '
-                                "it is still paused") from None
+                              "it is still paused") from None
         raise NotFound(f'sandbox "{sandbox.id}" not found (killed while resuming)') from None
     except Exception as exc:  # mapped below
         error = core.node_failure(client, exc, node, "resume", deadline)
@@ -209,7 +209,7 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
         # still there, so the sandbox stays paused and a later connect can try again. If
         # the node never answered and resumes it later anyway, its reconcile pauses it again.
         event = core.event(sandbox.id, "resume", outcome="error", from_state=S.RESUMING, started_at=started,
-                       duration_ms=core.ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
+                           duration_ms=core.ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
         if not await core.transition(sandbox.id, [S.RESUMING], S.PAUSED, event):
             await core.record(event)
         raise error from exc
@@ -219,13 +219,13 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
     phases = core.op_phases(t0, node_ms)
     now = timezone.now()
     event = core.event(sandbox.id, "resume", from_state=S.RESUMING, started_at=started, duration_ms=core.ms(t0),
-                   actor=actor, details={**details, "pid": result.get("pid"), "timings": timings, "phases": phases})
+                       actor=actor, details={**details, "pid": result.get("pid"), "timings": timings, "phases": phases})
     won = await core.transition(sandbox.id, [S.RESUMING], S.RUNNING, event, envd_host=result["envd_host"],
-                            envd_port=result["envd_port"], end_at=now + timedelta(seconds=timeout))
+                                envd_port=result["envd_port"], end_at=now + timedelta(seconds=timeout))
     if not won:
         cleanup = await core.kill_on_node(node, sandbox.id, core.CLEANUP_DEADLINE)
         await core.record(core.event(sandbox.id, "resume", outcome="aborted", from_state=S.RESUMING, started_at=started,
-                             duration_ms=core.ms(t0), actor=actor, message="sandbox was killed while resuming",
-                             details={**details, "cleanup": cleanup}))
+                                     duration_ms=core.ms(t0), actor=actor, message="sandbox was killed while resuming",
+                                     details={**details, "cleanup": cleanup}))
         raise NotFound(f'sandbox "{sandbox.id}" not found (killed while resuming)')
     return Result(await core.reload(sandbox), phases)

@@ -95,5 +95,5 @@ def _begin_delete(snapshot: Snapshot) -> str:
                                                                           updated_at=timezone.now())
         shown = ", ".join(users[:5]) + (", …" if len(users) > 5 else "")
         raise Conflict(f'snapshot "{snapshot.id}" is still used by live sandboxes restored from it '
-                            f"({shown}); kill them before deleting it")
+                       f"({shown}); kill them before deleting it")
     return snapshot.state

@@ -94,7 +94,8 @@ def _begin_fork(parent: Sandbox, node, count: int, timeout: int, actor: str) -> 
                 alias=parent.alias, client_id=parent.client_id, envd_version=parent.envd_version,
                 envd_access_token=new_envd_access_token() if parent.envd_access_token else "",
                 cpu_count=parent.cpu_count, memory_mb=parent.memory_mb, disk_size_mb=parent.disk_size_mb,
-                **SandboxOptions.of(parent).fields(), forked_from=parent, created_at=now, started_at=now, end_at=now + timedelta(seconds=timeout),
+                **SandboxOptions.of(parent).fields(), forked_from=parent, created_at=now, started_at=now,
+                end_at=now + timedelta(seconds=timeout),
             )
             children.append(child)
         started.details["children"] = [c.id for c in children]
