@@ -1,0 +1,216 @@
+"""Network slots: one network namespace per sandbox, the ground the netns + TAP backend
+(issue 10) stands on. Not used by any driver yet; see "Left" in vmm/README.md.
+
+Why slots: a guest is hostile, so its network must be fenced outside the guest. Each slot
+is a named netns holding ``tap0`` (where QEMU attaches, launched through ``nsenter``) and
+``vpeer``, one end of a veth pair whose other end is in the node's netns. Every slot gives
+the guest the same address and MACs (restored and forked guests need no reconfiguration);
+only the /31 on the veth differs per slot. The slot's own nftables table pins the guest's
+source, drops everything to the always-denied ranges (the node included: its addresses sit
+in 10/8 and loopback) and lets only the node open connections into the guest (a DNAT of the
+slot address). Layout and rules: ``../shared/research/networking.md`` §1–2.
+
+Names are the claim: ``ip netns add`` of an existing name fails, so two processes never get
+the same slot, and a node that restarts finds its slots by prefix (``list_slots``) and
+removes what no VM uses (``destroy``)."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute, NetNS, netns
+
+# The guest's view, the same in every slot (a snapshot's ABI: never per slot).
+GUEST_IP = "169.254.0.21"
+GATEWAY_IP = "169.254.0.22"
+GUEST_PREFIX = 30
+GUEST_MAC = "02:fc:00:00:00:05"
+GATEWAY_MAC = "02:fc:00:00:00:06"
+TAP = "tap0"
+PEER = "vpeer"
+DEFAULT_POOL = "10.12.0.0/16"
+DEFAULT_PREFIX = "aenv"
+# E2B's DeniedSandboxCIDRs (IPv4) plus "this network", multicast and reserved; the node's own
+# addresses and the slot pool are inside 10/8 and 127/8 here, and callers add more.
+ALWAYS_DENIED = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+                 "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
+
+
+class SlotError(Exception):
+    """A slot could not be set up or found (the half-made slot is removed first)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Slot ``index`` of the instance ``prefix``: where the node reaches the guest
+    (``address``: the netns end of the veth, DNATed to the guest) and what it is called."""
+
+    prefix: str
+    index: int
+    pool: str = DEFAULT_POOL
+
+    @property
+    def netns(self) -> str:
+        return f"{self.prefix}-{self.index}"
+
+    @property
+    def host_veth(self) -> str:
+        return f"{self.prefix}v{self.index}"  # ≤ 15 characters for any index of a /16 pool
+
+    @property
+    def host_ip(self) -> str:
+        return str(ipaddress.ip_network(self.pool)[2 * self.index])
+
+    @property
+    def address(self) -> str:
+        return str(ipaddress.ip_network(self.pool)[2 * self.index + 1])
+
+    @property
+    def netns_path(self) -> str:
+        return f"/run/netns/{self.netns}"
+
+    def nsenter(self, *argv: str) -> list[str]:
+        """The command line that runs ``argv`` in this slot's network namespace (QEMU's too)."""
+        return ["nsenter", f"--net={self.netns_path}", "--", *argv]
+
+
+def max_slots(pool: str = DEFAULT_POOL) -> int:
+    return ipaddress.ip_network(pool).num_addresses // 2 - 1  # slot 0 is never used
+
+
+def _run_in(slot: Slot, *argv: str, stdin: str | None = None) -> None:
+    done = subprocess.run(slot.nsenter(*argv), input=stdin, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise SlotError(f"{' '.join(argv[:2])} in {slot.netns} failed: {done.stderr.strip() or done.returncode}")
+
+
+def ruleset(slot: Slot, deny_extra: tuple[str, ...] = ()) -> str:
+    """The slot's own nftables table (one transaction): the guest may send only from its
+    address, never to an always-denied range, never start a connection to the node, and
+    the node's connections to the slot address reach the guest."""
+    deny = ", ".join((*ALWAYS_DENIED, *deny_extra))
+    return f"""
+table inet aenv
+delete table inet aenv
+table inet aenv {{
+    set always_deny {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {deny} }} }}
+    chain guard {{
+        type filter hook prerouting priority -150; policy accept;
+        iifname != "{TAP}" accept
+        meta nfproto ipv6 drop
+        ip saddr != {GUEST_IP} drop
+        ct state established,related accept
+        ct state invalid drop
+        ip daddr @always_deny drop
+    }}
+    chain to_guest {{
+        type nat hook prerouting priority dstnat; policy accept;
+        iifname "{PEER}" ip daddr {slot.address} dnat ip to {GUEST_IP}
+    }}
+    chain from_guest {{
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "{PEER}" ip saddr {GUEST_IP} snat ip to {slot.address}
+    }}
+    chain forwarding {{
+        type filter hook forward priority 0; policy drop;
+        iifname "{TAP}" oifname "{PEER}" accept
+        iifname "{PEER}" oifname "{TAP}" ct status dnat accept
+        iifname "{PEER}" oifname "{TAP}" ct state established,related accept
+    }}
+    chain to_slot {{
+        type filter hook input priority 0; policy accept;
+        iifname "{TAP}" ct state established,related accept
+        iifname "{TAP}" drop
+    }}
+}}
+"""
+
+
+def create(slot: Slot, deny_extra: tuple[str, ...] = ()) -> Slot:
+    """Makes the slot: its netns (the claim: SlotError if it exists), the veth pair, tap0,
+    addresses, the guest's neighbour entry, routes, sysctls and the nftables table. On any
+    failure what was made is removed and SlotError raised."""
+    try:
+        netns.create(slot.netns)
+    except FileExistsError:
+        raise SlotError(f"slot {slot.netns} is taken") from None
+    try:
+        _configure(slot, deny_extra)
+    except BaseException as exc:
+        destroy(slot)
+        if isinstance(exc, SlotError):
+            raise
+        raise SlotError(f"slot {slot.netns} could not be set up: {exc!r}") from exc
+    return slot
+
+
+def _configure(slot: Slot, deny_extra: tuple[str, ...]) -> None:
+    with IPRoute() as ipr:
+        ipr.link("add", ifname=slot.host_veth, kind="veth", peer={"ifname": PEER, "net_ns_fd": slot.netns})
+        host = ipr.link_lookup(ifname=slot.host_veth)[0]
+        ipr.addr("add", index=host, address=slot.host_ip, prefixlen=31)
+        ipr.link("set", index=host, state="up")
+    with NetNS(slot.netns) as ns:
+        lo = ns.link_lookup(ifname="lo")[0]
+        ns.link("set", index=lo, state="up")
+        peer = ns.link_lookup(ifname=PEER)[0]
+        ns.addr("add", index=peer, address=slot.address, prefixlen=31)
+        ns.link("set", index=peer, state="up")
+        ns.link("add", ifname=TAP, kind="tuntap", mode="tap")
+        tap = ns.link_lookup(ifname=TAP)[0]
+        ns.link("set", index=tap, address=GATEWAY_MAC)
+        ns.addr("add", index=tap, address=GATEWAY_IP, prefixlen=GUEST_PREFIX)
+        ns.link("set", index=tap, state="up")
+        ns.neigh("add", dst=GUEST_IP, lladdr=GUEST_MAC, ifindex=tap, state="permanent")
+        ns.route("add", dst="default", gateway=slot.host_ip)
+    # A new netns inherits IPv4 settings from its creator (this host: ip_forward=0).
+    _run_in(slot, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=1",
+            "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
+    _run_in(slot, "nft", "-f", "-", stdin=ruleset(slot, deny_extra))
+
+
+def destroy(slot: Slot) -> bool:
+    """Removes the slot (its netns takes tap0 and the veth pair with it). False if there was
+    nothing to remove."""
+    found = False
+    with IPRoute() as ipr:
+        links = ipr.link_lookup(ifname=slot.host_veth)
+        if links:
+            ipr.link("del", index=links[0])
+            found = True
+    if slot.netns in netns.listnetns():
+        netns.remove(slot.netns)
+        found = True
+    return found
+
+
+def list_slots(prefix: str = DEFAULT_PREFIX, pool: str = DEFAULT_POOL) -> list[Slot]:
+    """The slots of this instance that exist now (after a restart: what it finds)."""
+    found = []
+    for name in netns.listnetns():
+        head, _, tail = name.rpartition("-")
+        if head == prefix and tail.isdigit():
+            found.append(Slot(prefix, int(tail), pool))
+    return sorted(found, key=lambda s: s.index)
+
+
+def stray_veths(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Host veths of this instance whose slot netns is gone (a crash between the two)."""
+    names = set(netns.listnetns())
+    with IPRoute() as ipr:
+        veths = [link.get_attr("IFLA_IFNAME") for link in ipr.get_links()]
+    out = []
+    for name in veths:
+        if name and name.startswith(f"{prefix}v") and name[len(prefix) + 1:].isdigit():
+            if f"{prefix}-{name[len(prefix) + 1:]}" not in names:
+                out.append(name)
+    return out
+
+
+def netns_supported() -> bool:
+    """Whether this process can make slots: root, /run/netns writable, nft and nsenter present."""
+    from shutil import which  # noqa: PLC0415
+
+    return os.geteuid() == 0 and which("nft") is not None and which("nsenter") is not None
