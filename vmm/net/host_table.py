@@ -1,0 +1,76 @@
+"""The node's own nftables table for its network slots (one per aenv instance).
+
+Why on the host as well as in each slot: the slot's table keeps a guest inside its own
+rules, but the slot's netns itself is a router the node must not trust. Here the node
+drops anything a slot starts toward the node (its Redis, database, API and every other
+local address), drops slot-to-slot traffic and new connections into a slot that the node
+did not open, and masquerades the slot pool toward the uplink. Drops in base chains are
+final whatever other tables accept. Rebuilt whole in one transaction at node start; slots
+join and leave its ``veths`` set. Design: ``../shared/research/networking.md`` §2.3."""
+from __future__ import annotations
+
+import subprocess
+
+
+class HostTableError(Exception):
+    """nft refused the node's table or a change to it."""
+
+
+def table_name(prefix: str) -> str:
+    return f"aenv_{prefix}"
+
+
+def ruleset(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None) -> str:
+    """The whole table, replacing any earlier one of this instance (one ``nft -f``)."""
+    name = table_name(prefix)
+    quoted = ", ".join('"' + v + '"' for v in veths)
+    elements = f"elements = {{ {quoted} }}" if veths else ""
+    dns = (f'        iifname @veths ip daddr {dns_ip} udp dport 53 accept\n'
+           f'        iifname @veths ip daddr {dns_ip} tcp dport 53 accept\n') if dns_ip else ""
+    return f"""
+table inet {name}
+delete table inet {name}
+table inet {name} {{
+    set veths {{ type ifname; {elements} }}
+    chain input {{
+        type filter hook input priority -10; policy accept;
+        iifname @veths ct state established,related accept
+{dns}        iifname @veths drop
+    }}
+    chain forward {{
+        type filter hook forward priority -10; policy accept;
+        iifname @veths oifname @veths drop
+        oifname @veths ct state new drop
+    }}
+    chain post {{
+        type nat hook postrouting priority srcnat; policy accept;
+        ip saddr {pool} oifname != @veths masquerade
+    }}
+}}
+"""
+
+
+def _nft(script: str) -> None:
+    done = subprocess.run(["nft", "-f", "-"], input=script, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise HostTableError(f"nft: {done.stderr.strip() or done.returncode}")
+
+
+def install(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None) -> None:
+    """(Re)builds the instance's table with the given slot veths, atomically."""
+    _nft(ruleset(prefix, pool, veths, dns_ip))
+
+
+def add_veth(prefix: str, veth: str) -> None:
+    _nft(f'add element inet {table_name(prefix)} veths {{ "{veth}" }}\n')
+
+
+def remove_veth(prefix: str, veth: str) -> None:
+    _nft(f'delete element inet {table_name(prefix)} veths {{ "{veth}" }}\n')
+
+
+def remove(prefix: str) -> bool:
+    """Drops the instance's table; False if there was none."""
+    done = subprocess.run(["nft", "delete", "table", "inet", table_name(prefix)], capture_output=True, text=True,
+                          timeout=30)
+    return done.returncode == 0
