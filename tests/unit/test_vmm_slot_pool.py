@@ -1,0 +1,84 @@
+"""The node's pool of network slots on real namespaces: warm slots are handed out and
+refilled, a released slot is gone, a restarted node keeps the slots its VMs use and removes
+the rest, and closing leaves nothing but the slots in use."""
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from vmm.net import host_table, slots
+from vmm.net.slot_pool import SlotPool
+
+pytestmark = pytest.mark.skipif(not slots.netns_supported(),
+                                reason="needs root, nft (Debian nftables) and nsenter to make network namespaces")
+
+
+@pytest.fixture
+def prefix():
+    p = "sp" + uuid.uuid4().hex[:4]
+    yield p
+    for slot in slots.list_slots(p):
+        slots.destroy(slot)
+    host_table.remove(p)
+
+
+def _wait(cond, seconds=20):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _table(prefix) -> str:
+    return subprocess.run(["nft", "list", "table", "inet", host_table.table_name(prefix)],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_warm_slots_are_handed_out_refilled_and_released(prefix):
+    pool = SlotPool(prefix, warm=2)
+    pool.adopt(set())
+    pool.start()
+    try:
+        assert _wait(lambda: pool.ready() == 2)
+        a = pool.acquire()
+        assert pool.in_use() == {a.index}
+        assert _wait(lambda: pool.ready() == 2)  # refilled behind the handover
+        b = pool.acquire()
+        assert a != b and pool.in_use() == {a.index, b.index}
+        assert a.host_veth in _table(prefix) and b.host_veth in _table(prefix)
+        forwarding = subprocess.run(["sysctl", "-n", f"net.ipv4.conf.{a.host_veth}.forwarding"],
+                                    capture_output=True, text=True, check=True).stdout.strip()
+        assert forwarding == "1"
+        pool.release(a)
+        assert a not in slots.list_slots(prefix) and a.host_veth not in _table(prefix)
+        assert pool.in_use() == {b.index}
+    finally:
+        pool.close()
+    assert [s.index for s in slots.list_slots(prefix)] == [b.index]  # only the one in use is left
+    pool.release(b)
+    assert slots.list_slots(prefix) == []
+
+
+def test_an_empty_pool_still_hands_out_a_slot(prefix):
+    pool = SlotPool(prefix, warm=0)
+    pool.adopt(set())
+    slot = pool.acquire()
+    assert slot in slots.list_slots(prefix) and slot.host_veth in _table(prefix)
+    pool.release(slot)
+
+
+def test_a_restarted_node_keeps_what_its_vms_use(prefix):
+    used, spare, claimed = (slots.create(slots.Slot(prefix, i)) for i in (1, 2, 3))
+    pool = SlotPool(prefix, warm=0)
+    removed = pool.adopt({used.index})
+    assert sorted(s.index for s in removed) == [spare.index, claimed.index]
+    assert slots.list_slots(prefix) == [used]
+    assert used.host_veth in _table(prefix) and pool.in_use() == {used.index}
+    fresh = pool.acquire()
+    assert fresh.index not in (used.index,)  # the lowest free index, never one in use
+    pool.release(fresh)
+    pool.release(used)
+    assert slots.list_slots(prefix) == []

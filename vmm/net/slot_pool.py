@@ -1,0 +1,148 @@
+"""A node's pool of network slots: made ahead of time so that a create is a restore plus a
+slot handover, not a restore plus netns setup (issue 10).
+
+Why a pool: making a slot (netns, veth, tap, addresses, two nft transactions) costs tens of
+milliseconds; taking a made one costs nothing. ``acquire`` hands out a warm slot (making one
+only when the pool is empty) and a background thread refills the pool to ``warm``; ``release``
+destroys a slot (a slot is never reused: a fresh netns carries no conntrack state or rules of
+a previous sandbox). At node start ``adopt`` keeps the slots its VMs still use and removes the
+rest, with what a crash left half-made. Every slot joins the node's table (``host_table``)
+and gets IPv4 forwarding on its host veth only."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+
+from pyroute2 import IPRoute
+
+from . import host_table, slots
+from .slots import Slot, SlotError
+
+log = logging.getLogger(__name__)
+
+
+class SlotPool:
+    def __init__(self, prefix: str = slots.DEFAULT_PREFIX, pool: str = slots.DEFAULT_POOL, warm: int = 4,
+                 deny_extra: tuple[str, ...] = ()):
+        self.prefix, self.pool, self.warm, self.deny_extra = prefix, pool, warm, deny_extra
+        self._lock = threading.Lock()
+        self._ready: list[Slot] = []
+        self._in_use: set[int] = set()
+        self._refill = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- node start -------------------------------------------------------------------------------
+
+    def adopt(self, in_use: set[int]) -> list[Slot]:
+        """At node start: (re)builds the node's table, keeps the slots in ``in_use`` (VMs that
+        outlived the worker) and removes every other slot and stray veth of this instance.
+        Returns the slots removed."""
+        removed = []
+        for slot in slots.list_slots(self.prefix, self.pool):
+            if slot.index not in in_use:
+                slots.destroy(slot)
+                removed.append(slot)
+        with IPRoute() as ipr:
+            for name in slots.stray_veths(self.prefix):
+                found = ipr.link_lookup(ifname=name)
+                if found:
+                    ipr.link("del", index=found[0])
+        kept = tuple(Slot(self.prefix, i, self.pool).host_veth for i in sorted(in_use))
+        host_table.install(self.prefix, self.pool, kept)
+        with self._lock:
+            self._in_use = set(in_use)
+            self._ready = []
+        return removed
+
+    def start(self) -> None:
+        """Starts the background refill (after ``adopt``)."""
+        self._thread = threading.Thread(target=self._refill_loop, name=f"{self.prefix}-slots", daemon=True)
+        self._thread.start()
+        self._refill.set()
+
+    def close(self) -> None:
+        """Stops the refill and removes the warm slots (slots in use stay with their VMs)."""
+        self._stop.set()
+        self._refill.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for slot in ready:
+            self._destroy(slot)
+
+    # -- handing slots out ------------------------------------------------------------------------
+
+    def acquire(self) -> Slot:
+        """A ready slot for a new VM (warm if there is one)."""
+        with self._lock:
+            slot = self._ready.pop() if self._ready else None
+            if slot is not None:
+                self._in_use.add(slot.index)
+        self._refill.set()
+        if slot is None:
+            slot = self._make()
+            with self._lock:
+                self._in_use.add(slot.index)
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """The VM is gone for good: its slot is destroyed."""
+        with self._lock:
+            self._in_use.discard(slot.index)
+        self._destroy(slot)
+
+    def in_use(self) -> set[int]:
+        with self._lock:
+            return set(self._in_use)
+
+    def ready(self) -> int:
+        with self._lock:
+            return len(self._ready)
+
+    # -- inside -----------------------------------------------------------------------------------
+
+    def _make(self) -> Slot:
+        """A new slot at the lowest free index (the netns name is the claim, so another
+        process taking the same index only moves us on)."""
+        for index in range(1, slots.max_slots(self.pool) + 1):
+            with self._lock:
+                if index in self._in_use or any(s.index == index for s in self._ready):
+                    continue
+            try:
+                slot = slots.create(Slot(self.prefix, index, self.pool), self.deny_extra)
+            except SlotError as exc:
+                if "taken" in str(exc):
+                    continue
+                raise
+            try:
+                subprocess.run(["sysctl", "-q", "-w", f"net.ipv4.conf.{slot.host_veth}.forwarding=1"],
+                               check=True, capture_output=True, timeout=10)
+                host_table.add_veth(self.prefix, slot.host_veth)
+            except BaseException:
+                slots.destroy(slot)
+                raise
+            return slot
+        raise SlotError(f"no free slot left in {self.pool}")
+
+    def _destroy(self, slot: Slot) -> None:
+        try:
+            host_table.remove_veth(self.prefix, slot.host_veth)
+        except host_table.HostTableError:
+            pass  # not in the set (never added, or the table was rebuilt)
+        slots.destroy(slot)
+
+    def _refill_loop(self) -> None:
+        while not self._stop.is_set():
+            self._refill.wait()
+            self._refill.clear()
+            while not self._stop.is_set() and self.ready() < self.warm:
+                try:
+                    slot = self._make()
+                except Exception:  # noqa: BLE001 - logged; the next acquire makes one itself
+                    log.exception("could not make a warm network slot")
+                    break
+                with self._lock:
+                    self._ready.append(slot)
