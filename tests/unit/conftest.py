@@ -172,3 +172,23 @@ def dash(client, user):
     """Django test client signed in as ``user``."""
     client.force_login(user)
     return client
+
+
+@pytest.fixture
+def slot_prefix():
+    """A network-slot prefix of this test's own (nothing else's namespaces are touched);
+    its slots, stray veths and node table are removed afterwards."""
+    import uuid  # noqa: PLC0415
+
+    from pyroute2 import IPRoute  # noqa: PLC0415
+
+    from vmm.net import host_table, slots  # noqa: PLC0415
+
+    prefix = "t" + uuid.uuid4().hex[:5]
+    yield prefix
+    for slot in slots.list_slots(prefix):
+        slots.destroy(slot)
+    with IPRoute() as ipr:
+        for name in slots.stray_veths(prefix):
+            ipr.link("del", index=ipr.link_lookup(ifname=name)[0])
+    host_table.remove(prefix)

@@ -3,7 +3,6 @@ refilled, a released slot is gone, a restarted node keeps the slots its VMs use 
 the rest, and closing leaves nothing but the slots in use."""
 import subprocess
 import time
-import uuid
 
 import pytest
 
@@ -15,12 +14,8 @@ pytestmark = pytest.mark.skipif(not slots.netns_supported(),
 
 
 @pytest.fixture
-def prefix():
-    p = "sp" + uuid.uuid4().hex[:4]
-    yield p
-    for slot in slots.list_slots(p):
-        slots.destroy(slot)
-    host_table.remove(p)
+def prefix(slot_prefix):
+    return slot_prefix
 
 
 def _wait(cond, seconds=20):

@@ -4,7 +4,6 @@ a failed or crashed setup leaves nothing behind."""
 import os
 import shutil
 import subprocess
-import uuid
 
 import pytest
 from pyroute2 import IPRoute, NetNS, netns
@@ -16,15 +15,8 @@ pytestmark = pytest.mark.skipif(not slots.netns_supported(),
 
 
 @pytest.fixture
-def prefix():
-    """A prefix of this test's own, so nothing else's namespaces are touched; all removed after."""
-    p = "at" + uuid.uuid4().hex[:4]
-    yield p
-    for slot in slots.list_slots(p):
-        slots.destroy(slot)
-    with IPRoute() as ipr:
-        for name in slots.stray_veths(p):
-            ipr.link("del", index=ipr.link_lookup(ifname=name)[0])
+def prefix(slot_prefix):
+    return slot_prefix
 
 
 def _in(slot, *argv) -> str:
