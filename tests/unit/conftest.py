@@ -180,15 +180,12 @@ def slot_prefix():
     its slots, stray veths and node table are removed afterwards."""
     import uuid  # noqa: PLC0415
 
-    from pyroute2 import IPRoute  # noqa: PLC0415
-
     from vmm.net import host_table, slots  # noqa: PLC0415
 
     prefix = "t" + uuid.uuid4().hex[:5]
     yield prefix
     for slot in slots.list_slots(prefix):
         slots.destroy(slot)
-    with IPRoute() as ipr:
-        for name in slots.stray_veths(prefix):
-            ipr.link("del", index=ipr.link_lookup(ifname=name)[0])
+    for name in slots.stray_veths(prefix):
+        slots.remove_link(name)
     host_table.remove(prefix)

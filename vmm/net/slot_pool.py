@@ -14,8 +14,6 @@ import logging
 import subprocess
 import threading
 
-from pyroute2 import IPRoute
-
 from . import host_table, slots
 from .slots import Slot, SlotError
 
@@ -44,11 +42,8 @@ class SlotPool:
             if slot.index not in in_use:
                 slots.destroy(slot)
                 removed.append(slot)
-        with IPRoute() as ipr:
-            for name in slots.stray_veths(self.prefix):
-                found = ipr.link_lookup(ifname=name)
-                if found:
-                    ipr.link("del", index=found[0])
+        for name in slots.stray_veths(self.prefix):
+            slots.remove_link(name)
         kept = tuple(Slot(self.prefix, i, self.pool).host_veth for i in sorted(in_use))
         host_table.install(self.prefix, self.pool, kept)
         with self._lock:

@@ -15,12 +15,13 @@ the same slot, and a node that restarts finds its slots by prefix (``list_slots`
 removes what no VM uses (``destroy``)."""
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import subprocess
 from dataclasses import dataclass
 
-from pyroute2 import IPRoute, NetNS, netns
+from pyroute2 import IPRoute, NetlinkError, NetNS, netns
 
 # The guest's view, the same in every slot (a snapshot's ABI: never per slot).
 GUEST_IP = "169.254.0.21"
@@ -171,17 +172,31 @@ def _configure(slot: Slot, deny_extra: tuple[str, ...]) -> None:
     _run_in(slot, "nft", "-f", "-", stdin=ruleset(slot, deny_extra))
 
 
+def remove_link(name: str) -> bool:
+    """Deletes a host interface (a slot's veth) if it exists. A veth whose peer's netns was
+    just removed vanishes on its own moments later (the kernel frees the netns
+    asynchronously), so "no such device" meanwhile counts as removed."""
+    with IPRoute() as ipr:
+        found = ipr.link_lookup(ifname=name)
+        if not found:
+            return False
+        try:
+            ipr.link("del", index=found[0])
+        except NetlinkError as exc:
+            if exc.code != errno.ENODEV:
+                raise
+        return True
+
+
 def destroy(slot: Slot) -> bool:
     """Removes the slot (its netns takes tap0 and the veth pair with it). False if there was
     nothing to remove."""
-    found = False
-    with IPRoute() as ipr:
-        links = ipr.link_lookup(ifname=slot.host_veth)
-        if links:
-            ipr.link("del", index=links[0])
-            found = True
+    found = remove_link(slot.host_veth)
     if slot.netns in netns.listnetns():
-        netns.remove(slot.netns)
+        try:
+            netns.remove(slot.netns)
+        except FileNotFoundError:
+            pass  # removed meanwhile
         found = True
     return found
 
