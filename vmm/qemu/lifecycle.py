@@ -153,22 +153,29 @@ class LifecycleMixin:
         except EnvdError as e:
             raise VMError(f"sandbox {state.sandbox_id}: guest sync answered {e.status}: {e}") from None
 
-    def _pause_fs(self, state: VMState) -> dict[str, float]:
-        """Filesystem-only pause: guest sync, QEMU quits, RAM file deleted, disk chain kept.
-        A failed sync leaves the VM as it was (a dirty page cache must not be thrown away)."""
-        paths = self._paths(state)
-        t0 = time.monotonic()
-        was_paused = state.status == "paused"
-        if was_paused:  # the guest must run to flush its page cache
+    def _sync_running(self, state: VMState, paths: VMPaths) -> bool:
+        """Guest sync, continuing a guest paused in memory for it (only a running guest
+        flushes its page cache); if the sync fails it is stopped again and VMError raised.
+        Returns whether it was continued (the caller stops it again when it is done)."""
+        continued = state.status == "paused"
+        if continued:
             with QMP(paths.qmp) as q:
                 q.execute("cont")
         try:
             self._guest_sync(state)
         except BaseException:
-            if was_paused:
+            if continued:
                 with QMP(paths.qmp) as q:
                     q.execute("stop")
             raise
+        return continued
+
+    def _pause_fs(self, state: VMState) -> dict[str, float]:
+        """Filesystem-only pause: guest sync, QEMU quits, RAM file deleted, disk chain kept.
+        A failed sync leaves the VM as it was (a dirty page cache must not be thrown away)."""
+        paths = self._paths(state)
+        t0 = time.monotonic()
+        self._sync_running(state, paths)
         t_sync = time.monotonic()
         with QMP(paths.qmp, timeout=30.0) as q:
             q.execute("stop")

@@ -51,19 +51,8 @@ class SnapshotMixin:
             node = f"top{gen}"
             device_state = dest / "device.state"
             ram_copy = Path(memory_file) if memory_file else dest / "memory.ram"
-            resumed_for_sync = False
-            if not memory:  # the page cache must reach the disk; the guest has to run for that
-                if state.status == "paused":
-                    with QMP(paths.qmp) as q:
-                        q.execute("cont")
-                    resumed_for_sync = True
-                try:
-                    self._guest_sync(state)
-                except BaseException:
-                    if resumed_for_sync:
-                        with QMP(paths.qmp) as q:
-                            q.execute("stop")
-                    raise
+            # filesystem-only: the page cache must reach the disk first
+            resumed_for_sync = self._sync_running(state, paths) if not memory else False
             with QMP(paths.qmp, timeout=30.0) as q:
                 was_running = q.execute("query-status").get("status") == "running" and not resumed_for_sync
                 t0 = time.monotonic()
