@@ -13,10 +13,11 @@ where that directory is and what happens around it; the node tasks never change:
 from __future__ import annotations
 
 import abc
-import os
 import re
 import shutil
 from pathlib import Path
+
+from .chunks import allocated_bytes
 
 SNAPSHOT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
@@ -81,14 +82,7 @@ class PosixFsStore(SnapshotStore):
         return path
 
     def size_bytes(self, snapshot_id: str) -> int:
-        total = 0
-        for dirpath, _dirs, files in os.walk(self._dir(snapshot_id)):
-            for name in files:
-                try:
-                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-                except OSError:
-                    pass
-        return total
+        return allocated_bytes(self._dir(snapshot_id))
 
     def delete(self, snapshot_id: str) -> bool:
         path = self._dir(snapshot_id)
