@@ -109,11 +109,17 @@ class Sandbox(models.Model):
     envd_version = models.CharField(max_length=32, default="0.6.4")
     envd_host = models.CharField(max_length=255, blank=True, default="")
     envd_port = models.PositiveIntegerField(null=True, blank=True)
+    # Where every guest TCP port is reachable from the node (the netns backend: the slot
+    # address); empty when only envd's port is forwarded (the restricted slirp fallback).
+    guest_host = models.CharField(max_length=255, blank=True, default="")
     # Bumped whenever the VM process behind the sandbox (and so its envd route) changes:
     # the data plane never reuses a route or a pooled connection of an older generation.
     vm_generation = models.PositiveIntegerField(default=0)
     secure = models.BooleanField(default=False)
     envd_access_token = models.CharField(max_length=128, blank=True, default="")
+    # E2B's trafficAccessToken: set only when network.allowPublicTraffic is false; the data
+    # plane then requires it (header e2b-traffic-access-token) on every port but envd's.
+    traffic_access_token = models.CharField(max_length=128, blank=True, default="")
     metadata = models.JSONField(default=dict, blank=True)
     env_vars = models.JSONField(default=dict, blank=True)
     cpu_count = models.PositiveIntegerField(default=2)

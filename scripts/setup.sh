@@ -12,7 +12,7 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static curl ca-certificates redis-tools
-              nftables iproute2 util-linux)
+              nftables iproute2 util-linux dnsmasq-base)
 python3 -c 'import venv, ensurepip' 2>/dev/null || APT_PACKAGES+=(python3-venv python3-dev)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -88,6 +88,9 @@ class VMInfo:
     state_dir: Path
     timings: dict[str, float] = field(default_factory=dict)
     status: VMStatus = VMStatus.RUNNING  # RUNNING | PAUSED (in memory) | SAVED (to disk: pid is 0)
+    # Where any guest TCP port is reachable from the node (the netns backend: the slot
+    # address); "" when only envd's port is forwarded (restricted slirp).
+    guest_host: str = ""
 
     @property
     def envd_url(self) -> str:
@@ -280,6 +283,13 @@ class VMDriver(abc.ABC):
         parallel. The parent keeps its id and port. A failed child is returned as its exception
         and does not affect its siblings. The capture is owned by the driver and deleted when
         the last child is killed."""
+
+    @abc.abstractmethod
+    def update_network(self, sandbox_id: str, network: NetworkSpec) -> None:
+        """Replaces the VM's egress policy (E2B's PUT /sandboxes/{id}/network): applied at once
+        to a VM that has a network now, recorded for one paused to disk (its resume applies
+        it); kept by its snapshots and inherited by its fork children. Raises VMNotFound, or
+        UnsupportedNetworkPolicy if the backend cannot enforce it (nothing changes then)."""
 
     @abc.abstractmethod
     def capacity(self) -> dict:

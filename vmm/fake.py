@@ -22,7 +22,7 @@ import itertools
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from vmm.driver import (BootSpec, Leftover, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo,
@@ -186,7 +186,8 @@ class FakeDriver(VMDriver):
         return VMInfo(sandbox_id=vm.spec.sandbox_id, pid=vm.pid if vm.status is not VMStatus.SAVED else 0,
                       envd_host=vm.network.host_address, envd_port=vm.network.host_port(ENVD_PORT),
                       accel=self.accel, state_dir=self._state_dir(vm.spec.sandbox_id),
-                      timings=dict(vm.timings if timings is None else timings), status=vm.status)
+                      timings=dict(vm.timings if timings is None else timings), status=vm.status,
+                      guest_host=vm.network.guest_host)
 
     def info(self, sandbox_id: str) -> VMInfo | None:
         with self._lock:
@@ -330,7 +331,8 @@ class FakeDriver(VMDriver):
             for cid in ids:
                 try:
                     shape = BootSpec(cid, image=vm.spec.image, cpu_count=vm.spec.cpu_count,
-                                     memory_mb=vm.spec.memory_mb, disk_size_mb=vm.spec.disk_size_mb)
+                                     memory_mb=vm.spec.memory_mb, disk_size_mb=vm.spec.disk_size_mb,
+                                     network=vm.spec.network)  # children inherit the policy
                     results.append(self._start(shape, copy.deepcopy(captured), capture=tag,
                                                timings={"total_ms": 0.0}))
                     self.captures[tag].add(cid)
@@ -339,6 +341,12 @@ class FakeDriver(VMDriver):
             if not self.captures[tag]:
                 del self.captures[tag]  # gone at once if every child failed
             return results
+
+    def update_network(self, sandbox_id: str, network: NetworkSpec) -> None:
+        with self._lock:
+            vm = self._vm(sandbox_id, live=False)
+            self.net.apply_egress(vm.network, network)  # checks first: nothing changes if refused
+            vm.spec = replace(vm.spec, network=network)
 
     def adopt_snapshot(self, dir: Path) -> SnapshotManifest:
         manifest = SnapshotManifest.load(Path(dir))

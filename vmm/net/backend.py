@@ -29,6 +29,10 @@ class Attachment:
     guest_ip: str = GUEST_IP
     gateway: str = GATEWAY
     dns: str = DNS
+    # netns backend: the slot index the VM runs in, and where every guest port is reachable
+    # (the slot address); slirp: None and "" (only `forwards` reach the guest).
+    slot: int | None = None
+    guest_host: str = ""
 
     def host_port(self, guest_port: int) -> int:
         return self.forwards[guest_port]
