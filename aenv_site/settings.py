@@ -32,6 +32,15 @@ AENV_IMAGES_DIR = Path(_env("AENV_IMAGES_DIR", str(AENV_HOME / "images"))).resol
 AENV_NODE_ID = _env("AENV_NODE_ID", socket.gethostname().split(".")[0].lower() or "node-1")
 AENV_NODE_ADDRESS = _env("AENV_NODE_ADDRESS", "127.0.0.1")
 AENV_DRIVER = _env("AENV_DRIVER", "qemu")
+# Sandbox networks (vmm.net): auto = a netns slot per sandbox where the node can make them
+# (root, nft, nsenter), else restricted slirp (no egress) with a warning; netns | slirp force.
+AENV_NETWORK = _env("AENV_NETWORK", "auto")
+AENV_NET_PREFIX = _env("AENV_NET_PREFIX", "aenv")  # names this instance's netns, veths and nft table
+AENV_NET_POOL = _env("AENV_NET_POOL", "10.12.0.0/16")  # a /31 per slot; base + 1 is the node's resolver
+AENV_NET_WARM_SLOTS = _env_int("AENV_NET_WARM_SLOTS", 8)
+# Comma-separated CIDRs guests may never reach (e.g. the LAN) / may reach although private (a mirror).
+AENV_NET_DENY_EXTRA = tuple(c.strip() for c in _env("AENV_NET_DENY_EXTRA", "").split(",") if c.strip())
+AENV_NET_ALLOW_EXTRA = tuple(c.strip() for c in _env("AENV_NET_ALLOW_EXTRA", "").split(",") if c.strip())
 AENV_SANDBOX_DOMAIN = _env("AENV_SANDBOX_DOMAIN", "localhost")
 AENV_DEFAULT_TIMEOUT = _env_int("AENV_DEFAULT_TIMEOUT", 300)
 AENV_MAX_TIMEOUT = _env_int("AENV_MAX_TIMEOUT", 24 * 3600)
@@ -117,6 +126,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: answers the E2B API's CORS preflights before anything else runs (not the dashboard's).
+    "aenv_site.cors.ApiCorsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "aenv_site.middleware.AsyncWhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

@@ -23,9 +23,16 @@ def get_driver():
                 home=settings.AENV_HOME,
                 images_dir=settings.AENV_IMAGES_DIR,
                 host_address=settings.AENV_NODE_ADDRESS,
-                **({"boot_timeout": settings.AENV_BOOT_TIMEOUT} if settings.AENV_DRIVER == "qemu" else {}),
+                **(_qemu_options() if settings.AENV_DRIVER == "qemu" else {}),
             )
         return _driver
+
+
+def _qemu_options() -> dict:
+    return {"boot_timeout": settings.AENV_BOOT_TIMEOUT, "network": settings.AENV_NETWORK,
+            "net_prefix": settings.AENV_NET_PREFIX, "net_pool": settings.AENV_NET_POOL,
+            "net_warm": settings.AENV_NET_WARM_SLOTS, "net_deny_extra": settings.AENV_NET_DENY_EXTRA,
+            "net_allow_extra": settings.AENV_NET_ALLOW_EXTRA}
 
 
 def get_templates():

@@ -42,6 +42,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     driver = get_driver()
     node_id = settings.AENV_NODE_ID
     vcpus, memory_mb = node_capacity(driver, vcpu_overcommit, memory_overcommit)
+    network = start_network(driver)
 
     def count_running() -> int:
         return len(driver.list())
@@ -51,8 +52,8 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
         accel=driver.accel, vcpu_capacity=vcpus, memory_mb_capacity=memory_mb,
         sandboxes_running=count_running(), version=_version(),
     )
-    log.info("node %s registered: accel=%s capacity=%d vCPU / %d MiB, queue %s",
-             node.id, node.accel, vcpus, memory_mb, node.queue)
+    log.info("node %s registered: accel=%s network=%s capacity=%d vCPU / %d MiB, queue %s",
+             node.id, node.accel, network.get("network", "?"), vcpus, memory_mb, node.queue)
     heartbeat = Heartbeat(node_id, settings.AENV_NODE_HEARTBEAT_INTERVAL, count_running)
     heartbeat.start()
     reconciler = Reconciler(node_id, driver, settings.AENV_RECONCILE_INTERVAL, settings.AENV_RECONCILE_STALE)
@@ -63,6 +64,16 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     finally:
         reconciler.stop()
         heartbeat.stop()
+
+
+def start_network(driver) -> dict:
+    """Before serving: the driver's network backend takes over this instance's slots (those
+    of VMs that outlived the worker are kept, the rest removed) and its resolver; reported
+    like the accelerator."""
+    start = getattr(driver, "start_network", None)
+    report = start() if start is not None else {"network": getattr(getattr(driver, "net", None), "name", "none")}
+    log.info("network backend: %s", ", ".join(f"{k}={v}" for k, v in report.items()))
+    return report
 
 
 def reattach(node_id: str, queue: str, driver) -> list:

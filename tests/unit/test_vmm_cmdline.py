@@ -43,10 +43,18 @@ def test_devices_disks_network_and_control():
     assert sum(d.startswith("virtio-blk-device") for d in devices) == 2
     assert "driver=file,node-name=rootfile,filename=/h/sandboxes/sb1/top.qcow2" in opt(argv, "-blockdev")
     assert any("tools.img,read-only=on" in b for b in opt(argv, "-blockdev"))
-    assert opt(argv, "-netdev") == [f"user,id=net0,hostfwd=tcp:127.0.0.1:41234-:{ENVD_PORT}"]
+    # slirp (the fallback) is restricted: the guest reaches neither the host nor beyond it
+    assert opt(argv, "-netdev") == [f"user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:41234-:{ENVD_PORT}"]
     more = make(network=Attachment("slirp", "sb1", "127.0.0.1", {ENVD_PORT: 41234, 8080: 41235}))
-    assert opt(more, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:41235-:8080,"
+    assert opt(more, "-netdev") == ["user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:41235-:8080,"
                                     f"hostfwd=tcp:127.0.0.1:41234-:{ENVD_PORT}"]
+    assert "virtio-net-device,netdev=net0,id=vnet0,mac=02:fc:00:00:00:05" in devices
+    assert "aenv.net=slirp" in opt(argv, "-append")[0].split()
+    # netns: the slot's tap0, no vhost, no scripts, the same MAC; the guest is told its mode
+    tap = make(network=Attachment("netns", "sb1", "10.12.0.3", {ENVD_PORT: ENVD_PORT}, slot=1))
+    assert opt(tap, "-netdev") == ["tap,id=net0,ifname=tap0,script=no,downscript=no"]
+    assert "aenv.net=netns" in opt(tap, "-append")[0].split()
+    assert [a for a in tap if "hostfwd" in a] == []
     with pytest.raises(ValueError, match="tap"):
         make(network=Attachment("tap", "sb1", "127.0.0.1", {ENVD_PORT: 41234}))
     assert opt(argv, "-qmp") == ["unix:/h/sandboxes/sb1/qmp.sock,server=on,wait=off"]

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from envd import ENVD_PORT
+from vmm.net import slots
 from vmm.net import DNS, GATEWAY, GUEST_IP, GUEST_PREFIX, NetworkSpec, SlirpBackend, UnsupportedNetworkPolicy, ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,10 +46,15 @@ def test_slirp_refuses_an_egress_policy_it_cannot_enforce(tmp_path, spec):
 
 
 def test_the_guest_init_uses_the_same_addresses_and_envd_port():
-    """vmm/guest/init.sh configures the guest side statically; it must match vmm.net."""
+    """vmm/guest/init.sh configures the guest side from aenv.net=; it must match vmm.net for
+    both backends (a snapshot's guest keeps these addresses)."""
     init = (ROOT / "vmm" / "guest" / "init.sh").read_text()
-    assert f"ip addr add {GUEST_IP}/{GUEST_PREFIX} dev eth0" in init
-    assert f"ip route add default via {GATEWAY}" in init and f"nameserver {DNS}" in init
+    assert f"*) NET_ADDR={GUEST_IP}/{GUEST_PREFIX} NET_GW={GATEWAY} NET_DNS={DNS} ;;" in init
+    netns = (f'*" aenv.net=netns "*) NET_ADDR={slots.GUEST_IP}/{slots.GUEST_PREFIX} NET_GW={slots.GATEWAY_IP} '
+             f"NET_DNS={slots.GUEST_DNS} ;;")
+    assert netns in init
+    assert 'ip addr add "$NET_ADDR" dev eth0' in init and 'ip route add default via "$NET_GW"' in init
+    assert 'echo "nameserver $NET_DNS"' in init
     assert f"--port {ENVD_PORT}" in init
 
 

@@ -36,7 +36,9 @@ def test_a_slot_gives_the_guest_the_fixed_view_and_the_node_its_own_address(pref
     assert "default via 10.12.0.6 dev vpeer" in _in(slot, "ip", "route")
     assert _in(slot, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
     table = _in(slot, "nft", "list", "table", "inet", "aenv")
-    for rule in ('ip saddr != 169.254.0.21 drop', "ip daddr @always_deny drop",
+    for rule in ('ip saddr != 169.254.0.21 drop', "ip daddr @always_deny ip daddr != @site_allow drop",
+                 "ip daddr @node_deny drop", "ip daddr @user_allow accept", "ip daddr @user_deny drop",
+                 'ip daddr 8.8.8.8 udp dport 53 dnat ip to 192.0.2.1',
                  f"ip daddr {slot.address} dnat ip to 169.254.0.21", f"snat ip to {slot.address}",
                  'iifname "tap0" drop', "127.0.0.0/8", "10.0.0.0/8", "169.254.0.0/16"):
         assert rule in table, rule

@@ -1,6 +1,6 @@
 #!/opt/aenv/bin/busybox sh
 # aenv guest init (PID 1 after switch_root), shipped on the read-only tools drive so it works
-# whatever the template contains: mounts, network (slirp defaults), envd, zombie reaping.
+# whatever the template contains: mounts, network (from aenv.net=), envd, zombie reaping.
 B=/opt/aenv/bin/busybox
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export HOME=/root LANG=C.UTF-8
@@ -23,12 +23,18 @@ $B hostname "$($B cat /etc/hostname 2>/dev/null || echo aenv)"
 if $B grep -q aenv.resize /proc/cmdline && command -v resize2fs >/dev/null 2>&1; then
     resize2fs "$($B findfs LABEL=aenv-root)" >/dev/null 2>&1
 fi
+# The network the driver gave this VM (kernel argument aenv.net=): a netns slot has the same
+# addresses in every slot (restored and forked guests keep them); restricted slirp has QEMU's.
 $B ip link set lo up
-$B ip addr add 10.0.2.15/24 dev eth0
+case " $($B cat /proc/cmdline) " in
+    *" aenv.net=netns "*) NET_ADDR=169.254.0.21/30 NET_GW=169.254.0.22 NET_DNS=8.8.8.8 ;;
+    *) NET_ADDR=10.0.2.15/24 NET_GW=10.0.2.2 NET_DNS=10.0.2.3 ;;
+esac
+$B ip addr add "$NET_ADDR" dev eth0
 $B ip link set eth0 up
-$B ip route add default via 10.0.2.2
+$B ip route add default via "$NET_GW"
 [ -L /etc/resolv.conf ] && $B rm -f /etc/resolv.conf
-echo "nameserver 10.0.2.3" > /etc/resolv.conf
+echo "nameserver $NET_DNS" > /etc/resolv.conf
 [ -d /sys/module/virtio_balloon ] || $B modprobe virtio_balloon 2>/dev/null
 echo "aenv-init: starting envd (uptime $($B cut -d" " -f1 /proc/uptime)s)"
 (

@@ -9,8 +9,13 @@ QEMU's user-mode networking (SlirpBackend); it cannot filter egress, so it refus
 (UnsupportedNetworkPolicy) rather than accepting and ignoring it.
 
 Modules: spec (NetworkSpec, guest addresses, ENVD_PORT), backend (Attachment, NetworkBackend),
-slirp (SlirpBackend), ports (host port allocation for forwards).
+policy (E2B's egress semantics), slirp (SlirpBackend: restricted, the fallback), netns
+(NetnsBackend: a slot per VM), slots / slot_pool / host_table / dns (what netns stands on),
+ports (host port allocation for slirp forwards). ``choose_backend`` is the one decision of
+which backend a node uses.
 """
+
+import logging
 
 from envd import ENVD_PORT
 from vmm.errors import UnsupportedNetworkPolicy
@@ -18,5 +23,31 @@ from vmm.net.backend import Attachment, NetworkBackend
 from vmm.net.slirp import SlirpBackend
 from vmm.net.spec import DNS, GATEWAY, GUEST_IP, GUEST_PREFIX, NetworkSpec
 
-__all__ = ["ENVD_PORT", "DNS", "GATEWAY", "GUEST_IP", "GUEST_PREFIX", "Attachment", "NetworkBackend", "NetworkSpec",
+log = logging.getLogger(__name__)
+
+
+def choose_backend(mode: str = "auto", *, home, host_address: str, sandboxes_dir, port_range=None,
+                   prefix: str = "aenv", pool: str = "10.12.0.0/16", warm: int = 4, deny_extra: tuple = (),
+                   allow_extra: tuple = ()) -> NetworkBackend:
+    """``netns`` wherever the node can make slots (root, nft, nsenter), else — or when asked
+    for ``slirp`` — restricted slirp, with a warning: guests then have no egress at all and
+    only envd's port is reachable. ``auto`` picks; ``netns`` refuses to fall back."""
+    from vmm.net import slots  # noqa: PLC0415 - pyroute2 is imported only where it is used
+
+    if mode not in ("auto", "netns", "slirp"):
+        raise ValueError(f"unknown network backend {mode!r} (auto, netns or slirp)")
+    if mode in ("auto", "netns") and slots.netns_supported():
+        from vmm.net.netns import NetnsBackend  # noqa: PLC0415
+
+        return NetnsBackend(home, prefix=prefix, pool=pool, warm=warm, deny_extra=deny_extra,
+                            allow_extra=allow_extra)
+    if mode == "netns":
+        raise UnsupportedNetworkPolicy("the netns network backend needs root, nft and nsenter")
+    log.warning("network backend: restricted slirp (%s): sandboxes get NO egress and only envd's port is "
+                "reachable; run the node as root with nftables and util-linux for per-sandbox networks",
+                "asked for" if mode == "slirp" else "this node cannot make network namespaces")
+    return SlirpBackend(host_address, sandboxes_dir, *((port_range,) if port_range else ()))
+
+
+__all__ = ["choose_backend", "ENVD_PORT", "DNS", "GATEWAY", "GUEST_IP", "GUEST_PREFIX", "Attachment", "NetworkBackend", "NetworkSpec",
            "SlirpBackend", "UnsupportedNetworkPolicy"]

@@ -61,6 +61,19 @@ def install(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | N
     _nft(ruleset(prefix, pool, veths, dns_ip))
 
 
+def exists(prefix: str) -> bool:
+    done = subprocess.run(["nft", "list", "table", "inet", table_name(prefix)], capture_output=True, text=True,
+                          timeout=30)
+    return done.returncode == 0
+
+
+def ensure(prefix: str, pool: str, dns_ip: str | None = None) -> None:
+    """Installs the instance's table if it has none (a driver that makes slots before, or
+    without, a node start); never replaces a live one."""
+    if not exists(prefix):
+        install(prefix, pool, (), dns_ip)
+
+
 def add_veth(prefix: str, veth: str) -> None:
     _nft(f'add element inet {table_name(prefix)} veths {{ "{veth}" }}\n')
 

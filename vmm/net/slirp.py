@@ -1,10 +1,11 @@
-"""SlirpBackend: today's network, QEMU's user-mode networking (slirp).
+"""SlirpBackend: the fallback where a node cannot make network namespaces: QEMU's user-mode
+networking with ``restrict=on``.
 
-The guest gets 10.0.2.15/24 behind a NAT with gateway 10.0.2.2 and DNS 10.0.2.3 (configured by
-the guest init), outgoing connections go out through the QEMU process, and each forwarded guest
-port is a `hostfwd` on a free host port (vmm.net.ports: claimed in the VM's state dir). slirp
-cannot filter egress, so it refuses any restriction (check) instead of ignoring it; forwards are
-fixed when QEMU starts.
+The guest gets 10.0.2.15/24 (gateway 10.0.2.2, configured by the guest init) but reaches
+neither the host nor anything beyond it: restrict=on isolates it, and only the explicit
+forwards work, each a `hostfwd` on a free host port (vmm.net.ports: claimed in the VM's
+state dir), envd's among them. It cannot filter egress per destination, so it refuses any
+policy (check) instead of pretending; forwards are fixed when QEMU starts.
 """
 
 from __future__ import annotations

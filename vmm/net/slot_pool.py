@@ -22,14 +22,16 @@ log = logging.getLogger(__name__)
 
 class SlotPool:
     def __init__(self, prefix: str = slots.DEFAULT_PREFIX, pool: str = slots.DEFAULT_POOL, warm: int = 4,
-                 deny_extra: tuple[str, ...] = ()):
+                 deny_extra: tuple[str, ...] = (), dns_ip: str | None = None, allow_extra: tuple[str, ...] = ()):
         self.prefix, self.pool, self.warm, self.deny_extra = prefix, pool, warm, deny_extra
+        self.dns_ip, self.allow_extra = dns_ip, allow_extra
         self._lock = threading.Lock()
         self._ready: list[Slot] = []
         self._in_use: set[int] = set()
         self._refill = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._table_ready = False
 
     # -- node start -------------------------------------------------------------------------------
 
@@ -45,7 +47,8 @@ class SlotPool:
         for name in slots.stray_veths(self.prefix):
             slots.remove_link(name)
         kept = tuple(Slot(self.prefix, i, self.pool).host_veth for i in sorted(in_use))
-        host_table.install(self.prefix, self.pool, kept)
+        host_table.install(self.prefix, self.pool, kept, self.dns_ip)
+        self._table_ready = True
         with self._lock:
             self._in_use = set(in_use)
             self._ready = []
@@ -102,12 +105,16 @@ class SlotPool:
     def _make(self) -> Slot:
         """A new slot at the lowest free index (the netns name is the claim, so another
         process taking the same index only moves us on)."""
+        if not self._table_ready:
+            host_table.ensure(self.prefix, self.pool, self.dns_ip)
+            self._table_ready = True
         for index in range(1, slots.max_slots(self.pool) + 1):
             with self._lock:
                 if index in self._in_use or any(s.index == index for s in self._ready):
                     continue
             try:
-                slot = slots.create(Slot(self.prefix, index, self.pool), self.deny_extra)
+                slot = slots.create(Slot(self.prefix, index, self.pool), self.deny_extra, self.dns_ip,
+                                    self.allow_extra)
             except SlotError as exc:
                 if "taken" in str(exc):
                     continue

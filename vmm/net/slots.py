@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from pyroute2 import IPRoute, NetlinkError, NetNS, netns
 
+from .policy import EgressPolicy
+
 # The guest's view, the same in every slot (a snapshot's ABI: never per slot).
 GUEST_IP = "169.254.0.21"
 GATEWAY_IP = "169.254.0.22"
@@ -33,8 +35,8 @@ TAP = "tap0"
 PEER = "vpeer"
 DEFAULT_POOL = "10.12.0.0/16"
 DEFAULT_PREFIX = "aenv"
-# E2B's DeniedSandboxCIDRs (IPv4) plus "this network", multicast and reserved; the node's own
-# addresses and the slot pool are inside 10/8 and 127/8 here, and callers add more.
+# E2B's DeniedSandboxCIDRs (IPv4) plus "this network", multicast and reserved; the slot pool
+# is inside 10/8; the node's own addresses are added per node (``deny_extra``).
 ALWAYS_DENIED = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
                  "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
 
@@ -87,16 +89,36 @@ def _run_in(slot: Slot, *argv: str, stdin: str | None = None) -> None:
         raise SlotError(f"{' '.join(argv[:2])} in {slot.netns} failed: {done.stderr.strip() or done.returncode}")
 
 
-def ruleset(slot: Slot, deny_extra: tuple[str, ...] = ()) -> str:
+GUEST_DNS = "8.8.8.8"  # the guest's resolv.conf (E2B's); the slot DNATs it to the node's resolver
+DEFAULT_DNS_IP = "192.0.2.1"  # the node's resolver, on a dummy interface (vmm.net.dns)
+
+
+def _elements(cidrs) -> str:
+    return f"elements = {{ {', '.join(cidrs)} }}" if cidrs else ""
+
+
+def ruleset(slot: Slot, deny_extra: tuple[str, ...] = (), policy: EgressPolicy = EgressPolicy(),
+            dns_ip: str | None = DEFAULT_DNS_IP, allow_extra: tuple[str, ...] = ()) -> str:
     """The slot's own nftables table (one transaction): the guest may send only from its
-    address, never to an always-denied range, never start a connection to the node, and
-    the node's connections to the slot address reach the guest."""
-    deny = ", ".join((*ALWAYS_DENIED, *deny_extra))
+    address; never to the node (``deny_extra``: its addresses and the operator's extra
+    ranges; the resolver is reached only through the DNAT of 8.8.8.8:53); never to an
+    always-denied range unless the operator allowed it (``allow_extra``, e.g. a package
+    mirror); then E2B's policy (allow list wins over deny list, else allowed); never start a
+    connection to the node; and the node's connections to the slot address reach the guest."""
+    node = ", ".join((*deny_extra, *((f"{dns_ip}/32",) if dns_ip else ()))) or "255.255.255.255/32"
+    deny = ", ".join(ALWAYS_DENIED)
+    dns = (f"""        iifname "{TAP}" ip daddr {GUEST_DNS} udp dport 53 dnat ip to {dns_ip}
+        iifname "{TAP}" ip daddr {GUEST_DNS} tcp dport 53 dnat ip to {dns_ip}
+""" if dns_ip else "")
     return f"""
 table inet aenv
 delete table inet aenv
 table inet aenv {{
+    set node_deny {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {node} }} }}
     set always_deny {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {deny} }} }}
+    set site_allow {{ type ipv4_addr; flags interval; auto-merge; {_elements(allow_extra)} }}
+    set user_allow {{ type ipv4_addr; flags interval; auto-merge; {_elements(policy.allow)} }}
+    set user_deny {{ type ipv4_addr; flags interval; auto-merge; {_elements(policy.deny)} }}
     chain guard {{
         type filter hook prerouting priority -150; policy accept;
         iifname != "{TAP}" accept
@@ -104,12 +126,15 @@ table inet aenv {{
         ip saddr != {GUEST_IP} drop
         ct state established,related accept
         ct state invalid drop
-        ip daddr @always_deny drop
+        ip daddr @node_deny drop
+        ip daddr @always_deny ip daddr != @site_allow drop
+        ip daddr @user_allow accept
+        ip daddr @user_deny drop
     }}
     chain to_guest {{
         type nat hook prerouting priority dstnat; policy accept;
         iifname "{PEER}" ip daddr {slot.address} dnat ip to {GUEST_IP}
-    }}
+{dns}    }}
     chain from_guest {{
         type nat hook postrouting priority srcnat; policy accept;
         oifname "{PEER}" ip saddr {GUEST_IP} snat ip to {slot.address}
@@ -129,7 +154,24 @@ table inet aenv {{
 """
 
 
-def create(slot: Slot, deny_extra: tuple[str, ...] = ()) -> Slot:
+def policy_script(policy: EgressPolicy) -> str:
+    """Replaces the slot's policy sets in one transaction (atomic: no packet sees a half
+    policy). Only new flows are judged, as on E2B: an established connection stays."""
+    lines = ["flush set inet aenv user_allow", "flush set inet aenv user_deny"]
+    if policy.allow:
+        lines.append(f"add element inet aenv user_allow {{ {', '.join(policy.allow)} }}")
+    if policy.deny:
+        lines.append(f"add element inet aenv user_deny {{ {', '.join(policy.deny)} }}")
+    return "\n".join(lines) + "\n"
+
+
+def apply_policy(slot: Slot, policy: EgressPolicy) -> None:
+    """Sets the slot's egress policy now (running guests included)."""
+    _run_in(slot, "nft", "-f", "-", stdin=policy_script(policy))
+
+
+def create(slot: Slot, deny_extra: tuple[str, ...] = (), dns_ip: str | None = DEFAULT_DNS_IP,
+           allow_extra: tuple[str, ...] = ()) -> Slot:
     """Makes the slot: its netns (the claim: SlotError if it exists), the veth pair, tap0,
     addresses, the guest's neighbour entry, routes, sysctls and the nftables table. On any
     failure what was made is removed and SlotError raised."""
@@ -138,7 +180,7 @@ def create(slot: Slot, deny_extra: tuple[str, ...] = ()) -> Slot:
     except FileExistsError:
         raise SlotError(f"slot {slot.netns} is taken") from None
     try:
-        _configure(slot, deny_extra)
+        _configure(slot, deny_extra, dns_ip, allow_extra)
     except BaseException as exc:
         destroy(slot)
         if isinstance(exc, SlotError):
@@ -147,7 +189,7 @@ def create(slot: Slot, deny_extra: tuple[str, ...] = ()) -> Slot:
     return slot
 
 
-def _configure(slot: Slot, deny_extra: tuple[str, ...]) -> None:
+def _configure(slot: Slot, deny_extra: tuple[str, ...], dns_ip: str | None, allow_extra: tuple[str, ...]) -> None:
     with IPRoute() as ipr:
         ipr.link("add", ifname=slot.host_veth, kind="veth", peer={"ifname": PEER, "net_ns_fd": slot.netns})
         host = ipr.link_lookup(ifname=slot.host_veth)[0]
@@ -169,7 +211,7 @@ def _configure(slot: Slot, deny_extra: tuple[str, ...]) -> None:
     # A new netns inherits IPv4 settings from its creator (this host: ip_forward=0).
     _run_in(slot, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=1",
             "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
-    _run_in(slot, "nft", "-f", "-", stdin=ruleset(slot, deny_extra))
+    _run_in(slot, "nft", "-f", "-", stdin=ruleset(slot, deny_extra, dns_ip=dns_ip, allow_extra=allow_extra))
 
 
 def remove_link(name: str) -> bool:

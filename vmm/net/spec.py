@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from envd import ENVD_PORT
 
-# The guest's side of today's network (QEMU user-mode networking defaults), configured statically
-# by the guest init (vmm/guest/init.sh: eth0 10.0.2.15/24, default route, resolv.conf).
+# The guest's side of the restricted slirp fallback (QEMU user-mode networking defaults), set by
+# the guest init when the kernel says aenv.net=slirp; a netns slot's are in vmm.net.slots.
 GUEST_IP = "10.0.2.15"
 GUEST_PREFIX = 24
 GATEWAY = "10.0.2.2"

@@ -38,13 +38,14 @@ class VMPaths:
                    ram=shm_dir / f"aenv-{sandbox_id}.ram")
 
 
-def kernel_cmdline(tsc_khz: int, resize: bool = False) -> str:
+def kernel_cmdline(tsc_khz: int, resize: bool = False, net_mode: str = "slirp") -> str:
     """Guest kernel arguments; the TSC pair prevents the microvm calibration hang, and
     tsc=reliable keeps the TSC as clocksource with several vCPUs (under TCG the boot-time sync
     check fails, the kernel falls back to jiffies and the guest clock then loses time when the
-    host is busy)."""
+    host is busy). ``aenv.net=`` tells the guest init which addresses its network has (the
+    Debian kernel has no CONFIG_IP_PNP, so ``ip=`` would do nothing)."""
     args = ["console=ttyS0", "panic=-1", "quiet", "net.ifnames=0", "8250.nr_uarts=1",
-            f"tsc_early_khz={tsc_khz}", f"lpj={lpj(tsc_khz)}", "tsc=reliable"]
+            f"tsc_early_khz={tsc_khz}", f"lpj={lpj(tsc_khz)}", "tsc=reliable", f"aenv.net={net_mode}"]
     if resize:
         args.append("aenv.resize=1")
     return " ".join(args)
@@ -58,14 +59,22 @@ def accel_args(accel: str) -> list[str]:
     raise ValueError(f"unknown accel {accel!r}")
 
 
+# The guest's MAC, the same in every slot (a snapshot's ABI; see vmm.net.slots).
+GUEST_MAC = "02:fc:00:00:00:05"
+
+
 def netdev(network: "Attachment") -> str:
-    """QEMU's network backend for a vmm.net Attachment: user-mode networking (slirp) with a
-    hostfwd per forwarded guest port."""
+    """QEMU's network backend for a vmm.net Attachment. netns: ``tap0`` of the slot QEMU is
+    started in (no vhost: this kernel has no vhost-net; no script: the slot made the tap).
+    slirp: user-mode networking with ``restrict=on`` (the guest reaches neither the host nor
+    anything beyond it) and a hostfwd per forwarded guest port, which still works."""
+    if network.backend == "netns":
+        return "tap,id=net0,ifname=tap0,script=no,downscript=no"
     if network.backend != "slirp":
         raise ValueError(f"no QEMU network device for the {network.backend!r} network backend")
     forwards = ",".join(f"hostfwd=tcp:{network.host_address}:{host}-:{guest}"
                         for guest, host in sorted(network.forwards.items()))
-    return f"user,id=net0,{forwards}"
+    return f"user,id=net0,restrict=on,{forwards}"
 
 
 def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, accel: str, cpu_count: int,
@@ -89,7 +98,7 @@ def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, acc
         "-serial", f"file:{paths.console}",
         "-qmp", f"unix:{paths.qmp},server=on,wait=off",
         "-daemonize", "-pidfile", str(paths.pidfile),
-        "-kernel", str(kernel), "-initrd", str(initrd), "-append", kernel_cmdline(tsc_khz, resize),
+        "-kernel", str(kernel), "-initrd", str(initrd), "-append", kernel_cmdline(tsc_khz, resize, network.backend),
         "-blockdev", f"driver=file,node-name=rootfile,filename={paths.top}",
         "-blockdev", "driver=qcow2,node-name=root,file=rootfile",
         "-device", "virtio-blk-device,drive=root,id=vblk0",
@@ -97,7 +106,7 @@ def qemu_command(*, paths: VMPaths, kernel: Path, initrd: Path, tools: Path, acc
         "-blockdev", "driver=raw,node-name=tools,file=toolsfile,read-only=on",
         "-device", "virtio-blk-device,drive=tools,id=vblk1",
         "-netdev", netdev(network),
-        "-device", "virtio-net-device,netdev=net0,id=vnet0",
+        "-device", f"virtio-net-device,netdev=net0,id=vnet0,mac={GUEST_MAC}",
         "-device", "virtio-balloon-device,free-page-reporting=on,id=balloon0",
     ]
     if incoming:  # -S: stays stopped after loading, so the driver decides when it runs

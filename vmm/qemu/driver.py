@@ -22,7 +22,7 @@ from vmm.driver import (BootSpec, BootTimeout, SnapshotManifest, SnapshotUnusabl
 from vmm.hostinfo import kvm_openable
 from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
-from vmm.net import ENVD_PORT, Attachment, SlirpBackend, ports
+from vmm.net import ENVD_PORT, Attachment, NetworkSpec, choose_backend, ports, slots
 from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
@@ -44,7 +44,9 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
 
     def __init__(self, home: Path, images_dir: Path, host_address: str = "127.0.0.1",
                  boot_timeout: float = DEFAULT_BOOT_TIMEOUT, qemu: str = QEMU, shm_dir: Path = Path("/dev/shm"),
-                 port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None):
+                 port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None,
+                 network: str | None = None, net_prefix: str | None = None, net_pool: str | None = None,
+                 net_warm: int = 4, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = ()):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
@@ -59,8 +61,18 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         self._accel = accel
         self._accel_lock = threading.Lock()
         self.locks_dir = self.home / "locks"
-        # The VMs' network (vmm.net): QEMU user-mode networking, envd's port forwarded to the host.
-        self.net = SlirpBackend(host_address, self.sandboxes_dir, port_range)
+        # The VMs' network (vmm.net.choose_backend): a netns slot per VM where the node can
+        # make them, else restricted slirp (no egress, no host access; envd's port forwarded).
+        # Unset: the environment (AENV_NETWORK / AENV_NET_PREFIX / AENV_NET_POOL, as the node's
+        # settings), so every driver of one instance, test drivers included, shares its slots.
+        env = os.environ.get
+        network = network or env("AENV_NETWORK") or "auto"
+        net_prefix = net_prefix or env("AENV_NET_PREFIX") or slots.DEFAULT_PREFIX
+        net_pool = net_pool or env("AENV_NET_POOL") or slots.DEFAULT_POOL
+        self.net = choose_backend(network, home=self.home, host_address=host_address,
+                                  sandboxes_dir=self.sandboxes_dir, port_range=port_range, prefix=net_prefix,
+                                  pool=net_pool, warm=net_warm, deny_extra=tuple(net_deny_extra),
+                                  allow_extra=tuple(net_allow_extra))
 
     @contextmanager
     def _lock(self, sandbox_id: str):
@@ -90,7 +102,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
             version = qemu_version(self.qemu)
         except (OSError, subprocess.SubprocessError) as e:
             raise VMError(f"cannot run {self.qemu} --version: {e}") from None
-        return {"driver": self.name, "accel": self.accel, "qemu": version, "cmdline": cmdline_digest()}
+        return {"driver": self.name, "accel": self.accel, "qemu": version, "cmdline": cmdline_digest(),
+                "net": self.net.name}
 
     def check_snapshot(self, manifest: SnapshotManifest) -> None:
         """The snapshot is QEMU's, and this host has the image build it was taken on: the
@@ -99,6 +112,10 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         taken_by = (manifest.fingerprint or {}).get("driver", self.name)
         if taken_by != self.name:
             raise SnapshotUnusable(f"snapshot was taken by the {taken_by} driver; this host runs {self.name}")
+        taken_on = (manifest.fingerprint or {}).get("net", "slirp")
+        if taken_on != self.net.name:  # the guest configured its network for the other one
+            raise SnapshotUnusable(f"snapshot was taken on the {taken_on} network; this node runs {self.net.name} "
+                                   "(a guest keeps the addresses it booted with)")
         machine = manifest.machine or {}
         needed = [("template base layer", manifest.layers[0] if manifest.layers else "")] + [
             (what, machine.get(key) or "") for what, key in
@@ -144,6 +161,16 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         t0 = time.monotonic()
         paths = VMPaths.for_sandbox(state_dir, spec.sandbox_id, self.shm_dir)
         network = self.net.attach(spec.sandbox_id, state_dir, spec.network)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            return self._boot_attached(spec, image, accel, state_dir, attempt, paths, network, t0)
+        except BaseException:
+            self._stop_process(paths)  # a QEMU holding tap0 would keep the slot's netns alive
+            self.net.detach(network, state_dir)
+            raise
+
+    def _boot_attached(self, spec: BootSpec, image, accel: str, state_dir: Path, attempt: int, paths: VMPaths,
+                       network: Attachment, t0: float) -> VMInfo:
         port = network.host_port(ENVD_PORT)
         chain = [str(p) for p in spec.layers] if spec.layers else [str(image.rootfs)]
         base_mb = virtual_size_mb(Path(chain[-1]))
@@ -155,7 +182,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         argv = qemu_command(paths=paths, kernel=image.kernel, initrd=image.initrd, tools=image.tools, accel=accel,
                             cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, network=network,
                             tsc_khz=tsc, resize=disk_mb > base_mb, qemu=self.qemu)
-        state = VMState(sandbox_id=spec.sandbox_id, pid=0, accel=accel, host_address=self.host_address,
+        state = VMState(sandbox_id=spec.sandbox_id, pid=0, accel=accel, host_address=network.host_address,
                         host_port=port, forwards=other_forwards(network), state_dir=str(state_dir),
                         top=str(paths.top), qmp=str(paths.qmp),
                         console=str(paths.console), pidfile=str(paths.pidfile), ram=str(paths.ram),
@@ -163,7 +190,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                         initrd=str(image.initrd), rootfs=chain[0], tools=str(image.tools),
                         cpu_count=spec.cpu_count, memory_mb=spec.memory_mb, disk_size_mb=disk_mb, argv=argv,
                         created_at=time.time(), tsc_khz=tsc, resize=disk_mb > base_mb, qemu=self.qemu,
-                        chain=chain)
+                        chain=chain, net_mode=network.backend, net_slot=network.slot or 0,
+                        network=spec.network.to_json())
         state.save()  # before spawning: a crash from here on still leaves a killable record
         t_spawn, t_ready = self._spawn_cold(state, paths, attempt)
         state.timings = {"disk_ms": (t_disk - t0) * 1e3, "spawn_ms": (t_spawn - t_disk) * 1e3,
@@ -175,8 +203,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
     def _spawn_cold(self, state: VMState, paths: VMPaths, attempt: int) -> tuple[float, float]:
         """Starts QEMU with state.argv (a cold boot of the guest kernel) and waits for envd.
         Returns (spawned, ready) monotonic times; raises BootAttemptFailed."""
-        proc = subprocess.run(state.argv, capture_output=True, text=True, start_new_session=True,
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.run(self._launch(state) + state.argv, capture_output=True, text=True,
+                              start_new_session=True, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             raise BootAttemptFailed(f"attempt {attempt}: qemu exited {proc.returncode}: {proc.stderr.strip()[-500:]}",
                                      console_tail(paths.console))
@@ -293,20 +321,63 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         return VMPaths(state_dir=Path(state.state_dir), top=Path(state.top), qmp=Path(state.qmp),
                        console=Path(state.console), pidfile=Path(state.pidfile), ram=Path(state.ram))
 
-    @staticmethod
-    def _argv(state: VMState, incoming: bool) -> list[str]:
-        """The command line from the recorded config only (identical for source and destination)."""
+    def _argv(self, state: VMState, incoming: bool) -> list[str]:
+        """The command line from the recorded config only (identical for source and destination;
+        in a netns it runs under ``_launch``, which is not part of it)."""
         return qemu_command(paths=QemuDriver._paths(state), kernel=Path(state.kernel), initrd=Path(state.initrd),
                             tools=Path(state.tools), accel=state.accel, cpu_count=state.cpu_count,
-                            memory_mb=state.memory_mb, network=QemuDriver._attachment(state),
+                            memory_mb=state.memory_mb, network=self._attachment(state),
                             tsc_khz=state.tsc_khz, resize=state.resize, qemu=state.qemu,
                             ram_share=state.ram_share, incoming=incoming)
 
-    @staticmethod
-    def _attachment(state: VMState) -> Attachment:
-        """The VM's network as attached at its first start (ports stay with the VM)."""
+    def _attachment(self, state: VMState) -> Attachment:
+        """The VM's network from its record: slirp forwards stay with the VM; a netns VM has
+        its slot while it has a process (none when paused to disk)."""
+        if state.net_mode == "netns":
+            if state.net_slot:
+                return self.net.attachment_of(state.sandbox_id, state.net_slot)
+            return Attachment("netns", state.sandbox_id, "", {})
         forwards = {ENVD_PORT: state.host_port, **{int(g): h for g, h in state.forwards.items()}}
         return Attachment("slirp", state.sandbox_id, state.host_address, forwards)
+
+    def _launch(self, state: VMState) -> list[str]:
+        """What QEMU's command line runs under: its slot's netns (nsenter), or nothing."""
+        if state.net_mode == "netns":
+            if not state.net_slot:
+                raise VMError(f"sandbox {state.sandbox_id} has no network slot to start in")
+            return self.net.launch_prefix(self._attachment(state))
+        return []
+
+    def _take_slot(self, state: VMState) -> None:
+        """A netns VM about to run again (resume from disk) gets a fresh slot with its policy."""
+        if state.net_mode != "netns" or state.net_slot:
+            return
+        network = self.net.attach(state.sandbox_id, Path(state.state_dir), NetworkSpec.from_json(state.network))
+        state.net_slot, state.host_address, state.host_port = network.slot, network.host_address, ENVD_PORT
+        state.save()
+
+    def _give_back_slot(self, state: VMState) -> None:
+        """A netns VM whose process is gone (paused to disk, a failed resume) returns its slot."""
+        if state.net_mode != "netns" or not state.net_slot:
+            return
+        attachment = self._attachment(state)
+        state.net_slot, state.host_address = 0, ""
+        state.save()
+        self.net.detach(attachment, Path(state.state_dir))
+
+    def start_network(self) -> dict:
+        """At node start: the netns backend adopts the slots of VMs that outlived the worker
+        and removes every other slot of this instance (vmm.net.netns); slirp needs nothing.
+        Returns what the node reports: the backend and the slots kept / removed."""
+        if self.net.name != "netns":
+            return {"network": self.net.name}
+        in_use = set()
+        for d in sorted(self.sandboxes_dir.iterdir()) if self.sandboxes_dir.exists() else []:
+            state = VMState.load(d)
+            if state is not None and state.net_mode == "netns" and state.net_slot:
+                in_use.add(state.net_slot)
+        removed = self.net.start(in_use)
+        return {"network": self.net.name, "slots_kept": len(in_use), "slots_removed": len(removed)}
 
     def _wait_health(self, state: VMState, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -322,8 +393,19 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
     def capacity(self) -> dict:
         return hostinfo.capacity()
 
+    def update_network(self, sandbox_id: str, network: NetworkSpec) -> None:
+        self.net.check(network)
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            attachment = self._attachment(state)
+            if attachment.slot:  # has a network now: applied before it is recorded
+                self.net.apply_egress(attachment, network)
+            state.network = network.to_json()
+            state.save()
+
     @staticmethod
     def _to_info(state: VMState) -> VMInfo:
-        return VMInfo(sandbox_id=state.sandbox_id, pid=state.pid, envd_host=state.host_address,
+        guest_host = state.host_address if state.net_mode == "netns" and state.net_slot else ""
+        return VMInfo(sandbox_id=state.sandbox_id, pid=state.pid, envd_host=state.host_address, guest_host=guest_host,
                       envd_port=state.host_port, accel=state.accel, state_dir=Path(state.state_dir),
                       timings=dict(state.timings), status=_STATUS.get(state.status, VMStatus.SAVED))

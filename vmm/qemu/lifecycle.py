@@ -42,8 +42,8 @@ class LifecycleMixin:
         except FileNotFoundError:
             pass
         try:
-            proc = subprocess.run(state.argv, capture_output=True, text=True, start_new_session=True,
-                                  stdin=subprocess.DEVNULL)
+            proc = subprocess.run(self._launch(state) + state.argv, capture_output=True, text=True,
+                                  start_new_session=True, stdin=subprocess.DEVNULL)
             if proc.returncode != 0:
                 raise VMError(f"sandbox {state.sandbox_id}: qemu exited {proc.returncode}: "
                               f"{proc.stderr.strip()[-500:]}")
@@ -126,6 +126,7 @@ class LifecycleMixin:
             self._wait_exit(state, paths)
             t_exit = time.monotonic()
             state.pid = 0
+            self._give_back_slot(state)
             timings = {"stop_ms": (t_stop - t0) * 1e3, "save_ms": (t_saved - t_stop) * 1e3,
                        "pause_to_disk_ms": (t_saved - t0) * 1e3, "exit_ms": (t_exit - t_saved) * 1e3,
                        "total_ms": (t_exit - t0) * 1e3}
@@ -190,6 +191,7 @@ class LifecycleMixin:
         t_stop = time.monotonic()
         self._wait_exit(state, paths)
         t_exit = time.monotonic()
+        self._give_back_slot(state)
         if state.ram_owned:
             try:
                 paths.ram.unlink()
@@ -210,6 +212,7 @@ class LifecycleMixin:
         guest is not running): its process, device state and RAM go, the disk stays."""
         paths = self._paths(state)
         self._stop_process(paths)
+        self._give_back_slot(state)
         if state.device_state:
             Path(state.device_state).unlink(missing_ok=True)
         if state.ram_owned:
@@ -310,10 +313,14 @@ class LifecycleMixin:
             state = self._load(sandbox_id)
             if not memory and state.status in ("paused", "paused_disk"):
                 self._discard_memory(state)
-            if state.status == "paused_fs":
-                timings = self._resume_cold(state)
-            elif state.status == "paused_disk":
-                timings = self._resume_incoming(state)
+            if state.status in ("paused_fs", "paused_disk"):
+                self._take_slot(state)
+                try:
+                    timings = (self._resume_cold(state) if state.status == "paused_fs"
+                               else self._resume_incoming(state))
+                except BaseException:
+                    self._give_back_slot(state)
+                    raise
             else:
                 t0 = time.monotonic()
                 with QMP(Path(state.qmp)) as q:

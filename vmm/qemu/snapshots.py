@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vmm.driver import BootSpec, SnapshotManifest, SnapshotUnusable, VMError, VMInfo
-from vmm.net import ENVD_PORT
+from vmm.net import ENVD_PORT, NetworkSpec
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
 from vmm.qemu.process import OFFLINE, run
@@ -141,14 +141,16 @@ class SnapshotMixin:
         t0 = time.monotonic()
         paths = VMPaths.for_sandbox(state_dir, sid, self.shm_dir)
         copy = None
+        network = None
         try:
             if own_ram:  # copied in the background while the disk is made and QEMU starts
                 copy = RamCopy(Path(manifest.memory_file), paths.ram, manifest.memory_mb << 20)
             network = self.net.attach(sid, state_dir, spec.network)
+            state_dir.mkdir(parents=True, exist_ok=True)
             run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", manifest.layers[-1], "-F", "qcow2",
                   str(paths.top), f"{manifest.disk_size_mb}M"])
             t_disk = time.monotonic()
-            state = VMState(sandbox_id=sid, pid=0, accel=m["accel"], host_address=self.host_address,
+            state = VMState(sandbox_id=sid, pid=0, accel=m["accel"], host_address=network.host_address,
                             host_port=network.host_port(ENVD_PORT),
                             forwards=other_forwards(network),
                             state_dir=str(state_dir), top=str(paths.top), qmp=str(paths.qmp),
@@ -159,13 +161,16 @@ class SnapshotMixin:
                             cpu_count=manifest.cpu_count, memory_mb=manifest.memory_mb,
                             disk_size_mb=manifest.disk_size_mb, argv=[], created_at=time.time(),
                             tsc_khz=m["tsc_khz"], resize=m["resize"], qemu=m["qemu"], ram_share=own_ram,
-                            ram_owned=own_ram, chain=list(manifest.layers), capture_ref=capture_ref)
+                            ram_owned=own_ram, chain=list(manifest.layers), capture_ref=capture_ref,
+                            net_mode=network.backend, net_slot=network.slot or 0, network=spec.network.to_json())
             timings = self._spawn_incoming(state, Path(manifest.device_state_file),
                                            before_incoming=copy.wait if copy else None)
         except BaseException:
             if copy is not None:
                 copy.wait(raise_error=False)
             self._cleanup(state_dir, paths, unlink_ram=own_ram)
+            if network is not None:
+                self.net.detach(network, state_dir)
             raise
         if copy is not None:
             timings["ram_copy_ms"] = copy.elapsed_ms
@@ -183,6 +188,8 @@ class SnapshotMixin:
         ids = child_ids or [f"{sandbox_id[:48]}-f{tag}-{i}" for i in range(count)]
         if len(ids) != count or len(set(ids)) != count:
             raise VMError("child_ids must be `count` distinct ids")
+        parent = self._load(sandbox_id)
+        network = NetworkSpec.from_json(parent.network)  # children inherit the parent's policy
         capture = (self.home / "forks" / f"{sandbox_id}-{tag}").absolute()
         capture_ram = self.shm_dir / f"aenv-fork-{sandbox_id}-{tag}.ram"
         t0 = time.monotonic()
@@ -195,7 +202,7 @@ class SnapshotMixin:
         t_cap = time.monotonic()
 
         def child(cid: str) -> VMInfo:
-            info = self._restore(manifest, BootSpec(cid), capture_ref=str(capture))
+            info = self._restore(manifest, BootSpec(cid, network=network), capture_ref=str(capture))
             info.timings.update({f"capture.{k}": v for k, v in manifest.timings.items()})
             return info
 

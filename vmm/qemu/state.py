@@ -54,6 +54,12 @@ class VMState:
     generation: int = 0  # counts sealed layers, names the next top
     capture_ref: str = ""  # fork capture dir this sandbox was restored from (driver-owned)
     forwards: dict[str, int] = field(default_factory=dict)  # guest port -> host port, besides envd's host_port
+    # The VM's network: the backend it was attached by ("slirp" | "netns"), its slot while it
+    # has one (netns; 0 = none: paused to disk or slirp) and its egress policy (NetworkSpec
+    # JSON), re-applied whenever it gets a slot again.
+    net_mode: str = "slirp"
+    net_slot: int = 0
+    network: dict = field(default_factory=dict)
 
     def save(self) -> None:
         path = Path(self.state_dir) / "vm.json"

@@ -1,0 +1,121 @@
+"""NetnsBackend: every VM in a network slot of its own (vmm.net.slots), the default wherever
+the node runs as root with nft and nsenter (``choose_backend``).
+
+Why: a guest is hostile, so its network is fenced outside it: the slot's table and the
+node's table (vmm.net.host_table) keep it off the node and its neighbours, and enforce the
+E2B egress policy (vmm.net.policy). The node reaches every guest port at the slot address
+(``Attachment.guest_host``), so nothing is forwarded per port and the data plane can serve
+any port. The hypervisor runs inside the slot (``launch_prefix``: nsenter), where it opens
+``tap0``. Slots come warm from a SlotPool; a VM that stops for good or is paused to disk
+gives its slot back (destroyed, never reused) and gets a fresh one when it runs again: the
+guest's address and MAC are the same in every slot, so nothing in the guest changes.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from pyroute2 import IPRoute
+
+from envd import ENVD_PORT
+from vmm.errors import UnsupportedNetworkPolicy
+from vmm.net import policy as egress
+from vmm.net import slots
+from vmm.net.backend import Attachment, NetworkBackend
+from vmm.net.dns import NodeDNS, service_ip
+from vmm.net.slot_pool import SlotPool
+from vmm.net.slots import Slot
+from vmm.net.spec import NetworkSpec
+
+log = logging.getLogger(__name__)
+
+
+def node_addresses() -> tuple[str, ...]:
+    """Every IPv4 address of this host (netns) as a /32, for the slots' deny set (they are
+    also dropped by the node's table; this keeps them closed if that table is flushed)."""
+    with IPRoute() as ipr:
+        found = {a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(family=2)}
+    return tuple(sorted(f"{a}/32" for a in found if a))
+
+
+class NetnsBackend(NetworkBackend):
+    name = "netns"
+    enforces_egress = True
+
+    def __init__(self, home: Path, prefix: str = slots.DEFAULT_PREFIX, pool: str = slots.DEFAULT_POOL,
+                 warm: int = 4, deny_extra: tuple[str, ...] = (), allow_extra: tuple[str, ...] = (),
+                 dns: bool = True):
+        self.prefix, self.pool_cidr = prefix, pool
+        self.dns = NodeDNS(prefix, pool, Path(home) / "net") if dns else None
+        dns_ip = service_ip(pool) if dns else None
+        self.slots = SlotPool(prefix, pool, warm=warm, deny_extra=(*node_addresses(), *deny_extra),
+                              allow_extra=allow_extra, dns_ip=dns_ip)
+        self.host_address = ""  # per VM: its slot address
+
+    # -- node start / stop --------------------------------------------------------------------
+
+    def start(self, in_use: set[int]) -> list[Slot]:
+        """At node start: the resolver, the node's table rebuilt with the slots of VMs that
+        outlived the worker, every other slot of this instance removed, warm slots made.
+        Returns the slots removed."""
+        if self.dns is not None:
+            self.dns.ensure()
+        removed = self.slots.adopt(in_use)
+        self.slots.start()
+        return removed
+
+    def close(self) -> None:
+        self.slots.close()
+
+    # -- one VM ---------------------------------------------------------------------------------
+
+    def check(self, spec: NetworkSpec) -> None:
+        try:
+            egress_of(spec)
+        except egress.PolicyError as exc:
+            raise UnsupportedNetworkPolicy(str(exc)) from None
+
+    def slot(self, attachment: Attachment) -> Slot:
+        return Slot(self.prefix, int(attachment.slot), self.pool_cidr)
+
+    def launch_prefix(self, attachment: Attachment) -> list[str]:
+        """What the hypervisor's command line runs under: its slot's network namespace."""
+        return self.slot(attachment).nsenter()
+
+    def attach(self, sandbox_id: str, state_dir: Path, spec: NetworkSpec) -> Attachment:
+        self.check(spec)
+        policy = egress_of(spec)  # a bad policy is refused before a slot is taken
+        slot = self.slots.acquire()
+        try:
+            slots.apply_policy(slot, policy)
+        except BaseException:
+            self.slots.release(slot)
+            raise
+        return self.attachment_of(sandbox_id, slot.index)
+
+    def attachment_of(self, sandbox_id: str, slot_index: int) -> Attachment:
+        """The Attachment of a VM that has slot ``slot_index`` (rebuilt from its record)."""
+        address = Slot(self.prefix, slot_index, self.pool_cidr).address
+        return Attachment(self.name, sandbox_id, address, {ENVD_PORT: ENVD_PORT}, slot=slot_index,
+                          guest_host=address)
+
+    def forward(self, attachment: Attachment, state_dir: Path, guest_port: int) -> int:
+        attachment.forwards[guest_port] = guest_port  # every port is reachable at the slot address
+        return guest_port
+
+    def apply_egress(self, attachment: Attachment, spec: NetworkSpec) -> None:
+        self.check(spec)
+        if attachment.slot:
+            slots.apply_policy(self.slot(attachment), egress_of(spec))
+
+    def detach(self, attachment: Attachment, state_dir: Path) -> None:
+        if attachment.slot:
+            self.slots.release(self.slot(attachment))
+
+    def in_use(self) -> set[int]:
+        return self.slots.in_use()
+
+
+def egress_of(spec: NetworkSpec) -> egress.EgressPolicy:
+    """The slot policy of a NetworkSpec (vmm.net.policy: E2B's semantics)."""
+    return egress.parse(list(spec.allow_out), list(spec.deny_out), spec.allow_internet_access)
