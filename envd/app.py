@@ -58,8 +58,11 @@ async def _read_small_body(receive, limit=1 << 20):
 class EnvdApp:
     """ASGI callable. One instance per envd process; holds all sandbox state."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, port_forwarder=None):
         self.settings = settings
+        # envd.port_forward.PortForwarder (re-exposes loopback-only services) or None; started
+        # with the app, its first scan runs one period later, when the server is listening.
+        self.port_forwarder = port_forwarder
         self.processes = None
         self.methods = None
         self.fs_service = FilesystemService(settings)
@@ -71,6 +74,8 @@ class EnvdApp:
             self.methods = {}
             self.methods.update(ProcessService(self.settings, self.processes).methods())
             self.methods.update(self.fs_service.methods())
+            if self.port_forwarder is not None:
+                self.port_forwarder.start()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -80,6 +85,8 @@ class EnvdApp:
                     self._ensure_started()
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
+                    if self.port_forwarder is not None:
+                        self.port_forwarder.close()
                     if self.processes is not None:
                         self.processes.kill_all()  # an intentional stop takes its children along
                     await send({"type": "lifespan.shutdown.complete"})

@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import socket
 
 from . import ENVD_PORT
 from .state import ENVD_VERSION, Settings
@@ -19,9 +20,37 @@ def parse_args(argv=None):
     p.add_argument("--credit-entropy", choices=["auto", "never"], default="auto",
                    help="/init entropySeed: auto = credit to the kernel pool (root) or mix in")
     p.add_argument("--access-token", default=None, help="require this X-Access-Token from the start")
+    p.add_argument("--forward-loopback", choices=["auto", "always", "never"], default="auto",
+                   help="re-expose TCP services listening only on loopback at the address of the interface "
+                        "named by $AENV_ENVD_FORWARD_IFACE (default eth0); auto = when --host is a wildcard "
+                        "(as in the guest) or --forward-address is given")
+    p.add_argument("--forward-address", default=None,
+                   help="IPv4 address to re-expose loopback services on instead of the interface's (tests)")
+    p.add_argument("--forward-interval", type=float, default=1.0, help="seconds between listener scans")
     p.add_argument("--log-level", default="info")
     p.add_argument("--version", action="version", version=ENVD_VERSION)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.forward_interval > 0:
+        p.error("--forward-interval must be positive")
+    if args.forward_address is not None:
+        try:
+            socket.inet_aton(args.forward_address)
+        except OSError:
+            p.error(f"--forward-address {args.forward_address!r} is not an IPv4 address")
+    return args
+
+
+def _port_forwarder(args):
+    """The loopback forwarder envd runs, or None. Off by default when envd serves one address
+    only (envd run on a host by the tests), so a host's own loopback services stay private."""
+    mode = args.forward_loopback
+    if mode == "never" or (mode == "auto" and args.host not in ("0.0.0.0", "::", "")
+                           and args.forward_address is None):
+        return None
+    from .port_forward import PortForwarder
+
+    return PortForwarder(listen_address=args.forward_address, interval=args.forward_interval,
+                         skip_ports={ENVD_PORT, args.port})
 
 
 def main(argv=None):
@@ -39,7 +68,8 @@ def main(argv=None):
     settings = Settings(default_user=args.default_user, default_workdir=args.default_workdir,
                         max_upload_bytes=args.max_upload_bytes, set_clock=args.set_clock,
                         access_token=args.access_token, credit_entropy=args.credit_entropy)
-    uvicorn.run(EnvdApp(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
+    app = EnvdApp(settings, port_forwarder=_port_forwarder(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 access_log=False, http=H11Protocol, loop="asyncio", ws="none", lifespan="on",
                 timeout_keep_alive=75, timeout_graceful_shutdown=2)
 
