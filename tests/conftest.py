@@ -32,3 +32,23 @@ def pytest_report_header(config):
         return f"aenv database: {db['ENGINE'].rsplit('.', 1)[-1]} {db.get('NAME')}"
     except Exception:  # noqa: BLE001 - header only
         return None
+
+
+# The test session is an aenv instance of its own on the host network: drivers made by tests
+# (tests/vmm, the contract suite) share these slots, never a running node's (each test stack
+# gets yet another prefix and pool: tests/integration/stack.py).
+os.environ.setdefault("AENV_NET_PREFIX", "aenvt")
+os.environ.setdefault("AENV_NET_POOL", "10.13.0.0/16")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_test_network(tmp_path_factory):
+    """After the session: whatever slots, table and resolver its drivers left."""
+    yield
+    from vmm.net import slots  # noqa: PLC0415
+
+    if slots.netns_supported():
+        from vmm.net.netns import remove_instance  # noqa: PLC0415
+
+        remove_instance(os.environ["AENV_NET_PREFIX"], os.environ["AENV_NET_POOL"],
+                        tmp_path_factory.getbasetemp())

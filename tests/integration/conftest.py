@@ -21,6 +21,7 @@ def running_stack(prefix: str = "e2e", **kwargs):
     finally:
         s.stop()
         s.kill_vm_leftovers()
+        s.remove_network()
         if not os.environ.get("AENV_KEEP_TEST_HOME"):
             shutil.rmtree(home, ignore_errors=True)
 

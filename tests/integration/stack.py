@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,9 @@ def shared_images_dir() -> Path:
     return Path(os.environ.get("AENV_IMAGES_DIR") or ROOT / "var" / "images").resolve()
 
 
+_NET_INSTANCES = count(1)
+
+
 @dataclass
 class Stack:
     home: Path
@@ -43,6 +47,22 @@ class Stack:
     api_key: str = ""
     node_id: str = ""
 
+    net_prefix: str = field(default_factory=lambda: f"aenvs{next(_NET_INSTANCES)}")
+
+    @property
+    def net_pool(self) -> str:
+        """Each stack is an instance of its own: its slots, table, resolver and addresses."""
+        return f"10.{20 + int(self.net_prefix[5:]) % 200}.0.0/16"
+
+    def remove_network(self) -> None:
+        """Once its VMs are gone: the stack's slots, nftables table and resolver."""
+        from vmm.net import slots  # noqa: PLC0415
+
+        if slots.netns_supported():
+            from vmm.net.netns import remove_instance  # noqa: PLC0415
+
+            remove_instance(self.net_prefix, self.net_pool, self.home)
+
     @property
     def env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_") and k != "DATABASE_URL"}
@@ -50,6 +70,8 @@ class Stack:
             AENV_HOME=str(self.home),
             AENV_IMAGES_DIR=str(shared_images_dir()),
             AENV_NODE_ID=self.node_id,
+            AENV_NET_PREFIX=self.net_prefix,
+            AENV_NET_POOL=self.net_pool,
             DJANGO_SETTINGS_MODULE="aenv_site.settings",
             PYTHONUNBUFFERED="1",
         )

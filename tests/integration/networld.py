@@ -1,0 +1,123 @@
+"""A small offline "world" for network tests: an external host in a namespace of the test's
+own, node services that must stay unreachable, and a probe run inside a guest.
+
+Only loopback and namespaces made here are ever targets (the brief's rule). The external
+host X is joined to the node by a veth: the node is 198.51.100.1, X answers HTTP on
+198.51.100.10 and .20 (TEST-NET-2: outside every always-denied range, so the egress policy
+alone decides). Nothing else on the machine uses that range.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+NODE_SIDE = "198.51.100.1"
+EXT_A = "198.51.100.10"
+EXT_B = "198.51.100.20"
+
+
+def _sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=30)
+
+
+@dataclass
+class ExternalHost:
+    name: str = field(default_factory=lambda: f"aenvext{os.getpid() % 100000}")
+    procs: list = field(default_factory=list)
+
+    @property
+    def veth(self) -> str:
+        return f"aenvxh{os.getpid() % 100000}"
+
+    def start(self) -> "ExternalHost":
+        self.stop()
+        _sh("ip", "netns", "add", self.name)
+        _sh("ip", "link", "add", self.veth, "type", "veth", "peer", "name", "xpeer", "netns", self.name)
+        _sh("ip", "addr", "add", f"{NODE_SIDE}/24", "dev", self.veth)
+        _sh("ip", "link", "set", self.veth, "up")
+        # replies from X come back in here and are forwarded to the slot that asked
+        _sh("sysctl", "-q", "-w", f"net.ipv4.conf.{self.veth}.forwarding=1")
+        for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "addr", "add", f"{EXT_A}/24", "dev", "xpeer"],
+                    ["ip", "addr", "add", f"{EXT_B}/24", "dev", "xpeer"], ["ip", "link", "set", "xpeer", "up"]):
+            _sh("ip", "netns", "exec", self.name, *cmd)
+        for address in (EXT_A, EXT_B):
+            self.procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", self.name, "python3", "-m", "http.server", "--bind", address, "80"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/tmp"))
+        deadline = time.monotonic() + 20
+        for address in (EXT_A, EXT_B):
+            while subprocess.run(["ip", "netns", "exec", self.name, "python3", "-c",
+                                  f"import socket; socket.create_connection(('{address}', 80), 1)"],
+                                 capture_output=True).returncode != 0:
+                assert time.monotonic() < deadline, f"the external host's server on {address} did not start"
+                time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(timeout=10)
+        self.procs = []
+        subprocess.run(["ip", "link", "del", self.veth], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+class NodeService:
+    """A TCP listener on every address of the node (0.0.0.0): what a guest must never reach."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def node_addresses() -> list[str]:
+    """Every IPv4 address of the node (slot veths included), loopback aside: the guest's own
+    127.0.0.1 is itself."""
+    from pyroute2 import IPRoute  # noqa: PLC0415
+
+    with IPRoute() as ipr:
+        found = {a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(family=2)}
+    return sorted(a for a in found if a and not a.startswith("127."))
+
+
+PROBE = r"""
+probe() {
+  if timeout 6 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; then echo "$1:$2 open"; else echo "$1:$2 closed"; fi
+}
+for t in %s; do probe "${t%%:*}" "${t##*:}" & done
+wait
+"""
+
+
+def probe(sandbox, targets: list[tuple[str, int]]) -> dict[tuple[str, int], bool]:
+    """From inside the guest: which of ``targets`` accept a TCP connection (all in parallel)."""
+    script = PROBE % " ".join(f"{a}:{p}" for a, p in targets)
+    out = sandbox.commands.run(script, timeout=120).stdout
+    result = {}
+    for line in out.splitlines():
+        where, _, verdict = line.partition(" ")
+        address, _, port = where.rpartition(":")
+        result[(address, int(port))] = verdict == "open"
+    assert set(result) == set(targets), out
+    return result
