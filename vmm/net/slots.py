@@ -1,5 +1,5 @@
 """Network slots: one network namespace per sandbox, the ground the netns + TAP backend
-(issue 10) stands on. Not used by any driver yet; see "Left" in vmm/README.md.
+(vmm.net.netns) stands on.
 
 Why slots: a guest is hostile, so its network must be fenced outside the guest. Each slot
 is a named netns holding ``tap0`` (where QEMU attaches, launched through ``nsenter``) and
