@@ -168,3 +168,26 @@ def test_egress_policy_as_e2b_defines_it(stack, sdk_env, world):
                 s.kill()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def test_old_sdk_generation_network_options(stack, world):
+    """SDK 2.45.1 (v1 create) sends the same network fields; they are enforced the same way."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    python = os.environ.get("AENV_OLD_SDK_PYTHON")
+    if not python:
+        pytest.skip("AENV_OLD_SDK_PYTHON not set: scripts/test.sh installs e2b==2.45.1 and sets it")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("E2B_")},
+           "E2B_API_URL": stack.api_url, "E2B_SANDBOX_URL": stack.sandbox_url, "E2B_API_KEY": stack.api_key}
+    out = subprocess.run([python, str(Path(__file__).with_name("old_sdk_network_flow.py")), EXT_A, EXT_B],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["version"] == "2.45.1"
+    assert result["closed"] == [False, False]
+    assert result["opened"] == [True, True]
+    assert result["deny_b"] == [True, False]
+    assert result["host"].startswith("8080-")
