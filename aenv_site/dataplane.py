@@ -2,7 +2,10 @@
 
     uvicorn aenv_site.dataplane:application --host 0.0.0.0 --port 3001
 
-Sets Django up first so the proxy can read sandboxes through the ORM."""
+uvicorn's default ``--ws auto`` serves WebSocket upgrades with the ``websockets``
+package (a dependency; ``sandboxes.proxy_ws`` bridges them to the guest): do not pass
+``--ws none``, which would refuse them. Sets Django up first so the proxy can read
+sandboxes through the ORM."""
 import logging
 import os
 

@@ -1,10 +1,16 @@
-"""The data plane: an ASGI app that streams SDK traffic to the right sandbox's envd.
+"""The data plane: an ASGI app that streams SDK and user traffic to the right sandbox.
 
 Routing is by the ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers or by a
-``{port}-{sandboxId}.{domain}`` host. Bodies stream in both directions without
-buffering (Connect streams stay open for minutes), which is why this is a raw
-ASGI app under uvicorn and not a Django view under daphne. "Sandbox gone" answers
-are the 502s the E2B SDK matches on (spec §1.5, §4.6).
+``{port}-{sandboxId}.{domain}`` host. envd's port (49983) goes to the sandbox's envd
+(``envd_host:envd_port``) with its access token, auto-resume and CORS; any other port
+goes to ``guest_host:port`` with E2B's traffic access token, the client's Host (or the
+sandbox's ``maskRequestHost``) and a short retry for services that start listening a
+moment late. Bodies stream in both directions without buffering (Connect streams stay
+open for minutes), which is why this is a raw ASGI app under uvicorn and not a Django
+view under daphne. WebSocket upgrades are bridged by ``sandboxes.proxy_ws`` (uvicorn
+needs a WebSocket implementation: the ``websockets`` package, picked by its default
+``--ws auto``). What is answered here, and the headers sent upstream, live in
+``sandboxes.proxy_routes``.
 
 Routes are read from the database on every request, never from a cache: a pause,
 resume or kill changes the VM process behind a sandbox, and a route (or a pooled
@@ -17,145 +23,40 @@ the response after the request body is complete. The request body is still
 forwarded chunk by chunk as it arrives; E2B clients are half-duplex too.
 """
 import asyncio
-import hmac
-import json
 import logging
-import re
-from dataclasses import dataclass
+from contextlib import aclosing
 
 import httpx
 from asgiref.sync import sync_to_async
-from django.db import connections
 
 from envd import ENVD_PORT
 
+from . import proxy_routes as answers
 from .proxy_pools import UpstreamPools
-from .states import RESUMABLE, ROUTABLE
+from .proxy_routes import ResumeFailed, Refused, Route, RouteTable, close_unusable
+from .proxy_ws import WebSocketBridge
+from .states import RESUMABLE
+
+__all__ = ["EnvdProxy", "Route", "RouteTable", "UpstreamBroken"]
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 3.0
-
-MSG_NOT_FOUND = "The sandbox was not found"
-MSG_PORT_CLOSED = "The sandbox is running but port is not open"
-
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
-    b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"expect",
-})
-ROUTING_HEADERS = frozenset({b"e2b-sandbox-id", b"e2b-sandbox-port", b"host"})
-# uvicorn writes its own; the upstream's would be duplicates.
-RESPONSE_DROP = frozenset({b"date", b"server"})
-
-HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<id>[A-Za-z0-9_-]+)\.")
-
-
-@dataclass(frozen=True)
-class Route:
-    sandbox_id: str
-    state: str
-    host: str
-    port: int | None
-    secure: bool
-    token: str
-    generation: int = 0
-
-    @property
-    def routable(self) -> bool:
-        return self.state in ROUTABLE and bool(self.host) and bool(self.port)
-
-    @property
-    def upstream(self) -> tuple[int, str, int | None]:
-        """What identifies the VM process behind the route (and so its connections)."""
-        return self.generation, self.host, self.port
-
-
-def _lookup_sync(sandbox_id: str) -> Route | None:
-    from sandboxes.models import Sandbox
-
-    try:
-        row = (Sandbox.objects.filter(pk=sandbox_id)
-               .values_list("state", "envd_host", "envd_port", "secure", "envd_access_token", "vm_generation")
-               .first())
-    finally:
-        # This runs on executor threads outside Django's request cycle: nothing else
-        # would close (or drop a broken) connection.
-        _close_unusable()
-    if row is None:
-        return None
-    state, host, port, secure, token, generation = row
-    return Route(sandbox_id, state, host or "", port, bool(secure), token or "", generation or 0)
-
-
-class RouteTable:
-    """The current route of a sandbox, read from the database each time it is asked."""
-
-    async def get(self, sandbox_id: str) -> Route | None:
-        return await sync_to_async(_lookup_sync, thread_sensitive=False)(sandbox_id)
-
-
-def _json_response(status: int, body: dict):
-    data = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    return status, headers, data
-
-
-def not_found(sandbox_id: str):
-    return _json_response(502, {"sandboxId": sandbox_id, "message": MSG_NOT_FOUND, "code": 502})
-
-
-def port_closed(sandbox_id: str):
-    return _json_response(502, {"sandboxId": sandbox_id, "message": MSG_PORT_CLOSED, "code": 502})
-
-
-def parse_target(headers: dict[bytes, bytes]) -> tuple[str, int] | None:
-    """(sandbox_id, port) from the routing headers, else from the Host, else None."""
-    sandbox_id = headers.get(b"e2b-sandbox-id", b"").decode("latin-1").strip()
-    if sandbox_id:
-        port = headers.get(b"e2b-sandbox-port", b"").decode("latin-1").strip()
-        return sandbox_id, int(port) if port.isdigit() else ENVD_PORT
-    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
-    m = HOST_RE.match(host)
-    if m:
-        return m.group("id"), int(m.group("port"))
-    return None
-
-
-def needs_token(path: str, query: bytes) -> bool:
-    """Secure sandboxes: every envd call needs X-Access-Token, except /health and
-    signed /files URLs (envd verifies the signature itself)."""
-    path = path.rstrip("/")
-    if path.endswith("/health"):
-        return False
-    return not (path.endswith("/files") and re.search(rb"(^|&)signature=", query))
-
-
-def _forward_headers(raw_headers) -> list[tuple[bytes, bytes]]:
-    listed = set()
-    for name, value in raw_headers:
-        if name.lower() == b"connection":
-            listed.update(t.strip().lower().encode() for t in value.decode("latin-1").split(","))
-    return [(n, v) for n, v in raw_headers
-            if n.lower() not in HOP_BY_HOP and n.lower() not in ROUTING_HEADERS and n.lower() not in listed]
-
-
-def _response_headers(raw_headers) -> list[tuple[bytes, bytes]]:
-    return [(n, v) for n, v in _forward_headers(raw_headers) if n.lower() not in RESPONSE_DROP]
-
-
-def _has_body(headers: dict[bytes, bytes]) -> bool:
-    if b"transfer-encoding" in headers:
-        return True
-    length = headers.get(b"content-length", b"0").strip()
-    return length.isdigit() and int(length) > 0
+# A refused (or timed-out) connect to a user port is tried this many more times after
+# these pauses, as E2B does: a service started a moment ago, or one bound to
+# 127.0.0.1 that envd re-exposes about a second after it appears, is still reached.
+USER_PORT_RETRY_DELAYS = (0.1, 0.2, 0.3, 0.4)
 
 
 class EnvdProxy:
     """ASGI app. One instance per process (it owns the upstream connection pools)."""
 
+    retry_delays = USER_PORT_RETRY_DELAYS
+
     def __init__(self, routes: RouteTable | None = None):
         self.routes = routes or RouteTable()
         self.pools = UpstreamPools(CONNECT_TIMEOUT)
+        self.websockets = WebSocketBridge(self)
         # sandbox id → the auto-resume in progress, so concurrent requests join one.
         self._resuming: dict[str, asyncio.Future] = {}
 
@@ -165,10 +66,10 @@ class EnvdProxy:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             await self.handle_http(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await self.websockets.handle(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
-        elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1003})
 
     async def _lifespan(self, receive, send):
         while True:
@@ -182,37 +83,59 @@ class EnvdProxy:
 
     async def handle_http(self, scope, receive, send):
         headers = {n.lower(): v for n, v in scope["headers"]}
-        target = parse_target(headers)
-        if target is None:
-            return await _send_simple(send, *_json_response(400, {
-                "code": 400,
-                "message": "missing E2b-Sandbox-Id header (or a {port}-{sandboxId}.{domain} host)",
-            }))
-        sandbox_id, port = target
+        if answers.is_preflight(scope, headers):
+            # Browsers send no custom header (so no E2b-Sandbox-Id) on a preflight; envd's
+            # are answered here as E2B's envd would, a user port's go to the guest.
+            target = answers.parse_target(headers)
+            if target is None or target[1] == ENVD_PORT:
+                return await _send_simple(send, *answers.preflight(headers))
         try:
-            route = await self.current_route(sandbox_id)
-        except ResumeFailed as exc:
-            return await _send_simple(send, *exc.response(sandbox_id))
-        if route is None:
-            return await _send_simple(send, *not_found(sandbox_id))
-        if port != ENVD_PORT:
-            # Guest port forwarding arrives in a later issue.
-            return await _send_simple(send, *port_closed(sandbox_id))
-        query = scope.get("query_string", b"")
-        if route.secure and needs_token(scope["path"], query):
-            given = headers.get(b"x-access-token", b"")
-            if not hmac.compare_digest(given, route.token.encode()):
-                return await _send_simple(send, *_json_response(401, {
-                    "code": 401,
-                    "message": "missing or invalid X-Access-Token" if given else "missing X-Access-Token header",
-                }))
-        await self._forward(scope, receive, send, route, headers, query)
+            route, port = await self.admit(scope, headers)
+        except Refused as refused:
+            return await _send_simple(send, *refused.answer)
+        await self._forward(scope, receive, send, route, port, headers)
 
-    async def current_route(self, sandbox_id: str) -> Route | None:
-        """The sandbox's route as the database has it now; a paused one with autoResume
-        is resumed first (see ``on_paused``). None: nothing to route to (the caller
-        answers 'was not found'). Raises ResumeFailed."""
+    async def admit(self, scope, headers: dict[bytes, bytes]) -> tuple[Route, int]:
+        """The route and port a request (HTTP or WebSocket) goes to, after every check,
+        auto-resuming a paused sandbox that asked for it. Raises Refused with the
+        answer otherwise."""
+        target = answers.parse_target(headers)
+        if target is None:
+            raise Refused(answers.no_target())
+        sandbox_id, port = target
+        if not answers.valid_port(port):
+            raise Refused(answers.port_closed(sandbox_id, port))
+        if port == ENVD_PORT and answers.is_node_only(scope["path"]):
+            raise Refused(answers.node_only(sandbox_id))
         route = await self.routes.get(sandbox_id)
+        if route is None or not (route.routable or route.state in RESUMABLE):
+            self.pools.forget(sandbox_id)
+            raise Refused(answers.not_found(sandbox_id))
+        if port != ENVD_PORT:
+            # Checked before a resume: traffic without the token wakes nothing.
+            refusal = answers.traffic_token_refusal(route, headers)
+            if refusal is not None:
+                raise Refused(refusal)
+        try:
+            route = await self.current_route(sandbox_id, route)
+        except ResumeFailed as exc:
+            raise Refused(exc.response(sandbox_id)) from None
+        if route is None:
+            raise Refused(answers.not_found(sandbox_id))
+        if port == ENVD_PORT:
+            refusal = answers.access_token_refusal(route, scope["path"], scope.get("query_string", b""), headers)
+            if refusal is not None:
+                raise Refused(refusal)
+        elif route.address(port) is None:
+            raise Refused(answers.port_closed(sandbox_id, port))
+        return route, port
+
+    async def current_route(self, sandbox_id: str, route: Route | None = None) -> Route | None:
+        """The sandbox's route as the database has it now (or ``route``, just read); a
+        paused one with autoResume is resumed first (see ``on_paused``). None: nothing
+        to route to (the caller answers 'was not found'). Raises ResumeFailed."""
+        if route is None:
+            route = await self.routes.get(sandbox_id)
         if route is not None and route.state in RESUMABLE:
             route = await self.on_paused(route)
         if route is None or not route.routable:
@@ -244,16 +167,39 @@ class EnvdProxy:
             log.info("auto-resume of %s failed: %s", sandbox_id, exc.message)
             raise ResumeFailed(504 if isinstance(exc, Timeout) else 502, f"auto-resume failed: {exc.message}") from None
         finally:
-            await sync_to_async(_close_unusable, thread_sensitive=True)()
+            await sync_to_async(close_unusable, thread_sensitive=True)()
         if sandbox is None:
             return None
         return await self.routes.get(sandbox_id)
 
-    async def _forward(self, scope, receive, send, route: Route, headers: dict, query: bytes):
+    async def attempts(self, route: Route, port: int):
+        """The routes to try connecting to, one per attempt. A refused (or timed-out)
+        connect sent nothing, so the caller asks for the next: on a user port a few more
+        times after short pauses (the service may be about to listen), then once on the
+        sandbox's newer route if it has moved on meanwhile (paused and auto-resumed,
+        resumed elsewhere). When none is left, raises Refused with 'was not found' /
+        'port is not open' (or a failed resume's answer)."""
+        delays = (0.0, *(self.retry_delays if port != ENVD_PORT else ()))
+        for attempt in (1, 2):
+            for delay in delays:
+                if delay:
+                    await asyncio.sleep(delay)
+                yield route
+            if attempt == 1:
+                try:
+                    current = await self.current_route(route.sandbox_id)
+                except ResumeFailed as exc:
+                    raise Refused(exc.response(route.sandbox_id)) from None
+                if current is None or current.upstream == route.upstream or current.address(port) is None:
+                    raise Refused(answers.gone(route.sandbox_id, port, current))
+                route = current
+        raise Refused(answers.gone(route.sandbox_id, port, await self.routes.get(route.sandbox_id)))
+
+    async def _forward(self, scope, receive, send, route: Route, port: int, headers: dict):
         body_queue: asyncio.Queue = asyncio.Queue(maxsize=8)
         disconnected = asyncio.Event()
         pump = asyncio.create_task(_pump_request(receive, body_queue, disconnected))
-        exchange = asyncio.create_task(self._exchange(scope, send, route, headers, query, body_queue))
+        exchange = asyncio.create_task(self._exchange(scope, send, route, port, headers, body_queue))
         watch = asyncio.create_task(disconnected.wait())
         try:
             await asyncio.wait({exchange, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -269,7 +215,7 @@ class EnvdProxy:
                 task.cancel()
             await asyncio.gather(pump, watch, return_exceptions=True)
 
-    async def _exchange(self, scope, send, route: Route, headers: dict, query: bytes, body_queue):
+    async def _exchange(self, scope, send, route: Route, port: int, headers: dict, body_queue):
         async def body():
             while True:
                 chunk = await body_queue.get()
@@ -278,44 +224,40 @@ class EnvdProxy:
                 yield chunk
 
         target = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string", b"")
         if query:
             target += b"?" + query
-        # A refused connection sent nothing, so it is retried once if the sandbox's route
-        # has moved on meanwhile (paused and auto-resumed, resumed elsewhere).
-        for attempt in (1, 2):
-            url = httpx.URL(scheme="http", host=route.host, port=route.port, raw_path=target)
-            async with self.pools.use(route.sandbox_id, route.upstream) as client:
-                request = httpx.Request(
-                    scope["method"], url, headers=_forward_headers(scope["headers"]),
-                    content=body() if _has_body(headers) else None,
-                    extensions={"timeout": client.timeout.as_dict()},
-                )
-                try:
-                    upstream = await client.send(request, stream=True)
-                except NOT_SENT as exc:
-                    log.info("upstream %s:%s of %s refused (%r)", route.host, route.port, route.sandbox_id, exc)
-                except SENT_MAYBE as exc:
-                    log.info("upstream %s:%s of %s failed: %r", route.host, route.port, route.sandbox_id, exc)
-                    return await self._answer_gone(send, route)
-                else:
-                    return await _relay(send, upstream, route)
-            try:
-                current = await self.current_route(route.sandbox_id)
-            except ResumeFailed as exc:
-                return await _send_simple(send, *exc.response(route.sandbox_id))
-            if attempt == 1 and current is not None and current.upstream != route.upstream:
-                route = current
-                continue
-            return await _send_simple(send, *(not_found if current is None else port_closed)(route.sandbox_id))
+        try:
+            async with aclosing(self.attempts(route, port)) as attempts:
+                async for route in attempts:
+                    host, upstream_port = route.address(port)
+                    url = httpx.URL(scheme="http", host=host, port=upstream_port, raw_path=target)
+                    async with self.pools.use(route.sandbox_id, route.upstream) as client:
+                        request = httpx.Request(
+                            scope["method"], url, headers=answers.upstream_headers(scope["headers"], route, port),
+                            content=body() if _has_body(headers) else None,
+                            extensions={"timeout": client.timeout.as_dict()},
+                        )
+                        try:
+                            upstream = await client.send(request, stream=True)
+                        except NOT_SENT as exc:
+                            log.info("upstream %s:%s of %s refused (%r)", host, upstream_port, route.sandbox_id, exc)
+                            continue
+                        except SENT_MAYBE as exc:
+                            log.info("upstream %s:%s of %s failed: %r", host, upstream_port, route.sandbox_id, exc)
+                            return await self._answer_gone(send, route, port)
+                        # inside the lease: a pool in use is never retired as idle
+                        return await _relay(send, upstream, route, cors=port == ENVD_PORT)
+        except Refused as refused:
+            return await _send_simple(send, *refused.answer)
 
-    async def _answer_gone(self, send, route: Route):
+    async def _answer_gone(self, send, route: Route, port: int):
         """The upstream failed after (part of) the request may have reached it: no
         retry; 'was not found' if the sandbox has no route any more, else 'port is not open'."""
         current = await self.routes.get(route.sandbox_id)
         if current is None or not current.routable:
             self.pools.forget(route.sandbox_id)
-            return await _send_simple(send, *not_found(route.sandbox_id))
-        return await _send_simple(send, *port_closed(route.sandbox_id))
+        return await _send_simple(send, *answers.gone(route.sandbox_id, port, current))
 
 
 # Failures before a byte of the request left: safe to retry on a newer route.
@@ -323,10 +265,18 @@ NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 SENT_MAYBE = (httpx.PoolTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
-async def _relay(send, upstream: httpx.Response, route: Route):
+def _has_body(headers: dict[bytes, bytes]) -> bool:
+    if b"transfer-encoding" in headers:
+        return True
+    length = headers.get(b"content-length", b"0").strip()
+    return length.isdigit() and int(length) > 0
+
+
+async def _relay(send, upstream: httpx.Response, route: Route, cors: bool):
     try:
+        headers = answers.response_headers(upstream.headers.raw)
         await send({"type": "http.response.start", "status": upstream.status_code,
-                    "headers": _response_headers(upstream.headers.raw)})
+                    "headers": answers.with_cors(headers) if cors else headers})
         async for chunk in upstream.aiter_raw():
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -338,23 +288,6 @@ async def _relay(send, upstream: httpx.Response, route: Route):
         raise UpstreamBroken(f"upstream of {route.sandbox_id} broke mid-response: {exc!r}") from exc
     finally:
         await upstream.aclose()
-
-
-class ResumeFailed(Exception):
-    """Auto-resume of a paused sandbox failed; answered with ``status`` and ``message``."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-    def response(self, sandbox_id: str):
-        return _json_response(self.status, {"sandboxId": sandbox_id, "code": self.status, "message": self.message})
-
-
-def _close_unusable() -> None:
-    for conn in connections.all(initialized_only=True):
-        conn.close_if_unusable_or_obsolete()
 
 
 class UpstreamBroken(Exception):
