@@ -24,4 +24,4 @@ def continue_vm(driver, row: Sandbox) -> dict:
     its envd (clock, env, token) with the same /init a resume sends."""
     info = driver.resume(row.pk)
     init_envd(info.envd_host, info.envd_port, row.env_vars, row.envd_access_token or None)
-    return {"envd_host": info.envd_host, "envd_port": info.envd_port}
+    return {"envd_host": info.envd_host, "envd_port": info.envd_port, "guest_host": info.guest_host}

@@ -44,8 +44,17 @@ def _init_envd_or_undo(info, env_vars: dict, access_token: str | None, *, undo, 
 
 
 def _envd_result(info, timings: dict) -> dict:
-    return {"envd_host": info.envd_host, "envd_port": info.envd_port, "pid": info.pid,
-            "accel": info.accel, "timings": timings}
+    """What a started VM's task returns: its routes (envd's, and ``guest_host`` where every
+    guest port is reachable, "" on the slirp fallback), pid, accelerator and timings."""
+    return {"envd_host": info.envd_host, "envd_port": info.envd_port, "guest_host": info.guest_host,
+            "pid": info.pid, "accel": info.accel, "timings": timings}
+
+
+def _network(network: dict | None):
+    """A task's ``network`` argument (NetworkSpec JSON; None: the open default) as a NetworkSpec."""
+    from vmm.net.spec import NetworkSpec
+
+    return NetworkSpec.from_json(network)
 
 
 def _start_vm(driver, spec):
@@ -53,7 +62,7 @@ def _start_vm(driver, spec):
     the image, shape and driver fingerprint (``vmm.templates``) → ``driver.restore(...,
     template=True)`` (~0.3 s); none, or its restore failed (e.g. a damaged template) → a
     cold boot (seconds). ``timings["from_template_snapshot"]`` says which (1 / 0)."""
-    from vmm.driver import VMError
+    from vmm.driver import UnsupportedNetworkPolicy, VMError
 
     template = get_templates().find(driver, spec)
     if template is not None:
@@ -61,6 +70,8 @@ def _start_vm(driver, spec):
             info = driver.restore(template, spec, template=True)
             info.timings["from_template_snapshot"] = 1
             return info
+        except UnsupportedNetworkPolicy:
+            raise  # a cold boot could not enforce it either
         except (VMError, OSError) as exc:  # the driver removed what it started; a cold boot still works
             log.warning("sandbox %s: template restore failed, cold booting: %s", spec.sandbox_id, exc)
     info = driver.boot(spec)
@@ -70,12 +81,12 @@ def _start_vm(driver, spec):
 
 @shared_task(name=protocol.BOOT_SANDBOX)
 def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int, disk_size_mb: int,
-                 env_vars: dict, access_token: str | None) -> dict:
+                 env_vars: dict, access_token: str | None, network: dict | None = None) -> dict:
     from vmm.driver import BootSpec
 
     driver = get_driver()
     spec = BootSpec(sandbox_id=sandbox_id, image=image, cpu_count=cpu_count,
-                    memory_mb=memory_mb, disk_size_mb=disk_size_mb)
+                    memory_mb=memory_mb, disk_size_mb=disk_size_mb, network=_network(network))
     info = _start_vm(driver, spec)
     started = time.perf_counter()
     _init_envd_or_undo(info, env_vars, access_token, undo=driver.kill, what="killing its VM")
@@ -107,14 +118,21 @@ def pause_sandbox(*, sandbox_id: str, to_disk: bool = True, memory: bool = True)
 
 
 @shared_task(name=protocol.RESUME_SANDBOX)
-def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, memory: bool = True) -> dict:
+def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, memory: bool = True,
+                   network: dict | None = None) -> dict:
     """Resumes a paused VM, then re-inits envd (fresh timestamp: the guest clock stood
     still while paused). ``memory=False`` cold-boots on the disk, discarding a memory
     snapshot (E2B's "reboot" resume). If /init fails the VM is paused again the way it
     came back (to disk with memory, or filesystem-only after a cold boot), so the sandbox
-    stays consistently paused. Returns envd host/port, pid and timings like boot."""
+    stays consistently paused. Returns envd host/port, pid and timings like boot.
+
+    ``network`` (the control plane's row): given to the saved VM before it runs again. The
+    driver keeps a VM's policy across a pause anyway; this makes the row the truth, so a
+    network update the node never confirmed is in force once the sandbox resumes."""
     driver = get_driver()
     started = time.perf_counter()
+    if network is not None:
+        driver.update_network(sandbox_id, _network(network))
     info = driver.resume(sandbox_id, memory=memory)
     t_resumed = time.perf_counter()
     cold = bool(info.timings.get("cold_boot"))
@@ -197,7 +215,7 @@ def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) 
 
 @shared_task(name=protocol.RESTORE_SANDBOX)
 def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access_token: str | None,
-                    source_token: str | None = None) -> dict:
+                    source_token: str | None = None, network: dict | None = None) -> dict:
     """Starts a new VM from a snapshot (copy-on-write memory and disk), then gives its
     envd the new sandbox's token, env vars and clock; killed if that fails. A
     filesystem-only snapshot is cold-booted on its disk layers instead."""
@@ -206,11 +224,12 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
     driver = get_driver()
     manifest = SnapshotManifest.load(_store().local_dir(snapshot_id))
     if manifest.memory_file:
-        info = driver.restore(manifest, BootSpec(sandbox_id=sandbox_id))
+        info = driver.restore(manifest, BootSpec(sandbox_id=sandbox_id, network=_network(network)))
     else:
         info = driver.boot(BootSpec(sandbox_id=sandbox_id, image=manifest.machine.get("image") or "base",
                                     cpu_count=manifest.cpu_count, memory_mb=manifest.memory_mb,
-                                    disk_size_mb=manifest.disk_size_mb, layers=list(manifest.layers)))
+                                    disk_size_mb=manifest.disk_size_mb, layers=list(manifest.layers),
+                                    network=_network(network)))
         source_token = None  # a cold-booted envd starts without a token
     started = time.perf_counter()
     _take_over_envd(info, env_vars, access_token, source_token, undo=driver.kill, what="killing its VM")
@@ -225,9 +244,12 @@ FORK_INIT_THREADS = 16
 @shared_task(name=protocol.FORK_SANDBOX)
 def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, children: list[dict]) -> dict:
     """One capture of the running parent, then a child per entry of ``children``
-    ({"sandbox_id", "env_vars", "access_token"}), each taking over its envd with its own
-    token. A child that fails (restore or /init) is killed and reported alone; its
-    siblings are unaffected. The parent is re-inited too (its clock stood still).
+    ({"sandbox_id", "env_vars", "access_token", "network"?}), each taking over its envd with
+    its own token. A child inherits the parent's network policy in the driver; a ``network``
+    (its row's) is then applied to it, so a child never runs with a policy its row does not
+    say (an update of the parent racing the fork). A child that fails (restore, policy or
+    /init) is killed and reported alone; its siblings are unaffected. The parent is re-inited
+    too (its clock stood still).
 
     Returns {"parent": {"ok", "error"?}, "children": [{"sandbox_id", "ok", ...}], "timings"}."""
     from vmm.driver import VMInfo
@@ -253,6 +275,9 @@ def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, c
             return {"sandbox_id": cid, "ok": False, "kind": type(result).__name__, "message": str(result)}
         t0 = time.perf_counter()
         try:
+            if spec.get("network") is not None:
+                _step_or_undo(lambda: driver.update_network(cid, _network(spec["network"])), result,
+                              undo=driver.kill, what="killing its VM", label="network policy")
             _take_over_envd(result, spec.get("env_vars") or {}, spec.get("access_token"), access_token,
                             undo=driver.kill, what="killing its VM")
         except Exception as exc:
@@ -266,6 +291,16 @@ def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, c
     timings = {"fork_ms": round((t_forked - started) * 1000, 2),
                "total_ms": round((time.perf_counter() - started) * 1000, 2)}
     return {"parent": parent, "children": out, "timings": timings}
+
+
+@shared_task(name=protocol.UPDATE_NETWORK)
+def update_network(*, sandbox_id: str, network: dict) -> dict:
+    """Replaces the VM's egress policy (E2B's PUT /sandboxes/{id}/network) with ``network``
+    (NetworkSpec JSON): at once for a running VM, recorded for one saved to disk. Raises
+    VMNotFound, or UnsupportedNetworkPolicy (nothing changed) if its backend cannot enforce it."""
+    started = time.perf_counter()
+    get_driver().update_network(sandbox_id, _network(network))
+    return {"timings": {"total_ms": round((time.perf_counter() - started) * 1000, 2)}}
 
 
 @shared_task(name=protocol.DELETE_SNAPSHOT_FILES)

@@ -178,14 +178,21 @@ async def _call(node: Node, task: str, kwargs: dict, deadline: float | None, wha
 
 # --- public API ------------------------------------------------------------
 
+def _with_network(kwargs: dict, network: dict | None) -> dict:
+    """A task's kwargs plus its ``network`` (a ``vmm.net.spec.NetworkSpec`` as JSON) when given."""
+    return {**kwargs, "network": dict(network)} if network is not None else kwargs
+
+
 async def boot_sandbox(node: Node, *, sandbox_id: str, image: str, cpu_count: int, memory_mb: int,
                        disk_size_mb: int, env_vars: dict, access_token: str | None,
-                       deadline: float | None = None) -> dict:
-    """Boot a VM on `node` and initialise its envd.
+                       network: dict | None = None, deadline: float | None = None) -> dict:
+    """Boot a VM on `node` with the network `network` (NetworkSpec JSON; None: the open
+    default) and initialise its envd.
 
-    Returns {"envd_host", "envd_port", "pid", "accel", "timings": {phase: ms}}."""
-    kwargs = dict(sandbox_id=sandbox_id, image=image, cpu_count=cpu_count, memory_mb=memory_mb,
-                  disk_size_mb=disk_size_mb, env_vars=dict(env_vars or {}), access_token=access_token)
+    Returns {"envd_host", "envd_port", "guest_host", "pid", "accel", "timings": {phase: ms}}."""
+    kwargs = _with_network(dict(sandbox_id=sandbox_id, image=image, cpu_count=cpu_count, memory_mb=memory_mb,
+                                disk_size_mb=disk_size_mb, env_vars=dict(env_vars or {}), access_token=access_token),
+                           network)
     return await _call(node, protocol.BOOT_SANDBOX, kwargs, deadline, f"boot of {sandbox_id}")
 
 
@@ -204,12 +211,14 @@ async def pause_sandbox(node: Node, *, sandbox_id: str, to_disk: bool = True, me
 
 
 async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,
-                         memory: bool = True, deadline: float | None = None) -> dict:
+                         memory: bool = True, network: dict | None = None, deadline: float | None = None) -> dict:
     """Resume a paused VM on `node` and re-initialise its envd (clock, env vars, token);
-    ``memory=False`` cold-boots it on its disk instead of restoring its memory.
+    ``memory=False`` cold-boots it on its disk instead of restoring its memory. ``network``
+    (NetworkSpec JSON) is given to the VM before it runs again.
 
-    Returns {"envd_host", "envd_port", "pid", "accel", "timings": {phase: ms}}."""
-    kwargs = dict(sandbox_id=sandbox_id, env_vars=dict(env_vars or {}), access_token=access_token)
+    Returns {"envd_host", "envd_port", "guest_host", "pid", "accel", "timings": {phase: ms}}."""
+    kwargs = _with_network(dict(sandbox_id=sandbox_id, env_vars=dict(env_vars or {}), access_token=access_token),
+                           network)
     if not memory:
         kwargs["memory"] = False
     return await _call(node, protocol.RESUME_SANDBOX, kwargs, deadline, f"resume of {sandbox_id}")
@@ -226,24 +235,35 @@ async def snapshot_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, mem
 
 async def restore_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, env_vars: dict,
                           access_token: str | None, source_token: str | None = None,
-                          deadline: float | None = None) -> dict:
-    """Start sandbox `sandbox_id` on `node` from snapshot `snapshot_id` and initialise its
-    envd (own token, handed over from `source_token`). Returns what boot_sandbox returns."""
-    kwargs = dict(sandbox_id=sandbox_id, snapshot_id=snapshot_id, env_vars=dict(env_vars or {}),
-                  access_token=access_token, source_token=source_token or None)
+                          network: dict | None = None, deadline: float | None = None) -> dict:
+    """Start sandbox `sandbox_id` on `node` from snapshot `snapshot_id` with the network
+    `network` (NetworkSpec JSON) and initialise its envd (own token, handed over from
+    `source_token`). Returns what boot_sandbox returns."""
+    kwargs = _with_network(dict(sandbox_id=sandbox_id, snapshot_id=snapshot_id, env_vars=dict(env_vars or {}),
+                                access_token=access_token, source_token=source_token or None), network)
     return await _call(node, protocol.RESTORE_SANDBOX, kwargs, deadline, f"restore of {sandbox_id}")
 
 
 async def fork_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,
                        children: list[dict], deadline: float | None = None) -> dict:
-    """Fork `sandbox_id` on `node` into `children` ({"sandbox_id", "env_vars", "access_token"}).
+    """Fork `sandbox_id` on `node` into `children` ({"sandbox_id", "env_vars", "access_token",
+    "network"?: NetworkSpec JSON the child must end up with}).
 
     Returns {"parent": {"ok", "error"?}, "children": [{"sandbox_id", "ok", "envd_host", "envd_port",
-    "pid", "timings"} | {"sandbox_id", "ok": False, "kind", "message"}], "timings"}."""
+    "guest_host", "pid", "timings"} | {"sandbox_id", "ok": False, "kind", "message"}], "timings"}."""
     kwargs = dict(sandbox_id=sandbox_id, env_vars=dict(env_vars or {}), access_token=access_token,
-                  children=[{"sandbox_id": c["sandbox_id"], "env_vars": dict(c.get("env_vars") or {}),
-                             "access_token": c.get("access_token") or None} for c in children])
+                  children=[_with_network({"sandbox_id": c["sandbox_id"], "env_vars": dict(c.get("env_vars") or {}),
+                                           "access_token": c.get("access_token") or None}, c.get("network"))
+                            for c in children])
     return await _call(node, protocol.FORK_SANDBOX, kwargs, deadline, f"fork of {sandbox_id}")
+
+
+async def update_network(node: Node, *, sandbox_id: str, network: dict, deadline: float | None = None) -> dict:
+    """Replace the egress policy of the sandbox's VM on `node` with `network` (NetworkSpec
+    JSON); fails with kind "UnsupportedNetworkPolicy" when its backend cannot enforce it
+    (nothing changes then). Returns {"timings": {"total_ms"}}."""
+    kwargs = {"sandbox_id": sandbox_id, "network": dict(network)}
+    return await _call(node, protocol.UPDATE_NETWORK, kwargs, deadline, f"network update of {sandbox_id}")
 
 
 async def delete_snapshot_files(node: Node, *, snapshot_id: str, deadline: float | None = None) -> dict:

@@ -10,6 +10,7 @@ SNAPSHOT_SANDBOX = "nodes.snapshot_sandbox"
 RESTORE_SANDBOX = "nodes.restore_sandbox"
 FORK_SANDBOX = "nodes.fork_sandbox"
 DELETE_SNAPSHOT_FILES = "nodes.delete_snapshot_files"
+UPDATE_NETWORK = "nodes.update_network"
 
 
 def queue_of(node_id: str) -> str:

@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from datetime import timedelta
+from importlib import import_module
 from types import SimpleNamespace
 
 import pytest
@@ -21,8 +22,9 @@ from django.utils import timezone
 from aenv_site.celery import app as celery_app
 from agent import driver as node_driver
 from nodes import client
-from nodes.client import NodeTaskFailed, NodeTimeout, NodeUnavailable, boot_sandbox, kill_sandbox
+from nodes.client import NodeTaskFailed, NodeTimeout, NodeUnavailable, boot_sandbox, kill_sandbox, update_network
 from nodes.models import Node
+from vmm.errors import UnsupportedNetworkPolicy, VMNotFound
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -63,6 +65,7 @@ class StubDriver:
         self.envd_port = envd_port
         self.killed = []
         self.running = {}
+        self.policies = {}
 
     def boot(self, spec):
         if spec.image == "missing":
@@ -71,8 +74,15 @@ class StubDriver:
             time.sleep(2)
         self.running[spec.sandbox_id] = spec
         return SimpleNamespace(sandbox_id=spec.sandbox_id, pid=4242, envd_host="127.0.0.1",
-                               envd_port=self.envd_port, accel="tcg", state_dir="/nonexistent",
+                               envd_port=self.envd_port, guest_host="", accel="tcg", state_dir="/nonexistent",
                                timings={"qemu_start": 12.5, "envd_ready": 300.0})
+
+    def update_network(self, sandbox_id, network):
+        if sandbox_id not in self.running:
+            raise VMNotFound(f"no VM for sandbox {sandbox_id}")
+        if network.allow_out == ("10.9.9.9/32",):  # plays a backend that cannot enforce it
+            raise UnsupportedNetworkPolicy("the stub network backend cannot restrict egress")
+        self.policies[sandbox_id] = network
 
     def kill(self, sandbox_id):
         self.killed.append(sandbox_id)
@@ -99,6 +109,7 @@ def envd_stub():
 @pytest.fixture(scope="module")
 def node_worker(envd_stub):
     """A Celery worker thread consuming one unique node queue with the real tasks."""
+    import_module("agent.tasks")  # registers the node tasks with the worker (also when this file runs alone)
     node_id = f"unit-{uuid.uuid4().hex[:8]}"
     stub = StubDriver(envd_stub.server_address[1])
     node_driver.set_driver(stub)
@@ -228,3 +239,28 @@ async def test_broker_down_is_unavailable_not_a_hang(monkeypatch):
     with pytest.raises(NodeUnavailable, match="broker"):
         await kill_sandbox(node, sandbox_id="x", deadline=30)
     assert time.perf_counter() - t0 < 6
+
+
+async def test_network_spec_reaches_the_driver_and_update_network_round_trips(node_worker):
+    """boot's ``network`` becomes BootSpec.network; update_network replaces it; the driver's
+    refusal comes back as its kind (what the API maps to 400), a missing VM as VMNotFound."""
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    spec = {"allow_internet_access": False, "allow_out": ["1.1.1.1/32"], "deny_out": ["0.0.0.0/0"],
+            "forward_ports": [49983]}
+    out = await boot_sandbox(node, sandbox_id="net1", env_vars={}, access_token=None, network=spec, **BOOT)
+    assert out["guest_host"] == ""
+    booted = node_worker.driver.running["net1"].network
+    assert (booted.allow_internet_access, booted.allow_out, booted.deny_out) == (False, ("1.1.1.1/32",),
+                                                                                ("0.0.0.0/0",))
+    result = await update_network(node, sandbox_id="net1", network={**spec, "allow_internet_access": True,
+                                                                     "deny_out": []})
+    assert result["timings"]["total_ms"] >= 0
+    now = node_worker.driver.policies["net1"]
+    assert (now.allow_internet_access, now.allow_out, now.deny_out) == (True, ("1.1.1.1/32",), ())
+    with pytest.raises(NodeTaskFailed) as refused:
+        await update_network(node, sandbox_id="net1", network={"allow_out": ["10.9.9.9/32"]})
+    assert refused.value.kind == "UnsupportedNetworkPolicy" and "cannot restrict egress" in str(refused.value)
+    assert node_worker.driver.policies["net1"] is now
+    with pytest.raises(NodeTaskFailed) as missing:
+        await update_network(node, sandbox_id="nope", network={})
+    assert missing.value.kind == "VMNotFound"
