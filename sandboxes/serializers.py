@@ -9,7 +9,10 @@ keep working."""
 from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+from rest_framework.settings import api_settings
 
+from .lifecycle import network as sandbox_network
+from .lifecycle.errors import Invalid
 from .lifecycle.options import SandboxOptions
 from .models import Sandbox
 
@@ -75,7 +78,7 @@ class StringMapField(serializers.DictField):
 
 
 class JsonObjectField(serializers.JSONField):
-    """Any JSON object, stored as given (e.g. the network policy)."""
+    """Any JSON object (e.g. the network settings, checked by the serializer that has them)."""
 
     default_error_messages = {"not_object": "Must be a JSON object."}
 
@@ -105,38 +108,13 @@ class AutoResumeField(serializers.Field):
 # --------------------------------------------------------------------------- requests
 
 
-# What E2B's `network` object (camelCase on the wire; snake_case from some SDK builds)
-# can ask for that restricts or rewrites traffic. None of it is enforced yet, so a create
-# asking for any of it is refused rather than silently left open.
-_RESTRICTIONS = {
-    "allowOut": "an egress allow list", "denyOut": "an egress deny list",
-    "egressProxy": "an egress proxy", "rules": "per-host request rules", "dnsServers": "custom DNS servers",
-    "maskRequestHost": "a masked request host",
-}
-
-
-def _camel(key: str) -> str:
-    head, *rest = key.split("_")
-    return head + "".join(part.title() for part in rest)
-
-
-def refuse_unenforced_network(allow_internet_access, network) -> None:
-    """A create may not ask for a network restriction aenv does not enforce yet: that
-    would promise isolation it does not give. What the SDKs send by default (internet
-    access allowed, no or an empty ``network``, public traffic allowed) passes."""
-    problems = []
-    if allow_internet_access is False:
-        problems.append("allow_internet_access: false (no egress blocking)")
-    for key, value in (network or {}).items():
-        name = _camel(key)
-        if name in _RESTRICTIONS and value not in (None, [], {}, ""):
-            problems.append(f"network.{key} ({_RESTRICTIONS[name]})")
-        elif name == "allowPublicTraffic" and value is False:
-            problems.append(f"network.{key}: false (private ingress)")
-    if problems:
-        raise serializers.ValidationError(
-            f"not supported yet: {'; '.join(problems)}. aenv does not enforce sandbox network policies yet, "
-            "so it refuses them instead of leaving the sandbox open")
+def _checked(check, *args):
+    """A ``sandboxes.lifecycle.network`` check at the edge: its Invalid becomes a 400 whose
+    message is exactly the check's (E2B's for a bad egress policy)."""
+    try:
+        return check(*args)
+    except Invalid as exc:
+        raise serializers.ValidationError({api_settings.NON_FIELD_ERRORS_KEY: [exc.message]}) from None
 
 
 class NewSandboxV2Serializer(serializers.Serializer):
@@ -158,7 +136,10 @@ class NewSandboxV2Serializer(serializers.Serializer):
     secure = StrictBooleanField(required=False, default=True)
 
     def validate(self, data):
-        refuse_unenforced_network(data.get("allow_internet_access"), data.get("network"))
+        # What aenv enforces (egress allow / deny, no internet, private ports) is stored as
+        # checked; what it cannot (rules, egressProxy, httpsPorts) is a 400, never ignored.
+        data["network"] = _checked(sandbox_network.checked_create, data.get("network"),
+                                   data.get("allow_internet_access"))
         return data
 
     def to_create(self) -> tuple[str, int | None, SandboxOptions]:
@@ -176,6 +157,23 @@ class NewSandboxSerializer(NewSandboxV2Serializer):
     """Body of ``POST /sandboxes`` (SDK ≤2.50): same fields, ``secure`` defaults to false."""
 
     secure = StrictBooleanField(required=False, default=False)
+
+
+class NetworkUpdateSerializer(serializers.Serializer):
+    """Body of ``PUT /sandboxes/{id}/network`` (E2B ``SandboxNetworkUpdateConfig``): the
+    egress config that replaces the sandbox's; omitted fields are cleared, ``{}`` allows all.
+    The fields below document it; the check itself is ``sandboxes.lifecycle.network``'s
+    (snake_case spellings accepted), shared with create."""
+
+    allowOut = serializers.ListField(child=serializers.CharField(), required=False)
+    denyOut = serializers.ListField(child=serializers.CharField(), required=False)
+    dnsServers = serializers.ListField(child=serializers.CharField(), required=False)
+    egressProxy = serializers.JSONField(required=False, allow_null=True, help_text="not supported (400)")
+    rules = serializers.JSONField(required=False, help_text="not supported unless empty (400)")
+    allow_internet_access = serializers.BooleanField(required=False, allow_null=True)
+
+    def to_internal_value(self, data):
+        return _checked(sandbox_network.checked_update, data)
 
 
 class TimeoutSerializer(serializers.Serializer):
@@ -246,6 +244,12 @@ def _domain(_obj=None):
     return settings.AENV_SANDBOX_DOMAIN
 
 
+def traffic_access_token(sandbox) -> str | None:
+    """E2B's ``trafficAccessToken``: the token the data plane requires on the sandbox's ports
+    (all but envd's) when it was created with ``allowPublicTraffic: false``; null when public."""
+    return sandbox.traffic_access_token or None
+
+
 class SandboxSerializer(serializers.ModelSerializer):
     """Model ``Sandbox``: the answer to create (and, later, connect)."""
 
@@ -264,7 +268,7 @@ class SandboxSerializer(serializers.ModelSerializer):
                   "trafficAccessToken", "domain", "alias"]
 
     def get_trafficAccessToken(self, obj) -> str | None:  # noqa: N802 - wire name
-        return None
+        return traffic_access_token(obj)
 
     def get_domain(self, obj) -> str | None:
         return _domain()
@@ -314,13 +318,20 @@ class SandboxDetailSerializer(ListedSandboxSerializer):
     allowInternetAccess = serializers.BooleanField(source="allow_internet_access", allow_null=True)
     network = serializers.JSONField(allow_null=True)
     lifecycle = LifecycleSerializer(source="*")
+    # Not in E2B 2.63's SandboxDetail (only its Sandbox model, the create / connect answer,
+    # carries it; the SDK keeps unknown detail fields aside): aenv also shows it here, next
+    # to envdAccessToken, so a client that only has the id can reach a private sandbox.
+    trafficAccessToken = serializers.SerializerMethodField()
 
     class Meta(ListedSandboxSerializer.Meta):
         fields = ListedSandboxSerializer.Meta.fields + [
-            "envdAccessToken", "domain", "allowInternetAccess", "network", "lifecycle"]
+            "envdAccessToken", "domain", "allowInternetAccess", "network", "lifecycle", "trafficAccessToken"]
 
     def get_domain(self, obj) -> str | None:
         return _domain()
+
+    def get_trafficAccessToken(self, obj) -> str | None:  # noqa: N802 - wire name
+        return traffic_access_token(obj)
 
     def to_representation(self, instance):
         data = super().to_representation(instance)

@@ -21,9 +21,10 @@ class IllegalTransition(Exception):
 
 
 def with_route_generation(fields: dict) -> dict:
-    """The update ``fields`` of a state write; one that sets a new envd route also bumps
-    ``vm_generation``, so the data plane never reuses anything of the previous VM process."""
-    if "envd_port" in fields or "envd_host" in fields:
+    """The update ``fields`` of a state write; one that sets a new route to the VM (envd's, or
+    the guest's for every other port) also bumps ``vm_generation``, so the data plane never
+    reuses anything of the previous VM process."""
+    if "envd_port" in fields or "envd_host" in fields or "guest_host" in fields:
         return {**fields, "vm_generation": models.F("vm_generation") + 1}
     return fields
 

@@ -9,6 +9,7 @@ urlpatterns = [
     path("v2/sandboxes", views.SandboxesV2View.as_view(), name="sandboxes-v2"),
     path("sandboxes/<str:sandbox_id>", views.SandboxView.as_view(), name="sandbox"),
     path("sandboxes/<str:sandbox_id>/timeout", views.SandboxTimeoutView.as_view(), name="sandbox-timeout"),
+    path("sandboxes/<str:sandbox_id>/network", views.SandboxNetworkView.as_view(), name="sandbox-network"),
     path("sandboxes/<str:sandbox_id>/pause", views.SandboxPauseView.as_view(), name="sandbox-pause"),
     path("sandboxes/<str:sandbox_id>/resume", views.SandboxResumeView.as_view(), name="sandbox-resume"),
     path("sandboxes/<str:sandbox_id>/connect", views.SandboxConnectView.as_view(), name="sandbox-connect"),

@@ -12,12 +12,13 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 
 from .errors import NO_RETRY, ApiError
-from .lifecycle import create, kill, pause, queries, ttl
+from .lifecycle import create, kill, network, pause, queries, ttl
 from .serializers import (
     ConnectV2Serializer,
     ErrorSerializer,
     ListedSandboxSerializer,
     ListQuerySerializer,
+    NetworkUpdateSerializer,
     NewSandboxSerializer,
     NewSandboxV2Serializer,
     PauseSerializer,
@@ -171,6 +172,18 @@ class SandboxRefreshView(APIView):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
+class SandboxNetworkView(APIView):
+    """``/sandboxes/{id}/network``: replace a running sandbox's egress policy (omitted fields
+    are cleared). 204 once it is stored and the node has it; 400 a policy aenv cannot
+    enforce; 404 unknown; 409 not running (paused included)."""
+
+    @extend_schema(operation_id="sandbox_update_network", request=NetworkUpdateSerializer, responses=NO_CONTENT)
+    async def put(self, request, sandbox_id: str):
+        update = _valid(NetworkUpdateSerializer, _body(request)).validated_data
+        await network.update_network(_team(request), sandbox_id, update, actor=_actor(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
 class SandboxPauseView(APIView):
     """``/sandboxes/{id}/pause``: 204 paused; 409 not running (already paused); 404."""
 
@@ -222,5 +235,5 @@ class SandboxConnectV2View(SandboxConnectView):
 
 
 __all__ = ["ApiError", "HealthView", "SandboxesView", "SandboxesV2View", "SandboxView",
-           "SandboxTimeoutView", "SandboxRefreshView", "SandboxPauseView", "SandboxResumeView",
+           "SandboxTimeoutView", "SandboxRefreshView", "SandboxNetworkView", "SandboxPauseView", "SandboxResumeView",
            "SandboxConnectView", "SandboxConnectV2View"]

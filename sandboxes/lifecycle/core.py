@@ -19,7 +19,7 @@ from django.utils import timezone
 from ..models import Sandbox, SandboxEvent, Team
 from ..states import LIVE, SETTLING, SandboxState
 from ..transitions import transition  # noqa: F401 - the one writer, re-exported for the operations
-from .errors import Conflict, Failed, LifecycleError, NotFound, Timeout, Unavailable
+from .errors import REFUSED_BY_NODE, Conflict, Failed, Invalid, LifecycleError, NotFound, Timeout, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,10 @@ def node_failure(client, exc: BaseException, node, what: str, deadline: float) -
     else:
         kind = (getattr(exc, "kind", "") or "NodeTaskFailed") if isinstance(exc, client.NodeTaskFailed) \
             else type(exc).__name__
-        error = Failed(f"{what} failed on node {node.id}: {kind}: {exc}", code=snake(kind))
+        if isinstance(exc, client.NodeTaskFailed) and kind in REFUSED_BY_NODE:
+            error = Invalid(f"node {node.id} cannot do this {what}: {exc}", code=snake(kind))
+        else:
+            error = Failed(f"{what} failed on node {node.id}: {kind}: {exc}", code=snake(kind))
     error.kind = kind
     return error
 

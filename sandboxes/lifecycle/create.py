@@ -22,9 +22,9 @@ from snapshots import sources
 
 from ..models import Sandbox, Team, Template, new_envd_access_token
 from ..transitions import insert_creating
-from . import core
+from . import core, network
 from .core import S, Result
-from .errors import Conflict, Failed, Invalid, LifecycleError, Timeout, Unavailable
+from .errors import REFUSED_BY_NODE, Conflict, Failed, Invalid, LifecycleError, Timeout, Unavailable
 from .options import SandboxOptions
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions 
     (failed creates are not worth retrying: ``retry`` is False)."""
     options = options or SandboxOptions()
     timeout = settings.AENV_DEFAULT_TIMEOUT if timeout is None else timeout
+    network.spec_of(options)  # a policy the node could not be given is Invalid before anything exists
     snapshot = await sources.resolve_snapshot(team, template_ref)
     template = snapshot.template if snapshot is not None else await resolve_template(team, template_ref)
 
@@ -60,6 +61,7 @@ async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions 
     fields = dict(
         team=team, template=template, alias=template.alias, envd_version=template.envd_version,
         envd_access_token=new_envd_access_token() if options.secure else "",
+        traffic_access_token=network.traffic_access_token_for(options.network),
         cpu_count=template.cpu_count, memory_mb=template.memory_mb, disk_size_mb=template.disk_size_mb,
         idempotency_key=idempotency_key or "", created_at=now, started_at=now,
         end_at=now + timedelta(seconds=timeout), **options.fields(),
@@ -146,15 +148,17 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str, 
     # Remember the node before booting: if we crash mid-boot, the VM can be found.
     if not await Sandbox.objects.filter(pk=sandbox.pk, state=S.CREATING).aupdate(node=node):
         raise Conflict(f'sandbox "{sandbox.id}" was killed while it was being created', retry=False)
+    spec = network.spec_of(sandbox)
     try:
         result = await core.await_node(asyncio.wait_for(
             client.boot_sandbox(
                 node, sandbox_id=sandbox.id, image=template.image, cpu_count=sandbox.cpu_count,
                 memory_mb=sandbox.memory_mb, disk_size_mb=sandbox.disk_size_mb,
-                env_vars=sandbox.env_vars, access_token=sandbox.envd_access_token or None,
+                env_vars=sandbox.env_vars, access_token=sandbox.envd_access_token or None, network=spec,
             ) if snapshot is None else client.restore_sandbox(
                 node, sandbox_id=sandbox.id, snapshot_id=snapshot.id, env_vars=sandbox.env_vars,
                 access_token=sandbox.envd_access_token or None, source_token=snapshot.envd_access_token or None,
+                network=spec,
             ),
             # The node client enforces AENV_NODE_TASK_DEADLINE; this is only a backstop.
             timeout=settings.AENV_NODE_TASK_DEADLINE + 15,
@@ -183,7 +187,7 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str, 
     )
     won = await core.transition(
         sandbox.id, [S.CREATING], S.RUNNING, done, node=node,
-        envd_host=result["envd_host"], envd_port=result["envd_port"],
+        envd_host=result["envd_host"], envd_port=result["envd_port"], guest_host=result.get("guest_host") or "",
         started_at=now, end_at=now + timedelta(seconds=timeout),
     )
     if not won:
@@ -207,6 +211,8 @@ def _boot_failure(client, exc: BaseException, node) -> tuple[LifecycleError, str
     kind = (getattr(exc, "kind", "") or "NodeTaskFailed") if isinstance(exc, client.NodeTaskFailed) \
         else type(exc).__name__
     code = core.snake(kind) if isinstance(exc, client.NodeTaskFailed) else None
+    if code and kind in REFUSED_BY_NODE:
+        return Invalid(f"node {node.id} cannot start this sandbox: {exc}", code=code, retry=False), kind
     return Failed(f"boot failed on node {node.id}: {kind}: {exc}", code=code, retry=False), kind
 
 

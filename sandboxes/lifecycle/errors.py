@@ -44,3 +44,9 @@ class StorageFull(LifecycleError):
 
 class Failed(LifecycleError):
     """The node tried and failed (``code`` names the node's error kind)."""
+
+
+# Node failures (the class name raised on the node) that say the request cannot be honoured
+# there, not that the node broke: an egress policy its network backend cannot enforce (the
+# slirp fallback cannot filter). They are Invalid (400), never Failed.
+REFUSED_BY_NODE = frozenset({"UnsupportedNetworkPolicy"})

@@ -17,7 +17,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from ..models import Sandbox, Team
-from . import core
+from . import core, network
 from .core import S, Result
 from .errors import Conflict, NotFound, Unavailable
 from .ttl import set_end_at
@@ -188,7 +188,7 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
         result = await core.await_node(asyncio.wait_for(
             client.resume_sandbox(node, sandbox_id=sandbox.id, env_vars=sandbox.env_vars,
                                   access_token=sandbox.envd_access_token or None, deadline=deadline,
-                                  **reboot),
+                                  network=network.spec_of(sandbox), **reboot),
             timeout=deadline + 15,
         ), sandbox.id, S.RESUMING)
     except core.Moved as moved:
@@ -221,7 +221,8 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
     event = core.event(sandbox.id, "resume", from_state=S.RESUMING, started_at=started, duration_ms=core.ms(t0),
                        actor=actor, details={**details, "pid": result.get("pid"), "timings": timings, "phases": phases})
     won = await core.transition(sandbox.id, [S.RESUMING], S.RUNNING, event, envd_host=result["envd_host"],
-                                envd_port=result["envd_port"], end_at=now + timedelta(seconds=timeout))
+                                envd_port=result["envd_port"], guest_host=result.get("guest_host") or "",
+                                end_at=now + timedelta(seconds=timeout))
     if not won:
         cleanup = await core.kill_on_node(node, sandbox.id, core.CLEANUP_DEADLINE)
         await core.record(core.event(sandbox.id, "resume", outcome="aborted", from_state=S.RESUMING, started_at=started,

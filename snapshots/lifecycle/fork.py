@@ -13,7 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from nodes import placement
-from sandboxes.lifecycle import core
+from sandboxes.lifecycle import core, network
 from sandboxes.lifecycle.core import S, Result
 from sandboxes.lifecycle.errors import Conflict, Failed, LifecycleError, Unavailable
 from sandboxes.lifecycle.options import SandboxOptions
@@ -77,13 +77,16 @@ async def _inherited_timeout(parent: Sandbox) -> int:
 @sync_to_async
 def _begin_fork(parent: Sandbox, node, count: int, timeout: int, actor: str) -> list[Sandbox] | None:
     """``running → forking`` and the ``creating`` child rows, in one transaction (so the
-    children reserve their node's capacity before the node starts them)."""
+    children reserve their node's capacity before the node starts them). Each child copies
+    the parent's settings as the row holds them now (a network update may have landed since
+    ``parent`` was read) and gets its own envd and traffic access tokens."""
     now = timezone.now()
     with transaction.atomic():
         started = core.event(parent.pk, "fork", outcome="started", from_state=S.RUNNING, actor=actor,
                              details={"count": count, "child_timeout": timeout})  # not "timeout": the parent's own
         if not transition_sync(parent.pk, [S.RUNNING], S.FORKING, started):
             return None
+        parent = Sandbox.objects.get(pk=parent.pk)
         children = []
         for _ in range(count):
             child = insert_creating(
@@ -93,6 +96,7 @@ def _begin_fork(parent: Sandbox, node, count: int, timeout: int, actor: str) -> 
                 team_id=parent.team_id, template_id=parent.template_id, node=node,
                 alias=parent.alias, client_id=parent.client_id, envd_version=parent.envd_version,
                 envd_access_token=new_envd_access_token() if parent.envd_access_token else "",
+                traffic_access_token=network.new_traffic_access_token() if parent.traffic_access_token else "",
                 cpu_count=parent.cpu_count, memory_mb=parent.memory_mb, disk_size_mb=parent.disk_size_mb,
                 **SandboxOptions.of(parent).fields(), forked_from=parent, created_at=now, started_at=now,
                 end_at=now + timedelta(seconds=timeout),
@@ -116,8 +120,8 @@ async def _fork_on_node(parent: Sandbox, children: list[Sandbox], node, timeout:
             client.fork_sandbox(
                 node, sandbox_id=parent.id, env_vars=parent.env_vars,
                 access_token=parent.envd_access_token or None,
-                children=[{"sandbox_id": c.id, "env_vars": c.env_vars, "access_token": c.envd_access_token or None}
-                          for c in children],
+                children=[{"sandbox_id": c.id, "env_vars": c.env_vars, "access_token": c.envd_access_token or None,
+                           "network": network.spec_of(c)} for c in children],
                 deadline=deadline),
             timeout=deadline + 15,
         ), parent.id, S.FORKING, tolerate=(S.KILLING, S.KILLED))
@@ -200,7 +204,8 @@ async def _finish_child(child: Sandbox, result: dict | None, node, timeout: int,
     event = core.event(child.id, "create", from_state=S.CREATING, started_at=started, duration_ms=core.ms(t0),
                        actor=actor, details={**base, "pid": result.get("pid"), "timings": result.get("timings")})
     won = await core.transition(child.id, [S.CREATING], S.RUNNING, event, envd_host=result["envd_host"],
-                                envd_port=result["envd_port"], started_at=now,
+                                envd_port=result["envd_port"], guest_host=result.get("guest_host") or "",
+                                started_at=now,
                                 end_at=now + timedelta(seconds=timeout))
     if not won:  # killed while it was being forked: the kill found no VM yet
         cleanup = await core.kill_on_node(node, child.id, core.CLEANUP_DEADLINE)

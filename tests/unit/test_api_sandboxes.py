@@ -239,23 +239,6 @@ async def test_create_answers_at_once_when_a_restarted_node_fails_it(api, nodes_
     assert "now error" in body["message"]
 
 
-@pytest.mark.parametrize("extra, named", [
-    ({"allow_internet_access": False}, "allow_internet_access"),
-    ({"network": {"allowOut": ["1.1.1.1"]}}, "network.allowOut"),
-    ({"network": {"denyOut": ["0.0.0.0/0"]}}, "network.denyOut"),
-    ({"network": {"allow_out": ["1.1.1.1"]}}, "network.allow_out"),
-    ({"network": {"allowPublicTraffic": False}}, "network.allowPublicTraffic"),
-    ({"network": {"maskRequestHost": "example.com"}}, "network.maskRequestHost"),
-    ({"network": {"egressProxy": {"url": "http://proxy"}}}, "network.egressProxy"),
-])
-async def test_unenforced_network_restrictions_are_refused(api, nodes_mock, assert_error, extra, named):
-    """A security setting aenv does not enforce yet is a 400, never silently accepted."""
-    body = assert_error(await api.post("/v2/sandboxes", json={"templateID": "base", **extra}), 400, named)
-    assert "not supported yet" in body["message"]
-    nodes_mock.client.boot_sandbox.assert_not_awaited()
-    assert await Sandbox.objects.acount() == 0
-
-
 @pytest.mark.parametrize("extra", [{}, {"allow_internet_access": True}, {"network": None}, {"network": {}},
                                    {"network": {"allowOut": [], "denyOut": []}},
                                    {"network": {"allowPublicTraffic": True}}])
