@@ -9,6 +9,11 @@ Cost: one booted parent per driver for the whole module (a TCG cold boot is ~6-1
 restore and two fork children; the tests run in file order and leave the parent as the next one
 expects it. A guest is reached through a ``Guest`` adapter (files via envd for QEMU, the fake's
 dicts for the fake).
+
+A VM's envd endpoint is the pair (envd_host, envd_port), never the port alone: QEMU's netns
+backend gives every VM envd's own port on an address of its own (a slot), which a pause to
+disk gives back and the resume replaces; slirp gives 127.0.0.1 and a port of its own. Tests
+read the parent's current VMInfo (``now``) rather than the one its boot returned.
 """
 from __future__ import annotations
 
@@ -22,6 +27,18 @@ from vmm.driver import (BootSpec, NetworkSpec, SnapshotManifest, SnapshotUnusabl
                         VMInfo, VMNotFound, VMStatus, get_driver)
 
 PARENT = "ct-parent"
+
+
+def endpoint(info: VMInfo) -> tuple[str, int]:
+    """Where the VM's envd answers."""
+    return info.envd_host, info.envd_port
+
+
+def now(env) -> VMInfo:
+    """The parent as the driver reports it now (its endpoint may have moved since its boot)."""
+    info = env.driver.info(PARENT)
+    assert info is not None
+    return info
 
 
 class FakeFiles:
@@ -43,12 +60,12 @@ class EnvdFiles:
     def write(self, info: VMInfo, path: str, text: str) -> None:
         from tests.vmm.test_lifecycle_vm import sh  # noqa: PLC0415
 
-        sh(info.envd_port, f"echo {text} > {path} && sync")
+        sh(info, f"echo {text} > {path} && sync")
 
     def read(self, info: VMInfo, path: str) -> str | None:
         from tests.vmm.test_lifecycle_vm import sh  # noqa: PLC0415
 
-        out = sh(info.envd_port, f"cat {path} 2>/dev/null || echo '<missing>'").strip()
+        out = sh(info, f"cat {path} 2>/dev/null || echo '<missing>'").strip()
         return None if out == "<missing>" else out
 
 
@@ -94,7 +111,8 @@ def parent(env):
 def test_boot_is_running_in_info_list_and_inspect(env, parent):
     d = env.driver
     assert parent.sandbox_id == PARENT and parent.status is VMStatus.RUNNING and parent.pid > 0
-    assert parent.envd_port > 0 and parent.accel == d.accel
+    assert parent.envd_host and parent.envd_port > 0 and parent.accel == d.accel
+    assert endpoint(d.info(PARENT)) == endpoint(parent)
     assert d.info(PARENT).status is VMStatus.RUNNING
     assert [v.sandbox_id for v in d.list()] == [PARENT]
     seen = d.inspect(PARENT)
@@ -108,12 +126,15 @@ def test_boot_is_running_in_info_list_and_inspect(env, parent):
 
 def test_pause_and_resume_in_memory(env, parent):
     d = env.driver
+    before = now(env)
     assert isinstance(d.pause(PARENT), dict)
     assert d.inspect(PARENT).status is VMStatus.PAUSED and d.info(PARENT).status is VMStatus.PAUSED
+    assert endpoint(d.info(PARENT)) == endpoint(before)  # paused in memory: it keeps its network
     d.pause(PARENT)  # again: not an error
     info = d.resume(PARENT)
     assert info.status is VMStatus.RUNNING and d.inspect(PARENT).status is VMStatus.RUNNING
-    assert info.pid == parent.pid and info.envd_port == parent.envd_port  # the same process
+    assert info.pid == before.pid and endpoint(info) == endpoint(before)  # the same process, same endpoint
+    assert env.files.read(info, "/home/user/ct.txt") == "booted"
     assert d.resume(PARENT).status is VMStatus.RUNNING  # resume of a running VM: not an error
 
 
@@ -126,7 +147,9 @@ def test_pause_to_disk_is_saved_and_resume_brings_it_back(env, parent):
     assert [v.sandbox_id for v in d.list()] == [PARENT] and d.stray() == []
     assert d.pause_to_disk(PARENT) == {}  # already saved that way
     info = d.resume(PARENT)
-    assert info.status is VMStatus.RUNNING and info.envd_port == parent.envd_port
+    # Its endpoint may have moved (netns: a fresh slot): the driver reports the one the resume
+    # returned, and the guest answers there.
+    assert info.status is VMStatus.RUNNING and info.pid > 0 and endpoint(now(env)) == endpoint(info)
     assert d.inspect(PARENT).status is VMStatus.RUNNING
     assert env.files.read(info, "/home/user/ct.txt") == "booted"
 
@@ -143,11 +166,14 @@ def test_verbs_a_saved_vm_does_not_allow(env, parent, tmp_path):
     with pytest.raises(VMError):
         d.pause_to_disk(PARENT, memory=False)  # saved with its memory: resume first
     assert d.inspect(PARENT).status is VMStatus.SAVED
-    assert d.resume(PARENT).status is VMStatus.RUNNING
+    info = d.resume(PARENT)
+    assert info.status is VMStatus.RUNNING and endpoint(now(env)) == endpoint(info)
+    assert env.files.read(info, "/home/user/ct.txt") == "booted"
 
 
 def test_snapshot_and_restore(env, parent, tmp_path):
     d = env.driver
+    parent = now(env)  # as it is now: the pause to disk above may have moved its endpoint
     manifest = d.snapshot(PARENT, tmp_path / "snap")
     assert (tmp_path / "snap" / "manifest.json").is_file() and manifest.fingerprint == d.fingerprint()
     assert SnapshotManifest.load(tmp_path / "snap") == manifest
@@ -156,7 +182,7 @@ def test_snapshot_and_restore(env, parent, tmp_path):
     child = d.restore(manifest, BootSpec("ct-restored"))
     try:
         assert child.status is VMStatus.RUNNING and d.inspect("ct-restored").status is VMStatus.RUNNING
-        assert child.envd_port != parent.envd_port
+        assert endpoint(child) != endpoint(parent) and endpoint(now(env)) == endpoint(parent)
         assert env.files.read(child, "/home/user/ct.txt") == "booted"  # the snapshot's state
         assert {str(tmp_path / "snap")} & {str(Path(f).parent) for f in d.files_in_use()}
         with pytest.raises(VMError, match="already exists"):
@@ -173,12 +199,14 @@ def test_snapshot_and_restore(env, parent, tmp_path):
 
 def test_fork_gives_independent_children(env, parent):
     d = env.driver
+    parent = now(env)  # as it is now: the pause to disk above may have moved its endpoint
     children = d.fork(PARENT, 2, ["ct-child-a", "ct-child-b"])
     try:
         assert [c.sandbox_id for c in children] == ["ct-child-a", "ct-child-b"]
         assert all(isinstance(c, VMInfo) and c.status is VMStatus.RUNNING for c in children)
-        assert len({c.envd_port for c in children} | {parent.envd_port}) == 3
+        assert len({endpoint(c) for c in children} | {endpoint(parent)}) == 3  # an endpoint each
         assert d.inspect(PARENT).status is VMStatus.RUNNING  # the parent keeps its id and runs
+        assert endpoint(now(env)) == endpoint(parent)  # and its endpoint
         a, b = children
         assert env.files.read(a, "/home/user/ct.txt") == env.files.read(b, "/home/user/ct.txt") == "after-snapshot"
         env.files.write(a, "/home/user/ct.txt", "only-a")
@@ -213,14 +241,31 @@ def test_fingerprint_is_stable_across_instances(env, tmp_path):
 
 
 def test_a_network_policy_the_backend_cannot_enforce_is_refused(env):
-    """Today's backends (slirp, the fake's) cannot filter egress: a restriction is refused
-    before anything starts, never accepted and ignored."""
+    """A backend that cannot filter egress (slirp, the fake's by default) refuses a restriction
+    before anything starts, never accepting and ignoring it. One that can (QEMU's netns)
+    accepts the restrictions it enforces and refuses, the same way, what it cannot (domain
+    names in allowOut)."""
     d = env.driver
-    for network in (NetworkSpec(allow_internet_access=False), NetworkSpec(allow_out=("10.1.0.0/16",)),
-                    NetworkSpec(deny_out=("0.0.0.0/0",))):
-        with pytest.raises(UnsupportedNetworkPolicy, match="cannot restrict egress"):
-            d.boot(BootSpec("ct-net", cpu_count=1, memory_mb=256, network=network))
-        assert d.inspect("ct-net").status is VMStatus.UNKNOWN
+    restricted = (NetworkSpec(allow_internet_access=False), NetworkSpec(allow_out=("10.1.0.0/16",)),
+                  NetworkSpec(deny_out=("0.0.0.0/0",)))
+    if not d.net.enforces_egress:
+        for network in restricted:
+            with pytest.raises(UnsupportedNetworkPolicy, match="cannot restrict egress"):
+                d.boot(BootSpec("ct-net", cpu_count=1, memory_mb=256, network=network))
+            assert d.inspect("ct-net").status is VMStatus.UNKNOWN
+        return
+    for network in restricted:
+        d.net.check(network)  # accepted: no UnsupportedNetworkPolicy
+    info = d.boot(BootSpec("ct-net", cpu_count=1, memory_mb=256, network=restricted[0]))
+    try:
+        assert info.status is VMStatus.RUNNING and d.inspect("ct-net").status is VMStatus.RUNNING
+        assert endpoint(info) != endpoint(now(env))
+    finally:
+        assert d.kill("ct-net")
+    unenforceable = NetworkSpec(allow_out=("example.com",), deny_out=("0.0.0.0/0",))
+    with pytest.raises(UnsupportedNetworkPolicy, match="domain names"):
+        d.boot(BootSpec("ct-net", cpu_count=1, memory_mb=256, network=unenforceable))
+    assert d.inspect("ct-net").status is VMStatus.UNKNOWN
 
 
 def test_kill_leaves_nothing(env, parent):

@@ -47,9 +47,12 @@ def _keys(client, prefix, sub=""):
 
 def _store(s3, home, images, **kw) -> S3Store:
     """A node's store, with that node's QEMU driver (nothing boots: it adopts downloads and
-    reads its vm.json records for the files its VMs use)."""
+    reads its vm.json records for the files its VMs use). The driver's network is pinned to
+    slirp, the one the _capture() manifests (no "net" in a fingerprint) were taken on: a
+    snapshot restores only on the network it was taken on, and the backend `auto` picks
+    depends on the host (netns as root)."""
     client, prefix = s3
-    driver = QemuDriver(home=home, images_dir=images, accel="tcg")
+    driver = QemuDriver(home=home, images_dir=images, accel="tcg", network="slirp")
     return S3Store(home=home, images_dir=images, bucket=BUCKET, client=client, prefix=prefix, chunk_size=CHUNK,
                    concurrency=4, driver=driver, **kw)
 

@@ -28,13 +28,13 @@ def driver(tmp_path):
 def test_freed_guest_memory_returns_to_the_host(driver):
     info = start_vm(driver, BootSpec("balloon-1"))  # 2 vCPU, 512 MiB: a template restore when one exists
     ram = Path(f"/dev/shm/aenv-{info.sandbox_id}.ram")
-    port = info.envd_port
+    ep = (info.envd_host, info.envd_port)  # where its envd answers (slot address or 127.0.0.1 + port)
     # The guest driver is bound and negotiated VIRTIO_BALLOON_F_REPORTING (feature bit 5).
-    features = sh(port, "cat /sys/bus/virtio/drivers/virtio_balloon/virtio*/features").strip()
+    features = sh(ep, "cat /sys/bus/virtio/drivers/virtio_balloon/virtio*/features").strip()
     assert len(features) > 5 and features[5] == "1", features
     before = allocated(ram)
     # Touch 200 MiB (a bytes object of 'x', not lazily-zero pages), keep it briefly, then free it by exiting.
-    out = sh(port, "python3 -c \"import time; b = b'x' * (200 << 20); print(len(b)); time.sleep(1)\"")
+    out = sh(ep, "python3 -c \"import time; b = b'x' * (200 << 20); print(len(b)); time.sleep(1)\"")
     assert out.strip() == str(200 * MIB)
     peak = allocated(ram)
     print(f"\nguest RAM file: before {before / MIB:.0f} MiB, after alloc+free {peak / MIB:.0f} MiB")
@@ -45,6 +45,6 @@ def test_freed_guest_memory_returns_to_the_host(driver):
         time.sleep(0.5)
     print(f"returned to the host: now {allocated(ram) / MIB:.0f} MiB "
           f"({(peak - allocated(ram)) / MIB:.0f} MiB freed, {60 - (deadline - time.monotonic()):.1f} s)")
-    assert sh(port, "echo alive").strip() == "alive"
+    assert sh(ep, "echo alive").strip() == "alive"
     assert driver.kill(info.sandbox_id)
     assert_gone(driver, info)

@@ -4,6 +4,11 @@ One parent VM per module (a TCG boot is ~10 s) runs a background Python counter 
 /home/user/count ("<pid> <n>") every 0.2 s. Every check reads that counter: the same pid with a
 count that keeps growing from the old value proves the process (guest RAM + CPU state) survived;
 a restarted guest would show another pid or no file. Timings are printed (run with -s).
+
+A VM's envd is reached at its endpoint (envd_host, envd_port): under the netns backend the slot
+address and envd's fixed port (a pause to disk gives the slot back, the resume takes a fresh
+one), under the slirp fallback 127.0.0.1 and a forwarded port of its own. The helpers take an
+endpoint or a VMInfo; after a pause to disk the parent's is read again from the driver.
 """
 
 import contextlib
@@ -14,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vmm.test_qemu_vm import IMAGES_DIR, live_qemu_processes
+from tests.vmm.test_qemu_vm import (IMAGES_DIR, Endpoint, assert_no_slot, endpoint, fresh_sdk_connections,
+                                    live_qemu_processes, url)
 from vmm.driver import BootSpec, SnapshotManifest, get_driver
 from vmm.images import ensure_image
 from vmm.qemu import envd_healthy
@@ -33,13 +39,15 @@ while True:
 """
 
 
-def sh(port: int, cmd: str) -> str:
-    """Runs cmd as `user` through envd (e2b SDK in debug mode) and returns stdout."""
+def sh(vm: Endpoint | object, cmd: str) -> str:
+    """Runs cmd as `user` through the envd at vm's endpoint (a (host, port) pair or a VMInfo;
+    e2b SDK in debug mode) and returns stdout."""
     from e2b import Sandbox
 
     keys = ("E2B_DEBUG", "E2B_SANDBOX_URL")
     old = {k: os.environ.get(k) for k in keys}
-    os.environ.update(E2B_DEBUG="true", E2B_SANDBOX_URL=f"http://127.0.0.1:{port}")
+    os.environ.update(E2B_DEBUG="true", E2B_SANDBOX_URL=url(vm))
+    fresh_sdk_connections()  # never a connection pooled for another VM at this endpoint
     try:
         return Sandbox.create().commands.run(cmd, user="user", timeout=60).stdout
     finally:
@@ -50,23 +58,23 @@ def sh(port: int, cmd: str) -> str:
                 os.environ[k] = v
 
 
-def counter(port: int) -> tuple[int, int]:
-    pid, n = sh(port, "cat /home/user/count").split()
+def counter(vm) -> tuple[int, int]:
+    pid, n = sh(vm, "cat /home/user/count").split()
     return int(pid), int(n)
 
 
-def exists(port: int, path: str) -> bool:
-    return sh(port, f"test -e {path} && echo yes || echo no").strip() == "yes"
+def exists(vm, path: str) -> bool:
+    return sh(vm, f"test -e {path} && echo yes || echo no").strip() == "yes"
 
 
-def assert_continues(port: int, before: tuple[int, int]) -> tuple[int, int]:
-    """Same process, count not reset, and still counting."""
-    now = counter(port)
+def assert_continues(vm, before: tuple[int, int]) -> tuple[int, int]:
+    """Same process, count not reset, and still counting (read through vm's endpoint)."""
+    now = counter(vm)
     assert now[0] == before[0], f"counter process restarted: {before} -> {now}"
     assert now[1] >= before[1], f"counter went back: {before} -> {now}"
     deadline = time.monotonic() + 10
     while True:
-        later = counter(port)
+        later = counter(vm)
         if later[1] > now[1]:
             assert later[0] == before[0]
             return later
@@ -79,6 +87,14 @@ def assert_gone(driver, info):
     assert not Path(f"/dev/shm/aenv-{info.sandbox_id}.ram").exists()
     assert live_qemu_processes(str(info.state_dir)) == []
     assert driver.info(info.sandbox_id) is None
+    assert_no_slot(driver, info)
+
+
+def current(driver, info) -> Endpoint:
+    """The endpoint the driver reports for the VM now (a resume from disk may have moved it)."""
+    now = driver.info(info.sandbox_id)
+    assert now is not None and now.status == "running", now
+    return endpoint(now)
 
 
 @contextlib.contextmanager
@@ -117,11 +133,11 @@ def driver(tmp_path_factory):
 @pytest.fixture(scope="module")
 def parent(driver):
     info = driver.boot(BootSpec("lc-parent", cpu_count=1, memory_mb=256))
-    port = info.envd_port
-    sh(port, f"cat > /home/user/counter.py <<'EOF'\n{COUNTER}EOF\necho parent-data > /home/user/data.txt")
-    sh(port, "setsid nohup python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
+    ep = endpoint(info)
+    sh(ep, f"cat > /home/user/counter.py <<'EOF'\n{COUNTER}EOF\necho parent-data > /home/user/data.txt")
+    sh(ep, "setsid nohup python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
     deadline = time.monotonic() + 30
-    while not exists(port, "/home/user/count"):
+    while not exists(ep, "/home/user/count"):
         assert time.monotonic() < deadline, "counter did not start"
         time.sleep(0.3)
     yield info
@@ -129,68 +145,79 @@ def parent(driver):
 
 
 def test_pause_resume_in_memory(driver, parent):
-    port = parent.envd_port
-    before = counter(port)
+    ep = current(driver, parent)
+    pid = driver.info(parent.sandbox_id).pid
+    before = counter(ep)
     t = driver.pause(parent.sandbox_id)
     print(f"\npause: {t}")
-    assert driver.info(parent.sandbox_id).status == "paused"
-    assert not envd_healthy("127.0.0.1", port, timeout=0.5)  # vCPUs really stopped
+    paused = driver.info(parent.sandbox_id)
+    assert paused.status == "paused" and endpoint(paused) == ep  # an in-memory pause keeps its network
+    assert not envd_healthy(*ep, timeout=0.5)  # vCPUs really stopped
     time.sleep(0.5)
     info = driver.resume(parent.sandbox_id)
     print(f"resume (in memory): {info.timings}")
-    assert info.status == "running" and info.envd_port == port and info.pid == parent.pid
-    assert_continues(port, before)
-    assert sh(port, "cat /home/user/data.txt").strip() == "parent-data"
+    assert info.status == "running" and endpoint(info) == ep and info.pid == pid  # same process, same endpoint
+    assert_continues(ep, before)
+    assert sh(ep, "cat /home/user/data.txt").strip() == "parent-data"
 
 
 def test_pause_to_disk_resume(driver, parent):
-    port = parent.envd_port
-    before = counter(port)
+    running = driver.info(parent.sandbox_id)
+    ep, pid = current(driver, parent), running.pid
+    before = counter(ep)
     t = driver.pause_to_disk(parent.sandbox_id)
     print(f"\npause_to_disk: {t}")
     paused = driver.info(parent.sandbox_id)
     assert paused.status == "saved" and paused.pid == 0
+    if driver.net.name == "netns":  # the slot was given back: no endpoint while saved
+        assert paused.envd_host == ""
+        assert_no_slot(driver, running)
     assert driver.inspect(parent.sandbox_id).memory is True
     assert [v.sandbox_id for v in driver.list()] == [parent.sandbox_id]
     assert live_qemu_processes(str(parent.state_dir)) == []  # QEMU really exited
     assert Path(f"/dev/shm/aenv-{parent.sandbox_id}.ram").exists()  # the memory snapshot
     assert (parent.state_dir / "device.state").exists()
+    assert not envd_healthy(*ep, timeout=0.5)  # nothing answers where it was
     info = driver.resume(parent.sandbox_id)
-    print(f"resume (from disk): {info.timings}")
-    assert info.status == "running" and info.envd_port == port and info.pid != parent.pid
+    print(f"resume (from disk): {info.timings}, envd {endpoint(info)} (was {ep})")
+    assert info.status == "running" and info.pid != pid
+    # The endpoint may have moved (netns: a fresh slot); the driver and the resume agree on it.
+    assert current(driver, info) == endpoint(info) and envd_healthy(*endpoint(info))
     assert not (parent.state_dir / "device.state").exists()
-    assert_continues(port, before)
-    assert sh(port, "cat /home/user/data.txt").strip() == "parent-data"
+    assert_continues(info, before)
+    assert sh(info, "cat /home/user/data.txt").strip() == "parent-data"
 
 
 def test_snapshot_restore_two(driver, parent, tmp_path):
-    port = parent.envd_port
-    sh(port, "echo snap-marker > /home/user/snap.txt")
-    before = counter(port)
+    ep = current(driver, parent)  # moved by the pause to disk above, maybe
+    sh(ep, "echo snap-marker > /home/user/snap.txt")
+    before = counter(ep)
     manifest = driver.snapshot(parent.sandbox_id, tmp_path / "snap")
     print(f"\nsnapshot: {manifest.timings}")
     assert manifest.timings["pause_ms"] < 5000
     assert SnapshotManifest.load(tmp_path / "snap").layers == manifest.layers
     assert len(manifest.layers) >= 2 and all(Path(p).exists() for p in manifest.layers)
     assert Path(manifest.memory_file).exists() and Path(manifest.device_state_file).exists()
-    parent_counter = assert_continues(port, before)  # the source keeps running
+    parent_counter = assert_continues(ep, before)  # the source keeps running
+    assert current(driver, parent) == ep  # where it was
     kids = []
     try:
         for sid in ("lc-r1", "lc-r2"):
             kids.append(driver.restore(manifest, BootSpec(sid)))
             print(f"restore {sid}: {kids[-1].timings}")
         r1, r2 = kids
-        assert len({r1.envd_port, r2.envd_port, port}) == 3
+        assert len({endpoint(r1), endpoint(r2), ep}) == 3  # each restore has an endpoint of its own
         for kid in kids:
-            assert sh(kid.envd_port, "cat /home/user/snap.txt").strip() == "snap-marker"
-            assert_continues(kid.envd_port, before)
-        sh(r1.envd_port, "echo r1 > /home/user/only-r1.txt")
-        assert exists(r1.envd_port, "/home/user/only-r1.txt")
-        assert not exists(r2.envd_port, "/home/user/only-r1.txt")
-        assert not exists(port, "/home/user/only-r1.txt")
-        sh(port, "echo p > /home/user/only-parent.txt")
-        assert not exists(r2.envd_port, "/home/user/only-parent.txt")
-        assert_continues(port, parent_counter)
+            assert current(driver, kid) == endpoint(kid)
+            assert sh(kid, "cat /home/user/snap.txt").strip() == "snap-marker"
+            assert_continues(kid, before)
+        sh(r1, "echo r1 > /home/user/only-r1.txt")
+        assert exists(r1, "/home/user/only-r1.txt")
+        assert not exists(r2, "/home/user/only-r1.txt")
+        assert not exists(ep, "/home/user/only-r1.txt")
+        sh(ep, "echo p > /home/user/only-parent.txt")
+        assert not exists(r2, "/home/user/only-parent.txt")
+        assert_continues(ep, parent_counter)
     finally:
         for kid in kids:
             assert driver.kill(kid.sandbox_id)
@@ -218,7 +245,8 @@ def test_restores_get_distinct_entropy(driver, parent, tmp_path):
             assert r.status_code == 204, r.text
             r = httpx.post(f"{kid.envd_url}/init", json={"entropySeed": "not base64"}, timeout=30)
             assert r.status_code == 400
-        outs = [sh(k.envd_port, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").strip() for k in kids]
+        assert len({endpoint(k) for k in kids} | {current(driver, parent)}) == 3
+        outs = [sh(k, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").strip() for k in kids]
         assert len(outs[0]) == 64 and outs[0] != outs[1]
         for kid in kids:
             console = (kid.state_dir / "console.log").read_text(errors="replace")
@@ -230,9 +258,9 @@ def test_restores_get_distinct_entropy(driver, parent, tmp_path):
 
 
 def test_fork_two(driver, parent):
-    port = parent.envd_port
-    sh(port, "echo fork-marker > /home/user/fork.txt")
-    before = counter(port)
+    ep = current(driver, parent)
+    sh(ep, "echo fork-marker > /home/user/fork.txt")
+    before = counter(ep)
     results = driver.fork(parent.sandbox_id, 2)
     kids = [r for r in results if not isinstance(r, Exception)]
     try:
@@ -242,15 +270,16 @@ def test_fork_two(driver, parent):
         a, b = kids
         capture_ram = list(Path("/dev/shm").glob(f"aenv-fork-{parent.sandbox_id}-*.ram"))
         assert len(capture_ram) == 1  # the capture's RAM copy is on tmpfs, mapped by both children
-        assert driver.info(parent.sandbox_id).envd_port == port
-        assert envd_healthy("127.0.0.1", port)
+        assert current(driver, parent) == ep  # the parent keeps its endpoint
+        assert envd_healthy(*ep)
+        assert len({endpoint(a), endpoint(b), ep}) == 3  # each child has an endpoint of its own
         for kid in kids:
-            assert sh(kid.envd_port, "cat /home/user/fork.txt").strip() == "fork-marker"
-            assert_continues(kid.envd_port, before)
-        sh(a.envd_port, "echo a > /home/user/only-a.txt")
-        assert not exists(b.envd_port, "/home/user/only-a.txt")
-        assert not exists(port, "/home/user/only-a.txt")
-        assert_continues(port, before)
+            assert sh(kid, "cat /home/user/fork.txt").strip() == "fork-marker"
+            assert_continues(kid, before)
+        sh(a, "echo a > /home/user/only-a.txt")
+        assert not exists(b, "/home/user/only-a.txt")
+        assert not exists(ep, "/home/user/only-a.txt")
+        assert_continues(ep, before)
     finally:
         for kid in kids:
             assert driver.kill(kid.sandbox_id)
@@ -267,21 +296,23 @@ def test_restored_vm_pause_to_disk_converts_to_own_ram(driver, parent, tmp_path)
     manifest = driver.snapshot(parent.sandbox_id, tmp_path / "snap")
     kid = driver.restore(manifest, BootSpec("lc-cow"))
     try:
-        before = counter(kid.envd_port)
+        before = counter(kid)
         t1 = driver.pause_to_disk(kid.sandbox_id)
         full = (kid.state_dir / "device.state").stat().st_size
         info = driver.resume(kid.sandbox_id)
         print(f"\ncow pause_to_disk {t1}, state {full >> 20} MiB; resume {info.timings}")
+        assert info.status == "running" and current(driver, kid) == endpoint(info)
         assert info.timings["ram_converted"] == 1
         own = Path(f"/dev/shm/aenv-{kid.sandbox_id}.ram")
         assert own.exists() and own.stat().st_blocks * 512 < 200 << 20  # not all 256 MiB
-        before = assert_continues(kid.envd_port, before)
+        before = assert_continues(info, before)
         t2 = driver.pause_to_disk(kid.sandbox_id)
         small = (kid.state_dir / "device.state").stat().st_size
         print(f"own-RAM pause_to_disk {t2}, state {small >> 10} KiB")
         assert small < 1 << 20 < full
-        driver.resume(kid.sandbox_id)
-        assert_continues(kid.envd_port, before)
+        info = driver.resume(kid.sandbox_id)
+        assert info.status == "running" and current(driver, kid) == endpoint(info)
+        assert_continues(info, before)
     finally:
         assert driver.kill(kid.sandbox_id)
     assert_gone(driver, kid)
