@@ -34,11 +34,13 @@ def pytest_report_header(config):
         return None
 
 
-# The test session is an aenv instance of its own on the host network: drivers made by tests
-# (tests/vmm, the contract suite) share these slots, never a running node's (each test stack
-# gets yet another prefix and pool: tests/integration/stack.py).
-os.environ.setdefault("AENV_NET_PREFIX", "aenvt")
-os.environ.setdefault("AENV_NET_POOL", "10.13.0.0/16")
+# Each test session is an aenv network instance of its own: drivers made by tests (tests/vmm,
+# the contract suite) share its slots, never a running node's nor another session's (two
+# sessions may run at once). Each test stack of the session is yet another instance inside the
+# session's /16 (tests/integration/stack.py). Names stay within Linux's 15-character limit.
+_SESSION = os.getpid() % 100
+os.environ.setdefault("AENV_NET_PREFIX", f"at{_SESSION}")
+os.environ.setdefault("AENV_NET_POOL", f"10.{100 + _SESSION}.0.0/20")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -47,12 +47,19 @@ class Stack:
     api_key: str = ""
     node_id: str = ""
 
-    net_prefix: str = field(default_factory=lambda: f"aenvs{next(_NET_INSTANCES)}")
+    net_instance: int = field(default_factory=lambda: next(_NET_INSTANCES))
+
+    @property
+    def net_prefix(self) -> str:
+        """Each stack is a network instance of its own (slots, table, resolver, addresses),
+        inside the test session's (tests/conftest.py)."""
+        return f"{os.environ.get('AENV_NET_PREFIX', 'aenvt')}s{self.net_instance}"
 
     @property
     def net_pool(self) -> str:
-        """Each stack is an instance of its own: its slots, table, resolver and addresses."""
-        return f"10.{20 + int(self.net_prefix[5:]) % 200}.0.0/16"
+        """A /20 of the session's /16 after the session's own first /20 (15 stacks)."""
+        first, second = os.environ.get("AENV_NET_POOL", "10.13.0.0/20").split(".")[:2]
+        return f"{first}.{second}.{16 * (1 + (self.net_instance - 1) % 15)}.0/20"
 
     def remove_network(self) -> None:
         """Once its VMs are gone: the stack's slots, nftables table and resolver."""

@@ -70,9 +70,9 @@ def test_a_killed_worker_comes_back_with_slots_and_isolation_and_removes_leftove
         assert slot > 0
         stack.kill_node()
         # what a dead node of this instance could leave: a slot nobody uses, a veth without its netns
-        leftover = slots.create(slots.Slot(stack.net_prefix, 4000, stack.net_pool))
-        subprocess.run(["ip", "link", "add", f"{stack.net_prefix}v4001", "type", "veth", "peer", "name",
-                        f"{stack.net_prefix}p4001"], check=True)
+        leftover = slots.create(slots.Slot(stack.net_prefix, 2000, stack.net_pool))
+        subprocess.run(["ip", "link", "add", f"{stack.net_prefix}v2001", "type", "veth", "peer", "name",
+                        f"{stack.net_prefix}p2001"], check=True)
         stack.start_node()
         assert "network backend: network=netns" in stack.new_log("node")
         names = {s.netns for s in slots.list_slots(stack.net_prefix, stack.net_pool)}

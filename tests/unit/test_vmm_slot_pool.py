@@ -73,7 +73,25 @@ def test_a_restarted_node_keeps_what_its_vms_use(prefix):
     assert slots.list_slots(prefix) == [used]
     assert used.host_veth in _table(prefix) and pool.in_use() == {used.index}
     fresh = pool.acquire()
-    assert fresh.index not in (used.index,)  # the lowest free index, never one in use
+    assert fresh.index not in (used.index,)  # never one in use
     pool.release(fresh)
     pool.release(used)
+    assert slots.list_slots(prefix) == []
+
+
+def test_a_released_address_is_not_handed_out_again_at_once(prefix):
+    """Indexes rotate: a client still holding a connection to a released slot's address
+    must not reach the next sandbox there."""
+    pool = SlotPool(prefix, warm=0)
+    pool.adopt(set())
+    first = pool.acquire()
+    pool.release(first)
+    second = pool.acquire()
+    third = pool.acquire()
+    try:
+        assert first.index not in (second.index, third.index)
+        assert second.address != first.address and third.index > second.index
+    finally:
+        pool.release(second)
+        pool.release(third)
     assert slots.list_slots(prefix) == []

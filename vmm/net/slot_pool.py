@@ -32,6 +32,7 @@ class SlotPool:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._table_ready = False
+        self._cursor = 1  # where the search for the next free index starts
 
     # -- node start -------------------------------------------------------------------------------
 
@@ -103,12 +104,19 @@ class SlotPool:
     # -- inside -----------------------------------------------------------------------------------
 
     def _make(self) -> Slot:
-        """A new slot at the lowest free index (the netns name is the claim, so another
-        process taking the same index only moves us on)."""
+        """A new slot at the next free index after the last one made (the netns name is the
+        claim, so another process taking the same index only moves us on). Indexes rotate
+        through the pool rather than reusing the lowest: an address just given back is not
+        handed out again at once, so a client still holding a connection to it gets no
+        stranger's guest."""
         if not self._table_ready:
             host_table.ensure(self.prefix, self.pool, self.dns_ip)
             self._table_ready = True
-        for index in range(1, slots.max_slots(self.pool) + 1):
+        total = slots.max_slots(self.pool)
+        with self._lock:
+            start = self._cursor
+        for step in range(total):
+            index = (start - 1 + step) % total + 1
             with self._lock:
                 if index in self._in_use or any(s.index == index for s in self._ready):
                     continue
@@ -119,6 +127,8 @@ class SlotPool:
                 if "taken" in str(exc):
                     continue
                 raise
+            with self._lock:
+                self._cursor = index % total + 1
             try:
                 subprocess.run(["sysctl", "-q", "-w", f"net.ipv4.conf.{slot.host_veth}.forwarding=1"],
                                check=True, capture_output=True, timeout=10)
