@@ -119,3 +119,17 @@ class NetnsBackend(NetworkBackend):
 def egress_of(spec: NetworkSpec) -> egress.EgressPolicy:
     """The slot policy of a NetworkSpec (vmm.net.policy: E2B's semantics)."""
     return egress.parse(list(spec.allow_out), list(spec.deny_out), spec.allow_internet_access)
+
+
+def remove_instance(prefix: str, pool: str, home: Path) -> dict:
+    """Removes everything an aenv instance's network left on this host: every slot and
+    stray veth of ``prefix``, its nftables table, its resolver. For an instance going away
+    for good (a test stack, an uninstall) once its VMs are gone; never while they run."""
+    from vmm.net import host_table  # noqa: PLC0415
+
+    removed = [s.netns for s in slots.list_slots(prefix, pool) if slots.destroy(s)]
+    for name in slots.stray_veths(prefix):
+        slots.remove_link(name)
+    table = host_table.remove(prefix)
+    NodeDNS(prefix, pool, Path(home) / "net").stop()
+    return {"slots": removed, "table": table}
