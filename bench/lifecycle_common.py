@@ -50,6 +50,13 @@ def ms(t0: float, t1: float) -> float:
     return (t1 - t0) * 1e3
 
 
+def percentile(values, q: float) -> float:
+    """The q-th percentile by nearest rank (an observed value: p99 of 500 is the 5th largest)."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100)
+    return ordered[int(rank) - 1]
+
+
 def run_cmd(url: str, cmd: str = "echo ok", *, sandbox_id: str = "bench", token: str | None = None,
             envd_version: str = "0.6.4") -> str:
     """One command through envd with the official SDK. ``url`` is either a VM's envd (raw part)
@@ -144,9 +151,14 @@ class LoadMonitor:
 
 
 def ensure_template_snapshot(args) -> float:
-    """Builds the template snapshot of the benchmark's shape if missing; seconds it took."""
+    """Builds the image and the template snapshot of the benchmark's shape if missing; seconds
+    the snapshot took. Pins the image build for the whole run: ``args.image`` becomes the
+    build's own directory name (``base-<recipe hash>``, which find_image takes like ``base``),
+    so a ``base`` link moved meanwhile by another build in the shared images dir (someone
+    editing the guest tools) does not turn the run's creates into cold boots."""
     images_dir = Path(args.images_dir).absolute()
-    ensure_image(images_dir, "base", progress=lambda m: None)
+    image = ensure_image(images_dir, "base", progress=lambda m: None)
+    args.image = f"{image.name}-{image.recipe_hash}"
     t0 = time.monotonic()
-    templates.build(images_dir, "base", args.cpu, args.memory, args.disk, progress=print)
+    templates.build(images_dir, args.image, args.cpu, args.memory, args.disk, progress=print)
     return round(time.monotonic() - t0, 1)

@@ -1,11 +1,19 @@
 """The two halves of bench/lifecycle.py: the raw driver (QemuDriver in this process) and
-the same operations through the E2B API of a running stack."""
+the same operations through the E2B API of a running stack.
+
+Networking (issue 10): the raw driver is a network instance of the benchmark's own
+(AENV_NET_PREFIX / AENV_NET_POOL, set by bench/lifecycle.py before anything runs), started
+like a node's (warm slot pool, resolver, table) and removed at the end of the raw part; a
+second driver on restricted slirp (its own template snapshot: the fingerprint includes the
+network backend) gives the netns / slirp comparison. The slot part measures the slots
+themselves with bench/net_slots.py in yet another instance."""
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import shutil
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +25,26 @@ from vmm.qemu import QemuDriver, envd_healthy
 
 from bench.lifecycle_common import ROOT, add_memory, mem_available, ms, run_cmd
 
+PARENT_OPS = {"pause", "disk", "fs", "snapshot", "fork4", "fork16"}  # what runs on one long-lived sandbox
+USER_PORT = 8080  # the guest HTTP server of the user-port part
+NET_WARM = 8  # warm slots of the raw driver's pool: the node's default (AENV_NET_WARM_SLOTS)
+
+
+def time_attach(driver, sink: list[float]) -> None:
+    """Times every network handover of ``driver`` (its backend's ``attach``: for netns a warm
+    slot from the pool plus its egress policy, for slirp a host port): the driver's own
+    timings fold it into disk_ms, so the bound method is wrapped on this instance only."""
+    attach = driver.net.attach
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return attach(*args, **kwargs)
+        finally:
+            sink.append(ms(t0, time.perf_counter()))
+
+    driver.net.attach = timed
+
 
 class Raw:
     """The driver half: every number is wall time around one driver call (plus what the call
@@ -26,9 +54,15 @@ class Raw:
         self.args = args
         self.images_dir = Path(args.images_dir).absolute()
         self.home = (ROOT / "var" / "bench-runs" / f"lifecycle-{uuid.uuid4().hex[:8]}").absolute()
-        self.driver = QemuDriver(home=self.home, images_dir=self.images_dir, boot_timeout=120)
+        # network="auto": netns where this process can make slots (root), like the node
+        self.driver = QemuDriver(home=self.home, images_dir=self.images_dir, boot_timeout=120, net_warm=NET_WARM)
+        self.slirp: QemuDriver | None = None  # the restricted slirp driver, made by the slirp part
         self.templates = templates.TemplateCache(self.images_dir)
         self.samples: dict[str, list[float]] = {}
+        self.notes: list[str] = []
+        self.info: dict = {"network": self.driver.net.name}
+        self.attach_ms: list[float] = []
+        time_attach(self.driver, self.attach_ms)
         self.n = 0
 
     def add(self, name: str, value: float) -> None:
@@ -39,26 +73,37 @@ class Raw:
         return f"{prefix}-{self.n}"
 
     def spec(self, sid: str) -> BootSpec:
-        return BootSpec(sid, cpu_count=self.args.cpu, memory_mb=self.args.memory, disk_size_mb=self.args.disk)
+        return BootSpec(sid, image=self.args.image, cpu_count=self.args.cpu, memory_mb=self.args.memory,
+                        disk_size_mb=self.args.disk)
 
-    def start(self, spec: BootSpec):
+    def start(self, spec: BootSpec, driver: QemuDriver | None = None):
         """Like the node's create: a restore of the booted template (built first), else a cold boot."""
-        template = self.templates.find(self.driver, spec)
+        driver = driver or self.driver
+        template = self.templates.find(driver, spec)
         if template is None:
-            info = self.driver.boot(spec)
+            info = driver.boot(spec)
             info.timings["from_template_snapshot"] = 0
         else:
-            info = self.driver.restore(template, spec, template=True)
+            info = driver.restore(template, spec, template=True)
             info.timings["from_template_snapshot"] = 1
         return info
+
+    @property
+    def netns(self) -> bool:
+        return self.driver.net.name == "netns"
 
     def run(self) -> None:
         a = self.args
         ops = set(a.ops.split(","))
         try:
+            self.info["start_network"] = self.driver.start_network()  # as the node does: warm pool, resolver
+            if "slots" in ops:
+                self.slot_ops()
             if "create" in ops:
                 self.creates()
-            if ops - {"create"}:
+            if "slirp" in ops:
+                self.slirp_creates()
+            if ops & PARENT_OPS:
                 parent = self.start(self.spec("parent"))
                 run_cmd(parent.envd_url, "echo bench > /root/state.txt && python3 -c 'print(1)'")
                 sid = parent.sandbox_id
@@ -72,13 +117,40 @@ class Raw:
                             self.fork(sid, count)
                 self.driver.kill(sid)
         finally:
-            for vm in self.driver.list():
-                self.driver.kill(vm.sandbox_id)
+            for driver in (self.driver, self.slirp):
+                for vm in driver.list() if driver is not None else ():
+                    driver.kill(vm.sandbox_id)
+            self.remove_network()
             shutil.rmtree(self.home, ignore_errors=True)
+
+    def remove_network(self) -> None:
+        """The bench instance's slots (warm ones included), table and resolver: nothing of it
+        is left on the host (vmm.net.netns.remove_instance)."""
+        if not self.netns:
+            return
+        from vmm.net.netns import remove_instance  # noqa: PLC0415
+
+        self.driver.net.close()  # stops the refill first, so no slot is made after the sweep
+        left = remove_instance(self.driver.net.prefix, self.driver.net.pool_cidr, self.home)
+        self.info["removed_at_end"] = {"slots": len(left["slots"]), "table": left["table"]}
+
+    def slot_ops(self) -> None:
+        """Making / destroying a slot and a handover from a warm pool (bench/net_slots.py, in an
+        instance of its own: prefix aenvbm, pool 10.16.0.0/20)."""
+        from bench import net_slots  # noqa: PLC0415
+
+        if not self.netns:
+            self.notes.append("slot part skipped: this process cannot make network slots (needs root, nft, nsenter)")
+            return
+        measured = net_slots.measure(self.args.slot_runs, NET_WARM)
+        for name, values in measured.items():
+            key = name if name.startswith("slot_") else f"slot_{name}"
+            self.samples.setdefault(key, []).extend(values)
 
     def creates(self) -> None:
         for _ in range(self.args.runs):
             sid = self.sid("create")
+            self.attach_ms.clear()
             t0 = time.perf_counter()
             info = self.start(self.spec(sid))
             t1 = time.perf_counter()
@@ -88,8 +160,10 @@ class Raw:
             self.add("create_from_template", ms(t0, t1))
             self.add("create_from_template_first_command", ms(t0, t2))
             self.add("create.ram_copy", info.timings.get("ram_copy_ms", 0))
+            if self.attach_ms:
+                self.add("create.net_attach", self.attach_ms[0])
             t0 = time.perf_counter()
-            self.driver.kill(sid)
+            self.driver.kill(sid)  # netns: the slot is destroyed with the VM
             self.add("kill", ms(t0, time.perf_counter()))
         for _ in range(self.args.cold_runs):
             sid = self.sid("cold")
@@ -97,6 +171,37 @@ class Raw:
             self.driver.boot(self.spec(sid))  # boot() never restores a template
             self.add("create_cold_boot", ms(t0, time.perf_counter()))
             self.driver.kill(sid)
+
+    def slirp_creates(self) -> None:
+        """The same creates on a restricted slirp driver (its own home and template snapshot),
+        for the netns / slirp comparison (the cold boots are not repeated on slirp)."""
+        if not self.netns:
+            self.notes.append("slirp comparison skipped: the raw driver itself runs on slirp")
+            return
+        self.slirp = QemuDriver(home=self.home / "slirp", images_dir=self.images_dir, boot_timeout=120,
+                                network="slirp")
+        attach_ms: list[float] = []
+        time_attach(self.slirp, attach_ms)
+        t0 = time.monotonic()
+        self.templates.build(self.slirp, self.args.image, self.args.cpu, self.args.memory, self.args.disk,
+                             progress=lambda m: print(f"slirp {m}", flush=True))
+        self.info["slirp_template_snapshot_ready_s"] = round(time.monotonic() - t0, 1)
+        for _ in range(self.args.runs):
+            sid = self.sid("slirp")
+            attach_ms.clear()
+            t0 = time.perf_counter()
+            info = self.start(self.spec(sid), self.slirp)
+            t1 = time.perf_counter()
+            assert info.timings.get("from_template_snapshot") == 1, info.timings
+            run_cmd(info.envd_url)
+            t2 = time.perf_counter()
+            self.add("create_from_template_slirp", ms(t0, t1))
+            self.add("create_from_template_slirp_first_command", ms(t0, t2))
+            if attach_ms:
+                self.add("create_slirp.net_attach", attach_ms[0])
+            t0 = time.perf_counter()
+            self.slirp.kill(sid)
+            self.add("kill_slirp", ms(t0, time.perf_counter()))
 
     def pause_resume(self, sid: str) -> None:
         for _ in range(self.args.runs):
@@ -149,22 +254,30 @@ class Raw:
 
     def fork(self, sid: str, count: int) -> None:
         avail0 = mem_available()
+        self.attach_ms.clear()
         t0 = time.perf_counter()
         results = self.driver.fork(sid, count)
+        for v in self.attach_ms:  # the children's handovers, made at once (the pool refills behind)
+            self.add(f"fork{count}.net_attach", v)
         kids = [r for r in results if not isinstance(r, Exception)]
         if len(kids) != count:
             raise RuntimeError(f"fork x{count}: {[r for r in results if isinstance(r, Exception)]}")
+        # each child answers at its own slot's address (envd_url), so networking is part of it
         with concurrent.futures.ThreadPoolExecutor(count) as pool:
             outs = list(pool.map(lambda k: run_cmd(k.envd_url), kids))
         t_all = time.perf_counter()
         assert all(o.strip() == "ok" for o in outs), outs
+        if self.netns:
+            hosts = {k.guest_host for k in kids}
+            assert len(hosts) == count and "" not in hosts, f"fork x{count}: children share slots: {hosts}"
         self.add(f"fork{count}_parent_pause", kids[0].timings["capture.pause_ms"])
         self.add(f"fork{count}_children_ready", kids[0].timings["fork_all_ready_ms"])
         self.add(f"fork{count}_all_answering", ms(t0, t_all))
         add_memory(self.add, f"fork{count}", [k.pid for k in kids], avail0)
         for k in kids:
             self.driver.kill(k.sandbox_id)
-        assert envd_healthy("127.0.0.1", self.driver.info(sid).envd_port)
+        parent = self.driver.info(sid)
+        assert envd_healthy(parent.envd_host, parent.envd_port)
 
 
 class Api:
@@ -265,7 +378,7 @@ class Api:
         if "create" in ops:
             for _ in range(a.runs):
                 self.kill(client, self.create(client, "create_from_template", self.template)["sandboxID"])
-        if not ops - {"create"}:
+        if not ops & (PARENT_OPS | {"userport"}):
             return
         parent = self.create(client, "parent_create", self.template)
         sid = parent["sandboxID"]
@@ -290,6 +403,8 @@ class Api:
             if f"fork{count}" in ops:
                 for _ in range(runs):
                     self.fork(client, sid, count)
+        if "userport" in ops:
+            self.user_port(parent)
         self.pause_windows(sid)
         self.kill(client, sid)
 
@@ -327,6 +442,52 @@ class Api:
             with concurrent.futures.ThreadPoolExecutor(min(len(kids), 8) or 1) as pool:
                 list(pool.map(lambda k: self.kill(client, k["sandboxID"]), kids))
 
+    def user_port(self, sbx: dict) -> None:
+        """A guest HTTP server on USER_PORT; small GETs through the data plane (E2b-Sandbox-Id /
+        E2b-Sandbox-Port headers → the sandbox's guest_host:port) as api.userport_*, and the
+        same straight from this host to guest_host:port (the slot address, read from the
+        stack's DB) without the api. prefix, so API/raw = proxy / direct. Sequential with one
+        keep-alive client, then ``--http-clients`` at once; proxy and direct alternate."""
+        a, sid, port = self.args, sbx["sandboxID"], USER_PORT
+        script = GUEST_HTTP_SERVER.format(port=port)
+        self.command(sbx, f"cat > /tmp/bench_http.py <<'EOF'\n{script}\nEOF\n"
+                          "(python3 /tmp/bench_http.py >/tmp/bench_http.log 2>&1 &) ; sleep 0.2; echo ok")
+        proxy = (f"{self.sandbox_url}/", {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)})
+        targets = {"api.": proxy}
+        guest_host = self.guest_host(sid)
+        if guest_host:
+            targets[""] = (f"http://{guest_host}:{port}/", {})
+        else:
+            self.notes.append("user port measured through the data plane only: the direct run needs --api auto "
+                              "(guest_host from the stack's DB) and the netns backend")
+        deadline = time.monotonic() + 60
+        while True:  # the server has started (a refused connect is retried by the data plane)
+            try:
+                http_gets(*proxy, requests=1, clients=1)
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        for _ in range(a.http_runs):
+            for clients, suffix in ((1, ""), (a.http_clients, "_concurrent")):
+                for prefix, (url, headers) in targets.items():
+                    latencies, rps = http_gets(url, headers, a.http_requests, clients)
+                    self.samples.setdefault(f"{prefix}userport_get{suffix}", []).extend(latencies)
+                    self.add(f"{prefix}userport{suffix}_rps", rps)
+        self.notes.append(f"user port: {a.http_requests} GETs of 3 bytes per run, sequential on one keep-alive "
+                          f"client and split over {a.http_clients} concurrent clients, {a.http_runs} run(s); "
+                          "raw = this host straight to the slot address, API = through the data plane")
+
+    def guest_host(self, sid: str) -> str:
+        """Where the node reaches every port of the sandbox (its slot address), from the DB."""
+        if self.stack is None:
+            return ""
+        out = self.stack.db("from sandboxes.models import Sandbox\n"
+                            f"print('BENCH_HOST', Sandbox.objects.get(id={sid!r}).guest_host or '-')")
+        host = out.split("BENCH_HOST", 1)[1].split()[0]
+        return "" if host == "-" else host
+
     def pause_windows(self, sid: str) -> None:
         """The node's capture timings of this parent's snapshots and forks, from the
         SandboxEvents the control plane wrote (only with a stack of our own: needs its DB)."""
@@ -359,3 +520,56 @@ print("BENCH_JSON " + json.dumps({{"snapshots": snaps, "forks": forks}}))
             if f["pause_ms"] is not None:
                 self.add(f"api.fork{f['count']}_parent_pause", f["pause_ms"])
                 self.add(f"api.fork{f['count']}_children_ready", f["ready_ms"])
+
+
+# The guest's HTTP server for the user-port part: a few bytes per GET, HTTP/1.1 keep-alive
+# (python3 -m http.server answers HTTP/1.0 and closes every connection, which would measure
+# TCP handshakes through the slot rather than the data plane), one thread per connection.
+# Head and body leave in one write (wbufsize; flushed after each request) with Nagle off:
+# written separately, the body waits for the client's delayed ACK, ~40 ms per request.
+GUEST_HTTP_SERVER = """
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    wbufsize = 65536
+    disable_nagle_algorithm = True
+    def do_GET(self):
+        body = b"ok\\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", {port}), H).serve_forever()
+"""
+
+
+def http_gets(url: str, headers: dict, requests: int, clients: int) -> tuple[list[float], float]:
+    """``requests`` small GETs split over ``clients`` keep-alive httpx clients (one thread
+    each); returns every request's latency (ms) and the throughput (requests/s from the moment
+    every client is connected until the last answer). Each client's first GET (its
+    connection) is not timed."""
+    import httpx  # noqa: PLC0415
+
+    per_client = max(1, requests // clients)
+    connected = threading.Barrier(clients)
+    starts: list[float] = []
+
+    def one_client(_: int) -> list[float]:
+        out = []
+        with httpx.Client(headers=headers, timeout=30, trust_env=False) as c:  # no HTTP(S)_PROXY detour
+            c.get(url).raise_for_status()
+            connected.wait(timeout=120)
+            starts.append(time.perf_counter())
+            for _ in range(per_client):
+                t0 = time.perf_counter()
+                r = c.get(url)
+                out.append(ms(t0, time.perf_counter()))
+                if r.status_code != 200 or r.content != b"ok\n":
+                    raise RuntimeError(f"GET {url}: {r.status_code} {r.text[:200]!r}")
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        latencies = [v for part in pool.map(one_client, range(clients)) for v in part]
+    return latencies, len(latencies) / (time.perf_counter() - min(starts))
