@@ -1,0 +1,71 @@
+"""vmm.net.policy (E2B's egress semantics, one parse for the API and the slot table) and how
+a policy lands in a slot's nftables sets: pure checks everywhere, real namespaces as root."""
+import json
+import subprocess
+
+import pytest
+
+from vmm.net import policy, slots
+from vmm.net.netns import egress_of
+from vmm.net.spec import NetworkSpec
+
+
+def test_allow_internet_access_false_replaces_deny_out_with_everything_and_keeps_allow_out():
+    p = policy.parse(["1.1.1.1"], ["8.8.8.0/24"], allow_internet_access=False)
+    assert p == policy.EgressPolicy(allow=("1.1.1.1/32",), deny=("0.0.0.0/0",))
+    assert policy.parse().open and not p.open
+
+
+def test_bare_ips_become_networks_and_duplicates_collapse():
+    p = policy.parse(["203.0.113.7", "203.0.113.7/32", "198.51.100.9/24"], [" 192.0.2.1 "])
+    assert p.allow == ("203.0.113.7/32", "198.51.100.0/24") and p.deny == ("192.0.2.1/32",)
+
+
+@pytest.mark.parametrize("allow, deny, message", [
+    ([], ["not-an-ip"], "invalid denied CIDR not-an-ip"),
+    ([], ["0.0.0.0"], "invalid denied CIDR 0.0.0.0"),
+    (["0.0.0.0"], [], "invalid allowed address 0.0.0.0"),
+    (["example.com"], [], "you must include 'ALL_TRAFFIC' in deny out"),
+    (["example.com"], ["0.0.0.0/0"], "domain names in allowOut (example.com) are not supported"),
+    ([], ["2001:db8::/32"], "IPv4 only"),
+    ("1.1.1.1", [], "allowOut must be a list of strings"),
+])
+def test_e2b_errors(allow, deny, message):
+    with pytest.raises(policy.PolicyError) as err:
+        policy.parse(allow, deny)
+    assert message in str(err.value)
+
+
+def test_the_slot_table_checks_node_then_always_denied_then_allow_then_deny():
+    slot = slots.Slot("aenvq", 1, "10.12.0.0/16")
+    text = slots.ruleset(slot, deny_extra=("192.0.2.2/32",), policy=policy.EgressPolicy(("1.1.1.1/32",),
+                         ("0.0.0.0/0",)), dns_ip="10.12.0.1", allow_extra=("10.99.0.0/16",))
+    order = [text.index(r) for r in ("ip daddr @node_deny drop", "ip daddr @always_deny ip daddr != @site_allow drop",
+                                     "ip daddr @user_allow accept", "ip daddr @user_deny drop")]
+    assert order == sorted(order)
+    assert "elements = { 192.0.2.2/32, 10.12.0.1/32 }" in text  # the node and its resolver
+    assert "elements = { 10.99.0.0/16 }" in text and "elements = { 1.1.1.1/32 }" in text
+    assert "ip daddr 8.8.8.8 udp dport 53 dnat ip to 10.12.0.1" in text
+    script = slots.policy_script(policy.EgressPolicy((), ("203.0.113.0/24",)))
+    assert script.splitlines() == ["flush set inet aenv user_allow", "flush set inet aenv user_deny",
+                                   "add element inet aenv user_deny { 203.0.113.0/24 }"]
+
+
+def _set(slot, name) -> list:
+    out = subprocess.run(slot.nsenter("nft", "-j", "list", "set", "inet", "aenv", name), capture_output=True,
+                         text=True, check=True).stdout
+    elems = [i["set"].get("elem", []) for i in json.loads(out)["nftables"] if "set" in i][0]
+    return [e if isinstance(e, str) else f"{e['prefix']['addr']}/{e['prefix']['len']}" for e in elems]
+
+
+@pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter")
+def test_a_policy_is_applied_to_a_real_slot_and_replaced_whole(slot_prefix):
+    slot = slots.create(slots.Slot(slot_prefix, 7), allow_extra=("10.99.0.0/16",))
+    try:
+        assert _set(slot, "site_allow") == ["10.99.0.0/16"]
+        slots.apply_policy(slot, egress_of(NetworkSpec(allow_out=("198.51.100.10",), deny_out=("0.0.0.0/0",))))
+        assert _set(slot, "user_allow") == ["198.51.100.10"] and _set(slot, "user_deny") == ["0.0.0.0/0"]
+        slots.apply_policy(slot, egress_of(NetworkSpec()))  # {} opens it again
+        assert _set(slot, "user_allow") == [] and _set(slot, "user_deny") == []
+    finally:
+        slots.destroy(slot)
