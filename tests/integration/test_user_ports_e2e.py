@@ -164,3 +164,36 @@ def test_private_sandbox_needs_its_traffic_token_on_user_ports(stack, sdk_env):
         assert sbx.commands.run("echo envd-ok").stdout == "envd-ok\n"
     finally:
         sbx.kill()
+
+
+HEADERS_ECHO = r'''
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"host": self.headers.get("Host"), "xfh": self.headers.get("X-Forwarded-Host"),
+                           "token": self.headers.get("e2b-traffic-access-token")}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("0.0.0.0", int(sys.argv[1])), H).serve_forever()
+'''
+
+
+def test_the_guest_sees_the_host_it_was_asked_for_or_the_masked_one(stack, sdk_env):
+    plain = Sandbox.create(timeout=600)
+    masked = Sandbox.create(timeout=600, network={"mask_request_host": "custom-host.example.com:${PORT}"})
+    try:
+        for sbx in (plain, masked):
+            sbx.files.write("/tmp/echo_headers.py", HEADERS_ECHO)
+            sbx.commands.run("python3 /tmp/echo_headers.py 8080 >/dev/null 2>&1", background=True)
+        host = plain.get_host(8080)
+        seen = _until(lambda: (x := httpx.get(stack.sandbox_url, headers={"Host": host}, timeout=10))
+                      .status_code == 200 and x.json(), "the plain sandbox's header echo")
+        assert seen["host"] == host and seen["xfh"] is None
+        host = masked.get_host(8080)
+        seen = _until(lambda: (x := httpx.get(stack.sandbox_url, headers={"Host": host}, timeout=10))
+                      .status_code == 200 and x.json(), "the masked sandbox's header echo")
+        assert seen["host"] == "custom-host.example.com:8080" and seen["xfh"] == host
+    finally:
+        plain.kill()
+        masked.kill()
