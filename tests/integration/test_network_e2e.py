@@ -97,6 +97,7 @@ def test_restored_and_forked_guests_are_isolated_too(stack, sdk_env, world):
     ext, service = world
     parent = Sandbox.create(timeout=600)
     made = []
+    snapshot = None
     try:
         parent.commands.run("cd /tmp && python3 -m http.server 8080 >/dev/null 2>&1", background=True)
         snapshot = parent.create_snapshot()
@@ -117,6 +118,8 @@ def test_restored_and_forked_guests_are_isolated_too(stack, sdk_env, world):
                 s.kill()
             except Exception:  # noqa: BLE001 - best effort cleanup
                 pass
+        if snapshot is not None:  # later tests count the store's snapshots
+            Sandbox.delete_snapshot(snapshot.snapshot_id)
 
 
 def _reach(sandbox) -> tuple[bool, bool]:
