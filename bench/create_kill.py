@@ -82,8 +82,7 @@ def main() -> int:
             rows = [one_run(client, api, sandbox_url, key) for _ in range(args.runs)]
     finally:
         if stack:
-            stack.stop()
-            stack.kill_vm_leftovers()
+            stack.shutdown()
             shutil.rmtree(stack.home, ignore_errors=True)
 
     metrics = sorted({k for r in rows for k in r})

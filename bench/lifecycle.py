@@ -174,9 +174,7 @@ def main() -> int:
             result["notes"] += a.notes
         finally:
             if stack:
-                stack.stop()
-                stack.kill_vm_leftovers()
-                stack.remove_network()  # its slots, nftables table and resolver
+                stack.shutdown()  # processes, VMs, its slots, nftables table and resolver
                 shutil.rmtree(stack.home, ignore_errors=True)
                 # RAM files of VMs that only a SIGKILL above ended (none after a clean run)
                 for sid in a.started if a is not None else ():

@@ -50,8 +50,7 @@ def web_stack(chromium_path):
         stack.manage("create_dashboard_user", "--username", "ada", "--team", "default", "--password", PASSWORD)
         yield stack
     finally:
-        stack.stop()
-        stack.kill_vm_leftovers()
+        stack.shutdown()
         if not os.environ.get("AENV_KEEP_TEST_HOME"):
             shutil.rmtree(home, ignore_errors=True)
 

@@ -19,9 +19,7 @@ def running_stack(prefix: str = "e2e", **kwargs):
         s.start()
         yield s
     finally:
-        s.stop()
-        s.kill_vm_leftovers()
-        s.remove_network()
+        s.shutdown()
         if not os.environ.get("AENV_KEEP_TEST_HOME"):
             shutil.rmtree(home, ignore_errors=True)
 

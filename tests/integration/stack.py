@@ -61,6 +61,13 @@ class Stack:
         first, second = os.environ.get("AENV_NET_POOL", "10.13.0.0/20").split(".")[:2]
         return f"{first}.{second}.{16 * (1 + (self.net_instance - 1) % 15)}.0/20"
 
+    def shutdown(self) -> None:
+        """Everything the stack started, gone: its processes, VMs left running, and its network
+        instance (slots, nftables table, resolver). Its home stays (callers decide)."""
+        self.stop()
+        self.kill_vm_leftovers()
+        self.remove_network()
+
     def remove_network(self) -> None:
         """Once its VMs are gone: the stack's slots, nftables table and resolver."""
         from vmm.net import slots  # noqa: PLC0415
