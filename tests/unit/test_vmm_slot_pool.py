@@ -47,7 +47,8 @@ def test_warm_slots_are_handed_out_refilled_and_released(prefix):
         forwarding = subprocess.run(["sysctl", "-n", f"net.ipv4.conf.{a.host_veth}.forwarding"],
                                     capture_output=True, text=True, check=True).stdout.strip()
         assert forwarding == "1"
-        pool.release(a)
+        pool.release(a)  # destroyed by the background thread
+        assert pool.settle()
         assert a not in slots.list_slots(prefix) and a.host_veth not in _table(prefix)
         assert pool.in_use() == {b.index}
     finally:

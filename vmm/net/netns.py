@@ -87,7 +87,8 @@ class NetnsBackend(NetworkBackend):
         policy = egress_of(spec)  # a bad policy is refused before a slot is taken
         slot = self.slots.acquire()
         try:
-            slots.apply_policy(slot, policy)
+            if not policy.open or policy.allow:  # a new slot's policy sets are empty: open
+                slots.apply_policy(slot, policy)
         except BaseException:
             self.slots.release(slot)
             raise

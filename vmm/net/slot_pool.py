@@ -4,8 +4,8 @@ slot handover, not a restore plus netns setup (issue 10).
 Why a pool: making a slot (netns, veth, tap, addresses, two nft transactions) costs tens of
 milliseconds; taking a made one costs nothing. ``acquire`` hands out a warm slot (making one
 only when the pool is empty) and a background thread refills the pool to ``warm``; ``release``
-destroys a slot (a slot is never reused: a fresh netns carries no conntrack state or rules of
-a previous sandbox). At node start ``adopt`` keeps the slots its VMs still use and removes the
+hands a slot to that thread to destroy (a slot is never reused: a fresh netns carries no
+conntrack state or rules of a previous sandbox). At node start ``adopt`` keeps the slots its VMs still use and removes the
 rest, with what a crash left half-made. Every slot joins the node's table (``host_table``)
 and gets IPv4 forwarding on its host veth only."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
+import time
 
 from . import host_table, slots
 from .slots import Slot, SlotError
@@ -27,6 +28,7 @@ class SlotPool:
         self.dns_ip, self.allow_extra = dns_ip, allow_extra
         self._lock = threading.Lock()
         self._ready: list[Slot] = []
+        self._dying: list[Slot] = []  # released, destroyed by the background thread
         self._in_use: set[int] = set()
         self._refill = threading.Event()
         self._stop = threading.Event()
@@ -53,6 +55,7 @@ class SlotPool:
         with self._lock:
             self._in_use = set(in_use)
             self._ready = []
+            self._dying = []
         return removed
 
     def start(self) -> None:
@@ -62,14 +65,15 @@ class SlotPool:
         self._refill.set()
 
     def close(self) -> None:
-        """Stops the refill and removes the warm slots (slots in use stay with their VMs)."""
+        """Stops the refill and removes the warm and released slots (slots in use stay with
+        their VMs)."""
         self._stop.set()
         self._refill.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         with self._lock:
-            ready, self._ready = self._ready, []
-        for slot in ready:
+            gone, self._ready, self._dying = self._ready + self._dying, [], []
+        for slot in gone:
             self._destroy(slot)
 
     # -- handing slots out ------------------------------------------------------------------------
@@ -88,10 +92,29 @@ class SlotPool:
         return slot
 
     def release(self, slot: Slot) -> None:
-        """The VM is gone for good: its slot is destroyed."""
+        """The VM's process is gone: its slot is destroyed — by the background thread when it
+        runs (a pause or kill does not wait ~30 ms for netlink and nft; nothing sends from a
+        slot whose VM is gone, and its index is not handed out until it is destroyed), else
+        here."""
         with self._lock:
             self._in_use.discard(slot.index)
-        self._destroy(slot)
+            later = self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+            if later:
+                self._dying.append(slot)
+        if later:
+            self._refill.set()
+        else:
+            self._destroy(slot)
+
+    def settle(self, timeout: float = 30.0) -> bool:
+        """Waits until released slots are destroyed (tests, node shutdown); False on timeout."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._lock:
+                if not self._dying:
+                    return True
+            time.sleep(0.02)
+        return False
 
     def in_use(self) -> set[int]:
         with self._lock:
@@ -118,7 +141,7 @@ class SlotPool:
         for step in range(total):
             index = (start - 1 + step) % total + 1
             with self._lock:
-                if index in self._in_use or any(s.index == index for s in self._ready):
+                if index in self._in_use or any(s.index == index for s in (*self._ready, *self._dying)):
                     continue
             try:
                 slot = slots.create(Slot(self.prefix, index, self.pool), self.deny_extra, self.dns_ip,
@@ -150,6 +173,17 @@ class SlotPool:
         while not self._stop.is_set():
             self._refill.wait()
             self._refill.clear()
+            while not self._stop.is_set():
+                with self._lock:
+                    slot = self._dying[0] if self._dying else None
+                if slot is None:
+                    break
+                try:
+                    self._destroy(slot)
+                except Exception:  # noqa: BLE001 - logged; node start removes what is left
+                    log.exception("could not remove network slot %s", slot.netns)
+                with self._lock:
+                    self._dying.remove(slot)
             while not self._stop.is_set() and self.ready() < self.warm:
                 try:
                     slot = self._make()
