@@ -8,6 +8,7 @@ from pathlib import Path
 import dj_database_url
 
 from aenv_site.secret_key import load_secret_key
+from vmm.net.spec import DEFAULT_WARM_SLOTS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -37,7 +38,7 @@ AENV_DRIVER = _env("AENV_DRIVER", "qemu")
 AENV_NETWORK = _env("AENV_NETWORK", "auto")
 AENV_NET_PREFIX = _env("AENV_NET_PREFIX", "aenv")  # names this instance's netns, veths and nft table
 AENV_NET_POOL = _env("AENV_NET_POOL", "10.12.0.0/16")  # a /31 per slot; base + 1 is the node's resolver
-AENV_NET_WARM_SLOTS = _env_int("AENV_NET_WARM_SLOTS", 8)
+AENV_NET_WARM_SLOTS = _env_int("AENV_NET_WARM_SLOTS", DEFAULT_WARM_SLOTS)
 # Comma-separated CIDRs guests may never reach (e.g. the LAN) / may reach although private (a mirror).
 AENV_NET_DENY_EXTRA = tuple(c.strip() for c in _env("AENV_NET_DENY_EXTRA", "").split(",") if c.strip())
 AENV_NET_ALLOW_EXTRA = tuple(c.strip() for c in _env("AENV_NET_ALLOW_EXTRA", "").split(",") if c.strip())

@@ -21,13 +21,14 @@ from pathlib import Path
 
 from vmm import templates
 from vmm.driver import BootSpec
+from vmm.net.spec import DEFAULT_WARM_SLOTS
 from vmm.qemu import QemuDriver, envd_healthy
 
 from bench.lifecycle_common import ROOT, add_memory, mem_available, ms, run_cmd
 
 PARENT_OPS = {"pause", "disk", "fs", "snapshot", "fork4", "fork16"}  # what runs on one long-lived sandbox
 USER_PORT = 8080  # the guest HTTP server of the user-port part
-NET_WARM = 8  # warm slots of the raw driver's pool: the node's default (AENV_NET_WARM_SLOTS)
+NET_WARM = DEFAULT_WARM_SLOTS  # warm slots of the raw driver's pool: the node's default (AENV_NET_WARM_SLOTS)
 
 
 def time_attach(driver, sink: list[float]) -> None:

@@ -16,6 +16,10 @@ GUEST_PREFIX = 24
 GATEWAY = "10.0.2.2"
 DNS = "10.0.2.3"
 
+# Network slots a netns node keeps made ahead (AENV_NET_WARM_SLOTS): enough for a fork ×16
+# (AgentENV's "up to 16 children on one node") to find every child's slot ready.
+DEFAULT_WARM_SLOTS = 16
+
 
 @dataclass(frozen=True)
 class NetworkSpec:

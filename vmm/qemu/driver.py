@@ -23,6 +23,7 @@ from vmm.hostinfo import kvm_openable
 from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
 from vmm.net import ENVD_PORT, Attachment, NetworkSpec, choose_backend, ports, slots
+from vmm.net.spec import DEFAULT_WARM_SLOTS
 from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
@@ -46,7 +47,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                  boot_timeout: float = DEFAULT_BOOT_TIMEOUT, qemu: str = QEMU, shm_dir: Path = Path("/dev/shm"),
                  port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None,
                  network: str | None = None, net_prefix: str | None = None, net_pool: str | None = None,
-                 net_warm: int = 4, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = ()):
+                 net_warm: int = DEFAULT_WARM_SLOTS, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = ()):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
