@@ -99,7 +99,7 @@ def _slot_handover(s: dict) -> str:
     if "create_slirp.net_attach" in s:
         parts.append(f"slirp (a host port): {_stat(s, 'create_slirp.net_attach', 'median')}")
     if "fork16.net_attach" in s:
-        parts.append(f"in a fork ×16 (16 at once, 8 warm): {_stat(s, 'fork16.net_attach', 'median')} median, "
+        parts.append(f"in a fork ×16 (16 at once, from the warm pool): {_stat(s, 'fork16.net_attach', 'median')} median, "
                      f"{_stat(s, 'fork16.net_attach', 'max')} max")
     return "; ".join(parts)
 
