@@ -11,8 +11,10 @@ mkdir -p "$AENV_HOME" "$ROOT/.cache"
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
+# skopeo + umoci pull and unpack OCI images (vmm/oci); docker-registry + apache2-utils (htpasswd) are the
+# local registry the tests push their own images to (tests/oci_registry.py).
 APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static curl ca-certificates redis-tools
-              nftables iproute2 util-linux dnsmasq-base)
+              nftables iproute2 util-linux dnsmasq-base skopeo umoci docker-registry apache2-utils)
 python3 -c 'import venv, ensurepip' 2>/dev/null || APT_PACKAGES+=(python3-venv python3-dev)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
