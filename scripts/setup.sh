@@ -24,6 +24,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "==> installing system packages: ${missing[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  # Only the tests run registries (on 127.0.0.1, their own config): not the package's service on *:5000.
+  if [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true
+  fi
 fi
 
 # Redis is the Celery broker/result backend and the channel layer.
