@@ -1,0 +1,223 @@
+"""Test images made here, without internet, pushed to a local registry (tests.oci_registry).
+
+Why our own: the tests must not depend on Docker Hub, and must know exactly what an image
+holds to check that it arrived in the guest. Images are built with ``umoci`` (init, new,
+unpack to a bundle, change the rootfs, ``repack --refresh-bundle`` once per layer, ``config``)
+into an OCI layout and pushed with ``skopeo copy``. Two rootfs sources:
+
+* ``busybox_layer``: a few MiB: static busybox with its applets, the host's bash with the
+  libraries it links (the E2B SDK and envd run every command as ``/bin/bash -l -c``) and glibc's
+  core libraries, a passwd/group with root and nobody only (so the conversion must add
+  ``user``). Seconds. Why glibc's loader, libm, libdl and libpthread at the standard paths: today
+  envd does not run without them. The tools drive starts it through its own loader, but
+  PyInstaller's bootloader then re-executes itself through the ELF interpreter
+  (/lib64/ld-linux-x86-64.so.2 of the image) without the drive's library path, so an image
+  without glibc (alpine, static distroless) cannot run envd yet (see vmm.toolsdrive).
+* ``debootstrap_layer``: the debootstrap rootfs the base image build caches
+  (``var/images/stages/debootstrap-*/rootfs``): a real distro with its own ``user`` and sudo.
+  ~400 MiB, a minute or more; used by opt-in tests only.
+
+    python -m tests.oci_images push <registry host:port> <repository:tag> [--debootstrap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+BUSYBOX = Path("/bin/busybox")
+BUSYBOX_APPLETS = ["sh", "ls", "cat", "echo", "id", "whoami", "stat", "test", "mkdir", "rm", "env", "pwd", "grep",
+                   "mount", "readlink", "head", "tail", "wc", "sleep", "true", "false", "uname", "touch", "chmod",
+                   "sha256sum", "hostname", "ps", "find", "sed", "tr", "cut", "sort", "df"]
+GLIBC_CORE = ["libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0"]  # + the loader, via bash's ldd
+DEFAULT_CONFIG = {
+    "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "AENV_OCI_TEST=hello-oci"],
+    "workingdir": "/srv/app",
+    "user": "0:0",
+    "cmd": ["/bin/sh", "-c", "cat /srv/app/hello.txt"],
+    "label": ["org.aenv.test=1"],
+}
+
+
+def available() -> str | None:
+    """None if test images can be made and pushed here, else why not (a skip reason)."""
+    for tool in ("umoci", "skopeo"):
+        if shutil.which(tool) is None:
+            return f"{tool} not installed (scripts/setup.sh installs it)"
+    if os.geteuid() != 0:
+        return "making test images needs root (umoci keeps file owners)"
+    if not BUSYBOX.exists():
+        return "busybox-static not installed"
+    return None
+
+
+def run(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True, **kw)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:4])} ... failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return proc
+
+
+def _host_libs(binary: Path) -> list[Path]:
+    """The host libraries (and loader) `binary` links, as ldd resolves them."""
+    libs = []
+    for line in run(["ldd", str(binary)]).stdout.splitlines():
+        parts = line.split()
+        if "=>" in parts and len(parts) > parts.index("=>") + 1 and parts[parts.index("=>") + 1].startswith("/"):
+            libs.append(Path(parts[parts.index("=>") + 1]))
+        elif parts and parts[0].startswith("/"):
+            libs.append(Path(parts[0]))
+    return libs
+
+
+def _copy_into(rootfs: Path, src: Path, dest: str, mode: int = 0o755) -> None:
+    target = rootfs / dest.lstrip("/")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src.resolve(), target)
+    target.chmod(mode)
+
+
+def busybox_layer(rootfs: Path) -> None:
+    """A minimal userland: busybox + applets, bash + its libraries, root and nobody."""
+    for d in ("bin", "etc", "srv/app", "usr/bin", "var/empty"):
+        (rootfs / d).mkdir(parents=True, exist_ok=True)
+    _copy_into(rootfs, BUSYBOX, "/bin/busybox")
+    for applet in BUSYBOX_APPLETS:
+        (rootfs / "bin" / applet).symlink_to("busybox")
+    bash = Path(shutil.which("bash") or "/bin/bash")
+    _copy_into(rootfs, bash, "/bin/bash")
+    for lib in _host_libs(bash) + [Path("/lib/x86_64-linux-gnu") / name for name in GLIBC_CORE]:
+        _copy_into(rootfs, lib, str(lib))
+    (rootfs / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/bin/sh\n")
+    (rootfs / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (rootfs / "etc/os-release").write_text("ID=aenv-oci-test\nNAME=\"aenv OCI test image\"\n")
+    (rootfs / "srv/app/remove-me.txt").write_text("deleted by the next layer\n")
+
+
+def debootstrap_rootfs(images_dir: Path) -> Path | None:
+    """The newest cached debootstrap rootfs of the base image build, if any."""
+    found = sorted((Path(images_dir) / "stages").glob("debootstrap-*/rootfs"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def debootstrap_layer(source: Path) -> Callable[[Path], None]:
+    def layer(rootfs: Path) -> None:
+        run(["cp", "-a", f"{source}/.", str(rootfs)])
+        (rootfs / "srv/app").mkdir(parents=True, exist_ok=True)
+        (rootfs / "srv/app/remove-me.txt").write_text("deleted by the next layer\n")
+    return layer
+
+
+def app_layer(token: str) -> Callable[[Path], None]:
+    """The second layer: files the tests look for, and a deletion (an OCI whiteout)."""
+    def layer(rootfs: Path) -> None:
+        app = rootfs / "srv/app"
+        app.mkdir(parents=True, exist_ok=True)
+        (app / "hello.txt").write_text(f"{token}\n")
+        os.link(app / "hello.txt", app / "hard.txt")
+        (app / "link.txt").symlink_to("hello.txt")
+        owned = app / "owned.txt"
+        owned.write_text("owned by 1234\n")
+        os.chown(owned, 1234, 1234)
+        owned.chmod(0o640)
+        (rootfs / "srv/app/remove-me.txt").unlink()
+    return layer
+
+
+@dataclass
+class BuiltImage:
+    ref: str
+    token: str
+    config: dict = field(default_factory=dict)
+
+
+def build_layout(layout: Path, tag: str, layers: list[Callable[[Path], None]], config: dict, work: Path) -> None:
+    """An OCI layout at `layout` with image `tag`: one layer per callable (each changes the
+    rootfs of the previous), then the image config (env, workingdir, user, cmd, label)."""
+    run(["umoci", "init", "--layout", str(layout)])
+    image = f"{layout}:{tag}"
+    run(["umoci", "new", "--image", image])
+    bundle = work / "bundle"
+    run(["umoci", "unpack", "--image", image, str(bundle)])
+    for i, layer in enumerate(layers):
+        layer(bundle / "rootfs")
+        run(["umoci", "repack", "--refresh-bundle", "--history.created_by", f"aenv test layer {i + 1}",
+             "--image", image, str(bundle)])
+    argv = ["umoci", "config", "--image", image, "--author", "aenv tests"]
+    for key in ("env", "cmd", "entrypoint", "label"):
+        for value in config.get(key, []):
+            argv += [f"--config.{key}", value]
+    for key in ("workingdir", "user"):
+        if config.get(key):
+            argv += [f"--config.{key}", config[key]]
+    run(argv)
+
+
+def derive_layout(layout: Path, from_tag: str, to_tag: str, layer: Callable[[Path], None], work: Path) -> None:
+    """Image `to_tag` in `layout` = image `from_tag` + one layer (its layers and config shared:
+    a pull of both stores the shared blobs once)."""
+    bundle = work / f"bundle-{to_tag}"
+    run(["umoci", "unpack", "--image", f"{layout}:{from_tag}", str(bundle)])
+    layer(bundle / "rootfs")
+    run(["umoci", "repack", "--history.created_by", "aenv test derived layer", "--image", f"{layout}:{to_tag}",
+         str(bundle)])
+
+
+def push(layout: Path, tag: str, ref: str, credentials: tuple[str, str] | None = None) -> None:
+    argv = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false"]
+    if credentials:
+        argv += ["--dest-creds", f"{credentials[0]}:{credentials[1]}"]
+    run([*argv, f"oci:{layout}:{tag}", f"docker://{ref}"], env={**os.environ, "HOME": str(layout.parent)})
+
+
+def make_test_image(registry_host: str, repository: str, tag: str, token: str,
+                    credentials: tuple[str, str] | None = None, base_layer: Callable[[Path], None] = busybox_layer,
+                    config: dict | None = None) -> BuiltImage:
+    """Builds a two-layer test image (base_layer, then app_layer(token)) and pushes it to
+    ``registry_host/repository:tag``."""
+    config = config or DEFAULT_CONFIG
+    with tempfile.TemporaryDirectory(prefix="aenv-oci-image-") as work:
+        work = Path(work)
+        build_layout(work / "layout", "img", [base_layer, app_layer(token)], config, work)
+        ref = f"{registry_host}/{repository}:{tag}"
+        push(work / "layout", "img", ref, credentials)
+    return BuiltImage(ref=ref, token=token, config=config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.oci_images", description=__doc__.splitlines()[0])
+    parser.add_argument("cmd", choices=["push"])
+    parser.add_argument("registry", help="host:port")
+    parser.add_argument("name", help="repository:tag")
+    parser.add_argument("--debootstrap", action="store_true")
+    parser.add_argument("--token", default="hello from an OCI image")
+    args = parser.parse_args(argv)
+    reason = available()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 1
+    base = busybox_layer
+    if args.debootstrap:
+        from vmm.images import DEFAULT_IMAGES_DIR  # noqa: PLC0415
+
+        source = debootstrap_rootfs(Path(os.environ.get("AENV_IMAGES_DIR", DEFAULT_IMAGES_DIR)))
+        if source is None:
+            print("no debootstrap rootfs cached; build the base image first", file=sys.stderr)
+            return 1
+        base = debootstrap_layer(source)
+    repository, _, tag = args.name.partition(":")
+    image = make_test_image(args.registry, repository, tag or "latest", args.token, base_layer=base)
+    print(image.ref)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
