@@ -1,0 +1,237 @@
+"""Images from OCI registries as guest root disks (issue 11 item 2), against real services:
+Debian's docker-registry on 127.0.0.1 (one open, one with htpasswd auth), skopeo, umoci,
+e2fsprogs, qemu-img, and one real QEMU VM booted from the result.
+
+The test images are made here (tests.oci_images: busybox + bash, two layers, a whiteout, an
+owned file, a hard link and a symlink) with a random token, so every session pulls and builds
+fresh; what the session put in the images dir (guest images, disks, store entries) is removed
+at the end. One VM boot (marked ``vm``); the rest takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from envd_client import EnvdClient
+from tests import oci_images, oci_registry
+from vmm.driver import BootSpec, get_driver
+from vmm.images import DEFAULT_IMAGES_DIR, ensure_image, find_image
+from vmm.oci import ImagePullError, OciError, disks, ensure_disk, ext4, guest_image, pull, store, tools
+from vmm.templates import snapshot_dir
+
+IMAGES_DIR = Path(os.environ.get("AENV_IMAGES_DIR", DEFAULT_IMAGES_DIR))
+AUTH = ("aenv-tester", "s3cret-" + secrets.token_hex(4))
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (umoci keeps file owners; the guest disk holds root-owned files)"
+    lacking = tools.missing("skopeo", "umoci", "mke2fs", "debugfs", "qemu-img")
+    if lacking:
+        return f"not installed: {', '.join(lacking)} (scripts/setup.sh installs them)"
+    return oci_registry.available() or oci_images.available()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("oci")
+    plain = oci_registry.start(root / "registry")
+    secured = oci_registry.start(root / "registry-auth", auth=AUTH)
+    token = f"oci-{secrets.token_hex(6)}"
+    work = root / "build"
+    work.mkdir()
+    layout = work / "layout"
+    oci_images.build_layout(layout, "v1", [oci_images.busybox_layer, oci_images.app_layer(token)],
+                            oci_images.DEFAULT_CONFIG, work)
+    oci_images.derive_layout(layout, "v1", "v2", lambda rootfs: (rootfs / "srv/app/v2.txt").write_text("v2\n"), work)
+    refs = SimpleNamespace(v1=plain.ref("t/app", "v1"), v2=plain.ref("t/app", "v2"),
+                           private=secured.ref("t/private", "v1"))
+    oci_images.push(layout, "v1", refs.v1)
+    oci_images.push(layout, "v2", refs.v2)
+    oci_images.push(layout, "v1", refs.private, credentials=AUTH)
+    state = SimpleNamespace(plain=plain, secured=secured, token=token, refs=refs, digests=set(), names=set())
+    try:
+        yield state
+    finally:
+        for name in state.names:
+            from vmm.oci.guest import remove_guest_image  # noqa: PLC0415
+
+            remove_guest_image(IMAGES_DIR, name)
+        for digest in state.digests:
+            disks.remove_disk(IMAGES_DIR, digest)
+            store.remove(IMAGES_DIR, digest)
+        store.gc(IMAGES_DIR)
+        oci_registry.stop(plain.root)
+        oci_registry.stop(secured.root)
+
+
+@pytest.fixture(scope="module")
+def pulled(env):
+    image = pull(env.refs.v1, IMAGES_DIR, insecure=True)
+    env.digests.add(image.digest)
+    return image
+
+
+def _skopeo_digest(ref: str, credentials=None) -> str:
+    """What the registry serves for `ref`, asked independently of vmm.oci."""
+    argv = ["skopeo", "inspect", "--tls-verify=false", "--format", "{{.Digest}}"]
+    if credentials:
+        argv += ["--creds", ":".join(credentials)]
+    return subprocess.run([*argv, f"docker://{ref}"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_pull_records_digest_and_config(env, pulled):
+    assert pulled.digest == _skopeo_digest(env.refs.v1)  # an OCI image: stored as the registry has it
+    assert pulled.ref == env.refs.v1
+    assert pulled.env["AENV_OCI_TEST"] == "hello-oci" and pulled.env["PATH"].startswith("/usr/local/sbin")
+    assert (pulled.workdir, pulled.user) == ("/srv/app", "0:0")
+    assert pulled.cmd == ["/bin/sh", "-c", "cat /srv/app/hello.txt"] and pulled.entrypoint == []
+    assert pulled.config["Labels"] == {"org.aenv.test": "1"}
+    assert len(pulled.layers) == 2 and pulled.size > 0
+    assert pulled.digest in store.images(IMAGES_DIR)
+    again = pull(env.refs.v1, IMAGES_DIR, insecure=True)
+    assert again == pulled
+    assert store.load(IMAGES_DIR, pulled.digest).config == pulled.config
+
+
+def test_pull_by_digest_is_served_from_the_store(env, pulled):
+    """A digest-pinned reference already in the store needs no registry (this one has none)."""
+    image = pull(f"127.0.0.1:1/t/app@{pulled.digest}", IMAGES_DIR)
+    assert image.digest == pulled.digest and image.config == pulled.config
+
+
+def test_layers_shared_between_images_are_stored_once(env, pulled):
+    blobs = store.layout_dir(IMAGES_DIR) / "blobs" / "sha256"
+    before = {p.name for p in blobs.iterdir()}
+    v2 = pull(env.refs.v2, IMAGES_DIR, insecure=True)
+    env.digests.add(v2.digest)
+    assert v2.digest != pulled.digest
+    assert v2.layers[:2] == pulled.layers and len(v2.layers) == 3
+    added = {p.name for p in blobs.iterdir()} - before
+    # only v2's manifest, its config and its own layer: the two shared layers were already there
+    assert len(added) == 3 and v2.layers[2].digest.partition(":")[2] in added and v2.hex in added
+
+
+def test_credentialed_registry(env, pulled):
+    image = pull(env.refs.private, IMAGES_DIR, credentials=AUTH, insecure=True)
+    assert image.digest == pulled.digest  # the same image pushed to both registries
+    with pytest.raises(ImagePullError) as e:
+        pull(env.refs.private, IMAGES_DIR, insecure=True)
+    assert e.value.kind == "unauthorized" and "authentication required" in e.value.message
+    with pytest.raises(ImagePullError) as e:
+        pull(env.refs.private, IMAGES_DIR, credentials=(AUTH[0], "wrong"), insecure=True)
+    assert e.value.kind == "unauthorized"
+    index = json.loads((store.layout_dir(IMAGES_DIR) / "index.json").read_text())
+    assert not [m for m in index["manifests"] if m["annotations"]["org.opencontainers.image.ref.name"].startswith("pull-")]
+
+
+@pytest.mark.parametrize("case", ["unknown tag", "unknown repository", "closed port", "unknown host", "tls",
+                                  "invalid"])
+def test_bad_references_give_clear_errors(env, case):
+    host = env.plain.host
+    ref, insecure, kind, words = {
+        "unknown tag": (f"{host}/t/app:nope", True, "not_found", "manifest unknown"),
+        "unknown repository": (f"{host}/t/none:v1", True, "not_found", "manifest unknown"),
+        "closed port": ("127.0.0.1:1/t/app:v1", True, "unreachable", "connection refused"),
+        "unknown host": ("no-such-registry.invalid/t/app:v1", True, "unreachable", "no-such-registry.invalid"),
+        "tls": (f"{host}/t/app:v1", False, "unreachable", "HTTP response to HTTPS client"),
+        "invalid": ("Not A/Reference", True, "invalid", "not an image reference"),
+    }[case]
+    with pytest.raises(ImagePullError) as e:
+        pull(ref, IMAGES_DIR, insecure=insecure)
+    assert e.value.kind == kind, e.value.message
+    assert words in e.value.message
+    assert ref.split("/")[0] in str(e.value) or case == "invalid"
+
+
+def test_disk_is_reproducible_and_cached(env, pulled, tmp_path):
+    first = ensure_disk(IMAGES_DIR, pulled)
+    assert first.rootfs.stat().st_mode & 0o777 == 0o444
+    assert first.dir == disks.disk_dir(IMAGES_DIR, pulled.digest)
+    assert first.sha256 == ext4.sha256(first.rootfs)
+    assert first.meta["prepared"]["user"] == {"name": "user", "uid": 1000, "gid": 1000, "home": "/home/user",
+                                              "shell": "/bin/bash", "created": True}
+    assert first.config["WorkingDir"] == "/srv/app" and first.size_mb == ext4.MIN_SIZE_MB
+    again = ensure_disk(IMAGES_DIR, pulled)
+    assert again.reused and again.dir == first.dir and again.sha256 == first.sha256
+    inode = first.rootfs.stat().st_ino
+    assert again.rootfs.stat().st_ino == inode  # the same file, not rebuilt
+    # An independent build (another dir, another time, on tmpfs like another node's disk) gives the same bytes.
+    for parent in (tmp_path, Path("/dev/shm")):
+        out = Path(tempfile.mkdtemp(prefix="aenv-oci-out-", dir=parent))
+        work = Path(tempfile.mkdtemp(prefix="aenv-oci-work-", dir=parent))
+        try:
+            meta = disks.build(pulled, out, work)
+            assert ext4.sha256(out / "rootfs.qcow2") == meta["sha256"] == first.sha256, parent
+        finally:
+            shutil.rmtree(out)
+            shutil.rmtree(work)
+
+
+def test_guest_image_keys_include_the_rootfs(env, pulled):
+    base = ensure_image(IMAGES_DIR, "base")
+    disk = ensure_disk(IMAGES_DIR, pulled)
+    name = f"oci-test-{env.token[4:]}"
+    env.names.add(name)
+    image = guest_image(IMAGES_DIR, disk, name=name)
+    assert find_image(IMAGES_DIR, name) == image
+    for ours, theirs in ((image.kernel, base.kernel), (image.initrd, base.initrd), (image.tools, base.tools)):
+        assert ours.stat().st_ino == theirs.stat().st_ino  # hard links to the base build's files
+    assert image.rootfs.stat().st_ino == disk.rootfs.stat().st_ino
+    assert image.recipe_hash != base.recipe_hash
+    assert guest_image(IMAGES_DIR, disk, name=name) == image  # idempotent
+    fingerprint = {"driver": "qemu", "accel": "tcg"}
+    assert snapshot_dir(IMAGES_DIR, image, 2, 512, 2048, fingerprint) != snapshot_dir(IMAGES_DIR, base, 2, 512, 2048,
+                                                                                       fingerprint)
+    assert find_image(IMAGES_DIR, "base") == base  # untouched
+    with pytest.raises(OciError):
+        guest_image(IMAGES_DIR, disk, name="base")
+
+
+@pytest.mark.vm
+def test_boot_a_vm_from_the_pulled_image(env, pulled, tmp_path):
+    if not shutil.which("qemu-system-x86_64"):
+        pytest.skip("qemu-system-x86_64 not installed")
+    ensure_image(IMAGES_DIR, "base")
+    disk = ensure_disk(IMAGES_DIR, pulled)
+    name = f"oci-test-{env.token[4:]}"
+    env.names.add(name)
+    image = guest_image(IMAGES_DIR, disk, name=name)
+    driver = get_driver("qemu", tmp_path / "home", IMAGES_DIR)
+    sid = f"oci-{env.token[4:]}"
+    info = driver.boot(BootSpec(sid, image=image.name))
+    try:
+        with EnvdClient.at(info.envd_host, info.envd_port, timeout=60, stream_idle_timeout=60) as envd:
+            def sh(command: str, user: str = "root") -> str:
+                result = envd.run(command, user=user, stdin=None)
+                assert result.ok, (command, result.exit_code, result.stdout, result.stderr)
+                return result.stdout.decode().strip()
+
+            assert sh("cat /srv/app/hello.txt") == env.token
+            assert sh("cat /srv/app/hard.txt; readlink /srv/app/link.txt") == f"{env.token}\nhello.txt"
+            assert sh("test ! -e /srv/app/remove-me.txt && echo gone") == "gone"  # the second layer's whiteout
+            assert sh("stat -c '%u:%g %a' /srv/app/owned.txt") == "1234:1234 640"
+            assert sh("grep ^ID= /etc/os-release") == "ID=aenv-oci-test"
+            assert sh("whoami; id -u; pwd; echo $HOME", user="user") == "user\n1000\n/home/user\n/home/user"
+            assert sh("touch ~/written && stat -c %U ~/written", user="user") == "user"
+            assert sh("grep ' /opt/aenv ' /proc/mounts | cut -d' ' -f3,4 | cut -c1-6") == "ext4 r"
+            assert sh("hostname; grep -c '^127.0.0.1 localhost' /etc/hosts") == "aenv\n1"
+            assert sh("cat /etc/sudoers.d/aenv-user") == "user ALL=(ALL:ALL) NOPASSWD: ALL"
+            assert sh("grep ' / ' /proc/mounts | cut -d' ' -f3,4 | cut -c1-6") == "ext4 r"
+    finally:
+        driver.kill(sid)
+    assert not (tmp_path / "home" / "sandboxes" / sid).exists()
+    meta = json.loads((image.kernel.parent / "image.json").read_text())
+    assert meta["oci"]["digest"] == pulled.digest and meta["oci"]["config"]["Env"] == pulled.config["Env"]
