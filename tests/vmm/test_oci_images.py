@@ -16,6 +16,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -168,8 +169,11 @@ def test_disk_is_reproducible_and_cached(env, pulled, tmp_path):
     assert again.reused and again.dir == first.dir and again.sha256 == first.sha256
     inode = first.rootfs.stat().st_ino
     assert again.rootfs.stat().st_ino == inode  # the same file, not rebuilt
-    # An independent build (another dir, another time, on tmpfs like another node's disk) gives the same bytes.
+    # An independent build (another dir, another second, on tmpfs like another node's disk) gives the same
+    # bytes. (The sleep: the host stamps ctimes in whole seconds too; builds within one second would hide
+    # a ctime leaking into the disk.)
     for parent in (tmp_path, Path("/dev/shm")):
+        time.sleep(1.1)
         out = Path(tempfile.mkdtemp(prefix="aenv-oci-out-", dir=parent))
         work = Path(tempfile.mkdtemp(prefix="aenv-oci-work-", dir=parent))
         try:
@@ -235,3 +239,37 @@ def test_boot_a_vm_from_the_pulled_image(env, pulled, tmp_path):
     assert not (tmp_path / "home" / "sandboxes" / sid).exists()
     meta = json.loads((image.kernel.parent / "image.json").read_text())
     assert meta["oci"]["digest"] == pulled.digest and meta["oci"]["config"]["Env"] == pulled.config["Env"]
+
+
+@pytest.mark.slow
+def test_a_real_distribution_image(env, tmp_path):
+    """The debootstrap rootfs of the base image build (~400 MiB, Debian with its own `user`
+    and sudo) as an image: its user is kept, and a rebuild elsewhere is byte-identical."""
+    source = oci_images.debootstrap_rootfs(IMAGES_DIR)
+    if source is None:
+        pytest.skip("no debootstrap rootfs cached (build the base image first)")
+    ref = env.plain.ref("t/debian", env.token)
+    layout = tmp_path / "layout"
+    oci_images.build_layout(layout, "deb", [oci_images.debootstrap_layer(source), oci_images.app_layer(env.token)],
+                            oci_images.DEFAULT_CONFIG, tmp_path)
+    oci_images.push(layout, "deb", ref)
+    image = pull(ref, IMAGES_DIR, insecure=True)
+    env.digests.add(image.digest)
+    disk = ensure_disk(IMAGES_DIR, image)
+    user = disk.meta["prepared"]["user"]
+    assert user == {"name": "user", "uid": 1000, "gid": 1000, "home": "/home/user", "shell": "/bin/bash",
+                    "created": False}
+    assert disk.meta["used_bytes"] > 200 << 20
+    raw = tmp_path / "check.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(disk.rootfs), str(raw)], check=True)
+    def debugfs(request: str) -> str:
+        return subprocess.run(["debugfs", "-R", request, str(raw)], capture_output=True, text=True).stdout
+    assert "Mode:  04755" in debugfs("stat /usr/bin/sudo")  # setuid kept
+    assert debugfs("cat /srv/app/hello.txt").strip() == env.token
+    assert "NOPASSWD" in debugfs("cat /etc/sudoers.d/aenv-user")
+    raw.unlink()
+    out, work = Path(tempfile.mkdtemp(dir=tmp_path)), Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        assert disks.build(image, out, work)["sha256"] == disk.sha256
+    finally:
+        shutil.rmtree(work)
