@@ -21,7 +21,7 @@ kernel, initrd and tools drive (envd, the guest init) like the ``base`` image.
     image = image_from_registry(images_dir, "127.0.0.1:5000/team/app:v1", insecure=True)
     driver.boot(BootSpec("sbx-1", image=image.name))
 
-CLI: ``python -m vmm.oci pull|disk|image <ref> [--insecure] [--username U --password P]``.
+CLI: ``python -m vmm.oci pull|disk|image <ref> [--insecure] [--username U --password-stdin]``.
 Needs root (file owners, device nodes) and skopeo, umoci, e2fsprogs, qemu-utils.
 """
 

@@ -19,7 +19,7 @@ of killed builds safe).
 The epoch (SOURCE_DATE_EPOCH of everything aenv writes, and every inode's ctime) is the image's
 ``created`` time when it has one, else 0: meaningful and the same on every node.
 
-    python -m vmm.oci disk <ref> [--insecure] [--username U --password P]
+    python -m vmm.oci disk <ref> [--insecure] [--username U --password-stdin]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ the registry is asked anonymously (``--src-no-creds``: no credentials of the hos
 into a pull). One pull, removal or gc at a time per layout (an flock): skopeo and we rewrite
 ``index.json``.
 
-    python -m vmm.oci pull <ref> [--insecure] [--username U --password P]
+    python -m vmm.oci pull <ref> [--insecure] [--username U --password-stdin]
 """
 
 from __future__ import annotations
