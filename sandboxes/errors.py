@@ -16,8 +16,10 @@ log = logging.getLogger(__name__)
 
 STATUS = {
     domain.Invalid: 400,
+    domain.Forbidden: 403,
     domain.NotFound: 404,
     domain.Conflict: 409,
+    domain.RateLimited: 429,
     domain.Failed: 500,
     domain.Unavailable: 503,
     domain.Timeout: 504,

@@ -76,7 +76,13 @@ class ApiKey(models.Model):
 
 
 class Template(models.Model):
-    """A bootable guest image. ``image`` names the vmm image the node boots."""
+    """A template, E2B's unit of "what a sandbox starts from".
+
+    Two kinds share this row: a *global* template (no team, e.g. ``base`` made by
+    ``manage.py bootstrap``) whose ``image`` names the vmm image the node boots, and a
+    *team* template registered through the template build API (``template_builds``),
+    whose sandboxes start from the result of one of its ready builds. Names are
+    ``<team slug>/<alias>`` (team) or ``<alias>`` (global)."""
 
     id = models.CharField(primary_key=True, max_length=128)
     team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE, related_name="templates")
@@ -89,12 +95,30 @@ class Template(models.Model):
     envd_version = models.CharField(max_length=32, default="0.6.4")
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
+    # E2B deletes templates softly: the row stays for the sandboxes and snapshots that name
+    # it, its alias is free again, and nothing resolves it any more.
+    deleted_at = models.DateTimeField(null=True, blank=True, db_index=True)
 
     class Meta:
         ordering = ["id"]
+        constraints = [
+            # One live template per alias in a team's namespace (global aliases: checked by code).
+            models.UniqueConstraint(
+                fields=["team", "alias"],
+                condition=models.Q(deleted_at__isnull=True) & ~models.Q(alias=""),
+                name="template_unique_team_alias",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.id
+
+    @property
+    def names(self) -> list[str]:
+        """E2B's ``names``: ``<team slug>/<alias>`` for a team's template, ``<alias>`` for a global one."""
+        if not self.alias:
+            return []
+        return [f"{self.team.slug}/{self.alias}"] if self.team_id else [self.alias]
 
 
 class Sandbox(models.Model):

@@ -22,6 +22,14 @@ class NotFound(LifecycleError):
     """No such sandbox or snapshot for this team (or it is gone)."""
 
 
+class Forbidden(LifecycleError):
+    """The thing exists but belongs to another team (where E2B says so rather than hiding it)."""
+
+
+class RateLimited(LifecycleError):
+    """The team is at a limit that frees up with time (e.g. concurrent template builds)."""
+
+
 class Conflict(LifecycleError):
     """The thing exists but its state does not allow the operation now."""
 
