@@ -102,6 +102,27 @@ AENV_API_MAX_BODY_BYTES = _env_int("AENV_API_MAX_BODY_BYTES", 2621440)
 DATA_UPLOAD_MAX_MEMORY_SIZE = AENV_API_MAX_BODY_BYTES
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
+# Template builds (template_builds): the shape a build may ask for (E2B's checks: CPUs 1 or
+# even, memory even and at least 128 MiB, both up to these team limits), the defaults
+# when it asks for none, how many builds of a team may run at once (429 past it), and how
+# long a build may wait for a node's builder to pick it up, and run, before it fails.
+AENV_TEMPLATE_DEFAULT_CPU_COUNT = _env_int("AENV_TEMPLATE_DEFAULT_CPU_COUNT", 2)
+AENV_TEMPLATE_DEFAULT_MEMORY_MB = _env_int("AENV_TEMPLATE_DEFAULT_MEMORY_MB", 1024)
+AENV_TEMPLATE_MAX_CPU_COUNT = _env_int("AENV_TEMPLATE_MAX_CPU_COUNT", 8)
+AENV_TEMPLATE_MAX_MEMORY_MB = _env_int("AENV_TEMPLATE_MAX_MEMORY_MB", 8192)
+AENV_TEMPLATE_DISK_MB = _env_int("AENV_TEMPLATE_DISK_MB", 4096)
+AENV_TEMPLATE_MAX_DISK_MB = _env_int("AENV_TEMPLATE_MAX_DISK_MB", 65536)
+AENV_TEMPLATE_MAX_CONCURRENT_BUILDS = _env_int("AENV_TEMPLATE_MAX_CONCURRENT_BUILDS", 8)
+AENV_TEMPLATE_PICKUP_TIMEOUT = _env_int("AENV_TEMPLATE_PICKUP_TIMEOUT", 600)
+AENV_TEMPLATE_BUILD_TIMEOUT = _env_int("AENV_TEMPLATE_BUILD_TIMEOUT", 3600)
+# COPY archives: the largest upload taken (compressed, and unpacked as its tar headers
+# say), and how long an upload URL is valid. Uploads live next to the snapshots
+# (AENV_SNAPSHOT_BACKEND: AENV_HOME/template-files, or the S3 bucket).
+AENV_TEMPLATE_FILE_MAX_BYTES = _env_int("AENV_TEMPLATE_FILE_MAX_BYTES", 2 << 30)
+AENV_TEMPLATE_FILE_MAX_UNPACKED_BYTES = _env_int("AENV_TEMPLATE_FILE_MAX_UNPACKED_BYTES", 8 << 30)
+AENV_TEMPLATE_UPLOAD_URL_TTL = _env_int("AENV_TEMPLATE_UPLOAD_URL_TTL", 1800)
+# Where upload URLs point; empty: the API address the client used for the link request.
+AENV_TEMPLATE_UPLOAD_BASE_URL = _env("AENV_TEMPLATE_UPLOAD_BASE_URL", "")
 
 DEBUG = _env_bool("DJANGO_DEBUG", False)
 # Generated on first start and kept in AENV_HOME/secret_key (0600); DJANGO_SECRET_KEY wins.
@@ -123,6 +144,7 @@ INSTALLED_APPS = [
     "nodes",
     "snapshots",
     "sandboxes",
+    "template_builds",
     "dashboard",
 ]
 
@@ -208,6 +230,8 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "aenv API",
     "DESCRIPTION": "E2B-compatible control plane for aenv microVM sandboxes",
     "VERSION": "0.1.0",
+    # One name for E2B's build status wherever it appears (status, buildStatus).
+    "ENUM_NAME_OVERRIDES": {"TemplateBuildStatusEnum": "template_builds.models.BuildStatus"},
 }
 
 STATIC_URL = "/static/"
