@@ -307,3 +307,38 @@ def update_network(*, sandbox_id: str, network: dict) -> dict:
 def delete_snapshot_files(*, snapshot_id: str) -> dict:
     """Removes a snapshot's files from this node's store; {"deleted": False} if none."""
     return {"deleted": bool(_store().delete(snapshot_id))}
+
+
+BUILDER_NOT_AVAILABLE = "template builder not available on this node yet"
+
+
+@shared_task(name=protocol.BUILD_TEMPLATE, ignore_result=True)
+def build_template(*, build_id: str, template_id: str, spec: dict, cpu_count: int, memory_mb: int,
+                   disk_size_mb: int) -> dict:
+    """Builds template build ``build_id`` of ``template_id`` on this node (E2B's template
+    builder): pull ``spec["from_image"]`` (with ``spec["from_image_registry"]``'s
+    credentials) or start from ``spec["from_template"]``'s ready build, run
+    ``spec["steps"]`` (COPY archives: ``template_builds.files.get_file_store().fetch(
+    spec["team_id"], files_hash, …)``) in a VM of ``cpu_count`` vCPU / ``memory_mb`` MiB
+    with a ``disk_size_mb`` disk, seal each step's layer, start ``spec["start_cmd"]`` and
+    wait for ``spec["ready_cmd"]``, then take the template snapshot.
+
+    The control plane does not wait for this task: the builder reports through
+    ``template_builds.progress`` — ``accept`` first, ``report`` for every log line (it
+    returns False once the build was cancelled), ``finish`` with a ``BuildResult`` (the
+    snapshot a create restores) or an error and its step.
+
+    The builder itself (image pull, steps in a VM, layers, snapshot) is not on nodes yet:
+    until it is, every build handed to a node fails here, saying so, instead of
+    pretending to build."""
+    from django.conf import settings
+
+    from template_builds import progress
+
+    if not progress.accept(build_id, settings.AENV_NODE_ID):
+        log.info("template build %s of %s is no longer building here; skipped", build_id, template_id)
+        return {"status": "skipped"}
+    progress.report(build_id, "error", f"{BUILDER_NOT_AVAILABLE} ({settings.AENV_NODE_ID})", step="base")
+    progress.finish(build_id, error=BUILDER_NOT_AVAILABLE, step="base")
+    log.warning("template build %s of %s failed: %s", build_id, template_id, BUILDER_NOT_AVAILABLE)
+    return {"status": "error", "reason": BUILDER_NOT_AVAILABLE}

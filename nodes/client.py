@@ -270,3 +270,23 @@ async def delete_snapshot_files(node: Node, *, snapshot_id: str, deadline: float
     """Remove snapshot `snapshot_id`'s files from `node`; {"deleted": False} if there were none."""
     return await _call(node, protocol.DELETE_SNAPSHOT_FILES, {"snapshot_id": snapshot_id}, deadline,
                        f"deletion of snapshot {snapshot_id}")
+
+
+async def build_template(node: Node, *, build_id: str, template_id: str, spec: dict, cpu_count: int,
+                         memory_mb: int, disk_size_mb: int, pickup_timeout: float | None = None) -> str:
+    """Hand template build ``build_id`` of ``template_id`` to ``node``'s builder and return
+    at once (a build takes minutes): the builder reports its log and outcome through
+    ``template_builds.progress``, not through a task result. ``spec`` is the normalised
+    start body (``template_builds.lifecycle.start.node_spec``); the shape is the build VM's
+    and the template's. A node that does not pick the task up within ``pickup_timeout``
+    seconds (default ``AENV_TEMPLATE_PICKUP_TIMEOUT``) never runs it.
+
+    Returns the task id; raises NodeUnavailable when the node is not alive or the broker
+    cannot be reached."""
+    expires = float(pickup_timeout if pickup_timeout is not None else settings.AENV_TEMPLATE_PICKUP_TIMEOUT)
+    fresh = await Node.objects.filter(pk=node.pk).afirst()
+    if fresh is None or not fresh.is_alive():
+        raise NodeUnavailable(f"node {node.pk} is not alive (no recent heartbeat)")
+    kwargs = dict(build_id=str(build_id), template_id=template_id, spec=dict(spec), cpu_count=int(cpu_count),
+                  memory_mb=int(memory_mb), disk_size_mb=int(disk_size_mb))
+    return await _send(protocol.BUILD_TEMPLATE, fresh, kwargs, expires)

@@ -1,30 +1,39 @@
-"""Placement: which node gets a new sandbox (created, restored or forked).
+"""Placement: which node gets a new sandbox (created, restored or forked) or a template
+build.
 
-Room is computed from the database (capacity minus what the node's live sandboxes
-reserve), not from the node's heartbeat, so two creates in quick succession see
-each other's reservation as soon as the sandbox row exists.
+Room is computed from the database (capacity minus what the node's live sandboxes and
+running template builds reserve), not from the node's heartbeat, so two creates in quick
+succession see each other's reservation as soon as the sandbox row exists.
 """
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Q, Sum
+from django.db.models import IntegerField, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from nodes.models import Node
 from sandboxes.states import RESERVING
+from template_builds.models import BuildStatus, TemplateBuild
 
 
 class NoNodeAvailable(Exception):
     """No alive, non-draining node has room for the requested resources."""
 
 
+def _building(field: str) -> Subquery:
+    """What the template builds running on the outer node reserve (their build VMs)."""
+    builds = (TemplateBuild.objects.filter(node=OuterRef("pk"), status=BuildStatus.BUILDING)
+              .order_by().values("node").annotate(total=Sum(field)).values("total"))
+    return Coalesce(Subquery(builds, output_field=IntegerField()), 0)
+
+
 def _candidates():
     cutoff = timezone.now() - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
     live = Q(sandboxes__state__in=RESERVING)
     return Node.objects.filter(draining=False, last_heartbeat_at__gte=cutoff).annotate(
-        cpu_reserved=Coalesce(Sum("sandboxes__cpu_count", filter=live), 0),
-        memory_reserved=Coalesce(Sum("sandboxes__memory_mb", filter=live), 0),
+        cpu_reserved=Coalesce(Sum("sandboxes__cpu_count", filter=live), 0) + _building("cpu_count"),
+        memory_reserved=Coalesce(Sum("sandboxes__memory_mb", filter=live), 0) + _building("memory_mb"),
     )
 
 
@@ -40,8 +49,8 @@ def _fits(node: Node, cpu_count: int, memory_mb: int) -> bool:
 
 
 async def place(cpu_count: int, memory_mb: int, *, on: Node | None = None, prefer: Node | None = None) -> Node:
-    """The one placement decision, for anything that needs room on a node: a create (the
-    least loaded alive node that fits), a fork (``on`` its parent's node: that node or
+    """The one placement decision, for anything that needs room on a node: a create or a
+    template build (the least loaded alive node that fits), a fork (``on`` its parent's node: that node or
     nothing), a restore (``on`` the snapshot's node when only it has the files; ``prefer``
     it when any node can fetch them). Raises NoNodeAvailable saying why."""
     wanted = on or prefer

@@ -11,6 +11,9 @@ RESTORE_SANDBOX = "nodes.restore_sandbox"
 FORK_SANDBOX = "nodes.fork_sandbox"
 DELETE_SNAPSHOT_FILES = "nodes.delete_snapshot_files"
 UPDATE_NETWORK = "nodes.update_network"
+# Build a template on this node (fire and forget: the builder reports progress and the
+# outcome through template_builds.progress, straight into the database).
+BUILD_TEMPLATE = "nodes.build_template"
 
 
 def queue_of(node_id: str) -> str:
