@@ -23,8 +23,8 @@ MAX_AGE = "7200"
 DEFAULT_ALLOW_HEADERS = "*, Authorization, Content-Type, X-API-Key, X-Access-Token"
 
 # The E2B API's paths (the SDK appends them to E2B_API_URL), as served by
-# sandboxes.urls and snapshots.urls.
-API_PATH = re.compile(r"^/(?:v\d+/)?(?:sandboxes|snapshots|templates|health)(?:/|$)")
+# sandboxes.urls, snapshots.urls and template_builds.urls (with its upload URLs).
+API_PATH = re.compile(r"^/(?:v\d+/)?(?:sandboxes|snapshots|templates|template-files|health)(?:/|$)")
 
 
 def simple_headers() -> list[tuple[str, str]]:

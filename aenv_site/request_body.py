@@ -14,6 +14,11 @@ import json
 
 from django.conf import settings
 
+# Paths whose bodies are file uploads with a limit of their own (the setting named here)
+# and a declared length required (411 without: they are streamed to disk, never buffered
+# here): the COPY archives of template builds (template_builds.views.upload_view).
+FILE_UPLOADS = (("/template-files/", "AENV_TEMPLATE_FILE_MAX_BYTES"),)
+
 
 def _error(status: int, message: str) -> tuple[int, list, bytes]:
     body = json.dumps({"code": status, "message": message}).encode()
@@ -38,11 +43,22 @@ class BoundedRequestBody:
     def max_bytes(self) -> int:
         return self._max_bytes if self._max_bytes is not None else settings.AENV_API_MAX_BODY_BYTES
 
+    @staticmethod
+    def upload_limit(path: str) -> int | None:
+        """The limit of a file-upload path (``FILE_UPLOADS``), None for any other path."""
+        for prefix, setting in FILE_UPLOADS:
+            if path.startswith(prefix):
+                return getattr(settings, setting)
+        return None
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.max_bytes
+        upload_limit = self.upload_limit(scope.get("path", ""))
+        limit = self.max_bytes if upload_limit is None else upload_limit
         lengths = [v for n, v in scope["headers"] if n.lower() == b"content-length"]
+        if not lengths and upload_limit is not None and scope.get("method") in ("PUT", "POST"):
+            return await _answer(send, 411, "an upload needs a Content-Length header")
         if lengths:
             values = {v.strip() for v in lengths}
             value = next(iter(values))

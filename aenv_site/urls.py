@@ -11,8 +11,9 @@ urlpatterns = [
     path("dashboard/", include("dashboard.urls")),
     path("", RedirectView.as_view(url="/dashboard/", permanent=False)),
     path("", include("sandboxes.urls")),
-    # Last: its DELETE /templates/{id} pattern must not shadow more specific template routes.
     path("", include("snapshots.urls")),
+    # Template builds, tags, uploads, and /templates/{id} (a template, or a snapshot by id or name).
+    path("", include("template_builds.urls")),
 ]
 
 # Unknown URLs and crashes answer JSON {code, message} like the rest of the API.

@@ -205,7 +205,7 @@ def sandbox_list(request):
     qs, filters, error = _filtered_sandboxes(request.team, request.GET)
     now = timezone.now()
     rows = [_row(s, now) for s in qs[:LIST_LIMIT]]
-    templates = Template.objects.filter(Q(public=True) | Q(team=request.team)).order_by("id")
+    templates = Template.objects.filter(Q(public=True) | Q(team=request.team), deleted_at__isnull=True).order_by("id")
     return render(request, "dashboard/sandboxes.html", _base_context(
         request, "sandboxes", rows=rows, filters=filters, filter_error=error, templates=templates,
         states=SandboxState.values, limit=LIST_LIMIT, timeout_choices=TIMEOUT_CHOICES,
@@ -320,7 +320,7 @@ def snapshot_list(request):
 @team_page
 def template_list(request):
     templates = (
-        Template.objects.filter(Q(public=True) | Q(team=request.team))
+        Template.objects.filter(Q(public=True) | Q(team=request.team), deleted_at__isnull=True)
         .annotate(live=Count("sandboxes", filter=Q(sandboxes__team=request.team, sandboxes__state__in=LIVE)),
                   total=Count("sandboxes", filter=Q(sandboxes__team=request.team)))
         .order_by("id")

@@ -1,7 +1,7 @@
 """E2B snapshot and fork endpoints (spec §2.6): a serializer checks the input, a
 function of ``snapshots.lifecycle`` does the work, a serializer renders the answer."""
 from adrf.views import APIView
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import status
 from rest_framework.response import Response
 
@@ -9,7 +9,7 @@ from sandboxes.serializers import ErrorSerializer, SandboxSerializer
 from sandboxes.errors import status_of
 from sandboxes.views import _actor, _body, _server_timing, _team, _valid
 
-from .lifecycle import delete, fork, queries, snapshot
+from .lifecycle import fork, queries, snapshot
 from .serializers import (
     ForkRequestSerializer,
     ForkResultSerializer,
@@ -64,18 +64,3 @@ class SandboxForkView(APIView):
                 else {"error": {"code": status_of(r), "message": r.message}} for r in results]
         first = next((r for r in results if not isinstance(r, Exception)), None)
         return Response(data, status=status.HTTP_201_CREATED, headers=_server_timing(first) if first else None)
-
-
-TEMPLATE_ID = OpenApiParameter("template_id", str, OpenApiParameter.PATH,
-                               description="snapshot id or name (percent-encoded, may hold one '/')")
-
-
-class TemplateDeleteView(APIView):
-    """``DELETE /templates/{id}``: the SDK's ``delete_snapshot``. 204; 404 unknown; 409
-    while live sandboxes restored from the snapshot still use its files."""
-
-    @extend_schema(operation_id="template_delete", parameters=[TEMPLATE_ID],
-                   responses={204: OpenApiResponse(description="deleted"), **ERRORS})
-    async def delete(self, request, template_id: str):
-        await delete.delete_snapshot(_team(request), template_id, actor=_actor(request))
-        return Response(status=status.HTTP_204_NO_CONTENT)

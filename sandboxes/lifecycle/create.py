@@ -15,12 +15,12 @@ from datetime import timedelta
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import IntegrityError
-from django.db.models import Q
 from django.utils import timezone
 
 from snapshots import sources
+from template_builds import resolve
 
-from ..models import Sandbox, Team, Template, new_envd_access_token
+from ..models import Sandbox, Team, new_envd_access_token
 from ..transitions import insert_creating
 from . import core, network
 from .core import S, Result
@@ -28,22 +28,6 @@ from .errors import REFUSED_BY_NODE, Conflict, Failed, Invalid, LifecycleError, 
 from .options import SandboxOptions
 
 log = logging.getLogger(__name__)
-
-
-async def resolve_template(team: Team, ref: str) -> Template:
-    """A template by id or alias, visible to the team (its own or public).
-
-    Unknown templates are Invalid (the request names something that does not exist),
-    the same answer whether the template is missing or belongs to another team."""
-    ref = (ref or "").strip()
-    if not ref:
-        raise Invalid("templateID is required")
-    visible = Q(public=True) | Q(team=team)
-    for lookup in (Q(pk=ref), Q(alias=ref)):
-        template = await Template.objects.filter(lookup & visible).afirst()
-        if template is not None:
-            return template
-    raise Invalid(f'template "{ref}" not found')
 
 
 async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions | None = None, *,
@@ -54,15 +38,16 @@ async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions 
     options = options or SandboxOptions()
     timeout = settings.AENV_DEFAULT_TIMEOUT if timeout is None else timeout
     network.spec_of(options)  # a policy the node could not be given is Invalid before anything exists
-    snapshot = await sources.resolve_snapshot(team, template_ref)
-    template = snapshot.template if snapshot is not None else await resolve_template(team, template_ref)
+    # A snapshot of the team, or a template (its ready build's result, or its image): spec §5.5.
+    source = await resolve.resolve_source(team, template_ref)
+    template, snapshot = source.template, source.snapshot
 
     now = timezone.now()
     fields = dict(
-        team=team, template=template, alias=template.alias, envd_version=template.envd_version,
+        team=team, template=template, alias=template.alias, envd_version=source.envd_version,
         envd_access_token=new_envd_access_token() if options.secure else "",
         traffic_access_token=network.traffic_access_token_for(options.network),
-        cpu_count=template.cpu_count, memory_mb=template.memory_mb, disk_size_mb=template.disk_size_mb,
+        cpu_count=source.cpu_count, memory_mb=source.memory_mb, disk_size_mb=source.disk_size_mb,
         idempotency_key=idempotency_key or "", created_at=now, started_at=now,
         end_at=now + timedelta(seconds=timeout), **options.fields(),
     )
@@ -72,22 +57,25 @@ async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions 
                       disk_size_mb=snapshot.disk_size_mb, envd_version=snapshot.envd_version)
         if snapshot.memory and snapshot.envd_access_token:
             fields.update(secure=True, envd_access_token=new_envd_access_token())
-    sandbox, replayed = await _insert(fields, actor)
+    build = source.build.pk if source.build is not None else None
+    sandbox, replayed = await _insert(fields, actor, build)
     if replayed:
         return Result(await _replay(sandbox))
-    return await core.shielded(_boot(sandbox, template, timeout, actor, snapshot))
+    return await core.shielded(_boot(sandbox, source.image, timeout, actor, snapshot))
 
 
 @sync_to_async
-def _insert(fields: dict, actor: str) -> tuple[Sandbox, bool]:
+def _insert(fields: dict, actor: str, build=None) -> tuple[Sandbox, bool]:
     """Inserts the ``creating`` row and its event → (sandbox, False); with an
     Idempotency-Key already used by this team → (the earlier sandbox, True)."""
     key = fields["idempotency_key"]
     window = timedelta(seconds=settings.AENV_IDEMPOTENCY_WINDOW)
+    details = {"template": fields["template"].id, "idempotency_key": key}
+    if build is not None:
+        details["build"] = str(build)
     for _ in range(3):
         try:
-            return insert_creating(core.event("", "create", outcome="started", actor=actor,
-                                              details={"template": fields["template"].id, "idempotency_key": key}),
+            return insert_creating(core.event("", "create", outcome="started", actor=actor, details=details),
                                    **fields), False
         except IntegrityError:
             if not key:
@@ -139,7 +127,7 @@ async def _place(sandbox: Sandbox, snapshot, t0: float, started, actor: str):
         raise Unavailable(reason, retry=False) from exc
 
 
-async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str, snapshot=None) -> Result:
+async def _boot(sandbox: Sandbox, image: str, timeout: int, actor: str, snapshot=None) -> Result:
     client, _ = core.node_api()
     t0 = time.monotonic()
     started = timezone.now()
@@ -152,7 +140,7 @@ async def _boot(sandbox: Sandbox, template: Template, timeout: int, actor: str, 
     try:
         result = await core.await_node(asyncio.wait_for(
             client.boot_sandbox(
-                node, sandbox_id=sandbox.id, image=template.image, cpu_count=sandbox.cpu_count,
+                node, sandbox_id=sandbox.id, image=image, cpu_count=sandbox.cpu_count,
                 memory_mb=sandbox.memory_mb, disk_size_mb=sandbox.disk_size_mb,
                 env_vars=sandbox.env_vars, access_token=sandbox.envd_access_token or None, network=spec,
             ) if snapshot is None else client.restore_sandbox(

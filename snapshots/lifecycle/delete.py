@@ -35,7 +35,7 @@ async def delete_snapshot(team: Team, snapshot_id: str, actor: str = "") -> None
     if snapshot is None or snapshot.state == SS.DELETING:
         note = ""
         if await Template.objects.filter(Q(pk=snapshot_id) | Q(alias=snapshot_id)).aexists():
-            note = " (it names a template, not a snapshot: templates are not deleted through this API)"
+            note = " (it names a template, not a snapshot, and not one of this team's templates)"
         raise NotFound(f'snapshot "{snapshot_id}" not found{note}')
     if snapshot.state == SS.CREATING:
         raise Conflict(f'snapshot "{snapshot.id}" is still being created')

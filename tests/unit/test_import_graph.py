@@ -145,8 +145,8 @@ def test_vmm_has_no_import_cycles():
     assert cycles(import_graph(["vmm"])) == []
 
 
-PACKAGES = ["aenv_site", "sandboxes", "snapshots", "nodes", "agent", "dashboard", "vmm", "envd", "envd_client",
-            "aenv_cli"]
+PACKAGES = ["aenv_site", "sandboxes", "snapshots", "template_builds", "nodes", "agent", "dashboard", "vmm", "envd",
+            "envd_client", "aenv_cli"]
 
 
 def test_the_repository_has_no_import_cycles():
@@ -157,12 +157,13 @@ def test_control_plane_and_node_agent_meet_only_at_the_protocol():
     """The control plane sends tasks by name (nodes.protocol) and never imports the node
     agent (only the run_node command starts it); the agent never imports the API edge."""
     graph = import_graph(PACKAGES)
-    control = ("sandboxes", "snapshots", "nodes", "dashboard", "aenv_site")
+    control = ("sandboxes", "snapshots", "template_builds", "nodes", "dashboard", "aenv_site")
     into_agent = sorted((m, d) for m, deps in graph.items() for d in deps
                         if m.split(".")[0] in control and d.split(".")[0] == "agent")
     assert into_agent == [("nodes.management.commands.run_node", "agent.worker")]
     edge = ("sandboxes.views", "sandboxes.serializers", "sandboxes.errors", "sandboxes.lifecycle", "snapshots.views",
-            "snapshots.lifecycle", "dashboard", "nodes.client", "nodes.placement")
+            "snapshots.lifecycle", "template_builds.views", "template_builds.serializers",
+            "template_builds.lifecycle", "template_builds.resolve", "dashboard", "nodes.client", "nodes.placement")
     into_edge = sorted((m, d) for m, deps in graph.items() if m.split(".")[0] == "agent" for d in deps
                        if any(d == e or d.startswith(e + ".") for e in edge))
     assert into_edge == []
