@@ -38,6 +38,10 @@ class Snapshot(models.Model):
     node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL,
                              related_name="snapshots", help_text="where the snapshot's files live")
     memory = models.BooleanField(default=True, help_text="memory and processes captured, not only the disk")
+    # A template build's result (its template snapshot, the start command running): what
+    # creates of that template restore. Not one of the team's snapshots: never listed, never
+    # a templateID of its own, deleted with its template.
+    build_result = models.BooleanField(default=False, db_index=True)
     state = models.CharField(max_length=16, choices=SnapshotState.choices, default=SnapshotState.CREATING,
                              db_index=True)
     error_reason = models.TextField(blank=True, default="")

@@ -10,7 +10,9 @@ builds (status, start body, logs, result), COPY file uploads and tags.
 - ``resolve``: what a ``templateID`` (create) or ``fromTemplate`` (build) names;
 - ``files``: where uploaded COPY archives live, and the signed upload URLs;
 - ``lifecycle``: the operations behind the endpoints; ``serializers``, ``views``, ``urls``:
-  the HTTP edge.
+  the HTTP edge;
+- ``system``: global templates aenv builds from recipes in the repository
+  (``code-interpreter-v1``), through the same builds (``manage.py ensure_system_templates``).
 
 Why an app of its own: the sandbox lifecycle only needs to know what a reference
 resolves to; everything about building lives here. (Not to be confused with the

@@ -60,6 +60,13 @@ def report(build_id, level: str, message: str, step: str | None = None,
     return append_sync(build_id, [Log(level, message, step or "", timestamp)], only_if={B.BUILDING})
 
 
+def report_many(build_id, entries) -> bool:
+    """Appends several entries at once (``(level, message, step, timestamp)`` each), in one
+    transaction; False once the build is no longer building."""
+    return append_sync(build_id, [Log(level, message, step or "", ts) for level, message, step, ts in entries],
+                       only_if={B.BUILDING})
+
+
 def is_building(build_id) -> bool:
     return TemplateBuild.objects.filter(pk=build_id, status=B.BUILDING).exists()
 

@@ -3,21 +3,23 @@
 Why our own: the tests must not depend on Docker Hub, and must know exactly what an image
 holds to check that it arrived in the guest. Images are built with ``umoci`` (init, new,
 unpack to a bundle, change the rootfs, ``repack --refresh-bundle`` once per layer, ``config``)
-into an OCI layout and pushed with ``skopeo copy``. Two rootfs sources:
+into an OCI layout and pushed with ``skopeo copy``. Three rootfs sources:
 
 * ``busybox_layer``: a few MiB: static busybox with its applets, the host's bash with the
   libraries it links (the E2B SDK and envd run every command as ``/bin/bash -l -c``) and glibc's
   core libraries, a passwd/group with root and nobody only (so the conversion must add
-  ``user``). Seconds. Why glibc's loader, libm, libdl and libpthread at the standard paths: today
-  envd does not run without them. The tools drive starts it through its own loader, but
-  PyInstaller's bootloader then re-executes itself through the ELF interpreter
-  (/lib64/ld-linux-x86-64.so.2 of the image) without the drive's library path, so an image
-  without glibc (alpine, static distroless) cannot run envd yet (see vmm.toolsdrive).
+  ``user``). Seconds. glibc's loader, libm, libdl and libpthread sit at the standard paths, as
+  in a glibc distro (envd itself needs none of them: vmm.toolsdrive relocates it onto the tools
+  drive's loader and libraries).
+* ``static_layer``: no glibc and no dynamic loader at all: static busybox and a static bash
+  (Debian's bash-static, as /bin/bash: envd runs commands as ``/bin/bash -l -c``), no
+  e2fsprogs, the same accounts. Like alpine or distroless-static for envd; it checks that envd
+  and the root filesystem's growth need nothing from the image.
 * ``debootstrap_layer``: the debootstrap rootfs the base image build caches
   (``var/images/stages/debootstrap-*/rootfs``): a real distro with its own ``user`` and sudo.
   ~400 MiB, a minute or more; used by opt-in tests only.
 
-    python -m tests.oci_images push <registry host:port> <repository:tag> [--debootstrap]
+    python -m tests.oci_images push <registry host:port> <repository:tag> [--debootstrap | --static]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 BUSYBOX = Path("/bin/busybox")
+BASH_STATIC = Path("/bin/bash-static")  # Debian's bash-static
 BUSYBOX_APPLETS = ["sh", "ls", "cat", "echo", "id", "whoami", "stat", "test", "mkdir", "rm", "env", "pwd", "grep",
                    "mount", "readlink", "head", "tail", "wc", "sleep", "true", "false", "uname", "touch", "chmod",
                    "sha256sum", "hostname", "ps", "find", "sed", "tr", "cut", "sort", "df"]
@@ -100,6 +103,58 @@ def busybox_layer(rootfs: Path) -> None:
     (rootfs / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
     (rootfs / "etc/os-release").write_text("ID=aenv-oci-test\nNAME=\"aenv OCI test image\"\n")
     (rootfs / "srv/app/remove-me.txt").write_text("deleted by the next layer\n")
+
+
+def static_available() -> str | None:
+    """None if static_layer can be made here, else why not (a skip reason)."""
+    return None if BASH_STATIC.exists() else "bash-static not installed (scripts/setup.sh installs it)"
+
+
+def static_layer(rootfs: Path) -> None:
+    """A userland without glibc or any dynamic loader: static busybox + applets, a static bash
+    as /bin/bash, root and nobody; no resize2fs."""
+    for d in ("bin", "etc", "srv/app", "usr/bin", "var/empty"):
+        (rootfs / d).mkdir(parents=True, exist_ok=True)
+    _copy_into(rootfs, BUSYBOX, "/bin/busybox")
+    for applet in BUSYBOX_APPLETS:
+        (rootfs / "bin" / applet).symlink_to("busybox")
+    _copy_into(rootfs, BASH_STATIC, "/bin/bash")
+    (rootfs / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/bin/sh\n")
+    (rootfs / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (rootfs / "etc/os-release").write_text("ID=aenv-oci-static\nNAME=\"aenv OCI test image without glibc\"\n")
+    (rootfs / "srv/app/remove-me.txt").write_text("deleted by the next layer\n")
+
+
+# A small real distro for template builds (python3 for a start command, iproute2's `ss` for
+# the SDK's wait_for_port, sudo, tar and coreutils for COPY): ~250 MiB, debootstrapped once.
+DEBIAN_SUITE, DEBIAN_MIRROR = "bookworm", "http://deb.debian.org/debian"
+DEBIAN_PACKAGES = ["python3", "iproute2", "sudo", "procps", "passwd"]
+TEST_IMAGES_DIR = REPO / "var" / "test-images"
+
+
+def debian_rootfs(cache: Path = TEST_IMAGES_DIR) -> Path:
+    """The small Debian rootfs for build tests, made with debootstrap (minbase + the packages
+    above, docs and apt lists removed) on first use and cached under ``cache`` (var/, ignored)."""
+    import hashlib  # noqa: PLC0415
+
+    key = hashlib.sha256(repr((DEBIAN_SUITE, DEBIAN_MIRROR, DEBIAN_PACKAGES, 1)).encode()).hexdigest()[:12]
+    final = Path(cache) / f"debian-{key}"
+    if (final / "done").is_file():
+        return final / "rootfs"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".debian-{key}-", dir=final.parent))
+    try:
+        run(["debootstrap", "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE,
+             str(tmp / "rootfs"), DEBIAN_MIRROR], timeout=1800)
+        run(["chroot", str(tmp / "rootfs"), "/bin/sh", "-c",
+             "rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/apt/archives/*.deb /usr/share/doc/* "
+             "/usr/share/man/* /usr/share/locale/*"])
+        (tmp / "done").write_text(key)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final / "rootfs"
 
 
 def debootstrap_rootfs(images_dir: Path) -> Path | None:
@@ -198,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("registry", help="host:port")
     parser.add_argument("name", help="repository:tag")
     parser.add_argument("--debootstrap", action="store_true")
+    parser.add_argument("--static", action="store_true", help="the image without glibc (static_layer)")
     parser.add_argument("--token", default="hello from an OCI image")
     args = parser.parse_args(argv)
     reason = available()
@@ -205,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         print(reason, file=sys.stderr)
         return 1
     base = busybox_layer
+    if args.static:
+        if static_available():
+            print(static_available(), file=sys.stderr)
+            return 1
+        base = static_layer
     if args.debootstrap:
         from vmm.images import DEFAULT_IMAGES_DIR  # noqa: PLC0415
 

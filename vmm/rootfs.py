@@ -15,16 +15,32 @@ from pathlib import Path
 GUEST_DIR = Path(__file__).parent / "guest"
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
+# debootstrap --include: what the guest boots with and what envd's callers assume.
 PACKAGES = [
     "bash", "coreutils", "procps", "iproute2", "ca-certificates", "python3", "git", "curl", "sudo",
     "ncurses-bin", "attr", "e2fsprogs", "kmod", "less", "linux-image-cloud-amd64",
+]
+# What E2B's base image gives a sandbox user on top (issue 11, item 6): python (-> python3) with
+# pip, venv and headers, Node.js + npm, a C/C++ toolchain, and the tools E2B's provisioning
+# installs and its SDK's ready-check helpers call (ss and pgrep are in PACKAGES). All from Debian
+# (only Debian's, PyPI's and npm's registries are reachable), installed by apt-get inside the new
+# rootfs: debootstrap's resolver does not follow virtual packages (npm's node-* dependencies).
+USER_PACKAGES = [
+    "python-is-python3", "python3-pip", "python3-venv", "python3-dev", "nodejs", "npm", "build-essential",
+    "jq", "iputils-ping", "socat", "unzip", "wget", "tar", "gzip", "xz-utils",
 ]
 # Loaded in this order by the initramfs (dependencies first).
 INITRAMFS_MODULES = [
     "virtio", "virtio_ring", "virtio_mmio", "virtio_blk", "failover", "net_failover", "virtio_net",
     "virtio_balloon",
 ]
+# The template default disk (AENV_BASE_DISK_MB, setup.sh's --disk): a bigger base would give every
+# sandbox more than its disk_size_mb says; bigger disks are grown at boot (aenv.resize). With
+# USER_PACKAGES the tree is ~900 MiB / ~42k files, leaving ~1 GiB free.
 ROOTFS_SIZE_MB = 2048
+# One inode per 8 KiB, not mke2fs's 16 KiB: node_modules and site-packages are many small files and
+# would run out of inodes (131k at 2 GiB, a third taken by the image) long before blocks.
+ROOTFS_BYTES_PER_INODE = 8192
 USER_SETUP = """set -e
 useradd -m -u 1000 -U -s /bin/bash user
 usermod -aG sudo user
@@ -32,12 +48,21 @@ passwd -d user >/dev/null
 passwd -l root >/dev/null
 echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' > /etc/sudoers.d/aenv-user
 chmod 0440 /etc/sudoers.d/aenv-user
+# Debian marks its Python externally managed (PEP 668), so a plain `pip install` would refuse.
+# E2B users expect it to work: as `user` pip then installs into ~/.local (site-packages is not
+# theirs), as root into /usr/local/lib/python3*/dist-packages (Debian's pip never writes /usr/lib).
+# A config file rather than deleting EXTERNALLY-MANAGED: it survives python3 package upgrades.
+printf '[global]\\nbreak-system-packages = true\\n' > /etc/pip.conf
+# ~/.profile puts ~/.local/bin on PATH only if it exists when the login shell starts: create it,
+# so scripts pip installs are found even by the command that installs them.
+install -d -o user -g user /home/user/.local /home/user/.local/bin
 echo aenv > /etc/hostname
 printf '127.0.0.1 localhost\\n127.0.1.1 aenv\\n::1 localhost ip6-localhost ip6-loopback\\n' > /etc/hosts
 mkdir -p /opt/aenv /code
 chmod 1777 /tmp
 rm -f /boot/initrd.img* /var/cache/apt/archives/*.deb /var/cache/apt/*.bin
-rm -rf /var/lib/apt/lists/* /var/cache/debconf/*-old /var/log/*.log /usr/share/doc/* /usr/share/man/*
+rm -rf /var/lib/apt/lists/* /var/cache/debconf/*-old /var/log/*.log /usr/share/doc/* /usr/share/man/* \\
+    /usr/share/info/* /usr/share/lintian/* /usr/share/locale/*
 """
 
 
@@ -51,13 +76,15 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def recipe_inputs() -> dict:
     """Everything that changes the debootstrap result (fed to the recipe hash)."""
-    return {"suite": SUITE, "mirror": MIRROR, "packages": PACKAGES, "user_setup": USER_SETUP, "v": 1}
+    return {"suite": SUITE, "mirror": MIRROR, "packages": PACKAGES, "user_packages": USER_PACKAGES,
+            "user_setup": USER_SETUP, "v": 1}
 
 
 def system_inputs() -> dict:
     """Everything that changes kernel/initramfs/qcow2 on top of a given debootstrap."""
     init = (GUEST_DIR / "initramfs_init.sh").read_text()
-    return {"modules": INITRAMFS_MODULES, "size_mb": ROOTFS_SIZE_MB, "initramfs_init": init, "v": 1}
+    return {"modules": INITRAMFS_MODULES, "size_mb": ROOTFS_SIZE_MB, "bytes_per_inode": ROOTFS_BYTES_PER_INODE,
+            "initramfs_init": init, "v": 1}
 
 
 def debootstrap(out: Path, progress) -> None:
@@ -65,6 +92,10 @@ def debootstrap(out: Path, progress) -> None:
     rootfs = out / "rootfs"
     progress(f"debootstrap {SUITE} (minbase, {len(PACKAGES)} packages) from {MIRROR}")
     run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, str(rootfs), MIRROR])
+    progress(f"apt-get install {len(USER_PACKAGES)} packages (python tooling, Node.js, toolchain, CLI tools)")
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive", "LANG": "C.UTF-8"}
+    run(["chroot", str(rootfs), "apt-get", "update", "-q"], env=env)
+    run(["chroot", str(rootfs), "apt-get", "install", "-y", "-q", "--no-install-recommends", *USER_PACKAGES], env=env)
     progress("customizing rootfs (user account, sudo, hostname, cleanup)")
     run(["chroot", str(rootfs), "/bin/sh", "-c", USER_SETUP])
 
@@ -144,7 +175,8 @@ def build_system(rootfs: Path, out: Path, work: Path, progress) -> str:
     progress(f"mkfs.ext4 -d rootfs into {ROOTFS_SIZE_MB} MiB sparse file")
     with open(raw, "wb") as f:
         f.truncate(ROOTFS_SIZE_MB << 20)
-    run(["mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-m", "0", "-d", str(rootfs), str(raw)])
+    run(["mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-m", "0", "-i", str(ROOTFS_BYTES_PER_INODE), "-d", str(rootfs),
+         str(raw)])
     progress("converting to qcow2 base")
     run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / "rootfs.qcow2")])
     raw.unlink()

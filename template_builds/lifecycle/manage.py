@@ -52,7 +52,7 @@ async def delete(team: Team, ref: str, actor: str = "") -> str:
     results = await _delete_template(template)
     for snapshot_id in results:
         try:
-            await snapshot_delete.delete_snapshot(team, snapshot_id, actor=actor)
+            await snapshot_delete.delete_snapshot(team, snapshot_id, actor=actor, build_result=True)
         except LifecycleError as exc:  # the template is gone either way; its files wait for a later cleanup
             log.warning("template %s deleted, but its build snapshot %s was not: %s", template.pk, snapshot_id,
                         exc.message)

@@ -22,7 +22,7 @@ from sandboxes.models import Team
 
 from .. import resolve
 from ..models import BuildStatus as B, TemplateBuild, TemplateFile
-from ..transitions import Log, transition
+from ..transitions import Log, transition, transition_sync
 from .common import FORBID, build_uuid, team_template
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,14 @@ async def start_build(team: Team, template_ref: str, build_id: str, body: dict, 
     build = await TemplateBuild.objects.select_related("template").filter(pk=bid, template=template).afirst()
     if build is None:
         raise NotFound(f"Build '{bid}' not found")
+    return await start_waiting_build(team, build, body, actor)
+
+
+async def start_waiting_build(team: Team, build: TemplateBuild, body: dict, actor: str = "") -> TemplateBuild:
+    """``start_build`` once the build is found: ``team`` is whose COPY archives and base
+    template the build uses (the template's owner, or aenv's system team for a global
+    template: ``template_builds.system``)."""
+    bid = build.pk
     if build.status != B.WAITING:
         raise Invalid(f"build '{bid}' cannot be started: it is {build.status}, not waiting")
 
@@ -134,15 +142,17 @@ async def start_build(team: Team, template_ref: str, build_id: str, body: dict, 
                                    f"(hash {step['files_hash']})", str(index))
 
     client, placement = core.node_api()
+
+    def claim(node) -> None:  # building on the node is the build VM's reservation, made under its lock
+        if not transition_sync(build.pk, "start", node=node, started_at=timezone.now(),
+                               logs=[Log("info", f"Build started on node {node.pk}", "base")], **fields):
+            raise Invalid(f"build '{bid}' cannot be started: it was started or ended meanwhile")
+
     try:
-        node = await placement.place(build.cpu_count, build.memory_mb)
+        node = await placement.place(build.cpu_count, build.memory_mb, claim=claim)
     except placement.NoNodeAvailable as exc:
         raise Unavailable(f"no node can build the template now ({exc}); start the build again later") from exc
     spec = node_spec(team, build, body, steps, base, uploaded)
-    won = await transition(build.pk, "start", node=node, started_at=timezone.now(),
-                           logs=[Log("info", f"Build started on node {node.pk}", "base")], **fields)
-    if not won:
-        raise Invalid(f"build '{bid}' cannot be started: it was started or ended meanwhile")
     await core.shielded(_dispatch(client, node, build, spec, actor))
     return await TemplateBuild.objects.select_related("template").aget(pk=build.pk)
 

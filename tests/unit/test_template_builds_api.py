@@ -217,7 +217,7 @@ async def test_upload_url_is_checked(api, anon, assert_error, settings):
     (gzip.compress(b"garbage" * 100), "not a gzipped tar"),
     (tar_bytes({"../escape": b"x"}), "outside"),
     (tar_bytes({"/etc/passwd": b"x"}), "outside"),
-])
+], ids=["plain bytes", "gzip not tar", "dot-dot path", "absolute path"])  # stable ids: gzip bytes hold a time
 async def test_bad_archives_are_400_and_not_kept(api, anon, team, home, assert_error, body, text):
     reg = await register(api)
     url = (await api.get(f"/templates/{reg['templateID']}/files/{HASH}")).json()["url"]
@@ -271,7 +271,7 @@ async def test_start_hands_the_normalised_body_to_a_placed_node(api, builder, no
             {"type": "ENV", "args": ["A", "1"], "force": False},
             {"type": "WORKDIR", "args": ["/app"]}, {"type": "USER", "args": ["user"]}])
     assert resp.status_code == 202 and resp.content == b"" and resp.headers["content-length"] == "0"
-    nodes_mock.placement.place.assert_awaited_with(4, 2048)
+    assert nodes_mock.placement.place.await_args.args == (4, 2048)
     call = builder.calls[0]
     assert call["node"] == "n1" and call["build_id"] == reg["buildID"] and call["template_id"] == reg["templateID"]
     assert (call["cpu_count"], call["memory_mb"]) == (4, 2048)
@@ -398,10 +398,11 @@ async def test_from_template_resolves_a_ready_build_or_fails_at_base(api, builde
 
 async def test_no_node_is_503_and_the_build_can_be_started_later(api, builder, nodes_mock, assert_error):
     reg = await register(api)
+    placed = nodes_mock.placement.place.side_effect
     nodes_mock.placement.place.side_effect = nodes_mock.placement.NoNodeAvailable("no node has room")
     assert_error(await start(api, reg), 503, "no node")
     assert (await status(api, reg))["status"] == "waiting"
-    nodes_mock.placement.place.side_effect = None
+    nodes_mock.placement.place.side_effect = placed
     assert (await start(api, reg)).status_code == 202
 
 

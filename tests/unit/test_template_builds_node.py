@@ -1,7 +1,6 @@
 """The node boundary of template builds: ``nodes.client.build_template`` sends the task
-to a real Celery worker running the real node task (which, until the builder lands, fails
-the build saying so), placement counts running builds, and the task's name is the
-protocol's."""
+to a real Celery worker running the real node task (the builder, whose failures at the base
+need no VM), placement counts running builds, and the task's name is the protocol's."""
 from datetime import timedelta
 
 import pytest
@@ -44,21 +43,52 @@ async def _wait_finished(build_id, seconds=15):
     raise AssertionError("the node never finished the build")
 
 
-async def test_a_real_node_worker_fails_the_build_until_the_builder_exists(node_worker, settings):
+async def test_a_real_node_worker_runs_the_builder_and_reports_a_base_failure(node_worker, settings, tmp_path):
+    """The task goes through the broker to the node's builder, which reports through the
+    database: a registry that does not answer (a closed port on loopback) fails the build at
+    ``base`` with skopeo's words, and the log says what happened first."""
     settings.AENV_NODE_ID = node_worker.node_id
+    settings.AENV_IMAGES_DIR = tmp_path / "images"
+    settings.AENV_PRIVATE_REGISTRIES = ["127.0.0.1"]
     node = await sync_to_async(alive_node)(node_worker.node_id)
     build = await sync_to_async(_building_build)(node.pk)
+    ref = f"127.0.0.1:{_closed_port()}/nothing/here:v1"
     task_id = await client.build_template(node, build_id=str(build.pk), template_id=build.template_id,
-                                          spec={"team_id": "x", "from_image": "debian:bookworm", "steps": []},
+                                          spec={"team_id": "x", "from_image": ref, "steps": []},
                                           cpu_count=2, memory_mb=1024, disk_size_mb=4096)
     assert task_id
-    done = await _wait_finished(build.pk)
-    assert done.status == "error" and done.reason_message == "template builder not available on this node yet"
-    assert done.reason_step == "base" and done.accepted_at is not None and done.finished_at is not None
+    done = await _wait_finished(build.pk, seconds=60)
+    assert done.status == "error" and done.reason_step == "base", done.reason_message
+    assert done.reason_message.startswith(f"error pulling image {ref}: no registry answered")
+    assert done.accepted_at is not None and done.finished_at is not None
     entries = [e async for e in BuildLogEntry.objects.filter(build=build).order_by("index")]
-    assert [e.level for e in entries] == ["error", "error"]
-    assert "template builder not available" in entries[0].message and node_worker.node_id in entries[0].message
-    assert entries[1].message == "Build failed: template builder not available on this node yet"
+    assert entries[0].message == f"[base] FROM {ref}" and entries[0].step == "base"
+    assert entries[-1].level == "error" and entries[-1].message == f"Build failed: {done.reason_message}"
+
+
+async def test_a_registry_on_the_nodes_own_addresses_is_refused(node_worker, settings, tmp_path):
+    """Unless the operator lists it, a registry on loopback (the node's Redis, database, API…)
+    is never contacted: the build fails at base before any pull."""
+    settings.AENV_NODE_ID = node_worker.node_id
+    settings.AENV_IMAGES_DIR = tmp_path / "images"
+    settings.AENV_PRIVATE_REGISTRIES = []
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    build = await sync_to_async(_building_build)(node.pk)
+    await client.build_template(node, build_id=str(build.pk), template_id=build.template_id,
+                                spec={"team_id": "x", "from_image": "127.0.0.1:6379/redis-is-here:v1", "steps": []},
+                                cpu_count=2, memory_mb=1024, disk_size_mb=4096)
+    done = await _wait_finished(build.pk, seconds=60)
+    assert done.status == "error" and done.reason_step == "base"
+    assert "is on a private or local address (127.0.0.1)" in done.reason_message
+    assert not (tmp_path / "images" / "oci").exists()  # nothing was pulled
+
+
+def _closed_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 async def test_the_node_task_skips_a_build_that_is_no_longer_building(node_worker, settings):

@@ -140,21 +140,28 @@ async def test_failing_build_raises_build_exception_with_the_reason(server, buil
     assert str(raised.value) == "failed to run command 'exit 3': exit status 3"
 
 
-async def test_builder_not_on_nodes_yet_fails_like_the_node_task(server, nodes_mock, settings, tmp_path, context):
-    """What the placeholder node task does, through the SDK: the build fails with its reason."""
-    from agent.tasks import BUILDER_NOT_AVAILABLE, build_template
+async def test_the_node_builder_reports_a_base_failure_through_the_sdk(server, nodes_mock, settings, tmp_path,
+                                                                     context):
+    """The real node task (the builder) runs for the mocked node: a registry that does not
+    answer fails the build at ``base``, and the SDK raises the reason."""
+    from agent.tasks import build_template
 
     settings.AENV_HOME = tmp_path
+    settings.AENV_IMAGES_DIR = tmp_path / "images"
     settings.AENV_NODE_ID = nodes_mock.node.id
+    settings.AENV_PRIVATE_REGISTRIES = ["127.0.0.1"]
 
     async def node_runs_the_task(node, **kwargs):
         await asyncio.to_thread(build_template, **kwargs)
         return "task-id"
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        ref = f"127.0.0.1:{s.getsockname()[1]}/nothing:v1"
     nodes_mock.client.build_template = node_runs_the_task
     with pytest.raises(BuildException) as raised:
-        await sdk(Template.build, Template().from_image("debian:bookworm").run_cmd("true"), "compat-placeholder")
-    assert str(raised.value) == BUILDER_NOT_AVAILABLE
+        await sdk(Template.build, Template().from_image(ref).run_cmd("true"), "compat-unreachable")
+    assert str(raised.value).startswith(f"error pulling image {ref}: no registry answered")
 
 
 async def test_tags_through_the_sdk(server, builder, context):

@@ -3,9 +3,11 @@ Debian's docker-registry on 127.0.0.1 (one open, one with htpasswd auth), skopeo
 e2fsprogs, qemu-img, and one real QEMU VM booted from the result.
 
 The test images are made here (tests.oci_images: busybox + bash, two layers, a whiteout, an
-owned file, a hard link and a symlink) with a random token, so every session pulls and builds
-fresh; what the session put in the images dir (guest images, disks, store entries) is removed
-at the end. One VM boot (marked ``vm``); the rest takes seconds.
+owned file, a hard link and a symlink; and one without glibc, a static busybox and bash) with a
+random token, so every session pulls and builds fresh; what the session put in the images dir
+(guest images, disks, store entries) is removed at the end. Two VM boots (marked ``vm``): the
+glibc image, and the image without glibc or resize2fs on a disk larger than the image's; the
+rest takes seconds.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from envd_client import EnvdClient
+from envd_client import EnvdClient, EnvdError
 from tests import oci_images, oci_registry
 from vmm.driver import BootSpec, get_driver
 from vmm.images import DEFAULT_IMAGES_DIR, ensure_image, find_image
@@ -204,6 +206,24 @@ def test_guest_image_keys_include_the_rootfs(env, pulled):
         guest_image(IMAGES_DIR, disk, name="base")
 
 
+def _mapped_files(sh, pid: str) -> list[str]:
+    """The files process `pid` (a shell expression, run in the guest) has mapped: its loader,
+    libraries and executable, as /proc/<pid>/maps lists them."""
+    return sh(f"tr -s ' ' < /proc/{pid}/maps | cut -d' ' -f6 | grep '^/' | sort -u").split()
+
+
+def _assert_envd_runs_from_the_drive(sh) -> None:
+    """A command's parent is envd: every file it maps is on the tools drive (its bootloader,
+    the drive's loader and libc, the bundle's libraries), none of the image's."""
+    assert sh("readlink /proc/$PPID/exe") == "/opt/aenv/envd/envd"
+    mapped = _mapped_files(sh, "$PPID")
+    assert "/opt/aenv/lib/ld-linux-x86-64.so.2" in mapped and "/opt/aenv/lib/libc.so.6" in mapped, mapped
+    assert any(m.startswith("/opt/aenv/envd/_internal/libpython") for m in mapped), mapped
+    assert any(m.startswith("/opt/aenv/envd/_internal/libssl") for m in mapped), mapped
+    # anonymous memory files (memfd, /dev/zero) aside
+    assert [m for m in mapped if not m.startswith(("/opt/aenv/", "/memfd:", "/dev/"))] == [], mapped
+
+
 @pytest.mark.vm
 def test_boot_a_vm_from_the_pulled_image(env, pulled, tmp_path):
     if not shutil.which("qemu-system-x86_64"):
@@ -234,11 +254,92 @@ def test_boot_a_vm_from_the_pulled_image(env, pulled, tmp_path):
             assert sh("hostname; grep -c '^127.0.0.1 localhost' /etc/hosts") == "aenv\n1"
             assert sh("cat /etc/sudoers.d/aenv-user") == "user ALL=(ALL:ALL) NOPASSWD: ALL"
             assert sh("grep ' / ' /proc/mounts | cut -d' ' -f3,4 | cut -c1-6") == "ext4 r"
+            _assert_envd_runs_from_the_drive(sh)
+            # what envd starts runs on the image's own userland: its bash with the image's glibc
+            bash_maps = _mapped_files(sh, "$$")
+            assert "/lib/x86_64-linux-gnu/libc.so.6" in bash_maps and "/bin/bash" in bash_maps, bash_maps
+            assert [m for m in bash_maps if m.startswith("/opt/aenv")] == [], bash_maps
     finally:
         driver.kill(sid)
     assert not (tmp_path / "home" / "sandboxes" / sid).exists()
     meta = json.loads((image.kernel.parent / "image.json").read_text())
     assert meta["oci"]["digest"] == pulled.digest and meta["oci"]["config"]["Env"] == pulled.config["Env"]
+
+
+@pytest.mark.vm
+def test_an_image_without_glibc_or_resize2fs(env, tmp_path):
+    """envd runs whatever the root disk holds (here: no glibc, no loader, static busybox and
+    bash), and a disk larger than the image's is grown at boot without the image's resize2fs."""
+    if not shutil.which("qemu-system-x86_64"):
+        pytest.skip("qemu-system-x86_64 not installed")
+    reason = oci_images.static_available()
+    if reason:
+        pytest.skip(reason)
+    layout = tmp_path / "layout"
+    oci_images.build_layout(layout, "static", [oci_images.static_layer, oci_images.app_layer(env.token)],
+                            oci_images.DEFAULT_CONFIG, tmp_path)
+    ref = env.plain.ref("t/static", "v1")
+    oci_images.push(layout, "static", ref)
+    pulled = pull(ref, IMAGES_DIR, insecure=True)
+    env.digests.add(pulled.digest)
+    ensure_image(IMAGES_DIR, "base")
+    disk = ensure_disk(IMAGES_DIR, pulled)
+    name = f"oci-static-{env.token[4:]}"
+    env.names.add(name)
+    image = guest_image(IMAGES_DIR, disk, name=name)
+    grown_mb = disk.size_mb + 1024
+    driver = get_driver("qemu", tmp_path / "home", IMAGES_DIR)
+    sid = f"ocis-{env.token[4:]}"
+    info = driver.boot(BootSpec(sid, image=image.name, disk_size_mb=grown_mb))
+    try:
+        with EnvdClient.at(info.envd_host, info.envd_port, timeout=60, stream_idle_timeout=60) as envd:
+            def sh(command: str, user: str = "root") -> str:
+                result = envd.run(command, user=user, stdin=None)
+                assert result.ok, (command, result.exit_code, result.stdout, result.stderr)
+                return result.stdout.decode().strip()
+
+            assert envd.health()
+            assert sh("grep ^ID= /etc/os-release") == "ID=aenv-oci-static"
+            # no dynamic loader and no C library anywhere on the root filesystem
+            assert sh("find / -xdev \\( -name 'ld-linux*' -o -name 'ld-musl*' -o -name 'libc.so*' \\) | wc -l") == "0"
+            assert sh("command -v resize2fs || echo none") == "none"
+            assert sh("cat /srv/app/hello.txt") == env.token
+            assert sh("whoami; id -u; pwd", user="user") == "user\n1000\n/home/user"
+            _assert_envd_runs_from_the_drive(sh)
+            # the commands run the image's static bash, with nothing of the drive mapped or in the env
+            assert sh("echo ${BASH_VERSINFO[0]}") == "5"
+            assert _mapped_files(sh, "$$") == ["/bin/bash"]
+            assert sh("env | grep -c '^LD_' || true") == "0"
+            # files, through envd's HTTP API and seen by the image's tools
+            entry = envd.write_file("notes/hello.txt", f"written {env.token}\n".encode(), user="user")
+            assert entry["path"] == "/home/user/notes/hello.txt"
+            assert envd.read_file("/home/user/notes/hello.txt", user="user") == f"written {env.token}\n".encode()
+            assert sh("cat ~/notes/hello.txt; stat -c %U ~/notes/hello.txt", user="user") == \
+                f"written {env.token}\nuser"
+            assert envd.read_file("/srv/app/hello.txt") == f"{env.token}\n".encode()
+            # the root filesystem was grown to the sandbox disk (the image's disk is disk.size_mb)
+            root_dev = sh("grep ' / ' /proc/mounts | cut -d' ' -f1")
+            assert int(sh(f"cat /sys/class/block/{root_dev.rsplit('/', 1)[-1]}/size")) * 512 == grown_mb << 20
+            total_mb = int(sh("df -k / | tail -1 | tr -s ' ' | cut -d' ' -f2")) // 1024
+            assert grown_mb * 0.9 < total_mb <= grown_mb, (total_mb, disk.size_mb, grown_mb)
+            # Without /bin/bash envd still starts other programs, but the SDK's commands
+            # (/bin/bash -l -c) fail with a clear error instead of a hang.
+            def start_sh(script: str) -> str:
+                events = list(envd.start("/bin/sh", ["-c", script], user="root"))
+                assert events[-1].kind == "end" and events[-1].exit_code == 0, events
+                return b"".join(e.data for e in events if e.kind == "data").decode().strip()
+
+            assert start_sh("mv /bin/bash /bin/bash.off && echo moved") == "moved"
+            try:
+                with pytest.raises(EnvdError) as e:
+                    envd.run("true", stdin=None)
+                assert e.value.code == "invalid_argument" and "/bin/bash" in e.value.message, e.value
+            finally:
+                assert start_sh("mv /bin/bash.off /bin/bash && echo back") == "back"
+            assert sh("echo bash again") == "bash again"
+    finally:
+        driver.kill(sid)
+    assert not (tmp_path / "home" / "sandboxes" / sid).exists()
 
 
 @pytest.mark.slow

@@ -20,8 +20,13 @@ $B chmod 1777 /tmp
 $B mkdir -p /run/lock /run/user && $B chmod 1777 /run/lock
 $B hostname "$($B cat /etc/hostname 2>/dev/null || echo aenv)"
 # The driver asks to grow the root filesystem online when the sandbox disk is larger than the template's.
-if $B grep -q aenv.resize /proc/cmdline && command -v resize2fs >/dev/null 2>&1; then
-    resize2fs "$($B findfs LABEL=aenv-root)" >/dev/null 2>&1
+# The drive's resize2fs runs in any image (the host's e2fsprogs, which made the filesystem, on the
+# drive's loader); the image's own, if it has one, is only the fallback.
+if $B grep -q aenv.resize /proc/cmdline; then
+    ROOT_DEV="$($B findfs LABEL=aenv-root)"
+    /opt/aenv/bin/resize2fs "$ROOT_DEV" >/dev/null 2>&1 ||
+        { command -v resize2fs >/dev/null 2>&1 && resize2fs "$ROOT_DEV" >/dev/null 2>&1; } ||
+        echo "aenv-init: could not grow the root filesystem on $ROOT_DEV"
 fi
 # The network the driver gave this VM (kernel argument aenv.net=): a netns slot has the same
 # addresses in every slot (restored and forked guests keep them); restricted slirp has QEMU's.
