@@ -1,0 +1,127 @@
+"""A template build's page in a real browser: while the test appends log entries to the
+stack's database the way a node's builder does (``template_builds.progress``, from
+another process), they appear on the open page without a reload, a hostile line shows
+as text, and when the build finishes the badge turns ready and the log says complete.
+
+Needs no VM: the stack runs daphne and the data plane only, and the build is registered
+on a node row of its own (the builder is this test)."""
+import textwrap
+import uuid
+
+import pytest
+
+from tests.integration.stack import Stack
+
+from .conftest import dashboard_stack
+
+PASSWORD = "pw-builds-" + uuid.uuid4().hex[:8]
+NODE = "browser-builder"
+HOSTILE = "<img src=x onerror=\"window.__pwned=1\">"
+
+# Runs in the stack's own Django (manage.py shell): the node's heartbeat stays fresh, so
+# the page's socket never takes the build for one whose node went away.
+PRELUDE = textwrap.dedent(f"""
+    from django.utils import timezone
+    from nodes.models import Node
+    from template_builds import progress
+    Node.objects.update_or_create(id={NODE!r}, defaults=dict(
+        address="127.0.0.1", vcpu_capacity=4, memory_mb_capacity=4096, last_heartbeat_at=timezone.now()))
+""")
+
+
+@pytest.fixture(scope="module")
+def log_stack(chromium_path):
+    with dashboard_stack("browser-builds", "grace", PASSWORD, with_node=False, with_lifecycle=False) as stack:
+        yield stack
+
+
+def builder(stack: Stack, code: str) -> str:
+    """Runs ``code`` in the stack's Django, as the node's builder process would."""
+    return stack.manage("shell", "-c", PRELUDE + textwrap.dedent(code))
+
+
+def new_build(stack: Stack) -> str:
+    out = builder(stack, f"""
+        from sandboxes.models import Team, Template
+        from template_builds.models import TemplateBuild
+        from template_builds.transitions import transition_sync
+        template = Template.objects.create(id="tbrowser", team=Team.objects.get(slug="default"), alias="web-app",
+                                           public=False, image="")
+        build = TemplateBuild.objects.create(template=template, from_image="python:3.11",
+                                             steps=[{{"type": "RUN", "args": ["pip install flask"], "force": False}}])
+        assert transition_sync(build.pk, "start", node_id={NODE!r}, started_at=timezone.now())
+        assert progress.accept(build.pk, {NODE!r})
+        assert progress.report(build.pk, "info", "[base] FROM python:3.11", step="base")
+        print("BUILD", build.pk)
+    """)
+    return out.split("BUILD", 1)[1].split()[0]
+
+
+@pytest.fixture
+def page(browser, log_stack):
+    context = browser.new_context(viewport={"width": 1360, "height": 1000}, base_url=log_stack.api_url)
+    pg = context.new_page()
+    pg.set_default_timeout(30_000)
+    try:
+        yield pg
+    finally:
+        context.close()
+
+
+def shot(page, shots_dir, name: str) -> None:
+    page.screenshot(path=str(shots_dir / f"{name}.png"), full_page=True)
+
+
+def log_texts(page) -> list[str]:
+    return page.eval_on_selector_all("[data-log-lines] .log-message", "els => els.map(e => e.textContent)")
+
+
+def test_log_lines_appear_live_and_the_build_ends(page, log_stack, shots_dir):
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    build_id = new_build(log_stack)
+
+    page.goto("/dashboard/")
+    page.fill("input[name=username]", "grace")
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    page.wait_for_url("**/dashboard/")
+    page.goto("/dashboard/templates/")
+    shot(page, shots_dir, "20-templates")
+    page.click("a[href='/dashboard/templates/tbrowser/']")
+    shot(page, shots_dir, "21-template-detail")
+    page.click(f"a[href='/dashboard/templates/tbrowser/builds/{build_id}/']")
+    page.wait_for_selector('[data-log-status][data-status="open"]')
+    assert log_texts(page) == ["[base] FROM python:3.11"]  # rendered with the page
+    assert page.is_visible("[data-build-badge] .badge-building")
+
+    # The builder appends while the page is open: the lines arrive over the socket.
+    builder(log_stack, f"""
+        assert progress.report({build_id!r}, "info", "[1] RUN pip install flask", step="1")
+        assert progress.report({build_id!r}, "warn", {HOSTILE!r}, step="1")
+    """)
+    page.wait_for_function("() => document.querySelectorAll('[data-log-lines] .log-line').length === 3")
+    assert log_texts(page) == ["[base] FROM python:3.11", "[1] RUN pip install flask", HOSTILE]
+    assert page.locator("[data-log-lines] .log-line").nth(1).locator(".log-step").count() == 0  # already "[1] …"
+    last = page.locator("[data-log-lines] .log-line").last
+    assert last.get_attribute("class") == "log-line log-warn" and last.locator(".log-step").inner_text() == "[1]"
+    assert page.locator("[data-log-lines] img").count() == 0 and page.evaluate("window.__pwned") is None
+    assert page.is_visible("[data-build-badge] .badge-building")
+    assert page.inner_text("[data-log-total]") == "3 entries"
+    shot(page, shots_dir, "22-build-live")
+
+    # It finishes: the closing line, the badge, the socket's normal close.
+    builder(log_stack, f"""
+        assert progress.finish({build_id!r}, progress.BuildResult(image="tbrowser-img", details={{"layers": [
+            {{"step": "1", "type": "RUN", "key": "{'ab' * 32}", "size_bytes": 2048, "cached": False}}]}}))
+    """)
+    page.wait_for_selector('[data-log-status][data-status="done"]')
+    assert log_texts(page)[-1].startswith("Build finished")
+    assert page.locator("[data-build-badge] .badge-ready").count() == 2  # heading and facts
+    assert page.is_visible("[data-build-finished-note]")
+    page.click("[data-build-finished-note] a")  # reload: the layers are there now
+    page.wait_for_selector("[data-layer-table]")
+    assert "abababababab" in page.inner_text("[data-layer-table]")
+    assert page.inner_text("[data-log-status]") == "complete"
+    shot(page, shots_dir, "23-build-ready")
+    assert errors == []
