@@ -1,0 +1,257 @@
+#!/usr/bin/env bash
+# Makes this machine an aenv node that joins a cluster (and, with --control-plane, the
+# machine that also serves the API, the data plane and the sweeper). Run it as root from a
+# checkout of aenv (e.g. in /opt/aenv); running it again with the same flags changes nothing
+# but restarts the units (VMs survive a node restart: see aenv-node.service).
+#
+#   deploy/install-node.sh --database-url postgres://aenv:pw@db:5432/aenv \
+#       --broker-url redis://broker:6379/0 --node-id node-2 --node-address 10.0.0.12 \
+#       --store s3 --s3-bucket aenv-snapshots --s3-endpoint http://s3:9000
+#   deploy/install-node.sh --control-plane            # everything on one machine (SQLite, local Redis)
+#
+# What it does: the node's packages and the venv (scripts/setup.sh's steps), the settings in
+# /etc/aenv/aenv.env (flags win over the environment, which wins over an existing file),
+# the guest images (vmm.images + vmm.templates, cached), then the systemd units of
+# deploy/systemd/ rendered for this checkout, enabled and started. --dry-run prints all of
+# it (the settings file and every unit in full) and changes nothing.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+UNITS_SRC="$ROOT/deploy/systemd"
+# The paths the committed units name; rendering replaces them with this install's.
+UNIT_PREFIX="/opt/aenv" UNIT_HOME="/var/lib/aenv" UNIT_ENV_FILE="/etc/aenv/aenv.env"
+
+usage() {
+  cat <<'USAGE'
+usage: deploy/install-node.sh [options]
+  --database-url URL     PostgreSQL of the cluster (DATABASE_URL); required unless --control-plane
+                         (then SQLite in AENV_HOME, for one machine only)
+  --broker-url URL       Celery broker (CELERY_BROKER_URL, default redis://127.0.0.1:6379/0); with
+                         Redis the result backend and the channel layer use its databases 1 and 2
+  --result-url URL       CELERY_RESULT_BACKEND (needed when the broker is not Redis)
+  --channel-layer-url URL  AENV_CHANNEL_LAYER_URL (a Redis; needed when the broker is not Redis)
+  --node-id ID           AENV_NODE_ID (default: the short host name); queue node.<ID>
+  --node-address ADDR    AENV_NODE_ADDRESS: where the control plane reaches this node (required
+                         unless --control-plane, where it defaults to 127.0.0.1)
+  --net-pool CIDR        AENV_NET_POOL, the sandbox address pool (give every node its own)
+  --network auto|netns|slirp  AENV_NETWORK (default auto: a netns slot per sandbox as root); with the
+                         data plane on another machine, netns needs --net-ingress-from and a
+                         route to this node's pool there, else slirp (see README "Deploying")
+  --net-ingress-from CIDR[,CIDR]  AENV_NET_INGRESS_FROM: the data plane's / dashboard's addresses,
+                         which may open connections into this node's sandboxes (nothing else may)
+  --store posix_fs|s3    AENV_SNAPSHOT_BACKEND (s3 for many nodes: any node restores any snapshot)
+  --s3-bucket NAME  --s3-endpoint URL  --s3-region NAME  --s3-prefix PREFIX
+  --s3-access-key ID  --s3-secret-key KEY   (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)
+  --secret-key KEY       DJANGO_SECRET_KEY, the same on every machine of the cluster (a control
+                         plane generates one the first time and keeps it)
+  --sandbox-domain NAME  AENV_SANDBOX_DOMAIN (wildcard host names of sandbox ports)
+  --api-url URL  --sandbox-url URL   AENV_API_PUBLIC_URL / AENV_SANDBOX_PUBLIC_URL
+  --control-plane        also install the API, data plane and sweeper units; migrates the database
+  --home DIR             AENV_HOME (default /var/lib/aenv)
+  --env-file PATH        the settings file (default /etc/aenv/aenv.env)
+  --systemd-dir DIR      where units go (default /etc/systemd/system)
+  --no-images            do not build the guest images (an images dir prepared otherwise)
+  --dry-run              print what would be done, the settings file and the units; change nothing
+  -h, --help
+USAGE
+}
+
+die() { echo "install-node: $*" >&2; exit 2; }
+
+# Settings: an existing file, then the environment, then the flags.
+declare -A SET=()
+read_env_file() {  # $1: a file this script wrote (KEY=value or KEY='value' lines)
+  local line key value
+  [ -f "$1" ] || return 0
+  while IFS= read -r line || [ -n "$line" ]; do
+    [[ "$line" =~ ^([A-Z][A-Z0-9_]*)=(.*)$ ]] || continue
+    key="${BASH_REMATCH[1]}" value="${BASH_REMATCH[2]}"
+    if [[ "$value" =~ ^\'(.*)\'$ ]]; then value="${BASH_REMATCH[1]}"; fi
+    SET[$key]="$value"
+  done < "$1"
+}
+
+ENV_FILE="$UNIT_ENV_FILE" HOME_DIR="" SYSTEMD_DIR="/etc/systemd/system"
+CONTROL_PLANE=0 DRY_RUN=0 IMAGES=1
+declare -A FLAG=()
+# Flags → settings names (the env file holds nothing else).
+declare -A FLAG_KEY=(
+  [--database-url]=DATABASE_URL [--broker-url]=CELERY_BROKER_URL [--result-url]=CELERY_RESULT_BACKEND
+  [--channel-layer-url]=AENV_CHANNEL_LAYER_URL [--node-id]=AENV_NODE_ID [--node-address]=AENV_NODE_ADDRESS
+  [--net-pool]=AENV_NET_POOL [--net-ingress-from]=AENV_NET_INGRESS_FROM [--network]=AENV_NETWORK [--store]=AENV_SNAPSHOT_BACKEND [--s3-bucket]=AENV_S3_BUCKET
+  [--s3-endpoint]=AENV_S3_ENDPOINT [--s3-region]=AENV_S3_REGION [--s3-prefix]=AENV_S3_PREFIX
+  [--s3-access-key]=AWS_ACCESS_KEY_ID [--s3-secret-key]=AWS_SECRET_ACCESS_KEY [--secret-key]=DJANGO_SECRET_KEY
+  [--sandbox-domain]=AENV_SANDBOX_DOMAIN [--api-url]=AENV_API_PUBLIC_URL [--sandbox-url]=AENV_SANDBOX_PUBLIC_URL
+)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --control-plane) CONTROL_PLANE=1 ;;
+    --dry-run) DRY_RUN=1 ;;
+    --no-images) IMAGES=0 ;;
+    --home|--env-file|--systemd-dir)
+      [ $# -ge 2 ] || die "$1 needs a value"
+      case "$1" in --home) HOME_DIR="$2" ;; --env-file) ENV_FILE="$2" ;; --systemd-dir) SYSTEMD_DIR="$2" ;; esac
+      shift ;;
+    --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}"; continue ;;
+    *)
+      [ -n "${FLAG_KEY[$1]:-}" ] || { usage >&2; die "unknown option $1"; }
+      [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"
+      FLAG[${FLAG_KEY[$1]}]="$2"; shift ;;
+  esac
+  shift
+done
+
+read_env_file "$ENV_FILE"
+for key in "${FLAG_KEY[@]}" AENV_HOME; do
+  if [ -n "${!key:-}" ]; then SET[$key]="${!key}"; fi
+done
+for key in "${!FLAG[@]}"; do SET[$key]="${FLAG[$key]}"; done
+[ -z "$HOME_DIR" ] || SET[AENV_HOME]="$HOME_DIR"
+: "${SET[AENV_HOME]:=$UNIT_HOME}"
+HOME_DIR="${SET[AENV_HOME]}"
+
+# Defaults and checks: a clear word before anything is touched.
+: "${SET[AENV_NODE_ID]:=$(hostname -s | tr '[:upper:]' '[:lower:]')}"
+[[ "${SET[AENV_NODE_ID]}" =~ ^[a-z0-9][a-z0-9._-]*$ ]] || die "--node-id '${SET[AENV_NODE_ID]}': use lower-case letters, digits, '.', '_' or '-'"
+if [ "$CONTROL_PLANE" = 1 ]; then
+  : "${SET[AENV_NODE_ADDRESS]:=127.0.0.1}"
+else
+  [ -n "${SET[DATABASE_URL]:-}" ] || die "a node joining a cluster needs --database-url (the cluster's PostgreSQL); --control-plane alone installs a one-machine aenv on SQLite"
+  [ -n "${SET[AENV_NODE_ADDRESS]:-}" ] || die "a node joining a cluster needs --node-address (the address the control plane reaches it at)"
+fi
+if [ -n "${SET[DATABASE_URL]:-}" ] && [[ ! "${SET[DATABASE_URL]}" =~ ^postgres(ql)?:// ]]; then
+  die "--database-url must be a PostgreSQL URL (postgres://user:password@host:5432/db); SQLite is only for one machine (omit it with --control-plane)"
+fi
+: "${SET[CELERY_BROKER_URL]:=redis://127.0.0.1:6379/0}"
+if [[ "${SET[CELERY_BROKER_URL]}" =~ ^(rediss?://[^/]*)(/[0-9]*)?$ ]]; then
+  redis_base="${BASH_REMATCH[1]}"
+  : "${SET[CELERY_RESULT_BACKEND]:=$redis_base/1}"
+  : "${SET[AENV_CHANNEL_LAYER_URL]:=$redis_base/2}"
+else
+  [ -n "${SET[CELERY_RESULT_BACKEND]:-}" ] && [ -n "${SET[AENV_CHANNEL_LAYER_URL]:-}" ] \
+    || die "with a broker that is not Redis, give --result-url and --channel-layer-url too"
+fi
+case "${SET[AENV_NETWORK]:-auto}" in auto|netns|slirp) ;; *) die "--network must be auto, netns or slirp" ;; esac
+if [ -n "${SET[AENV_NET_INGRESS_FROM]:-}" ]; then
+  IFS=, read -ra sources <<< "${SET[AENV_NET_INGRESS_FROM]}"
+  for source in "${sources[@]}"; do
+    [[ "$source" =~ ^[0-9]{1,3}(\.[0-9]{1,3}){3}(/[0-9]{1,2})?$ ]] \
+      || die "--net-ingress-from: '$source' is not an IPv4 address or CIDR (comma-separated, e.g. 10.0.0.2,10.0.1.0/24)"
+  done
+  [ "${SET[AENV_NETWORK]:-auto}" != slirp ] || die "--net-ingress-from is for the netns network (slirp's forwards cannot limit who connects)"
+fi
+: "${SET[AENV_SNAPSHOT_BACKEND]:=posix_fs}"
+case "${SET[AENV_SNAPSHOT_BACKEND]}" in
+  posix_fs) for key in AENV_S3_BUCKET AENV_S3_ENDPOINT AENV_S3_REGION AENV_S3_PREFIX; do
+              [ -z "${FLAG[$key]:-}" ] || die "the --s3-* options need --store s3"; done ;;
+  s3) [ -n "${SET[AENV_S3_BUCKET]:-}" ] || die "--store s3 needs --s3-bucket" ;;
+  *) die "--store must be posix_fs or s3, not '${SET[AENV_SNAPSHOT_BACKEND]}'" ;;
+esac
+SECRET_GENERATED=0
+if [ "$CONTROL_PLANE" = 1 ] && [ -z "${SET[DJANGO_SECRET_KEY]:-}" ]; then
+  # The API, data plane and sweeper run as user aenv and must share one key (a key file the
+  # root node wrote first would be unreadable to them); other control-plane machines get it by --secret-key.
+  SECRET_GENERATED=1
+  SET[DJANGO_SECRET_KEY]="$(python3 -c 'import secrets; print(secrets.token_urlsafe(50))')"
+fi
+for key in "${!SET[@]}"; do
+  [[ "${SET[$key]}" != *"'"* && "${SET[$key]}" != *$'\n'* ]] || die "$key: values may not hold a single quote or a newline"
+done
+
+env_file_text() {  # the settings, one KEY=value a line, quoted where systemd or a shell would split
+  local order=(AENV_HOME AENV_NODE_ID AENV_NODE_ADDRESS DATABASE_URL CELERY_BROKER_URL CELERY_RESULT_BACKEND
+               AENV_CHANNEL_LAYER_URL AENV_NETWORK AENV_NET_POOL AENV_NET_INGRESS_FROM AENV_SNAPSHOT_BACKEND AENV_S3_BUCKET AENV_S3_ENDPOINT
+               AENV_S3_REGION AENV_S3_PREFIX AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY DJANGO_SECRET_KEY
+               AENV_SANDBOX_DOMAIN AENV_API_PUBLIC_URL AENV_SANDBOX_PUBLIC_URL)
+  local key value
+  echo "# aenv settings (aenv_site/settings.py), written by deploy/install-node.sh; read by the aenv-* units."
+  for key in "${order[@]}"; do
+    value="${SET[$key]:-}"
+    [ -n "$value" ] || continue
+    if [ "$DRY_RUN" = 1 ] && [ "$key" = DJANGO_SECRET_KEY ] && [ "$SECRET_GENERATED" = 1 ]; then
+      value="<generated>"
+    fi
+    if [[ "$value" =~ ^[A-Za-z0-9_./:@%+,=-]+$ ]]; then echo "$key=$value"; else echo "$key='$value'"; fi
+  done
+}
+
+render_unit() {  # $1: unit file name → the unit for this checkout, home and settings file
+  sed -e "s#$UNIT_PREFIX#$ROOT#g" -e "s#$UNIT_HOME#$HOME_DIR#g" -e "s#$UNIT_ENV_FILE#$ENV_FILE#g" "$UNITS_SRC/$1"
+}
+
+run() {  # a command, or in a dry run its line
+  if [ "$DRY_RUN" = 1 ]; then printf '+'; printf ' %q' "$@"; echo; else "$@"; fi
+}
+
+put_file() {  # path mode: stdin into path (shown whole in a dry run)
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "=== $1 (mode $2) ==="
+    cat
+    echo "=== end $1 ==="
+  else
+    mkdir -p "$(dirname "$1")"
+    local tmp="$1.tmp.$$"
+    (umask 077; cat > "$tmp")
+    chmod "$2" "$tmp" && mv -f "$tmp" "$1"
+  fi
+}
+
+UNITS=(aenv-node.service)
+[ "$CONTROL_PLANE" = 1 ] && UNITS=(aenv-api.service aenv-dataplane.service aenv-sweeper.service "${UNITS[@]}")
+if [ "$DRY_RUN" = 0 ] && [ "$(id -u)" != 0 ]; then die "run as root (the node worker's units, packages and /etc/aenv), or pass --dry-run"; fi
+echo "==> aenv node ${SET[AENV_NODE_ID]} from $ROOT (home $HOME_DIR; units: ${UNITS[*]})"
+
+# 1. Packages and the venv: scripts/setup.sh's own steps (its package list is the only one).
+export AENV_HOME="$HOME_DIR"
+# shellcheck source=SCRIPTDIR/../scripts/setup.sh
+source "$ROOT/scripts/setup.sh"
+run setup_system_packages --node
+run setup_python_env
+if [ "$CONTROL_PLANE" = 1 ]; then
+  run "$ROOT/deploy/dashboard-assets.sh"
+  run "$ROOT/.venv/bin/python" "$ROOT/manage.py" collectstatic --noinput -v 0
+  if [[ "${SET[CELERY_BROKER_URL]}" =~ ^redis://(127\.0\.0\.1|localhost)[:/] ]]; then
+    # A local broker is a system service here, not setup.sh's background redis-server.
+    dpkg-query -W -f='${Status}' redis-server 2>/dev/null | grep -q "install ok installed" \
+      || run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
+  fi
+fi
+
+# 2. The settings file and AENV_HOME.
+env_file_text | put_file "$ENV_FILE" 600
+run mkdir -p "$HOME_DIR"
+if [ "$CONTROL_PLANE" = 1 ]; then
+  # The API, data plane and sweeper run as aenv; on one machine they share AENV_HOME with the
+  # root node worker (group aenv, setgid, the node's umask 0007: see deploy/systemd/aenv-api.service).
+  id aenv >/dev/null 2>&1 || run useradd --system --user-group --home-dir "$HOME_DIR" --shell /usr/sbin/nologin aenv
+  run chown aenv:aenv "$HOME_DIR"
+  run chmod 2770 "$HOME_DIR"
+  if [ "$DRY_RUN" = 0 ] && ! runuser -u aenv -- test -r "$ROOT/manage.py"; then
+    die "user aenv cannot read $ROOT: put the checkout where it can (e.g. /opt/aenv)"
+  fi
+fi
+
+# 3. The guest images (a few minutes the first time; cached, rebuilt only when a recipe changes).
+if [ "$IMAGES" = 1 ]; then run setup_guest_images; fi
+
+# 4. The schema and the default team + API key (control plane only: nodes never migrate).
+if [ "$CONTROL_PLANE" = 1 ]; then
+  # shellcheck disable=SC2016  # the settings file is sourced by the inner shell, as user aenv
+  as_aenv() { run runuser -u aenv -- env "AENV_ENV_FILE=$ENV_FILE" bash -c \
+    'set -a; . "$AENV_ENV_FILE"; set +a; exec "$@"' aenv "$@"; }
+  as_aenv "$ROOT/.venv/bin/python" "$ROOT/manage.py" migrate --noinput -v 0
+  as_aenv "$ROOT/.venv/bin/python" "$ROOT/manage.py" bootstrap
+fi
+
+# 5. The units.
+for unit in aenv.target "${UNITS[@]}"; do
+  render_unit "$unit" | put_file "$SYSTEMD_DIR/$unit" 644
+done
+if [ "$DRY_RUN" = 1 ] || [ -d /run/systemd/system ]; then
+  run systemctl daemon-reload
+  run systemctl enable aenv.target "${UNITS[@]}"
+  run systemctl restart "${UNITS[@]}"
+else
+  echo "==> systemd is not running here: units written to $SYSTEMD_DIR, not started"
+fi
+echo "==> done: systemctl status aenv.target; logs: journalctl -u 'aenv-*'"

