@@ -1,54 +1,89 @@
 """Node registration and the heartbeat thread: how the control plane learns that a
-node is alive, what it can hold, and how many VMs it runs."""
+node is alive, what it can hold, how many VMs it runs and how busy its host is
+(``agent.host_usage``: CPU, memory, disks, with a short history for the dashboard)."""
 import logging
-import threading
+from collections import deque
 
-from django.db import close_old_connections
 from django.utils import timezone
 
 from nodes.models import Node
+
+from .host_usage import history_point
+from .periodic import Periodic
 
 log = logging.getLogger(__name__)
 
 
 def register_node(*, node_id: str, address: str, driver_name: str, accel: str,
                   vcpu_capacity: int, memory_mb_capacity: int, sandboxes_running: int = 0,
-                  version: str = "") -> Node:
-    """Create or refresh this node's row; `draining` is the operator's and kept as is."""
+                  version: str = "", host: dict | None = None, snapshots_here: list[str] | None = None) -> Node:
+    """Create or refresh this node's row; `draining` is the operator's and kept as is
+    (so is the host history: a restart does not blank the dashboard's chart)."""
     now = timezone.now()
-    node, _ = Node.objects.update_or_create(
-        pk=node_id,
-        defaults=dict(address=address, driver=driver_name, accel=accel, vcpu_capacity=vcpu_capacity,
-                      memory_mb_capacity=memory_mb_capacity, sandboxes_running=sandboxes_running,
-                      version=version, started_at=now, last_heartbeat_at=now),
-    )
+    defaults = dict(address=address, driver=driver_name, accel=accel, vcpu_capacity=vcpu_capacity,
+                    memory_mb_capacity=memory_mb_capacity, sandboxes_running=sandboxes_running,
+                    version=version, started_at=now, last_heartbeat_at=now)
+    if host is not None:
+        defaults["host"] = host
+    if snapshots_here is not None:
+        defaults["snapshots_here"] = snapshots_here
+    node, _ = Node.objects.update_or_create(pk=node_id, defaults=defaults)
     return node
 
 
-def beat(node_id: str, count_running) -> None:
-    """One heartbeat: a fresh timestamp and the current number of running VMs."""
-    running = count_running()
-    Node.objects.filter(pk=node_id).update(last_heartbeat_at=timezone.now(), sandboxes_running=running)
+def beat(node_id: str, count_running, host: dict | None = None, history: list | None = None,
+         snapshots_here: list[str] | None = None) -> None:
+    """One heartbeat: a fresh timestamp, the current number of running VMs and, when
+    given, the host's figures and their recent history and the snapshots it has."""
+    fields = {"last_heartbeat_at": timezone.now(), "sandboxes_running": count_running()}
+    if host is not None:
+        fields["host"] = host
+    if history is not None:
+        fields["host_history"] = history
+    if snapshots_here is not None:
+        fields["snapshots_here"] = snapshots_here
+    Node.objects.filter(pk=node_id).update(**fields)
 
 
-class Heartbeat(threading.Thread):
-    """Beats every `interval` seconds until stopped; never dies on a DB or driver error."""
+class Heartbeat(Periodic):
+    """Beats every `interval` seconds until stopped; never dies on a DB or driver error.
+    With a ``host_sampler`` (agent.host_usage.HostSampler) each beat carries the host's
+    figures, and the last ``history`` of them as chart points; ``last_host`` is the newest
+    sample (the node's Prometheus exporter reads it). ``local_snapshots`` (the store's
+    ``local_ids``) says which snapshots' files the node has, for placement's locality."""
 
-    def __init__(self, node_id: str, interval: float, count_running):
-        super().__init__(name=f"heartbeat-{node_id}", daemon=True)
+    def __init__(self, node_id: str, interval: float, count_running, host_sampler=None, history: int = 0,
+                 local_snapshots=None):
+        super().__init__(f"heartbeat-{node_id}", interval)
         self.node_id = node_id
-        self.interval = interval
         self.count_running = count_running
-        self._stopped = threading.Event()
+        self.host_sampler = host_sampler
+        self.local_snapshots = local_snapshots
+        self.last_host: dict = {}
+        self._history = deque(maxlen=max(history, 1)) if history else None
 
-    def run(self) -> None:
-        while not self._stopped.wait(self.interval):
+    def beat_once(self) -> None:
+        host = history = None
+        if self.host_sampler is not None:
             try:
-                beat(self.node_id, self.count_running)
-            except Exception:
-                log.exception("heartbeat of node %s failed", self.node_id)
-            finally:
-                close_old_connections()
+                host = self.host_sampler.sample()
+            except Exception:  # noqa: BLE001 - the node is still alive: beat without figures
+                log.exception("host figures of node %s could not be read", self.node_id)
+        if host is not None:
+            self.last_host = host
+            if self._history is not None:
+                if not self._history:  # a restarted node continues the chart its row holds
+                    stored = Node.objects.filter(pk=self.node_id).values_list("host_history", flat=True).first()
+                    self._history.extend(p for p in (stored or []) if isinstance(p, list))
+                self._history.append(history_point(host))
+                history = list(self._history)
+        here = None
+        if self.local_snapshots is not None:
+            try:
+                here = list(self.local_snapshots())
+            except Exception:  # noqa: BLE001 - the node is still alive: beat without them
+                log.exception("local snapshots of node %s could not be listed", self.node_id)
+        beat(self.node_id, self.count_running, host, history, here)
 
-    def stop(self) -> None:
-        self._stopped.set()
+    def round(self) -> None:
+        self.beat_once()

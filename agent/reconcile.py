@@ -28,16 +28,15 @@ is never overwritten."""
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import datetime, timedelta
 
-from django.db import close_old_connections
 from django.utils import timezone
 
 from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.states import DEAD, SandboxState
 from vmm.driver import VMStatus
 
+from .periodic import Periodic
 from .reconcile_snapshots import reconcile_interrupted
 from .settle import continue_vm, move
 
@@ -117,6 +116,13 @@ def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool)
     known_vms = driver.sandbox_ids()  # includes dead VMs' leftovers
     rows += list(Sandbox.objects.filter(pk__in=known_vms, state__in=DEAD, updated_at__lt=older_than))
     done = []
+    # A sandbox resumed on another node while this one was away (agent.moves): what is left
+    # of it here is a stale copy, never to run again.
+    for sid, other in Sandbox.objects.filter(pk__in=known_vms).exclude(node_id=node_id).exclude(
+            node_id__isnull=True).exclude(state__in=DEAD).values_list("pk", "node_id"):
+        driver.kill(sid)
+        log.info("reconcile: sandbox %s runs on node %s now; removed its copy here", sid, other)
+        done.append((sid, "moved", f"removed: it runs on node {other} now"))
     for row in rows:
         try:
             what = reconcile_sandbox(driver, row, actor)
@@ -149,24 +155,14 @@ def purge_queue(queue: str) -> int:
         return 0
 
 
-class Reconciler(threading.Thread):
+class Reconciler(Periodic):
     """The periodic pass: rows stuck in a transitional state longer than ``stale``
     seconds (their API call has long given up) are reconciled like at start."""
 
     def __init__(self, node_id: str, driver, interval: float, stale: float):
-        super().__init__(name=f"reconcile-{node_id}", daemon=True)
-        self.node_id, self.driver, self.interval, self.stale = node_id, driver, interval, stale
-        self._stopped = threading.Event()
+        super().__init__(f"reconcile-{node_id}", interval)
+        self.node_id, self.driver, self.stale = node_id, driver, stale
 
-    def run(self) -> None:
-        while not self._stopped.wait(self.interval):
-            try:
-                reconcile_node(self.node_id, self.driver, settled=False,
-                               older_than=timezone.now() - timedelta(seconds=self.stale))
-            except Exception:  # noqa: BLE001
-                log.exception("periodic reconcile of node %s failed", self.node_id)
-            finally:
-                close_old_connections()
-
-    def stop(self) -> None:
-        self._stopped.set()
+    def round(self) -> None:
+        reconcile_node(self.node_id, self.driver, settled=False,
+                       older_than=timezone.now() - timedelta(seconds=self.stale))

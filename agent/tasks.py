@@ -13,8 +13,9 @@ from celery import shared_task
 
 from nodes import protocol
 
+from . import console_logs, moves
 from .driver import get_driver, get_templates
-from .guest import EnvdInitFailed, handoff_token, init_envd
+from .guest import EnvdInitFailed, GuestUnresponsive, guest_responds, handoff_token, init_envd
 
 log = logging.getLogger(__name__)
 
@@ -97,24 +98,55 @@ def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int,
 
 @shared_task(name=protocol.KILL_SANDBOX)
 def kill_sandbox(*, sandbox_id: str) -> dict:
-    return {"killed": bool(get_driver().kill(sandbox_id))}
+    driver = get_driver()
+    console_logs.flush(driver, sandbox_id, gone=True)  # the console goes with the VM
+    killed = bool(driver.kill(sandbox_id))
+    if moves.shared_store():
+        moves.forget(_store(), sandbox_id)  # its exported pause, if it had one
+    return {"killed": killed}
 
 
 @shared_task(name=protocol.PAUSE_SANDBOX)
-def pause_sandbox(*, sandbox_id: str, to_disk: bool = True, memory: bool = True) -> dict:
+def pause_sandbox(*, sandbox_id: str, to_disk: bool = True, memory: bool = True,
+                  require_healthy_guest: bool = False) -> dict:
     """Pauses the VM: to disk (device state saved, QEMU process stopped, RAM file kept)
     or in memory (vCPUs frozen, process kept). ``memory=False`` is the filesystem-only
     pause: the guest syncs, only the disk is kept, a resume cold-boots on it.
-    Returns {"to_disk", "memory", "timings"}."""
+
+    First its envd is asked whether it answers. If not, a filesystem-only pause (it needs
+    the guest's sync) and a ``require_healthy_guest`` one raise GuestUnresponsive and the
+    VM runs on untouched; any other pause proceeds and says so (``envd_unresponsive``).
+    Returns {"to_disk", "memory", "envd_unresponsive", "timings"}."""
     driver = get_driver()
     started = time.perf_counter()
+    unresponsive = _guest_unresponsive(driver, sandbox_id)
+    if unresponsive and (require_healthy_guest or not memory):
+        raise GuestUnresponsive(f"sandbox {sandbox_id}: its guest agent (envd) does not answer; it was not paused "
+                                "and keeps running")
+    probed_ms = round((time.perf_counter() - started) * 1000, 2)
+    console_logs.flush(driver, sandbox_id)  # a resume starts a new console
     if not memory:
         timings = driver.pause_to_disk(sandbox_id, memory=False)
     else:
         timings = driver.pause_to_disk(sandbox_id) if to_disk else driver.pause(sandbox_id)
     timings = _round(timings)
+    timings["guest_probe"] = probed_ms
     timings["total_ms"] = round((time.perf_counter() - started) * 1000, 2)
-    return {"to_disk": bool(to_disk or not memory), "memory": bool(memory), "timings": timings}
+    if to_disk and memory and moves.shared_store():  # other nodes may resume it (agent.moves)
+        moves.export_later(driver, _store(), sandbox_id)
+    return {"to_disk": bool(to_disk or not memory), "memory": bool(memory), "envd_unresponsive": unresponsive,
+            "timings": timings}
+
+
+def _guest_unresponsive(driver, sandbox_id: str) -> bool:
+    """True when the running VM's envd does not answer /health; False when it does or
+    when there is nothing to ask (no such VM, or not running: the pause says why)."""
+    from vmm.driver import VMStatus
+
+    info = driver.info(sandbox_id)
+    if info is None or info.status != VMStatus.RUNNING:
+        return False
+    return not guest_responds(info.envd_host, info.envd_port)
 
 
 @shared_task(name=protocol.RESUME_SANDBOX)
@@ -215,16 +247,19 @@ def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) 
 
 @shared_task(name=protocol.RESTORE_SANDBOX)
 def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access_token: str | None,
-                    source_token: str | None = None, network: dict | None = None) -> dict:
+                    source_token: str | None = None, network: dict | None = None, template: bool = False) -> dict:
     """Starts a new VM from a snapshot (copy-on-write memory and disk), then gives its
     envd the new sandbox's token, env vars and clock; killed if that fails. A
-    filesystem-only snapshot is cold-booted on its disk layers instead."""
+    filesystem-only snapshot is cold-booted on its disk layers instead. ``template``: a
+    built template's snapshot, restored like a booted template (``driver.restore(...,
+    template=True)``: its own RAM copy, so its later pauses stay cheap)."""
     from vmm.driver import BootSpec, SnapshotManifest
 
     driver = get_driver()
     manifest = SnapshotManifest.load(_store().local_dir(snapshot_id))
     if manifest.memory_file:
-        info = driver.restore(manifest, BootSpec(sandbox_id=sandbox_id, network=_network(network)))
+        info = driver.restore(manifest, BootSpec(sandbox_id=sandbox_id, network=_network(network)),
+                              template=template)
     else:
         info = driver.boot(BootSpec(sandbox_id=sandbox_id, image=manifest.machine.get("image") or "base",
                                     cpu_count=manifest.cpu_count, memory_mb=manifest.memory_mb,
@@ -309,36 +344,20 @@ def delete_snapshot_files(*, snapshot_id: str) -> dict:
     return {"deleted": bool(_store().delete(snapshot_id))}
 
 
-BUILDER_NOT_AVAILABLE = "template builder not available on this node yet"
-
-
 @shared_task(name=protocol.BUILD_TEMPLATE, ignore_result=True)
 def build_template(*, build_id: str, template_id: str, spec: dict, cpu_count: int, memory_mb: int,
                    disk_size_mb: int) -> dict:
     """Builds template build ``build_id`` of ``template_id`` on this node (E2B's template
-    builder): pull ``spec["from_image"]`` (with ``spec["from_image_registry"]``'s
-    credentials) or start from ``spec["from_template"]``'s ready build, run
-    ``spec["steps"]`` (COPY archives: ``template_builds.files.get_file_store().fetch(
-    spec["team_id"], files_hash, …)``) in a VM of ``cpu_count`` vCPU / ``memory_mb`` MiB
-    with a ``disk_size_mb`` disk, seal each step's layer, start ``spec["start_cmd"]`` and
-    wait for ``spec["ready_cmd"]``, then take the template snapshot.
+    builder, ``agent.builder``): the base (``spec["from_image"]`` pulled with
+    ``spec["from_image_registry"]``'s credentials, or ``spec["from_template"]``'s ready
+    build), ``spec["steps"]`` in a VM of ``cpu_count`` vCPU / ``memory_mb`` MiB with a
+    ``disk_size_mb`` disk, a layer sealed and cached per step, ``spec["start_cmd"]`` started
+    and ``spec["ready_cmd"]`` awaited, then the template snapshot a create restores.
 
     The control plane does not wait for this task: the builder reports through
-    ``template_builds.progress`` — ``accept`` first, ``report`` for every log line (it
-    returns False once the build was cancelled), ``finish`` with a ``BuildResult`` (the
-    snapshot a create restores) or an error and its step.
+    ``template_builds.progress`` (accept, every log line, finish with the result or the
+    error and its step)."""
+    from .builder import build_template as build
 
-    The builder itself (image pull, steps in a VM, layers, snapshot) is not on nodes yet:
-    until it is, every build handed to a node fails here, saying so, instead of
-    pretending to build."""
-    from django.conf import settings
-
-    from template_builds import progress
-
-    if not progress.accept(build_id, settings.AENV_NODE_ID):
-        log.info("template build %s of %s is no longer building here; skipped", build_id, template_id)
-        return {"status": "skipped"}
-    progress.report(build_id, "error", f"{BUILDER_NOT_AVAILABLE} ({settings.AENV_NODE_ID})", step="base")
-    progress.finish(build_id, error=BUILDER_NOT_AVAILABLE, step="base")
-    log.warning("template build %s of %s failed: %s", build_id, template_id, BUILDER_NOT_AVAILABLE)
-    return {"status": "error", "reason": BUILDER_NOT_AVAILABLE}
+    return build(build_id=build_id, template_id=template_id, spec=spec, cpu_count=cpu_count,
+                 memory_mb=memory_mb, disk_size_mb=disk_size_mb)

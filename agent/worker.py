@@ -1,6 +1,7 @@
-"""Running a node: register it, start the heartbeat, consume ``node.<id>`` with a
-thread pool (VM operations are mostly waits on subprocesses and sockets, so many
-boots run in parallel on few cores)."""
+"""Running a node: register it, start the heartbeat (with the host's figures), the sandbox
+metrics sampler and the Prometheus exporter, consume ``node.<id>`` with a thread pool (VM
+operations are mostly waits on subprocesses and sockets, so many boots run in parallel on
+few cores)."""
 import logging
 
 from django.conf import settings
@@ -8,9 +9,15 @@ from django.utils import timezone
 
 from aenv_site.celery import app as celery_app
 from . import tasks  # noqa: F401 - registers the node tasks with the Celery app this worker runs
+from .console_logs import ConsoleCollector
 from .driver import get_driver
 from .heartbeat import Heartbeat, register_node
+from .host_usage import HostSampler
+from .metrics import MetricsSampler
+from .prometheus import NodeCollector, count_round, start_exporter
 from .reconcile import Reconciler, purge_queue, reconcile_node
+from .shutdown import pause_all
+from .stores import get_store
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +54,43 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     def count_running() -> int:
         return len(driver.list())
 
+    host_sampler = HostSampler(["/", str(settings.AENV_HOME), str(settings.AENV_IMAGES_DIR), "/dev/shm"])
+    heartbeat = Heartbeat(node_id, settings.AENV_NODE_HEARTBEAT_INTERVAL, count_running, host_sampler=host_sampler,
+                          history=settings.AENV_NODE_HOST_HISTORY, local_snapshots=lambda: get_store().local_ids())
+    metrics_port = start_exporter(settings.AENV_NODE_ADDRESS, settings.AENV_NODE_METRICS_PORT,
+                                  NodeCollector(node_id, count_running, lambda: heartbeat.last_host, (vcpus, memory_mb)))
+    if metrics_port:
+        host_sampler.extra["metricsPort"] = metrics_port
+    heartbeat.last_host = host_sampler.sample()
     node = register_node(
         node_id=node_id, address=settings.AENV_NODE_ADDRESS, driver_name=settings.AENV_DRIVER,
         accel=driver.accel, vcpu_capacity=vcpus, memory_mb_capacity=memory_mb,
-        sandboxes_running=count_running(), version=_version(),
+        sandboxes_running=count_running(), version=_version(), host=heartbeat.last_host,
+        snapshots_here=get_store().local_ids(),
     )
     log.info("node %s registered: accel=%s network=%s capacity=%d vCPU / %d MiB, queue %s",
              node.id, node.accel, network.get("network", "?"), vcpus, memory_mb, node.queue)
-    heartbeat = Heartbeat(node_id, settings.AENV_NODE_HEARTBEAT_INTERVAL, count_running)
     heartbeat.start()
     reconciler = Reconciler(node_id, driver, settings.AENV_RECONCILE_INTERVAL, settings.AENV_RECONCILE_STALE)
+    sampler = MetricsSampler(node_id, settings.AENV_SANDBOX_METRICS_INTERVAL, settings.AENV_SANDBOX_METRICS_RETENTION,
+                             on_round=count_round)
+    consoles = ConsoleCollector(node_id, driver, settings.AENV_SANDBOX_LOGS_INTERVAL,
+                                settings.AENV_SANDBOX_LOGS_RETENTION)
     try:
         reattach(node_id, node.queue, driver)
         reconciler.start()
+        sampler.start()
+        consoles.start()
         celery_app.worker_main(worker_argv(node_id, concurrency, loglevel))
     finally:
+        consoles.stop()
+        sampler.stop()
         reconciler.stop()
+        if settings.AENV_NODE_STOP_PAUSE:  # the worker took its last task: nothing runs unattended
+            try:
+                pause_all(node_id, driver, float(settings.AENV_NODE_STOP_TIMEOUT))
+            except Exception:  # noqa: BLE001 - the VMs keep running; the next start reattaches them
+                log.exception("stopping: pausing the sandboxes of node %s failed", node_id)
         heartbeat.stop()
 
 
@@ -81,8 +109,15 @@ def reattach(node_id: str, queue: str, driver) -> list:
     sandbox of this node with the VM the driver finds in its state dir (running and
     paused VMs outlive the worker and are simply served again; operations the previous
     worker died in are settled to the VM's real state — see agent.reconcile)."""
+    from .builder import abandon_interrupted, trim_image_cache_at_start
+
     started = timezone.now()
     purged = purge_queue(queue)
+    try:
+        abandon_interrupted(node_id, driver)  # template builds die with the worker that ran them
+    except Exception:  # noqa: BLE001 - reported; the sandboxes still get reconciled
+        log.exception("cleanup of interrupted template builds on node %s failed", node_id)
+    trim_image_cache_at_start(driver)  # AENV_IMAGE_CACHE_MB may have shrunk; only logs on failure
     try:
         done = reconcile_node(node_id, driver, older_than=started, settled=True)
     except Exception:  # noqa: BLE001 - the node still serves; the periodic pass retries

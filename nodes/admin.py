@@ -39,7 +39,7 @@ class NodeAdmin(admin.ModelAdmin):
     search_fields = ["id", "address", "version"]
     list_editable = ["draining"]
     readonly_fields = ["id", "address", "driver", "accel", "vcpu_capacity", "memory_mb_capacity",
-                       "sandboxes_running", "version", "started_at", "last_heartbeat_at"]
+                       "sandboxes_running", "version", "started_at", "last_heartbeat_at", "host", "host_history"]
     actions = ["drain", "undrain"]
 
     def get_queryset(self, request):

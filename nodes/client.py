@@ -202,11 +202,14 @@ async def kill_sandbox(node: Node, *, sandbox_id: str, deadline: float | None = 
 
 
 async def pause_sandbox(node: Node, *, sandbox_id: str, to_disk: bool = True, memory: bool = True,
-                        deadline: float | None = None) -> dict:
+                        require_healthy_guest: bool = False, deadline: float | None = None) -> dict:
     """Pause the sandbox's VM on `node` (to disk: the QEMU process exits, RAM and device
-    state stay in its state dir; ``memory=False``: only the disk is kept).
-    Returns {"to_disk", "memory", "timings": {phase: ms}}."""
+    state stay in its state dir; ``memory=False``: only the disk is kept). With
+    ``require_healthy_guest`` a guest agent that does not answer fails it (GuestUnresponsive).
+    Returns {"to_disk", "memory", "envd_unresponsive", "timings": {phase: ms}}."""
     kwargs = {"sandbox_id": sandbox_id, "to_disk": bool(to_disk), "memory": bool(memory)}
+    if require_healthy_guest:
+        kwargs["require_healthy_guest"] = True
     return await _call(node, protocol.PAUSE_SANDBOX, kwargs, deadline, f"pause of {sandbox_id}")
 
 
@@ -235,12 +238,16 @@ async def snapshot_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, mem
 
 async def restore_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, env_vars: dict,
                           access_token: str | None, source_token: str | None = None,
-                          network: dict | None = None, deadline: float | None = None) -> dict:
+                          network: dict | None = None, template: bool = False,
+                          deadline: float | None = None) -> dict:
     """Start sandbox `sandbox_id` on `node` from snapshot `snapshot_id` with the network
     `network` (NetworkSpec JSON) and initialise its envd (own token, handed over from
-    `source_token`). Returns what boot_sandbox returns."""
+    `source_token`). ``template``: the snapshot is a built template's (the VM gets its own
+    RAM copy, as from a booted template). Returns what boot_sandbox returns."""
     kwargs = _with_network(dict(sandbox_id=sandbox_id, snapshot_id=snapshot_id, env_vars=dict(env_vars or {}),
                                 access_token=access_token, source_token=source_token or None), network)
+    if template:
+        kwargs["template"] = True
     return await _call(node, protocol.RESTORE_SANDBOX, kwargs, deadline, f"restore of {sandbox_id}")
 
 

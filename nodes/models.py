@@ -20,6 +20,18 @@ class Node(models.Model):
     started_at = models.DateTimeField(default=timezone.now)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True, db_index=True)
     draining = models.BooleanField(default=False)
+    # Every placement on the node bumps this first: the row's write lock is what serializes
+    # placements racing for its last room (nodes.placement), and the count says how many there were.
+    placements = models.PositiveBigIntegerField(default=0)
+    # What the node reports of its host at each heartbeat (agent.host_usage): CPU %, cores,
+    # memory, the disks it uses, machine info; and the recent (time, CPU %, memory used)
+    # samples the dashboard charts, newest last, at most AENV_NODE_HOST_HISTORY of them.
+    host = models.JSONField(default=dict, blank=True)
+    host_history = models.JSONField(default=list, blank=True)
+    # The snapshots (template snapshots included) whose files the node had at its last
+    # heartbeat, own or cached (agent.stores ``local_ids``): placement prefers these nodes
+    # for a restore, which then needs no download.
+    snapshots_here = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["id"]

@@ -2,13 +2,22 @@
 build.
 
 Room is computed from the database (capacity minus what the node's live sandboxes and
-running template builds reserve), not from the node's heartbeat, so two creates in quick
-succession see each other's reservation as soon as the sandbox row exists.
+running template builds reserve), not from the node's heartbeat. A placement is a
+*claim*: in one transaction that holds the candidate nodes' row locks it chooses with
+fresh reservations and writes the reservation itself (the caller's ``claim``: the sandbox
+rows' node, the build's node; ``Node.placements`` counts them), so racing placements are
+serialized — on PostgreSQL by the row locks, on SQLite by its write lock — and never
+over-commit a node.
 """
+import math
+import random
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db.models import IntegerField, OuterRef, Q, Subquery, Sum
+from django.db import transaction
+from django.db.models import F, IntegerField, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -28,13 +37,38 @@ def _building(field: str) -> Subquery:
     return Coalesce(Subquery(builds, output_field=IntegerField()), 0)
 
 
-def _candidates():
-    cutoff = timezone.now() - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
+def with_reservations(nodes):
+    """``nodes`` (a Node queryset) annotated with what placement counts as reserved on
+    each: ``cpu_reserved`` (vCPUs) and ``memory_reserved`` (MiB) of its live sandboxes (a
+    row's ``reserved_*`` where set, else its shape) and running template builds. Public for
+    the nodes API, the dashboard and Prometheus, which show the same figures."""
     live = Q(sandboxes__state__in=RESERVING)
-    return Node.objects.filter(draining=False, last_heartbeat_at__gte=cutoff).annotate(
-        cpu_reserved=Coalesce(Sum("sandboxes__cpu_count", filter=live), 0) + _building("cpu_count"),
-        memory_reserved=Coalesce(Sum("sandboxes__memory_mb", filter=live), 0) + _building("memory_mb"),
+    cpu = Coalesce("sandboxes__reserved_vcpus", "sandboxes__cpu_count")
+    memory = Coalesce("sandboxes__reserved_memory_mb", "sandboxes__memory_mb")
+    return nodes.annotate(
+        cpu_reserved=Coalesce(Sum(cpu, filter=live), 0) + _building("cpu_count"),
+        memory_reserved=Coalesce(Sum(memory, filter=live), 0) + _building("memory_mb"),
     )
+
+
+def fork_child_charge(cpu_count: int, memory_mb: int) -> tuple[int, int]:
+    """(vCPUs, MiB) placement reserves for one fork child of a ``cpu_count`` / ``memory_mb``
+    parent while it shares the parent's memory copy-on-write: ``AENV_FORK_CHILD_MEMORY_MB``
+    (at most its shape) and its vCPUs over ``AENV_FORK_VCPU_OVERCOMMIT``, rounded up. Why
+    not the whole shape: a child's guest RAM is the parent's pages until it writes them
+    (measured: README, lifecycle table), so N children cost far less than N new VMs. Its
+    first resume reserves the whole shape again (its memory is then its own)."""
+    vcpus = max(1, math.ceil(cpu_count / float(settings.AENV_FORK_VCPU_OVERCOMMIT)))
+    return min(cpu_count, vcpus), min(memory_mb, int(settings.AENV_FORK_CHILD_MEMORY_MB))
+
+
+def _alive():
+    cutoff = timezone.now() - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
+    return Node.objects.filter(draining=False, last_heartbeat_at__gte=cutoff)
+
+
+def _candidates():
+    return with_reservations(_alive())
 
 
 def _load(node: Node) -> float:
@@ -48,21 +82,56 @@ def _fits(node: Node, cpu_count: int, memory_mb: int) -> bool:
             and node.memory_reserved + memory_mb <= node.memory_mb_capacity)
 
 
-async def place(cpu_count: int, memory_mb: int, *, on: Node | None = None, prefer: Node | None = None) -> Node:
+def place_sync(cpu_count: int, memory_mb: int, on_id: str | None = None, prefer_ids: Iterable[str] = (),
+               claim: Callable | None = None) -> Node:
+    """The choice and the claim in one transaction that holds every candidate node's row
+    lock (PostgreSQL: ``SELECT … FOR UPDATE`` in id order; SQLite: its immediate write
+    transaction), so racing placements are serialized, each sees the others' reservations,
+    and none over-commits a node or herds onto the node they all saw as least loaded."""
+    with transaction.atomic():
+        locked = list(_alive().select_for_update().order_by("pk").values_list("pk", flat=True))
+        nodes = {n.pk: n for n in with_reservations(Node.objects.filter(pk__in=locked))}
+        if on_id is not None:
+            node = nodes.get(on_id)
+            if node is None:
+                raise NoNodeAvailable(f"node {on_id} is not available (not alive, or draining)")
+            if not _fits(node, cpu_count, memory_mb):
+                raise NoNodeAvailable(f"node {on_id} has no room for {cpu_count} vCPU / {memory_mb} MiB")
+        else:
+            fitting = [n for n in nodes.values() if _fits(n, cpu_count, memory_mb)]
+            if not fitting:
+                raise NoNodeAvailable(f"no node has room for {cpu_count} vCPU / {memory_mb} MiB")
+            preferred, order = set(prefer_ids), _order()
+            node = min(fitting, key=lambda n: (n.pk not in preferred, order(n)))
+        Node.objects.filter(pk=node.pk).update(placements=F("placements") + 1)
+        if claim is not None:
+            claim(node)
+        return node
+
+
+async def place(cpu_count: int, memory_mb: int, *, on: Node | None = None, prefer: Iterable[str] = (),
+                claim: Callable[[Node], None] | None = None) -> Node:
     """The one placement decision, for anything that needs room on a node: a create or a
     template build (the least loaded alive node that fits), a fork (``on`` its parent's node: that node or
     nothing), a restore (``on`` the snapshot's node when only it has the files; ``prefer``
-    it when any node can fetch them). Raises NoNodeAvailable saying why."""
-    wanted = on or prefer
-    if wanted is not None:
-        node = await _candidates().filter(pk=wanted.pk).afirst()
-        if node is not None and _fits(node, cpu_count, memory_mb):
-            return node
-        if on is not None:
-            if node is None:
-                raise NoNodeAvailable(f"node {on.pk} is not available (not alive, or draining)")
-            raise NoNodeAvailable(f"node {on.pk} has no room for {cpu_count} vCPU / {memory_mb} MiB")
-    fitting = [node async for node in _candidates() if _fits(node, cpu_count, memory_mb)]
-    if not fitting:
-        raise NoNodeAvailable(f"no node has room for {cpu_count} vCPU / {memory_mb} MiB")
-    return min(fitting, key=lambda n: (_load(n), n.sandboxes_running, n.id))
+    the nodes that have them, own or cached, when any node can fetch them: locality first,
+    then the policy among those), a resume (``on`` its node, else anywhere if it can move).
+    ``claim(node)`` (sync, in the placement's transaction) writes the reservation;
+    without one the answer is only advice. Raises NoNodeAvailable saying why; what
+    ``claim`` raises propagates, and nothing of the placement stays."""
+    return await sync_to_async(place_sync)(cpu_count, memory_mb, on.pk if on is not None else None,
+                                           frozenset(prefer), claim)
+
+
+def _order():
+    """``AENV_PLACEMENT``: ``spread`` (default) takes the least loaded node, ``pack`` the most
+    loaded one that fits (fewer nodes busy, the others free for big sandboxes); equally
+    loaded ones in a random order."""
+    tie = {}
+
+    def jitter(n: Node) -> float:
+        return tie.setdefault(n.pk, random.random())
+
+    if settings.AENV_PLACEMENT == "pack":
+        return lambda n: (-_load(n), jitter(n))
+    return lambda n: (_load(n), jitter(n))

@@ -16,5 +16,11 @@ UPDATE_NETWORK = "nodes.update_network"
 BUILD_TEMPLATE = "nodes.build_template"
 
 
+def pause_image_of(sandbox_id: str) -> str:
+    """The snapshot-store id under which a node exports a paused sandbox (agent.moves), so
+    another node can resume it (sandboxes.lifecycle.pause)."""
+    return f"pause-{sandbox_id}"[:64]
+
+
 def queue_of(node_id: str) -> str:
     return f"node.{node_id}"

@@ -91,9 +91,134 @@ async def test_on_a_given_node_it_or_nothing():
 async def test_prefer_a_node_then_anywhere():
     """A restore any node can fetch prefers the snapshot's node (no download), else the
     least loaded that fits."""
-    own = await sync_to_async(make_node)("own", vcpus=4)
+    await sync_to_async(make_node)("own", vcpus=4)
     await sync_to_async(make_node)("other", vcpus=64)
-    assert (await place(2, 512, prefer=own)).id == "own"
-    assert (await place(8, 512, prefer=own)).id == "other"
-    draining = await sync_to_async(make_node)("drain", draining=True)
-    assert (await place(1, 128, prefer=draining)).id != "drain"
+    assert (await place(2, 512, prefer={"own"})).id == "own"
+    assert (await place(8, 512, prefer={"own"})).id == "other"
+    await sync_to_async(make_node)("drain", draining=True)
+    assert (await place(1, 128, prefer={"drain"})).id != "drain"
+
+
+async def test_locality_comes_before_the_policy():
+    """Of the preferred nodes (those with the files) the policy picks among themselves —
+    here the least loaded — even when a node without the files is emptier."""
+    a = await sync_to_async(make_node)("has-a", vcpus=64)
+    b = await sync_to_async(make_node)("has-b", vcpus=64)
+    await sync_to_async(make_node)("empty", vcpus=64)
+    await sync_to_async(add_sandbox)(a, cpu=8, mem=2048)
+    await sync_to_async(add_sandbox)(b, cpu=4, mem=1024)
+    assert (await place(2, 512, prefer={"has-a", "has-b"})).id == "has-b"
+    assert (await place(2, 512)).id == "empty"
+
+
+async def test_a_restore_prefers_every_node_that_cached_the_snapshot(settings):
+    """``snapshots.sources.restore_node`` on a shared store: the snapshot's own node is gone,
+    a node whose heartbeat listed the snapshot among its files gets the restore, not the
+    emptier node that would have to download it."""
+    from snapshots import sources  # noqa: PLC0415
+    from snapshots.models import Snapshot  # noqa: PLC0415
+
+    settings.AENV_SNAPSHOT_BACKEND = "s3"
+    gone = await sync_to_async(make_node)("taker", age_s=3600)
+    cached = await sync_to_async(make_node)("cacher", vcpus=64)
+    await sync_to_async(make_node)("fresh", vcpus=64)
+    await sync_to_async(add_sandbox)(cached, cpu=8, mem=1024)
+    team = await Team.objects.acreate(name="loc", slug="loc")
+    tpl, _ = await Template.objects.aget_or_create(id="base")
+    snap = await Snapshot.objects.acreate(id="snap-loc", team=team, template=tpl, node=gone, state="ready",
+                                          cpu_count=2, memory_mb=512)
+    assert await sources.holders(snap) == {"taker"}
+    assert (await sources.restore_node(snap)).id == "fresh"
+    await Node.objects.filter(pk="cacher").aupdate(snapshots_here=["other", "snap-loc"])
+    assert await sources.holders(snap) == {"taker", "cacher"}
+    assert (await sources.restore_node(snap)).id == "cacher"
+
+
+def test_placements_racing_for_the_last_room_never_overcommit_a_node():
+    """30 placements at once, each from its own thread and database connection, on a node with
+    room for 10: exactly 10 get it (the placement transaction holds the node's lock), the
+    rest get NoNodeAvailable, and the node's reservations never exceed its capacity."""
+    import threading  # noqa: PLC0415
+
+    from nodes.placement import place_sync  # noqa: PLC0415
+
+    node = make_node("race", vcpus=20, memory=100_000)
+    barrier = threading.Barrier(30)
+    won, lost, errors = [], [], []
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait(10)
+            place_sync(2, 512, on_id=node.pk, claim=lambda n: add_sandbox(n, cpu=2, mem=512, state="creating"))
+            won.append(i)
+        except NoNodeAvailable:
+            lost.append(i)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(won) == 10 and len(lost) == 20
+    assert Sandbox.objects.filter(node=node).count() == 10
+    assert Node.objects.get(pk="race").placements == 10  # a placement that found no room left no trace
+
+
+async def test_a_claim_that_fails_leaves_no_reservation():
+    node = await sync_to_async(make_node)("n-claim", vcpus=4, memory=4096)
+
+    def claim(placed):
+        add_sandbox(placed, cpu=2, mem=512, state="creating")
+        raise RuntimeError("the caller's object went away")
+
+    with pytest.raises(RuntimeError):
+        await place(2, 512, claim=claim)
+    assert not await Sandbox.objects.filter(node=node).aexists()
+
+
+async def test_pack_fills_the_busiest_node_that_fits(settings):
+    settings.AENV_PLACEMENT = "pack"
+    busy = await sync_to_async(make_node)("busy", vcpus=8, memory=8192)
+    await sync_to_async(make_node)("idle", vcpus=8, memory=8192)
+    await sync_to_async(add_sandbox)(busy, cpu=4, mem=1024)
+    assert (await place(2, 512)).id == "busy"
+    await sync_to_async(add_sandbox)(busy, cpu=4, mem=1024)  # now full
+    assert (await place(2, 512)).id == "idle"
+    settings.AENV_PLACEMENT = "spread"
+    assert (await place(2, 512)).id == "idle"
+
+
+def test_racing_creates_spread_over_the_nodes():
+    """30 placements at once on 3 empty nodes, each from its own thread and connection: each
+    chooses under the nodes' locks with the others' reservations in view, so they spread
+    evenly, not all onto the node every racer saw as the least loaded."""
+    import threading  # noqa: PLC0415
+
+    from nodes.placement import place_sync  # noqa: PLC0415
+
+    for i in range(3):
+        make_node(f"s{i}", vcpus=64, memory=64_000)
+    barrier = threading.Barrier(30)
+    errors = []
+
+    def one() -> None:
+        try:
+            barrier.wait(10)
+            place_sync(2, 512, claim=lambda n: add_sandbox(n, cpu=2, mem=512, state="creating"))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=one) for _ in range(30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    counts = sorted(Sandbox.objects.filter(node_id=f"s{i}").count() for i in range(3))
+    assert sum(counts) == 30 and counts[-1] - counts[0] <= 2, counts

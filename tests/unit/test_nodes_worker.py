@@ -43,7 +43,7 @@ def test_register_creates_then_updates_and_keeps_draining():
 
 def test_heartbeat_thread_refreshes_and_counts():
     Node.objects.create(id="n2", address="x", last_heartbeat_at=timezone.now() - timedelta(hours=1))
-    hb = Heartbeat("n2", 0.05, lambda: 7)
+    hb = Heartbeat("n2", 0.05, lambda: 7, local_snapshots=lambda: ["snap-1", "tpl-2"])
     hb.start()
     try:
         deadline = time.monotonic() + 3
@@ -54,6 +54,7 @@ def test_heartbeat_thread_refreshes_and_counts():
         hb.join(2)
     node = Node.objects.get(pk="n2")
     assert node.is_alive() and node.sandboxes_running == 7
+    assert node.snapshots_here == ["snap-1", "tpl-2"]
     assert not hb.is_alive()
 
 
