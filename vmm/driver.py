@@ -16,13 +16,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vmm.errors import (BootTimeout, SnapshotUnusable,  # noqa: F401 - re-exported: callers import them here
-                        UnsupportedNetworkPolicy, VMError, VMNotFound)
+from vmm.errors import (BootTimeout, HostMemoryFull,  # noqa: F401 - re-exported: callers import them here
+                        SnapshotUnusable, UnsupportedNetworkPolicy, VMError, VMNotFound)
 from vmm.images import ImageNotFound  # re-exported: part of the driver contract
 from vmm.net.spec import NetworkSpec
 
-__all__ = ["BootSpec", "VMInfo", "VMStatus", "VMInspection", "Leftover", "SnapshotManifest", "VMDriver", "VMError",
+__all__ = ["BootSpec", "SealedLayer", "VMInfo", "VMStatus", "VMInspection", "Leftover", "SnapshotManifest", "VMDriver", "VMError",
            "VMNotFound", "ImageNotFound", "BootTimeout", "SnapshotUnusable", "UnsupportedNetworkPolicy",
+           "HostMemoryFull",
            "NetworkSpec", "get_driver", "register_driver", "driver_names", "valid_sandbox_id"]
 
 
@@ -148,6 +149,17 @@ class SnapshotManifest:
         return cls.from_json(json.loads((Path(dir) / "manifest.json").read_text()))
 
 
+@dataclass(frozen=True)
+class SealedLayer:
+    """What seal_layer() made: the layer file, the whole chain to boot that disk state from
+    (base first, ending with ``path``), its allocated size and the timings (ms)."""
+
+    path: str
+    layers: list[str]
+    size_bytes: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
 class VMDriver(abc.ABC):
     """One hypervisor backend. Implementations must be safe to use from several threads.
 
@@ -194,6 +206,12 @@ class VMDriver(abc.ABC):
         """All VMs found in state dirs whose process is alive, plus VMs paused to disk
         (reattach after a worker restart)."""
 
+    def console_path(self, sandbox_id: str) -> Path | None:
+        """The file the VM's serial console is written to (the guest kernel, its init and
+        envd log there), for the node's log collector; it begins anew with each VM process
+        and goes with the VM. None: unknown VM, or a driver that keeps no console."""
+        return None
+
     # -- what reconcile and the snapshot stores need (no caller knows the driver's files) ----
 
     @abc.abstractmethod
@@ -214,6 +232,11 @@ class VMDriver(abc.ABC):
     @abc.abstractmethod
     def remove_leftover(self, leftover: Leftover) -> bool:
         """Removes one thing stray() found, if it is still stray; False if it was not."""
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Waits for work the driver still does after a verb has answered (QEMU: paused VMs'
+        memory moving from tmpfs to disk). True once none is left, False on ``timeout``."""
+        return True
 
     def gc(self, sandbox_id: str | None = None) -> list[Leftover]:
         """Removes what stray() finds; returns what was removed."""
@@ -260,12 +283,36 @@ class VMDriver(abc.ABC):
         resume: processes are gone, writes the guest had not flushed may be lost)."""
 
     @abc.abstractmethod
-    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True) -> SnapshotManifest:
+    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True,
+                 with_base: bool = False) -> SnapshotManifest:
         """Captures disk, memory and device state into dest_dir (owned by the caller) during a
         brief pause; the VM then continues on a new empty disk top. timings["pause_ms"] is the
         window the guest was stopped. memory=False: the guest's filesystems are synced first and
         only the disk layers are captured (memory_file and device_state_file are ""); start
-        sandboxes from it with boot(BootSpec(..., layers=manifest.layers))."""
+        sandboxes from it with boot(BootSpec(..., layers=manifest.layers)). ``with_base``: the
+        base layer is one of the snapshot's own files too (hard-linked where it can be), so it
+        needs nothing of this node's images but the kernel, initrd and tools drive (a built
+        template, whose base is an image only this node pulled)."""
+
+    @abc.abstractmethod
+    def seal_layer(self, sandbox_id: str, dest: Path) -> "SealedLayer":
+        """Freezes what the running VM wrote to its disk since it booted (or since its previous
+        seal) as one read-only disk layer written to ``dest`` (owned by the caller, like the
+        layers it stacks on, which must stay where they are). The guest's filesystems are synced
+        first (a failure raises VMError and changes nothing); the VM stops only for the switch
+        and then continues on a new empty top. ``boot(BootSpec(image=<same>,
+        layers=sealed.layers))`` starts a VM on exactly that disk state: the template builder
+        seals one layer per step this way. A VM whose disk chain was changed otherwise since
+        (a snapshot) or whose previous seal failed is refused (VMError)."""
+
+    @abc.abstractmethod
+    def export_saved(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:
+        """A VM paused to disk with its memory, as a self-contained snapshot in ``dest_dir``
+        (the caller's; every disk layer, the RAM and the device state are its own files), so
+        ``restore(manifest, BootSpec(<the same id>), template=True)`` on another host continues
+        it where it paused: how a paused sandbox moves when its node is gone. The VM is
+        unchanged. Raises VMError for a VM that is not saved with its memory, or whose memory
+        cannot move yet (the driver says why)."""
 
     @abc.abstractmethod
     def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:

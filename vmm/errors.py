@@ -33,3 +33,9 @@ class SnapshotUnusable(VMError):
 class UnsupportedNetworkPolicy(VMError):
     """The VM's network backend cannot enforce what the NetworkSpec asks (e.g. an egress
     restriction under slirp, which cannot filter); refused rather than silently ignored."""
+
+
+class HostMemoryFull(VMError):
+    """The host cannot hold another guest's RAM without eating its own headroom (QEMU: the
+    tmpfs guest RAM files live in has less free than the guest's memory plus the headroom):
+    refused before anything starts, because a guest whose tmpfs fills up dies."""

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from vmm.driver import (BootSpec, Leftover, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo,
-                        VMInspection, VMNotFound, VMStatus, valid_sandbox_id)
+from vmm.driver import (BootSpec, Leftover, SealedLayer, SnapshotManifest, SnapshotUnusable, VMDriver, VMError,
+                        VMInfo, VMInspection, VMNotFound, VMStatus, valid_sandbox_id)
 from vmm.images import ImageNotFound
 from vmm.net import ENVD_PORT, Attachment, NetworkBackend, NetworkSpec
 
@@ -75,6 +75,8 @@ class _VM:
     capture: str = ""  # the fork capture it was restored from
     stray_process: bool = False
     timings: dict = field(default_factory=dict)
+    sealed: list = field(default_factory=list)  # seal_layer(): the chain to boot its last sealed state
+    sealable: bool = True  # like QEMU: a snapshot or fork changes the disk chain; no seal after it
 
 
 class FakeDriver(VMDriver):
@@ -276,7 +278,9 @@ class FakeDriver(VMDriver):
 
     # -- snapshots --------------------------------------------------------------------------
 
-    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True) -> SnapshotManifest:
+    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True,
+                 with_base: bool = False) -> SnapshotManifest:
+        """A fake snapshot's one layer is the whole disk: it is always its own base."""
         dest = Path(dest_dir).absolute()
         dest.mkdir(parents=True, exist_ok=True)
         if any(dest.iterdir()):
@@ -287,6 +291,7 @@ class FakeDriver(VMDriver):
                 raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a snapshot")
             disk = dest / "layer-0.json"
             disk.write_text(json.dumps(vm.guest.disk))
+            vm.sealable = False
             files = {"memory_file": "", "device_state_file": ""}
             if memory:
                 (dest / "memory.json").write_text(json.dumps(vm.guest.memory))
@@ -297,6 +302,45 @@ class FakeDriver(VMDriver):
                 disk_size_mb=vm.spec.disk_size_mb, machine={"image": vm.spec.image, "accel": self.accel},
                 source_sandbox_id=sandbox_id, created_at=time.time(), timings={"pause_ms": 0.0, "total_ms": 0.0},
                 fingerprint=self.fingerprint(), **files)
+            manifest.save()
+            return manifest
+
+    def seal_layer(self, sandbox_id: str, dest: Path) -> SealedLayer:
+        """A layer here is the whole guest disk as JSON (a boot reads the last layer's)."""
+        dest = Path(dest).absolute()
+        if dest.exists():
+            raise VMError(f"layer {dest} already exists")
+        with self._lock:
+            vm = self._vm(sandbox_id)
+            if vm.status is VMStatus.SAVED:
+                raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before sealing a layer")
+            if not vm.sealable:
+                raise VMError(f"sandbox {sandbox_id}: its disk chain changed since it booted (a snapshot); "
+                              "it cannot be sealed as a layer")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(json.dumps(vm.guest.disk))
+            vm.sealed = [*(vm.sealed or list(vm.spec.layers or [])), str(dest)]
+            return SealedLayer(path=str(dest), layers=list(vm.sealed), size_bytes=dest.stat().st_size,
+                               timings={"pause_ms": 0.0, "total_ms": 0.0})
+
+    def export_saved(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:
+        with self._lock:
+            vm = self._vm(sandbox_id)
+            if vm.status is not VMStatus.SAVED or not vm.memory_kept:
+                raise VMError(f"sandbox {sandbox_id} is not paused to disk with its memory")
+            dest = Path(dest_dir).absolute()
+            dest.mkdir(parents=True, exist_ok=True)
+            if any(dest.iterdir()):
+                raise VMError(f"snapshot dir {dest} is not empty")
+            (dest / "layer-0.json").write_text(json.dumps(vm.guest.disk))
+            (dest / "memory.json").write_text(json.dumps(vm.guest.memory))
+            (dest / "device.json").write_text("{}")
+            manifest = SnapshotManifest(
+                dir=dest, layers=[str(dest / "layer-0.json")], memory_file=str(dest / "memory.json"),
+                device_state_file=str(dest / "device.json"), cpu_count=vm.spec.cpu_count,
+                memory_mb=vm.spec.memory_mb, disk_size_mb=vm.spec.disk_size_mb,
+                machine={"image": vm.spec.image, "accel": self.accel}, source_sandbox_id=sandbox_id,
+                created_at=time.time(), fingerprint=self.fingerprint())
             manifest.save()
             return manifest
 
@@ -326,6 +370,7 @@ class FakeDriver(VMDriver):
             if len(ids) != count or len(set(ids)) != count:
                 raise VMError("child_ids must be `count` distinct ids")
             captured = copy.deepcopy(vm.guest)
+            vm.sealable = False
             self.captures[tag] = set()
             results: list[VMInfo | Exception] = []
             for cid in ids:

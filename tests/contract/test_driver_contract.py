@@ -171,6 +171,55 @@ def test_verbs_a_saved_vm_does_not_allow(env, parent, tmp_path):
     assert env.files.read(info, "/home/user/ct.txt") == "booted"
 
 
+def test_a_saved_vm_exports_a_snapshot_that_continues_it_elsewhere(env, parent, tmp_path):
+    """How a paused sandbox moves to another node: its saved state as a self-contained snapshot."""
+    d = env.driver
+    with pytest.raises(VMError):
+        d.export_saved(PARENT, tmp_path / "running")  # only a VM saved with its memory
+    env.files.write(now(env), "/home/user/moved.txt", "before-move")
+    d.pause_to_disk(PARENT)
+    manifest = d.export_saved(PARENT, tmp_path / "moved")
+    dest = tmp_path / "moved"
+    assert manifest.memory_file and manifest.device_state_file
+    assert all(Path(f).parent == dest for f in [*manifest.layers, manifest.memory_file, manifest.device_state_file])
+    assert d.inspect(PARENT).status is VMStatus.SAVED  # the VM is unchanged
+    moved = d.restore(manifest, BootSpec("ct-moved"), template=True)
+    try:
+        assert moved.status is VMStatus.RUNNING
+        assert env.files.read(moved, "/home/user/moved.txt") == "before-move"
+    finally:
+        assert d.kill("ct-moved")
+    d.resume(PARENT)
+    assert env.files.read(now(env), "/home/user/moved.txt") == "before-move"
+
+
+def test_seal_layer_stacks_disk_states_a_boot_starts_from(env, parent, tmp_path):
+    """The template builder's verb: one layer per step, a later VM booted on the chain."""
+    d = env.driver
+    info = now(env)
+    env.files.write(info, "/home/user/seal.txt", "one")
+    first = d.seal_layer(PARENT, tmp_path / "l1")
+    assert first.path == str(tmp_path / "l1") and Path(first.path).is_file() and first.layers[-1] == first.path
+    assert first.size_bytes > 0
+    env.files.write(info, "/home/user/seal.txt", "two")
+    second = d.seal_layer(PARENT, tmp_path / "l2")
+    assert second.layers == [*first.layers, second.path]
+    with pytest.raises(VMError, match="exists"):
+        d.seal_layer(PARENT, tmp_path / "l2")
+    assert d.inspect(PARENT).status is VMStatus.RUNNING
+    env.files.write(info, "/home/user/seal.txt", "three")  # after the seal: in no layer
+    child = d.boot(BootSpec("ct-sealed", cpu_count=1, memory_mb=256, disk_size_mb=2048, layers=second.layers))
+    try:
+        assert env.files.read(child, "/home/user/seal.txt") == "two"
+        env.files.write(child, "/home/user/seal.txt", "child")
+    finally:
+        assert d.kill("ct-sealed")
+    assert Path(first.path).is_file() and Path(second.path).is_file()  # the caller's files: kill leaves them
+    assert env.files.read(info, "/home/user/seal.txt") == "three"
+    with pytest.raises(VMNotFound):
+        d.seal_layer("ct-nobody", tmp_path / "l9")
+
+
 def test_snapshot_and_restore(env, parent, tmp_path):
     d = env.driver
     parent = now(env)  # as it is now: the pause to disk above may have moved its endpoint
@@ -197,7 +246,7 @@ def test_snapshot_and_restore(env, parent, tmp_path):
     assert d.inspect("ct-foreign").status is VMStatus.UNKNOWN
 
 
-def test_fork_gives_independent_children(env, parent):
+def test_fork_gives_independent_children(env, parent, tmp_path):
     d = env.driver
     parent = now(env)  # as it is now: the pause to disk above may have moved its endpoint
     children = d.fork(PARENT, 2, ["ct-child-a", "ct-child-b"])
@@ -218,6 +267,20 @@ def test_fork_gives_independent_children(env, parent):
             if isinstance(c, VMInfo):
                 d.kill(c.sandbox_id)
     assert d.stray() == []  # the capture went with its last child
+    with pytest.raises(VMError, match="cannot be sealed"):  # snapshots changed its disk chain
+        d.seal_layer(PARENT, tmp_path / "never-sealed")
+
+
+def test_a_snapshot_with_its_base_holds_every_layer_itself(env, parent, tmp_path):
+    d = env.driver
+    dest = tmp_path / "based"
+    manifest = d.snapshot(PARENT, dest, with_base=True)
+    assert manifest.layers and all(Path(layer).parent == dest for layer in manifest.layers)
+    child = d.restore(manifest, BootSpec("ct-based"))
+    try:
+        assert env.files.read(child, "/home/user/ct.txt") == "after-snapshot"
+    finally:
+        assert d.kill("ct-based")
 
 
 def test_verbs_on_unknown_ids(env, tmp_path):

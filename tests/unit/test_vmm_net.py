@@ -60,3 +60,15 @@ def test_the_guest_init_uses_the_same_addresses_and_envd_port():
 
 def test_envd_port_is_the_one_e2b_sdks_assume():
     assert ENVD_PORT == 49983  # e2b ConnectionConfig.envdPort
+
+
+def test_ingress_sources_on_a_slirp_node_are_refused(tmp_path):
+    """AENV_NET_INGRESS_FROM limits who may connect into sandboxes; slirp cannot keep that
+    limit, so a node asked for it (or falling back to it) refuses to start rather than
+    ignoring it. Without the setting slirp is chosen as before."""
+    from vmm.net import choose_backend  # noqa: PLC0415
+
+    kw = dict(home=tmp_path, host_address="127.0.0.1", sandboxes_dir=tmp_path / "sandboxes")
+    with pytest.raises(UnsupportedNetworkPolicy, match="AENV_NET_INGRESS_FROM .*10.0.0.2.* needs the netns"):
+        choose_backend("slirp", ingress_from=("10.0.0.2",), **kw)
+    assert isinstance(choose_backend("slirp", **kw), SlirpBackend)

@@ -167,6 +167,7 @@ def test_pause_to_disk_resume(driver, parent):
     before = counter(ep)
     t = driver.pause_to_disk(parent.sandbox_id)
     print(f"\npause_to_disk: {t}")
+    assert driver.settle(30)  # its memory moves to disk after the pause has answered
     paused = driver.info(parent.sandbox_id)
     assert paused.status == "saved" and paused.pid == 0
     if driver.net.name == "netns":  # the slot was given back: no endpoint while saved
@@ -175,7 +176,10 @@ def test_pause_to_disk_resume(driver, parent):
     assert driver.inspect(parent.sandbox_id).memory is True
     assert [v.sandbox_id for v in driver.list()] == [parent.sandbox_id]
     assert live_qemu_processes(str(parent.state_dir)) == []  # QEMU really exited
-    assert Path(f"/dev/shm/aenv-{parent.sandbox_id}.ram").exists()  # the memory snapshot
+    # the memory snapshot waits on disk, not in tmpfs: a paused VM holds no host memory and survives a reboot
+    assert not Path(f"/dev/shm/aenv-{parent.sandbox_id}.ram").exists()
+    assert (parent.state_dir / "memory.ram").is_file()
+    assert driver.inspect(parent.sandbox_id).memory is True and t["total_ms"] < 200
     assert (parent.state_dir / "device.state").exists()
     assert not envd_healthy(*ep, timeout=0.5)  # nothing answers where it was
     info = driver.resume(parent.sandbox_id)
@@ -184,6 +188,8 @@ def test_pause_to_disk_resume(driver, parent):
     # The endpoint may have moved (netns: a fresh slot); the driver and the resume agree on it.
     assert current(driver, info) == endpoint(info) and envd_healthy(*endpoint(info))
     assert not (parent.state_dir / "device.state").exists()
+    assert Path(f"/dev/shm/aenv-{parent.sandbox_id}.ram").exists() and not (parent.state_dir / "memory.ram").exists()
+    assert info.timings["ram_from_disk_ms"] > 0
     assert_continues(info, before)
     assert sh(info, "cat /home/user/data.txt").strip() == "parent-data"
 

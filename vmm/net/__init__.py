@@ -28,10 +28,11 @@ log = logging.getLogger(__name__)
 
 def choose_backend(mode: str = "auto", *, home, host_address: str, sandboxes_dir, port_range=None,
                    prefix: str = "aenv", pool: str = "10.12.0.0/16", warm: int = 4, deny_extra: tuple = (),
-                   allow_extra: tuple = ()) -> NetworkBackend:
+                   allow_extra: tuple = (), ingress_from: tuple = ()) -> NetworkBackend:
     """``netns`` wherever the node can make slots (root, nft, nsenter), else — or when asked
     for ``slirp`` — restricted slirp, with a warning: guests then have no egress at all and
-    only envd's port is reachable. ``auto`` picks; ``netns`` refuses to fall back."""
+    only envd's port is reachable. ``auto`` picks; ``netns`` refuses to fall back.
+    ``ingress_from``: sources besides the node that may open connections into slots (netns)."""
     from vmm.net import slots  # noqa: PLC0415 - pyroute2 is imported only where it is used
 
     if mode not in ("auto", "netns", "slirp"):
@@ -40,9 +41,13 @@ def choose_backend(mode: str = "auto", *, home, host_address: str, sandboxes_dir
         from vmm.net.netns import NetnsBackend  # noqa: PLC0415
 
         return NetnsBackend(home, prefix=prefix, pool=pool, warm=warm, deny_extra=deny_extra,
-                            allow_extra=allow_extra)
+                            allow_extra=allow_extra, ingress_from=tuple(ingress_from))
     if mode == "netns":
         raise UnsupportedNetworkPolicy("the netns network backend needs root, nft and nsenter")
+    if ingress_from:  # a limit slirp could not keep: refused, never ignored
+        raise UnsupportedNetworkPolicy(
+            f"AENV_NET_INGRESS_FROM ({', '.join(ingress_from)}) needs the netns network backend: slirp's "
+            "forwards listen on the node address for whoever reaches it and cannot limit who connects")
     log.warning("network backend: restricted slirp (%s): sandboxes get NO egress and only envd's port is "
                 "reachable; run the node as root with nftables and util-linux for per-sandbox networks",
                 "asked for" if mode == "slirp" else "this node cannot make network namespaces")

@@ -6,9 +6,17 @@ drops anything a slot starts toward the node (its Redis, database, API and every
 local address), drops slot-to-slot traffic and new connections into a slot that the node
 did not open, and masquerades the slot pool toward the uplink. Drops in base chains are
 final whatever other tables accept. Rebuilt whole in one transaction at node start; slots
-join and leave its ``veths`` set. Design: ``../shared/research/networking.md`` §2.3."""
+join and leave its ``veths`` set. Design: ``../shared/research/networking.md`` §2.3.
+
+Ingress sources (``AENV_NET_INGRESS_FROM``): where the data plane or the dashboard runs on
+another machine (or, on one machine, in another network namespace: ``scripts/cluster.sh``),
+it must open connections into this node's slots too. The operator lists its addresses;
+new connections from them into a slot are accepted, and a slot may never open one toward
+them (the slots' own tables deny them as well: ``vmm.net.netns``). Never the pool or the
+guests' link-local side: a guest must not become a gateway. Empty: only the node itself."""
 from __future__ import annotations
 
+import ipaddress
 import subprocess
 
 
@@ -20,11 +28,37 @@ def table_name(prefix: str) -> str:
     return f"aenv_{prefix}"
 
 
-def ruleset(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None) -> str:
-    """The whole table, replacing any earlier one of this instance (one ``nft -f``)."""
+GUEST_SIDE = ipaddress.ip_network("169.254.0.0/16")  # every slot's guest link (vmm.net.slots)
+
+
+def ingress_sources(cidrs, pool: str) -> tuple[str, ...]:
+    """``cidrs`` (strings) as normalised IPv4 networks, or HostTableError saying which one
+    cannot be an ingress source: not IPv4, or overlapping the slot pool or the guests' side."""
+    pool_net = ipaddress.ip_network(pool)
+    out = []
+    for raw in cidrs:
+        try:
+            net = ipaddress.ip_network(str(raw).strip(), strict=False)
+        except ValueError:
+            raise HostTableError(f"ingress source {raw!r} is not an IPv4 address or CIDR") from None
+        if net.version != 4:
+            raise HostTableError(f"ingress source {raw!r} is not IPv4 (guests have no IPv6)")
+        for forbidden, what in ((pool_net, f"the slot pool {pool}"), (GUEST_SIDE, "the guests' side 169.254.0.0/16")):
+            if net.overlaps(forbidden):
+                raise HostTableError(f"ingress source {raw!r} overlaps {what}: a guest must never be a gateway")
+        out.append(str(net))
+    return tuple(dict.fromkeys(out))
+
+
+def ruleset(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None,
+            ingress: tuple[str, ...] = ()) -> str:
+    """The whole table, replacing any earlier one of this instance (one ``nft -f``).
+    ``ingress``: sources that may open connections into a slot besides the node."""
     name = table_name(prefix)
     quoted = ", ".join('"' + v + '"' for v in veths)
     elements = f"elements = {{ {quoted} }}" if veths else ""
+    sources = ingress_sources(ingress, pool)
+    ingress_elements = f"elements = {{ {', '.join(sources)} }}" if sources else ""
     dns = (f'        iifname @veths ip daddr {dns_ip} udp dport 53 accept\n'
            f'        iifname @veths ip daddr {dns_ip} tcp dport 53 accept\n') if dns_ip else ""
     return f"""
@@ -32,6 +66,7 @@ table inet {name}
 delete table inet {name}
 table inet {name} {{
     set veths {{ type ifname; {elements} }}
+    set ingress {{ type ipv4_addr; flags interval; auto-merge; {ingress_elements} }}
     chain input {{
         type filter hook input priority -10; policy accept;
         iifname @veths ct state established,related accept
@@ -40,6 +75,8 @@ table inet {name} {{
     chain forward {{
         type filter hook forward priority -10; policy accept;
         iifname @veths oifname @veths drop
+        iifname @veths ip daddr @ingress ct state new drop
+        oifname @veths ip saddr @ingress ct state new accept
         oifname @veths ct state new drop
     }}
     chain post {{
@@ -56,9 +93,10 @@ def _nft(script: str) -> None:
         raise HostTableError(f"nft: {done.stderr.strip() or done.returncode}")
 
 
-def install(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None) -> None:
+def install(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None,
+            ingress: tuple[str, ...] = ()) -> None:
     """(Re)builds the instance's table with the given slot veths, atomically."""
-    _nft(ruleset(prefix, pool, veths, dns_ip))
+    _nft(ruleset(prefix, pool, veths, dns_ip, ingress))
 
 
 def exists(prefix: str) -> bool:
@@ -67,11 +105,11 @@ def exists(prefix: str) -> bool:
     return done.returncode == 0
 
 
-def ensure(prefix: str, pool: str, dns_ip: str | None = None) -> None:
+def ensure(prefix: str, pool: str, dns_ip: str | None = None, ingress: tuple[str, ...] = ()) -> None:
     """Installs the instance's table if it has none (a driver that makes slots before, or
     without, a node start); never replaces a live one."""
     if not exists(prefix):
-        install(prefix, pool, (), dns_ip)
+        install(prefix, pool, (), dns_ip, ingress)
 
 
 def add_veth(prefix: str, veth: str) -> None:

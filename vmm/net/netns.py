@@ -5,10 +5,13 @@ Why: a guest is hostile, so its network is fenced outside it: the slot's table a
 node's table (vmm.net.host_table) keep it off the node and its neighbours, and enforce the
 E2B egress policy (vmm.net.policy). The node reaches every guest port at the slot address
 (``Attachment.guest_host``), so nothing is forwarded per port and the data plane can serve
-any port. The hypervisor runs inside the slot (``launch_prefix``: nsenter), where it opens
-``tap0``. Slots come warm from a SlotPool; a VM that stops for good or is paused to disk
-gives its slot back (destroyed, never reused) and gets a fresh one when it runs again: the
-guest's address and MAC are the same in every slot, so nothing in the guest changes.
+any port; where the data plane runs elsewhere, its addresses are ``ingress_from``
+(``AENV_NET_INGRESS_FROM``): they may open connections into slots (vmm.net.host_table) and,
+like the node, are never reachable from a guest. The hypervisor runs inside the slot
+(``launch_prefix``: nsenter), where it opens ``tap0``. Slots come warm from a SlotPool; a
+VM that stops for good or is paused to disk gives its slot back (destroyed, never reused)
+and gets a fresh one when it runs again: the guest's address and MAC are the same in every
+slot, so nothing in the guest changes.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pyroute2 import IPRoute
 
 from envd import ENVD_PORT
 from vmm.errors import UnsupportedNetworkPolicy
+from vmm.net import host_table
 from vmm.net import policy as egress
 from vmm.net import slots
 from vmm.net.backend import Attachment, NetworkBackend
@@ -44,12 +48,13 @@ class NetnsBackend(NetworkBackend):
 
     def __init__(self, home: Path, prefix: str = slots.DEFAULT_PREFIX, pool: str = slots.DEFAULT_POOL,
                  warm: int = 4, deny_extra: tuple[str, ...] = (), allow_extra: tuple[str, ...] = (),
-                 dns: bool = True):
+                 dns: bool = True, ingress_from: tuple[str, ...] = ()):
         self.prefix, self.pool_cidr = prefix, pool
+        self.ingress_from = host_table.ingress_sources(ingress_from, pool)  # refused at start if unfit
         self.dns = NodeDNS(prefix, pool, Path(home) / "net") if dns else None
         dns_ip = service_ip(pool) if dns else None
-        self.slots = SlotPool(prefix, pool, warm=warm, deny_extra=(*node_addresses(), *deny_extra),
-                              allow_extra=allow_extra, dns_ip=dns_ip)
+        self.slots = SlotPool(prefix, pool, warm=warm, deny_extra=(*node_addresses(), *deny_extra, *self.ingress_from),
+                              allow_extra=allow_extra, dns_ip=dns_ip, ingress=self.ingress_from)
         self.host_address = ""  # per VM: its slot address
 
     # -- node start / stop --------------------------------------------------------------------
@@ -126,8 +131,6 @@ def remove_instance(prefix: str, pool: str, home: Path) -> dict:
     """Removes everything an aenv instance's network left on this host: every slot and
     stray veth of ``prefix``, its nftables table, its resolver. For an instance going away
     for good (a test stack, an uninstall) once its VMs are gone; never while they run."""
-    from vmm.net import host_table  # noqa: PLC0415
-
     removed = [s.netns for s in slots.list_slots(prefix, pool) if slots.destroy(s)]
     for name in slots.stray_veths(prefix):
         slots.remove_link(name)

@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 
 class SlotPool:
     def __init__(self, prefix: str = slots.DEFAULT_PREFIX, pool: str = slots.DEFAULT_POOL, warm: int = 4,
-                 deny_extra: tuple[str, ...] = (), dns_ip: str | None = None, allow_extra: tuple[str, ...] = ()):
+                 deny_extra: tuple[str, ...] = (), dns_ip: str | None = None, allow_extra: tuple[str, ...] = (),
+                 ingress: tuple[str, ...] = ()):
         self.prefix, self.pool, self.warm, self.deny_extra = prefix, pool, warm, deny_extra
         self.dns_ip, self.allow_extra = dns_ip, allow_extra
+        self.ingress = ingress  # sources besides the node that may open connections into a slot (host_table)
         self._lock = threading.Lock()
         self._ready: list[Slot] = []
         self._dying: list[Slot] = []  # released, destroyed by the background thread
@@ -50,7 +52,7 @@ class SlotPool:
         for name in slots.stray_veths(self.prefix):
             slots.remove_link(name)
         kept = tuple(Slot(self.prefix, i, self.pool).host_veth for i in sorted(in_use))
-        host_table.install(self.prefix, self.pool, kept, self.dns_ip)
+        host_table.install(self.prefix, self.pool, kept, self.dns_ip, self.ingress)
         self._table_ready = True
         with self._lock:
             self._in_use = set(in_use)
@@ -133,7 +135,7 @@ class SlotPool:
         handed out again at once, so a client still holding a connection to it gets no
         stranger's guest."""
         if not self._table_ready:
-            host_table.ensure(self.prefix, self.pool, self.dns_ip)
+            host_table.ensure(self.prefix, self.pool, self.dns_ip, self.ingress)
             self._table_ready = True
         total = slots.max_slots(self.pool)
         with self._lock:

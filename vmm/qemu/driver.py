@@ -17,13 +17,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vmm import hostinfo
-from vmm.driver import (BootSpec, BootTimeout, SnapshotManifest, SnapshotUnusable, VMDriver, VMError, VMInfo,
-                        VMNotFound, VMStatus)
+from vmm.driver import (BootSpec, BootTimeout, HostMemoryFull, SnapshotManifest, SnapshotUnusable, VMDriver,
+                        VMError, VMInfo, VMNotFound, VMStatus)
 from vmm.hostinfo import kvm_openable
 from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
 from vmm.net import ENVD_PORT, Attachment, NetworkSpec, choose_backend, ports, slots
 from vmm.net.spec import DEFAULT_WARM_SLOTS
+
+DEFAULT_SHM_HEADROOM_MB = 1024  # tmpfs kept free for running guests' RAM to grow into
 from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
@@ -47,7 +49,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                  boot_timeout: float = DEFAULT_BOOT_TIMEOUT, qemu: str = QEMU, shm_dir: Path = Path("/dev/shm"),
                  port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None,
                  network: str | None = None, net_prefix: str | None = None, net_pool: str | None = None,
-                 net_warm: int = DEFAULT_WARM_SLOTS, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = ()):
+                 net_warm: int = DEFAULT_WARM_SLOTS, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = (),
+                 net_ingress_from: tuple[str, ...] = (), shm_headroom_mb: int = DEFAULT_SHM_HEADROOM_MB):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
@@ -58,10 +61,14 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         self.boot_timeout = boot_timeout
         self.qemu = qemu
         self.shm_dir = Path(shm_dir)
+        self.shm_headroom_mb = int(shm_headroom_mb)
         self.port_range = port_range
         self._accel = accel
         self._accel_lock = threading.Lock()
         self.locks_dir = self.home / "locks"
+        self._spill_mutex = threading.Lock()  # paused VMs' RAM moving to disk (lifecycle._spill_later)
+        self._spill_pool = None
+        self._spills: list = []
         # The VMs' network (vmm.net.choose_backend): a netns slot per VM where the node can
         # make them, else restricted slirp (no egress, no host access; envd's port forwarded).
         # Unset: the environment (AENV_NETWORK / AENV_NET_PREFIX / AENV_NET_POOL, as the node's
@@ -73,7 +80,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         self.net = choose_backend(network, home=self.home, host_address=host_address,
                                   sandboxes_dir=self.sandboxes_dir, port_range=port_range, prefix=net_prefix,
                                   pool=net_pool, warm=net_warm, deny_extra=tuple(net_deny_extra),
-                                  allow_extra=tuple(net_allow_extra))
+                                  allow_extra=tuple(net_allow_extra), ingress_from=tuple(net_ingress_from))
 
     @contextmanager
     def _lock(self, sandbox_id: str):
@@ -83,6 +90,16 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                 yield lock
         except LockTimeout as e:
             raise VMError(str(e)) from None
+
+    def _check_shm(self, memory_mb: int, sandbox_id: str) -> None:
+        """Guest RAM files grow in ``shm_dir`` (tmpfs) as guests touch their memory, and a
+        guest whose tmpfs fills up dies: a VM starts only while the tmpfs has room for all of
+        its memory plus the headroom kept for the running ones (HostMemoryFull otherwise)."""
+        free_mb = shutil.disk_usage(self.shm_dir).free >> 20
+        if free_mb < memory_mb + self.shm_headroom_mb:
+            raise HostMemoryFull(f"sandbox {sandbox_id}: {self.shm_dir} has {free_mb} MiB free, less than its "
+                                 f"{memory_mb} MiB of memory plus the {self.shm_headroom_mb} MiB kept for the "
+                                 "running guests")
 
     @property
     def accel(self) -> str:
@@ -107,9 +124,10 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                 "net": self.net.name}
 
     def check_snapshot(self, manifest: SnapshotManifest) -> None:
-        """The snapshot is QEMU's, and this host has the image build it was taken on: the
-        template base layer under its disk chain, the kernel, initrd and tools drive the
-        device state belongs to (every node builds its images itself, at the same paths)."""
+        """The snapshot is QEMU's, and this host has what it needs from outside its own dir:
+        the template base layer under its disk chain, the kernel, initrd and tools drive the
+        device state belongs to (from the image build it was taken on, unless the snapshot
+        carries them: a pause image, or a download whose node's build differs)."""
         taken_by = (manifest.fingerprint or {}).get("driver", self.name)
         if taken_by != self.name:
             raise SnapshotUnusable(f"snapshot was taken by the {taken_by} driver; this host runs {self.name}")
@@ -118,10 +136,13 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
             raise SnapshotUnusable(f"snapshot was taken on the {taken_on} network; this node runs {self.net.name} "
                                    "(a guest keeps the addresses it booted with)")
         machine = manifest.machine or {}
-        needed = [("template base layer", manifest.layers[0] if manifest.layers else "")] + [
+        base = manifest.layers[0] if manifest.layers else ""
+        needed = [("template base layer", base)] + [
             (what, machine.get(key) or "") for what, key in
             (("guest kernel", "kernel"), ("initrd", "initrd"), ("tools drive", "tools"))]
         for what, path in needed:
+            if path and Path(path).parent == Path(manifest.dir):  # carried by the snapshot itself
+                continue
             if not path or not Path(path).is_file():
                 build = Path(machine.get("image_dir") or "").name or "unknown"
                 raise SnapshotUnusable(
@@ -136,6 +157,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
             raise VMError(f"invalid sandbox id {spec.sandbox_id!r}")
         self.net.check(spec.network)  # a policy the backend cannot enforce: refused before anything
         image = find_image(self.images_dir, spec.image)
+        self._check_shm(spec.memory_mb, spec.sandbox_id)
         accel = self.accel
         for layer in spec.layers or ():
             if not Path(layer).is_file():
@@ -298,6 +320,10 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         if not process_alive(state.pid, state.qmp):
             return None
         return self._to_info(state)
+
+    def console_path(self, sandbox_id: str) -> Path | None:
+        state = VMState.load(self.sandboxes_dir / sandbox_id) if valid_sandbox_id(sandbox_id) else None
+        return Path(state.console) if state is not None and state.console else None
 
     def list(self) -> list[VMInfo]:
         out = []

@@ -1,6 +1,8 @@
-"""Guest RAM files on /dev/shm: give all-zero pages back to tmpfs.
+"""Guest RAM files: copies that keep holes (a snapshot's RAM into a sandbox's own file, a
+paused VM's RAM between tmpfs and disk, in the background of the rest of the verb), and
+giving all-zero pages back to tmpfs.
 
-Why: when a copy-on-write VM (restored or forked) is resumed onto a RAM file of its own, QEMU's
+Why the punching: when a copy-on-write VM (restored or forked) is resumed onto a RAM file of its own, QEMU's
 migration loader reads every page of that new file to check it is zero, and on tmpfs a read
 fault allocates: the file would hold the guest's full memory size instead of what the guest
 really uses. Punching holes for the zero pages (while the VM is still stopped) undoes that.
@@ -12,6 +14,10 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import threading
+import time
+
+from vmm.errors import VMError
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -103,3 +109,45 @@ def copy_sparse_into(src, fd_out: int) -> int:
         return copied
     finally:
         os.close(fd_in)
+
+
+class RamCopy:
+    """A sparse copy of a snapshot's RAM into a new file, running in a thread. The file gets
+    its final size before the thread starts, so QEMU may map it meanwhile; it must not run the
+    guest before wait() returned."""
+
+    def __init__(self, src: Path, dst: Path, size: int):
+        self.dst = dst
+        self.error: BaseException | None = None
+        self.waited_ms = 0.0
+        fd = os.open(dst, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.t0 = time.monotonic()
+        self.t1 = self.t0
+        self.thread = threading.Thread(target=self._run, args=(src, fd), daemon=True, name=f"ramcopy-{dst.name}")
+        self.thread.start()
+
+    def _run(self, src: Path, fd: int) -> None:
+        try:
+            copy_sparse_into(src, fd)
+        except BaseException as e:
+            self.error = e
+        finally:
+            os.close(fd)
+            self.t1 = time.monotonic()
+
+    @property
+    def elapsed_ms(self) -> float:
+        return (self.t1 - self.t0) * 1e3
+
+    def wait(self, raise_error: bool = True) -> None:
+        t = time.monotonic()
+        self.thread.join()
+        self.waited_ms = (time.monotonic() - t) * 1e3
+        if raise_error and self.error is not None:
+            raise VMError(f"copying RAM into {self.dst} failed: {self.error}")
+

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vmm.driver import BootSpec, SnapshotManifest, SnapshotUnusable, VMError, VMInfo
+from vmm.driver import BootSpec, SealedLayer, SnapshotManifest, SnapshotUnusable, VMError, VMInfo
 from vmm.net import ENVD_PORT, NetworkSpec
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
@@ -27,11 +26,12 @@ class SnapshotMixin:
     """snapshot / restore / fork of QemuDriver (needs its _lock, _load, _paths, _cleanup,
     _spawn_incoming, _guest_sync, _to_info, fingerprint, check_snapshot)."""
 
-    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True) -> SnapshotManifest:
-        return self._snapshot(sandbox_id, dest_dir, memory=memory)
+    def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True,
+                 with_base: bool = False) -> SnapshotManifest:
+        return self._snapshot(sandbox_id, dest_dir, memory=memory, with_base=with_base)
 
     def _snapshot(self, sandbox_id: str, dest_dir: Path, memory_file: Path | None = None,
-                  memory: bool = True) -> SnapshotManifest:
+                  memory: bool = True, with_base: bool = False) -> SnapshotManifest:
         """memory_file: where the RAM copy goes (default dest_dir/memory.ram); fork captures put
         it on /dev/shm, where the copy is a page-cache-speed memcpy and children map it.
         memory=False: the guest syncs first and only the disk layers are captured (no device
@@ -46,9 +46,6 @@ class SnapshotMixin:
             if state.status in OFFLINE:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a snapshot")
             paths = self._paths(state)
-            gen = state.generation + 1
-            new_top = paths.state_dir / f"top-{gen}.qcow2"
-            node = f"top{gen}"
             device_state = dest / "device.state"
             ram_copy = Path(memory_file) if memory_file else dest / "memory.ram"
             # filesystem-only: the page cache must reach the disk first
@@ -59,11 +56,7 @@ class SnapshotMixin:
                 q.execute("stop")
                 t_stop = time.monotonic()
                 try:
-                    q.execute("blockdev-snapshot-sync", **{"node-name": state.top_node, "snapshot-file": str(new_top),
-                                                            "snapshot-node-name": node, "format": "qcow2"})
-                    state.chain.append(state.top)  # sealed: read-only from now on, owned by the sandbox
-                    state.top, state.top_node, state.generation = str(new_top), node, gen
-                    state.save()
+                    self._switch_top(q, state, paths)
                     t_disk = time.monotonic()
                     if memory:
                         migrate_to_file(q, device_state)
@@ -82,29 +75,127 @@ class SnapshotMixin:
                 t_cont = time.monotonic()
             # Outside the pause: copy the sealed layers (immutable now) so the snapshot dir does
             # not depend on the sandbox, and point each copy at the previous one.
-            layers = [state.chain[0]]
-            for i, layer in enumerate(state.chain[1:]):
-                copy = dest / f"layer-{i}.qcow2"
-                run(["cp", "--sparse=always", layer, str(copy)])
-                run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", layers[-1], str(copy)])
-                layers.append(str(copy))
+            layers = _copy_chain(state.chain, dest, with_base)
             t_done = time.monotonic()
             timings = {"stop_ms": (t_stop - t0) * 1e3, "disk_ms": (t_disk - t_stop) * 1e3,
                        "device_ms": (t_dev - t_disk) * 1e3, "memory_copy_ms": (t_mem - t_dev) * 1e3,
                        "pause_ms": (t_cont - t0) * 1e3, "layers_copy_ms": (t_done - t_cont) * 1e3,
                        "total_ms": (t_done - t0) * 1e3}
-            manifest = SnapshotManifest(
-                dir=dest, fingerprint=self.fingerprint(), layers=layers, memory_file=str(ram_copy) if memory else "",
-                device_state_file=str(device_state) if memory else "",
-                cpu_count=state.cpu_count, memory_mb=state.memory_mb, disk_size_mb=state.disk_size_mb,
-                machine={"qemu": state.qemu, "accel": state.accel, "kernel": state.kernel, "initrd": state.initrd,
-                         "tools": state.tools, "tsc_khz": state.tsc_khz, "resize": state.resize,
-                         "image": state.image, "image_dir": state.image_dir, "source_argv": state.argv},
-                source_sandbox_id=sandbox_id, created_at=time.time(), timings=timings)
-            manifest.save()
+            manifest = self._manifest(state, dest, layers, str(ram_copy) if memory else "",
+                                      str(device_state) if memory else "", timings)
             state.timings.update({f"snapshot.{k}": v for k, v in timings.items()})
             state.save()
             return manifest
+
+    def _manifest(self, state: VMState, dest: Path, layers: list[str], memory_file: str, device_state_file: str,
+                  timings: dict) -> SnapshotManifest:
+        manifest = SnapshotManifest(
+            dir=dest, fingerprint=self.fingerprint(), layers=layers, memory_file=memory_file,
+            device_state_file=device_state_file,
+            cpu_count=state.cpu_count, memory_mb=state.memory_mb, disk_size_mb=state.disk_size_mb,
+            machine={"qemu": state.qemu, "accel": state.accel, "kernel": state.kernel, "initrd": state.initrd,
+                     "tools": state.tools, "tsc_khz": state.tsc_khz, "resize": state.resize,
+                     "image": state.image, "image_dir": state.image_dir, "source_argv": state.argv},
+            source_sandbox_id=state.sandbox_id, created_at=time.time(), timings=timings)
+        manifest.save()
+        return manifest
+
+    def export_saved(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:
+        """A VM saved to disk with its own memory, as a self-contained snapshot: its whole disk
+        (the base linked, every layer and the top copied and re-chained), its RAM (from tmpfs
+        or disk) and device state. The VM is unchanged. A copy-on-write VM (restored or forked,
+        not resumed since) carries its RAM inside its device state in a format restores do not
+        read: refused, like a VM that is not saved with its memory."""
+        dest = Path(dest_dir).absolute()
+        dest.mkdir(parents=True, exist_ok=True)
+        if any(dest.iterdir()):
+            raise VMError(f"snapshot dir {dest} is not empty")
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if state.status != "paused_disk" or not state.device_state:
+                raise VMError(f"sandbox {sandbox_id} is not paused to disk with its memory")
+            if state.device_state_full_ram or not state.ram_share:
+                raise VMError(f"sandbox {sandbox_id} keeps its memory copy-on-write over a snapshot's; resume it "
+                              "once before it can move")
+            t0 = time.monotonic()
+            layers = _copy_chain([*state.chain, state.top], dest, with_base=True)
+            ram = dest / "memory.ram"
+            fd = os.open(ram, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                os.ftruncate(fd, Path(state.ram).stat().st_size)
+                ramfile.copy_sparse_into(state.ram, fd)
+            finally:
+                os.close(fd)
+            run(["cp", str(state.device_state), str(dest / "device.state")])
+            timings = {"total_ms": (time.monotonic() - t0) * 1e3}
+            return self._manifest(state, dest, layers, str(ram), str(dest / "device.state"), timings)
+
+    @staticmethod
+    def _switch_top(q: QMP, state: VMState, paths: VMPaths) -> str:
+        """With the VM stopped: seals its current top (read-only from now on, owned by the
+        sandbox) and continues on a new empty ``top-N.qcow2`` over it. Returns the sealed file."""
+        gen = state.generation + 1
+        new_top = paths.state_dir / f"top-{gen}.qcow2"
+        node = f"top{gen}"
+        q.execute("blockdev-snapshot-sync", **{"node-name": state.top_node, "snapshot-file": str(new_top),
+                                                "snapshot-node-name": node, "format": "qcow2"})
+        sealed = state.top
+        state.chain.append(sealed)
+        state.top, state.top_node, state.generation = str(new_top), node, gen
+        state.save()
+        return sealed
+
+    def seal_layer(self, sandbox_id: str, dest: Path) -> SealedLayer:
+        """Guest sync, a stop of a few ms for the new top, then (the VM running again) a sparse
+        copy of the sealed top to ``dest`` re-pointed at the layer below it: the boot's last
+        layer, or the previous seal's dest. Only a chain that grew by seals alone can be
+        sealed: a snapshot in between, or a copy that failed, left a layer in the state dir
+        that no dest holds (the next seal would lack its writes), so those are refused."""
+        dest = Path(dest).absolute()
+        if dest.exists():
+            raise VMError(f"layer {dest} already exists")
+        with self._lock(sandbox_id):
+            state = self._load(sandbox_id)
+            if state.status in OFFLINE:
+                raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before sealing a layer")
+            below = state.chain[-1]
+            if state.seal_chain:
+                base = list(state.seal_chain)
+                ok = below == state.seal_source
+            else:
+                base = list(state.chain)
+                ok = Path(state.state_dir) not in Path(below).parents
+            if not ok:
+                raise VMError(f"sandbox {sandbox_id}: its disk chain changed since it booted or was last sealed "
+                              "(a snapshot, or a seal that failed); it cannot be sealed as a layer")
+            paths = self._paths(state)
+            t0 = time.monotonic()
+            resumed_for_sync = self._sync_running(state, paths)
+            t_sync = time.monotonic()
+            with QMP(paths.qmp, timeout=30.0) as q:
+                was_running = q.execute("query-status").get("status") == "running" and not resumed_for_sync
+                q.execute("stop")
+                try:
+                    sealed = self._switch_top(q, state, paths)
+                finally:
+                    if was_running:
+                        q.execute("cont")
+            t_switch = time.monotonic()
+            tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                run(["cp", "--sparse=always", sealed, str(tmp)])
+                run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", base[-1], str(tmp)])
+                os.replace(tmp, dest)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            state.seal_chain, state.seal_source = [*base, str(dest)], sealed
+            state.save()
+            t_done = time.monotonic()
+            return SealedLayer(path=str(dest), layers=list(state.seal_chain), size_bytes=dest.stat().st_blocks * 512,
+                               timings={"sync_ms": (t_sync - t0) * 1e3, "pause_ms": (t_switch - t_sync) * 1e3,
+                                        "copy_ms": (t_done - t_switch) * 1e3, "total_ms": (t_done - t0) * 1e3})
 
     def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
         # A template's RAM is copied into the sandbox's own share=on file (see _restore_locked).
@@ -120,6 +211,7 @@ class SnapshotMixin:
             raise SnapshotUnusable(f"snapshot was taken under {m.get('accel')}, this host runs {self.accel}")
         self.check_snapshot(manifest)
         self.net.check(spec.network)
+        self._check_shm(manifest.memory_mb, sid)
         with self._lock(sid) as lock:
             try:
                 return self._restore_locked(manifest, spec, capture_ref, own_ram)
@@ -144,7 +236,7 @@ class SnapshotMixin:
         network = None
         try:
             if own_ram:  # copied in the background while the disk is made and QEMU starts
-                copy = RamCopy(Path(manifest.memory_file), paths.ram, manifest.memory_mb << 20)
+                copy = ramfile.RamCopy(Path(manifest.memory_file), paths.ram, manifest.memory_mb << 20)
             network = self.net.attach(sid, state_dir, spec.network)
             state_dir.mkdir(parents=True, exist_ok=True)
             run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", manifest.layers[-1], "-F", "qcow2",
@@ -238,43 +330,20 @@ class SnapshotMixin:
     # -- queries ----------------------------------------------------------------------------
 
 
-class RamCopy:
-    """A sparse copy of a snapshot's RAM into a new file, running in a thread. The file gets
-    its final size before the thread starts, so QEMU may map it meanwhile; it must not run the
-    guest before wait() returned."""
-
-    def __init__(self, src: Path, dst: Path, size: int):
-        self.dst = dst
-        self.error: BaseException | None = None
-        self.waited_ms = 0.0
-        fd = os.open(dst, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+def _copy_chain(chain: list[str], dest: Path, with_base: bool) -> list[str]:
+    """The disk layers above ``chain[0]`` copied into ``dest`` (sparse), each re-pointed at the
+    one below; ``with_base``: the base too (a hard link where it can be, a copy otherwise)."""
+    layers = [chain[0]]
+    if with_base:  # read-only: a hard link shares it at no cost (a copy across file systems)
+        base = dest / "base.qcow2"
         try:
-            os.ftruncate(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.t0 = time.monotonic()
-        self.t1 = self.t0
-        self.thread = threading.Thread(target=self._run, args=(src, fd), daemon=True, name=f"ramcopy-{dst.name}")
-        self.thread.start()
-
-    def _run(self, src: Path, fd: int) -> None:
-        try:
-            ramfile.copy_sparse_into(src, fd)
-        except BaseException as e:
-            self.error = e
-        finally:
-            os.close(fd)
-            self.t1 = time.monotonic()
-
-    @property
-    def elapsed_ms(self) -> float:
-        return (self.t1 - self.t0) * 1e3
-
-    def wait(self, raise_error: bool = True) -> None:
-        t = time.monotonic()
-        self.thread.join()
-        self.waited_ms = (time.monotonic() - t) * 1e3
-        if raise_error and self.error is not None:
-            raise VMError(f"copying the snapshot RAM into {self.dst} failed: {self.error}")
-
+            os.link(chain[0], base)
+        except OSError:
+            run(["cp", "--sparse=always", chain[0], str(base)])
+        layers = [str(base)]
+    for i, layer in enumerate(chain[1:]):
+        copy = dest / f"layer-{i}.qcow2"
+        run(["cp", "--sparse=always", layer, str(copy)])
+        run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", layers[-1], str(copy)])
+        layers.append(str(copy))
+    return layers

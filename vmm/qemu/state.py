@@ -53,6 +53,10 @@ class VMState:
     top_node: str = "root"  # QMP node name of the current top in the running QEMU
     generation: int = 0  # counts sealed layers, names the next top
     capture_ref: str = ""  # fork capture dir this sandbox was restored from (driver-owned)
+    # seal_layer(): the chain that boots the last sealed state (base first, ending with the
+    # caller's file) and the state-dir layer that file is a copy of ([] / "" before any seal).
+    seal_chain: list[str] = field(default_factory=list)
+    seal_source: str = ""
     forwards: dict[str, int] = field(default_factory=dict)  # guest port -> host port, besides envd's host_port
     # The VM's network: the backend it was attached by ("slirp" | "netns"), its slot while it
     # has one (netns; 0 = none: paused to disk or slirp) and its egress policy (NetworkSpec
