@@ -33,6 +33,14 @@ def _checked(snapshot_id: str) -> str:
     return snapshot_id
 
 
+def complete_ids(root: Path) -> list[str]:
+    """Ids of the complete snapshot directories (with their manifest) under ``root``."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir()
+                  if SNAPSHOT_ID.match(p.name) and (p / "manifest.json").is_file())
+
+
 class SnapshotStore(abc.ABC):
     """One snapshot repository. Methods run on the node that holds or takes the files."""
 
@@ -56,6 +64,16 @@ class SnapshotStore(abc.ABC):
     @abc.abstractmethod
     def delete(self, snapshot_id: str) -> bool:
         """Removes every file of the snapshot; False if there was nothing."""
+
+    def local_ids(self) -> list[str]:
+        """The snapshots whose complete files are on this node now (its own captures and,
+        for a shared store, its cache): the heartbeat reports them so placement can send
+        a restore where no download is needed."""
+        return []
+
+    def drop_local(self, snapshot_id: str) -> None:
+        """Frees this node's copy of a committed snapshot that other nodes fetch from a
+        shared store (nothing to do where the node's copy is the only one)."""
 
 
 class PosixFsStore(SnapshotStore):
@@ -83,6 +101,9 @@ class PosixFsStore(SnapshotStore):
 
     def size_bytes(self, snapshot_id: str) -> int:
         return allocated_bytes(self._dir(snapshot_id))
+
+    def local_ids(self) -> list[str]:
+        return complete_ids(self.root)
 
     def delete(self, snapshot_id: str) -> bool:
         path = self._dir(snapshot_id)

@@ -42,9 +42,10 @@ from pathlib import Path
 
 from vmm.driver import SnapshotManifest, VMError
 
-from .base import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked
+from .base import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked, complete_ids
 from .cache import CacheFull, SnapshotCache
 from .chunks import CHUNK_SIZE, Chunk, allocated_bytes, chunk_spans, digest, read_chunk
+from .local_chunks import LocalChunks
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,27 @@ def localize(value, snap_dir: Path, images_dir: Path):
     return value
 
 
+def image_files(manifest: dict, images_dirs: list[Path]) -> dict[str, str]:
+    """{role: path} of the files a snapshot's manifest takes from the node's images dir:
+    its template's base disk (the bottom layer, unless the snapshot carries its own), the
+    kernel, initrd and tools drive."""
+    machine = manifest.get("machine") or {}
+    layers = manifest.get("layers") or []
+    named = {"base": layers[0] if layers else "", **{key: machine.get(key) or "" for key in ("kernel", "initrd", "tools")}}
+    roots = [str(d) + "/" for d in images_dirs]
+    return {role: path for role, path in named.items() if path and path.startswith(tuple(roots))}
+
+
+def _replace_path(value, old: str, new: str):
+    """Every string of the manifest JSON ``value`` equal to ``old`` becomes ``new`` (in place)."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in list(items):
+        if item == old:
+            value[key] = new
+        elif isinstance(item, (dict, list)):
+            _replace_path(item, old, new)
+
+
 # --------------------------------------------------------------------------- store
 
 
@@ -128,6 +150,10 @@ class S3Store(SnapshotStore):
         self.concurrency = max(1, int(concurrency))
         self.chunk_size = int(chunk_size)
         self.s3 = client or make_client(endpoint, region, self.concurrency)
+        # what a download need not fetch: chunks of this node's image builds, template
+        # snapshots and earlier downloads
+        self.on_disk = LocalChunks([self.images_dir, self.cache.root], home / "cache" / "chunk-index",
+                                   self.chunk_size)
 
     @property
     def driver(self):
@@ -147,6 +173,9 @@ class S3Store(SnapshotStore):
 
     def ref_key(self, sha: str, snapshot_id: str) -> str:
         return f"{self.prefix}refs/{sha}/{snapshot_id}"
+
+    def image_key(self, file_digest: str) -> str:
+        return f"{self.prefix}images/{file_digest}.json"
 
     def trash_key(self, snapshot_id: str) -> str:
         return f"{self.prefix}trash/{snapshot_id}.json"
@@ -261,11 +290,13 @@ class S3Store(SnapshotStore):
                 stats["chunks"] += 1
                 stats["uploaded"] += 1 if sent else 0
                 stats["uploaded_bytes"] += sent
+            images_dirs = _unique([self.images_dir, self.images_dir.resolve()])
             doc = {
                 "format": FORMAT, "snapshot_id": snapshot_id, "chunk_size": self.chunk_size, "files": files,
                 "stored_bytes": sum(c[1] for f in files.values() for c in f["chunks"]),
-                "manifest": relativize(manifest, Path(manifest.get("dir") or src),
-                                       _unique([self.images_dir, self.images_dir.resolve()])),
+                "manifest": relativize(manifest, Path(manifest.get("dir") or src), images_dirs),
+                "image_files": {role: {"path": relativize(path, src, images_dirs), **self._publish_image_file(path)}
+                                for role, path in image_files(manifest, images_dirs).items()},
             }
             self._put_json(self.manifest_key(snapshot_id), doc)
 
@@ -281,6 +312,32 @@ class S3Store(SnapshotStore):
         stats["unique_chunks"] = len(where)
         log.info("snapshot %s committed to %s: %s", snapshot_id, self._where(), stats)
         return stats
+
+    def _publish_image_file(self, path: str) -> dict:
+        """Makes a file of this node's images dir that a snapshot needs (its template's base
+        disk, the kernel, initrd and tools drive) restorable from the store by content: its
+        chunks and ``images/<digest>.json``, once per distinct file in the whole store (never
+        removed by a snapshot's delete: their markers name the image, not a snapshot).
+        Returns what the snapshot's manifest records of it."""
+        file_digest, size, chunks = self.on_disk.file_digest(Path(path))
+        if not self._exists(self.image_key(file_digest)):
+            owner = f"image-{file_digest[:32]}"
+
+            def upload(entry):
+                offset, length, sha = entry
+                self.s3.put_object(Bucket=self.bucket, Key=self.ref_key(sha, owner), Body=b"")
+                if not self._exists(self.chunk_key(sha)):
+                    data = read_chunk(Path(path), Chunk(offset, length))
+                    if data is None or digest(data) != sha:
+                        raise SnapshotStoreError(f"{path} changed while it was uploaded")
+                    self.s3.put_object(Bucket=self.bucket, Key=self.chunk_key(sha), Body=data)
+
+            with self._pool() as pool:
+                list(pool.map(upload, chunks))
+            self._put_json(self.image_key(file_digest), {"size": size, "chunk_size": self.chunk_size,
+                                                         "chunks": chunks})
+            log.info("image file %s published to %s as %s", path, self._where(), file_digest[:16])
+        return {"digest": file_digest, "size": size}
 
     def local_dir(self, snapshot_id: str) -> Path:
         snapshot_id = _checked(snapshot_id)
@@ -305,6 +362,9 @@ class S3Store(SnapshotStore):
                 raise SnapshotStoreError(f"download of snapshot {snapshot_id} from {self._where()} failed: "
                                          f"{exc}") from exc
 
+    def local_ids(self) -> list[str]:
+        return sorted(set(self.local.local_ids()) | set(complete_ids(self.cache.root)))
+
     def _download(self, snapshot_id: str) -> Path:
         doc = self._get_json(self.manifest_key(snapshot_id))
         if doc is None:
@@ -314,11 +374,16 @@ class S3Store(SnapshotStore):
         final = self.cache.path(snapshot_id)
         manifest = localize(doc["manifest"], final, self.images_dir)
         manifest["dir"] = str(final)
-        self._check_base(snapshot_id, manifest)
-        self.cache.make_room(int(doc.get("stored_bytes") or 0), keep=snapshot_id)
+        files = {name: (int(info["size"]), info["chunks"]) for name, info in doc["files"].items()}
+        shipped = self._ship_image_files(doc, final, manifest, files)
+        if not shipped:  # else the files it lacks come with it: checked once they are here
+            self._check_base(snapshot_id, manifest)
+        self.cache.make_room(int(doc.get("stored_bytes") or 0)
+                             + sum(files[name][0] for name in shipped), keep=snapshot_id)
         staging = self.cache.staging_dir(snapshot_id)
+        self.on_disk.refresh()  # files came and went since the last download
         try:
-            self._fetch_files(doc, staging)
+            self._fetch_files(doc.get("snapshot_id"), files, staging)
             (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
             try:
                 self.driver.adopt_snapshot(staging)  # e.g. each layer's backing file -> this node's
@@ -331,6 +396,28 @@ class S3Store(SnapshotStore):
         log.info("snapshot %s downloaded from %s into %s", snapshot_id, self._where(), path)
         return path
 
+    def _ship_image_files(self, doc: dict, final: Path, manifest: dict, files: dict) -> list[str]:
+        """Each file the snapshot needs from the images dir is used from this node's own
+        only when its content is the same (by digest: two nodes' builds of one recipe may
+        differ, and a disk layer over another base, or a running guest over another tools
+        drive, would read garbage); otherwise it comes with the snapshot, from the store,
+        into the snapshot's own dir, and ``manifest`` names that copy. Adds the files to
+        fetch to ``files``; returns their names."""
+        shipped = []
+        for role, info in sorted((doc.get("image_files") or {}).items()):
+            local = localize(info["path"], final, self.images_dir)
+            if Path(local).is_file() and self.on_disk.file_digest(Path(local))[0] == info["digest"]:
+                continue
+            image = self._get_json(self.image_key(info["digest"]))
+            if image is None:
+                raise SnapshotStoreError(f"snapshot {doc.get('snapshot_id')} needs image file {info['path']} "
+                                         f"({info['digest'][:16]}), which {self._where()} does not have")
+            name = f"image-{role}{Path(local).suffix}"
+            files[name] = (int(image["size"]), image["chunks"])
+            _replace_path(manifest, local, str(final / name))
+            shipped.append(name)
+        return shipped
+
     def _check_base(self, snapshot_id: str, manifest: dict) -> None:
         """Before anything is downloaded: this node can restore the snapshot (the driver
         checks what it needs from the node, e.g. the image build it was taken on, which
@@ -340,35 +427,51 @@ class S3Store(SnapshotStore):
         except VMError as exc:
             raise SnapshotStoreError(f"snapshot {snapshot_id} {exc}") from exc
 
-    def _fetch_files(self, doc: dict, staging: Path) -> None:
+    def _fetch_files(self, snapshot_id: str, files: dict, staging: Path) -> dict:
+        """Writes ``files`` ({name: (size, chunks)}) into ``staging``: each chunk from this
+        node's own files when one has it (verified), else from the store. Returns the counts."""
         fds = {}
         try:
             jobs = []
-            for name, info in doc["files"].items():
+            for name, (size, chunks) in files.items():
                 if not FILE_NAME.match(name):
-                    raise SnapshotStoreError(f"bad file name {name!r} in the manifest of {doc.get('snapshot_id')}")
+                    raise SnapshotStoreError(f"bad file name {name!r} in the manifest of {snapshot_id}")
                 fd = os.open(staging / name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
                 fds[name] = fd
-                os.ftruncate(fd, int(info["size"]))
-                for offset, length, sha in info["chunks"]:
-                    if not SHA.match(sha) or offset < 0 or offset + length > int(info["size"]):
-                        raise SnapshotStoreError(f"bad chunk entry for {name} in {doc.get('snapshot_id')}")
+                os.ftruncate(fd, size)
+                for offset, length, sha in chunks:
+                    if not SHA.match(sha) or offset < 0 or offset + length > size:
+                        raise SnapshotStoreError(f"bad chunk entry for {name} in {snapshot_id}")
                     jobs.append((fd, int(offset), int(length), sha))
 
-            def fetch(job):
+            def fetch(job) -> int:
                 fd, offset, length, sha = job
+                data = self.on_disk.read(sha, length)
+                if data is not None:
+                    os.pwrite(fd, data, offset)
+                    return 0
                 data = self.s3.get_object(Bucket=self.bucket, Key=self.chunk_key(sha))["Body"].read()
                 if len(data) != length or digest(data) != sha:
                     raise SnapshotStoreError(f"chunk {sha} is damaged in {self._where()}")
                 os.pwrite(fd, data, offset)
+                return 1
 
             with self._pool() as pool:
-                list(pool.map(fetch, jobs))
+                fetched = sum(pool.map(fetch, jobs))
             for fd in fds.values():
                 os.fsync(fd)
         finally:
             for fd in fds.values():
                 os.close(fd)
+        log.info("snapshot %s: %d of %d chunks fetched from %s, the rest read from this node's files",
+                 snapshot_id, fetched, len(jobs), self._where())
+        return {"chunks": len(jobs), "fetched": fetched}
+
+    def drop_local(self, snapshot_id: str) -> None:
+        """The bucket has it (``commit``): this node's capture and cached copy can go."""
+        snapshot_id = _checked(snapshot_id)
+        self.local.delete(snapshot_id)
+        self.cache.remove(snapshot_id)
 
     def delete(self, snapshot_id: str) -> bool:
         """Removes the manifest, this node's copies and the chunks no other snapshot

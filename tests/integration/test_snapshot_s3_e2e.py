@@ -11,12 +11,12 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
+from aenv_cluster.processes import qemu_pids
 from tests.moto_s3 import CREDENTIALS, moto_server
 from tests.moto_s3 import client as s3_client
 
 from .conftest import running_stack
 from .guest_counter import read_counter, start_counter
-from .test_pause_resume_e2e import _qemu_pids
 
 pytestmark = pytest.mark.vm
 
@@ -102,4 +102,4 @@ def test_restore_downloads_from_s3_then_delete_removes_objects(s3_sdk, moto_s3):
     left = stack.vm_leftovers()
     for sbx in (src, restored):
         if sbx is not None:
-            assert sbx.sandbox_id not in left["state_dirs"] and _qemu_pids(sbx.sandbox_id) == []
+            assert sbx.sandbox_id not in left["state_dirs"] and qemu_pids(sbx.sandbox_id) == []

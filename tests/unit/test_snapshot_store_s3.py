@@ -2,12 +2,14 @@
 with endpoint_url; nothing mocked): chunking and zero-skipping, dedup between
 snapshots, download onto another "node" (paths and qcow2 backing files re-pointed),
 a missing base image, reference-counted delete, and the bounded LRU cache."""
+import hashlib
 import json
 import os
 import subprocess
 import time
 import uuid
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -43,6 +45,24 @@ def _keys(client, prefix, sub=""):
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}/{sub}"):
         out += [o["Key"][len(prefix) + 1:] for o in page.get("Contents", [])]
     return sorted(out)
+
+
+def _image_keys(client, prefix) -> set[str]:
+    """What the published image files hold in the store (their index, chunks and markers:
+    they outlive every snapshot)."""
+    keys = set(_keys(client, prefix, "images/"))
+    for key in list(keys):
+        doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/{key}")["Body"].read())
+        owner = "image-" + Path(key).stem[:32]
+        for _, _, sha in doc["chunks"]:
+            keys |= {f"chunks/{sha}", f"refs/{sha}/{owner}"}
+    return keys
+
+
+def _snapshot_chunks(client, prefix) -> list[str]:
+    """The chunks some snapshot holds a marker for (image files may share some of them)."""
+    held = {k.split("/")[1] for k in _keys(client, prefix, "refs/") if not k.split("/")[2].startswith("image-")}
+    return [k for k in _keys(client, prefix, "chunks/") if k.split("/")[1] in held]
 
 
 def _store(s3, home, images, **kw) -> S3Store:
@@ -144,16 +164,21 @@ def test_commit_stores_nonzero_chunks_once_and_is_idempotent(s3, tmp_path):
     assert str(tmp_path) not in text
     assert doc["manifest"]["layers"] == ["$IMAGES/base-abc/rootfs.qcow2", "$SNAPSHOT/layer-0.qcow2",
                                          "$SNAPSHOT/layer-1.qcow2"]
-    chunks = _keys(client, prefix, "chunks/")
+    chunks = _snapshot_chunks(client, prefix)
     assert len(chunks) == stats["unique_chunks"] == stats["uploaded"]
     assert stats["chunks"] > stats["unique_chunks"]  # the repeated RAM chunk was sent once
     stored = sum(client.head_object(Bucket=BUCKET, Key=f"{prefix}/{k}")["ContentLength"] for k in chunks)
     assert stored < 6 * CHUNK, "zero chunks were uploaded"
-    assert len(_keys(client, prefix, "refs/")) == len(chunks)
+    assert len([k for k in _keys(client, prefix, "refs/") if k.endswith("/snap-a")]) == len(chunks)
+    # the files it takes from the images dir are in the store by content, once
+    assert set(doc["image_files"]) == {"base", "kernel", "initrd", "tools"}
+    assert doc["image_files"]["base"]["path"] == "$IMAGES/base-abc/rootfs.qcow2"
+    published = {f"images/{f['digest']}.json" for f in doc["image_files"].values()}
+    assert published == set(_keys(client, prefix, "images/"))  # kernel, initrd and tools: equal bytes, one file
 
     again = store.commit("snap-a")  # harmless, uploads nothing
     assert again["uploaded"] == 0 and again["reuploaded"] == 0
-    assert _keys(client, prefix, "chunks/") == chunks
+    assert _snapshot_chunks(client, prefix) == chunks
 
 
 def test_second_snapshot_uploads_only_what_changed(s3, tmp_path):
@@ -171,7 +196,7 @@ def test_second_snapshot_uploads_only_what_changed(s3, tmp_path):
     # one RAM chunk, plus the layer headers that name their own (different) directory
     assert second["uploaded"] <= 3, second
     assert second["chunks"] == first["chunks"]
-    assert len(_keys(client, prefix, "chunks/")) == first["unique_chunks"] + second["uploaded"]
+    assert len(_snapshot_chunks(client, prefix)) == first["unique_chunks"] + second["uploaded"]
 
 
 # --------------------------------------------------------------------------- download
@@ -183,6 +208,7 @@ def test_other_node_downloads_rewrites_paths_and_rebases(s3, tmp_path):
     _store(s3, tmp_path / "n1", images).commit("snap-b")
 
     other = _store(s3, tmp_path / "n2", images)
+    assert other.local_ids() == []
     # what a crashed worker left: a half-removed entry and another id's download
     crumbs = tmp_path / "n2" / "cache" / "snapshots"
     for name in (".tmp-rm-old-1234abcd", ".tmp-zzz-1234abcd"):
@@ -205,20 +231,107 @@ def test_other_node_downloads_rewrites_paths_and_rebases(s3, tmp_path):
     subprocess.run(["qemu-img", "check", "-q", str(local / "layer-1.qcow2")], check=True)
     assert other.local_dir("snap-b") == local  # a second lookup is the cache
     assert not list(local.parent.glob(".tmp-*"))
+    assert other.local_ids() == ["snap-b"]  # what its heartbeat reports for placement (no staging dirs)
 
     # the node that took it uses its own copy
     assert _store(s3, tmp_path / "n1", images).local_dir("snap-b") == src
 
 
-def test_missing_base_image_or_snapshot_is_a_clear_error(s3, tmp_path):
+def test_a_download_reads_the_chunks_this_node_has_from_its_own_files(s3, tmp_path):
+    """A snapshot carrying RAM the downloading node already has (here: in a template
+    snapshot of its images dir) fetches only the rest from the store; a local file whose
+    bytes changed since it was indexed is not trusted (re-hashed: the store's copy is used)."""
     images = _images(tmp_path)
-    _capture(tmp_path / "n1", images, "snap-c", b"x")
+    shared, own = os.urandom(CHUNK), os.urandom(CHUNK)
+    src = _capture(tmp_path / "n1", images, "snap-l", {0: shared, 2 * CHUNK: own})
+    _store(s3, tmp_path / "n1", images).commit("snap-l")
+    template = images / "snapshots" / "base-abc" / "c1-m1"
+    template.mkdir(parents=True)
+    (template / "memory.ram").write_bytes(os.urandom(CHUNK) + shared)  # the same bytes, at another offset
+
+    client, _ = s3
+    gets = []
+    real_get = client.get_object
+
+    def counting_get(**kw):
+        gets.append(kw["Key"])
+        return real_get(**kw)
+
+    other = _store(s3, tmp_path / "n2", images)
+    other.s3 = mock.Mock(wraps=client, get_object=counting_get)
+    local = other.local_dir("snap-l")
+    assert (local / "memory.ram").read_bytes() == (src / "memory.ram").read_bytes()
+    fetched = {k.rsplit("/", 1)[-1] for k in gets if "/chunks/" in k}
+    assert hashlib.sha256(shared).hexdigest() not in fetched  # read from the template's RAM file
+    assert hashlib.sha256(own).hexdigest() in fetched
+
+    # the index is trusted only as long as the bytes are the same
+    third = _store(s3, tmp_path / "n3", images)
+    third.on_disk.read(hashlib.sha256(shared).hexdigest(), CHUNK)  # indexed now
+    with open(template / "memory.ram", "r+b") as f:  # same size, same mtime: only the bytes change
+        st = os.fstat(f.fileno())
+        f.seek(CHUNK)
+        f.write(os.urandom(CHUNK))
+    os.utime(template / "memory.ram", ns=(st.st_atime_ns, st.st_mtime_ns))
+    gets.clear()
+    third.s3 = mock.Mock(wraps=client, get_object=counting_get)
+    local = third.local_dir("snap-l")
+    assert (local / "memory.ram").read_bytes() == (src / "memory.ram").read_bytes()
+    assert hashlib.sha256(shared).hexdigest() in {k.rsplit("/", 1)[-1] for k in gets}
+
+
+def test_a_node_with_another_build_of_the_image_gets_the_files_with_the_snapshot(s3, tmp_path):
+    """Two nodes' builds of one image recipe may differ byte for byte (debootstrap is not
+    reproducible); a layer over another base, or a guest over another tools drive, would read
+    garbage. So a node uses its own image files only when their content is the snapshot's;
+    otherwise they come from the store into the snapshot's own dir (its disk chain and
+    machine re-pointed there); a node that has them uses its own."""
+    images = _images(tmp_path)
+    src = _capture(tmp_path / "n1", images, "snap-c", {CHUNK: os.urandom(CHUNK)})
     _store(s3, tmp_path / "n1", images).commit("snap-c")
+    base = images / "base-abc" / "rootfs.qcow2"
+
+    same = _store(s3, tmp_path / "n2", images).local_dir("snap-c")
+    manifest = json.loads((same / "manifest.json").read_text())
+    assert manifest["layers"][0] == str(base) and not list(same.glob("image-*"))
+
+    other = tmp_path / "other-images"  # the same recipe (dir name), another build of it
+    (other / "base-abc").mkdir(parents=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(other / "base-abc" / "rootfs.qcow2"), "128M"],
+                   check=True)
+    for name in ("vmlinuz", "initrd.cpio"):
+        (other / "base-abc" / name).write_bytes(b"x")
+    (other / "base-abc" / "tools.img").write_bytes(b"another tools drive")
+    local = _store(s3, tmp_path / "n3", other).local_dir("snap-c")
+    manifest = json.loads((local / "manifest.json").read_text())
+    assert manifest["layers"][0] == str(local / "image-base.qcow2")
+    assert (local / "image-base.qcow2").read_bytes() == base.read_bytes()
+    assert _backing(local / "layer-0.qcow2") == str(local / "image-base.qcow2")
+    assert manifest["machine"]["tools"] == str(local / "image-tools.img")
+    assert (local / "image-tools.img").read_bytes() == b"x"
+    assert manifest["machine"]["kernel"] == str(other / "base-abc" / "vmlinuz")  # the same bytes: its own
+    assert (local / "memory.ram").read_bytes() == (src / "memory.ram").read_bytes()
+    subprocess.run(["qemu-img", "check", "-q", str(local / "layer-1.qcow2")], check=True)
+
+    nothing = tmp_path / "no-images"  # no build at all: everything comes with it
+    nothing.mkdir()
+    local = _store(s3, tmp_path / "n4", nothing).local_dir("snap-c")
+    assert sorted(p.name for p in local.glob("image-*")) == ["image-base.qcow2", "image-initrd.cpio",
+                                                             "image-kernel", "image-tools.img"]
+
+
+def test_a_snapshot_or_image_file_the_store_lacks_is_a_clear_error(s3, tmp_path):
+    client, prefix = s3
+    images = _images(tmp_path)
+    _capture(tmp_path / "n1", images, "snap-d", b"x")
+    _store(s3, tmp_path / "n1", images).commit("snap-d")
+    for key in _keys(client, prefix, "images/"):
+        client.delete_object(Bucket=BUCKET, Key=f"{prefix}/{key}")
     elsewhere = tmp_path / "other-images"
     elsewhere.mkdir()
-    with pytest.raises(SnapshotStoreError, match="template base layer .*image build base-abc"):
-        _store(s3, tmp_path / "n2", elsewhere).local_dir("snap-c")
-    assert not (tmp_path / "n2" / "cache" / "snapshots" / "snap-c").exists()
+    with pytest.raises(SnapshotStoreError, match="needs image file \\$IMAGES/base-abc/.* which s3://.* does not have"):
+        _store(s3, tmp_path / "n2", elsewhere).local_dir("snap-d")
+    assert not (tmp_path / "n2" / "cache" / "snapshots" / "snap-d").exists()
     with pytest.raises(SnapshotStoreError, match="neither on this node nor in s3://"):
         _store(s3, tmp_path / "n2", images).local_dir("nope")
     with pytest.raises(SnapshotStoreError, match="invalid snapshot id"):
@@ -254,7 +367,7 @@ def test_delete_keeps_shared_chunks_until_the_last_user_goes(s3, tmp_path):
 
     assert other.delete("s2") is True  # from another node: its cache entry goes too
     assert not (tmp_path / "n2" / "cache" / "snapshots" / "s2").exists()
-    assert _keys(client, prefix) == [], "objects left behind"
+    assert set(_keys(client, prefix)) == _image_keys(client, prefix), "objects left behind"
     assert other.delete("s2") is False
     assert store.delete("s1") is False
 
@@ -271,7 +384,7 @@ def test_interrupted_delete_is_finished_by_the_next(s3, tmp_path):
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/trash/s3.json", Body=body)
     client.delete_object(Bucket=BUCKET, Key=manifest_key)
     assert store.delete("s3") is True
-    assert _keys(client, prefix) == []
+    assert set(_keys(client, prefix)) == _image_keys(client, prefix)
 
 
 def test_commit_restores_a_chunk_a_racing_delete_removed(s3, tmp_path):
@@ -297,7 +410,7 @@ def test_commit_restores_a_chunk_a_racing_delete_removed(s3, tmp_path):
     assert store.commit("new")["uploaded"] >= 1
     assert needed <= set(_keys(client, prefix, "chunks/"))
     store.delete("new")
-    assert _keys(client, prefix) == []
+    assert set(_keys(client, prefix)) == _image_keys(client, prefix)
 
 
 # --------------------------------------------------------------------------- cache

@@ -1,0 +1,121 @@
+"""Chunks this node already has on disk, by digest, so a download from the S3 store reads
+them locally instead of fetching them.
+
+Why: a pause image or snapshot is self-contained (its template's base disk, layers and
+RAM travel with it), which is what lets any node restore it; but the node that restores it
+usually has most of those bytes already: the same image build (an OCI image's disk is
+byte-reproducible, so equal content means equal chunks), the same template snapshot, an
+earlier download. Every file under the given roots is cut at the store's chunk offsets and
+hashed once; the index is kept per file under ``index_dir`` and trusted only while the file's
+size and mtime are unchanged. A chunk read from disk is hashed again before it is used, so a
+file that changed since cannot put wrong bytes into a download."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+from .chunks import CHUNK_SIZE, chunk_spans, digest, read_chunk
+
+log = logging.getLogger(__name__)
+
+# what snapshots are made of: disks (qcow2 layers, raw drives) and guest RAM
+SOURCE_SUFFIXES = (".qcow2", ".img", ".ram")
+SKIP_DIRS = {"stages"}  # image build intermediates (whole root filesystem trees)
+
+
+def content_digest(size: int, chunk_size: int, chunks: list[list]) -> str:
+    """A file's identity from its chunk list (zero chunks are holes, so the size counts too)."""
+    return hashlib.sha256(json.dumps([size, chunk_size, chunks]).encode()).hexdigest()
+
+
+class LocalChunks:
+    def __init__(self, roots: list[Path], index_dir: Path, chunk_size: int = CHUNK_SIZE):
+        self.roots = [Path(r) for r in roots]
+        self.index_dir = Path(index_dir)
+        self.chunk_size = chunk_size
+        self._where: dict[str, tuple[Path, int, int]] | None = None
+        self._lock = threading.Lock()
+
+    def _files(self):
+        for root in self.roots:
+            if not root.is_dir():
+                continue
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS]
+                for name in filenames:
+                    path = Path(dirpath) / name
+                    if name.startswith(".") or not name.endswith(SOURCE_SUFFIXES) or path.is_symlink():
+                        continue
+                    try:
+                        if path.stat().st_size >= self.chunk_size:
+                            yield path
+                    except OSError:
+                        continue
+
+    def file_chunks(self, path: Path) -> list[list]:
+        """``[[offset, length, digest], ...]`` of the file's non-zero chunks, in order, from
+        its saved index while the file is unchanged (same size and mtime), else hashed now."""
+        path = Path(path)
+        st = path.stat()
+        stamp = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "chunk_size": self.chunk_size}
+        saved = self.index_dir / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
+        try:
+            doc = json.loads(saved.read_text())
+            if {k: doc.get(k) for k in stamp} == stamp and isinstance(doc.get("chunks"), list):
+                return doc["chunks"]
+        except (OSError, ValueError, KeyError):
+            pass
+        chunks = []
+        for chunk in chunk_spans(path, self.chunk_size):
+            data = read_chunk(path, chunk)
+            if data is not None:
+                chunks.append([chunk.offset, chunk.length, digest(data)])
+        self.index_dir.mkdir(parents=True, exist_ok=True)
+        tmp = saved.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps({**stamp, "chunks": chunks}))
+        os.replace(tmp, saved)
+        return chunks
+
+    def file_digest(self, path: Path) -> tuple[str, int, list[list]]:
+        """The file's content identity: (digest of its size and chunk list, size, chunks).
+        Two files with equal bytes have equal digests, whatever their paths or dates."""
+        chunks = self.file_chunks(path)
+        size = Path(path).stat().st_size
+        return content_digest(size, self.chunk_size, chunks), size, chunks
+
+    def _build(self) -> dict[str, tuple[Path, int, int]]:
+        where: dict[str, tuple[Path, int, int]] = {}
+        for path in self._files():
+            try:
+                for offset, length, sha in self.file_chunks(path):
+                    where.setdefault(sha, (path, offset, length))
+            except OSError as exc:  # gone or unreadable meanwhile: just not a source
+                log.debug("local chunks: skipping %s: %s", path, exc)
+        return where
+
+    def refresh(self) -> None:
+        """Forget the index (files were added or removed); it is rebuilt on the next lookup."""
+        with self._lock:
+            self._where = None
+
+    def read(self, sha: str, length: int) -> bytes | None:
+        """The chunk's bytes from a local file, verified, or None when no local file has it."""
+        with self._lock:
+            if self._where is None:
+                self._where = self._build()
+            found = self._where.get(sha)
+        if found is None:
+            return None
+        path, offset, size = found
+        if size != length:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = os.pread(f.fileno(), length, offset)
+        except OSError:
+            return None
+        return data if len(data) == length and digest(data) == sha else None

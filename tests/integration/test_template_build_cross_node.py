@@ -1,0 +1,83 @@
+"""A template built on one node starts on another through the S3 store (issue 11): node A
+builds it (the image pulled only there), node B — its own home, its own images dir with
+nothing but the base image's kernel, initrd and tools drive, its own network instance,
+the same database and broker — restores the template snapshot from the bucket (a moto
+server) because A is drained: the sandbox has the built files and the start command's
+server running. Nothing depends on the two nodes' paths being equal."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from e2b import Sandbox, Template, wait_for_port
+
+from tests.moto_s3 import CREDENTIALS, moto_server
+from .conftest import running_stack
+from .second_node import SecondNode, short_root  # noqa: F401 - a fixture
+
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
+
+BUCKET = "aenv-tpl"
+
+
+@pytest.fixture(scope="module")
+def s3_stack():
+    with moto_server(BUCKET) as url:
+        env = {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_S3_ENDPOINT": url, "AENV_S3_BUCKET": BUCKET,
+               "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": f"tpl-{uuid.uuid4().hex[:6]}", **CREDENTIALS}
+        with running_stack("tplx", extra_env=env) as s:
+            yield s
+
+
+def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_stack, app_image, short_root, monkeypatch):
+    stack = s3_stack
+    for key, value in (("E2B_API_URL", stack.api_url), ("E2B_SANDBOX_URL", stack.sandbox_url),
+                       ("E2B_API_KEY", stack.api_key)):
+        monkeypatch.setenv(key, value)
+    name = f"xnode-{uuid.uuid4().hex[:6]}"
+    template = (Template().from_image(app_image.ref)
+                .run_cmd("echo built-on-a > /home/user/where.txt")
+                .set_start_cmd("python3 -m http.server 8000", wait_for_port(8000)))
+    Template.build(template, name)
+    built_on = stack.db(f"from template_builds.models import TemplateBuild as B; "
+                        f"print(B.objects.get(template__alias='{name}', status='ready').node_id)").strip()
+    assert built_on == stack.node_id
+
+    def node_of(sbx) -> str:
+        return stack.db(f"from sandboxes.models import Sandbox as S; print(S.objects.get(pk='{sbx.sandbox_id}')"
+                        ".node_id)").strip()
+
+    node_b = SecondNode(stack, short_root)
+    try:
+        # Locality: both creates restore on A, which has the template snapshot, although after the
+        # first one the spread policy alone would send the second to the emptier node B.
+        local = [Sandbox.create(name, timeout=120) for _ in range(2)]
+        try:
+            assert [node_of(s) for s in local] == [stack.node_id, stack.node_id]
+        finally:
+            for s in local:
+                s.kill()
+        stack.db(f"from nodes.models import Node; Node.objects.filter(pk='{stack.node_id}').update(draining=True)")
+        sbx = Sandbox.create(name, timeout=120)
+        try:
+            assert node_of(sbx) == node_b.id
+            assert sbx.commands.run("cat /home/user/where.txt").stdout.strip() == "built-on-a"
+            assert sbx.commands.run(f"cat /srv/app/hello.txt").stdout.strip() == app_image.token
+            assert "http.server" in sbx.commands.run("ps -eo args").stdout
+            # node B never pulled the image: the snapshot carried its disk
+            assert not (node_b.images / "oci").exists()
+            assert list((node_b.home / "cache" / "snapshots").iterdir())
+            # ...and its heartbeat now tells placement that it has the template snapshot too
+            snap = stack.db(f"from template_builds.models import TemplateBuild as B; "
+                            f"print(B.objects.get(template__alias='{name}', status='ready').snapshot_id)").strip()
+            deadline = time.monotonic() + 30
+            while snap not in stack.db(f"from nodes.models import Node; print(Node.objects.get(pk='{node_b.id}')"
+                                       ".snapshots_here)"):
+                assert time.monotonic() < deadline, "node B's heartbeat never listed the cached snapshot"
+                time.sleep(1)
+        finally:
+            sbx.kill()
+    finally:
+        stack.db(f"from nodes.models import Node; Node.objects.filter(pk='{stack.node_id}').update(draining=False)")
+        node_b.stop()
