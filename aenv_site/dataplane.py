@@ -23,7 +23,9 @@ django.setup()
 # httpx logs every proxied request at INFO; uvicorn's access log already does.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
+from aenv_site.prometheus import InstrumentedDataPlane  # noqa: E402
 from sandboxes.proxy import EnvdProxy, UpstreamBroken  # noqa: E402
+from sandboxes.proxy_routes import parse_target  # noqa: E402
 
 
 class _QuietUpstreamBroken(logging.Filter):
@@ -37,4 +39,6 @@ class _QuietUpstreamBroken(logging.Filter):
 
 logging.getLogger("uvicorn.error").addFilter(_QuietUpstreamBroken())
 
-application = EnvdProxy()
+# GET /metrics naming no sandbox is the data plane's Prometheus exposition (requests by
+# route and status); everything else goes to the proxy.
+application = InstrumentedDataPlane(EnvdProxy(), parse_target)

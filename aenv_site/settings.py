@@ -6,6 +6,7 @@ import socket
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 from aenv_site.secret_key import load_secret_key
 from vmm.net.spec import DEFAULT_WARM_SLOTS
@@ -30,6 +31,9 @@ AENV_HOME = Path(_env("AENV_HOME", str(BASE_DIR / "var"))).resolve()
 AENV_HOME.mkdir(parents=True, exist_ok=True)
 # Guest images are expensive to build; tests point many AENV_HOMEs at one cache.
 AENV_IMAGES_DIR = Path(_env("AENV_IMAGES_DIR", str(AENV_HOME / "images"))).resolve()
+# Packages the host downloads for guests (the code-interpreter-v1 template's wheels): per
+# checkout, shared by every AENV_HOME, so test stacks do not download again.
+AENV_PACKAGE_CACHE = Path(_env("AENV_PACKAGE_CACHE", str(BASE_DIR / ".cache" / "packages"))).resolve()
 AENV_NODE_ID = _env("AENV_NODE_ID", socket.gethostname().split(".")[0].lower() or "node-1")
 AENV_NODE_ADDRESS = _env("AENV_NODE_ADDRESS", "127.0.0.1")
 AENV_DRIVER = _env("AENV_DRIVER", "qemu")
@@ -42,6 +46,10 @@ AENV_NET_WARM_SLOTS = _env_int("AENV_NET_WARM_SLOTS", DEFAULT_WARM_SLOTS)
 # Comma-separated CIDRs guests may never reach (e.g. the LAN) / may reach although private (a mirror).
 AENV_NET_DENY_EXTRA = tuple(c.strip() for c in _env("AENV_NET_DENY_EXTRA", "").split(",") if c.strip())
 AENV_NET_ALLOW_EXTRA = tuple(c.strip() for c in _env("AENV_NET_ALLOW_EXTRA", "").split(",") if c.strip())
+# Comma-separated CIDRs that may open connections into this node's slots besides the node itself:
+# the data plane's and the API's (dashboard terminal) addresses when they run on another host or
+# namespace (vmm.net.host_table). Guests can never reach them. Empty: only the node.
+AENV_NET_INGRESS_FROM = tuple(c.strip() for c in _env("AENV_NET_INGRESS_FROM", "").split(",") if c.strip())
 AENV_SANDBOX_DOMAIN = _env("AENV_SANDBOX_DOMAIN", "localhost")
 AENV_DEFAULT_TIMEOUT = _env_int("AENV_DEFAULT_TIMEOUT", 300)
 AENV_MAX_TIMEOUT = _env_int("AENV_MAX_TIMEOUT", 24 * 3600)
@@ -52,12 +60,58 @@ AENV_BOOT_TIMEOUT = _env_int("AENV_BOOT_TIMEOUT", 150)
 AENV_NODE_TASK_DEADLINE = _env_int("AENV_NODE_TASK_DEADLINE", 2 * AENV_BOOT_TIMEOUT + 30)
 # A node whose last heartbeat is older than this is considered dead.
 AENV_NODE_HEARTBEAT_TIMEOUT = _env_int("AENV_NODE_HEARTBEAT_TIMEOUT", 30)
+# A node silent this long is dead: its running sandboxes are declared lost (sandboxes.lost).
+# Longer than a node worker's restart, which settles its own sandboxes.
+AENV_NODE_LOST_AFTER = _env_int("AENV_NODE_LOST_AFTER", 120)
 AENV_NODE_HEARTBEAT_INTERVAL = _env_int("AENV_NODE_HEARTBEAT_INTERVAL", 5)
+# How many recent host samples (one per heartbeat) a node keeps for the dashboard's chart.
+AENV_NODE_HOST_HISTORY = _env_int("AENV_NODE_HOST_HISTORY", 120)
+# The node worker's Prometheus /metrics, on AENV_NODE_ADDRESS (0: none).
+AENV_NODE_METRICS_PORT = _env_int("AENV_NODE_METRICS_PORT", 9464)
+# Sandbox metrics (E2B's GET /sandboxes/{id}/metrics): each node asks every running
+# sandbox's envd for its CPU, memory and disk this often (s), and samples are kept this long (s).
+AENV_SANDBOX_METRICS_INTERVAL = float(_env("AENV_SANDBOX_METRICS_INTERVAL", "5"))
+AENV_SANDBOX_METRICS_RETENTION = _env_int("AENV_SANDBOX_METRICS_RETENTION", 6 * 3600)
+# Sandbox logs (E2B's GET /sandboxes/{id}/logs): each node reads its running sandboxes' guest
+# consoles this often (s) (and once more before a pause or kill); lines are kept this long (s),
+# and at most this many per sandbox (the newest).
+AENV_SANDBOX_LOGS_INTERVAL = float(_env("AENV_SANDBOX_LOGS_INTERVAL", "2"))
+AENV_SANDBOX_LOGS_RETENTION = _env_int("AENV_SANDBOX_LOGS_RETENTION", 7 * 24 * 3600)
+AENV_SANDBOX_LOG_MAX_LINES = _env_int("AENV_SANDBOX_LOG_MAX_LINES", 10000)
 # Node worker: parallel VM operations, and how far capacity may be overcommitted
 # (idle microVMs use little CPU; guest RAM is touched lazily and ballooned back).
 AENV_NODE_CONCURRENCY = _env_int("AENV_NODE_CONCURRENCY", 32)
-AENV_NODE_VCPU_OVERCOMMIT = float(_env("AENV_NODE_VCPU_OVERCOMMIT", "16"))
+# A node worker told to stop (SIGTERM) first pauses its running sandboxes to disk, for at
+# most this long (agent.shutdown); AENV_NODE_STOP_PAUSE=0 leaves them running instead.
+AENV_NODE_STOP_PAUSE = _env_bool("AENV_NODE_STOP_PAUSE", True)
+AENV_NODE_STOP_TIMEOUT = _env_int("AENV_NODE_STOP_TIMEOUT", 300)
+# With the S3 store, a sandbox paused this long (s) is exported there so another node can
+# resume it if its own is gone (agent.moves); a stopping node exports its paused ones at once.
+AENV_PAUSE_EXPORT_DELAY = float(_env("AENV_PAUSE_EXPORT_DELAY", "30"))
+# vCPUs placement may reserve per host core. From what sandboxes cost: an idle TCG guest here
+# takes ~2.6 % of a core (bench), so 64 vCPUs a core (32 default 2-vCPU sandboxes) keep a
+# node of idle sandboxes at ~83 % of its CPU; busy guests share the cores like any overcommit.
+AENV_NODE_VCPU_OVERCOMMIT = float(_env("AENV_NODE_VCPU_OVERCOMMIT", "64"))
 AENV_NODE_MEMORY_OVERCOMMIT = float(_env("AENV_NODE_MEMORY_OVERCOMMIT", "1.5"))
+# What placement reserves for a fork child while it shares its parent's memory copy-on-write
+# (from the fork until its first pause; a resumed child reserves its whole shape again):
+# memory, MiB (never more than its shape), from the measured host memory of a forked child
+# (fork x16 of 2 vCPU / 512 MiB under TCG here: PSS 63-67 MiB, anonymous 60-63 MiB, mostly
+# QEMU's own; the lifecycle bench's 1 vCPU / 256 MiB children: 85-93 MiB) plus room for what a
+# rollout writes; and its vCPUs divided by this overcommit, rounded up (1: an idle child took
+# 3.3-3.8 % of a core, what any idle guest takes, so children are not cheaper in CPU).
+AENV_FORK_CHILD_MEMORY_MB = _env_int("AENV_FORK_CHILD_MEMORY_MB", 128)
+AENV_FORK_VCPU_OVERCOMMIT = float(_env("AENV_FORK_VCPU_OVERCOMMIT", "1"))
+if AENV_FORK_CHILD_MEMORY_MB < 1 or AENV_FORK_VCPU_OVERCOMMIT < 1:
+    raise ImproperlyConfigured("AENV_FORK_CHILD_MEMORY_MB and AENV_FORK_VCPU_OVERCOMMIT must be at least 1")
+# Guest RAM lives in tmpfs (/dev/shm) and a guest whose tmpfs fills up dies: a node starts a
+# VM only while the tmpfs has its memory plus this much (MiB) free for the running ones.
+AENV_SHM_HEADROOM_MB = _env_int("AENV_SHM_HEADROOM_MB", 1024)
+# Which node that fits gets a new sandbox: "spread" (the least loaded) or "pack" (the most
+# loaded: fewer busy nodes, the others free for large sandboxes).
+AENV_PLACEMENT = _env("AENV_PLACEMENT", "spread")
+if AENV_PLACEMENT not in ("spread", "pack"):
+    raise ImproperlyConfigured(f"AENV_PLACEMENT must be spread or pack, not {AENV_PLACEMENT!r}")
 AENV_BASE_CPU_COUNT = _env_int("AENV_BASE_CPU_COUNT", 2)
 AENV_BASE_MEMORY_MB = _env_int("AENV_BASE_MEMORY_MB", 512)
 AENV_BASE_DISK_MB = _env_int("AENV_BASE_DISK_MB", 2048)
@@ -115,6 +169,18 @@ AENV_TEMPLATE_MAX_DISK_MB = _env_int("AENV_TEMPLATE_MAX_DISK_MB", 65536)
 AENV_TEMPLATE_MAX_CONCURRENT_BUILDS = _env_int("AENV_TEMPLATE_MAX_CONCURRENT_BUILDS", 8)
 AENV_TEMPLATE_PICKUP_TIMEOUT = _env_int("AENV_TEMPLATE_PICKUP_TIMEOUT", 600)
 AENV_TEMPLATE_BUILD_TIMEOUT = _env_int("AENV_TEMPLATE_BUILD_TIMEOUT", 3600)
+# The node's image cache: the template layer cache, the pulled images' root disks and
+# their OCI blobs, evicted least recently used first (agent.builder.images) after every
+# build and at node start; what VMs or snapshots on the node use always stays.
+AENV_IMAGE_CACHE_MB = _env_int("AENV_IMAGE_CACHE_MB", 20 * 1024)
+# How long finalize waits for the ready command (E2B: 10 min).
+AENV_TEMPLATE_READY_TIMEOUT = _env_int("AENV_TEMPLATE_READY_TIMEOUT", 600)
+# Registries a node may pull from over plain HTTP or unverified TLS (host or host:port,
+# comma-separated); loopback registries always may, as with Docker.
+AENV_INSECURE_REGISTRIES = [r.strip() for r in _env("AENV_INSECURE_REGISTRIES", "").split(",") if r.strip()]
+# Registries on private or loopback addresses builds may pull from (host or host:port,
+# comma-separated): the node pulls for the user, so any other such registry is refused.
+AENV_PRIVATE_REGISTRIES = [r.strip() for r in _env("AENV_PRIVATE_REGISTRIES", "").split(",") if r.strip()]
 # COPY archives: the largest upload taken (compressed, and unpacked as its tar headers
 # say), and how long an upload URL is valid. Uploads live next to the snapshots
 # (AENV_SNAPSHOT_BACKEND: AENV_HOME/template-files, or the S3 bucket).
@@ -149,6 +215,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Outermost: counts and times every request by route and status (Prometheus /metrics).
+    "aenv_site.prometheus.RequestMetricsMiddleware",
     # First: answers the E2B API's CORS preflights before anything else runs (not the dashboard's).
     "aenv_site.cors.ApiCorsMiddleware",
     "django.middleware.security.SecurityMiddleware",
@@ -231,7 +299,8 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "E2B-compatible control plane for aenv microVM sandboxes",
     "VERSION": "0.1.0",
     # One name for E2B's build status wherever it appears (status, buildStatus).
-    "ENUM_NAME_OVERRIDES": {"TemplateBuildStatusEnum": "template_builds.models.BuildStatus"},
+    "ENUM_NAME_OVERRIDES": {"TemplateBuildStatusEnum": "template_builds.models.BuildStatus",
+                            "NodeStatusEnum": "nodes.summary.STATUSES"},
 }
 
 STATIC_URL = "/static/"

@@ -5,11 +5,21 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
+from sandboxes import metrics_api
+
+from .prometheus import metrics_view
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("dashboard/", include("dashboard.urls")),
     path("", RedirectView.as_view(url="/dashboard/", permanent=False)),
+    # Prometheus, unauthenticated (aggregates only: aenv_site.prometheus).
+    path("metrics", metrics_view, name="metrics"),
+    # E2B's sandbox metrics; before sandboxes.urls, whose sandboxes/<id> would take "metrics".
+    path("sandboxes/metrics", metrics_api.SandboxesMetricsView.as_view(), name="sandboxes-metrics"),
+    path("sandboxes/<str:sandbox_id>/metrics", metrics_api.SandboxMetricsView.as_view(), name="sandbox-metrics"),
+    path("", include("nodes.urls")),
     path("", include("sandboxes.urls")),
     path("", include("snapshots.urls")),
     # Template builds, tags, uploads, and /templates/{id} (a template, or a snapshot by id or name).

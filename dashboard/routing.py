@@ -1,8 +1,10 @@
 """WebSocket routes of the dashboard (mounted by aenv_site.asgi)."""
 from django.urls import path
 
+from .build_logs import BuildLogConsumer
 from .terminal import TerminalConsumer
 
 websocket_urlpatterns = [
     path("ws/sandboxes/<str:sandbox_id>/terminal", TerminalConsumer.as_asgi(), name="sandbox-terminal"),
+    path("ws/templates/<str:template_id>/builds/<str:build_id>/logs", BuildLogConsumer.as_asgi(), name="build-log"),
 ]

@@ -29,23 +29,17 @@ import secrets
 from types import SimpleNamespace
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncWebsocketConsumer
 
 from envd_client import AsyncEnvdClient, EnvdError
 from envd_client.protocol import STREAM_IDLE_TIMEOUT, UNARY_TIMEOUT
 from sandboxes.models import Sandbox
 from sandboxes.states import ROUTABLE, SandboxState
 
+from .sockets import (CLOSE_BAD_MESSAGE, CLOSE_EXITED, CLOSE_NOT_FOUND, CLOSE_NOT_RUNNING,  # noqa: F401
+                      CLOSE_UNAUTHENTICATED, CLOSE_UNREACHABLE, TaskSocket)
 from .teams import current_team
 
 log = logging.getLogger(__name__)
-
-CLOSE_EXITED = 4000         # the shell exited
-CLOSE_UNAUTHENTICATED = 4401
-CLOSE_NOT_FOUND = 4404
-CLOSE_NOT_RUNNING = 4409    # paused, killed, failed (at open or while open)
-CLOSE_BAD_MESSAGE = 4400
-CLOSE_UNREACHABLE = 4502    # envd refused, failed or went silent
 
 # While the socket is open the sandbox row is re-read this often, so a pause or kill
 # closes the terminal promptly even when the envd connection lingers.
@@ -104,9 +98,9 @@ def _state_of(sandbox_id: str) -> str:
     return Sandbox.objects.filter(pk=sandbox_id).values_list("state", flat=True).first() or SandboxState.KILLED
 
 
-class TerminalConsumer(AsyncWebsocketConsumer):
+class TerminalConsumer(TaskSocket):
     sandbox: Sandbox | None = None
-    _task: asyncio.Task | None = None
+    cancel_timeout = 15.0
 
     async def connect(self):
         self.sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
@@ -126,12 +120,6 @@ class TerminalConsumer(AsyncWebsocketConsumer):
         query = _query(self.scope)
         size = (_size(query.get("cols"), DEFAULT_SIZE[0]), _size(query.get("rows"), DEFAULT_SIZE[1]))
         self._task = asyncio.create_task(self._run(size), name=f"terminal-{self.sandbox_id}")
-
-    async def disconnect(self, code):
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self._task, timeout=15)
 
     async def receive(self, text_data=None, bytes_data=None):
         if self.sandbox is None:
@@ -154,14 +142,6 @@ class TerminalConsumer(AsyncWebsocketConsumer):
             await self._finish(CLOSE_BAD_MESSAGE, "bad terminal message")
 
     # ------------------------------------------------------------------ the bridge
-
-    async def _finish(self, code: int, reason: str) -> None:
-        """Says why in a last JSON frame, then closes with the code and reason (daphne
-        drops close reasons, so the page reads the frame; a close reason is ≤123 bytes)."""
-        reason = reason.encode()[:120].decode(errors="ignore")
-        with contextlib.suppress(Exception):  # the socket may already be gone
-            await self.send(text_data=json.dumps({"type": "close", "code": code, "reason": reason}))
-        await self.close(code, reason)
 
     async def _run(self, size: tuple[int, int]) -> None:
         """Runs the bridge until the shell ends, the sandbox leaves the running state

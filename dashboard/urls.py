@@ -2,7 +2,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import actions, views
+from . import actions, template_pages, views
 
 app_name = "dashboard"
 
@@ -26,7 +26,9 @@ urlpatterns = [
     path("sandboxes/<str:sandbox_id>/snapshot", actions.sandbox_snapshot, name="sandbox-snapshot"),
     path("sandboxes/<str:sandbox_id>/fork", actions.sandbox_fork, name="sandbox-fork"),
     path("sandboxes/<str:sandbox_id>/timeout", actions.sandbox_timeout, name="sandbox-timeout"),
-    path("templates/", views.template_list, name="templates"),
+    path("templates/", template_pages.template_list, name="templates"),
+    path("templates/<str:template_id>/", template_pages.template_detail, name="template"),
+    path("templates/<str:template_id>/builds/<uuid:build_id>/", template_pages.build_detail, name="build"),
     path("nodes/", views.node_list, name="nodes"),
     path("api-keys/", views.api_key_list, name="api-keys"),
     path("api-keys/create", views.api_key_create, name="api-key-create"),

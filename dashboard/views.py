@@ -4,11 +4,12 @@ do are in ``dashboard.actions``."""
 from __future__ import annotations
 
 import functools
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, Q
 from django.db.models.fields.json import KeyTransform
 from django.http import Http404, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -16,9 +17,10 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from nodes import summary
 from nodes.models import Node
 from sandboxes.models import ApiKey, Sandbox, SandboxEvent, Template
-from sandboxes.states import LIVE, RESERVING, SandboxState, can_start
+from sandboxes.states import LIVE, SandboxState, can_start
 from snapshots.lifecycle import fork as fork_op
 from snapshots.models import Snapshot
 
@@ -29,7 +31,6 @@ LIST_LIMIT = 200
 TIMEOUT_CHOICES = [(300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (4 * 3600, "4 hours")]
 
 
-# Node usage counts the sandboxes that hold a VM (or are about to).
 def team_page(view):
     """``login_required`` + the current team as ``request.team`` (a page explaining
     what to do when the user belongs to no team)."""
@@ -73,31 +74,30 @@ def switch_team(request):
 
 # --------------------------------------------------------------------------- overview
 def _node_rows():
-    usage = {
-        row["node_id"]: row
-        for row in Sandbox.objects.filter(node__isnull=False, state__in=LIVE)
-        .values("node_id")
-        .annotate(
-            vcpu=Sum("cpu_count", filter=Q(state__in=RESERVING)),
-            memory=Sum("memory_mb", filter=Q(state__in=RESERVING)),
-            running=Count("id", filter=Q(state__in=RESERVING)),
-            paused=Count("id", filter=Q(state=SandboxState.PAUSED)),
-        )
-    }
-    now = timezone.now()
-    rows = []
-    for node in Node.objects.all():
-        u = usage.get(node.id, {})
-        rows.append({
-            "node": node,
-            "alive": node.is_alive(now),
-            "heartbeat_age": (now - node.last_heartbeat_at).total_seconds() if node.last_heartbeat_at else None,
-            "vcpu_used": u.get("vcpu") or 0,
-            "memory_used": u.get("memory") or 0,
-            "running": u.get("running") or 0,
-            "paused": u.get("paused") or 0,
-        })
-    return rows
+    """The nodes as ``GET /nodes`` shows them (``nodes.summary``, one computation for both)."""
+    return summary.summarize(Node.objects.order_by("id"))
+
+
+def _host_chart(history: list, memory_total: int, width: int = 640, height: int = 120) -> dict | None:
+    """A node's recent host samples ([unix time, CPU %, memory used bytes], one per heartbeat)
+    as two SVG lines on a 0-100 % scale: CPU busy and memory used of ``memory_total``."""
+    points = [p for p in history if isinstance(p, list) and len(p) >= 3]
+    if len(points) < 2:
+        return None
+    pad = 24
+    t0, t1 = points[0][0], points[-1][0]
+    span = max(t1 - t0, 1)
+
+    def xy(t, pct):
+        pct = max(0.0, min(100.0, float(pct)))
+        return f"{round(pad + (t - t0) * (width - 2 * pad) / span, 1)},{round(height - pad - pct * (height - 2 * pad) / 100, 1)}"
+
+    memory = [100.0 * p[2] / memory_total if memory_total else 0.0 for p in points]
+    return {"width": width, "height": height, "pad": pad, "baseline": height - pad, "top": pad, "right": width - pad,
+            "cpu": " ".join(xy(p[0], p[1]) for p in points),
+            "memory": " ".join(xy(p[0], m) for p, m in zip(points, memory)),
+            "cpu_now": points[-1][1], "memory_now": round(memory[-1]), "minutes": round(span / 60),
+            "start": datetime.fromtimestamp(t0, tz=dt_timezone.utc), "end": datetime.fromtimestamp(t1, tz=dt_timezone.utc)}
 
 
 def _chart(team, hours: int = 24, width: int = 640, height: int = 160) -> dict:
@@ -282,7 +282,8 @@ def sandbox_detail_json(request, sandbox_id):
 def _lineage(team) -> list[dict]:
     """Template → its snapshots → sandboxes restored from each; forks hang under
     their parent sandbox. Only what the team can see, newest first."""
-    snapshots = list(Snapshot.objects.filter(team=team).select_related("template", "source_sandbox", "node")
+    snapshots = list(Snapshot.objects.filter(team=team, build_result=False)
+                     .select_related("template", "source_sandbox", "node")
                      .order_by("-created_at", "-id")[:LIST_LIMIT])
     restored: dict[str, list] = {}
     for sb in (Sandbox.objects.filter(team=team, source_snapshot__in=[s.pk for s in snapshots])
@@ -305,7 +306,8 @@ def _lineage(team) -> list[dict]:
 @require_GET
 @team_page
 def snapshot_list(request):
-    rows = (Snapshot.objects.filter(team=request.team).select_related("template", "source_sandbox", "node")
+    rows = (Snapshot.objects.filter(team=request.team, build_result=False)
+            .select_related("template", "source_sandbox", "node")
             .annotate(restored=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE)))
             .order_by("-created_at", "-id")[:LIST_LIMIT])
     fork_parents = (Sandbox.objects.filter(team=request.team, forks__isnull=False).distinct()
@@ -318,20 +320,11 @@ def snapshot_list(request):
 
 @require_GET
 @team_page
-def template_list(request):
-    templates = (
-        Template.objects.filter(Q(public=True) | Q(team=request.team), deleted_at__isnull=True)
-        .annotate(live=Count("sandboxes", filter=Q(sandboxes__team=request.team, sandboxes__state__in=LIVE)),
-                  total=Count("sandboxes", filter=Q(sandboxes__team=request.team)))
-        .order_by("id")
-    )
-    return render(request, "dashboard/templates.html", _base_context(request, "templates", templates=templates))
-
-
-@require_GET
-@team_page
 def node_list(request):
-    return render(request, "dashboard/nodes.html", _base_context(request, "nodes", nodes=_node_rows()))
+    nodes = _node_rows()
+    for row in nodes:
+        row.chart = _host_chart(row.node.host_history or [], int(row.host.get("memoryTotalBytes") or 0))
+    return render(request, "dashboard/nodes.html", _base_context(request, "nodes", nodes=nodes))
 
 
 # --------------------------------------------------------------------------- API keys

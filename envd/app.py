@@ -1,4 +1,4 @@
-"""The envd ASGI application: routing, access-token checks, /health, /init, /files, RPC."""
+"""The envd ASGI application: routing, access-token checks, /health, /init, /metrics, /files, RPC."""
 
 import asyncio
 import errno
@@ -16,6 +16,7 @@ from .filesystem_service import FilesystemService
 from .processes import ProcessManager
 from .process_service import ProcessService
 from .rpc import Context, parse_keepalive, parse_timeout_ms, send_error, serve
+from .usage import CpuMeter, disk_usage, read_memory
 from .watchers import pump_all
 from .users import UnknownUser, lookup, username_from_basic_auth
 
@@ -66,6 +67,7 @@ class EnvdApp:
         self.processes = None
         self.methods = None
         self.fs_service = FilesystemService(settings)
+        self.cpu_meter = CpuMeter()
 
     def _ensure_started(self):
         # The process manager needs the running loop, which exists only once serving.
@@ -118,8 +120,11 @@ class EnvdApp:
             if path == "/init" and method == "POST":
                 await self._init(receive, send)
                 return
+            if path == "/metrics" and method == "GET":
+                await files_http.send_json(send, 200, await self._metrics())
+                return
             if path == "/envs" and method == "GET":
-                await files_http.send_json(send, 200, dict(self.settings.env_vars))
+                await files_http.send_json(send, 200, self.settings.env())
                 return
             rpc = self.methods.get(path)
             if rpc is not None and method == "POST":
@@ -174,6 +179,7 @@ class EnvdApp:
                 seed = decode_seed(data["entropySeed"])
             except ValueError as exc:
                 raise files_http.HTTPError(400, str(exc)) from None
+        self.settings.load_template_defaults()
         if env_vars is not None:
             self.settings.env_vars = dict(env_vars)
         if data.get("accessToken"):
@@ -187,6 +193,21 @@ class EnvdApp:
         if seed is not None:
             credit(seed, self.settings.credit_entropy)
         await _empty(send, 204)
+
+    # -- /metrics -----------------------------------------------------------
+    async def _metrics(self) -> dict:
+        """E2B's envd ``Metrics``: the guest's CPU busy % since the previous call (the
+        node samples every few seconds), memory and the root filesystem, in bytes;
+        ``mem_cache`` (the page cache) feeds the API's ``memCache``."""
+        if self.cpu_meter.needs_window():
+            self.cpu_meter.baseline()
+            await asyncio.sleep(self.cpu_meter.window)
+        cpu = self.cpu_meter.percent()
+        memory = read_memory()
+        disk_used, disk_total = disk_usage("/")
+        return {"ts": int(time.time()), "cpu_count": os.cpu_count() or 1, "cpu_used_pct": cpu,
+                "mem_total": memory.total, "mem_used": memory.used, "mem_cache": memory.cache,
+                "disk_used": disk_used, "disk_total": disk_total}
 
     async def _sync(self, send):
         """Flushes every filesystem (sync(2)) in a thread; answers 204 once it returned."""

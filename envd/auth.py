@@ -29,7 +29,11 @@ def make_signature(path, operation, username, token, expiration=None):
 
 
 def check_signature(token, path, operation, username, signature, expiration, now=None):
-    """Raise AuthError unless ``signature`` is valid and unexpired for this request."""
+    """Raise AuthError unless ``signature`` is valid and unexpired for this request.
+
+    The signature is judged before the expiration, as E2B's envd does: a forged URL is
+    "invalid signature" whatever expiration it claims, and only a genuine one is told it
+    has expired."""
     if not signature:
         raise AuthError("missing signature")
     exp_value = None
@@ -38,8 +42,8 @@ def check_signature(token, path, operation, username, signature, expiration, now
             exp_value = int(expiration)
         except ValueError:
             raise AuthError("invalid signature expiration") from None
-        if exp_value < (time.time() if now is None else now):
-            raise AuthError(EXPIRED_MESSAGE)
     expected = make_signature(path, operation, username, token, exp_value)
     if not hmac.compare_digest(expected.encode(), signature.encode()):
         raise AuthError("invalid signature")
+    if exp_value is not None and exp_value < (time.time() if now is None else now):
+        raise AuthError(EXPIRED_MESSAGE)

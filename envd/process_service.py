@@ -93,7 +93,7 @@ class ProcessService:
             raise ConnectError("invalid_argument", "process.cmd is required")
         cwd = self._workdir(req, pw)
         env = base_env(pw)
-        env.update(self.settings.env_vars)
+        env.update(self.settings.env())
         env.update(req.process.envs)
         pty_size = None
         if req.HasField("pty"):

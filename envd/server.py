@@ -68,6 +68,7 @@ def main(argv=None):
     settings = Settings(default_user=args.default_user, default_workdir=args.default_workdir,
                         max_upload_bytes=args.max_upload_bytes, set_clock=args.set_clock,
                         access_token=args.access_token, credit_entropy=args.credit_entropy)
+    settings.load_template_defaults()
     app = EnvdApp(settings, port_forwarder=_port_forwarder(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 access_log=False, http=H11Protocol, loop="asyncio", ws="none", lifespan="on",

@@ -189,3 +189,4 @@ class EnvelopeReader:
     def pending(self):
         """Bytes of an incomplete trailing envelope."""
         return len(self._buf)
+

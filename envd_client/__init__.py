@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from .errors import EnvdError, EnvdUnavailable
 
-__all__ = ["EnvdClient", "AsyncEnvdClient", "EnvdError", "EnvdUnavailable", "Event", "RunResult", "ProcessInfo"]
+__all__ = ["EnvdClient", "AsyncEnvdClient", "EnvdError", "EnvdUnavailable", "Event", "RunResult", "ProcessInfo",
+           "GuestMetrics", "EntryInfo"]
 
 _LAZY = {"EnvdClient": "sync", "AsyncEnvdClient": "aio", "Event": "protocol", "RunResult": "protocol",
-         "ProcessInfo": "protocol"}
+         "ProcessInfo": "protocol", "GuestMetrics": "protocol", "EntryInfo": "protocol"}
 
 
 def __getattr__(name: str):

@@ -16,7 +16,7 @@ import httpx
 from . import protocol
 from .base import BaseClient
 from .errors import EnvdError, transport_error
-from .protocol import Event, ProcessInfo, RunResult
+from .protocol import EntryInfo, Event, GuestMetrics, ProcessInfo, RunResult
 
 
 class AsyncEnvdClient(BaseClient):
@@ -78,7 +78,7 @@ class AsyncEnvdClient(BaseClient):
         return True
 
     async def init(self, env_vars: dict | None = None, *, access_token: str | None = None,
-             timestamp: datetime | None = None, default_user: str = "user", default_workdir: str = "/home/user",
+             timestamp: datetime | None = None, default_user: str | None = None, default_workdir: str | None = None,
              entropy_seed: bytes | None = None, timeout: float | None = protocol.INIT_TIMEOUT) -> None:
         """``POST /init`` as the node sends it (see ``protocol.init_body``). The request
         shows the client's current token (a re-init reaches an envd that requires it);
@@ -98,6 +98,10 @@ class AsyncEnvdClient(BaseClient):
     async def sync(self, timeout: float | None = protocol.SYNC_TIMEOUT) -> None:
         """``POST /aenv/sync``: the guest's sync(2), so its page cache is on the disk."""
         await self._send(protocol.sync(timeout=timeout))
+
+    async def metrics(self, timeout: float | None = protocol.METRICS_TIMEOUT) -> GuestMetrics:
+        """``GET /metrics``: the guest's CPU, memory and disk usage (E2B's envd ``Metrics``)."""
+        return protocol.guest_metrics(await self._call(protocol.metrics(timeout=timeout)))
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -156,6 +160,10 @@ class AsyncEnvdClient(BaseClient):
     async def list(self) -> list[ProcessInfo]:
         return protocol.process_infos(await self._call(protocol.list_processes()))
 
+    async def close_stdin(self, pid: int) -> None:
+        """EOF on the stdin pipe of ``pid`` (started with ``stdin=True``)."""
+        await self._call(protocol.close_stdin(pid))
+
     async def tag_of(self, pid: int) -> str | None:
         """The tag of running process ``pid`` ("" if untagged, None if there is none)."""
         for proc in await self.list():
@@ -172,3 +180,24 @@ class AsyncEnvdClient(BaseClient):
         """Writes (creating parents, replacing) ``path``; returns envd's entry for it
         (``name``, ``type``, ``path``: absolute)."""
         return protocol.written_entry(await self._call(protocol.write_file(path, data, user=user)))
+
+    async def stat(self, path: str, *, user: str | None = None) -> EntryInfo:
+        """The entry at ``path`` (a final symlink described, not followed)."""
+        return protocol.entry_info((await self._call(protocol.stat(path, user=user))).get("entry"))
+
+    async def list_dir(self, path: str, depth: int = 1, *, user: str | None = None) -> list[EntryInfo]:
+        """The entries under directory ``path`` down to ``depth`` levels, parents first."""
+        answer = await self._call(protocol.list_dir(path, depth, user=user))
+        return [protocol.entry_info(e) for e in answer.get("entries", [])]
+
+    async def make_dir(self, path: str, *, user: str | None = None) -> EntryInfo:
+        """``mkdir -p``; EnvdError ``already_exists`` if it is already a directory."""
+        return protocol.entry_info((await self._call(protocol.make_dir(path, user=user))).get("entry"))
+
+    async def move(self, source: str, destination: str, *, user: str | None = None) -> EntryInfo:
+        """Renames ``source`` to ``destination`` (replacing a file there)."""
+        return protocol.entry_info((await self._call(protocol.move(source, destination, user=user))).get("entry"))
+
+    async def remove(self, path: str, *, user: str | None = None) -> None:
+        """``rm -rf`` of ``path`` (a missing path is fine)."""
+        await self._call(protocol.remove(path, user=user))

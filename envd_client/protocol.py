@@ -37,6 +37,7 @@ CONNECT_TIMEOUT = 5.0
 UNARY_TIMEOUT = 10.0
 HEALTH_TIMEOUT = 1.0
 INIT_TIMEOUT = 10.0   # what the node allows a fresh VM's /init
+METRICS_TIMEOUT = 2.0  # a sampler asks every few seconds; a guest this slow is skipped once
 SYNC_TIMEOUT = 120.0  # guest sync(2) of a dirty page cache under TCG
 SYNC_PATH = "/aenv/sync"
 ENTROPY_SEED_BYTES = 64
@@ -92,6 +93,37 @@ class RunResult:
 
 
 @dataclass(frozen=True)
+class GuestMetrics:
+    """envd's ``GET /metrics``: the guest's clock (unix s), vCPUs, CPU busy % since the
+    previous call, memory (total, used, page cache) and root filesystem, in bytes."""
+
+    ts: int
+    cpu_count: int
+    cpu_used_pct: float
+    mem_total: int
+    mem_used: int
+    mem_cache: int
+    disk_used: int
+    disk_total: int
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """A filesystem entry as ``Filesystem/Stat`` / ``ListDir`` describe it. ``type`` is
+    file | dir | other; for a symlink it is the target's type (``other`` if dangling) and
+    ``is_symlink`` is set. ``path`` is absolute (envd resolves relative paths in the
+    user's home)."""
+
+    name: str
+    type: str
+    path: str
+    size: int = 0
+    mode: int = 0
+    is_symlink: bool = False
+    symlink_target: str | None = None
+
+
+@dataclass(frozen=True)
 class ProcessInfo:
     """A running process as ``Process/List`` reports it."""
 
@@ -132,22 +164,26 @@ def stream(method: str, message: dict, *, user: str | None = None, deadline: flo
 
 
 def init_body(env_vars: dict | None = None, *, access_token: str | None = None, timestamp: datetime | None = None,
-              default_user: str = "user", default_workdir: str = "/home/user",
+              default_user: str | None = None, default_workdir: str | None = None,
               entropy_seed: bytes | None = None) -> dict:
-    """The body of the node's ``POST /init``: env vars, the host's clock, default user and
-    workdir, fresh kernel entropy (restored and forked guests share RNG state) and, when
-    given, the sandbox's access token."""
+    """The body of the node's ``POST /init``: env vars, the host's clock, fresh kernel
+    entropy (restored and forked guests share RNG state) and, when given, the sandbox's
+    access token and a default user and workdir. The node sends no defaults: envd keeps
+    ``user`` and the user's home unless the template's disk says otherwise
+    (``envd.state.TEMPLATE_DEFAULTS``, written by the template builder)."""
     now = timestamp or datetime.now(timezone.utc)
     body = {
         "envVars": dict(env_vars or {}),
         "timestamp": now.astimezone(timezone.utc).isoformat().replace("+00:00", "Z"),
-        "defaultUser": default_user,
-        "defaultWorkdir": default_workdir,
         "entropySeed": base64.b64encode(entropy_seed if entropy_seed is not None
                                         else os.urandom(ENTROPY_SEED_BYTES)).decode(),
     }
     if access_token is not None:
         body["accessToken"] = access_token
+    if default_user:
+        body["defaultUser"] = default_user
+    if default_workdir:
+        body["defaultWorkdir"] = default_workdir
     return body
 
 
@@ -158,6 +194,24 @@ def init(body: dict, *, timeout: float | None = INIT_TIMEOUT) -> Request:
 
 def sync(*, timeout: float | None = SYNC_TIMEOUT) -> Request:
     return Request("POST", SYNC_PATH, timeout=timeout, expect=(204,))
+
+
+def metrics(*, timeout: float | None = METRICS_TIMEOUT) -> Request:
+    return Request("GET", "/metrics", timeout=timeout)
+
+
+def guest_metrics(answer) -> GuestMetrics:
+    """envd's ``GET /metrics`` answer (E2B's envd ``Metrics``) as GuestMetrics; a
+    malformed answer is an ``internal`` error."""
+    if not isinstance(answer, dict):
+        raise EnvdError("internal", f"unexpected /metrics answer: {answer!r:.200}")
+    try:
+        return GuestMetrics(ts=int(answer["ts"]), cpu_count=int(answer["cpu_count"]),
+                            cpu_used_pct=float(answer["cpu_used_pct"]), mem_total=int(answer["mem_total"]),
+                            mem_used=int(answer["mem_used"]), mem_cache=int(answer.get("mem_cache", 0)),
+                            disk_used=int(answer.get("disk_used", 0)), disk_total=int(answer.get("disk_total", 0)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EnvdError("internal", f"unexpected /metrics answer ({exc!r}): {answer!r:.200}") from None
 
 
 def health(*, timeout: float | None = HEALTH_TIMEOUT) -> Request:
@@ -174,8 +228,9 @@ def process_config(cmd: str, args=(), *, envs: dict | None = None, cwd: str | No
 
 
 def start(config: dict, *, pty: tuple[int, int] | None = None, tag: str | None = None, stdin: bool | None = None,
-          user: str | None = None, deadline: float | None = None) -> Request:
-    """``Process/Start`` of ``config``; ``pty`` is (cols, rows)."""
+          user: str | None = None, deadline: float | None = None, keepalive: float = KEEPALIVE_INTERVAL) -> Request:
+    """``Process/Start`` of ``config``; ``pty`` is (cols, rows); ``keepalive``: envd's ping
+    interval on a quiet stream (seconds)."""
     message: dict = {"process": config}
     if pty is not None:
         message["pty"] = {"size": {"cols": int(pty[0]), "rows": int(pty[1])}}
@@ -183,7 +238,7 @@ def start(config: dict, *, pty: tuple[int, int] | None = None, tag: str | None =
         message["tag"] = tag
     if stdin is not None:
         message["stdin"] = bool(stdin)
-    return stream("process.Process/Start", message, user=user, deadline=deadline)
+    return stream("process.Process/Start", message, user=user, deadline=deadline, keepalive=keepalive)
 
 
 def shell_config(*, envs: dict | None = None, cwd: str | None = None) -> dict:
@@ -220,6 +275,30 @@ def list_processes() -> Request:
     return unary("process.Process/List", {})
 
 
+def close_stdin(pid: int) -> Request:
+    return unary("process.Process/CloseStdin", {"process": {"pid": int(pid)}})
+
+
+def stat(path: str, *, user: str | None = None) -> Request:
+    return unary("filesystem.Filesystem/Stat", {"path": path}, user=user)
+
+
+def list_dir(path: str, depth: int = 1, *, user: str | None = None) -> Request:
+    return unary("filesystem.Filesystem/ListDir", {"path": path, "depth": int(depth)}, user=user)
+
+
+def make_dir(path: str, *, user: str | None = None) -> Request:
+    return unary("filesystem.Filesystem/MakeDir", {"path": path}, user=user)
+
+
+def move(source: str, destination: str, *, user: str | None = None) -> Request:
+    return unary("filesystem.Filesystem/Move", {"source": source, "destination": destination}, user=user)
+
+
+def remove(path: str, *, user: str | None = None) -> Request:
+    return unary("filesystem.Filesystem/Remove", {"path": path}, user=user)
+
+
 def read_file(path: str, *, user: str | None = None) -> Request:
     return Request("GET", "/files", params={"path": path, **({"username": user} if user else {})})
 
@@ -227,6 +306,17 @@ def read_file(path: str, *, user: str | None = None) -> Request:
 def write_file(path: str, data: bytes, *, user: str | None = None) -> Request:
     return Request("POST", "/files", {"Content-Type": "application/octet-stream"}, bytes(data),
                    params={"path": path, **({"username": user} if user else {})})
+
+
+FILE_CHUNK = 256 * 1024
+
+
+def file_chunks(f, on_chunk=None):
+    """The bytes of the open file ``f`` in chunks, reporting each chunk's length."""
+    while chunk := f.read(FILE_CHUNK):
+        yield chunk
+        if on_chunk is not None:
+            on_chunk(len(chunk))
 
 
 # ------------------------------------------------------------------ answers
@@ -259,6 +349,19 @@ def event(message: dict) -> Event:
                      exited=bool(end.get("exited", False)), status=str(end.get("status", "")),
                      error=str(end.get("error", "")))
     return Event("keepalive")
+
+
+_FILE_TYPES = {"FILE_TYPE_FILE": "file", "FILE_TYPE_DIRECTORY": "dir"}
+
+
+def entry_info(message) -> EntryInfo:
+    """An ``EntryInfo`` message (proto3 JSON: defaults omitted, int64 as a string)."""
+    if not isinstance(message, dict) or "path" not in message:
+        raise EnvdError("internal", f"unexpected entry: {message!r:.200}")
+    return EntryInfo(name=str(message.get("name", "")), type=_FILE_TYPES.get(message.get("type", ""), "other"),
+                     path=str(message["path"]), size=int(message.get("size", 0) or 0),
+                     mode=int(message.get("mode", 0) or 0), is_symlink=bool(message.get("isSymlink", False)),
+                     symlink_target=message.get("symlinkTarget"))
 
 
 def process_infos(answer: dict) -> list[ProcessInfo]:

@@ -8,15 +8,18 @@ never takes as a reason to stop the process.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from typing import BinaryIO
 
 import httpx
 
 from . import protocol
 from .base import BaseClient
 from .errors import EnvdError, transport_error
-from .protocol import Event, ProcessInfo, RunResult
+from .protocol import EntryInfo, Event, GuestMetrics, ProcessInfo, RunResult
 
 
 class EnvdClient(BaseClient):
@@ -78,7 +81,7 @@ class EnvdClient(BaseClient):
         return True
 
     def init(self, env_vars: dict | None = None, *, access_token: str | None = None,
-             timestamp: datetime | None = None, default_user: str = "user", default_workdir: str = "/home/user",
+             timestamp: datetime | None = None, default_user: str | None = None, default_workdir: str | None = None,
              entropy_seed: bytes | None = None, timeout: float | None = protocol.INIT_TIMEOUT) -> None:
         """``POST /init`` as the node sends it (see ``protocol.init_body``). The request
         shows the client's current token (a re-init reaches an envd that requires it);
@@ -99,15 +102,21 @@ class EnvdClient(BaseClient):
         """``POST /aenv/sync``: the guest's sync(2), so its page cache is on the disk."""
         self._send(protocol.sync(timeout=timeout))
 
+    def metrics(self, timeout: float | None = protocol.METRICS_TIMEOUT) -> GuestMetrics:
+        """``GET /metrics``: the guest's CPU, memory and disk usage (E2B's envd ``Metrics``)."""
+        return protocol.guest_metrics(self._call(protocol.metrics(timeout=timeout)))
+
     # -- processes ------------------------------------------------------------------------------
 
     def start(self, cmd: str, args=(), *, envs: dict | None = None, cwd: str | None = None, user: str | None = None,
               stdin: bool | None = None, tag: str | None = None, pty: tuple[int, int] | None = None,
-              deadline: float | None = None) -> Iterator[Event]:
+              deadline: float | None = None, keepalive: float = protocol.KEEPALIVE_INTERVAL) -> Iterator[Event]:
         """``Process/Start``: the process's events (start, data, ..., end) as they come.
-        ``deadline`` (seconds) ends the process then; without one it lives on its own."""
+        ``deadline`` (seconds) ends the process then; without one it lives on its own.
+        ``keepalive``: a quiet stream still yields a keepalive event this often (seconds)."""
         config = protocol.process_config(cmd, args, envs=envs, cwd=cwd)
-        return self._stream(protocol.start(config, pty=pty, tag=tag, stdin=stdin, user=user, deadline=deadline))
+        return self._stream(protocol.start(config, pty=pty, tag=tag, stdin=stdin, user=user, deadline=deadline,
+                                           keepalive=keepalive))
 
     def run(self, command: str, *, envs: dict | None = None, cwd: str | None = None, user: str | None = None,
             stdin: bool | None = False, deadline: float | None = None,
@@ -156,6 +165,10 @@ class EnvdClient(BaseClient):
     def list(self) -> list[ProcessInfo]:
         return protocol.process_infos(self._call(protocol.list_processes()))
 
+    def close_stdin(self, pid: int) -> None:
+        """EOF on the stdin pipe of ``pid`` (started with ``stdin=True``)."""
+        self._call(protocol.close_stdin(pid))
+
     def tag_of(self, pid: int) -> str | None:
         """The tag of running process ``pid`` ("" if untagged, None if there is none)."""
         for proc in self.list():
@@ -168,7 +181,64 @@ class EnvdClient(BaseClient):
     def read_file(self, path: str, *, user: str | None = None) -> bytes:
         return self._send(protocol.read_file(path, user=user)).content
 
+    def download_file(self, path: str, sink: BinaryIO, *, user: str | None = None,
+                      on_chunk: Callable[[int], None] | None = None) -> int:
+        """Streams ``path`` into the writable ``sink`` chunk by chunk (never whole in
+        memory), calling ``on_chunk(len)`` after each; returns the bytes written. A
+        connection that breaks or stays silent for ``stream_idle_timeout`` is
+        EnvdUnavailable."""
+        req = protocol.read_file(path, user=user)
+        written = 0
+        try:
+            with self._http.stream(req.method, req.path, params=req.params, headers=self._headers(req),
+                                   timeout=self._stream_timeout()) as resp:
+                if resp.status_code not in req.expect:
+                    self._check(req, resp.status_code, resp.read())
+                for chunk in resp.iter_bytes():
+                    sink.write(chunk)
+                    written += len(chunk)
+                    if on_chunk is not None:
+                        on_chunk(len(chunk))
+        except httpx.HTTPError as exc:
+            raise transport_error(exc) from None
+        return written
+
+    def upload_file(self, path: str, source, *, user: str | None = None,
+                    on_chunk: Callable[[int], None] | None = None) -> dict:
+        """Streams the host file ``source`` (a path) to ``path`` in chunks, never whole in
+        memory (a template's COPY archive may be gigabytes), calling ``on_chunk(len)`` as
+        each is sent; like ``write_file`` otherwise."""
+        with open(source, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            base = protocol.write_file(path, b"", user=user)
+            req = dataclasses.replace(base, content=protocol.file_chunks(f, on_chunk),
+                                      headers={**base.headers, "Content-Length": str(size)})
+            return protocol.written_entry(self._call(req))
+
     def write_file(self, path: str, data: bytes, *, user: str | None = None) -> dict:
         """Writes (creating parents, replacing) ``path``; returns envd's entry for it
         (``name``, ``type``, ``path``: absolute)."""
         return protocol.written_entry(self._call(protocol.write_file(path, data, user=user)))
+
+    def stat(self, path: str, *, user: str | None = None) -> EntryInfo:
+        """The entry at ``path`` (a final symlink described, not followed); EnvdError
+        ``not_found`` if there is none."""
+        return protocol.entry_info(self._call(protocol.stat(path, user=user)).get("entry"))
+
+    def list_dir(self, path: str, depth: int = 1, *, user: str | None = None) -> list[EntryInfo]:
+        """The entries under directory ``path`` down to ``depth`` levels, parents before
+        their children (symlinked directories are not entered)."""
+        answer = self._call(protocol.list_dir(path, depth, user=user))
+        return [protocol.entry_info(e) for e in answer.get("entries", [])]
+
+    def make_dir(self, path: str, *, user: str | None = None) -> EntryInfo:
+        """``mkdir -p``; EnvdError ``already_exists`` if it is already a directory."""
+        return protocol.entry_info(self._call(protocol.make_dir(path, user=user)).get("entry"))
+
+    def move(self, source: str, destination: str, *, user: str | None = None) -> EntryInfo:
+        """Renames ``source`` to ``destination`` (replacing a file there)."""
+        return protocol.entry_info(self._call(protocol.move(source, destination, user=user)).get("entry"))
+
+    def remove(self, path: str, *, user: str | None = None) -> None:
+        """``rm -rf`` of ``path`` (a missing path is fine)."""
+        self._call(protocol.remove(path, user=user))

@@ -4,7 +4,7 @@ Sandbox state is shown, never edited here: state changes belong to the lifecycle
 service (conditional updates + events), not to a form."""
 from django.contrib import admin
 
-from .models import ApiKey, Sandbox, SandboxEvent, Team, Template
+from .models import ApiKey, Sandbox, SandboxEvent, SandboxLog, SandboxMetric, Team, Template
 
 
 class ApiKeyInline(admin.TabularInline):
@@ -106,6 +106,36 @@ class SandboxEventAdmin(admin.ModelAdmin):
     date_hierarchy = "started_at"
     search_fields = ["sandbox__id", "message", "actor"]
     readonly_fields = [f.name for f in SandboxEvent._meta.fields]
+    list_select_related = ["sandbox"]
+
+    def has_add_permission(self, request):
+        return False
+
+
+@admin.register(SandboxMetric)
+class SandboxMetricAdmin(admin.ModelAdmin):
+    """The guest usage samples the nodes take (E2B's sandbox metrics); read-only."""
+
+    list_display = ["timestamp", "sandbox", "cpu_count", "cpu_used_pct", "mem_used", "mem_total", "disk_used",
+                    "disk_total"]
+    date_hierarchy = "timestamp"
+    search_fields = ["sandbox__id"]
+    readonly_fields = [f.name for f in SandboxMetric._meta.fields]
+    list_select_related = ["sandbox"]
+
+    def has_add_permission(self, request):
+        return False
+
+
+@admin.register(SandboxLog)
+class SandboxLogAdmin(admin.ModelAdmin):
+    """The guest console lines the nodes collect (E2B's sandbox logs); read-only."""
+
+    list_display = ["timestamp", "sandbox", "level", "source", "logger", "message"]
+    list_filter = ["level", "source"]
+    date_hierarchy = "timestamp"
+    search_fields = ["sandbox__id", "message"]
+    readonly_fields = [f.name for f in SandboxLog._meta.fields]
     list_select_related = ["sandbox"]
 
     def has_add_permission(self, request):

@@ -5,6 +5,7 @@ The one table from domain errors (``sandboxes.lifecycle.errors``) to HTTP lives 
 the lifecycle never speaks HTTP, the views never pick status codes for it."""
 import logging
 
+from django.db import OperationalError
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -78,6 +79,9 @@ def e2b_exception_handler(exc, context):
                               None if exc.retry else NO_RETRY)
     if isinstance(exc, exceptions.ParseError):
         return error_response(400, f"malformed JSON body: {exc.detail}")
+    if isinstance(exc, OperationalError):  # no connection to be had (pool exhausted, database down or locked)
+        log.warning("database unavailable: %s", exc)
+        return error_response(503, "the database is busy or unreachable; try again")
     response = exception_handler(exc, context)
     if response is None:
         log.exception("unhandled API error", exc_info=exc)

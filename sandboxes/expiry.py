@@ -26,6 +26,7 @@ from django.db.models import OuterRef, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from . import lost
 from .lifecycle import kill, pause
 from .lifecycle.errors import Conflict, LifecycleError, NotFound
 from .models import Sandbox, SandboxEvent, Team
@@ -118,7 +119,10 @@ class Sweeper:
         self.outcomes: list[tuple[str, str, str]] = []
 
     async def tick(self, now: datetime | None = None) -> list[Action]:
-        """Starts the actions due now (up to the free concurrency); returns them."""
+        """Declares the sandboxes of dead nodes lost (sandboxes.lost), then starts the
+        actions due now (up to the free concurrency); returns them."""
+        for sandbox_id, was, now_state in await lost.mark_lost(now):
+            log.warning("lifecycle: sandbox %s (%s) lost with its node → %s", sandbox_id, was, now_state)
         free = self.concurrency - len(self.running)
         if free <= 0:
             return []

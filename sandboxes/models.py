@@ -139,6 +139,12 @@ class Sandbox(models.Model):
     # Bumped whenever the VM process behind the sandbox (and so its envd route) changes:
     # the data plane never reuses a route or a pooled connection of an older generation.
     vm_generation = models.PositiveIntegerField(default=0)
+    # When its latest pause was exported to the shared snapshot store (agent.moves): while it
+    # is paused, another node can resume it from there if its own is gone. None: it cannot.
+    pause_image_at = models.DateTimeField(null=True, blank=True)
+    # E2B's envdUnresponsiveAtPause: its (latest) pause kept its memory although its guest
+    # agent did not answer; a resume with that memory is refused (409), a reboot is not.
+    envd_unresponsive_at_pause = models.BooleanField(default=False)
     secure = models.BooleanField(default=False)
     envd_access_token = models.CharField(max_length=128, blank=True, default="")
     # E2B's trafficAccessToken: set only when network.allowPublicTraffic is false; the data
@@ -149,6 +155,10 @@ class Sandbox(models.Model):
     cpu_count = models.PositiveIntegerField(default=2)
     memory_mb = models.PositiveIntegerField(default=512)
     disk_size_mb = models.PositiveIntegerField(default=2048)
+    # What placement reserves for it on its node when that is less than its shape (None: its
+    # shape): a fork child's charge while it shares its parent's memory (nodes.placement).
+    reserved_vcpus = models.PositiveIntegerField(null=True, blank=True)
+    reserved_memory_mb = models.PositiveIntegerField(null=True, blank=True)
     auto_pause = models.BooleanField(default=False)
     # With auto_pause: False pauses on expiry filesystem-only (E2B's autoPauseMemory).
     auto_pause_memory = models.BooleanField(default=True)
@@ -211,3 +221,57 @@ class SandboxEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.sandbox_id} {self.operation} {self.outcome}"
+
+
+class SandboxMetric(models.Model):
+    """One sample of a running sandbox's guest usage (envd ``/metrics``, taken by its node's
+    sampler, ``agent.metrics``), as E2B's ``GET /sandboxes/{id}/metrics`` returns them.
+    Kept ``AENV_SANDBOX_METRICS_RETENTION`` seconds."""
+
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="metrics")
+    timestamp = models.DateTimeField(db_index=True, help_text="when the node took the sample (host clock)")
+    cpu_count = models.PositiveIntegerField()
+    cpu_used_pct = models.FloatField()
+    mem_used = models.BigIntegerField()
+    mem_total = models.BigIntegerField()
+    mem_cache = models.BigIntegerField(default=0)
+    disk_used = models.BigIntegerField()
+    disk_total = models.BigIntegerField()
+
+    class Meta:
+        ordering = ["timestamp", "id"]
+        indexes = [models.Index(fields=["sandbox", "timestamp"])]
+
+    def __str__(self) -> str:
+        return f"{self.sandbox_id} @ {self.timestamp:%Y-%m-%dT%H:%M:%S}"
+
+
+class SandboxLog(models.Model):
+    """One line of a sandbox's guest console — the kernel, aenv's guest init and envd's own
+    log lines — collected by its node (``agent.console_logs``), as E2B's
+    ``GET /sandboxes/{id}/logs`` and ``/v2/sandboxes/{id}/logs`` return them.
+
+    ``timestamp`` is the node's clock when it read the line, made strictly increasing per
+    sandbox (1 ms apart at least), so a reader paginating by timestamp (E2B's ``start`` /
+    ``cursor``) never skips or repeats a line. (``vm_generation``, ``offset``): where the
+    line ended in that VM process's console file — what a node resumes reading from, and
+    unique, so a line is never stored twice."""
+
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="logs")
+    timestamp = models.DateTimeField()
+    level = models.CharField(max_length=8, default="info")
+    message = models.TextField()
+    line = models.TextField(help_text="the console line as the guest wrote it")
+    source = models.CharField(max_length=16, default="console", help_text="console | envd")
+    logger = models.CharField(max_length=64, blank=True, default="")
+    vm_generation = models.PositiveIntegerField(default=0)
+    offset = models.BigIntegerField()
+
+    class Meta:
+        ordering = ["timestamp", "id"]
+        indexes = [models.Index(fields=["sandbox", "timestamp", "id"])]
+        constraints = [models.UniqueConstraint(fields=["sandbox", "vm_generation", "offset"],
+                                               name="sandbox_log_once")]
+
+    def __str__(self) -> str:
+        return f"{self.sandbox_id} @ {self.timestamp:%Y-%m-%dT%H:%M:%S.%f}: {self.message[:60]}"

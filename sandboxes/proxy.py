@@ -1,11 +1,12 @@
 """The data plane: an ASGI app that streams SDK and user traffic to the right sandbox.
 
-Routing is by the ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers or by a
-``{port}-{sandboxId}.{domain}`` host. envd's port (49983) goes to the sandbox's envd
-(``envd_host:envd_port``) with its access token, auto-resume and CORS; any other port
-goes to ``guest_host:port`` with E2B's traffic access token, the client's Host (or the
-sandbox's ``maskRequestHost``) and a short retry for services that start listening a
-moment late. Bodies stream in both directions without buffering (Connect streams stay
+Routing is by the ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers, by a
+``{port}-{sandboxId}.{domain}`` host or, for the SDK's signed file URLs (which carry
+neither), by the sandbox whose envd token made the URL's signature. envd's port
+(49983) goes to the sandbox's envd (``envd_host:envd_port``) with its access token,
+auto-resume and CORS; any other port goes to ``guest_host:port`` with E2B's traffic
+access token, the client's Host (or the sandbox's ``maskRequestHost``) and a short retry
+for services that start listening a moment late. Bodies stream in both directions without buffering (Connect streams stay
 open for minutes), which is why this is a raw ASGI app under uvicorn and not a Django
 view under daphne. WebSocket upgrades are bridged by ``sandboxes.proxy_ws`` (uvicorn
 needs a WebSocket implementation: the ``websockets`` package, picked by its default
@@ -34,6 +35,7 @@ from envd import ENVD_PORT
 from . import proxy_routes as answers
 from .proxy_pools import UpstreamPools
 from .proxy_routes import ResumeFailed, Refused, Route, RouteTable, close_unusable
+from .proxy_watch import RouteWatch
 from .proxy_ws import WebSocketBridge
 from .states import RESUMABLE
 
@@ -57,10 +59,12 @@ class EnvdProxy:
         self.routes = routes or RouteTable()
         self.pools = UpstreamPools(CONNECT_TIMEOUT)
         self.websockets = WebSocketBridge(self)
+        self.watch = RouteWatch(self.routes)
         # sandbox id → the auto-resume in progress, so concurrent requests join one.
         self._resuming: dict[str, asyncio.Future] = {}
 
     async def aclose(self) -> None:
+        await self.watch.aclose()
         await self.pools.aclose()
 
     async def __call__(self, scope, receive, send):
@@ -99,9 +103,7 @@ class EnvdProxy:
         """The route and port a request (HTTP or WebSocket) goes to, after every check,
         auto-resuming a paused sandbox that asked for it. Raises Refused with the
         answer otherwise."""
-        target = answers.parse_target(headers)
-        if target is None:
-            raise Refused(answers.no_target())
+        target = answers.parse_target(headers) or await self.signed_target(scope)
         sandbox_id, port = target
         if not answers.valid_port(port):
             raise Refused(answers.port_closed(sandbox_id, port))
@@ -129,6 +131,22 @@ class EnvdProxy:
         elif route.address(port) is None:
             raise Refused(answers.port_closed(sandbox_id, port))
         return route, port
+
+    async def signed_target(self, scope) -> tuple[str, int]:
+        """A request with no routing header or sandbox host: a signed ``/files`` URL (the
+        SDK's ``download_url`` / ``upload_url`` behind ``E2B_SANDBOX_URL``) goes to envd of
+        the sandbox whose token signed it; envd checks the signature again. No sandbox
+        signed it: envd's 401 "invalid signature"; signed but past its expiration: 401
+        "signature is already expired" (nothing is resumed for it). Anything else: 400."""
+        signed = answers.signed_file(scope)
+        if signed is None:
+            raise Refused(answers.no_target())
+        sandbox_id = await self.routes.signed_by(signed)
+        if sandbox_id is None:
+            raise Refused(answers.signature_refused(answers.MSG_INVALID_SIGNATURE))
+        if signed.expired:
+            raise Refused(answers.signature_expired())
+        return sandbox_id, ENVD_PORT
 
     async def current_route(self, sandbox_id: str, route: Route | None = None) -> Route | None:
         """The sandbox's route as the database has it now (or ``route``, just read); a
@@ -247,7 +265,8 @@ class EnvdProxy:
                             log.info("upstream %s:%s of %s failed: %r", host, upstream_port, route.sandbox_id, exc)
                             return await self._answer_gone(send, route, port)
                         # inside the lease: a pool in use is never retired as idle
-                        return await _relay(send, upstream, route, cors=port == ENVD_PORT)
+                        with self.watch.moved(route) as moved:
+                            return await _relay(send, upstream, route, moved, cors=port == ENVD_PORT)
         except Refused as refused:
             return await _send_simple(send, *refused.answer)
 
@@ -272,22 +291,47 @@ def _has_body(headers: dict[bytes, bytes]) -> bool:
     return length.isdigit() and int(length) > 0
 
 
-async def _relay(send, upstream: httpx.Response, route: Route, cors: bool):
+async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Event, cors: bool):
+    """Streams the upstream response to the client until it ends, the upstream breaks, or
+    ``moved`` says the sandbox's VM is gone (killed, paused, moved: ``sandboxes.proxy_watch``).
+    In the last two cases the client's connection is dropped (UpstreamBroken), as E2B's
+    proxy resets the stream of a sandbox that died: both E2B SDKs take a dropped
+    connection for "the sandbox may be gone", probe ``/health`` (then 502 "was not found")
+    and report that it was killed or reached its end of life."""
+    gone = asyncio.ensure_future(moved.wait())
+    chunks = upstream.aiter_raw()
+    read = None
     try:
         headers = answers.response_headers(upstream.headers.raw)
         await send({"type": "http.response.start", "status": upstream.status_code,
                     "headers": answers.with_cors(headers) if cors else headers})
-        async for chunk in upstream.aiter_raw():
+        while True:
+            read = asyncio.ensure_future(anext(chunks, None))
+            await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                raise _VMGone(f"sandbox {route.sandbox_id} was killed, paused or moved")
+            chunk = read.result()
+            if chunk is None:
+                break
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except httpx.HTTPError as exc:
-        # The sandbox died mid-stream. Raising makes uvicorn drop the connection, so
-        # the client sees a broken stream (and probes /health) instead of a clean end.
-        log.info("upstream of %s broke mid-response (%r); dropping the client connection", route.sandbox_id, exc)
-        raise UpstreamBroken(f"upstream of {route.sandbox_id} broke mid-response: {exc!r}") from exc
+    except (httpx.HTTPError, _VMGone) as exc:
+        # Raising makes uvicorn drop the connection, so the client sees a broken stream
+        # (and probes /health) instead of a clean end.
+        log.info("upstream of %s ended mid-response (%r); dropping the client connection", route.sandbox_id, exc)
+        raise UpstreamBroken(f"upstream of {route.sandbox_id} ended mid-response: {exc!r}") from exc
     finally:
+        gone.cancel()
+        if read is not None and not read.done():  # the VM went away, or the client did
+            read.cancel()
+            await asyncio.gather(read, return_exceptions=True)
+        await chunks.aclose()
         await upstream.aclose()
+
+
+class _VMGone(Exception):
+    """The sandbox of a relayed response no longer has that VM behind it."""
 
 
 class UpstreamBroken(Exception):

@@ -11,15 +11,19 @@ import hmac
 import json
 import posixpath
 import re
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
 from django.db import connections
 
 from aenv_site import cors
 from envd import ENVD_PORT
+from envd.auth import EXPIRED_MESSAGE, make_signature
 
-from .states import ROUTABLE
+from .states import RESUMABLE, ROUTABLE
 
 MSG_NOT_FOUND = "The sandbox was not found"
 MSG_PORT_CLOSED = "The sandbox is running but port is not open"
@@ -28,6 +32,9 @@ MSG_TOKEN_MISSING = ("Sandbox is secured with traffic access token. "
 MSG_TOKEN_INVALID = ("Sandbox is secured with traffic access token. "
                      "Provided token in header 'e2b-traffic-access-token' is invalid")
 MSG_INTERNAL_ROUTE = "This envd route is only reachable by the sandbox's node"
+# envd's words for a signed file URL it refuses (E2B's envd: the signature is judged first).
+MSG_INVALID_SIGNATURE = "invalid signature"
+MSG_INVALID_EXPIRATION = "invalid signature expiration"
 
 TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 # In a sandbox's maskRequestHost, replaced by the port the request is for.
@@ -86,30 +93,106 @@ def _mask_host(network) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _lookup_sync(sandbox_id: str) -> Route | None:
+ROUTE_FIELDS = ("id", "state", "envd_host", "envd_port", "secure", "envd_access_token", "vm_generation",
+                "guest_host", "traffic_access_token", "network")
+
+
+def _route_of(row) -> Route:
+    sandbox_id, state, host, port, secure, token, generation, guest_host, traffic_token, network = row
+    return Route(sandbox_id, state, host or "", port, bool(secure), token or "", generation or 0,
+                 guest_host or "", traffic_token or "", _mask_host(network))
+
+
+def _lookup_sync(sandbox_ids: list[str]) -> dict[str, Route]:
     from sandboxes.models import Sandbox
 
     try:
-        row = (Sandbox.objects.filter(pk=sandbox_id)
-               .values_list("state", "envd_host", "envd_port", "secure", "envd_access_token", "vm_generation",
-                            "guest_host", "traffic_access_token", "network")
-               .first())
+        rows = list(Sandbox.objects.filter(pk__in=sandbox_ids).values_list(*ROUTE_FIELDS))
     finally:
         # This runs on executor threads outside Django's request cycle: nothing else
         # would close (or drop a broken) connection.
         close_unusable()
-    if row is None:
-        return None
-    state, host, port, secure, token, generation, guest_host, traffic_token, network = row
-    return Route(sandbox_id, state, host or "", port, bool(secure), token or "", generation or 0,
-                 guest_host or "", traffic_token or "", _mask_host(network))
+    return {row[0]: _route_of(row) for row in rows}
+
+
+# Sandboxes a signed file URL without a sandbox id may reach.
+SIGNED_REACHABLE = ROUTABLE | RESUMABLE
+
+
+def _secured_tokens_sync() -> list[tuple[str, str]]:
+    """(id, envd token) of every secured sandbox a signed URL may reach (routable, or
+    paused and maybe auto-resumable)."""
+    from sandboxes.models import Sandbox
+
+    try:
+        return list(Sandbox.objects.filter(secure=True, state__in=SIGNED_REACHABLE)
+                    .exclude(envd_access_token="").values_list("id", "envd_access_token"))
+    finally:
+        close_unusable()
+
+
+@dataclass(frozen=True)
+class SignedFile:
+    """A ``/files`` request carrying E2B's URL signature (``download_url`` / ``upload_url``):
+    what the signature covers, so the sandbox whose envd token made it can be found."""
+
+    path: str
+    operation: str
+    username: str
+    signature: str
+    expiration: int | None
+
+    def signed_by(self, token: str) -> bool:
+        expected = make_signature(self.path, self.operation, self.username, token, self.expiration)
+        return hmac.compare_digest(expected.encode(), self.signature.encode())
+
+    @property
+    def expired(self) -> bool:
+        return self.expiration is not None and self.expiration < time.time()
 
 
 class RouteTable:
     """The current route of a sandbox, read from the database each time it is asked."""
 
+    # Signatures recently matched, and the sandbox whose token made them (a hint only:
+    # every use is verified against that sandbox's token as the database has it now).
+    SIGNED_HINTS = 4096
+
+    def __init__(self):
+        self._signed_hints: OrderedDict[str, str] = OrderedDict()
+
     async def get(self, sandbox_id: str) -> Route | None:
-        return await sync_to_async(_lookup_sync, thread_sensitive=False)(sandbox_id)
+        return (await self.get_many([sandbox_id])).get(sandbox_id)
+
+    async def get_many(self, sandbox_ids: list[str]) -> dict[str, Route]:
+        """The routes of those of ``sandbox_ids`` that exist, in one query."""
+        return await sync_to_async(_lookup_sync, thread_sensitive=False)(list(sandbox_ids))
+
+    async def signed_by(self, signed: SignedFile) -> str | None:
+        """The id of the sandbox whose envd token made ``signed``'s signature, or None.
+
+        Why: with ``E2B_SANDBOX_URL`` the SDK's signed file URLs are
+        ``{E2B_SANDBOX_URL}/files?path=…&signature=…``, with no sandbox id in the URL or
+        its headers (a browser or curl fetches them as they are). The signature is a hash
+        over the path, operation, user, expiration and the sandbox's envd token, so it
+        names exactly one sandbox: the one whose token reproduces it. Secured sandboxes are
+        tried in turn (one SHA-256 each); a match is remembered for the next request of
+        the same URL."""
+        hint = self._signed_hints.get(signed.signature)
+        if hint is not None:
+            route = await self.get(hint)
+            if (route is not None and route.secure and route.state in SIGNED_REACHABLE and route.token
+                    and signed.signed_by(route.token)):
+                self._signed_hints.move_to_end(signed.signature)
+                return hint
+            self._signed_hints.pop(signed.signature, None)
+        for sandbox_id, token in await sync_to_async(_secured_tokens_sync, thread_sensitive=False)():
+            if signed.signed_by(token):
+                self._signed_hints[signed.signature] = sandbox_id
+                while len(self._signed_hints) > self.SIGNED_HINTS:
+                    self._signed_hints.popitem(last=False)
+                return sandbox_id
+        return None
 
 
 def close_unusable() -> None:
@@ -133,6 +216,25 @@ def parse_target(headers: dict[bytes, bytes]) -> tuple[str, int] | None:
     return None
 
 
+def signed_file(scope) -> SignedFile | None:
+    """The signature of a ``GET`` / ``POST /files`` (envd's download / upload) request, or
+    None when it is not one. Raises Refused (E2B's 401) for an expiration that is not a number."""
+    if scope.get("method") not in ("GET", "POST") or _folded(scope.get("path", "")) != "/files":
+        return None
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    params = {name: values[0] for name, values in query.items()}
+    if not params.get("signature"):
+        return None
+    expiration = params.get("signature_expiration") or None
+    if expiration is not None:
+        try:
+            expiration = int(expiration)
+        except ValueError:
+            raise Refused(signature_refused(MSG_INVALID_EXPIRATION)) from None
+    return SignedFile(path=params.get("path", ""), operation="read" if scope["method"] == "GET" else "write",
+                      username=params.get("username", ""), signature=params["signature"], expiration=expiration)
+
+
 def valid_port(port: int) -> bool:
     return 0 < port < 65536
 
@@ -146,13 +248,18 @@ def needs_token(path: str, query: bytes) -> bool:
     return not (path.endswith("/files") and re.search(rb"(^|&)signature=", query))
 
 
+def _folded(path: str) -> str:
+    """A decoded path with repeated slashes and dot segments folded, as envd resolves it."""
+    return posixpath.normpath(re.sub(r"/+", "/", "/" + path))
+
+
 def is_node_only(path: str) -> bool:
     """envd routes only the sandbox's node calls, on envd's address and never through
     the data plane: ``/init`` (env vars, clock, entropy, the access token) and aenv's
     own ``/aenv/...`` (the guest sync before a filesystem-only pause). Judged on the
     decoded path with repeated slashes and dot segments folded, so no spelling slips
     past that envd would still serve."""
-    path = posixpath.normpath(re.sub(r"/+", "/", "/" + path))
+    path = _folded(path)
     return path == "/init" or path == "/aenv" or path.startswith("/aenv/")
 
 
@@ -234,8 +341,18 @@ def json_response(status: int, body: dict):
 def no_target():
     return json_response(400, {
         "code": 400,
-        "message": "missing E2b-Sandbox-Id header (or a {port}-{sandboxId}.{domain} host)",
+        "message": "missing E2b-Sandbox-Id header (or a {port}-{sandboxId}.{domain} host; "
+                   "a /files URL without either must carry a secured sandbox's signature)",
     })
+
+
+def signature_refused(message: str):
+    """envd's 401 for a signed file URL (E2B's body: ``{"code": 401, "message": …}``)."""
+    return json_response(401, {"code": 401, "message": message})
+
+
+def signature_expired():
+    return signature_refused(EXPIRED_MESSAGE)
 
 
 def not_found(sandbox_id: str):

@@ -189,8 +189,9 @@ class RefreshSerializer(serializers.Serializer):
 
 
 class PauseSerializer(serializers.Serializer):
-    """Body of ``POST /sandboxes/{id}/pause``: empty, ``{}`` or ``{"memory": bool}``
-    (``requireHealthyGuest`` is accepted and ignored)."""
+    """Body of ``POST /sandboxes/{id}/pause``: empty, ``{}``, ``{"memory": bool}`` and
+    ``requireHealthyGuest`` (SDK ``pause(strict=True)``: refuse with 503 when the guest
+    agent does not answer, instead of pausing and marking the pause)."""
 
     memory = StrictBooleanField(required=False, allow_null=True, default=None)
     requireHealthyGuest = StrictBooleanField(required=False, allow_null=True, default=None)
@@ -300,6 +301,14 @@ class ListedSandboxSerializer(serializers.ModelSerializer):
         model = Sandbox
         fields = ["sandboxID", "templateID", "clientID", "alias", "startedAt", "endAt", "cpuCount",
                   "memoryMB", "diskSizeMB", "state", "envdVersion", "metadata"]
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        # E2B's envdUnresponsiveAtPause: only for a paused sandbox whose guest agent did not
+        # answer at its pause (omitted otherwise, as E2B does)
+        if instance.envd_unresponsive_at_pause and data.get("state") == "paused":
+            data["envdUnresponsiveAtPause"] = True
+        return data
 
 
 class LifecycleSerializer(serializers.Serializer):

@@ -93,9 +93,17 @@ RECONCILE: dict[str, frozenset[str]] = {
     S.SNAPSHOTTING: frozenset({S.RUNNING, S.ERROR}),
     S.FORKING: frozenset({S.RUNNING, S.ERROR}),
 }
+# A node declared dead (no heartbeat for AENV_NODE_LOST_AFTER, sandboxes.lost): what ran
+# or was on its way there is lost; a kill is as done as it will get; paused ones stay paused.
+LOST: dict[str, frozenset[str]] = {
+    **{state: frozenset({S.ERROR}) for state in (S.CREATING, S.RUNNING, S.PAUSING, S.RESUMING, S.SNAPSHOTTING,
+                                                 S.FORKING)},
+    S.KILLING: frozenset({S.KILLED}),
+}
 OPERATION_EDGES: dict[str, frozenset[tuple[str, str]]] = {
     **{name: op.edges for name, op in TRANSITIONS.items()},
     "reconcile": frozenset((src, dst) for src, dsts in RECONCILE.items() for dst in dsts),
+    "lost": frozenset((src, dst) for src, dsts in LOST.items() for dst in dsts),
 }
 
 

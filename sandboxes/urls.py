@@ -1,7 +1,7 @@
 """E2B API routes, at the root because the SDK appends its paths to E2B_API_URL."""
 from django.urls import path
 
-from . import views
+from . import logs_api, views
 
 urlpatterns = [
     path("health", views.HealthView.as_view(), name="health"),
@@ -15,4 +15,6 @@ urlpatterns = [
     path("sandboxes/<str:sandbox_id>/connect", views.SandboxConnectView.as_view(), name="sandbox-connect"),
     path("v2/sandboxes/<str:sandbox_id>/connect", views.SandboxConnectV2View.as_view(), name="sandbox-connect-v2"),
     path("sandboxes/<str:sandbox_id>/refreshes", views.SandboxRefreshView.as_view(), name="sandbox-refreshes"),
+    path("sandboxes/<str:sandbox_id>/logs", logs_api.SandboxLogsView.as_view(), name="sandbox-logs"),
+    path("v2/sandboxes/<str:sandbox_id>/logs", logs_api.SandboxLogsV2View.as_view(), name="sandbox-logs-v2"),
 ]

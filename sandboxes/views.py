@@ -185,13 +185,16 @@ class SandboxNetworkView(APIView):
 
 
 class SandboxPauseView(APIView):
-    """``/sandboxes/{id}/pause``: 204 paused; 409 not running (already paused); 404."""
+    """``/sandboxes/{id}/pause``: 204 paused; 409 not running (already paused); 404; 503
+    not paused, still running (``requireHealthyGuest`` or a filesystem-only pause and the
+    guest agent does not answer; no node)."""
 
     @extend_schema(operation_id="sandbox_pause", request=PauseSerializer, responses=NO_CONTENT)
     async def post(self, request, sandbox_id: str):
         body = _valid(PauseSerializer, _body(request)).validated_data
         result = await pause.pause_sandbox(_team(request), sandbox_id, memory=body.get("memory"),
-                                           actor=_actor(request))
+                                           actor=_actor(request),
+                                           require_healthy_guest=bool(body.get("requireHealthyGuest")))
         return Response(status=status.HTTP_204_NO_CONTENT, headers=_server_timing(result))
 
 

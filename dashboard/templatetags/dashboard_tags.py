@@ -44,3 +44,12 @@ def percent(used, total):
         return max(0, min(100, round(100 * float(used) / float(total)))) if total else 0
     except (TypeError, ValueError):
         return 0
+
+
+@register.filter
+def gib(value):
+    """Bytes → GiB with one decimal (``25769803776`` → ``24.0``)."""
+    try:
+        return f"{float(value) / 2**30:.1f}"
+    except (TypeError, ValueError):
+        return "—"

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 
 from ..models import Sandbox, SandboxEvent, Team
 from ..states import LIVE, SETTLING, SandboxState
 from ..transitions import transition  # noqa: F401 - the one writer, re-exported for the operations
-from .errors import REFUSED_BY_NODE, Conflict, Failed, Invalid, LifecycleError, NotFound, Timeout, Unavailable
+from .errors import (FULL_NODE, REFUSED_BY_NODE, UNRESPONSIVE_GUEST, Conflict, Failed, Invalid, LifecycleError, NotFound,
+                     Timeout, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,10 @@ def node_failure(client, exc: BaseException, node, what: str, deadline: float) -
             else type(exc).__name__
         if isinstance(exc, client.NodeTaskFailed) and kind in REFUSED_BY_NODE:
             error = Invalid(f"node {node.id} cannot do this {what}: {exc}", code=snake(kind))
+        elif isinstance(exc, client.NodeTaskFailed) and kind in FULL_NODE:
+            error = Unavailable(f"node {node.id} has no room for this {what} now: {exc}")
+        elif isinstance(exc, client.NodeTaskFailed) and kind in UNRESPONSIVE_GUEST:
+            error = Unavailable(f"no {what}: {exc}")
         else:
             error = Failed(f"{what} failed on node {node.id}: {kind}: {exc}", code=snake(kind))
     error.kind = kind
@@ -160,6 +166,7 @@ async def await_node(call, sandbox_id: str, state: str, tolerate: tuple = ()):
     task = asyncio.ensure_future(call)
     try:
         while True:
+            await release_connection()
             done, _ = await asyncio.wait({task}, timeout=WATCH_POLL)
             if done:
                 return task.result()
@@ -169,6 +176,20 @@ async def await_node(call, sandbox_id: str, state: str, tolerate: tuple = ()):
     finally:
         if not task.done():
             task.cancel()
+
+
+def _release_pooled() -> None:
+    if connection.connection is not None and not connection.in_atomic_block:
+        connection.close()  # with a pool: back into it
+
+
+async def release_connection() -> None:
+    """Gives this request's database connection back to the pool while it waits for a node
+    (seconds to minutes): the requests waiting at once are not capped by the pool's size
+    (``AENV_DB_POOL_SIZE``), and never time out on it. Only with a pool (PostgreSQL); a
+    SQLite connection is not a shared resource and is kept."""
+    if connection.settings_dict.get("OPTIONS", {}).get("pool"):
+        await sync_to_async(_release_pooled)()
 
 
 async def kill_on_node(node, sandbox_id: str, deadline: float) -> dict:

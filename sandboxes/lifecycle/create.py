@@ -24,7 +24,7 @@ from ..models import Sandbox, Team, new_envd_access_token
 from ..transitions import insert_creating
 from . import core, network
 from .core import S, Result
-from .errors import REFUSED_BY_NODE, Conflict, Failed, Invalid, LifecycleError, Timeout, Unavailable
+from .errors import FULL_NODE, REFUSED_BY_NODE, Conflict, Failed, Invalid, LifecycleError, Timeout, Unavailable
 from .options import SandboxOptions
 
 log = logging.getLogger(__name__)
@@ -105,12 +105,27 @@ async def _replay(sandbox: Sandbox) -> Sandbox:
     return sandbox
 
 
+class _KilledMeanwhile(Conflict):
+    """The sandbox left ``creating`` (a kill) before its placement was claimed."""
+
+
+def _reserve(sandbox: Sandbox):
+    """The placement's claim: the row names its node (its reservation) while still creating;
+    a kill meanwhile makes it a Conflict (and the placement leaves nothing)."""
+    def claim(node) -> None:
+        if not Sandbox.objects.filter(pk=sandbox.pk, state=S.CREATING).update(node=node):
+            raise _KilledMeanwhile(f'sandbox "{sandbox.id}" was killed while it was being created', retry=False)
+    return claim
+
+
 async def _place(sandbox: Sandbox, snapshot, t0: float, started, actor: str):
     _, placement = core.node_api()
     try:
         if snapshot is not None:  # a restore runs where the snapshot's files are
-            return await sources.restore_node(snapshot)
-        return await placement.place(sandbox.cpu_count, sandbox.memory_mb)
+            return await sources.restore_node(snapshot, claim=_reserve(sandbox))
+        return await placement.place(sandbox.cpu_count, sandbox.memory_mb, claim=_reserve(sandbox))
+    except _KilledMeanwhile:
+        raise  # the kill owns the row now
     except LifecycleError as exc:
         await _fail(sandbox, exc.message, t0, started, actor, node=None, kind="SnapshotUnavailable")
         exc.retry = False
@@ -131,11 +146,8 @@ async def _boot(sandbox: Sandbox, image: str, timeout: int, actor: str, snapshot
     client, _ = core.node_api()
     t0 = time.monotonic()
     started = timezone.now()
-    node = await _place(sandbox, snapshot, t0, started, actor)
+    node = await _place(sandbox, snapshot, t0, started, actor)  # the row names its node now (its claim)
     t_scheduled = time.monotonic()
-    # Remember the node before booting: if we crash mid-boot, the VM can be found.
-    if not await Sandbox.objects.filter(pk=sandbox.pk, state=S.CREATING).aupdate(node=node):
-        raise Conflict(f'sandbox "{sandbox.id}" was killed while it was being created', retry=False)
     spec = network.spec_of(sandbox)
     try:
         result = await core.await_node(asyncio.wait_for(
@@ -146,7 +158,7 @@ async def _boot(sandbox: Sandbox, image: str, timeout: int, actor: str, snapshot
             ) if snapshot is None else client.restore_sandbox(
                 node, sandbox_id=sandbox.id, snapshot_id=snapshot.id, env_vars=sandbox.env_vars,
                 access_token=sandbox.envd_access_token or None, source_token=snapshot.envd_access_token or None,
-                network=spec,
+                network=spec, template=snapshot.build_result,
             ),
             # The node client enforces AENV_NODE_TASK_DEADLINE; this is only a backstop.
             timeout=settings.AENV_NODE_TASK_DEADLINE + 15,
@@ -201,6 +213,8 @@ def _boot_failure(client, exc: BaseException, node) -> tuple[LifecycleError, str
     code = core.snake(kind) if isinstance(exc, client.NodeTaskFailed) else None
     if code and kind in REFUSED_BY_NODE:
         return Invalid(f"node {node.id} cannot start this sandbox: {exc}", code=code, retry=False), kind
+    if code and kind in FULL_NODE:
+        return Unavailable(f"node {node.id} has no room for this sandbox now: {exc}", retry=False), kind
     return Failed(f"boot failed on node {node.id}: {kind}: {exc}", code=code, retry=False), kind
 
 

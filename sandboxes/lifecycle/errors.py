@@ -58,3 +58,10 @@ class Failed(LifecycleError):
 # there, not that the node broke: an egress policy its network backend cannot enforce (the
 # slirp fallback cannot filter). They are Invalid (400), never Failed.
 REFUSED_BY_NODE = frozenset({"UnsupportedNetworkPolicy"})
+# A node's refusals for want of room (vmm.errors.HostMemoryFull): another node, or later, may do it.
+FULL_NODE = frozenset({"HostMemoryFull"})
+# The node found the guest agent (envd) not answering and was told not to pause it then
+# (agent.guest.GuestUnresponsive): the sandbox keeps running; later, it may answer.
+UNRESPONSIVE_GUEST = frozenset({"GuestUnresponsive"})
+# E2B's error_code for a plain resume of a pause taken while the guest agent did not answer.
+GUEST_UNRESPONSIVE_CODE = "sandbox_snapshot_guest_agent_unresponsive"

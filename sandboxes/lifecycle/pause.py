@@ -16,20 +16,29 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.utils import timezone
 
+from nodes import protocol
+
 from ..models import Sandbox, Team
+from ..transitions import transition_sync
 from . import core, network
 from .core import S, Result
-from .errors import Conflict, NotFound, Unavailable
+from .errors import GUEST_UNRESPONSIVE_CODE, Conflict, NotFound, Unavailable
 from .ttl import set_end_at
 
 log = logging.getLogger(__name__)
 
 
 async def pause_sandbox(team: Team, sandbox_id: str, memory: bool | None = None, actor: str = "", *,
-                        expired_by: datetime | None = None) -> Result:
+                        expired_by: datetime | None = None, require_healthy_guest: bool = False) -> Result:
     """Pauses a running sandbox: ``running → pausing`` (durable), the node saves the VM
     to disk (its QEMU process exits), ``→ paused``. ``memory=False`` is E2B's
     filesystem-only pause (only the disk is kept; a resume cold-boots on it).
+
+    The node first asks the guest agent (envd) whether it answers. If not: with
+    ``require_healthy_guest`` (SDK ``pause(strict=True)``) or a filesystem-only pause,
+    nothing is paused (503, the sandbox keeps running); otherwise the memory is kept
+    anyway and the pause marked (``envd_unresponsive_at_pause``), so that only a reboot
+    resume (``memory: false``) brings it back.
 
     A pause already in progress is joined (the answer comes when it is paused). Not
     running: 409; unknown: 404; node not alive: 503 and nothing changes.
@@ -58,20 +67,24 @@ async def pause_sandbox(team: Team, sandbox_id: str, memory: bool | None = None,
             break  # else another request changed it meanwhile: look again
         if expired_by is not None:
             raise Conflict(f'sandbox "{sandbox_id}" is no longer running and expired')
-    return await core.shielded(_pause_on_node(sandbox, node, memory, actor))
+    return await core.shielded(_pause_on_node(sandbox, node, memory, actor, require_healthy_guest))
 
 
-async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str) -> Result:
+async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str,
+                         require_healthy_guest: bool = False) -> Result:
     client, _ = core.node_api()
     deadline = settings.AENV_LIFECYCLE_DEADLINE
     t0, started = time.monotonic(), timezone.now()
     fs_only = memory is False
     mode = "filesystem" if fs_only else "memory"
     details = {"node": node.id, "to_disk": True, "memory": memory, "mode": mode}
+    strict = {"require_healthy_guest": True} if require_healthy_guest else {}
+    if strict:
+        details["require_healthy_guest"] = True
     try:
         result = await core.await_node(asyncio.wait_for(
             client.pause_sandbox(node, sandbox_id=sandbox.id, to_disk=True, memory=not fs_only,
-                                 deadline=deadline),
+                                 deadline=deadline, **strict),
             timeout=deadline + 15,
         ), sandbox.id, S.PAUSING)
     except core.Moved as moved:
@@ -108,9 +121,12 @@ async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str
 
     timings = (result or {}).get("timings") or {}
     phases = core.op_phases(t0, timings.get("total_ms"))
+    unresponsive = bool((result or {}).get("envd_unresponsive")) and not fs_only
+    if unresponsive:
+        details["envd_unresponsive"] = True
     event = core.event(sandbox.id, "pause", from_state=S.PAUSING, started_at=started, duration_ms=core.ms(t0),
                        actor=actor, details={**details, "timings": timings, "phases": phases})
-    if not await core.transition(sandbox.id, [S.PAUSING], S.PAUSED, event):
+    if not await core.transition(sandbox.id, [S.PAUSING], S.PAUSED, event, envd_unresponsive_at_pause=unresponsive):
         await core.record(core.event(sandbox.id, "pause", outcome="aborted", from_state=S.PAUSING, started_at=started,
                                      duration_ms=core.ms(t0), actor=actor, message="sandbox was killed while pausing",
                                      details=details))
@@ -150,44 +166,96 @@ async def auto_resume(sandbox_id: str) -> Sandbox | None:
     sandbox. If it was created with ``autoResume`` it is resumed exactly like a connect
     (same transitions, events and node calls; concurrent callers join one resume) with
     a TTL of at least AENV_AUTO_RESUME_TIMEOUT; returns it running. None when the
-    sandbox is unknown, not paused or has no autoResume. Raises a LifecycleError on failure."""
+    sandbox is unknown, not paused, has no autoResume or was paused while its guest
+    agent did not answer. Raises a LifecycleError on failure."""
     sandbox = await (Sandbox.objects.select_related("team")
                      .filter(pk=sandbox_id, state__in=[S.PAUSING, S.PAUSED, S.RESUMING]).afirst())
-    if sandbox is None or not sandbox.auto_resume:
-        return None
+    if sandbox is None or not sandbox.auto_resume or sandbox.envd_unresponsive_at_pause:
+        return None  # (paused while its agent did not answer: only an explicit reboot resume, as E2B)
     _, running = await connect_sandbox(sandbox.team, sandbox_id, settings.AENV_AUTO_RESUME_TIMEOUT,
                                        actor="autoresume")
     return running.sandbox
 
 
+class _Moved(Exception):
+    """The row left ``paused`` between reading it and claiming a node for its resume."""
+
+
 async def _resume_or_running(team, sandbox_id, timeout, actor, operation, memory=None) -> tuple[bool, Result]:
+    """Settles the sandbox; a paused one is claimed for its resume (``paused → resuming``, on
+    the node that will run it, through placement so a resume never over-commits a node): its
+    own node, or — when that one is dead, drained or full and its pause was exported to the
+    shared store (``Sandbox.pause_image_at``, agent.moves) — any node with room."""
+    _, placement = core.node_api()
     while True:
         sandbox = await core.settle(team, sandbox_id)
         if sandbox.state == S.RUNNING:
             return False, Result(sandbox)
         if sandbox.state != S.PAUSED:
             raise Conflict(f'sandbox "{sandbox_id}" cannot be resumed (it is {sandbox.state})')
-        node = await core.node_of(sandbox)
+        if sandbox.envd_unresponsive_at_pause and memory is not False:
+            raise Conflict(f'sandbox "{sandbox_id}" was paused while its guest agent (envd) was not responding: '
+                           "restoring that memory would bring the unresponsive agent back; resume it without "
+                           "memory (memory: false), which cold-boots it from its disk",
+                           code=GUEST_UNRESPONSIVE_CODE, retry=False)
+        home = await core.node_of(sandbox)
         event = core.event(sandbox_id, "resume", outcome="started", from_state=S.PAUSED, actor=actor,
                            details={"via": operation, "timeout": timeout, "memory": memory})
-        if await core.transition(sandbox_id, [S.PAUSED], S.RESUMING, event):
-            break
-    return True, await core.shielded(_resume_on_node(sandbox, node, timeout, actor, operation, memory))
+
+        def claim(target, event=event) -> None:
+            # resumed, its memory is its own: it reserves its whole shape (no fork child's charge)
+            if not transition_sync(sandbox_id, [S.PAUSED], S.RESUMING, event, node=target,
+                                   reserved_vcpus=None, reserved_memory_mb=None):
+                raise _Moved
+
+        need = (sandbox.cpu_count, sandbox.memory_mb)
+        try:
+            try:
+                node = await placement.place(*need, on=home, claim=claim)
+            except placement.NoNodeAvailable as exc:
+                if memory is False or sandbox.pause_image_at is None or not _shared_store():
+                    raise Unavailable(f'sandbox "{sandbox_id}" cannot be resumed now: {exc}; it stays paused '
+                                      "(its memory is on that node)") from None
+                try:
+                    node = await placement.place(*need, claim=claim)  # moves: restored from the store
+                except placement.NoNodeAvailable as elsewhere:
+                    raise Unavailable(f'sandbox "{sandbox_id}" cannot be resumed now: {exc}, and {elsewhere}; '
+                                      "it stays paused") from None
+        except _Moved:
+            continue  # another request changed it meanwhile: look again
+        break
+    return True, await core.shielded(_resume_on_node(sandbox, node, timeout, actor, operation, memory, home=home))
+
+
+def _shared_store() -> bool:
+    return settings.AENV_SNAPSHOT_BACKEND == "s3"
 
 
 async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, operation: str,
-                          memory: bool | None = None) -> Result:
+                          memory: bool | None = None, home=None) -> Result:
+    """Resumes it on ``node``: its own (the driver continues the saved VM), or another one
+    (``home`` is its own): that node restores the pause image from the store under the same
+    id, with the same envd token. A failure leaves it paused, on its own node."""
     client, _ = core.node_api()
     deadline = settings.AENV_LIFECYCLE_DEADLINE
     t0, started = time.monotonic(), timezone.now()
+    home = home or node
+    moving = node.pk != home.pk
     details = {"node": node.id, "via": operation, "timeout": timeout}
     reboot = {"memory": False} if memory is False else {}
     if reboot:
         details["mode"] = "reboot"
+    if moving:
+        details.update(mode="moved", from_node=home.pk)
+    token = sandbox.envd_access_token or None
     try:
         result = await core.await_node(asyncio.wait_for(
+            client.restore_sandbox(node, sandbox_id=sandbox.id, snapshot_id=protocol.pause_image_of(sandbox.id),
+                                   env_vars=sandbox.env_vars, access_token=token, source_token=token,
+                                   network=network.spec_of(sandbox), template=True, deadline=deadline)
+            if moving else
             client.resume_sandbox(node, sandbox_id=sandbox.id, env_vars=sandbox.env_vars,
-                                  access_token=sandbox.envd_access_token or None, deadline=deadline,
+                                  access_token=token, deadline=deadline,
                                   network=network.spec_of(sandbox), **reboot),
             timeout=deadline + 15,
         ), sandbox.id, S.RESUMING)
@@ -210,8 +278,10 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
         # the node never answered and resumes it later anyway, its reconcile pauses it again.
         event = core.event(sandbox.id, "resume", outcome="error", from_state=S.RESUMING, started_at=started,
                            duration_ms=core.ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
-        if not await core.transition(sandbox.id, [S.RESUMING], S.PAUSED, event):
+        if not await core.transition(sandbox.id, [S.RESUMING], S.PAUSED, event, node=home):
             await core.record(event)
+        if moving:  # whatever the other node started of it is not the sandbox
+            await core.kill_on_node(node, sandbox.id, core.CLEANUP_DEADLINE)
         raise error from exc
 
     timings = result.get("timings") or {}
@@ -222,7 +292,8 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
                        actor=actor, details={**details, "pid": result.get("pid"), "timings": timings, "phases": phases})
     won = await core.transition(sandbox.id, [S.RESUMING], S.RUNNING, event, envd_host=result["envd_host"],
                                 envd_port=result["envd_port"], guest_host=result.get("guest_host") or "",
-                                end_at=now + timedelta(seconds=timeout))
+                                end_at=now + timedelta(seconds=timeout), pause_image_at=None,
+                                envd_unresponsive_at_pause=False)
     if not won:
         cleanup = await core.kill_on_node(node, sandbox.id, core.CLEANUP_DEADLINE)
         await core.record(core.event(sandbox.id, "resume", outcome="aborted", from_state=S.RESUMING, started_at=started,

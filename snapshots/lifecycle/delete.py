@@ -27,11 +27,12 @@ log = logging.getLogger(__name__)
 DELETE_DEADLINE = 60.0
 
 
-async def delete_snapshot(team: Team, snapshot_id: str, actor: str = "") -> None:
+async def delete_snapshot(team: Team, snapshot_id: str, actor: str = "", build_result: bool = False) -> None:
     """Deletes a snapshot (by id or name) with its files. Unknown, another team's or
     already being deleted: NotFound. Still creating, or a live sandbox restored from it
-    still reads its layers and memory: Conflict (kill those first)."""
-    snapshot = await sources.snapshot_of(team, snapshot_id)
+    still reads its layers and memory: Conflict (kill those first). ``build_result``: a
+    template build's snapshot (the template's delete)."""
+    snapshot = await sources.snapshot_of(team, snapshot_id, build_result=build_result)
     if snapshot is None or snapshot.state == SS.DELETING:
         note = ""
         if await Template.objects.filter(Q(pk=snapshot_id) | Q(alias=snapshot_id)).aexists():

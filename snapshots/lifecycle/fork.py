@@ -7,7 +7,6 @@ import logging
 import time
 from datetime import timedelta
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -49,14 +48,21 @@ async def fork_sandbox(team: Team, sandbox_id: str, *, count: int | None = 1, ti
     if parent.state != S.RUNNING:
         raise core.not_running(sandbox_id, parent.state)
     node = await core.node_of(parent)
-    try:
-        await placement.place(parent.cpu_count * count, parent.memory_mb * count, on=node)
-    except placement.NoNodeAvailable:
-        raise Unavailable(f"node {node.pk} has no room for {count} more sandbox(es) of {parent.cpu_count} vCPU / "
-                          f"{parent.memory_mb} MiB (forks start on their parent's node)", retry=False) from None
     if timeout is None:
         timeout = await _inherited_timeout(parent)
-    children = await _begin_fork(parent, node, count, timeout, actor)
+    made: list = []
+
+    def claim(placed) -> None:  # the children's rows are the reservation, made under the node's lock
+        made.append(_begin_fork_sync(parent, placed, count, timeout, actor))
+
+    vcpus, memory_mb = placement.fork_child_charge(parent.cpu_count, parent.memory_mb)
+    try:
+        await placement.place(vcpus * count, memory_mb * count, on=node, claim=claim)
+    except placement.NoNodeAvailable as exc:
+        raise Unavailable(f"{exc} ({count} fork child(ren) of a {parent.cpu_count} vCPU / {parent.memory_mb} MiB "
+                          f"sandbox, each reserving {vcpus} vCPU / {memory_mb} MiB while it shares its parent's "
+                          "memory; forks start on their parent's node)", retry=False) from None
+    children = made[0] if made else None
     if children is None:
         parent = await core.visible(team, sandbox_id)
         raise core.not_running(sandbox_id, parent.state)
@@ -74,13 +80,13 @@ async def _inherited_timeout(parent: Sandbox) -> int:
     return min(max(seconds, 1), settings.AENV_MAX_TIMEOUT)
 
 
-@sync_to_async
-def _begin_fork(parent: Sandbox, node, count: int, timeout: int, actor: str) -> list[Sandbox] | None:
+def _begin_fork_sync(parent: Sandbox, node, count: int, timeout: int, actor: str) -> list[Sandbox] | None:
     """``running → forking`` and the ``creating`` child rows, in one transaction (so the
-    children reserve their node's capacity before the node starts them). Each child copies
+    children reserve their node's capacity, a fork child's charge, before the node starts them). Each child copies
     the parent's settings as the row holds them now (a network update may have landed since
     ``parent`` was read) and gets its own envd and traffic access tokens."""
     now = timezone.now()
+    reserved_vcpus, reserved_memory_mb = placement.fork_child_charge(parent.cpu_count, parent.memory_mb)
     with transaction.atomic():
         started = core.event(parent.pk, "fork", outcome="started", from_state=S.RUNNING, actor=actor,
                              details={"count": count, "child_timeout": timeout})  # not "timeout": the parent's own
@@ -98,6 +104,7 @@ def _begin_fork(parent: Sandbox, node, count: int, timeout: int, actor: str) -> 
                 envd_access_token=new_envd_access_token() if parent.envd_access_token else "",
                 traffic_access_token=network.new_traffic_access_token() if parent.traffic_access_token else "",
                 cpu_count=parent.cpu_count, memory_mb=parent.memory_mb, disk_size_mb=parent.disk_size_mb,
+                reserved_vcpus=reserved_vcpus, reserved_memory_mb=reserved_memory_mb,
                 **SandboxOptions.of(parent).fields(), forked_from=parent, created_at=now, started_at=now,
                 end_at=now + timedelta(seconds=timeout),
             )

@@ -1,6 +1,8 @@
 """Fork end to end with real VMs and the official SDK: four children each see the
 parent's files and running process, their writes stay their own, the parent keeps
-running; bad forks are refused; a kill during a fork leaves nothing behind."""
+running; sixteen children fit one default node at their charge; bad forks are refused; a
+kill during a fork leaves nothing behind."""
+import os
 import threading
 import time
 
@@ -8,8 +10,9 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from aenv_cluster.processes import qemu_pids
+
 from .guest_counter import read_counter, start_counter
-from .test_pause_resume_e2e import _qemu_pids
 from .test_snapshot_e2e import _shm_files
 
 pytestmark = pytest.mark.vm
@@ -24,7 +27,7 @@ def _assert_gone(stack, ids):
     left = stack.vm_leftovers()
     for sid in ids:
         assert sid not in left["state_dirs"], f"state dir of {sid} left behind"
-        assert _qemu_pids(sid) == [], f"QEMU of {sid} still runs"
+        assert qemu_pids(sid) == [], f"QEMU of {sid} still runs"
         assert _shm_files(sid) == [], f"RAM file of {sid} left in /dev/shm"
 
 
@@ -138,3 +141,68 @@ def test_kill_parent_during_fork_leaks_nothing(stack, sdk_env):
     assert left["processes"] == [] and left["state_dirs"] == [], left
     assert _fork_dirs(stack) == [], "the fork capture was leaked"
     _assert_gone(stack, [parent.sandbox_id] + child_ids)
+
+
+def _memory_kib(pid: int) -> dict[str, int]:
+    """Rss, Pss and Anonymous (KiB) of a process, from /proc/<pid>/smaps_rollup."""
+    out = {}
+    for line in open(f"/proc/{pid}/smaps_rollup"):
+        name, _, rest = line.partition(":")
+        if name in ("Rss", "Pss", "Anonymous"):
+            out[name] = int(rest.split()[0])
+    return out
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_fork_into_sixteen_on_one_node(stack, sdk_env):
+    """AgentENV's "fork into up to 16 children on the same node" with the default template
+    (2 vCPU / 512 MiB) on a default node: all sixteen run and answer, and the node's
+    reservations (GET /nodes: what placement counts) are the parent plus sixteen fork
+    children's charge, not seventeen whole VMs. Prints each child's measured host memory
+    (PSS, anonymous) and idle CPU, the figures the charge is set from."""
+    from django.conf import settings
+
+    parent = Sandbox.create(timeout=600)
+    children = []
+    try:
+        parent.files.write("/home/user/state.txt", "from parent")
+        t0 = time.monotonic()
+        results = parent.fork(count=16, timeout=300)
+        fork_s = time.monotonic() - t0
+        errors = [r for r in results if isinstance(r, Exception)]
+        children = [r for r in results if not isinstance(r, Exception)]
+        assert not errors, errors
+        assert len(children) == 16
+        for c in children:
+            assert c.files.read("/home/user/state.txt") == "from parent"
+        node = httpx.get(f"{stack.api_url}/nodes", headers=stack.headers()).json()[0]
+        charge_mb = min(512, settings.AENV_FORK_CHILD_MEMORY_MB)
+        charge_cpu = -(-2 // int(settings.AENV_FORK_VCPU_OVERCOMMIT))
+        assert node["metrics"]["allocatedMemoryBytes"] == (512 + 16 * charge_mb) << 20, node["metrics"]
+        assert node["metrics"]["allocatedCPU"] == 2 + 16 * charge_cpu, node["metrics"]
+
+        pids = {c.sandbox_id: qemu_pids(c.sandbox_id)[0] for c in children}
+        time.sleep(5)  # settle after the children's first commands
+        ticks0 = {sid: _cpu_ticks(pid) for sid, pid in pids.items()}
+        t1 = time.monotonic()
+        time.sleep(10)
+        span = time.monotonic() - t1
+        hz = os.sysconf("SC_CLK_TCK")
+        cpu = sorted(100 * (_cpu_ticks(pid) - ticks0[sid]) / hz / span for sid, pid in pids.items())
+        mem = [_memory_kib(pid) for pid in pids.values()]
+        pss = sorted(m["Pss"] >> 10 for m in mem)
+        anon = sorted(m["Anonymous"] >> 10 for m in mem)
+        print(f"\nFORK x16 (2 vCPU / 512 MiB): {fork_s:.1f} s until all sixteen answered the API; per child: "
+              f"PSS {pss[0]}-{pss[-1]} MiB (median {pss[8]}), anonymous {anon[0]}-{anon[-1]} MiB, idle CPU "
+              f"{cpu[0]:.1f}-{cpu[-1]:.1f} % of a core (median {cpu[8]:.1f}); charged {charge_cpu} vCPU / "
+              f"{charge_mb} MiB each")
+        assert pss[8] < charge_mb, f"a child's measured PSS ({pss[8]} MiB) is above its charge ({charge_mb} MiB)"
+    finally:
+        for c in children:
+            c.kill()
+        parent.kill()
+    _assert_gone(stack, [parent.sandbox_id] + [c.sandbox_id for c in children])

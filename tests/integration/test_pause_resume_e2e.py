@@ -7,22 +7,11 @@ import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
+from aenv_cluster.processes import qemu_pids
+
 from .guest_counter import read_counter, start_counter
 
 pytestmark = pytest.mark.vm
-
-def _qemu_pids(sandbox_id: str) -> list[int]:
-    pids = []
-    for pid_dir in Path("/proc").iterdir():
-        if pid_dir.name.isdigit():
-            try:
-                cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "qemu-system" in cmdline and sandbox_id in cmdline:
-                pids.append(int(pid_dir.name))
-    return pids
-
 
 def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
     sbx = Sandbox.create(timeout=600)
@@ -42,7 +31,7 @@ def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
         assert sbx.pause() is False  # 409: already paused
         # the QEMU process is gone while paused to disk; the state dir stays
         assert sbx.sandbox_id in stack.vm_leftovers()["state_dirs"]
-        assert _qemu_pids(sbx.sandbox_id) == [], "pause to disk should stop the QEMU process"
+        assert qemu_pids(sbx.sandbox_id) == [], "pause to disk should stop the QEMU process"
         time.sleep(3)  # long enough for a stale guest clock to show
 
         t0 = time.monotonic()
@@ -67,7 +56,7 @@ def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
         # pause to disk again, then the legacy raw-HTTP resume (201): same process, same file
         h = stack.headers()
         assert httpx.post(f"{stack.api_url}/sandboxes/{sbx.sandbox_id}/pause", headers=h).status_code == 204
-        assert _qemu_pids(sbx.sandbox_id) == []
+        assert qemu_pids(sbx.sandbox_id) == []
         resp = httpx.post(f"{stack.api_url}/sandboxes/{sbx.sandbox_id}/resume", json={"timeout": 600},
                           headers=h, timeout=300)
         assert resp.status_code == 201, resp.text
@@ -84,7 +73,7 @@ def test_pause_then_connect_keeps_files_and_processes(stack, sdk_env):
         sbx.kill()
     left = stack.vm_leftovers()
     assert sbx.sandbox_id not in left["state_dirs"]
-    assert _qemu_pids(sbx.sandbox_id) == []
+    assert qemu_pids(sbx.sandbox_id) == []
     assert Sandbox.kill(sbx.sandbox_id) is False
 
 
@@ -98,7 +87,7 @@ def test_filesystem_pause_keeps_files_and_drops_processes(stack, sdk_env):
         sbx.files.write("/home/user/unsynced.txt", "written right before the pause")
         assert sbx.pause(mode="filesystem") is True
         assert sbx.is_running() is False
-        assert _qemu_pids(sbx.sandbox_id) == []
+        assert qemu_pids(sbx.sandbox_id) == []
         assert not any(Path("/dev/shm").glob(f"aenv-{sbx.sandbox_id}*")), "a filesystem pause keeps no RAM"
 
         again = Sandbox.connect(sbx.sandbox_id, timeout=600)
@@ -111,4 +100,4 @@ def test_filesystem_pause_keeps_files_and_drops_processes(stack, sdk_env):
     finally:
         sbx.kill()
     assert sbx.sandbox_id not in stack.vm_leftovers()["state_dirs"]
-    assert _qemu_pids(sbx.sandbox_id) == []
+    assert qemu_pids(sbx.sandbox_id) == []

@@ -10,8 +10,9 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
+from aenv_cluster.processes import qemu_pids
+
 from .guest_counter import read_counter, start_counter
-from .test_pause_resume_e2e import _qemu_pids
 
 pytestmark = pytest.mark.vm
 
@@ -90,7 +91,7 @@ def test_snapshot_restore_twice_then_delete(stack, sdk_env):
             Sandbox.delete_snapshot(snap_id)
     left = stack.vm_leftovers()
     for sid in [src.sandbox_id] + [s.sandbox_id for s in restored]:
-        assert sid not in left["state_dirs"] and _qemu_pids(sid) == [] and _shm_files(sid) == []
+        assert sid not in left["state_dirs"] and qemu_pids(sid) == [] and _shm_files(sid) == []
 
 
 def test_snapshot_of_unknown_or_paused_sandbox(stack, sdk_env):
@@ -105,7 +106,7 @@ def test_snapshot_of_unknown_or_paused_sandbox(stack, sdk_env):
         assert Sandbox.connect(sbx.sandbox_id).commands.run("echo ok").stdout == "ok\n"
     finally:
         sbx.kill()
-    assert _qemu_pids(sbx.sandbox_id) == []
+    assert qemu_pids(sbx.sandbox_id) == []
 
 
 def test_snapshot_disk_full_is_a_clean_507(stack, sdk_env):
@@ -133,7 +134,7 @@ def test_snapshot_disk_full_is_a_clean_507(stack, sdk_env):
     finally:
         subprocess.run(["umount", str(root)], check=False)
         sbx.kill()
-    assert _qemu_pids(sbx.sandbox_id) == []
+    assert qemu_pids(sbx.sandbox_id) == []
 
 
 def test_filesystem_only_snapshot_cold_boots_with_its_files(stack, sdk_env):
@@ -164,7 +165,7 @@ def test_filesystem_only_snapshot_cold_boots_with_its_files(stack, sdk_env):
         src.kill()
         if snap_id:
             Sandbox.delete_snapshot(snap_id)
-    assert _qemu_pids(src.sandbox_id) == [] and _qemu_pids(fresh.sandbox_id) == []
+    assert qemu_pids(src.sandbox_id) == [] and qemu_pids(fresh.sandbox_id) == []
 
 
 def test_snapshot_of_a_restored_sandbox_outlives_its_parent_snapshot(stack, sdk_env):
@@ -199,4 +200,4 @@ def test_snapshot_of_a_restored_sandbox_outlives_its_parent_snapshot(stack, sdk_
             Sandbox.delete_snapshot(sid)
     assert _snapshot_dirs(stack) == []
     for sbx in (src, mid, last):
-        assert _qemu_pids(sbx.sandbox_id) == [] and _shm_files(sbx.sandbox_id) == []
+        assert qemu_pids(sbx.sandbox_id) == [] and _shm_files(sbx.sandbox_id) == []

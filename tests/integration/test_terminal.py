@@ -95,7 +95,7 @@ def sandbox(vm, team, base_template, node):
 @pytest.fixture
 def inproc_node(vm):
     """``sandboxes.lifecycle`` with node tasks run by the in-process driver."""
-    from nodes import client as real  # noqa: PLC0415
+    from nodes import client as real, placement  # noqa: PLC0415
 
     async def kill_sandbox(node, *, sandbox_id, **_):
         return {"killed": await asyncio.to_thread(vm.driver.kill, sandbox_id)}
@@ -111,7 +111,7 @@ def inproc_node(vm):
     client = SimpleNamespace(NodeError=real.NodeError, NodeUnavailable=real.NodeUnavailable,
                              NodeTimeout=real.NodeTimeout, NodeTaskFailed=real.NodeTaskFailed,
                              kill_sandbox=kill_sandbox, pause_sandbox=pause_sandbox, resume_sandbox=resume_sandbox)
-    with mock.patch("sandboxes.lifecycle.core.node_api", return_value=(client, None)):
+    with mock.patch("sandboxes.lifecycle.core.node_api", return_value=(client, placement)):
         yield client
 
 

@@ -35,6 +35,9 @@ const e2b = await import(entry.url)
 export const SDK_VERSION = entry.version
 export const {
   Sandbox,
+  Template,
+  BuildError,
+  waitForPort,
   CommandExitError,
   FileNotFoundError,
   FileType,
@@ -42,7 +45,14 @@ export const {
   NotFoundError,
   SandboxError,
   SandboxNotFoundError,
+  TimeoutError,
 } = e2b
+
+/** A call to aenv's REST API with the suite's key (for what the SDK has no method for). */
+export function api(path, init = {}) {
+  const headers = { 'X-API-KEY': process.env.E2B_API_KEY, ...(init.headers || {}) }
+  return fetch(new URL(path, process.env.E2B_API_URL), { ...init, headers })
+}
 
 /** Unique per test process: tags the sandboxes this run creates (metadata). */
 export const RUN_ID = `${Date.now().toString(36)}-${process.pid}`

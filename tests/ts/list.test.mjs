@@ -1,6 +1,7 @@
 // Three sandboxes with unique metadata (one from the named template "base"):
 // Sandbox.list pagination (limit, hasNext, nextToken, nextItems), metadata and state
-// filters; then kill, after which list and getInfo no longer show the sandbox.
+// filters; then kill (a wait() in flight ends at once), after which list and getInfo no
+// longer show the sandbox.
 import { after, before, describe, test } from 'node:test'
 import assert from 'node:assert/strict'
 
@@ -10,6 +11,7 @@ import {
   Sandbox,
   SandboxError,
   SandboxNotFoundError,
+  TimeoutError,
   killTracked,
   listAll,
   tracked,
@@ -80,9 +82,22 @@ describe('three sandboxes: list, filter, kill', { timeout: 240_000 }, () => {
     assert.deepEqual(await listAll({ query: { metadata: { run }, state: ['paused'] } }), [])
   })
 
-  test('kill: the sandbox is gone from list and getInfo', async () => {
+  test('kill: a wait() in flight ends at once, and the sandbox is gone from list and getInfo', async () => {
     const victim = sandboxes[2]
+    // a background command waited on while the sandbox is killed: the SDK's stream breaks,
+    // it probes /health and reports the sandbox gone (not a timeout minutes later)
+    const handle = await victim.commands.run('echo started; sleep 300', { background: true })
+    const waited = handle.wait().then(
+      () => ({ error: new Error('wait() resolved although the sandbox was killed') }),
+      (error) => ({ error, at: Date.now() }),
+    )
+    await new Promise((r) => setTimeout(r, 1000))
+    const killedAt = Date.now()
     assert.equal(await victim.kill(), true)
+    const { error, at } = await waited
+    assert.ok(error instanceof TimeoutError, `expected TimeoutError, got ${error}`)
+    assert.match(error.message, /sandbox was killed or reached its end of life/)
+    assert.ok(at - killedAt < 10_000, `wait() ended ${at - killedAt} ms after the kill`)
     assert.equal(await victim.isRunning(), false)
     const left = await listAll({ query: { metadata: { run } } })
     assert.deepEqual(left.map((s) => s.sandboxId).sort(), [sandboxes[0].sandboxId, sandboxes[1].sandboxId].sort())

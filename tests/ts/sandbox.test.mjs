@@ -1,7 +1,9 @@
 // One sandbox from the default template, created with metadata and timeoutMs: commands
-// (streamed output, exit codes, background + kill), PTY, files, watchDir, getInfo, setTimeout.
+// (streamed output, exit codes, background + kill), PTY, files, watchDir, signed download
+// and upload URLs, getHost + a user port, getMetrics, getInfo, setTimeout.
 import { after, before, describe, test } from 'node:test'
 import assert from 'node:assert/strict'
+import http from 'node:http'
 import os from 'node:os'
 
 import {
@@ -222,6 +224,74 @@ describe('a sandbox from the default template', { timeout: 240_000 }, () => {
     } finally {
       await handle.stop()
     }
+  })
+
+  test('downloadUrl / uploadUrl: signed URLs a plain fetch uses behind E2B_SANDBOX_URL', async () => {
+    const path = `/home/user/ts-url-${RUN_ID}.txt`
+    await sbx.files.write(path, 'fetched by url')
+    const url = await sbx.downloadUrl(path)
+    assert.ok(url.startsWith(`${process.env.E2B_SANDBOX_URL}/files?`), url)
+    assert.ok(!url.includes(sbx.sandboxId), 'the URL names no sandbox: its signature does')
+    const got = await fetch(url)
+    assert.equal(got.status, 200)
+    assert.equal(await got.text(), 'fetched by url')
+
+    const upPath = `/home/user/ts-upload-${RUN_ID}.txt`
+    const form = new FormData()
+    form.append('file', new Blob(['uploaded by url']), 'x.txt')
+    const up = await fetch(await sbx.uploadUrl(upPath, { useSignatureExpiration: 60 }), { method: 'POST', body: form })
+    assert.equal(up.status, 200, await up.clone().text())
+    assert.equal((await up.json())[0].path, upPath)
+    assert.equal(await sbx.files.read(upPath), 'uploaded by url')
+
+    const expired = await fetch(await sbx.downloadUrl(path, { useSignatureExpiration: -10 }))
+    assert.equal(expired.status, 401)
+    assert.deepEqual(await expired.json(), { code: 401, message: 'signature is already expired' })
+    const forged = await fetch(url.replace('signature=v1_', 'signature=v1_X'))
+    assert.equal(forged.status, 401)
+    assert.deepEqual(await forged.json(), { code: 401, message: 'invalid signature' })
+  })
+
+  test('getHost + a request to a user port through the data plane', async () => {
+    await sbx.files.write('/tmp/ts-www/hello.txt', 'hello from a guest port')
+    await sbx.commands.run('cd /tmp/ts-www && python3 -m http.server 8080 >/dev/null 2>&1', { background: true })
+    const host = sbx.getHost(8080)
+    assert.equal(host, `8080-${sbx.sandboxId}.${sbx.sandboxDomain ?? 'localhost'}`)
+    // what an ingress for *.<domain> does: the data plane routes by that Host
+    const plane = new URL(process.env.E2B_SANDBOX_URL)
+    const get = () => new Promise((resolve, reject) => {
+      const req = http.get({ host: plane.hostname, port: plane.port, path: '/hello.txt', headers: { Host: host } },
+        (res) => {
+          let body = ''
+          res.setEncoding('utf8')
+          res.on('data', (d) => { body += d })
+          res.on('end', () => resolve({ status: res.statusCode, body }))
+        })
+      req.on('error', reject)
+    })
+    const res = await waitFor(async () => {
+      const r = await get()
+      return r.status === 200 && r
+    }, { timeoutMs: 30_000, what: 'the guest HTTP server on port 8080' })
+    assert.equal(res.body, 'hello from a guest port')
+  })
+
+  test('getMetrics returns the guest\'s own figures', async () => {
+    const metrics = await waitFor(async () => {
+      const found = await sbx.getMetrics()
+      return found.length > 0 && found
+    }, { timeoutMs: 60_000, intervalMs: 1_000, what: 'a metrics sample' })
+    const m = metrics[metrics.length - 1]
+    assert.ok(m.timestamp instanceof Date && !Number.isNaN(m.timestamp.getTime()))
+    assert.equal(m.cpuCount, 2)
+    assert.ok(m.cpuUsedPct >= 0 && m.cpuUsedPct <= 100, `cpuUsedPct ${m.cpuUsedPct}`)
+    assert.ok(m.memTotal > 256 * 2 ** 20 && m.memUsed > 0 && m.memUsed < m.memTotal, JSON.stringify(m))
+    assert.ok(m.diskTotal > 0 && m.diskUsed > 0 && m.diskUsed < m.diskTotal, JSON.stringify(m))
+    const same = await Sandbox.getMetrics(sbx.sandboxId)
+    assert.ok(same.length >= metrics.length)
+    // a window before the sandbox existed holds nothing
+    const before = await sbx.getMetrics({ start: new Date(Date.now() - 3_600_000), end: new Date(Date.now() - 3_000_000) })
+    assert.deepEqual(before, [])
   })
 
   test('setTimeout moves endAt (instance and static, longer and shorter)', async () => {

@@ -5,6 +5,7 @@ from unittest import mock
 
 import httpx
 import pytest
+from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from sandboxes.models import ApiKey, Team, Template
@@ -87,8 +88,14 @@ def nodes_mock(node):
         pause_sandbox=mock.AsyncMock(return_value=dict(PAUSE_RESULT)),
         resume_sandbox=mock.AsyncMock(return_value=dict(RESUME_RESULT)),
     )
+    async def place(cpu_count, memory_mb, *, on=None, prefer=None, claim=None):
+        """Like the real one for its caller: the claim is made on ``node`` (its reservation)."""
+        if claim is not None:
+            await sync_to_async(claim)(node)
+        return node
+
     placement = SimpleNamespace(NoNodeAvailable=real_placement.NoNodeAvailable,
-                                place=mock.AsyncMock(return_value=node))
+                                place=mock.AsyncMock(side_effect=place))
     with mock.patch("sandboxes.lifecycle.core.node_api", return_value=(client, placement)):
         yield SimpleNamespace(client=client, placement=placement, node=node)
 

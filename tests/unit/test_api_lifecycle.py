@@ -57,6 +57,55 @@ async def test_pause_running_is_204_and_paused(api, create, nodes_mock, kwargs):
     assert done.details["memory"] == (kwargs.get("json") or {}).get("memory")
 
 
+async def test_strict_pause_of_an_unresponsive_guest_is_503_and_it_keeps_running(api, create, nodes_mock,
+                                                                                  assert_error):
+    """SDK ``pause(strict=True)``: the node finds envd not answering and pauses nothing;
+    E2B answers 503 (the SDK's ServiceBusyException) and the sandbox runs on."""
+    sb = await create()
+    nodes_mock.client.pause_sandbox.side_effect = nodes_mock.client.NodeTaskFailed(
+        f"sandbox {sb['sandboxID']}: its guest agent (envd) does not answer; it was not paused and keeps running",
+        kind="GuestUnresponsive")
+    resp = await api.post(f"/sandboxes/{sb['sandboxID']}/pause", json={"requireHealthyGuest": True})
+    assert_error(resp, 503, "does not answer")
+    assert nodes_mock.client.pause_sandbox.await_args.kwargs["require_healthy_guest"] is True
+    assert await _state(sb["sandboxID"]) == "running"
+    assert (await _events(sb["sandboxID"], "pause"))[-1][1:] == ("error", "pausing", "running")
+    # not strict: the flag is not sent (the node then pauses anyway and says so)
+    nodes_mock.client.pause_sandbox.side_effect = None
+    assert (await api.post(f"/sandboxes/{sb['sandboxID']}/pause", json={})).status_code == 204
+    assert "require_healthy_guest" not in nodes_mock.client.pause_sandbox.await_args.kwargs
+
+
+async def test_a_pause_of_an_unresponsive_guest_resumes_only_by_reboot(api, create, nodes_mock, assert_error):
+    """The node paused with the memory although envd did not answer: the sandbox shows
+    envdUnresponsiveAtPause; a plain resume is E2B's 409 with its error_code (the SDK's
+    GuestUnresponsiveException), traffic does not auto-resume it, a reboot does."""
+    from sandboxes.lifecycle import pause
+
+    sb = await create(autoResume={"enabled": True})
+    sid = sb["sandboxID"]
+    nodes_mock.client.pause_sandbox.return_value = {**PAUSE_RESULT, "envd_unresponsive": True}
+    assert (await api.post(f"/sandboxes/{sid}/pause", json={})).status_code == 204
+    assert (await api.get(f"/sandboxes/{sid}")).json()["envdUnresponsiveAtPause"] is True
+    listed = (await api.get("/v2/sandboxes", params={"state": "paused"})).json()
+    assert listed[0]["envdUnresponsiveAtPause"] is True
+    for path, body in ((f"/sandboxes/{sid}/connect", {"timeout": 30}), (f"/v2/sandboxes/{sid}/connect", {}),
+                       (f"/sandboxes/{sid}/resume", {})):
+        resp = await api.post(path, json=body)
+        assert_error(resp, 409, "guest agent")
+        assert resp.json()["error_code"] == "sandbox_snapshot_guest_agent_unresponsive"
+    assert await pause.auto_resume(sid) is None
+    assert nodes_mock.client.resume_sandbox.await_count == 0 and await _state(sid) == "paused"
+    resp = await api.post(f"/v2/sandboxes/{sid}/connect", json={"memory": False})
+    assert resp.status_code == 201, resp.text
+    assert nodes_mock.client.resume_sandbox.await_args.kwargs["memory"] is False
+    detail = (await api.get(f"/sandboxes/{sid}")).json()
+    assert detail["state"] == "running" and "envdUnresponsiveAtPause" not in detail
+    nodes_mock.client.pause_sandbox.return_value = dict(PAUSE_RESULT)
+    assert (await api.post(f"/sandboxes/{sid}/pause", json={})).status_code == 204
+    assert "envdUnresponsiveAtPause" not in (await api.get(f"/sandboxes/{sid}")).json()
+
+
 async def test_paused_sandbox_is_listed_as_paused(api, paused):
     sb = await paused()
     listed = (await api.get("/v2/sandboxes", params={"state": "paused"})).json()
@@ -405,3 +454,16 @@ async def test_connect_v2_memory_false_reboots_on_the_node(api, paused, nodes_mo
     other = await paused()
     assert (await api.post(f"/v2/sandboxes/{other['sandboxID']}/connect", json={})).status_code == 201
     assert "memory" not in nodes_mock.client.resume_sandbox.await_args.kwargs
+
+
+async def test_a_node_whose_tmpfs_is_full_is_503_not_500(api, nodes_mock, assert_error):
+    """vmm.errors.HostMemoryFull on the node: no room there now (another node, or later, may)."""
+    nodes_mock.client.boot_sandbox.side_effect = nodes_mock.client.NodeTaskFailed(
+        "sandbox x: /dev/shm has 100 MiB free, less than its 512 MiB of memory plus the 1024 MiB kept",
+        kind="HostMemoryFull")
+    resp = await api.post("/v2/sandboxes", json={"templateID": "base"})
+    assert_error(resp, 503, "has no room for this sandbox now")
+    from sandboxes.models import Sandbox  # noqa: PLC0415
+
+    row = await Sandbox.objects.aget()
+    assert row.state == "error" and "/dev/shm has 100 MiB free" in row.error_reason

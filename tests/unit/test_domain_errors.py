@@ -24,3 +24,13 @@ def test_every_kind_is_in_the_table_and_no_retry_is_said():
     response = e2b_exception_handler(domain.Unavailable("no node", retry=False), {})
     assert response.status_code == 503 and response.headers["Should-Retry"] == "false"
     assert response.data == {"code": 503, "message": "no node"}
+
+
+def test_no_database_connection_is_503_not_500():
+    """A pool that has no connection to give (or a database down or locked) is a
+    transient condition the client may retry, with a JSON body, not an 'internal error'."""
+    from django.db import OperationalError  # noqa: PLC0415
+
+    response = e2b_exception_handler(OperationalError("couldn't get a connection after 30.00 sec"), {})
+    assert response.status_code == 503
+    assert response.data == {"code": 503, "message": "the database is busy or unreachable; try again"}

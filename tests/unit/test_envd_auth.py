@@ -43,6 +43,14 @@ def test_expired_signature_has_exact_message():
     assert str(exc.value) == EXPIRED_MESSAGE == "signature is already expired"
 
 
+def test_a_forged_signature_is_invalid_whatever_expiration_it_claims():
+    """E2B's order: the signature first, so a forger never learns about the expiration."""
+    past = int(time.time()) - 5
+    with pytest.raises(AuthError) as exc:
+        check_signature("tok", "/a", "read", "", make_signature("/a", "read", "", "other", past), str(past))
+    assert str(exc.value) == "invalid signature"
+
+
 def test_tampered_or_missing_signature_fails():
     sig = make_signature("/a", "read", "", "tok")
     with pytest.raises(AuthError):

@@ -18,9 +18,10 @@ from envd_client import AsyncEnvdClient, EnvdClient, EnvdError, EnvdUnavailable,
 def test_init_body_is_what_the_node_sends():
     at = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
     body = protocol.init_body({"A": "1"}, access_token="tok", timestamp=at, entropy_seed=b"\x01" * 64)
-    assert body == {"envVars": {"A": "1"}, "timestamp": "2026-01-02T03:04:05.678901Z", "defaultUser": "user",
-                    "defaultWorkdir": "/home/user", "entropySeed": base64.b64encode(b"\x01" * 64).decode(),
-                    "accessToken": "tok"}
+    assert body == {"envVars": {"A": "1"}, "timestamp": "2026-01-02T03:04:05.678901Z",
+                    "entropySeed": base64.b64encode(b"\x01" * 64).decode(), "accessToken": "tok"}
+    # the template's disk says the defaults (envd.state.TEMPLATE_DEFAULTS); given ones are sent
+    assert protocol.init_body(None, default_user="app", default_workdir="/app")["defaultWorkdir"] == "/app"
     plain = protocol.init_body(None)
     assert plain["envVars"] == {} and "accessToken" not in plain and plain["timestamp"].endswith("Z")
     seeds = {protocol.init_body()["entropySeed"] for _ in range(3)}
@@ -160,3 +161,39 @@ def test_import_is_light():
             "print(sorted(light), sorted(heavy), 'httpx' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["[]", "[]", "True"]
+
+
+def test_files_stream_in_chunks_with_their_length_and_progress(tmp_path):
+    src = tmp_path / "blob"
+    src.write_bytes(b"x" * (protocol.FILE_CHUNK * 2 + 5))
+    bodies = []
+
+    def answer(request):
+        if request.method == "POST":
+            bodies.append((request.headers["content-length"], request.read()))
+            return httpx.Response(200, json=[{"name": "b", "type": "file", "path": "/home/user/b"}])
+        return httpx.Response(200, content=b"y" * 300_000)
+
+    seen, transport = recording(answer)
+    sent, got = [], []
+    with EnvdClient("http://envd", transport=transport) as envd:
+        assert envd.upload_file("b", src, user="root", on_chunk=sent.append)["path"] == "/home/user/b"
+        with open(tmp_path / "out", "wb") as sink:
+            assert envd.download_file("b", sink, on_chunk=got.append) == 300_000
+    assert bodies == [(str(src.stat().st_size), src.read_bytes())]
+    assert sent == [protocol.FILE_CHUNK, protocol.FILE_CHUNK, 5] and sum(got) == 300_000
+    assert (tmp_path / "out").read_bytes() == b"y" * 300_000
+    assert seen[0].url.params["path"] == "b" and seen[0].url.params["username"] == "root"
+
+
+def test_filesystem_entries_read_from_proto_json():
+    answer = {"entries": [{"name": "d", "type": "FILE_TYPE_DIRECTORY", "path": "/d", "mode": 493},
+                          {"name": "f", "type": "FILE_TYPE_FILE", "path": "/d/f", "size": "12"},
+                          {"name": "l", "type": "FILE_TYPE_FILE", "path": "/d/l", "isSymlink": True,
+                           "symlinkTarget": "/d/f"}]}
+    seen, transport = recording(lambda r: httpx.Response(200, json=answer))
+    with EnvdClient("http://envd", transport=transport) as envd:
+        entries = envd.list_dir("/d", 3, user="user")
+    assert [(e.type, e.size, e.mode, e.is_symlink) for e in entries] == [("dir", 0, 493, False), ("file", 12, 0, False),
+                                                                        ("file", 0, 0, True)]
+    assert json.loads(seen[0].content) == {"path": "/d", "depth": 3} and seen[0].headers["authorization"]

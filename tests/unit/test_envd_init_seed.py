@@ -43,7 +43,7 @@ def test_init_envd_sends_a_fresh_seed_clock_and_token(fake_envd):
     assert [len(s) for s in seeds] == [64, 64] and seeds[0] != seeds[1]
     assert b1["envVars"] == {"A": "1"} and "accessToken" not in b1 and "X-Access-Token" not in h1
     assert b2["accessToken"] == "tok" and h2["X-Access-Token"] == "tok"
-    assert b1["timestamp"].endswith("Z") and b1["defaultUser"] == "user"
+    assert b1["timestamp"].endswith("Z") and "defaultUser" not in b1 and "defaultWorkdir" not in b1
 
 
 def test_token_handoff_shows_the_source_token(fake_envd):

@@ -87,3 +87,4 @@ def test_wire_is_pure():
     code = "import sys, envd.wire; bad = {'google.protobuf', 'django', 'httpx'} & set(sys.modules); print(sorted(bad))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+

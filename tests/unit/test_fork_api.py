@@ -207,12 +207,59 @@ async def test_timed_out_fork_spares_rows_settled_meanwhile(api, create, fork_mo
     assert killed == [sent[1]]  # only the child this request itself moved to error
 
 
-async def test_fork_beyond_node_capacity_is_503(api, create, fork_mock, assert_error):
+async def test_fork_beyond_node_capacity_is_503(api, create, fork_mock, assert_error, settings):
+    """Children reserve AENV_FORK_CHILD_MEMORY_MB each (they share the parent's memory); a
+    node truly full still refuses, saying what a child reserves."""
+    settings.AENV_FORK_CHILD_MEMORY_MB = 128
     parent = await create()  # 2 vCPU / 512 MiB; the node has 64 vCPU / 65536 MiB
     from nodes.models import Node
 
-    await Node.objects.filter(pk="n1").aupdate(memory_mb_capacity=512 * 3)
-    assert_error(await _fork(api, parent["sandboxID"], count=3), 503, "no room")
-    assert (await _fork(api, parent["sandboxID"], count=2)).status_code == 201
+    await Node.objects.filter(pk="n1").aupdate(memory_mb_capacity=512 + 128 * 3)
+    resp = await _fork(api, parent["sandboxID"], count=4)
+    assert_error(resp, 503, "no room")
+    assert "each reserving 2 vCPU / 128 MiB while it shares its parent's memory" in resp.json()["message"]
+    assert (await _fork(api, parent["sandboxID"], count=3)).status_code == 201
     assert_error(await _fork(api, parent["sandboxID"], count=1), 503, "no room")  # now full
     assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "running"
+
+
+async def test_sixteen_fork_children_fit_a_two_core_node_and_are_counted_as_they_cost(
+        api, create, fork_mock, settings):
+    """AgentENV's "fork into up to 16 children on the same node" on the node of issue 13 (2
+    cores, 24 GiB; the vCPU overcommit of that time, 16 a core): 17 full 2 vCPU / 512 MiB
+    VMs would not fit, 16 children at their charge do; the nodes API (and so the dashboard
+    and Prometheus) shows what placement counts; a resumed child reserves its whole shape."""
+    from nodes.models import Node
+    from nodes.placement import with_reservations
+
+    settings.AENV_FORK_CHILD_MEMORY_MB, settings.AENV_FORK_VCPU_OVERCOMMIT = 96, 2
+    await Node.objects.filter(pk="n1").aupdate(vcpu_capacity=2 * 16, memory_mb_capacity=int(24 * 1024 * 1.5))
+    parent = await create()
+    resp = await _fork(api, parent["sandboxID"], count=16)
+    assert resp.status_code == 201 and all("sandbox" in r for r in resp.json()), resp.text
+    children = [r["sandbox"]["sandboxID"] for r in resp.json()]
+    node = await with_reservations(Node.objects.filter(pk="n1")).aget()
+    assert (node.cpu_reserved, node.memory_reserved) == (2 + 16 * 1, 512 + 16 * 96)
+    listed = (await api.get("/nodes")).json()[0]["metrics"]
+    assert listed["allocatedCPU"] == 18 and listed["allocatedMemoryBytes"] == (512 + 16 * 96) << 20
+    # the shape the API reports is still the guest's
+    info = (await api.get(f"/sandboxes/{children[0]}")).json()
+    assert info["cpuCount"] == 2 and info["memoryMB"] == 512
+
+    await Sandbox.objects.filter(pk=children[0]).aupdate(state="paused")
+    resumed = await api.post(f"/sandboxes/{children[0]}/connect", json={"timeout": 60})
+    assert resumed.status_code == 201, resumed.text
+    row = await Sandbox.objects.aget(pk=children[0])
+    assert (row.reserved_vcpus, row.reserved_memory_mb) == (None, None)
+    node = await with_reservations(Node.objects.filter(pk="n1")).aget()
+    assert (node.cpu_reserved, node.memory_reserved) == (2 + 15 + 2, 512 + 15 * 96 + 512)
+
+
+def test_fork_child_charge_never_exceeds_the_shape(settings):
+    from nodes.placement import fork_child_charge
+
+    settings.AENV_FORK_CHILD_MEMORY_MB, settings.AENV_FORK_VCPU_OVERCOMMIT = 128, 1
+    assert fork_child_charge(2, 512) == (2, 128)
+    assert fork_child_charge(1, 64) == (1, 64)
+    settings.AENV_FORK_VCPU_OVERCOMMIT = 3
+    assert fork_child_charge(4, 2048) == (2, 128) and fork_child_charge(1, 512) == (1, 128)

@@ -169,3 +169,18 @@ def test_control_plane_and_node_agent_meet_only_at_the_protocol():
     assert into_edge == []
     assert not [d for m, deps in graph.items() if m.split(".")[0] == "vmm" for d in deps
                 if d.split(".")[0] not in ("vmm", "envd", "envd_client")], "vmm must stay Django-free"
+
+
+def test_the_standalone_cli_needs_only_what_cli_pyproject_packages():
+    """cli/hatch_build.py ships aenv_cli, envd_client and, of envd, only its package
+    __init__ and the wire module: the CLI's imports of the repository stay inside those."""
+    shipped = {"envd", "envd.wire"}
+    graph = import_graph(PACKAGES)
+    reach, todo = set(), [m for m in graph if m.split(".")[0] in ("aenv_cli", "envd_client")]
+    while todo:
+        module = todo.pop()
+        if module not in reach:
+            reach.add(module)
+            todo.extend(graph.get(module, ()))
+    outside = sorted(m for m in reach if m.split(".")[0] not in ("aenv_cli", "envd_client") and m not in shipped)
+    assert outside == []

@@ -76,6 +76,17 @@ class Upstream:
                 pass
             self.disconnected.set()
             return
+        if path in ("/connect-stream", "/connect-partial"):  # a Connect stream that then goes silent
+            from envd.wire import encode_json, envelope
+            message = envelope(encode_json({"event": {"start": {"pid": 7}}}))
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/connect+json")]})
+            body = message if path == "/connect-stream" else message[:3]
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.disconnected.set()
+            return
         if path == "/gzip":
             return await self.reply(send, 200, GZ, [(b"content-encoding", b"gzip"),
                                                    (b"content-type", b"application/x-weird; v=1")])
@@ -294,6 +305,36 @@ async def test_client_disconnect_closes_upstream(stack):
     assert not leftovers
 
 
+@pytest.mark.parametrize("path", ["/connect-stream", "/connect-partial", "/hang"])
+@pytest.mark.parametrize("move", ["killed", "new VM"])
+async def test_a_response_whose_sandbox_moves_on_is_broken_off_at_once(stack, path, move):
+    """The VM of a killed sandbox says nothing on the wire; its streams must not hang until
+    the client's timeout: the data plane sees the sandbox gone (or behind a new VM: resumed
+    elsewhere) and drops the client's connection, as E2B's proxy resets the stream, and
+    /health then says the sandbox was not found (what the SDKs probe)."""
+    stack.proxy.watch.interval = 0.1
+    sbx = await make_sandbox(stack.up_port)
+    method = "POST" if path.startswith("/connect") else "GET"
+    async with stack.client.stream(method, path, headers=hdr(sbx)) as r:
+        chunks = r.aiter_raw()
+        await asyncio.wait_for(anext(chunks), 3)
+        change = {"state": "killing"} if move == "killed" else {"vm_generation": F("vm_generation") + 1}
+        await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(**change)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(httpx.RemoteProtocolError):
+            await asyncio.wait_for(anext(chunks), 3)
+        assert asyncio.get_running_loop().time() - t0 < 2
+    await asyncio.wait_for(stack.upstream.disconnected.wait(), 3)  # the upstream request was closed too
+    health = await stack.client.get("/health", headers=hdr(sbx))
+    if move == "killed":
+        assert health.status_code == 502 and "was not found" in health.json()["message"]
+    for _ in range(100):  # a relay leaves the watch once its response is done
+        if not len(stack.proxy.watch):
+            break
+        await asyncio.sleep(0.01)
+    assert len(stack.proxy.watch) == 0
+
+
 async def test_access_token_enforced_for_secure_sandboxes(stack):
     sbx = await make_sandbox(stack.up_port, secure=True, token="s3cret")
     rpc = "/process.Process/List"
@@ -306,6 +347,64 @@ async def test_access_token_enforced_for_secure_sandboxes(stack):
     r = await stack.client.get("/files?path=a.txt&signature=v1_abc", headers=hdr(sbx))
     assert r.status_code == 200 and r.json()["query"] == "path=a.txt&signature=v1_abc"
     assert (await stack.client.get("/files?path=a.txt", headers=hdr(sbx))).status_code == 401
+
+
+def _signed_url(path, operation, token, username="", expiration=None):
+    from urllib.parse import urlencode
+
+    from envd.auth import make_signature
+    query = {"path": path, **({"username": username} if username else {}),
+             "signature": make_signature(path, operation, username, token, expiration)}
+    if expiration is not None:
+        query["signature_expiration"] = str(expiration)
+    return "/files?" + urlencode(query)
+
+
+async def test_signed_file_urls_without_a_sandbox_id_reach_the_sandbox_that_signed_them(stack):
+    """E2B_SANDBOX_URL: the SDK's download_url / upload_url carry no sandbox id; the
+    sandbox whose envd token made the signature is the one served (envd checks it again)."""
+    import time
+    other = await make_sandbox(stack.up_port + 1, secure=True, token="other-token")  # never reached
+    sbx = await make_sandbox(stack.up_port, secure=True, token="s3cret")
+    for _ in range(2):  # the second time from the remembered match
+        r = await stack.client.get(_signed_url("/home/user/a.txt", "read", "s3cret"))
+        assert r.status_code == 200, r.text
+        assert r.json()["path"] == "/files" and "signature=v1_" in r.json()["query"]
+    url = _signed_url("b.txt", "write", "s3cret", username="root", expiration=int(time.time()) + 60)
+    r = await stack.client.post(url, content=b"data")
+    assert r.status_code == 200 and r.json()["method"] == "POST" and r.json()["body"] == "data"
+    assert all(name.lower() != "x-access-token" for name, _ in r.json()["headers"])
+    # the other sandbox's signature reaches the other sandbox (here: nothing listens there)
+    r = await stack.client.get(_signed_url("/x", "read", "other-token"))
+    assert r.status_code == 502 and r.json()["sandboxId"] == other.id
+
+
+async def test_signed_file_urls_refused_with_envds_401s(stack):
+    import time
+    sbx = await make_sandbox(stack.up_port, secure=True, token="s3cret")
+    cases = [
+        (_signed_url("/a", "read", "wrong-token"), "invalid signature"),
+        (_signed_url("/a", "write", "s3cret"), "invalid signature"),  # a write signature used to read
+        (_signed_url("/a", "read", "s3cret", expiration=int(time.time()) - 10), "signature is already expired"),
+        (_signed_url("/a", "read", "wrong", expiration=int(time.time()) - 10), "invalid signature"),
+        ("/files?path=%2Fa&signature=v1_x&signature_expiration=soon", "invalid signature expiration"),
+    ]
+    for url, message in cases:
+        r = await stack.client.get(url)
+        assert r.status_code == 401 and r.json() == {"code": 401, "message": message}, (url, r.text)
+    # a killed sandbox's URL (remembered or not) is refused too
+    assert (await stack.client.get(_signed_url("/a", "read", "s3cret"))).status_code == 200
+    await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(state="killed")
+    r = await stack.client.get(_signed_url("/a", "read", "s3cret"))
+    assert r.status_code == 401 and r.json()["message"] == "invalid signature"
+
+
+async def test_unsigned_file_urls_without_a_sandbox_id_are_400(stack):
+    await make_sandbox(stack.up_port)  # not secured: its URLs carry no signature
+    for method, url in (("GET", "/files?path=%2Fa"), ("PUT", _signed_url("/a", "read", "t")),
+                        ("GET", "/filesx?path=a&signature=v1_x")):
+        r = await stack.client.request(method, url)
+        assert r.status_code == 400 and "signature" in r.json()["message"], (method, url, r.text)
 
 
 async def test_insecure_sandbox_needs_no_token(stack):

@@ -77,8 +77,9 @@ class StubDriver:
         self.booted = spec
         return self._info(spec.sandbox_id)
 
-    def restore(self, manifest, spec):
+    def restore(self, manifest, spec, template=False):
         self.restored = (manifest, spec)
+        self.restored_as_template = template
         return self._info(spec.sandbox_id)
 
     def fork(self, sandbox_id, count, child_ids):
@@ -143,6 +144,13 @@ def test_restore_hands_the_token_over_then_inits(stub, envd):
     assert (h1, b1, ok1) == ("source-token", {"accessToken": "own-token"}, True)
     assert h2 == "own-token" and ok2 and b2["envVars"] == {"A": "1"} and b2["timestamp"]
     assert stub.restored[1].sandbox_id == "i2" and stub.killed == []
+    assert stub.restored_as_template is False  # a team's snapshot: copy-on-write memory
+
+
+def test_a_built_templates_snapshot_is_restored_as_a_template(stub, envd):
+    tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s5")
+    tasks.restore_sandbox(sandbox_id="i3", snapshot_id="s5", env_vars={}, access_token=None, template=True)
+    assert stub.restored[1].sandbox_id == "i3" and stub.restored_as_template is True
 
 
 def test_restore_with_wrong_source_token_kills_the_vm(stub):
