@@ -1,8 +1,10 @@
-"""Shared pieces of bench/lifecycle.py: targets and why they were missed, timing and
-memory helpers, the load monitor, the template snapshot the runs restore from."""
+"""Shared pieces of the benchmarks (bench/lifecycle.py first): targets and why they were
+missed, timing and memory helpers, the load monitor, how a run's result ends, the template
+snapshot the runs restore from."""
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -101,6 +103,21 @@ def add_memory(add, prefix: str, pids: list[int], avail0: int) -> None:
     add(f"{prefix}_child_rss_mib", statistics.mean(r.get("Rss", 0) for r in rollups) / 1024)
     add(f"{prefix}_child_pss_anon_mib", statistics.mean(r.get("Pss_Anon", 0) for r in rollups) / 1024)
     add(f"{prefix}_memavailable_drop_per_child_mib", (avail0 - avail1) / len(pids) / MIB)
+
+
+def finish_run(result: dict, load: dict, t_start: float, load0, **host_extra) -> None:
+    """What every benchmark's result ends with: a note per phase on the host's load and on
+    uncommitted files in the tree, the run's duration and the host (plus ``host_extra``)."""
+    for phase, v in load.items():
+        result["notes"].append(f"{phase} part: 1-min load average mean {v['load1_mean']}, max {v['load1_max']}; "
+                               f"at most {v['other_qemu_max']} QEMU process(es) of other users running")
+    if result["git"]["uncommitted"]:
+        result["notes"].append("tracked files edited but not committed in the tree at the time (others' work in "
+                               f"progress, run as is): {', '.join(result['git']['uncommitted'])}")
+    result.update(duration_s=round(time.monotonic() - t_start),
+                  host={"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release(),
+                        **host_extra, "loadavg_at_start": [round(x, 2) for x in load0],
+                        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "load_during": load})
 
 
 class LoadMonitor:

@@ -2,70 +2,110 @@
 # Installs everything aenv needs on a fresh Debian/Ubuntu machine, idempotently:
 # system packages, Redis (if none answers), the Python venv, the database schema,
 # the default team/template/API key and the base guest image (cached under var/).
+# Each step is a function; sourced, this file only defines them, so deploy/install-node.sh
+# and the node's container image (deploy/docker/Dockerfile.node) run the steps a node needs
+# from this one list instead of a copy of it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-export AENV_HOME="${AENV_HOME:-$ROOT/var}"
-mkdir -p "$AENV_HOME" "$ROOT/.cache"
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
-# skopeo + umoci pull and unpack OCI images (vmm/oci); docker-registry + apache2-utils (htpasswd) are the
-# local registry the tests push their own images to (tests/oci_registry.py).
-APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static curl ca-certificates redis-tools
-              nftables iproute2 util-linux dnsmasq-base skopeo umoci docker-registry apache2-utils)
-python3 -c 'import venv, ensurepip' 2>/dev/null || APT_PACKAGES+=(python3-venv python3-dev)
-missing=()
-for p in "${APT_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "==> installing system packages: ${missing[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
-  # Only the tests run registries (on 127.0.0.1, their own config): not the package's service on *:5000.
-  if [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
-    $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true
-  fi
-fi
+# skopeo + umoci pull and unpack OCI images (vmm/oci). patchelf + binutils (readelf) relocate envd and resize2fs
+# onto the tools drive's loader (vmm/toolsdrive.py).
+NODE_APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static curl ca-certificates redis-tools
+                   nftables iproute2 util-linux dnsmasq-base skopeo umoci patchelf binutils)
+# Only the tests use these: docker-registry + apache2-utils (htpasswd) are the local registry the tests push their
+# own images to (tests/oci_registry.py); bash-static is the shell of the tests' image without glibc (tests/oci_images.py).
+TEST_APT_PACKAGES=(docker-registry apache2-utils bash-static)
 
-# Redis is the Celery broker/result backend and the channel layer.
-if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
-  if ! command -v redis-server >/dev/null; then
-    echo "==> installing redis-server"
+setup_system_packages() {  # [--node]: only what a node runs, not the tests' registry and shells
+  local packages=("${NODE_APT_PACKAGES[@]}") missing=() p
+  [ "${1:-}" = "--node" ] || packages+=("${TEST_APT_PACKAGES[@]}")
+  python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv python3-dev)
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "==> installing system packages: ${missing[*]}"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    # Only the tests run registries (on 127.0.0.1, their own config): not the package's service on *:5000.
+    if [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+      $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true
+    fi
   fi
-  echo "==> starting redis-server on 127.0.0.1:6379"
-  $SUDO redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
-  for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null && break; sleep 0.1; done
-fi
+}
 
-# Python environment (re-installed only when pyproject.toml changes).
-if [ ! -x .venv/bin/python ]; then
-  echo "==> creating .venv"
-  python3 -m venv .venv
-fi
-stamp=".venv/.aenv-installed-$(sha256sum pyproject.toml | cut -c1-16)"
-if [ ! -f "$stamp" ]; then
-  echo "==> installing Python dependencies"
-  .venv/bin/pip install -q -U pip >/dev/null
-  .venv/bin/pip install -q -e '.[test]'
-  rm -f .venv/.aenv-installed-* && touch "$stamp"
-fi
+setup_redis() {  # Redis is the Celery broker/result backend and the channel layer.
+  if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
+    if ! command -v redis-server >/dev/null; then
+      echo "==> installing redis-server"
+      $SUDO apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+    fi
+    echo "==> starting redis-server on 127.0.0.1:6379"
+    $SUDO redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
+    for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null && break; sleep 0.1; done
+  fi
+}
 
-echo "==> database schema"
-.venv/bin/python manage.py migrate --noinput -v 0
-.venv/bin/python manage.py bootstrap
-"$ROOT/scripts/setup_frontend.sh"
-.venv/bin/python manage.py collectstatic --noinput -v 0
+setup_python_env() (  # the venv in .venv, re-installed only when pyproject.toml changes
+  cd "$ROOT"
+  if [ ! -x .venv/bin/python ]; then
+    echo "==> creating .venv"
+    python3 -m venv .venv
+  fi
+  stamp=".venv/.aenv-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+  if [ ! -f "$stamp" ]; then
+    echo "==> installing Python dependencies"
+    .venv/bin/pip install -q -U pip >/dev/null
+    .venv/bin/pip install -q -e '.[test]'
+    rm -f .venv/.aenv-installed-* && touch "$stamp"
+  fi
+)
 
-echo "==> base guest image (built once, cached under ${AENV_IMAGES_DIR:-$AENV_HOME/images})"
-.venv/bin/python -m vmm.images build --name base --images-dir "${AENV_IMAGES_DIR:-$AENV_HOME/images}"
-# The default template shape (sandboxes.Template defaults: 2 vCPU, 512 MiB, 2 GiB disk) booted once and
-# captured with envd running: creating a sandbox is then a restore, not a cold boot. Cached per image
-# build + shape + driver fingerprint (accelerator, QEMU version, ...); a miss only means slower (cold) creates.
-echo "==> template snapshot of the base image (2 vCPU, 512 MiB)"
-.venv/bin/python -m vmm.templates build --image base --cpu 2 --memory 512 --disk 2048 \
-  --images-dir "${AENV_IMAGES_DIR:-$AENV_HOME/images}"
+setup_database() (  # the schema, the default team, the base template and an API key
+  cd "$ROOT"
+  echo "==> database schema"
+  .venv/bin/python manage.py migrate --noinput -v 0
+  .venv/bin/python manage.py bootstrap
+)
+
+setup_static_files() (  # xterm.js (npm) and the dashboard's static files
+  cd "$ROOT"
+  "$ROOT/scripts/setup_frontend.sh"
+  .venv/bin/python manage.py collectstatic --noinput -v 0
+)
+
+setup_guest_images() (
+  cd "$ROOT"
+  local_images="${AENV_IMAGES_DIR:-$AENV_HOME/images}"
+  echo "==> base guest image (built once, cached under $local_images)"
+  .venv/bin/python -m vmm.images build --name base --images-dir "$local_images"
+  # The default template shape (sandboxes.Template defaults: 2 vCPU, 512 MiB, 2 GiB disk) booted once and
+  # captured with envd running: creating a sandbox is then a restore, not a cold boot. Cached per image
+  # build + shape + driver fingerprint (accelerator, QEMU version, ...); a miss only means slower (cold) creates.
+  echo "==> template snapshot of the base image (2 vCPU, 512 MiB)"
+  .venv/bin/python -m vmm.templates build --image base --cpu 2 --memory 512 --disk 2048 \
+    --images-dir "$local_images"
+)
+
+setup_system_template_packages() (  # what the system templates install offline (code-interpreter-v1's wheels)
+  cd "$ROOT"
+  echo "==> packages of the system templates (downloaded once per list, cached under .cache/packages)"
+  .venv/bin/python manage.py ensure_system_templates --download-only
+)
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  cd "$ROOT"
+  export AENV_HOME="${AENV_HOME:-$ROOT/var}"
+  mkdir -p "$AENV_HOME" "$ROOT/.cache"
+  setup_system_packages
+  setup_redis
+  setup_python_env
+  setup_database
+  setup_static_files
+  setup_guest_images
+  setup_system_template_packages
+fi

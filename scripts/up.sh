@@ -44,6 +44,10 @@ for _ in $(seq 300); do
 done
 .venv/bin/python manage.py node_status --quiet || { echo "!! node worker did not register; see $LOGS/node.log" >&2; exit 1; }
 
+# The system templates (code-interpreter-v1): built by the node when their recipe changed (minutes
+# the first time under TCG), otherwise nothing; the build goes on in the background.
+.venv/bin/python manage.py ensure_system_templates --no-wait || echo "!! system templates: see above" >&2
+
 KEY="$(cat "$AENV_HOME/api_key")"
 cat <<MSG
 

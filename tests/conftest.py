@@ -54,3 +54,26 @@ def _remove_test_network(tmp_path_factory):
 
         remove_instance(os.environ["AENV_NET_PREFIX"], os.environ["AENV_NET_POOL"],
                         tmp_path_factory.getbasetemp())
+
+
+DB_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback", "live_server"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--database-tests-only", action="store_true",
+                     help="run only the tests that use the database (the second, PostgreSQL pass of scripts/test.sh)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--database-tests-only``: keep the tests that touch the database (a ``django_db`` mark,
+    or a database fixture anywhere in their fixture closure); the rest ran on the first pass
+    and do not depend on which database is configured."""
+    if not config.getoption("--database-tests-only"):
+        return
+    keep, drop = [], []
+    for item in items:
+        uses_db = item.get_closest_marker("django_db") is not None or DB_FIXTURES & set(item.fixturenames)
+        (keep if uses_db else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

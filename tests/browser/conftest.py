@@ -6,6 +6,7 @@ Needs ``/usr/bin/chromium`` and the xterm.js packages (both installed by
 tests are skipped with that reason; without xterm.js they fail (it is part of the app).
 Screenshots of every page go to ``var/artifacts/screenshots/dashboard/`` (git-ignored,
 replaced by each run; ``AENV_SCREENSHOTS_DIR`` moves them)."""
+import contextlib
 import os
 import shutil
 import uuid
@@ -38,21 +39,28 @@ def shots_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def web_stack(chromium_path):
-    """A real stack whose daphne serves collected static files (like a deployment)."""
-    home = ROOT / "var" / "test-runs" / f"browser-{uuid.uuid4().hex[:8]}"
-    stack = Stack(home=home)
+@contextlib.contextmanager
+def dashboard_stack(prefix: str, username: str, password: str, **kwargs):
+    """A real stack whose daphne serves collected static files (like a deployment), with a
+    dashboard sign-in ``username`` / ``password`` of the default team; ``kwargs`` go to Stack."""
+    home = ROOT / "var" / "test-runs" / f"{prefix}-{uuid.uuid4().hex[:8]}"
+    stack = Stack(home=home, **kwargs)
     try:
         stack.home.mkdir(parents=True, exist_ok=True)
         stack.manage("collectstatic", "--noinput", "-v", "0")
         stack.start()
-        stack.manage("create_dashboard_user", "--username", "ada", "--team", "default", "--password", PASSWORD)
+        stack.manage("create_dashboard_user", "--username", username, "--team", "default", "--password", password)
         yield stack
     finally:
         stack.shutdown()
         if not os.environ.get("AENV_KEEP_TEST_HOME"):
             shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def web_stack(chromium_path):
+    with dashboard_stack("browser", "ada", PASSWORD) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

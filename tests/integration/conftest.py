@@ -1,11 +1,14 @@
 """A real aenv stack (daphne + uvicorn + node worker + lifecycle sweeper + QEMU VMs) for
-the whole session, and `running_stack` for modules that need their own settings."""
+the whole session, and `running_stack` for modules that need their own settings; a local
+OCI registry with one test image for the template-build tests (Python and TypeScript SDK)."""
 import os
 import shutil
 import uuid
 from contextlib import contextmanager
 
 import pytest
+
+from tests import oci_images, oci_registry
 
 from .stack import ROOT, Stack
 
@@ -38,3 +41,23 @@ def sdk_env(stack, monkeypatch):
     monkeypatch.setenv("E2B_API_KEY", stack.api_key)
     monkeypatch.delenv("E2B_DEBUG", raising=False)
     return stack
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory):
+    """Debian's docker-registry on 127.0.0.1 for the session (skips where it cannot run)."""
+    reason = oci_registry.available() or oci_images.available()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("registry")
+    reg = oci_registry.start(root / "registry")
+    yield reg
+    oci_registry.stop(root / "registry")
+
+
+@pytest.fixture(scope="session")
+def app_image(registry):
+    """debian (small) + an app layer, pushed once per session as <registry>/aenv-test/app:v1."""
+    token = f"tpl-{uuid.uuid4().hex[:8]}"
+    return oci_images.make_test_image(registry.host, "aenv-test/app", "v1", token,
+                                      base_layer=oci_images.debootstrap_layer(oci_images.debian_rootfs()))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from aenv_cluster.processes import qemu_pids
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
@@ -86,6 +88,7 @@ class Stack:
             AENV_NODE_ID=self.node_id,
             AENV_NET_PREFIX=self.net_prefix,
             AENV_NET_POOL=self.net_pool,
+            AENV_PRIVATE_REGISTRIES="127.0.0.1",  # the tests' own registries (tests/oci_registry.py)
             DJANGO_SETTINGS_MODULE="aenv_site.settings",
             PYTHONUNBUFFERED="1",
         )
@@ -203,7 +206,8 @@ class Stack:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
 
-    def stop(self, name: str | None = None) -> None:
+    def stop(self, name: str | None = None, timeout: float = 15) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` s (a node worker pauses its sandboxes first)."""
         names = [name] if name else list(self.procs)
         for n in names:
             proc = self.procs.pop(n, None)
@@ -211,7 +215,7 @@ class Stack:
                 continue
             os.killpg(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
@@ -221,17 +225,7 @@ class Stack:
 
     def vm_leftovers(self) -> dict:
         """QEMU processes, sandbox state dirs and RAM files that belong to this stack's home."""
-        home = str(self.home)
-        procs = []
-        for pid_dir in Path("/proc").iterdir():
-            if not pid_dir.name.isdigit():
-                continue
-            try:
-                cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "qemu-system" in cmdline and home in cmdline:
-                procs.append(int(pid_dir.name))
+        procs = qemu_pids(str(self.home))
         sandboxes_dir = self.home / "sandboxes"
         dirs = sorted(p.name for p in sandboxes_dir.iterdir()) if sandboxes_dir.exists() else []
         return {"processes": procs, "state_dirs": dirs}
@@ -249,14 +243,4 @@ class Stack:
 
     def qemu_pids(self, sandbox_id: str) -> list[int]:
         """This stack's QEMU processes of one sandbox."""
-        out = []
-        for pid_dir in Path("/proc").iterdir():
-            if not pid_dir.name.isdigit():
-                continue
-            try:
-                cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "qemu-system" in cmdline and str(self.home) in cmdline and sandbox_id in cmdline:
-                out.append(int(pid_dir.name))
-        return out
+        return qemu_pids(str(self.home), sandbox_id)
