@@ -38,6 +38,16 @@ def spawn(api: FakeApi, sandbox_url: str, *extra, rows=30, cols=100):
     return child
 
 
+def finish(child) -> None:
+    """Closes the terminal once the CLI has exited by itself (bounded): pexpect's close()
+    SIGKILLs a process still alive 0.1 s after, which on a loaded machine is one still
+    cleaning up (killing its remote shell), and its exit status would be lost."""
+    deadline = time.monotonic() + 15
+    while child.isalive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.close()
+
+
 def run(child, command: str) -> str:
     """Types ``command``; what it printed before the next prompt."""
     child.sendline(command)
@@ -67,7 +77,7 @@ def test_a_shell_on_a_terminal_that_follows_the_window(api, envd):
         child.sendline("exit 3")
         child.expect(pexpect.EOF)
     finally:
-        child.close()
+        finish(child)
     assert child.exitstatus == 3
     assert any(call[1] == "/sandboxes/sb/connect" for call in api.calls)
 
@@ -85,7 +95,7 @@ def test_the_session_survives_its_connection_being_cut(api, envd):
         child.sendline("exit")
         child.expect(pexpect.EOF)
     finally:
-        child.close()
+        finish(child)
         relay.close()
     assert child.exitstatus == 0
 
@@ -99,7 +109,7 @@ def test_a_paused_or_killed_sandbox_ends_the_session_with_130(api, envd, state, 
         child.expect_exact(words, timeout=20)
         child.expect(pexpect.EOF)
     finally:
-        child.close()
+        finish(child)
     assert child.exitstatus == 130
 
 
@@ -115,7 +125,7 @@ def test_a_lost_shell_is_killed_when_the_terminal_closes(api, envd):
         child.kill(1)  # SIGHUP: the terminal window went away
         child.expect(pexpect.EOF)
     finally:
-        child.close()
+        finish(child)
     assert child.exitstatus == 129 or child.signalstatus == 1
     deadline = time.monotonic() + 10
     while _running(marker) and time.monotonic() < deadline:
