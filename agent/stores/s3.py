@@ -8,8 +8,12 @@ Objects (under ``AENV_S3_PREFIX``):
 - ``snapshots/<id>/manifest.json``: the snapshot: each file's size and chunk list,
   and the driver's SnapshotManifest with its paths made relative (``$SNAPSHOT/…``
   for the snapshot's own files, ``$IMAGES/…`` for the template base layer, kernel
-  and tools, which every node builds itself). Written last: it exists only for a
-  complete upload.
+  and tools) and ``image_files``: each of those image files' content digest. Written
+  last: it exists only for a complete upload.
+- ``images/<sha256>.json``: an image file by content (size and chunk list), published
+  once for every snapshot that runs on it; its chunks carry ``image-…`` markers. Two
+  nodes' builds of one recipe may differ byte for byte, so a node uses its own file
+  only when the digest matches and otherwise fetches this one with the snapshot.
 - ``refs/<sha256>/<id>``: empty marker, "snapshot <id> uses this chunk".
 
 Reference scheme and its trade-off: a commit writes a chunk's marker *before* it
@@ -420,8 +424,7 @@ class S3Store(SnapshotStore):
 
     def _check_base(self, snapshot_id: str, manifest: dict) -> None:
         """Before anything is downloaded: this node can restore the snapshot (the driver
-        checks what it needs from the node, e.g. the image build it was taken on, which
-        every node builds itself at the same place)."""
+        checks what it needs from the node that the snapshot does not carry)."""
         try:
             self.driver.check_snapshot(SnapshotManifest.from_json(manifest))
         except VMError as exc:
