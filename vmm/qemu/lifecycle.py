@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -147,26 +148,52 @@ class LifecycleMixin:
 
     def _spill_later(self, sandbox_id: str) -> None:
         """Moves the RAM of a VM just saved with its memory out of tmpfs in the background
-        (~0.2 s for 140 MiB with its fsync, which the pause need not wait for): under the VM's
-        lock, so a resume that comes first simply finds its RAM still in tmpfs."""
+        (~0.2 s for 140 MiB with its fsync, which the pause need not wait for)."""
         with self._spill_mutex:
             if self._spill_pool is None:
                 self._spill_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ram-to-disk")
+                _remove_stale_copies(self._ram_moves_dir())
             self._spills = [f for f in self._spills if not f.done()]
             self._spills.append(self._spill_pool.submit(self._spill, sandbox_id))
 
     def _spill(self, sandbox_id: str) -> None:
+        """The copy runs outside the VM's lock, so a resume that comes meanwhile is not kept
+        waiting for it: it resumes from tmpfs and the copy is dropped. Only the switch to
+        the copy takes the lock, and only for the very pause it copied (same status, RAM
+        file and device state file), so a resume + pause during the copy is never mixed up
+        with the stale copy."""
+        state_dir = self.sandboxes_dir / sandbox_id
         try:
+            state = VMState.load(state_dir)
+            move = self._ram_move(state) if state is not None and state.status == "paused_disk" else None
+            if move is None:
+                return
+            ram, dest = move
+            pause = _pause_mark(state)
+            # Not in the state dir: a kill meanwhile removes that dir, and must find it empty.
+            moves = self._ram_moves_dir()
+            moves.mkdir(exist_ok=True)
+            tmp = moves / f"{sandbox_id}.{os.getpid()}-{threading.get_ident()}.tmp"
+            t0 = time.monotonic()
+            try:
+                copied = _copy_synced(ram, tmp)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                now = VMState.load(state_dir)
+                if now is not None and now.status == "paused_disk" and _pause_mark(now) == pause:
+                    raise
+                return  # resumed or killed meanwhile: its RAM file went away or changed hands
             with self._lock(sandbox_id):
-                state = VMState.load(self.sandboxes_dir / sandbox_id)
-                if state is None or state.status != "paused_disk":
-                    return  # resumed, killed or saved otherwise meanwhile
-                t0 = time.monotonic()
-                copied = self._ram_to_disk(state)
-                if copied:
-                    state.timings.update({"ram_to_disk_ms": (time.monotonic() - t0) * 1e3,
-                                          "ram_to_disk_mb": copied / 2**20})
-                    state.save()
+                now = VMState.load(state_dir)
+                if (now is None or now.status != "paused_disk" or now.ram != str(ram)
+                        or _pause_mark(now) != pause):
+                    tmp.unlink(missing_ok=True)
+                    return
+                os.replace(tmp, dest)
+                now.ram = str(dest)  # from here the disk copy is the VM's memory
+                now.timings.update({"ram_to_disk_ms": (time.monotonic() - t0) * 1e3, "ram_to_disk_mb": copied / 2**20})
+                now.save()
+                ram.unlink(missing_ok=True)
         except Exception:  # noqa: BLE001 - the RAM stays in tmpfs, which works as before
             log.exception("sandbox %s: moving its paused memory to disk failed", sandbox_id)
 
@@ -177,33 +204,22 @@ class LifecycleMixin:
         _, late = wait_futures(pending, timeout=timeout)
         return not late
 
-    def _ram_to_disk(self, state: VMState) -> int:
-        """A VM saved with its memory gives its RAM file back to tmpfs: the file is copied
-        (sparse, synced) next to its device state and the tmpfs one removed, so a paused
-        sandbox holds no host memory and survives a reboot. A copy-on-write VM has its RAM
-        in the device state already (its RAM file is a snapshot's). Returns the bytes copied."""
+    def _ram_moves_dir(self) -> Path:
+        """Where RAM copies are written before they become a VM's (the state dirs' filesystem)."""
+        return self.sandboxes_dir.with_name("ram-moves")
+
+    @staticmethod
+    def _ram_move(state: VMState) -> tuple[Path, Path] | None:
+        """(tmpfs RAM file, its place on disk) for a VM saved with its memory that owns its
+        RAM file: copied (sparse, synced) next to its device state and the tmpfs one removed,
+        a paused sandbox holds no host memory and survives a reboot. None when there is
+        nothing to move: a copy-on-write VM has its RAM in the device state already (its RAM
+        file is a snapshot's), or the RAM is on disk already."""
         ram = Path(state.ram)
         if not (state.ram_owned and state.ram_share and not state.device_state_full_ram) or not ram.is_file():
-            return 0
+            return None
         dest = Path(state.state_dir) / RAM_ON_DISK
-        if ram == dest:
-            return 0
-        tmp = dest.with_name(dest.name + ".tmp")
-        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-        try:
-            os.ftruncate(fd, ram.stat().st_size)
-            copied = ramfile.copy_sparse_into(ram, fd)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.replace(tmp, dest)
-        state.ram = str(dest)  # from here the disk copy is the VM's memory
-        state.save()
-        ram.unlink(missing_ok=True)
-        return copied
+        return None if ram == dest else (ram, dest)
 
     def _wait_exit(self, state: VMState, paths: VMPaths) -> None:
         """Waits for a QEMU that was told to quit; stops it harder after 10 s."""
@@ -429,3 +445,38 @@ class LifecycleMixin:
             info.timings = timings
             return info
 
+
+def _pause_mark(state: VMState) -> tuple | None:
+    """Which pause a VM's saved state is: its device state file is written anew by each."""
+    try:
+        st = os.stat(state.device_state)
+    except (OSError, TypeError):
+        return None
+    return state.device_state, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _copy_synced(src: Path, dst: Path) -> int:
+    """A sparse copy of ``src`` as the new file ``dst``, on disk before it returns."""
+    fd = os.open(dst, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.ftruncate(fd, src.stat().st_size)
+        copied = ramfile.copy_sparse_into(src, fd)
+        os.fsync(fd)
+        return copied
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_copies(moves: Path, older_than_s: float = 600.0) -> None:
+    """RAM copies a crashed node left half-written (never anyone's memory)."""
+    try:
+        entries = list(moves.iterdir())
+    except FileNotFoundError:
+        return
+    limit = time.time() - older_than_s
+    for path in entries:
+        try:
+            if path.stat().st_mtime < limit:
+                path.unlink()
+        except FileNotFoundError:
+            pass
