@@ -4,7 +4,9 @@ a real envd on the host without the control plane; and a TCP relay between the C
 envd that a test can cut, as a data plane restart would."""
 import json
 import socket
+import subprocess
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -115,3 +117,16 @@ class Relay:
     def close(self):
         self.listener.close()
         self.cut()
+
+
+def process_running(marker: str) -> bool:
+    """Whether a process whose command line holds ``marker`` runs on this host."""
+    return subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0
+
+
+def await_process(marker: str, running: bool, timeout: float = 10.0) -> bool:
+    """Until a process with ``marker`` runs (or has gone); whether it did in time."""
+    deadline = time.monotonic() + timeout
+    while process_running(marker) != running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return process_running(marker) == running

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .cli_api import FakeApi
+from .cli_api import FakeApi, await_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,20 +84,10 @@ def test_ctrl_c_kills_the_remote_command(aenv, envd):
     proc = subprocess.Popen([sys.executable, "-m", "aenv_cli", "exec", "sb", "bash", "-c",
                              f"exec -a {spelled} sleep 300"], env=aenv.env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while not _running(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _running(marker)
+    assert await_process(marker, running=True, timeout=20)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 130 and b"the command was killed" in proc.stderr.read()
-    deadline = time.monotonic() + 10
-    while _running(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _running(marker)
-
-
-def _running(marker: str) -> bool:
-    return subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0
+    assert await_process(marker, running=False)
 
 
 def test_the_token_is_sent(envd):

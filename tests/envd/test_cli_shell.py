@@ -13,7 +13,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from .cli_api import FakeApi, Relay
+from .cli_api import FakeApi, Relay, await_process
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "PROMPT> "
@@ -118,22 +118,10 @@ def test_a_lost_shell_is_killed_when_the_terminal_closes(api, envd):
     child = spawn(api, envd.url)
     try:
         child.sendline(f"exec -a {marker[:6]}''{marker[6:]} sleep 300")
-        deadline = time.monotonic() + 10
-        while not _running(marker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _running(marker)
+        assert await_process(marker, running=True)
         child.kill(1)  # SIGHUP: the terminal window went away
         child.expect(pexpect.EOF)
     finally:
         finish(child)
     assert child.exitstatus == 129 or child.signalstatus == 1
-    deadline = time.monotonic() + 10
-    while _running(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _running(marker)
-
-
-def _running(marker: str) -> bool:
-    import subprocess  # noqa: PLC0415
-
-    return subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0
+    assert await_process(marker, running=False)
