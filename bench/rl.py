@@ -111,8 +111,8 @@ class MemWatch:
 
 
 class Bench:
-    def __init__(self, stack, art: prep.Artifacts, steps: int):
-        self.stack, self.art, self.steps = stack, art, steps
+    def __init__(self, stack, art: prep.Artifacts, steps: int, retries: int = 0):
+        self.stack, self.art, self.steps, self.retries = stack, art, steps, retries
         self.made: set[str] = set()
         self.lock = threading.Lock()
 
@@ -168,11 +168,27 @@ class Bench:
         return {"upload_s": round(t1 - t0, 2), "install_s": round(t2 - t1, 2), "warm_s": round(t3 - t2, 2),
                 "total_s": round(t3 - t0, 2), "worker": ready}
 
+    def run_retrying(self, sbx, cmd: str, row: dict):
+        """commands.run, again (after 1, 2, ... s) while the data plane could not reach envd at
+        all (its 3 s connect timeout, with dozens of emulated guests on 2 cores): the command did
+        not start, so a retry is safe. ``row["retries"]`` counts them."""
+        from e2b.exceptions import SandboxUnreachableException  # noqa: PLC0415
+
+        row["retries"] = 0
+        while True:
+            try:
+                return sbx.commands.run(cmd, timeout=600, request_timeout=600)
+            except SandboxUnreachableException:
+                if row["retries"] >= self.retries:
+                    raise
+                row["retries"] += 1
+                time.sleep(row["retries"])
+
     def task(self, sbx, i: int, t_req: float, t_run: float) -> dict:
         row = {"i": i, "sandbox_id": sbx.sandbox_id, "ok": False}
         task = {"id": f"r{i}", "seed": i, "steps": self.steps}
         try:
-            out = sbx.commands.run(client_command(prep.GUEST_ROOT, task), timeout=600, request_timeout=600)
+            out = self.run_retrying(sbx, client_command(prep.GUEST_ROOT, task), row)
             t = time.monotonic()
             answer = json.loads(out.stdout.strip().splitlines()[-1])
             row["error"] = check_answer(answer, i, self.steps)
@@ -280,6 +296,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20000, help="environment steps per rollout (the task)")
     parser.add_argument("--fresh-concurrency", type=int, default=8,
                         help="(b): fresh sandboxes at a time (2 emulated cores; more only queue)")
+    parser.add_argument("--task-retries", type=int, default=0,
+                        help="retries of a task the data plane could not deliver (envd unreachable)")
     parser.add_argument("--quick", action="store_true", help="N=2; to var/bench-quick/")
     parser.add_argument("--out", type=Path, help="where the JSON + Markdown go (default bench/results/)")
     parser.add_argument("--net-prefix", default="aenvrl")
@@ -303,6 +321,7 @@ def main() -> int:
     packages = [p for p in args.packages.split(",") if p]
     result: dict = {"benchmark": "rl", "when": stamp, "quick": args.quick, "git": git_state(), "template": "base",
                     "ns": ns, "ways": ways, "steps": args.steps, "fresh_concurrency": args.fresh_concurrency,
+                    "task_retries": args.task_retries,
                     "target_ratio": TARGET_RATIO, "runs": {}, "notes": []}
     monitor = LoadMonitor().start()
     stack = bench = None
@@ -318,7 +337,7 @@ def main() -> int:
         shape = base_shape(stack)
         shape.pop("team_id", None)
         result["shape"] = shape
-        bench = Bench(stack, art, args.steps)
+        bench = Bench(stack, art, args.steps, args.task_retries)
         monitor.phase = "warmup"
         t0 = time.monotonic()
         bench.kill(bench.create())  # page cache, connections: the first run is not the only cold one
@@ -384,6 +403,9 @@ def add_notes(result: dict) -> None:
             result["notes"].append(f"N={n} (b): {b['concurrency']} fresh sandboxes at a time; median setup "
                                    f"{b['setup_s']} s per sandbox")
         for way, s in (("a", a), ("b", b)):
+            if s and s.get("task_retries"):
+                result["notes"].append(f"N={n} ({way}): {s['task_retries']} task retr(y/ies) after the data plane "
+                                       "could not reach envd (SandboxUnreachableException; counted in the latency)")
             if s and s["errors"]:
                 errs = sorted({str(r.get("error", ""))[:160] for r in s["rollouts"] if not r.get("ok")})
                 result["notes"].append(f"N={n} ({way}): {s['errors']} failed rollout(s): {errs}")

@@ -26,7 +26,8 @@ def run_summary(rows: list[dict], wall_s: float, nodes: int = 1) -> dict:
            "time_to_last_result_s": round(max(at), 2) if at else None,
            "latency_p50_ms": round(percentile(lat_ms, 50), 1) if lat_ms else None,
            "latency_p99_ms": round(percentile(lat_ms, 99), 1) if lat_ms else None,
-           "latency_mean_ms": round(statistics.mean(lat_ms), 1) if lat_ms else None}
+           "latency_mean_ms": round(statistics.mean(lat_ms), 1) if lat_ms else None,
+           "task_retries": sum(r.get("retries", 0) for r in rows)}
     return out
 
 

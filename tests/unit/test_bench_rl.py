@@ -29,6 +29,9 @@ def test_run_summary_throughput_latency_and_first_result():
     assert s["latency_p50_ms"] == 5000.0  # nearest rank: the 5th of 1..10 s
     assert s["latency_p99_ms"] == 10000.0
     assert rl_report.run_summary(rows, wall_s=36.0, nodes=2)["rollouts_per_hour_per_node"] == 500.0
+    assert s["task_retries"] == 0
+    rows[0]["retries"], rows[3]["retries"] = 2, 1
+    assert rl_report.run_summary(rows, wall_s=36.0)["task_retries"] == 3
 
 
 def test_run_summary_with_no_correct_rollout():
@@ -221,3 +224,40 @@ def test_worker_serve_max_tasks_in_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+class _FlakySandbox:
+    """commands.run raises the SDK's SandboxUnreachableException ``fails`` times, then answers."""
+
+    def __init__(self, fails, exc=None):
+        from e2b.exceptions import SandboxUnreachableException
+
+        self.fails, self.calls = fails, 0
+        self.exc = exc or SandboxUnreachableException("port is not open")
+        self.commands = self
+
+    def run(self, cmd, **kw):
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise self.exc
+        return type("R", (), {"stdout": cmd})()
+
+
+def test_run_retrying_retries_only_unreachable(monkeypatch):
+    from e2b.exceptions import SandboxUnreachableException
+
+    monkeypatch.setattr(rl.time, "sleep", lambda s: None)
+    bench = rl.Bench(stack=None, art=None, steps=1, retries=2)
+    row = {}
+    sbx = _FlakySandbox(2)
+    assert bench.run_retrying(sbx, "echo", row).stdout == "echo"
+    assert row["retries"] == 2 and sbx.calls == 3
+    with pytest.raises(SandboxUnreachableException):
+        bench.run_retrying(_FlakySandbox(3), "echo", {})
+    other = _FlakySandbox(1, exc=RuntimeError("command failed"))
+    with pytest.raises(RuntimeError):
+        bench.run_retrying(other, "echo", {})
+    assert other.calls == 1  # anything else is not retried
+    no_retry = rl.Bench(stack=None, art=None, steps=1)
+    with pytest.raises(SandboxUnreachableException):
+        no_retry.run_retrying(_FlakySandbox(1), "echo", {})
