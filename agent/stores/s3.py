@@ -11,7 +11,8 @@ Objects (under ``AENV_S3_PREFIX``):
   and tools) and ``image_files``: each of those image files' content digest. Written
   last: it exists only for a complete upload.
 - ``images/<sha256>.json``: an image file by content (size and chunk list), published
-  once for every snapshot that runs on it; its chunks carry ``image-…`` markers. Two
+  once for every snapshot that runs on it; its chunks carry ``image-…`` markers, and
+  ``image-users/<sha256>/<id>`` marks each snapshot using it (the last delete removes it). Two
   nodes' builds of one recipe may differ byte for byte, so a node uses its own file
   only when the digest matches and otherwise fetches this one with the snapshot.
 - ``refs/<sha256>/<id>``: empty marker, "snapshot <id> uses this chunk".
@@ -181,6 +182,9 @@ class S3Store(SnapshotStore):
     def image_key(self, file_digest: str) -> str:
         return f"{self.prefix}images/{file_digest}.json"
 
+    def image_user_key(self, file_digest: str, snapshot_id: str) -> str:
+        return f"{self.prefix}image-users/{file_digest}/{snapshot_id}"
+
     def trash_key(self, snapshot_id: str) -> str:
         return f"{self.prefix}trash/{snapshot_id}.json"
 
@@ -245,7 +249,10 @@ class S3Store(SnapshotStore):
             return
         for sha in sorted(touched):
             try:
-                self._release(sha, snapshot_id)
+                if sha.startswith("image:"):
+                    self._release_image(sha.removeprefix("image:"), snapshot_id)
+                else:
+                    self._release(sha, snapshot_id)
             except Exception as exc:  # the store is unreachable: nothing more to do
                 log.warning("could not release chunk %s of failed snapshot %s: %s", sha, snapshot_id, exc)
                 return
@@ -299,10 +306,14 @@ class S3Store(SnapshotStore):
                 "format": FORMAT, "snapshot_id": snapshot_id, "chunk_size": self.chunk_size, "files": files,
                 "stored_bytes": sum(c[1] for f in files.values() for c in f["chunks"]),
                 "manifest": relativize(manifest, Path(manifest.get("dir") or src), images_dirs),
-                "image_files": {role: {"path": relativize(path, src, images_dirs), **self._publish_image_file(path)}
+                "image_files": {role: {"path": relativize(path, src, images_dirs),
+                                       **self._publish_image_file(path, snapshot_id, touched)}
                                 for role, path in image_files(manifest, images_dirs).items()},
             }
             self._put_json(self.manifest_key(snapshot_id), doc)
+            for role, path in image_files(manifest, images_dirs).items():  # a racing delete may have dropped it
+                if not self._exists(self.image_key(doc["image_files"][role]["digest"])):
+                    self._publish_image_file(path, snapshot_id, touched)
 
             def recheck(sha):  # a concurrent delete may have removed a chunk we found present
                 if self._exists(self.chunk_key(sha)):
@@ -317,13 +328,16 @@ class S3Store(SnapshotStore):
         log.info("snapshot %s committed to %s: %s", snapshot_id, self._where(), stats)
         return stats
 
-    def _publish_image_file(self, path: str) -> dict:
+    def _publish_image_file(self, path: str, snapshot_id: str, touched: set[str]) -> dict:
         """Makes a file of this node's images dir that a snapshot needs (its template's base
         disk, the kernel, initrd and tools drive) restorable from the store by content: its
-        chunks and ``images/<digest>.json``, once per distinct file in the whole store (never
-        removed by a snapshot's delete: their markers name the image, not a snapshot).
+        chunks and ``images/<digest>.json``, once per distinct file in the whole store. The
+        snapshot marks itself a user (``image-users/<digest>/<id>``) before it looks, the
+        chunks' scheme one level up: the image goes with its last user's delete.
         Returns what the snapshot's manifest records of it."""
         file_digest, size, chunks = self.on_disk.file_digest(Path(path))
+        touched.add(f"image:{file_digest}")
+        self.s3.put_object(Bucket=self.bucket, Key=self.image_user_key(file_digest, snapshot_id), Body=b"")
         if not self._exists(self.image_key(file_digest)):
             owner = f"image-{file_digest[:32]}"
 
@@ -501,8 +515,27 @@ class S3Store(SnapshotStore):
         shas = sorted({c[2] for f in doc.get("files", {}).values() for c in f.get("chunks", [])})
         with self._pool() as pool:
             list(pool.map(lambda sha: self._release(sha, snapshot_id), shas))
+        for file_digest in sorted({i["digest"] for i in (doc.get("image_files") or {}).values()}):
+            self._release_image(file_digest, snapshot_id)
         self.s3.delete_object(Bucket=self.bucket, Key=self.trash_key(snapshot_id))
         return True
+
+    def _release_image(self, file_digest: str, snapshot_id: str) -> None:
+        """Drops this snapshot's use of an image file; with its last user the image goes:
+        its index first (so no new snapshot relies on chunks about to go), then its chunks'
+        markers, and each chunk nothing else marks."""
+        self.s3.delete_object(Bucket=self.bucket, Key=self.image_user_key(file_digest, snapshot_id))
+        left = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}image-users/{file_digest}/",
+                                       MaxKeys=1)
+        if left.get("KeyCount"):
+            return
+        image = self._get_json(self.image_key(file_digest))
+        if image is None:
+            return
+        self.s3.delete_object(Bucket=self.bucket, Key=self.image_key(file_digest))
+        owner = f"image-{file_digest[:32]}"
+        with self._pool() as pool:
+            list(pool.map(lambda sha: self._release(sha, owner), sorted({c[2] for c in image["chunks"]})))
 
     def _release(self, sha: str, snapshot_id: str) -> None:
         """Drops this snapshot's marker; the chunk goes when no marker is left."""
