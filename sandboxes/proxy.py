@@ -48,12 +48,16 @@ CONNECT_TIMEOUT = 3.0
 # these pauses, as E2B does: a service started a moment ago, or one bound to
 # 127.0.0.1 that envd re-exposes about a second after it appears, is still reached.
 USER_PORT_RETRY_DELAYS = (0.1, 0.2, 0.3, 0.4)
+# How long connects that time out (each after CONNECT_TIMEOUT) are tried again while the
+# sandbox is still running at the same place: a fork burst on an overloaded host.
+SLOW_GUEST_PATIENCE = 20.0
 
 
 class EnvdProxy:
     """ASGI app. One instance per process (it owns the upstream connection pools)."""
 
     retry_delays = USER_PORT_RETRY_DELAYS
+    slow_guest_patience = SLOW_GUEST_PATIENCE
 
     def __init__(self, routes: RouteTable | None = None):
         self.routes = routes or RouteTable()
@@ -190,26 +194,38 @@ class EnvdProxy:
             return None
         return await self.routes.get(sandbox_id)
 
-    async def attempts(self, route: Route, port: int):
+    async def attempts(self, route: Route, port: int, failures: list | None = None):
         """The routes to try connecting to, one per attempt. A refused (or timed-out)
-        connect sent nothing, so the caller asks for the next: on a user port a few more
-        times after short pauses (the service may be about to listen), then once on the
-        sandbox's newer route if it has moved on meanwhile (paused and auto-resumed,
-        resumed elsewhere). When none is left, raises Refused with 'was not found' /
-        'port is not open' (or a failed resume's answer)."""
+        connect sent nothing, so the caller asks for the next (and appends its error to
+        ``failures``): on a user port a few more times after short pauses (the service may
+        be about to listen), then once on the sandbox's newer route if it has moved on
+        meanwhile (paused and auto-resumed, resumed elsewhere). A connect that timed out
+        on a sandbox still running at the same place is a guest too busy to answer (an
+        overloaded host: dozens of emulated guests on two cores), not a gone one: it is
+        tried again until ``slow_guest_patience`` s have passed. When none is left, raises
+        Refused with 'was not found' / 'port is not open' (or a failed resume's answer)."""
         delays = (0.0, *(self.retry_delays if port != ENVD_PORT else ()))
+        patient_until = asyncio.get_running_loop().time() + self.slow_guest_patience
         for attempt in (1, 2):
             for delay in delays:
                 if delay:
                     await asyncio.sleep(delay)
                 yield route
             if attempt == 1:
-                try:
-                    current = await self.current_route(route.sandbox_id)
-                except ResumeFailed as exc:
-                    raise Refused(exc.response(route.sandbox_id)) from None
-                if current is None or current.upstream == route.upstream or current.address(port) is None:
-                    raise Refused(answers.gone(route.sandbox_id, port, current))
+                while True:
+                    try:
+                        current = await self.current_route(route.sandbox_id)
+                    except ResumeFailed as exc:
+                        raise Refused(exc.response(route.sandbox_id)) from None
+                    if current is None or current.address(port) is None:
+                        raise Refused(answers.gone(route.sandbox_id, port, current))
+                    if current.upstream != route.upstream:
+                        break
+                    if not (failures and isinstance(failures[-1], SLOW_CONNECT)
+                            and asyncio.get_running_loop().time() < patient_until):
+                        raise Refused(answers.gone(route.sandbox_id, port, current))
+                    log.info("sandbox %s port %s slow to accept; trying again", route.sandbox_id, port)
+                    yield route
                 route = current
         raise Refused(answers.gone(route.sandbox_id, port, await self.routes.get(route.sandbox_id)))
 
@@ -246,7 +262,8 @@ class EnvdProxy:
         if query:
             target += b"?" + query
         try:
-            async with aclosing(self.attempts(route, port)) as attempts:
+            failures: list[Exception] = []
+            async with aclosing(self.attempts(route, port, failures)) as attempts:
                 async for route in attempts:
                     host, upstream_port = route.address(port)
                     url = httpx.URL(scheme="http", host=host, port=upstream_port, raw_path=target)
@@ -260,6 +277,7 @@ class EnvdProxy:
                             upstream = await client.send(request, stream=True)
                         except NOT_SENT as exc:
                             log.info("upstream %s:%s of %s refused (%r)", host, upstream_port, route.sandbox_id, exc)
+                            failures.append(exc)
                             continue
                         except SENT_MAYBE as exc:
                             log.info("upstream %s:%s of %s failed: %r", host, upstream_port, route.sandbox_id, exc)
@@ -281,6 +299,7 @@ class EnvdProxy:
 
 # Failures before a byte of the request left: safe to retry on a newer route.
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+SLOW_CONNECT = (httpx.ConnectTimeout, TimeoutError)  # unanswered, not refused (the WebSocket path's is TimeoutError)
 SENT_MAYBE = (httpx.PoolTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 

@@ -91,12 +91,14 @@ class WebSocketBridge:
             await upstream.close()
 
     async def _open(self, scope, route: Route, port: int) -> ClientConnection:
-        async with aclosing(self.proxy.attempts(route, port)) as attempts:
+        failures: list[Exception] = []
+        async with aclosing(self.proxy.attempts(route, port, failures)) as attempts:
             async for route in attempts:
                 try:
                     return await _connect(scope, route, port)
                 except _NotSent as exc:
                     log.info("websocket upstream of %s port %s refused (%r)", route.sandbox_id, port, exc.__cause__)
+                    failures.append(exc.__cause__)
         raise AssertionError("attempts() ends by raising Refused")  # pragma: no cover
 
 

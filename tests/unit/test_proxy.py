@@ -488,3 +488,55 @@ async def test_traffic_right_after_a_pause_auto_resumes_onto_the_new_vm(stack, n
     finally:
         server.should_exit = True
         await task
+
+
+def _connects_time_out(monkeypatch, port: int, times: int) -> list:
+    """The first ``times`` connects to ``port`` time out, as to a guest too busy to
+    answer its SYN; returns the list of connect attempts seen."""
+    real_send = httpx.AsyncClient.send
+    seen = []
+
+    async def send(self, request, **kw):
+        if request.url.port == port:
+            seen.append(request.url.path)
+            if len(seen) <= times:
+                raise httpx.ConnectTimeout("timed out", request=request)
+        return await real_send(self, request, **kw)
+    monkeypatch.setattr(httpx.AsyncClient, "send", send)
+    return seen
+
+
+async def test_a_running_guest_slow_to_accept_is_given_time(stack, monkeypatch):
+    seen = _connects_time_out(monkeypatch, stack.up_port, times=3)
+    sbx = await make_sandbox(stack.up_port)
+    r = await stack.client.get("/health", headers=hdr(sbx))
+    assert r.status_code == 204, r.text  # the test upstream's /health
+    assert len(seen) == 4
+
+
+async def test_a_guest_that_never_accepts_is_port_not_open_after_the_patience(stack, monkeypatch):
+    seen = _connects_time_out(monkeypatch, stack.up_port, times=10**6)
+    monkeypatch.setattr(stack.proxy, "slow_guest_patience", 0.3)
+    sbx = await make_sandbox(stack.up_port)
+    r = await stack.client.get("/health", headers=hdr(sbx))
+    assert r.status_code == 502 and "port is not open" in r.json()["message"]
+    assert len(seen) >= 2
+
+
+async def test_a_refused_connect_is_not_retried_for_patience(stack, monkeypatch):
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    closed_port = free.getsockname()[1]
+    free.close()
+    real_send = httpx.AsyncClient.send
+    seen = []
+
+    async def send(self, request, **kw):
+        if request.url.port == closed_port:
+            seen.append(1)
+        return await real_send(self, request, **kw)
+    monkeypatch.setattr(httpx.AsyncClient, "send", send)
+    sbx = await make_sandbox(closed_port)
+    r = await stack.client.get("/health", headers=hdr(sbx))
+    assert r.status_code == 502 and "port is not open" in r.json()["message"]
+    assert len(seen) == 1
