@@ -56,8 +56,8 @@ def _count_attempts(proxy):
     seen = []
     real = proxy.attempts
 
-    async def attempts(route, port):
-        async for r in real(route, port):
+    async def attempts(route, port, failures=None):
+        async for r in real(route, port, failures):
             seen.append(port)
             yield r
 
