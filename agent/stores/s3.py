@@ -302,16 +302,17 @@ class S3Store(SnapshotStore):
                 stats["uploaded"] += 1 if sent else 0
                 stats["uploaded_bytes"] += sent
             images_dirs = _unique([self.images_dir, self.images_dir.resolve()])
+            needed = image_files(manifest, images_dirs)
             doc = {
                 "format": FORMAT, "snapshot_id": snapshot_id, "chunk_size": self.chunk_size, "files": files,
                 "stored_bytes": sum(c[1] for f in files.values() for c in f["chunks"]),
                 "manifest": relativize(manifest, Path(manifest.get("dir") or src), images_dirs),
                 "image_files": {role: {"path": relativize(path, src, images_dirs),
                                        **self._publish_image_file(path, snapshot_id, touched)}
-                                for role, path in image_files(manifest, images_dirs).items()},
+                                for role, path in needed.items()},
             }
             self._put_json(self.manifest_key(snapshot_id), doc)
-            for role, path in image_files(manifest, images_dirs).items():  # a racing delete may have dropped it
+            for role, path in needed.items():  # a racing delete may have dropped it
                 if not self._exists(self.image_key(doc["image_files"][role]["digest"])):
                     self._publish_image_file(path, snapshot_id, touched)
 

@@ -304,7 +304,7 @@ class LifecycleMixin:
             Path(state.device_state).unlink(missing_ok=True)
         if state.ram_owned:
             paths.ram.unlink(missing_ok=True)
-            Path(state.ram).unlink(missing_ok=True)  # or its copy on disk (_ram_to_disk)
+            Path(state.ram).unlink(missing_ok=True)  # or its copy on disk (_spill)
         state.status = "paused_fs"
         state.device_state = ""
         state.ram = str(VMPaths.for_sandbox(paths.state_dir, state.sandbox_id, self.shm_dir).ram)
@@ -360,7 +360,7 @@ class LifecycleMixin:
         converting = not state.ram_share and state.device_state_full_ram
         on_disk = Path(state.ram) if Path(state.ram).parent == Path(state.state_dir) else None
         copy = None
-        if on_disk is not None:  # its memory waited on disk (_ram_to_disk): back into tmpfs, in the background
+        if on_disk is not None:  # its memory waited on disk (_spill): back into tmpfs, in the background
             shm = VMPaths.for_sandbox(Path(state.state_dir), state.sandbox_id, self.shm_dir).ram
             shm.unlink(missing_ok=True)
             copy = ramfile.RamCopy(on_disk, shm, on_disk.stat().st_size)
