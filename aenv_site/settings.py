@@ -107,6 +107,10 @@ if AENV_FORK_CHILD_MEMORY_MB < 1 or AENV_FORK_VCPU_OVERCOMMIT < 1:
 # Guest RAM lives in tmpfs (/dev/shm) and a guest whose tmpfs fills up dies: a node starts a
 # VM only while the tmpfs has its memory plus this much (MiB) free for the running ones.
 AENV_SHM_HEADROOM_MB = _env_int("AENV_SHM_HEADROOM_MB", 1024)
+# RAM files a node makes ahead, per recently used booted template (its two most recent), so a
+# create renames one into place instead of copying the template's memory (0: copy each time).
+# They live in the same tmpfs and are freed first when a VM needs the room.
+AENV_WARM_RAM_COPIES = _env_int("AENV_WARM_RAM_COPIES", 1)
 # Which node that fits gets a new sandbox: "spread" (the least loaded) or "pack" (the most
 # loaded: fewer busy nodes, the others free for large sandboxes).
 AENV_PLACEMENT = _env("AENV_PLACEMENT", "spread")

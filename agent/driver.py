@@ -33,7 +33,7 @@ def _qemu_options() -> dict:
             "net_prefix": settings.AENV_NET_PREFIX, "net_pool": settings.AENV_NET_POOL,
             "net_warm": settings.AENV_NET_WARM_SLOTS, "net_deny_extra": settings.AENV_NET_DENY_EXTRA,
             "net_allow_extra": settings.AENV_NET_ALLOW_EXTRA, "net_ingress_from": settings.AENV_NET_INGRESS_FROM,
-            "shm_headroom_mb": settings.AENV_SHM_HEADROOM_MB}
+            "shm_headroom_mb": settings.AENV_SHM_HEADROOM_MB, "warm_ram_copies": settings.AENV_WARM_RAM_COPIES}
 
 
 def get_templates():

@@ -6,6 +6,7 @@ are mixed into QemuDriver from their own modules; see the package docstring for 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -24,8 +25,6 @@ from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
 from vmm.net import ENVD_PORT, Attachment, NetworkSpec, choose_backend, ports, slots
 from vmm.net.spec import DEFAULT_WARM_SLOTS
-
-DEFAULT_SHM_HEADROOM_MB = 1024  # tmpfs kept free for running guests' RAM to grow into
 from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
@@ -34,7 +33,12 @@ from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, OFFLINE, BootAttemptFailed, 
                               console_tail, envd_healthy, qemu_version, run, virtual_size_mb)
 from vmm.qemu.qmp import QMP, QMPError, prepare_migration
 from vmm.qemu.snapshots import SnapshotMixin
+from vmm.qemu.tops import create_top
+from vmm.qemu.warm_ram import WarmRamCopies
 from vmm.qemu.state import VMState, other_forwards, process_alive, read_pidfile, reap, valid_sandbox_id
+
+DEFAULT_SHM_HEADROOM_MB = 1024  # tmpfs kept free for running guests' RAM to grow into
+DEFAULT_WARM_RAM_COPIES = 1  # ready RAM files per recently used booted template
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                  port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None,
                  network: str | None = None, net_prefix: str | None = None, net_pool: str | None = None,
                  net_warm: int = DEFAULT_WARM_SLOTS, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = (),
-                 net_ingress_from: tuple[str, ...] = (), shm_headroom_mb: int = DEFAULT_SHM_HEADROOM_MB):
+                 net_ingress_from: tuple[str, ...] = (), shm_headroom_mb: int = DEFAULT_SHM_HEADROOM_MB,
+                 warm_ram_copies: int = DEFAULT_WARM_RAM_COPIES):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
@@ -66,6 +71,10 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         self._accel = accel
         self._accel_lock = threading.Lock()
         self.locks_dir = self.home / "locks"
+        self.tops_dir = self.home / "tops"  # pristine empty overlays (vmm.qemu.tops)
+        # RAM files made ahead for the next restore of a booted template (vmm.qemu.warm_ram)
+        self.warm_ram = WarmRamCopies(self.shm_dir, tag=hashlib.sha256(str(self.home).encode()).hexdigest()[:8],
+                                      per_source=warm_ram_copies, headroom_mb=self.shm_headroom_mb)
         self._spill_mutex = threading.Lock()  # paused VMs' RAM moving to disk (lifecycle._spill_later)
         self._spill_pool = None
         self._spills: list = []
@@ -96,6 +105,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         guest whose tmpfs fills up dies: a VM starts only while the tmpfs has room for all of
         its memory plus the headroom kept for the running ones (HostMemoryFull otherwise)."""
         free_mb = shutil.disk_usage(self.shm_dir).free >> 20
+        if free_mb < memory_mb + self.shm_headroom_mb and self.warm_ram.drop_all():
+            free_mb = shutil.disk_usage(self.shm_dir).free >> 20  # guests before ready-made copies
         if free_mb < memory_mb + self.shm_headroom_mb:
             raise HostMemoryFull(f"sandbox {sandbox_id}: {self.shm_dir} has {free_mb} MiB free, less than its "
                                  f"{memory_mb} MiB of memory plus the {self.shm_headroom_mb} MiB kept for the "
@@ -198,8 +209,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         chain = [str(p) for p in spec.layers] if spec.layers else [str(image.rootfs)]
         base_mb = virtual_size_mb(Path(chain[-1]))
         disk_mb = max(spec.disk_size_mb, base_mb)
-        run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", chain[-1], "-F", "qcow2",
-              str(paths.top), f"{disk_mb}M"])
+        create_top(self.tops_dir, chain[-1], disk_mb, paths.top)
         t_disk = time.monotonic()
         tsc = hostinfo.tsc_khz()
         argv = qemu_command(paths=paths, kernel=image.kernel, initrd=image.initrd, tools=image.tools, accel=accel,

@@ -70,6 +70,11 @@ def punch_zero_pages(path) -> int:
         os.close(fd)
 
 
+def allocated(path) -> int:
+    """Bytes a (sparse) file really holds."""
+    return os.stat(path).st_blocks * 512
+
+
 def copy_sparse_into(src, fd_out: int) -> int:
     """Copies the data extents of `src` into the open file `fd_out` at the same offsets (holes
     stay holes; fd_out must already have its final size). In-kernel copy: copy_file_range, or
