@@ -156,3 +156,23 @@ def test_stale_half_copies_are_removed_fresh_ones_kept(tmp_path):
     os.utime(old, (0, 0))
     lifecycle._remove_stale_copies(tmp_path)
     assert not old.exists() and new.exists()
+
+
+def test_a_resumed_vms_disk_copy_is_deleted_off_the_resume_path(tmp_path):
+    node = Node(tmp_path / "home")
+    ram = node.sandboxes_dir / "sbx" / RAM_ON_DISK
+    ram.parent.mkdir()
+    ram.write_bytes(b"\x01" * MiB)
+    node._discard_later(ram)
+    assert not ram.exists()  # the name is free at once (the next pause writes it again)
+    assert node.settle(timeout=10)
+    assert list(node._ram_moves_dir().iterdir()) == []
+
+
+def test_files_left_being_deleted_go_at_the_next_start_whatever_their_age(tmp_path):
+    moves = tmp_path / "ram-moves"
+    moves.mkdir()
+    (moves / f"memory.ram.abc{lifecycle.DISCARDED}").write_bytes(b"x")
+    (moves / "sbx.1-2.tmp").write_bytes(b"x")  # a copy in progress, young: kept
+    lifecycle._remove_stale_copies(moves)
+    assert [p.name for p in moves.iterdir()] == ["sbx.1-2.tmp"]
