@@ -78,10 +78,14 @@ def test_a_create_takes_the_copy_made_for_it_and_the_next_one_is_made(tmp_path):
     warm = WarmRamCopies(shm, tag="t", per_source=1, headroom_mb=0)
     assert not warm.take(src, shm / "first.ram")  # nothing made yet: the caller copies itself
     warm.wait_idle()
+    assert warm.ready_count() == 0  # nothing is made while the caller's VM starts
+    warm.refill_later(src)  # its VM answers
+    warm.wait_idle()
     assert warm.ready_count() == 1
     assert warm.take(src, shm / "second.ram")
     assert (shm / "second.ram").read_bytes() == src.read_bytes()
     assert os.stat(shm / "second.ram").st_blocks * 512 < 4 * MiB  # holes stayed holes
+    warm.refill_later(src)
     warm.wait_idle()
     assert warm.ready_count() == 1  # made again for the next create
     assert len(list(shm.glob("aenv-warm-t-*.ram"))) == 1
@@ -93,14 +97,17 @@ def test_a_changed_source_never_hands_out_a_stale_copy(tmp_path):
     src = snapshot_ram(tmp_path / "memory.ram")
     warm = WarmRamCopies(shm, tag="t", per_source=1, headroom_mb=0)
     warm.take(src, shm / "a.ram")
+    warm.refill_later(src)
     warm.wait_idle()
     time.sleep(0.01)
     src.unlink()
     snapshot_ram(src)  # the template rebuilt: new contents at the same path
     assert not warm.take(src, shm / "b.ram")
+    warm.refill_later(src)
     warm.wait_idle()
     assert warm.take(src, shm / "c.ram")
     assert (shm / "c.ram").read_bytes() == src.read_bytes()
+    warm.refill_later(src)
     warm.wait_idle()
     assert len(list(shm.glob("aenv-warm-t-*.ram"))) == 1  # the stale copy was removed
 
@@ -112,10 +119,12 @@ def test_copies_give_way_to_guests(tmp_path):
     free_mb = shutil.disk_usage(shm).free >> 20
     crowded = WarmRamCopies(shm, tag="c", per_source=1, headroom_mb=free_mb)  # no room beyond the headroom
     crowded.take(src, shm / "x.ram")
+    crowded.refill_later(src)
     crowded.wait_idle()
     assert crowded.ready_count() == 0
     warm = WarmRamCopies(shm, tag="w", per_source=1, headroom_mb=0)
     warm.take(src, shm / "y.ram")
+    warm.refill_later(src)
     warm.wait_idle()
     assert warm.ready_count() == 1
     assert warm.drop_all() > 0
@@ -129,6 +138,7 @@ def test_only_the_most_recent_templates_keep_copies_and_leftovers_go(tmp_path):
     warm = WarmRamCopies(shm, tag="t", per_source=1, max_sources=2, headroom_mb=0)
     for src in srcs:
         warm.take(src, shm / f"{src.stem}-used.ram")
+        warm.refill_later(src)
         warm.wait_idle()
     assert warm.ready_count() == 2
     (shm / "aenv-warm-t-999999999-dead.ram").write_bytes(b"x")  # a process that is gone

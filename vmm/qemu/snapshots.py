@@ -270,6 +270,7 @@ class SnapshotMixin:
             timings["ram_copy_wait_ms"] = copy.waited_ms
         if own_ram:
             timings["ram_ready_made"] = 1 if warm else 0
+            self.warm_ram.refill_later(Path(manifest.memory_file))  # for the next create, now that this one runs
         timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3}
         state.status = "running"
         state.timings = timings

@@ -4,8 +4,8 @@ Why: a sandbox restored from a template snapshot gets its own share=on RAM file,
 copy of the snapshot's (so its later pauses, snapshots and forks migrate only device
 state). That copy (~150 MiB of touched pages at 512 MiB, ~150 ms of a core) used to run on
 every create, beside the QEMU start it competes with on a small host. Here the copy for the
-*next* create of a template is made in the background once a create has taken the current
-one, so a create of a recently used template only renames a finished file into place.
+*next* create of a template is made in the background once a create that took the current
+one has its VM answering, so a create of a recently used template only renames a finished file into place.
 
 Bounds: at most `per_source` ready copies of each of the `max_sources` most recently used
 snapshots; a copy is made only while the tmpfs keeps `headroom_mb` free beyond it, and
@@ -59,7 +59,8 @@ class WarmRamCopies:
 
     def take(self, src: Path, dest: Path) -> bool:
         """Moves a finished copy of `src` to `dest` (same tmpfs) and returns True, or returns
-        False when there is none; either way a copy for the next create is scheduled."""
+        False when there is none. The caller calls refill_later(src) once its VM answers:
+        a copy made meanwhile would compete with that VM's start for the host's cores."""
         if not self.enabled:
             return False
         try:
@@ -82,7 +83,6 @@ class WarmRamCopies:
             except OSError:
                 taken.unlink(missing_ok=True)
                 taken = None
-        self.refill_later(src)
         return taken is not None
 
     def refill_later(self, src: Path) -> None:
