@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -142,9 +143,10 @@ def test_only_the_most_recent_templates_keep_copies_and_leftovers_go(tmp_path):
         warm.wait_idle()
     assert warm.ready_count() == 2
     (shm / "aenv-warm-t-999999999-dead.ram").write_bytes(b"x")  # a process that is gone
+    (shm / "aenv-warm-other-999999999-dead.ram").write_bytes(b"x")  # … of another home
     mine = sorted(shm.glob(f"aenv-warm-t-{os.getpid()}-*.ram"))
-    WarmRamCopies(shm, tag="t", per_source=1)
-    assert not (shm / "aenv-warm-t-999999999-dead.ram").exists()
+    WarmRamCopies(shm, tag="u", per_source=1)
+    assert not list(shm.glob("aenv-warm-*-999999999-*.ram"))
     assert sorted(shm.glob(f"aenv-warm-t-{os.getpid()}-*.ram")) == mine  # a live instance's stay
 
 
@@ -154,3 +156,16 @@ def test_disabled_makes_nothing(tmp_path):
     assert not warm.take(src, tmp_path / "a.ram")
     warm.wait_idle()
     assert warm.ready_count() == 0
+
+
+def test_a_stopping_worker_leaves_no_copies(tmp_path):
+    """The atexit hook, in a process of its own: its copies are gone when it exits."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    src = snapshot_ram(tmp_path / "memory.ram")
+    code = (f"from pathlib import Path; from vmm.qemu.warm_ram import WarmRamCopies; "
+            f"w = WarmRamCopies(Path({str(shm)!r}), tag='x', headroom_mb=0); "
+            f"w.take(Path({str(src)!r}), Path({str(shm / 'taken.ram')!r})); w.refill_later(Path({str(src)!r})); "
+            f"w.wait_idle(); assert w.ready_count() == 1")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+    assert not list(shm.glob("aenv-warm-*.ram"))

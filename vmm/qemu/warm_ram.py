@@ -11,12 +11,13 @@ Bounds: at most `per_source` ready copies of each of the `max_sources` most rece
 snapshots; a copy is made only while the tmpfs keeps `headroom_mb` free beyond it, and
 `drop_all()` frees them at once when a VM needs the room. A copy is tied to its source's
 identity (device, inode, size, mtime), so a rebuilt template never gets a stale one. Files
-are ``aenv-warm-<home tag>-<pid>-*.ram`` in the tmpfs; a new instance removes those of its
-home whose process is gone.
+are ``aenv-warm-<home tag>-<pid>-*.ram`` in the tmpfs: an instance removes its own at exit,
+and every new one removes those whose process is gone (killed, whatever its home).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -48,10 +49,9 @@ class WarmRamCopies:
         self._ready: OrderedDict[tuple, list[Path]] = OrderedDict()  # identity -> finished copies, LRU order
         self._filling: set[tuple] = set()
         self._pool: ThreadPoolExecutor | None = None
-        for leftover in self.shm_dir.glob(f"aenv-warm-{tag}-*.ram"):
-            pid = leftover.name[len(f"aenv-warm-{tag}-"):].split("-", 1)[0]
-            if not (pid.isdigit() and _alive(int(pid))):
-                leftover.unlink(missing_ok=True)
+        sweep_leftovers(self.shm_dir)
+        if self.per_source:
+            atexit.register(self.drop_all)  # a worker that stops leaves no copies behind
 
     @property
     def enabled(self) -> bool:
@@ -167,6 +167,18 @@ class WarmRamCopies:
         pool = self._pool
         if pool is not None:
             pool.submit(lambda: None).result(timeout)
+
+
+def sweep_leftovers(shm_dir: Path) -> int:
+    """Removes the ready copies of processes that are gone; returns how many."""
+    gone = 0
+    for leftover in Path(shm_dir).glob("aenv-warm-*.ram"):
+        parts = leftover.name.split("-")  # aenv, warm, <tag>, <pid>, <uuid>.ram
+        if len(parts) == 5 and parts[3].isdigit() and _alive(int(parts[3])):
+            continue
+        leftover.unlink(missing_ok=True)
+        gone += 1
+    return gone
 
 
 def _alive(pid: int) -> bool:
