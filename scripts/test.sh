@@ -56,9 +56,9 @@ run() {  # pytest; "no tests collected" (5: the arguments selected none of this 
   [ $rc = 0 ] || status=$rc
 }
 echo "==> tests without VMs on SQLite (unit, envd, code interpreter, CLI, deploy files), 3 workers"
-run .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --durations=15 -m "not vm and ($SLOW)" "$@"
+run .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --dist loadgroup --durations=15 -m "not vm and ($SLOW)" "$@"
 echo "==> tests with real VMs on SQLite (drivers, the stack end to end with the SDKs, networks, cluster, browser)"
 run .venv/bin/pytest -p no:cacheprovider -q -rs --durations=40 -m "vm and ($SLOW)" "$@"
 echo "==> unit tests that use the database, on PostgreSQL, 3 workers"
-run env DATABASE_URL="$PG_URL" .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --database-tests-only tests/unit
+run env DATABASE_URL="$PG_URL" .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --dist loadgroup --database-tests-only tests/unit
 exit $status

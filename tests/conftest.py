@@ -38,9 +38,17 @@ def pytest_report_header(config):
 # the contract suite) share its slots, never a running node's nor another session's (two
 # sessions may run at once). Each test stack of the session is yet another instance inside the
 # session's /16 (tests/integration/stack.py). Names stay within Linux's 15-character limit.
-_SESSION = os.getpid() % 100
-os.environ.setdefault("AENV_NET_PREFIX", f"at{_SESSION}")
-os.environ.setdefault("AENV_NET_POOL", f"10.{100 + _SESSION}.0.0/20")
+# pytest-xdist workers inherit the controller's environment: each takes the number after the
+# controller's (plus its index), or two workers' stacks would make the same instance.
+if "AENV_NET_PREFIX" not in os.environ or os.environ.get("AENV_TEST_NET_SESSION"):
+    _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if _WORKER and os.environ.get("AENV_TEST_NET_SESSION"):
+        _SESSION = (int(os.environ["AENV_TEST_NET_SESSION"]) + 1 + int(_WORKER.lstrip("gw") or 0)) % 100
+    else:
+        _SESSION = os.getpid() % 100
+        os.environ["AENV_TEST_NET_SESSION"] = str(_SESSION)
+    os.environ["AENV_NET_PREFIX"] = f"at{_SESSION}"
+    os.environ["AENV_NET_POOL"] = f"10.{100 + _SESSION}.0.0/20"
 
 
 @pytest.fixture(scope="session", autouse=True)

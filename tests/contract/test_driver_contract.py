@@ -94,6 +94,11 @@ def _qemu(home: Path):
 DRIVERS = {"fake": _fake, "qemu": _qemu}
 
 
+# The tests take one parent VM through its life in order: with pytest-xdist they all run on
+# one worker (scripts/test.sh passes --dist loadgroup), or a worker could get a later test alone.
+pytestmark = pytest.mark.xdist_group("driver-contract")
+
+
 @pytest.fixture(scope="module", params=["fake", pytest.param("qemu", marks=pytest.mark.vm)])
 def env(request, tmp_path_factory):
     with DRIVERS[request.param](tmp_path_factory.mktemp(request.param) / "home") as e:
