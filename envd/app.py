@@ -188,11 +188,15 @@ class EnvdApp:
             self.settings.default_user = str(data["defaultUser"])
         if data.get("defaultWorkdir"):
             self.settings.default_workdir = str(data["defaultWorkdir"])
+        # The answer goes first, then the clock step and the entropy credit (together ~70 ms of
+        # a guest just restored under TCG, on every create and resume). Both are synchronous and
+        # neither raises, so this event loop serves no other request until they are done: every
+        # envd call after /init sees the new clock and the reseeded RNG, as before.
+        await _empty(send, 204)
         if data.get("timestamp"):
             maybe_set_clock(str(data["timestamp"]), self.settings.set_clock)
         if seed is not None:
             credit(seed, self.settings.credit_entropy)
-        await _empty(send, 204)
 
     # -- /metrics -----------------------------------------------------------
     async def _metrics(self) -> dict:
