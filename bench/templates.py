@@ -175,6 +175,9 @@ def main() -> int:
         for kind, kind_rows in rows.items():
             restored = sum(1 for r in kind_rows if (events.get(r["sandbox_id"]) or {}).get("restored"))
             result["notes"].append(f"{kind} creates restored from a template snapshot: {restored} of {len(kind_rows)}")
+            ready = sum(1 for r in kind_rows if (events.get(r["sandbox_id"]) or {}).get("ram_ready_made") == 1)
+            result["notes"].append(f"{kind} creates that found their RAM file made ahead (AENV_WARM_RAM_COPIES): "
+                                   f"{ready} of {len(kind_rows)}")
             for r in kind_rows:
                 r.update(events.get(r["sandbox_id"]) or {})
         result["creates"] = rows
