@@ -23,6 +23,10 @@ from tests.envd.conftest import EnvdServer
 ALIAS = "127.0.0.2"  # the in-process forwarder's "eth0 address"
 ENVD_ALIAS = "127.0.0.3"  # the envd subprocess's
 
+# Every forwarder here mirrors all of the host's loopback listeners onto the same aliases: two
+# at once (pytest-xdist workers) would take each other's ports, so the module runs on one worker.
+pytestmark = pytest.mark.xdist_group("loopback-aliases")
+
 HEADER = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n")
 HEADER6 = ("  sl  local_address                         remote_address                        st tx_queue "
            "rx_queue tr tm->when retrnsmt   uid  timeout inode\n")
