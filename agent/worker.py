@@ -10,7 +10,7 @@ from django.utils import timezone
 from aenv_site.celery import app as celery_app
 from . import tasks  # noqa: F401 - registers the node tasks with the Celery app this worker runs
 from .console_logs import ConsoleCollector
-from .driver import get_driver
+from .driver import get_driver, get_templates
 from .heartbeat import Heartbeat, register_node
 from .host_usage import HostSampler
 from .metrics import MetricsSampler
@@ -78,6 +78,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
                                 settings.AENV_SANDBOX_LOGS_RETENTION)
     try:
         reattach(node_id, node.queue, driver)
+        prepare_default_template(driver)
         reconciler.start()
         sampler.start()
         consoles.start()
@@ -92,6 +93,24 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
             except Exception:  # noqa: BLE001 - the VMs keep running; the next start reattaches them
                 log.exception("stopping: pausing the sandboxes of node %s failed", node_id)
         heartbeat.stop()
+
+
+def prepare_default_template(driver) -> None:
+    """The default template's restores readied before the first create (QEMU: its RAM file made
+    ahead, AENV_WARM_RAM_COPIES), so a node's first create is as fast as its next ones."""
+    prepare = getattr(driver, "prepare_restores", None)
+    if prepare is None:
+        return
+    from vmm.driver import BootSpec  # noqa: PLC0415
+
+    spec = BootSpec(sandbox_id="default-template", image="base", cpu_count=settings.AENV_BASE_CPU_COUNT,
+                    memory_mb=settings.AENV_BASE_MEMORY_MB, disk_size_mb=settings.AENV_BASE_DISK_MB)
+    try:
+        template = get_templates().find(driver, spec)
+        if template is not None:
+            prepare(template)
+    except Exception:  # noqa: BLE001 - only a head start; creates copy the RAM themselves
+        log.exception("readying the default template's restores failed")
 
 
 def start_network(driver) -> dict:

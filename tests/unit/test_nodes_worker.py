@@ -115,3 +115,30 @@ def test_run_node_command_registers_and_starts_worker(monkeypatch):
     assert node.is_alive()
     assert seen["argv"][seen["argv"].index("--queues") + 1] == "node.cmdnode"
     assert seen["argv"][seen["argv"].index("--concurrency") + 1] == "12"
+
+
+def test_the_default_templates_restores_are_readied_at_start(monkeypatch, settings):
+    settings.AENV_BASE_CPU_COUNT, settings.AENV_BASE_MEMORY_MB, settings.AENV_BASE_DISK_MB = 2, 512, 2048
+    asked, readied = [], []
+
+    class Templates:
+        def find(self, driver, spec):
+            asked.append((spec.image, spec.cpu_count, spec.memory_mb, spec.disk_size_mb))
+            return "the-manifest"
+
+    class Driver:
+        def prepare_restores(self, manifest):
+            readied.append(manifest)
+
+    monkeypatch.setattr(worker, "get_templates", lambda: Templates())
+    worker.prepare_default_template(Driver())
+    assert asked == [("base", 2, 512, 2048)] and readied == ["the-manifest"]
+    worker.prepare_default_template(object())  # a driver without the verb: nothing to do
+
+    class Broken(Templates):
+        def find(self, driver, spec):
+            raise OSError("images dir gone")
+
+    monkeypatch.setattr(worker, "get_templates", lambda: Broken())
+    worker.prepare_default_template(Driver())  # logged, never fatal to the node's start
+    assert readied == ["the-manifest"]

@@ -169,3 +169,15 @@ def test_a_stopping_worker_leaves_no_copies(tmp_path):
             f"w.wait_idle(); assert w.ready_count() == 1")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
     assert not list(shm.glob("aenv-warm-*.ram"))
+
+
+def test_prepare_makes_a_copy_before_the_first_restore(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    src = snapshot_ram(tmp_path / "memory.ram")
+    warm = WarmRamCopies(shm, tag="p", per_source=1, headroom_mb=0)
+    warm.prepare(src)  # a node starting: its default template
+    warm.wait_idle()
+    assert warm.ready_count() == 1
+    assert warm.take(src, shm / "first.ram")  # the node's first create finds it
+    assert (shm / "first.ram").read_bytes() == src.read_bytes()

@@ -198,6 +198,11 @@ class SnapshotMixin:
                                timings={"sync_ms": (t_sync - t0) * 1e3, "pause_ms": (t_switch - t_sync) * 1e3,
                                         "copy_ms": (t_done - t_switch) * 1e3, "total_ms": (t_done - t0) * 1e3})
 
+    def prepare_restores(self, manifest: SnapshotManifest) -> None:
+        """Readies what a restore of this booted template copies (its RAM file, made ahead)."""
+        if manifest.memory_file:
+            self.warm_ram.prepare(Path(manifest.memory_file))
+
     def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
         # A template's RAM is copied into the sandbox's own share=on file (see _restore_locked).
         return self._restore(manifest, spec, capture_ref="", own_ram=template)

@@ -85,6 +85,22 @@ class WarmRamCopies:
                 taken = None
         return taken is not None
 
+    def prepare(self, src: Path) -> None:
+        """Makes a copy of `src` ahead of its first restore (a node's default template at start)."""
+        if not self.enabled:
+            return
+        try:
+            ident = _identity(src)
+        except OSError:
+            return
+        with self._mutex:
+            self._ready.setdefault(ident, [])
+            self._ready.move_to_end(ident)
+            evicted = self._evict_locked()
+        for path in evicted:
+            path.unlink(missing_ok=True)
+        self.refill_later(src)
+
     def refill_later(self, src: Path) -> None:
         """Starts making copies of `src` up to per_source, in one background thread."""
         if not self.enabled:
