@@ -61,53 +61,30 @@ class WarmRamCopies:
         """Moves a finished copy of `src` to `dest` (same tmpfs) and returns True, or returns
         False when there is none. The caller calls refill_later(src) once its VM answers:
         a copy made meanwhile would compete with that VM's start for the host's cores."""
-        if not self.enabled:
+        ident = self._identity_if_enabled(src)
+        if ident is None:
+            return False
+        taken = self._mark_used(ident, take=True)
+        if taken is None:
             return False
         try:
-            ident = _identity(src)
+            os.replace(taken, dest)
         except OSError:
+            taken.unlink(missing_ok=True)
             return False
-        taken = None
-        with self._mutex:
-            copies = self._ready.get(ident)
-            if copies:
-                taken = copies.pop()
-            self._ready[ident] = copies or []
-            self._ready.move_to_end(ident)
-            evicted = self._evict_locked()
-        for path in evicted:
-            path.unlink(missing_ok=True)
-        if taken is not None:
-            try:
-                os.replace(taken, dest)
-            except OSError:
-                taken.unlink(missing_ok=True)
-                taken = None
-        return taken is not None
+        return True
 
     def prepare(self, src: Path) -> None:
         """Makes a copy of `src` ahead of its first restore (a node's default template at start)."""
-        if not self.enabled:
-            return
-        try:
-            ident = _identity(src)
-        except OSError:
-            return
-        with self._mutex:
-            self._ready.setdefault(ident, [])
-            self._ready.move_to_end(ident)
-            evicted = self._evict_locked()
-        for path in evicted:
-            path.unlink(missing_ok=True)
-        self.refill_later(src)
+        ident = self._identity_if_enabled(src)
+        if ident is not None:
+            self._mark_used(ident, take=False)
+            self.refill_later(src)
 
     def refill_later(self, src: Path) -> None:
         """Starts making copies of `src` up to per_source, in one background thread."""
-        if not self.enabled:
-            return
-        try:
-            ident = _identity(src)
-        except OSError:
+        ident = self._identity_if_enabled(src)
+        if ident is None:
             return
         with self._mutex:
             if ident in self._filling or len(self._ready.get(ident, ())) >= self.per_source:
@@ -116,6 +93,21 @@ class WarmRamCopies:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warm-ram")
             self._pool.submit(self._fill, src, ident)
+
+    def _identity_if_enabled(self, src: Path) -> tuple | None:
+        return _identity_or_none(src) if self.enabled else None
+
+    def _mark_used(self, ident: tuple, take: bool) -> Path | None:
+        """Records `ident` as the most recently used source (the least recent beyond
+        max_sources lose their copies) and, with `take`, pops one of its ready copies."""
+        with self._mutex:
+            copies = self._ready.setdefault(ident, [])
+            taken = copies.pop() if take and copies else None
+            self._ready.move_to_end(ident)
+            evicted = self._evict_locked()
+        for path in evicted:
+            path.unlink(missing_ok=True)
+        return taken
 
     def _fill(self, src: Path, ident: tuple) -> None:
         try:
