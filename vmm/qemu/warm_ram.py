@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vmm.qemu import ramfile
+from vmm.qemu.state import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -182,21 +183,12 @@ def sweep_leftovers(shm_dir: Path) -> int:
     gone = 0
     for leftover in Path(shm_dir).glob("aenv-warm-*.ram"):
         parts = leftover.name.split("-")  # aenv, warm, <tag>, <pid>, <uuid>.ram
-        if len(parts) == 5 and parts[3].isdigit() and _alive(int(parts[3])):
+        # any live process of that pid (the name holds no other marker to check)
+        if len(parts) == 5 and parts[3].isdigit() and process_alive(int(parts[3]), ""):
             continue
         leftover.unlink(missing_ok=True)
         gone += 1
     return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _identity_or_none(src: Path):
