@@ -2,7 +2,9 @@
 
 Routing is by the ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers, by a
 ``{port}-{sandboxId}.{domain}`` host or, for the SDK's signed file URLs (which carry
-neither), by the sandbox whose envd token made the URL's signature. envd's port
+neither), by the sandbox whose envd token made the URL's signature; AgentENV's
+``x-agentenv-sandbox-id`` / ``x-agentenv-target-port`` are answered in AgentENV's contract
+(also at ``/proxy`` on the API's port: ``aenv_site.proxy_mount``). envd's port
 (49983) goes to the sandbox's envd (``envd_host:envd_port``) with its access token,
 auto-resume and CORS; any other port goes to ``guest_host:port`` with E2B's traffic
 access token, the client's Host (or the sandbox's ``maskRequestHost``) and a short retry
@@ -34,7 +36,7 @@ from envd import ENVD_PORT
 
 from . import proxy_routes as answers
 from .proxy_pools import UpstreamPools
-from .proxy_routes import ResumeFailed, Refused, Route, RouteTable, close_unusable
+from .proxy_routes import ResumeFailed, Refused, Route, RouteTable, Why, close_unusable
 from .proxy_watch import RouteWatch
 from .proxy_ws import WebSocketBridge
 from .states import RESUMABLE
@@ -91,50 +93,63 @@ class EnvdProxy:
 
     async def handle_http(self, scope, receive, send):
         headers = {n.lower(): v for n, v in scope["headers"]}
+        scope = answers.addressed(scope, headers)
+        target = scope[answers.TARGET]
         if answers.is_preflight(scope, headers):
             # Browsers send no custom header (so no E2b-Sandbox-Id) on a preflight; envd's
             # are answered here as E2B's envd would, a user port's go to the guest.
-            target = answers.parse_target(headers)
-            if target is None or target[1] == ENVD_PORT:
+            if not target.sandbox_id or target.port == ENVD_PORT:
                 return await _send_simple(send, *answers.preflight(headers))
         try:
             route, port = await self.admit(scope, headers)
         except Refused as refused:
-            return await _send_simple(send, *refused.answer)
+            return await _send_simple(send, *refused.answer_in(target.dialect))
         await self._forward(scope, receive, send, route, port, headers)
 
     async def admit(self, scope, headers: dict[bytes, bytes]) -> tuple[Route, int]:
-        """The route and port a request (HTTP or WebSocket) goes to, after every check,
-        auto-resuming a paused sandbox that asked for it. Raises Refused with the
-        answer otherwise."""
-        target = answers.parse_target(headers) or await self.signed_target(scope)
-        sandbox_id, port = target
+        """The route and port a request (HTTP or WebSocket; its scope from
+        ``proxy_routes.addressed``) goes to, after every check, auto-resuming a paused
+        sandbox that asked for it. Raises Refused otherwise. A platform API key in the
+        request is dropped from ``scope["headers"]`` (never forwarded to the guest)."""
+        target = scope[answers.TARGET]
+        if target.error is not None:
+            raise Refused(target.error)
+        sandbox_id, port = (target.sandbox_id, target.port) if target.sandbox_id else await self.signed_target(scope)
         if not answers.valid_port(port):
-            raise Refused(answers.port_closed(sandbox_id, port))
+            raise Refused(Why.BAD_PORT, sandbox_id, port)
         if port == ENVD_PORT and answers.is_node_only(scope["path"]):
-            raise Refused(answers.node_only(sandbox_id))
+            raise Refused(Why.NODE_ONLY, sandbox_id)
         route = await self.routes.get(sandbox_id)
+        if route is not None and not await self._same_team(route, scope, headers):
+            raise Refused(Why.NOT_FOUND, sandbox_id)
         if route is None or not (route.routable or route.state in RESUMABLE):
             self.pools.forget(sandbox_id)
-            raise Refused(answers.not_found(sandbox_id))
-        if port != ENVD_PORT:
-            # Checked before a resume: traffic without the token wakes nothing.
-            refusal = answers.traffic_token_refusal(route, headers)
-            if refusal is not None:
-                raise Refused(refusal)
-        try:
-            route = await self.current_route(sandbox_id, route)
-        except ResumeFailed as exc:
-            raise Refused(exc.response(sandbox_id)) from None
+            raise answers.unavailable(sandbox_id, route)
+        # Checked before a resume: traffic without its token wakes nothing.
+        refusal = (answers.access_token_refusal(route, scope["path"], scope.get("query_string", b""), headers)
+                   if port == ENVD_PORT else answers.traffic_token_refusal(route, headers))
+        if refusal is not None:
+            raise refusal
+        route = await self.current_route(sandbox_id, route)
         if route is None:
-            raise Refused(answers.not_found(sandbox_id))
-        if port == ENVD_PORT:
-            refusal = answers.access_token_refusal(route, scope["path"], scope.get("query_string", b""), headers)
-            if refusal is not None:
-                raise Refused(refusal)
-        elif route.address(port) is None:
-            raise Refused(answers.port_closed(sandbox_id, port))
+            raise answers.unavailable(sandbox_id, await self.routes.get(sandbox_id))
+        if port != ENVD_PORT and route.address(port) is None:
+            raise Refused(Why.PORT_CLOSED, sandbox_id, port)
         return route, port
+
+    async def _same_team(self, route: Route, scope, headers: dict[bytes, bytes]) -> bool:
+        """False when the request carries a platform API key of another team than the
+        sandbox's (answered as an unknown sandbox: nothing leaks). A platform key is the
+        team's credential, not the guest's: it is taken out of the forwarded headers.
+        Values that are none of our keys belong to the guest's app and pass."""
+        raw_key = headers.get(answers.API_KEY_HEADER)
+        if raw_key is None:
+            return True
+        team_id = await self.routes.key_team(raw_key)
+        if team_id is None:
+            return True
+        scope["headers"] = [(n, v) for n, v in scope["headers"] if n.lower() != answers.API_KEY_HEADER]
+        return team_id == route.team_id
 
     async def signed_target(self, scope) -> tuple[str, int]:
         """A request with no routing header or sandbox host: a signed ``/files`` URL (the
@@ -144,18 +159,18 @@ class EnvdProxy:
         "signature is already expired" (nothing is resumed for it). Anything else: 400."""
         signed = answers.signed_file(scope)
         if signed is None:
-            raise Refused(answers.no_target())
+            raise Refused(Why.NO_TARGET)
         sandbox_id = await self.routes.signed_by(signed)
         if sandbox_id is None:
-            raise Refused(answers.signature_refused(answers.MSG_INVALID_SIGNATURE))
+            raise Refused(answer=answers.signature_refused(answers.MSG_INVALID_SIGNATURE))
         if signed.expired:
-            raise Refused(answers.signature_expired())
+            raise Refused(answer=answers.signature_expired())
         return sandbox_id, ENVD_PORT
 
     async def current_route(self, sandbox_id: str, route: Route | None = None) -> Route | None:
         """The sandbox's route as the database has it now (or ``route``, just read); a
         paused one with autoResume is resumed first (see ``on_paused``). None: nothing
-        to route to (the caller answers 'was not found'). Raises ResumeFailed."""
+        to route to (the caller answers it unavailable). Raises ResumeFailed."""
         if route is None:
             route = await self.routes.get(sandbox_id)
         if route is not None and route.state in RESUMABLE:
@@ -169,8 +184,8 @@ class EnvdProxy:
         """Traffic for a paused (or pausing / resuming) sandbox. With ``autoResume`` it
         is resumed through the lifecycle service — the same transitions, events and node
         calls as a connect — and the running Route is returned so the request is served;
-        concurrent requests join one resume. Without autoResume: None, answered with
-        E2B's 502 'was not found'. A failed resume raises ResumeFailed."""
+        concurrent requests join one resume. Without autoResume: None, answered as not
+        running (E2B's 502 'was not found', AgentENV's 410). A failed resume raises ResumeFailed."""
         pending = self._resuming.get(route.sandbox_id)
         if pending is None:
             pending = asyncio.ensure_future(self._auto_resume(route.sandbox_id))
@@ -187,7 +202,8 @@ class EnvdProxy:
             sandbox = await pause.auto_resume(sandbox_id)
         except LifecycleError as exc:
             log.info("auto-resume of %s failed: %s", sandbox_id, exc.message)
-            raise ResumeFailed(504 if isinstance(exc, Timeout) else 502, f"auto-resume failed: {exc.message}") from None
+            raise ResumeFailed(Why.RESUME_TIMEOUT if isinstance(exc, Timeout) else Why.RESUME_FAILED, sandbox_id,
+                               detail=exc.message) from None
         finally:
             await sync_to_async(close_unusable, thread_sensitive=True)()
         if sandbox is None:
@@ -203,7 +219,7 @@ class EnvdProxy:
         on a sandbox still running at the same place is a guest too busy to answer (an
         overloaded host: dozens of emulated guests on two cores), not a gone one: it is
         tried again until ``slow_guest_patience`` s have passed. When none is left, raises
-        Refused with 'was not found' / 'port is not open' (or a failed resume's answer)."""
+        Refused: the sandbox is unavailable, or its port is not open (or ResumeFailed)."""
         delays = (0.0, *(self.retry_delays if port != ENVD_PORT else ()))
         patient_until = asyncio.get_running_loop().time() + self.slow_guest_patience
         for attempt in (1, 2):
@@ -213,21 +229,20 @@ class EnvdProxy:
                 yield route
             if attempt == 1:
                 while True:
-                    try:
-                        current = await self.current_route(route.sandbox_id)
-                    except ResumeFailed as exc:
-                        raise Refused(exc.response(route.sandbox_id)) from None
-                    if current is None or current.address(port) is None:
-                        raise Refused(answers.gone(route.sandbox_id, port, current))
+                    current = await self.current_route(route.sandbox_id)
+                    if current is None:  # as the database has it: gone, or paused and not resumed
+                        raise answers.gone(route.sandbox_id, port, await self.routes.get(route.sandbox_id))
+                    if current.address(port) is None:
+                        raise answers.gone(route.sandbox_id, port, current)
                     if current.upstream != route.upstream:
                         break
                     if not (failures and isinstance(failures[-1], SLOW_CONNECT)
                             and asyncio.get_running_loop().time() < patient_until):
-                        raise Refused(answers.gone(route.sandbox_id, port, current))
+                        raise answers.gone(route.sandbox_id, port, current)
                     log.info("sandbox %s port %s slow to accept; trying again", route.sandbox_id, port)
                     yield route
                 route = current
-        raise Refused(answers.gone(route.sandbox_id, port, await self.routes.get(route.sandbox_id)))
+        raise answers.gone(route.sandbox_id, port, await self.routes.get(route.sandbox_id))
 
     async def _forward(self, scope, receive, send, route: Route, port: int, headers: dict):
         body_queue: asyncio.Queue = asyncio.Queue(maxsize=8)
@@ -281,20 +296,20 @@ class EnvdProxy:
                             continue
                         except SENT_MAYBE as exc:
                             log.info("upstream %s:%s of %s failed: %r", host, upstream_port, route.sandbox_id, exc)
-                            return await self._answer_gone(send, route, port)
+                            raise await self._gone(route, port)
                         # inside the lease: a pool in use is never retired as idle
                         with self.watch.moved(route) as moved:
                             return await _relay(send, upstream, route, moved, cors=port == ENVD_PORT)
         except Refused as refused:
-            return await _send_simple(send, *refused.answer)
+            return await _send_simple(send, *refused.answer_in(answers.dialect_of(scope)))
 
-    async def _answer_gone(self, send, route: Route, port: int):
+    async def _gone(self, route: Route, port: int) -> Refused:
         """The upstream failed after (part of) the request may have reached it: no
-        retry; 'was not found' if the sandbox has no route any more, else 'port is not open'."""
+        retry; unavailable if the sandbox has no route any more, else 'port is not open'."""
         current = await self.routes.get(route.sandbox_id)
         if current is None or not current.routable:
             self.pools.forget(route.sandbox_id)
-        return await _send_simple(send, *answers.gone(route.sandbox_id, port, current))
+        return answers.gone(route.sandbox_id, port, current)
 
 
 # Failures before a byte of the request left: safe to retry on a newer route.

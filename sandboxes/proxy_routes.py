@@ -6,7 +6,43 @@ gives (E2B's bodies and status codes; spec §1.5, §4.6; networking note §3).
 
 One place for these, shared by the HTTP proxy (``sandboxes.proxy``) and the WebSocket
 bridge (``sandboxes.proxy_ws``), so both route, refuse and word errors alike.
+
+Two proxy contracts are served, and each request is answered in the one that addressed
+it (its ``Dialect``, chosen once by ``addressed``). Why two: the E2B SDKs match E2B's
+bodies and statuses (``is_running()`` is False only on a 502 "was not found"), while
+AgentENV's ``aenv`` and its users expect AgentENV's (``410 Gone`` for a paused sandbox).
+
+============================  ====================================  =========================================
+                              E2B                                   AgentENV
+============================  ====================================  =========================================
+addressed by                  ``E2b-Sandbox-Id`` [+ ``-Port``],     ``x-agentenv-sandbox-id`` +
+                              or host ``{port}-{id}.{domain}``      ``x-agentenv-target-port`` (the E2B names
+                                                                    are aliases) on the data plane's port; the
+                                                                    same at ``/proxy[/…]`` on the API's port
+path sent to the guest        as sent                               as sent, less a leading ``/proxy``
+port when not given           49983 (envd)                          none: 400
+no sandbox named              400 (a signed ``/files`` URL names    400 "missing sandbox routing header"
+                              its sandbox by its signature)
+bad port / id                 502 "port is not open" / —            400
+unknown, killed, another      502 "The sandbox was not found"       404 "sandbox not found"
+team's (by its X-API-Key)
+paused, no autoResume; or     502 "The sandbox was not found"       410 "sandbox is not proxyable in its
+creating, killing                                                   current state (…)"
+autoResume                    resumed, then served (failure 502,    the same
+                              timeout 504)
+private port, no or wrong     403                                   401
+``e2b-traffic-access-token``
+secure envd, no or wrong      401                                   401
+``X-Access-Token``
+port closed, guest silent     502 "port is not open" / 504          502 / 504
+body                          JSON ``{sandboxId, message, code}``   JSON ``{code, message}``
+============================  ====================================  =========================================
+
+Both: tokens are checked before an auto-resume (traffic without its token wakes
+nothing); a valid platform ``X-API-Key`` is never forwarded to the guest, and one of
+another team finds nothing; envd's node-only routes are 403.
 """
+import enum
 import hmac
 import json
 import posixpath
@@ -23,7 +59,7 @@ from aenv_site import cors
 from envd import ENVD_PORT
 from envd.auth import EXPIRED_MESSAGE, make_signature
 
-from .states import RESUMABLE, ROUTABLE
+from .states import DEAD, RESUMABLE, ROUTABLE
 
 MSG_NOT_FOUND = "The sandbox was not found"
 MSG_PORT_CLOSED = "The sandbox is running but port is not open"
@@ -37,6 +73,11 @@ MSG_INVALID_SIGNATURE = "invalid signature"
 MSG_INVALID_EXPIRATION = "invalid signature expiration"
 
 TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
+E2B_SANDBOX_HEADER, E2B_PORT_HEADER = b"e2b-sandbox-id", b"e2b-sandbox-port"
+AGENTENV_SANDBOX_HEADER, AGENTENV_PORT_HEADER = b"x-agentenv-sandbox-id", b"x-agentenv-target-port"
+API_KEY_HEADER = b"x-api-key"
+# AgentENV's path prefix for the data plane on the API's port (not forwarded).
+PROXY_PREFIX = b"/proxy"
 # In a sandbox's maskRequestHost, replaced by the port the request is for.
 MASK_PORT_PLACEHOLDER = "${PORT}"
 
@@ -45,11 +86,14 @@ HOP_BY_HOP = frozenset({
     b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"expect",
 })
 # Never sent upstream: they address the data plane, not the guest (Host is set per port).
-ROUTING_HEADERS = frozenset({b"e2b-sandbox-id", b"e2b-sandbox-port", b"host", TRAFFIC_TOKEN_HEADER})
+ROUTING_HEADERS = frozenset({E2B_SANDBOX_HEADER, E2B_PORT_HEADER, AGENTENV_SANDBOX_HEADER, AGENTENV_PORT_HEADER,
+                             b"host", TRAFFIC_TOKEN_HEADER})
 # uvicorn writes its own; the upstream's would be duplicates.
 RESPONSE_DROP = frozenset({b"date", b"server"})
 
 HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<id>[A-Za-z0-9_-]+)\.")
+# What a sandbox id may look like (models.Sandbox.id), checked before it reaches a query.
+SANDBOX_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -59,7 +103,8 @@ class Route:
     ``host:port`` is envd (``envd_host:envd_port``); ``guest_host`` reaches every other
     guest TCP port ("" when only envd's port is forwarded: the slirp fallback);
     ``traffic_token`` is E2B's trafficAccessToken ("" = public); ``mask_host`` the
-    sandbox's ``network.maskRequestHost`` ("" = forward the client's Host)."""
+    sandbox's ``network.maskRequestHost`` ("" = forward the client's Host); ``team_id``
+    whose sandbox it is (a platform API key of another team finds nothing)."""
 
     sandbox_id: str
     state: str
@@ -71,6 +116,7 @@ class Route:
     guest_host: str = ""
     traffic_token: str = ""
     mask_host: str = ""
+    team_id: str = ""
 
     @property
     def routable(self) -> bool:
@@ -94,13 +140,13 @@ def _mask_host(network) -> str:
 
 
 ROUTE_FIELDS = ("id", "state", "envd_host", "envd_port", "secure", "envd_access_token", "vm_generation",
-                "guest_host", "traffic_access_token", "network")
+                "guest_host", "traffic_access_token", "network", "team_id")
 
 
 def _route_of(row) -> Route:
-    sandbox_id, state, host, port, secure, token, generation, guest_host, traffic_token, network = row
+    sandbox_id, state, host, port, secure, token, generation, guest_host, traffic_token, network, team_id = row
     return Route(sandbox_id, state, host or "", port, bool(secure), token or "", generation or 0,
-                 guest_host or "", traffic_token or "", _mask_host(network))
+                 guest_host or "", traffic_token or "", _mask_host(network), str(team_id or ""))
 
 
 def _lookup_sync(sandbox_ids: list[str]) -> dict[str, Route]:
@@ -194,6 +240,21 @@ class RouteTable:
                 return sandbox_id
         return None
 
+    async def key_team(self, raw_key: bytes) -> str | None:
+        """The team whose live API key ``raw_key`` is, or None: not one of ours."""
+        return await sync_to_async(_key_team_sync, thread_sensitive=False)(raw_key.decode("latin-1").strip())
+
+
+def _key_team_sync(raw_key: str) -> str | None:
+    from sandboxes.models import ApiKey, hash_api_key
+
+    try:
+        team_id = (ApiKey.objects.filter(key_hash=hash_api_key(raw_key), revoked_at__isnull=True)
+                   .values_list("team_id", flat=True).first())
+    finally:
+        close_unusable()
+    return str(team_id) if team_id else None
+
 
 def close_unusable() -> None:
     for conn in connections.all(initialized_only=True):
@@ -203,17 +264,129 @@ def close_unusable() -> None:
 # --------------------------------------------------------------------------- requests
 
 
+class Dialect(enum.Enum):
+    """Whose proxy contract a request is answered in (see the table above)."""
+
+    E2B = "e2b"
+    AGENTENV = "agentenv"
+
+
+class Why(enum.Enum):
+    """Why the data plane answers a request itself; how each is said is the dialect's (``ANSWERS``)."""
+
+    NO_TARGET = "no sandbox named"
+    BAD_SANDBOX_ID = "malformed sandbox id"
+    NO_PORT = "no target port"
+    BAD_PORT = "port out of range"
+    NOT_FOUND = "unknown, gone, or another team's"
+    NOT_RUNNING = "paused and not auto-resumed, or in passing (creating, killing)"
+    PORT_CLOSED = "nothing answers on the port"
+    NODE_ONLY = "envd route only the node may call"
+    TRAFFIC_TOKEN_MISSING = "private port without e2b-traffic-access-token"
+    TRAFFIC_TOKEN_INVALID = "private port with a wrong e2b-traffic-access-token"
+    ACCESS_TOKEN_MISSING = "secure envd without X-Access-Token"
+    ACCESS_TOKEN_INVALID = "secure envd with a wrong X-Access-Token"
+    UPSTREAM_TIMEOUT = "the guest did not answer in time"
+    RESUME_FAILED = "auto-resume failed"
+    RESUME_TIMEOUT = "auto-resume timed out"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request addresses: the dialect it is answered in, the sandbox ("" when it
+    names none) and port, or why its routing headers cannot be used (``error``)."""
+
+    dialect: Dialect
+    sandbox_id: str = ""
+    port: int = ENVD_PORT
+    error: Why | None = None
+
+
+# Scope keys: the Target of a request (set by ``addressed``); the API's ``/proxy`` mount's
+# mark on the requests it hands to the data plane (aenv_site.proxy_mount).
+TARGET = "aenv.target"
+API_MOUNT = "aenv.api_mount"
+
+
+def _header(headers: dict[bytes, bytes], name: bytes) -> str:
+    return headers.get(name, b"").decode("latin-1").strip()
+
+
+def _agentenv_target(headers: dict[bytes, bytes]) -> Target:
+    """AgentENV's routing headers (the E2B names as aliases); both are required."""
+    sandbox_id = _header(headers, AGENTENV_SANDBOX_HEADER) or _header(headers, E2B_SANDBOX_HEADER)
+    port = _header(headers, AGENTENV_PORT_HEADER) or _header(headers, E2B_PORT_HEADER)
+    error = None
+    if not sandbox_id:
+        error = Why.NO_TARGET
+    elif not SANDBOX_ID_RE.fullmatch(sandbox_id):
+        error = Why.BAD_SANDBOX_ID
+    elif not port:
+        error = Why.NO_PORT
+    elif not (port.isdigit() and valid_port(int(port))):
+        error = Why.BAD_PORT
+    if error is not None:
+        return Target(Dialect.AGENTENV, error=error)
+    return Target(Dialect.AGENTENV, sandbox_id, int(port))
+
+
+def has_proxy_prefix(raw_path: bytes) -> bool:
+    """``/proxy`` or ``/proxy/…``, matched on the raw (undecoded) path as AgentENV does."""
+    return raw_path == PROXY_PREFIX or raw_path.startswith(PROXY_PREFIX + b"/")
+
+
+def names_a_sandbox(headers: dict[bytes, bytes]) -> bool:
+    """The request carries a sandbox routing header (either dialect's name)."""
+    return bool(_header(headers, AGENTENV_SANDBOX_HEADER) or _header(headers, E2B_SANDBOX_HEADER))
+
+
+def _address(headers: dict[bytes, bytes], raw_path: bytes, mounted: bool) -> tuple[Target, bool]:
+    """(the request's Target, whether its leading ``/proxy`` is AgentENV's prefix).
+
+    The one place the dialect is chosen. On the API's ``/proxy`` mount: AgentENV. On the
+    data plane's port, first match wins: ``E2b-Sandbox-Id`` → E2B (as E2B: path as sent,
+    port 49983 unless given); ``x-agentenv-sandbox-id`` → AgentENV; a ``{port}-{id}.`` host
+    → E2B; a ``/proxy`` path naming no sandbox → AgentENV (its 400); anything else → E2B
+    (a signed ``/files`` URL, or E2B's 400)."""
+    prefixed = has_proxy_prefix(raw_path)
+    if not mounted:
+        sandbox_id = _header(headers, E2B_SANDBOX_HEADER)
+        if sandbox_id:
+            port = _header(headers, E2B_PORT_HEADER)
+            return Target(Dialect.E2B, sandbox_id, int(port) if port.isdigit() else ENVD_PORT), False
+        if not _header(headers, AGENTENV_SANDBOX_HEADER):
+            m = HOST_RE.match(_header(headers, b"host").lower())
+            if m:
+                return Target(Dialect.E2B, m.group("id"), int(m.group("port"))), False
+            if not prefixed:
+                return Target(Dialect.E2B), False
+    return _agentenv_target(headers), prefixed
+
+
+def addressed(scope, headers: dict[bytes, bytes]) -> dict:
+    """The request's scope as the data plane serves it: its Target under ``TARGET`` and,
+    when AgentENV's ``/proxy`` prefix addressed it, the path without it (``/proxy`` alone
+    is the guest's ``/``). The prefix is matched on the raw path, as AgentENV matches it."""
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    target, prefixed = _address(headers, raw_path, bool(scope.get(API_MOUNT)))
+    scope = {**scope, TARGET: target}
+    if prefixed:
+        cut = len(PROXY_PREFIX)
+        scope.update(path=scope["path"][cut:] or "/", raw_path=raw_path[cut:] or b"/",
+                     root_path=scope.get("root_path", "") + PROXY_PREFIX.decode())
+    return scope
+
+
+def dialect_of(scope) -> Dialect:
+    target = scope.get(TARGET)
+    return target.dialect if target is not None else Dialect.E2B
+
+
 def parse_target(headers: dict[bytes, bytes]) -> tuple[str, int] | None:
-    """(sandbox_id, port) from the routing headers, else from the Host, else None."""
-    sandbox_id = headers.get(b"e2b-sandbox-id", b"").decode("latin-1").strip()
-    if sandbox_id:
-        port = headers.get(b"e2b-sandbox-port", b"").decode("latin-1").strip()
-        return sandbox_id, int(port) if port.isdigit() else ENVD_PORT
-    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
-    m = HOST_RE.match(host)
-    if m:
-        return m.group("id"), int(m.group("port"))
-    return None
+    """(sandbox_id, port) a request names by its headers or Host, in either dialect, else
+    None (the data plane's metrics label)."""
+    target, _ = _address(headers, b"", mounted=False)
+    return (target.sandbox_id, target.port) if target.sandbox_id and target.error is None else None
 
 
 def signed_file(scope) -> SignedFile | None:
@@ -230,7 +403,7 @@ def signed_file(scope) -> SignedFile | None:
         try:
             expiration = int(expiration)
         except ValueError:
-            raise Refused(signature_refused(MSG_INVALID_EXPIRATION)) from None
+            raise Refused(answer=signature_refused(MSG_INVALID_EXPIRATION)) from None
     return SignedFile(path=params.get("path", ""), operation="read" if scope["method"] == "GET" else "write",
                       username=params.get("username", ""), signature=params["signature"], expiration=expiration)
 
@@ -263,29 +436,26 @@ def is_node_only(path: str) -> bool:
     return path == "/init" or path == "/aenv" or path.startswith("/aenv/")
 
 
-def traffic_token_refusal(route: Route, headers: dict[bytes, bytes]):
-    """None when the request may reach the sandbox's non-envd ports; else the 403."""
+def traffic_token_refusal(route: Route, headers: dict[bytes, bytes]) -> "Refused | None":
+    """None when the request may reach the sandbox's non-envd ports; else why not."""
     if not route.traffic_token:
         return None
     given = headers.get(TRAFFIC_TOKEN_HEADER)
     if given is None:
-        return json_response(403, {"sandboxId": route.sandbox_id, "message": MSG_TOKEN_MISSING, "code": 403})
+        return Refused(Why.TRAFFIC_TOKEN_MISSING, route.sandbox_id)
     if not hmac.compare_digest(given, route.traffic_token.encode()):
-        return json_response(403, {"sandboxId": route.sandbox_id, "message": MSG_TOKEN_INVALID, "code": 403})
+        return Refused(Why.TRAFFIC_TOKEN_INVALID, route.sandbox_id)
     return None
 
 
-def access_token_refusal(route: Route, path: str, query: bytes, headers: dict[bytes, bytes]):
-    """None when the request may reach envd; else the 401 (secure sandboxes only)."""
+def access_token_refusal(route: Route, path: str, query: bytes, headers: dict[bytes, bytes]) -> "Refused | None":
+    """None when the request may reach envd; else why not (secure sandboxes only)."""
     if not (route.secure and needs_token(path, query)):
         return None
     given = headers.get(b"x-access-token", b"")
     if hmac.compare_digest(given, route.token.encode()):
         return None
-    return json_response(401, {
-        "code": 401,
-        "message": "missing or invalid X-Access-Token" if given else "missing X-Access-Token header",
-    })
+    return Refused(Why.ACCESS_TOKEN_INVALID if given else Why.ACCESS_TOKEN_MISSING, route.sandbox_id)
 
 
 def forward_headers(raw_headers, drop=frozenset()) -> list[tuple[bytes, bytes]]:
@@ -338,14 +508,6 @@ def json_response(status: int, body: dict):
     return status, headers, data
 
 
-def no_target():
-    return json_response(400, {
-        "code": 400,
-        "message": "missing E2b-Sandbox-Id header (or a {port}-{sandboxId}.{domain} host; "
-                   "a /files URL without either must carry a secured sandbox's signature)",
-    })
-
-
 def signature_refused(message: str):
     """envd's 401 for a signed file URL (E2B's body: ``{"code": 401, "message": …}``)."""
     return json_response(401, {"code": 401, "message": message})
@@ -355,29 +517,69 @@ def signature_expired():
     return signature_refused(EXPIRED_MESSAGE)
 
 
-def not_found(sandbox_id: str):
-    return json_response(502, {"sandboxId": sandbox_id, "message": MSG_NOT_FOUND, "code": 502})
+MSG_NO_TARGET = ("missing E2b-Sandbox-Id header (or a {port}-{sandboxId}.{domain} host; "
+                 "a /files URL without either must carry a secured sandbox's signature)")
+MSG_NOT_PROXYABLE = "sandbox is not proxyable in its current state ({detail})"
+
+E2B, AGENTENV = Dialect.E2B, Dialect.AGENTENV
+# The one mapping of a refusal to its status and message, per dialect: E2B's are what its
+# SDKs match (§1.5, §4.6 of the E2B spec), AgentENV's what its proxy answers. ``{detail}``
+# is the refusal's detail. A reason only one dialect's addressing can produce has one entry.
+ANSWERS: dict[Why, dict[Dialect, tuple[int, str]]] = {
+    Why.NO_TARGET: {E2B: (400, MSG_NO_TARGET.replace("{", "{{").replace("}", "}}")),
+                    AGENTENV: (400, "missing sandbox routing header")},
+    Why.BAD_SANDBOX_ID: {AGENTENV: (400, "invalid sandbox routing header")},
+    Why.NO_PORT: {AGENTENV: (400, "missing target port routing header")},
+    Why.BAD_PORT: {E2B: (502, MSG_PORT_CLOSED), AGENTENV: (400, "invalid target port routing header")},
+    Why.NOT_FOUND: {E2B: (502, MSG_NOT_FOUND), AGENTENV: (404, "sandbox not found")},
+    Why.NOT_RUNNING: {E2B: (502, MSG_NOT_FOUND), AGENTENV: (410, MSG_NOT_PROXYABLE)},
+    Why.PORT_CLOSED: {E2B: (502, MSG_PORT_CLOSED), AGENTENV: (502, "sandbox port is not reachable")},
+    Why.NODE_ONLY: {E2B: (403, MSG_INTERNAL_ROUTE), AGENTENV: (403, MSG_INTERNAL_ROUTE)},
+    Why.TRAFFIC_TOKEN_MISSING: {E2B: (403, MSG_TOKEN_MISSING), AGENTENV: (401, MSG_TOKEN_MISSING)},
+    Why.TRAFFIC_TOKEN_INVALID: {E2B: (403, MSG_TOKEN_INVALID), AGENTENV: (401, MSG_TOKEN_INVALID)},
+    Why.ACCESS_TOKEN_MISSING: {E2B: (401, "missing X-Access-Token header"),
+                               AGENTENV: (401, "missing X-Access-Token header")},
+    Why.ACCESS_TOKEN_INVALID: {E2B: (401, "missing or invalid X-Access-Token"),
+                               AGENTENV: (401, "missing or invalid X-Access-Token")},
+    Why.UPSTREAM_TIMEOUT: {E2B: (504, "The sandbox did not answer in time"),
+                           AGENTENV: (504, "sandbox did not answer in time")},
+    Why.RESUME_FAILED: {E2B: (502, "auto-resume failed: {detail}"), AGENTENV: (502, "auto-resume failed: {detail}")},
+    Why.RESUME_TIMEOUT: {E2B: (504, "auto-resume failed: {detail}"), AGENTENV: (504, "auto-resume failed: {detail}")},
+}
+# E2B's bodies: ``{sandboxId, message, code}``, without the id where envd (not the proxy)
+# would answer, plus the port where it is about one.
+E2B_WITHOUT_ID = frozenset({Why.NO_TARGET, Why.ACCESS_TOKEN_MISSING, Why.ACCESS_TOKEN_INVALID})
+E2B_WITH_PORT = frozenset({Why.BAD_PORT, Why.PORT_CLOSED, Why.UPSTREAM_TIMEOUT})
 
 
-def port_closed(sandbox_id: str, port: int = ENVD_PORT):
-    return json_response(502, {"sandboxId": sandbox_id, "message": MSG_PORT_CLOSED, "code": 502, "port": port})
+def answer(dialect: Dialect, why: Why, sandbox_id: str = "", port: int | None = None, detail: str = ""):
+    """(status, headers, body) of a refusal as ``dialect`` says it: JSON ``{code, message}``
+    for AgentENV, E2B's ``{sandboxId, message, code[, port]}`` for E2B."""
+    status, template = ANSWERS[why][dialect]
+    message = template.format(detail=detail)
+    if dialect is Dialect.AGENTENV:
+        return json_response(status, {"code": status, "message": message})
+    body = {} if why in E2B_WITHOUT_ID or not sandbox_id else {"sandboxId": sandbox_id}
+    body.update(message=message, code=status)
+    if why in E2B_WITH_PORT:
+        body["port"] = ENVD_PORT if port is None else port
+    return json_response(status, body)
 
 
-def gone(sandbox_id: str, port: int, route: Route | None):
-    """After a failed attempt: 'was not found' if the sandbox has no route any more,
-    else 'port is not open'."""
+def unavailable(sandbox_id: str, route: Route | None) -> "Refused":
+    """A sandbox that cannot take traffic now: not found when unknown or dead, else not
+    running (paused and not auto-resumed, creating, killing)."""
+    if route is None or route.state in DEAD or route.state in ROUTABLE:
+        return Refused(Why.NOT_FOUND, sandbox_id)
+    return Refused(Why.NOT_RUNNING, sandbox_id, detail=route.state)
+
+
+def gone(sandbox_id: str, port: int, route: Route | None) -> "Refused":
+    """After a failed attempt: unavailable if the sandbox has no route any more, else
+    'port is not open'."""
     if route is None or not route.routable:
-        return not_found(sandbox_id)
-    return port_closed(sandbox_id, port)
-
-
-def node_only(sandbox_id: str):
-    return json_response(403, {"sandboxId": sandbox_id, "message": MSG_INTERNAL_ROUTE, "code": 403})
-
-
-def upstream_timeout(sandbox_id: str, port: int):
-    return json_response(504, {"sandboxId": sandbox_id, "message": "The sandbox did not answer in time",
-                               "code": 504, "port": port})
+        return unavailable(sandbox_id, route)
+    return Refused(Why.PORT_CLOSED, sandbox_id, port)
 
 
 def preflight(headers: dict[bytes, bytes]):
@@ -390,21 +592,23 @@ def is_preflight(scope, headers: dict[bytes, bytes]) -> bool:
     return scope.get("method") == "OPTIONS" and b"access-control-request-method" in headers
 
 
-class ResumeFailed(Exception):
-    """Auto-resume of a paused sandbox failed; answered with ``status`` and ``message``."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-    def response(self, sandbox_id: str):
-        return json_response(self.status, {"sandboxId": sandbox_id, "code": self.status, "message": self.message})
-
-
 class Refused(Exception):
-    """The request is answered by the data plane itself: ``answer`` is (status, headers, body)."""
+    """The request is answered by the data plane itself: for ``why`` (about
+    ``sandbox_id`` / ``port``), said in the request's dialect by ``answer_in``; or with a
+    ready ``answer`` (status, headers, body) that does not depend on it (envd's signed-URL
+    401s, a guest's rejected WebSocket handshake)."""
 
-    def __init__(self, answer):
-        super().__init__(answer[0])
-        self.answer = answer
+    def __init__(self, why: Why | None = None, sandbox_id: str = "", port: int | None = None, detail: str = "",
+                 *, answer=None):
+        super().__init__(why.name if why is not None else answer[0])
+        self.why, self.sandbox_id, self.port, self.detail = why, sandbox_id, port, detail
+        self._answer = answer
+
+    def answer_in(self, dialect: Dialect):
+        if self._answer is not None:
+            return self._answer
+        return answer(dialect, self.why, self.sandbox_id, self.port, self.detail)
+
+
+class ResumeFailed(Refused):
+    """Auto-resume of a paused sandbox failed (RESUME_FAILED) or timed out (RESUME_TIMEOUT)."""

@@ -27,7 +27,7 @@ from websockets.frames import CloseCode
 from websockets.uri import WebSocketURI
 
 from . import proxy_routes as answers
-from .proxy_routes import Refused, Route
+from .proxy_routes import Refused, Route, Why
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,12 @@ class WebSocketBridge:
         if (await receive())["type"] != "websocket.connect":
             return
         headers = {n.lower(): v for n, v in scope["headers"]}
+        scope = answers.addressed(scope, headers)
         try:
             route, port = await self.proxy.admit(scope, headers)
             upstream = await self._open(scope, route, port)
         except Refused as refused:
-            return await _deny(scope, send, *refused.answer)
+            return await _deny(scope, send, *refused.answer_in(answers.dialect_of(scope)))
         try:
             await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol,
                         "headers": _accept_headers(upstream.response.headers.raw_items())})
@@ -122,14 +123,14 @@ async def _connect(scope, route: Route, port: int) -> ClientConnection:
         await asyncio.wait_for(connection.handshake(user_agent_header=None), HANDSHAKE_TIMEOUT)
     except InvalidStatus as exc:
         connection.transport.abort()
-        raise Refused(_relayed(exc.response)) from None
+        raise Refused(answer=_relayed(exc.response)) from None
     except asyncio.TimeoutError:
         connection.transport.abort()
-        raise Refused(answers.upstream_timeout(route.sandbox_id, port)) from None
+        raise Refused(Why.UPSTREAM_TIMEOUT, route.sandbox_id, port) from None
     except (InvalidHandshake, OSError, EOFError) as exc:
         connection.transport.abort()
         log.info("websocket handshake with %s port %s failed: %r", route.sandbox_id, port, exc)
-        raise Refused(answers.gone(route.sandbox_id, port, route)) from None
+        raise answers.gone(route.sandbox_id, port, route) from None
     except BaseException:
         connection.transport.abort()
         raise
