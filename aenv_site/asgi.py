@@ -1,7 +1,9 @@
 """ASGI entry for daphne: HTTP goes to Django (API, dashboard, admin); WebSockets
 go to Channels consumers. Request bodies reach Django whole whatever their framing
 (aenv_site.request_body: chunked bodies, one size limit). The sandbox data plane is a separate app
-(aenv_site.dataplane) served by uvicorn, because daphne buffers request bodies."""
+(aenv_site.dataplane) served by uvicorn, because daphne buffers request bodies; AgentENV's
+``/proxy`` (and header-routed paths the API has no route for) reach the same data plane
+app here too, with that buffering (aenv_site.proxy_mount)."""
 import os
 
 from django.core.asgi import get_asgi_application
@@ -19,8 +21,11 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from dashboard.origin import SameOriginValidator  # noqa: E402
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
 
+from aenv_site.proxy_mount import ApiProxyMount  # noqa: E402
+from sandboxes.proxy import EnvdProxy  # noqa: E402
+
 # Dashboard sockets: same-origin only (CSRF-safe), then the Django session and user.
-application = ProtocolTypeRouter({
+application = ApiProxyMount(ProtocolTypeRouter({
     "http": http_app,
     "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
-})
+}), EnvdProxy())
