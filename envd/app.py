@@ -18,7 +18,7 @@ from .process_service import ProcessService
 from .rpc import Context, parse_keepalive, parse_timeout_ms, send_error, serve
 from .usage import CpuMeter, disk_usage, read_memory
 from .watchers import pump_all
-from .users import UnknownUser, lookup, username_from_basic_auth
+from .users import UnknownUser, request_user, username_from_basic_auth
 
 log = logging.getLogger("envd.app")
 
@@ -223,9 +223,8 @@ class EnvdApp:
     # -- RPC ------------------------------------------------------------------
     async def _rpc(self, rpc, scope, receive, send, headers):
         try:
-            name = username_from_basic_auth(headers.get("authorization")) or self.settings.default_user
             try:
-                user = lookup(name)
+                user = request_user(self.settings, username_from_basic_auth(headers.get("authorization")))
             except UnknownUser as exc:
                 raise ConnectError("unauthenticated", str(exc)) from None
             timeout_ms = parse_timeout_ms(headers.get("connect-timeout-ms"))

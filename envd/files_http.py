@@ -13,7 +13,7 @@ from urllib.parse import parse_qs
 
 from . import permissions
 from .fsinfo import make_dirs, write_metadata
-from .users import UnknownUser, lookup, resolve_path
+from .users import UnknownUser, ensure_home, request_user, resolve_path
 
 log = logging.getLogger("envd.files")
 
@@ -48,8 +48,9 @@ def query_params(scope):
 
 
 def resolve_user(settings, username):
+    """``username`` (absent: the default user, see users.request_user) or 401."""
     try:
-        return lookup(username or settings.default_user)
+        return request_user(settings, username)
     except UnknownUser as exc:
         raise HTTPError(401, str(exc)) from None
 
@@ -152,6 +153,7 @@ class _Sink:
         self.path = path
         self.state = state  # shared byte counter across files of one request
         self.limit = limit
+        ensure_home(pw, os.path.dirname(path))
         if os.path.isdir(path):
             raise HTTPError(400, f"path '{path}' is a directory")
         try:

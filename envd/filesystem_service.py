@@ -10,7 +10,7 @@ from .connect import ConnectError
 from .fsinfo import entry_info, make_dirs
 from .proto import filesystem_pb2 as pb
 from .rpc import SERVER_STREAM, UNARY, Method
-from .users import resolve_path
+from .users import ensure_home, resolve_path
 from .watchers import Watcher, WatcherRegistry
 
 
@@ -108,6 +108,7 @@ class FilesystemService:
             if os.path.isdir(path):
                 raise ConnectError("already_exists", f"directory '{path}' already exists")
             raise ConnectError("invalid_argument", f"path '{path}' exists and is not a directory")
+        ensure_home(ctx.user, os.path.dirname(path))
         permissions.check_change_in(ctx.user, path)
         try:
             make_dirs(path, ctx.user.pw_uid, ctx.user.pw_gid)
@@ -122,6 +123,7 @@ class FilesystemService:
         if not os.path.lexists(src):
             raise ConnectError("not_found", f"source '{src}' does not exist")
         permissions.check_change_in(ctx.user, src)
+        ensure_home(ctx.user, os.path.dirname(dst))
         permissions.check_write(ctx.user, dst)
 
         def do_move():

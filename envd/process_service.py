@@ -6,7 +6,7 @@ import signal as _signal
 from .connect import ConnectError
 from .proto import process_pb2 as pb
 from .rpc import CLIENT_STREAM, SERVER_STREAM, UNARY, Method
-from .users import base_env, resolve_path
+from .users import base_env, ensure_home, resolve_path
 
 _SIGNALS = {pb.SIGNAL_SIGKILL: _signal.SIGKILL, pb.SIGNAL_SIGTERM: _signal.SIGTERM}
 
@@ -83,6 +83,7 @@ class ProcessService:
             cwd = self.settings.default_workdir
         else:
             cwd = pw.pw_dir
+        ensure_home(pw, cwd)
         if not os.path.isdir(cwd):
             raise ConnectError("invalid_argument", f"cwd '{cwd}' does not exist or is not a directory")
         return cwd

@@ -5,14 +5,15 @@ import logging
 import socket
 
 from . import ENVD_PORT
-from .state import ENVD_VERSION, Settings
+from .state import DEFAULT_USER, ENVD_VERSION, Settings
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="envd", description="aenv in-guest agent (E2B envd compatible)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=ENVD_PORT)
-    p.add_argument("--default-user", default="user", help="user for requests that name none")
+    p.add_argument("--default-user", default=DEFAULT_USER,
+                   help="user for requests that name none (the template file and /init may set another)")
     p.add_argument("--default-workdir", default=None, help="cwd for processes (default: user's home)")
     p.add_argument("--max-upload-bytes", type=int, default=1 << 30)
     p.add_argument("--set-clock", choices=["auto", "always", "never"], default="auto",

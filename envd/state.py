@@ -5,6 +5,9 @@ import logging
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ENVD_VERSION = "0.6.4"
+# The account of requests that name none when neither the template nor /init names a default
+# (E2B's templates: `user`, home /home/user). envd.users.request_user is where it applies.
+DEFAULT_USER = "user"
 # Written by aenv's template builder into the template's disk (USER, WORKDIR and ENV of the
 # build): every sandbox of the template, however it starts (a restore, a cold boot on its
 # disk, a fork, a template built from it), gets them without the node having to know them.
@@ -16,7 +19,7 @@ log = logging.getLogger(__name__)
 class Settings:
     """Everything /init may change plus the CLI options that shape behaviour."""
 
-    def __init__(self, default_user="user", default_workdir=None, max_upload_bytes=1 << 30,
+    def __init__(self, default_user=DEFAULT_USER, default_workdir=None, max_upload_bytes=1 << 30,
                  set_clock="auto", access_token=None, credit_entropy="auto", template_file=TEMPLATE_DEFAULTS):
         self.env_vars = {}
         self.template_env = {}  # the template's ENV; /init's envVars win over them

@@ -1,11 +1,14 @@
-"""User lookup, per-user base environment and path resolution relative to home."""
+"""Who a request acts as, lookup, per-user base environment and path resolution relative to home."""
 
 import base64
 import binascii
+import logging
 import os
 import pwd
 
-from .state import DEFAULT_PATH
+from .state import DEFAULT_PATH, DEFAULT_USER
+
+log = logging.getLogger("envd.users")
 
 
 class UnknownUser(Exception):
@@ -20,6 +23,39 @@ def lookup(name):
         return pwd.getpwnam(name)
     except KeyError:
         raise UnknownUser(f"user '{name}' not found") from None
+
+
+def request_user(settings, name):
+    """The account a request acts as, for every endpoint: the user it names (``username`` on
+    /files, ``Authorization: Basic`` on RPCs), else the sandbox's default user (template file,
+    /init, ``--default-user``), else E2B's ``user``. SDKs name a user only when the caller passes
+    one (or, for envd < 0.4.0, always ``user``); newer ones rely on this default.
+    Raises UnknownUser for a name without an account."""
+    return lookup(name or settings.default_user or DEFAULT_USER)
+
+
+def ensure_home(pw, directory):
+    """Creates ``pw``'s missing home when ``directory`` (where something is about to be made, or
+    a process's cwd) is that home or lies in it, as ``useradd --create-home`` would have: missing
+    parents root's, the home the user's, 0755. E2B's envd creates every missing parent of a write
+    as root; aenv checks the user's own permissions, so without this a user whose home is absent
+    (a template USER made without one) could write no relative path ("cannot write in '/'").
+    A failure is only logged: the caller's own checks then give the request its answer."""
+    home = os.path.normpath(pw.pw_dir or "/")
+    if home == "/" or not home.startswith("/") or os.path.lexists(home):
+        return
+    if directory != home and not directory.startswith(home + "/"):
+        return
+    try:
+        os.makedirs(os.path.dirname(home), mode=0o755, exist_ok=True)
+        os.mkdir(home, 0o755)
+        if os.geteuid() == 0:
+            os.chown(home, pw.pw_uid, pw.pw_gid)
+        os.chmod(home, 0o755)  # whatever the umask
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        log.warning("could not create the home %s of %s: %s", home, pw.pw_name, exc)
 
 
 def username_from_basic_auth(header):
@@ -51,8 +87,12 @@ def resolve_path(path, home):
     """Make ``path`` absolute: ``~`` expands to ``home``, relative paths are under ``home``.
 
     The result is lexically normalised (``..`` collapsed) but symlinks are kept,
-    so Stat of a link reports the link itself.
+    so Stat of a link reports the link itself. A home that is not absolute (a passwd entry
+    without one) counts as ``/``: a relative result would never reach ``/`` in the
+    permission walk.
     """
+    if not home or not home.startswith("/"):
+        home = "/"
     if path is None or path == "":
         raise ValueError("path is required")
     if "\x00" in path:
