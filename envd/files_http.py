@@ -320,10 +320,16 @@ async def _upload_multipart(ctype, receive, decoder, path_param, pw, metadata, l
         if disp.get(b"name", b"") != b"file":
             cur["skip"] = True  # ignore other form fields
             return
+        # E2B's rule: a `path` parameter names every part's destination, else each part's
+        # filename does, relative ones under the user's home and with their directories kept.
         target = path_param or disp.get(b"filename", b"").decode("utf-8", "replace")
         if not target:
             raise HTTPError(400, "file part without a filename and no 'path' parameter")
-        cur["sink"] = _Sink(_resolve(target, pw), pw, metadata, limit, state)
+        path = _resolve(target, pw)
+        if any(sink.path == path for sink in done):
+            raise HTTPError(400, f"cannot upload several files to '{path}' in one request; only the first "
+                                 f"of them was written")
+        cur["sink"] = _Sink(path, pw, metadata, limit, state)
 
     def on_part_data(data, start, end):
         if cur["sink"] is not None:

@@ -174,3 +174,17 @@ def test_init_entropy_seed_validation(envd):
 def test_sync_endpoint(envd):
     assert httpx.post(envd.url + "/aenv/sync").status_code == 204
     assert httpx.get(envd.url + "/aenv/sync").status_code in (401, 404)  # only POST is the sync
+
+
+def test_multipart_parts_to_one_path_are_refused(envd, workdir):
+    """A ``path`` parameter names the destination of every part (E2B's envd too), so two
+    parts with it, or two parts whose filenames resolve alike, are a 400 before the second
+    file is written (the first one stays, as with E2B's envd)."""
+    r = httpx.post(envd.url + "/files", params={"path": f"{workdir}/p.txt"},
+                   files=[("file", ("a.txt", b"first")), ("file", ("b.txt", b"second"))])
+    assert r.status_code == 400 and f"'{workdir}/p.txt'" in r.json()["message"]
+    assert open(f"{workdir}/p.txt", "rb").read() == b"first"
+    name = workdir.rsplit("/", 1)[1]
+    r = httpx.post(envd.url + "/files",
+                   files=[("file", (f"{name}/d.txt", b"1")), ("file", (f"{workdir}/d.txt", b"2"))])
+    assert r.status_code == 400 and open(f"{workdir}/d.txt", "rb").read() == b"1"
