@@ -140,6 +140,13 @@ async def test_the_deployed_api_app_serves_proxy():
 # --------------------------------------------------------------------------- AgentENV's statuses
 
 
+@pytest.mark.parametrize("path", ["/init", "/aenv/sync", "/x/../init"])
+async def test_envds_node_only_routes_stay_refused_behind_the_prefix(stack, entry, path):
+    sbx = await make_sandbox(stack.up_port)
+    r = await entry.client.post((entry.prefix or "/proxy") + path, content=b"{}", headers=agentenv(sbx.id))
+    assert r.status_code == 403 and stack.upstream.clients == []
+
+
 async def test_400_without_a_sandbox_header(entry):
     r = await entry.client.get((entry.prefix or "/proxy") + "/health")
     assert r.status_code == 400 and _body(r) == {"code": 400, "message": "missing sandbox routing header"}
