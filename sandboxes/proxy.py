@@ -27,6 +27,8 @@ forwarded chunk by chunk as it arrives; E2B clients are half-duplex too.
 """
 import asyncio
 import logging
+import socket
+import struct
 from contextlib import aclosing
 
 import httpx
@@ -259,6 +261,9 @@ class EnvdProxy:
             except asyncio.CancelledError:
                 if not disconnected.is_set():
                     raise
+            except UpstreamBroken:
+                _reset_on_close(receive)
+                raise
         finally:
             for task in (pump, watch, exchange):
                 task.cancel()
@@ -328,10 +333,10 @@ def _has_body(headers: dict[bytes, bytes]) -> bool:
 async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Event, cors: bool):
     """Streams the upstream response to the client until it ends, the upstream breaks, or
     ``moved`` says the sandbox's VM is gone (killed, paused, moved: ``sandboxes.proxy_watch``).
-    In the last two cases the client's connection is dropped (UpstreamBroken), as E2B's
-    proxy resets the stream of a sandbox that died: both E2B SDKs take a dropped
-    connection for "the sandbox may be gone", probe ``/health`` (then 502 "was not found")
-    and report that it was killed or reached its end of life."""
+    In the last two cases the client's connection is reset (UpstreamBroken, then
+    ``_reset_on_close``), as E2B's proxy resets the stream of a sandbox that died: both E2B
+    SDKs take a reset connection for "the sandbox may be gone", probe ``/health`` (then 502
+    "was not found") and report that it was killed or reached its end of life."""
     gone = asyncio.ensure_future(moved.wait())
     chunks = upstream.aiter_raw()
     read = None
@@ -351,9 +356,9 @@ async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Ev
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except (httpx.HTTPError, _VMGone) as exc:
-        # Raising makes uvicorn drop the connection, so the client sees a broken stream
-        # (and probes /health) instead of a clean end.
-        log.info("upstream of %s ended mid-response (%r); dropping the client connection", route.sandbox_id, exc)
+        # Raising makes uvicorn close the connection (reset: _forward), so the client sees
+        # a broken stream (and probes /health) instead of a clean end.
+        log.info("upstream of %s ended mid-response (%r); resetting the client connection", route.sandbox_id, exc)
         raise UpstreamBroken(f"upstream of {route.sandbox_id} ended mid-response: {exc!r}") from exc
     finally:
         gone.cancel()
@@ -369,7 +374,29 @@ class _VMGone(Exception):
 
 
 class UpstreamBroken(Exception):
-    """The upstream stream failed after the response started; the client connection is dropped."""
+    """The upstream stream failed after the response started; the client connection is reset."""
+
+
+def _reset_on_close(receive) -> bool:
+    """Makes the server's coming close of this request's connection a reset (RST), not a FIN.
+
+    Why: over HTTP/1.1 (``E2B_SANDBOX_URL``) a FIN in the middle of a chunked body is a
+    protocol error to pyqwest, the Python SDK's HTTP client ("error reading a body from
+    connection: unexpected EOF"), which E2B's SDK re-raises as it is; a reset is the dropped
+    connection it probes ``/health`` for, and Node's fetch reports both as "terminated". A
+    reset is also what E2B's proxy sends over HTTP/2 (RST_STREAM). ASGI has no message for
+    it, so the socket is reached through uvicorn's request cycle (``receive`` is its bound
+    method); under another server nothing changes (False)."""
+    transport = getattr(getattr(receive, "__self__", None), "transport", None)
+    get_extra_info = getattr(transport, "get_extra_info", None)
+    sock = get_extra_info("socket") if callable(get_extra_info) else None
+    if sock is None:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        return False
+    return True
 
 
 async def _pump_request(receive, body_queue: asyncio.Queue, disconnected: asyncio.Event):
