@@ -248,6 +248,7 @@ class Build:
         ctx = ctx.copy()
         changes_disk = True
         try:
+            guest.check_shell()  # every step needs one (E2B's run through bash): a shell-less image fails here
             if p.kind == "RUN":
                 user = plan.check_user(args[1]) if len(args) > 1 and args[1] else ctx.user
                 guest.run(args[0], user=user, ctx=ctx, prefix=f"[builder {p.number}/{p.total}]", step=step_name)
@@ -306,6 +307,7 @@ class Build:
                   ready_cmd: str) -> Outcome:
         self.log.info("[finalize] Finalizing template build", step="finalize")
         try:
+            guest.check_shell()
             guest.write_defaults(ctx, self.node.defaults_file)
             if start_cmd or ready_cmd:
                 self._start_and_wait(guest, ctx, start_cmd, ready_cmd)

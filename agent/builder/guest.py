@@ -1,10 +1,15 @@
 """The build VM's side of each step: commands through its envd (``envd_client``), as E2B's
 builder runs them (``/bin/bash -l -c`` as the step's user, in the context's workdir, with
-the context's env vars), output streamed into the build log line by line.
+the context's env vars; ``/bin/sh -l -c`` in an image without bash), output streamed into
+the build log line by line. An image with neither fails its first step (or finalize), saying so.
 
 Helpers that change the file system as root (COPY's placement, WORKDIR's directories,
-USER's account) are small bash scripts that take every path and name from environment
-variables, never from the script text, so no user-given string is ever parsed as shell."""
+USER's account, the template defaults) are small POSIX sh scripts run by the tools drive's
+busybox (``/opt/aenv/bin/busybox sh``), and every tool they call is an applet of that
+busybox too: the image may have no bash, no ``dirname``, no ``useradd`` (busybox,
+distroless, a static binary plus ``sh``), or tools that behave otherwise. They take every
+path and name from environment variables, never from the script text, so no user-given
+string is ever parsed as shell."""
 from __future__ import annotations
 
 import json
@@ -13,17 +18,38 @@ import time
 from pathlib import Path
 
 from envd_client import EnvdClient, EnvdError
+from envd_client.protocol import RunCollector
 
 from . import plan
 from .log import BuildLog, LineSplitter
 
-# Creates each missing directory of $1 owned by $OWNER (E2B: "newly created parts chowned").
+# The tools drive's static busybox (vmm.toolsdrive: mounted read-only at /opt/aenv in every guest).
+BUSYBOX = "/opt/aenv/bin/busybox"
+# The shells a step's command runs with: the first the image has.
+SHELLS = ("/bin/bash", "/bin/sh")
+NO_SHELL = ("the image has no /bin/sh: a template build runs its steps and start/ready commands with "
+            "/bin/bash, else /bin/sh, and the image has neither (add a POSIX shell, e.g. busybox as /bin/sh)")
+
+# Each tool the helpers call is a function running the drive's busybox applet; the image's
+# PATH is searched only for what a helper asks for by name (useradd).
+_TOOLS = r'''
+for t in awk basename cat chmod chown cp date dirname id mkdir mv rm stat tail tar touch; do
+  eval "$t() { @BUSYBOX@ $t \"\$@\"; }"
+done
+'''.replace("@BUSYBOX@", BUSYBOX)
+
+# Creates each missing directory of $1 (absolute) owned by $OWNER (E2B: "newly created
+# parts chowned"); existing parts, symlinks included, are left as they are.
 _ENSURE_DIR = r'''
 ensure_dir() {
-  local d="$1" missing=()
-  while [ ! -e "$d" ] && [ ! -L "$d" ] && [ "$d" != / ]; do missing=("$d" "${missing[@]}"); d=$(dirname "$d"); done
-  local m
-  for m in "${missing[@]}"; do mkdir "$m" && chown "$OWNER" "$m"; done
+  _path="" _rest="${1#/}"
+  while [ -n "$_rest" ]; do
+    _part="${_rest%%/*}"
+    case "$_rest" in */*) _rest="${_rest#*/}" ;; *) _rest="" ;; esac
+    [ -n "$_part" ] || continue
+    _path="$_path/$_part"
+    if [ ! -e "$_path" ] && [ ! -L "$_path" ]; then mkdir "$_path"; chown "$OWNER" "$_path"; fi
+  done
   [ -d "$1" ] || { echo "$1 exists and is not a directory" >&2; exit 2; }
 }
 '''
@@ -32,8 +58,8 @@ ensure_dir() {
 # directory's contents are merged into DEST (created if needed; an existing DEST keeps its
 # own owner and mode), a file goes into DEST when it ends with "/" or is a directory, else
 # becomes DEST; symlinks stay links.
-COPY_SCRIPT = _ENSURE_DIR + r'''
-set -euo pipefail
+COPY_SCRIPT = _TOOLS + _ENSURE_DIR + r'''
+set -eu
 rm -rf "$WORK"; mkdir -p "$WORK"
 if [ "$GZ" = 1 ]; then tar -xzf "$ARCHIVE" -C "$WORK"; else tar -xf "$ARCHIVE" -C "$WORK"; fi
 rm -f "$ARCHIVE"
@@ -57,19 +83,50 @@ fi
 rm -rf "$WORK"
 '''
 
-WORKDIR_SCRIPT = _ENSURE_DIR + r'''
-set -euo pipefail
+WORKDIR_SCRIPT = _TOOLS + _ENSURE_DIR + r'''
+set -eu
 ensure_dir "$DIR"
 '''
 
-# USER (spec §4.2): the account is made when missing; SUDO=1 (the implicit default-user
-# phase) also gives it passwordless sudo.
-USER_SCRIPT = r'''
-set -euo pipefail
+# USER (spec §4.2): a missing account is made with the image's useradd, as E2B's builder
+# does; an image without one (busybox, distroless) gets the lines useradd would write:
+# /etc/passwd and /etc/group (/etc/shadow, /etc/gshadow if it has them, password locked),
+# the first id from 1000 free as uid and gid (an existing group of that name keeps its
+# gid), home /home/<name> (0755, from /etc/skel), shell /bin/bash, else /bin/sh. SUDO=1 (the
+# implicit default-user phase) also gives it passwordless sudo.
+USER_SCRIPT = _TOOLS + r'''
+set -eu
+end_line() { if [ -s "$1" ] && [ -n "$(tail -c 1 "$1")" ]; then echo >> "$1"; fi; }
+add_account() {
+  for f in /etc/passwd /etc/group; do
+    if [ ! -e "$f" ]; then touch "$f"; chmod 0644 "$f"; fi
+    end_line "$f"
+  done
+  uid=$(awk -F: '{ used[$3] = 1 } END { i = 1000; while (i in used) i++; print i }' /etc/passwd /etc/group)
+  gid=$(awk -F: '$1 == ENVIRON["NAME"] { print $3; exit }' /etc/group)
+  if [ -z "$gid" ]; then
+    gid=$uid
+    printf '%s:x:%s:\n' "$NAME" "$gid" >> /etc/group
+    if [ -f /etc/gshadow ]; then end_line /etc/gshadow; printf '%s:!::\n' "$NAME" >> /etc/gshadow; fi
+  fi
+  home="/home/$NAME"
+  printf '%s:x:%s:%s::%s:%s\n' "$NAME" "$uid" "$gid" "$home" "$shell" >> /etc/passwd
+  if [ -f /etc/shadow ]; then
+    end_line /etc/shadow
+    printf '%s:!:%s:0:99999:7:::\n' "$NAME" "$(( $(date +%s) / 86400 ))" >> /etc/shadow
+  fi
+  if [ ! -e "$home" ] && [ ! -L "$home" ]; then
+    mkdir -p /home
+    mkdir -m 0755 "$home"
+    if [ -d /etc/skel ]; then cp -a /etc/skel/. "$home/"; fi
+    chown -R "$uid:$gid" "$home"
+  fi
+}
 if ! id -u "$NAME" >/dev/null 2>&1; then
-  if command -v useradd >/dev/null 2>&1; then useradd --create-home --shell /bin/bash "$NAME"
-  elif command -v adduser >/dev/null 2>&1; then adduser -D -s /bin/bash "$NAME"
-  else echo "cannot create user $NAME: the image has neither useradd nor adduser" >&2; exit 2; fi
+  shell=/bin/sh
+  if [ -x /bin/bash ]; then shell=/bin/bash; fi
+  if command -v useradd >/dev/null 2>&1; then useradd --create-home --shell "$shell" "$NAME"
+  else add_account; fi
 fi
 if [ "$SUDO" = 1 ] && [ -d /etc/sudoers.d ] && [ ! -e "/etc/sudoers.d/aenv-$NAME" ]; then
   echo "$NAME ALL=(ALL:ALL) NOPASSWD: ALL" > "/etc/sudoers.d/aenv-$NAME"; chmod 0440 "/etc/sudoers.d/aenv-$NAME"
@@ -77,18 +134,24 @@ fi
 '''
 
 # The template's defaults for envd (envd.state.TEMPLATE_DEFAULTS), from $DEFAULTS_JSON.
-DEFAULTS_SCRIPT = r'''
-set -euo pipefail
+DEFAULTS_SCRIPT = _TOOLS + r'''
+set -eu
 mkdir -p "$(dirname "$FILE")"
 printf '%s\n' "$DEFAULTS_JSON" > "$FILE.tmp"; chmod 0644 "$FILE.tmp"; mv -f "$FILE.tmp" "$FILE"
 '''
 
+# Prints the first of its arguments that is an executable file in the image (nothing if none).
+SHELL_SCRIPT = r'''for s in "$@"; do if [ -f "$s" ] && [ -x "$s" ]; then echo "$s"; exit 0; fi; done'''
+
+# Before the template snapshot: the guest writes back and drops its page cache.
+DROP_CACHES_SCRIPT = f"{BUSYBOX} sync; echo 3 > /proc/sys/vm/drop_caches"
 
 # Linux reports free pages to the balloon about every 2 s; a little more lets the report land.
 FREE_PAGE_REPORTING_SECONDS = 2.5
 
-# root's login environment, NUL-separated, with bash alone (no `env -0` in busybox).
-ROOT_ENV = r'''for v in $(compgen -e); do printf '%s=%s\0' "$v" "${!v}"; done'''
+# root's login environment, NUL-separated: what the image's login shell exports (the drive's
+# busybox prints it: the image's env may lack -0, or be missing).
+ROOT_ENV = f"exec {BUSYBOX} env -0"
 
 
 class StepFailed(Exception):
@@ -103,6 +166,7 @@ class BuildGuest:
         self.envd = EnvdClient.at(host, port)
         self.log = log
         self.deadline = deadline  # time.monotonic() when the build times out
+        self.shell = ""  # the image's shell, as check_shell() last found it
         self._root_env: dict[str, str] | None = None
 
     def close(self) -> None:
@@ -114,17 +178,39 @@ class BuildGuest:
             raise StepFailed("the build timed out")
         return left
 
+    def _exec(self, argv: list[str], *, user: str | None, cwd: str | None, envs: dict | None = None,
+              on_stdout=None, on_stderr=None):
+        """``argv`` through envd to its end (envd_client's ``run`` always starts ``/bin/bash``)."""
+        collector = RunCollector(on_stdout, on_stderr)
+        events = self.envd.start(argv[0], argv[1:], envs=envs, cwd=cwd, user=user, stdin=False,
+                                 deadline=self._left())
+        try:
+            for ev in events:
+                collector.add(ev)
+        finally:
+            events.close()
+        return collector.result()
+
+    def check_shell(self) -> str:
+        """The shell the next commands run with (/bin/bash, else /bin/sh), asked again before
+        each step (a RUN may install bash); StepFailed when the image has none."""
+        found = self._exec([BUSYBOX, "sh", "-c", SHELL_SCRIPT, "sh", *SHELLS], user="root", cwd="/")
+        self.shell = found.stdout.decode("utf-8", "replace").strip()
+        if not self.shell:
+            raise StepFailed(NO_SHELL)
+        return self.shell
+
     def run(self, command: str, *, user: str, ctx: plan.Context, prefix: str, step: str, quote: str = "",
             envs: dict | None = None, cwd: str | None = None):
-        """``bash -l -c command`` as ``user``; its output goes to the log. A non-zero exit
+        """``<shell> -l -c command`` as ``user``; its output goes to the log. A non-zero exit
         raises StepFailed (``failed to run command '<quote>': exit status N`` + the last lines)."""
         splitters = {name: LineSplitter(lambda line, n=name: self.log.output(n, line, prefix, step))
                      for name in ("stdout", "stderr")}
+        shell = self.shell or self.check_shell()
         try:
-            result = self.envd.run(command, envs=plan.command_env(ctx) if envs is None else envs,
-                                   cwd=cwd if cwd is not None else (ctx.workdir or None), user=user,
-                                   deadline=self._left(), on_stdout=splitters["stdout"].feed,
-                                   on_stderr=splitters["stderr"].feed)
+            result = self._exec([shell, "-l", "-c", command], envs=plan.command_env(ctx) if envs is None else envs,
+                                cwd=cwd if cwd is not None else (ctx.workdir or None), user=user,
+                                on_stdout=splitters["stdout"].feed, on_stderr=splitters["stderr"].feed)
         except EnvdError as exc:
             if exc.code == "deadline_exceeded":
                 raise StepFailed(f"failed to run command '{quote or command}': the build timed out") from None
@@ -141,9 +227,10 @@ class BuildGuest:
         return result
 
     def root_script(self, script: str, env: dict[str, str], *, what: str, step: str) -> None:
-        """A helper script as root; its stderr becomes the step's error."""
-        result = self.envd.run(script, envs={"PATH": ":".join(plan.STANDARD_PATH), **env}, cwd="/", user="root",
-                               deadline=self._left())
+        """A helper script as root, run by the tools drive's busybox sh; its stderr becomes
+        the step's error."""
+        result = self._exec([BUSYBOX, "sh", "-c", script], envs={"PATH": ":".join(plan.STANDARD_PATH), **env},
+                            cwd="/", user="root")
         if not result.ok:
             detail = (result.stderr or result.stdout).decode("utf-8", "replace").strip().splitlines()
             raise StepFailed(f"{what}: {detail[-1] if detail else result.status or 'failed'}")
@@ -151,9 +238,12 @@ class BuildGuest:
     def root_env(self) -> dict[str, str]:
         """root's login environment (ENV values expand against it), asked once."""
         if self._root_env is None:
-            result = self.envd.run(ROOT_ENV, user="root", cwd="/", deadline=self._left())
-            self._root_env = dict(item.split("=", 1) for item in result.stdout.decode("utf-8", "replace").split("\0")
-                                  if "=" in item)
+            shell = self.shell or self.check_shell()
+            result = self._exec([shell, "-l", "-c", ROOT_ENV], user="root", cwd="/")
+            env = dict(item.split("=", 1) for item in result.stdout.decode("utf-8", "replace").split("\0")
+                       if "=" in item)
+            env.pop("_", None)  # the shell's last command (the printer itself), not an env var
+            self._root_env = env
         return self._root_env
 
     # -- the step kinds ---------------------------------------------------------------------
@@ -188,15 +278,15 @@ class BuildGuest:
         build's downloads, archives, compiler output), and the balloon's free page reporting
         hands those pages back to the host, so the snapshot's RAM, which every create copies,
         holds only what the template really keeps in memory."""
-        self.envd.run("sync; echo 3 > /proc/sys/vm/drop_caches", user="root", cwd="/", deadline=self._left())
+        self._exec([BUSYBOX, "sh", "-c", DROP_CACHES_SCRIPT], user="root", cwd="/")
         time.sleep(FREE_PAGE_REPORTING_SECONDS)
         # envd's own pages went too: what a create asks of it first (/init, a command, a
         # file) is read back in now, not at every create's first request
         self.envd.init({})
-        self.envd.run("true", deadline=self._left())
+        self._exec([self.shell or self.check_shell(), "-l", "-c", "true"], user=None, cwd=None)
         self.envd.write_file("/tmp/.aenv-warm", b"warm")
         self.envd.read_file("/tmp/.aenv-warm")
-        self.envd.run("rm -f /tmp/.aenv-warm", user="root", cwd="/", deadline=self._left())
+        self._exec([BUSYBOX, "rm", "-f", "/tmp/.aenv-warm"], user="root", cwd="/")
 
 
 class StartCommand:
@@ -223,7 +313,8 @@ class StartCommand:
         log = self.guest.log
         splitters = {n: LineSplitter(lambda line, n=n: log.output(n, line, "[start]", "finalize"))
                      for n in ("stdout", "stderr")}
-        events = self._client.start("/bin/bash", ["-l", "-c", self.command], envs=plan.command_env(ctx),
+        shell = self.guest.shell or SHELLS[0]  # finalize checked it
+        events = self._client.start(shell, ["-l", "-c", self.command], envs=plan.command_env(ctx),
                                     cwd=ctx.workdir or None, user=user, tag="aenv-start-cmd", keepalive=1)
         try:
             for ev in events:
