@@ -19,6 +19,11 @@ into an OCI layout and pushed with ``skopeo copy``. Three rootfs sources:
   (``var/images/stages/debootstrap-*/rootfs``): a real distro with its own ``user`` and sudo.
   ~400 MiB, a minute or more; used by opt-in tests only.
 
+And minimal layers for the template builder (tests/integration/test_template_build_minimal.py):
+``busybox_full_layer`` (every busybox applet, no bash, no glibc), ``sh_only_layer`` (a static
+binary plus busybox as /bin/sh, nothing else) and ``no_shell_layer`` (the static binary alone),
+pushed as whole images with ``push_image``.
+
     python -m tests.oci_images push <registry host:port> <repository:tag> [--debootstrap | --static]
 """
 
@@ -123,6 +128,42 @@ def static_layer(rootfs: Path) -> None:
     (rootfs / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
     (rootfs / "etc/os-release").write_text("ID=aenv-oci-static\nNAME=\"aenv OCI test image without glibc\"\n")
     (rootfs / "srv/app/remove-me.txt").write_text("deleted by the next layer\n")
+
+
+STATIC_BINARY = Path("/sbin/ldconfig")  # glibc's ldconfig: static on every Debian, runs alone (--version)
+PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/sh\n"
+GROUP = "root:x:0:\nnogroup:x:65534:\n"
+
+
+def minimal_available() -> str | None:
+    """None if the minimal layers below can be made here, else why not (a skip reason)."""
+    return None if STATIC_BINARY.exists() else f"{STATIC_BINARY} (a static binary) not found"
+
+
+def busybox_full_layer(rootfs: Path) -> None:
+    """The busybox image: static busybox with a link for every applet it has in /bin, root
+    and nobody; no bash, no glibc, no /home, no useradd or adduser (Debian's busybox has
+    neither)."""
+    for d in ("bin", "etc", "tmp", "usr/bin", "usr/sbin", "sbin"):
+        (rootfs / d).mkdir(parents=True, exist_ok=True)
+    _copy_into(rootfs, BUSYBOX, "/bin/busybox")
+    for applet in run([str(BUSYBOX), "--list"]).stdout.split():
+        if applet != "busybox" and "/" not in applet:
+            (rootfs / "bin" / applet).symlink_to("busybox")
+    (rootfs / "etc/passwd").write_text(PASSWD)
+    (rootfs / "etc/group").write_text(GROUP)
+
+
+def sh_only_layer(rootfs: Path) -> None:
+    """A static binary (/usr/local/bin/app) and busybox as /bin/sh, nothing else: no other
+    tool, no /etc (what distroless-with-a-shell images come down to)."""
+    _copy_into(rootfs, BUSYBOX, "/bin/sh")
+    _copy_into(rootfs, STATIC_BINARY, "/usr/local/bin/app")
+
+
+def no_shell_layer(rootfs: Path) -> None:
+    """A static binary (/usr/local/bin/app) alone: no shell at all (distroless static)."""
+    _copy_into(rootfs, STATIC_BINARY, "/usr/local/bin/app")
 
 
 # A small real distro for template builds (python3 for a start command, iproute2's `ss` for
@@ -245,6 +286,18 @@ def make_test_image(registry_host: str, repository: str, tag: str, token: str,
         ref = f"{registry_host}/{repository}:{tag}"
         push(work / "layout", "img", ref, credentials)
     return BuiltImage(ref=ref, token=token, config=config)
+
+
+def push_image(registry_host: str, repository: str, tag: str, layers: list[Callable[[Path], None]],
+               config: dict) -> BuiltImage:
+    """Builds an image of ``layers`` (one each) with ``config`` and pushes it to
+    ``registry_host/repository:tag`` (no app layer: the layers are the whole image)."""
+    with tempfile.TemporaryDirectory(prefix="aenv-oci-image-") as work:
+        work = Path(work)
+        build_layout(work / "layout", "img", layers, config, work)
+        ref = f"{registry_host}/{repository}:{tag}"
+        push(work / "layout", "img", ref)
+    return BuiltImage(ref=ref, token="", config=config)
 
 
 def main(argv: list[str] | None = None) -> int:
