@@ -9,6 +9,12 @@ last, ``{"type": "close", "code": C, "reason": "..."}``: the server ends the soc
 with a 4xxx close code (``CLOSE_*`` below) and a reason saying why, which the page
 shows.
 
+The page's status follows this: "connecting" until ``ready`` (the shell is attached),
+"connected" after it, "closed" after a code in ``FINAL_CLOSE_CODES`` (trying again
+cannot help), and "reconnecting" after any other end (a network drop, a daphne
+restart, envd briefly unreachable): it retries with backoff, and the retry re-attaches
+to the same shell.
+
 The PTY outlives the socket: its pid (and a random tag, so a reused pid after a
 reboot is never mistaken for ours) is remembered in the user's session per
 sandbox, and a reload re-attaches with ``Process/Connect``. Only members of the
@@ -51,6 +57,10 @@ DEFAULT_SIZE = (80, 24)
 ENVD_TIMEOUT = UNARY_TIMEOUT
 ENVD_STREAM_IDLE_TIMEOUT = STREAM_IDLE_TIMEOUT
 MAX_INPUT_BATCH = 64 * 1024
+# After these the page says "closed" and does not retry (it does after any other close):
+# the shell exited, a bad frame, signed out, no such sandbox, the sandbox is not running.
+FINAL_CLOSE_CODES = frozenset({CLOSE_EXITED, CLOSE_BAD_MESSAGE, CLOSE_UNAUTHENTICATED, CLOSE_NOT_FOUND,
+                               CLOSE_NOT_RUNNING})
 
 
 def session_key(sandbox_id: str) -> str:

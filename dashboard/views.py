@@ -25,7 +25,7 @@ from snapshots.lifecycle import fork as fork_op
 from snapshots.models import Snapshot
 
 from .teams import current_team, set_current_team, user_teams
-from .terminal import TERMINAL_STATES, gone_reason
+from .terminal import FINAL_CLOSE_CODES, TERMINAL_STATES, gone_reason
 
 LIST_LIMIT = 200
 TIMEOUT_CHOICES = [(300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (4 * 3600, "4 hours")]
@@ -261,7 +261,9 @@ def sandbox_detail(request, sandbox_id):
         expires_in=(sandbox.end_at - now).total_seconds() if live else None,
         age=(now - sandbox.created_at).total_seconds(), **_actions_context(sandbox),
         terminal_path=f"/ws/sandboxes/{sandbox.id}/terminal", terminal_ready=sandbox.state in TERMINAL_STATES,
-        terminal_unavailable=gone_reason(sandbox.state), forks=list(sandbox.forks.order_by("-created_at")[:50]),
+        terminal_unavailable=gone_reason(sandbox.state),
+        terminal_final_codes=" ".join(str(code) for code in sorted(FINAL_CLOSE_CODES)),
+        forks=list(sandbox.forks.order_by("-created_at")[:50]),
         snapshots=list(sandbox.snapshots.order_by("-created_at")[:50]),
     ))
 

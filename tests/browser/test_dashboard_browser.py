@@ -53,7 +53,7 @@ def create_sandbox(page, metadata: str) -> str:
 def type_line(page, line: str, expect: str) -> None:
     """Types ``line`` in the terminal once the prompt is there; waits for ``expect`` (a
     regex) alone on a line of the screen."""
-    page.wait_for_selector('[data-terminal-status][data-status="open"]', timeout=60_000)
+    page.wait_for_selector('[data-terminal-status][data-status="connected"]', timeout=60_000)
     page.wait_for_function(
         "() => /\\$\\s*$/m.test(document.querySelector('[data-terminal-screen] .xterm-rows').innerText)",
         timeout=60_000)
@@ -93,9 +93,9 @@ def test_sign_in_terminal_pause_resume_kill(page, web_stack, shots_dir):
 
     # The terminal: a real shell in the VM.
     status = page.locator("[data-terminal-status]")
-    page.wait_for_selector('[data-terminal-status][data-status="open"]', timeout=60_000)
-    assert re.match(r"connected to shell pid \d+", status.inner_text())
-    pid = status.inner_text().rsplit(" ", 1)[1]
+    page.wait_for_selector('[data-terminal-status][data-status="connected"]', timeout=60_000)
+    pid = status.get_attribute("data-pid")
+    assert status.inner_text() == f"connected · shell pid {pid}"
     type_line(page, "echo hello-$RANDOM", "hello-\\d+")
     assert re.search(r"^hello-\d+\s*$", terminal_text(page), re.M)  # output, not just the typed line
     shot(page, shots_dir, "04-sandbox-terminal")
@@ -103,8 +103,8 @@ def test_sign_in_terminal_pause_resume_kill(page, web_stack, shots_dir):
     # A reload re-attaches to the same shell (its state is still there).
     type_line(page, "export MARK=$((6*7)); echo set-$MARK", "set-42")
     page.reload()
-    page.wait_for_selector('[data-terminal-status][data-status="open"]', timeout=60_000)
-    assert status.inner_text() == f"reattached to shell pid {pid}"
+    page.wait_for_selector('[data-terminal-status][data-status="connected"]', timeout=60_000)
+    assert status.inner_text() == f"connected · reattached to shell pid {pid}"
     page.click("[data-terminal-screen]")
     page.keyboard.type("echo mark-$MARK")
     page.keyboard.press("Enter")
@@ -126,9 +126,9 @@ def test_sign_in_terminal_pause_resume_kill(page, web_stack, shots_dir):
     page.click("button[data-action=resume]")
     wait_badge(page, "running", timeout=300_000)
     page.wait_for_function(
-        "() => /reattached to shell pid/.test(document.querySelector('[data-terminal-status]').innerText)",
+        "() => /^connected · reattached to shell pid/.test(document.querySelector('[data-terminal-status]').innerText)",
         timeout=60_000)
-    assert status.inner_text() == f"reattached to shell pid {pid}"
+    assert status.inner_text() == f"connected · reattached to shell pid {pid}"
 
     # Every other page, with the sandbox in it.
     page.goto("/dashboard/sandboxes/")
@@ -145,7 +145,7 @@ def test_sign_in_terminal_pause_resume_kill(page, web_stack, shots_dir):
 
     # Kill: the terminal closes saying so; the list shows it killed without a reload.
     page.goto(f"/dashboard/sandboxes/{sandbox_id}/")
-    page.wait_for_selector('[data-terminal-status][data-status="open"]', timeout=60_000)
+    page.wait_for_selector('[data-terminal-status][data-status="connected"]', timeout=60_000)
     page.click("button[data-action=kill]")
     wait_badge(page, "killed", timeout=120_000)
     page.wait_for_selector('[data-terminal-status][data-status="closed"]', timeout=30_000)

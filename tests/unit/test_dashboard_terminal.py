@@ -217,9 +217,21 @@ def test_detail_page_wires_the_terminal(dash, mine, team, base_template):
     html = dash.get(f"/dashboard/sandboxes/{mine.id}/").content.decode()
     assert f'data-ws-path="/ws/sandboxes/{mine.id}/terminal"' in html
     assert "vendor/xterm/xterm.js" in html and "dashboard/terminal.js" in html
+    assert 'data-status="connecting">connecting…</span>' in html
     paused = make_sandbox(team, base_template, state="paused")
     html = dash.get(f"/dashboard/sandboxes/{paused.id}/").content.decode()
-    assert "sandbox is paused: resume it to use the terminal" in html
+    assert 'data-status="closed">closed: sandbox is paused: resume it to use the terminal</span>' in html
+
+
+def test_page_retries_only_closes_that_may_heal(dash, mine):
+    """The page learns from the server which close codes are final ("closed"); after any
+    other (a drop, envd unreachable) it says "reconnecting" and tries again."""
+    html = dash.get(f"/dashboard/sandboxes/{mine.id}/").content.decode()
+    assert 'data-final-codes="4000 4400 4401 4404 4409"' in html
+    assert terminal.FINAL_CLOSE_CODES == {terminal.CLOSE_EXITED, terminal.CLOSE_BAD_MESSAGE,
+                                          terminal.CLOSE_UNAUTHENTICATED, terminal.CLOSE_NOT_FOUND,
+                                          terminal.CLOSE_NOT_RUNNING}
+    assert terminal.CLOSE_UNREACHABLE not in terminal.FINAL_CLOSE_CODES
 
 
 @pytest.mark.parametrize("origin,host,ok", [
