@@ -4,10 +4,16 @@ e2fsprogs, qemu-img, and one real QEMU VM booted from the result.
 
 The test images are made here (tests.oci_images: busybox + bash, two layers, a whiteout, an
 owned file, a hard link and a symlink; and one without glibc, a static busybox and bash) with a
-random token, so every session pulls and builds fresh; what the session put in the images dir
-(guest images, disks, store entries) is removed at the end. Two VM boots (marked ``vm``): the
+random token, so every session pulls and builds fresh. Two VM boots (marked ``vm``): the
 glibc image, and the image without glibc or resize2fs on a disk larger than the image's; the
 rest takes seconds.
+
+The module pulls into an images dir of its own (``env.images``: its OCI store, disks and guest
+images, the base image hard-linked in), removed at the end, never into the shared one
+(``AENV_IMAGES_DIR``, var/images): a running node, another session or another xdist worker
+pulls into that one too, and a test that counts what a pull added to the store would count their
+blobs (test_layers_shared_between_images_are_stored_once once saw 6 new blobs instead of 3). One
+xdist group: the registries and images are made once, not once per worker.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ import pytest
 from envd_client import EnvdClient, EnvdError
 from tests import oci_images, oci_registry
 from vmm.driver import BootSpec, get_driver
-from vmm.images import DEFAULT_IMAGES_DIR, ensure_image, find_image
+from vmm.images import DEFAULT_IMAGES_DIR, GuestImage, ensure_image, find_image
 from vmm.oci import ImagePullError, OciError, disks, ensure_disk, ext4, guest_image, pull, store, tools
 from vmm.templates import snapshot_dir
 
-IMAGES_DIR = Path(os.environ.get("AENV_IMAGES_DIR", DEFAULT_IMAGES_DIR))
+SHARED_IMAGES_DIR = Path(os.environ.get("AENV_IMAGES_DIR", DEFAULT_IMAGES_DIR))  # only its base image is read
+TEST_RUNS = Path(__file__).resolve().parents[2] / "var" / "test-runs"  # beside var/images: hard links work
 AUTH = ("aenv-tester", "s3cret-" + secrets.token_hex(4))
+
+pytestmark = pytest.mark.xdist_group("oci-images")
 
 
 def _skip_reason() -> str | None:
@@ -64,27 +73,34 @@ def env(tmp_path_factory):
     oci_images.push(layout, "v1", refs.v1)
     oci_images.push(layout, "v2", refs.v2)
     oci_images.push(layout, "v1", refs.private, credentials=AUTH)
-    state = SimpleNamespace(plain=plain, secured=secured, token=token, refs=refs, digests=set(), names=set())
+    images = TEST_RUNS / f"oci-images-{token}"
+    images.mkdir(parents=True)
     try:
-        yield state
+        yield SimpleNamespace(plain=plain, secured=secured, token=token, refs=refs, images=images)
     finally:
-        for name in state.names:
-            from vmm.oci.guest import remove_guest_image  # noqa: PLC0415
-
-            remove_guest_image(IMAGES_DIR, name)
-        for digest in state.digests:
-            disks.remove_disk(IMAGES_DIR, digest)
-            store.remove(IMAGES_DIR, digest)
-        store.gc(IMAGES_DIR)
+        shutil.rmtree(images, ignore_errors=True)
         oci_registry.stop(plain.root)
         oci_registry.stop(secured.root)
 
 
+def own_base(env) -> GuestImage:
+    """The shared base image (built if missing), hard-linked into the module's images dir as
+    its ``base`` (like a second node's, tests/integration/second_node.py), with the cached
+    accelerator probe: guest images made here link its kernel, initrd and tools drive."""
+    shared = ensure_image(SHARED_IMAGES_DIR, "base")
+    build = shared.kernel.parent
+    if not (env.images / build.name).exists():
+        subprocess.run(["cp", "-al", str(build), str(env.images / build.name)], check=True)
+        (env.images / "base").unlink(missing_ok=True)
+        (env.images / "base").symlink_to(build.name)
+        if (SHARED_IMAGES_DIR / "accel.json").exists():
+            shutil.copy(SHARED_IMAGES_DIR / "accel.json", env.images / "accel.json")
+    return find_image(env.images, "base")
+
+
 @pytest.fixture(scope="module")
 def pulled(env):
-    image = pull(env.refs.v1, IMAGES_DIR, insecure=True)
-    env.digests.add(image.digest)
-    return image
+    return pull(env.refs.v1, env.images, insecure=True)
 
 
 def _skopeo_digest(ref: str, credentials=None) -> str:
@@ -103,23 +119,22 @@ def test_pull_records_digest_and_config(env, pulled):
     assert pulled.cmd == ["/bin/sh", "-c", "cat /srv/app/hello.txt"] and pulled.entrypoint == []
     assert pulled.config["Labels"] == {"org.aenv.test": "1"}
     assert len(pulled.layers) == 2 and pulled.size > 0
-    assert pulled.digest in store.images(IMAGES_DIR)
-    again = pull(env.refs.v1, IMAGES_DIR, insecure=True)
+    assert pulled.digest in store.images(env.images)
+    again = pull(env.refs.v1, env.images, insecure=True)
     assert again == pulled
-    assert store.load(IMAGES_DIR, pulled.digest).config == pulled.config
+    assert store.load(env.images, pulled.digest).config == pulled.config
 
 
 def test_pull_by_digest_is_served_from_the_store(env, pulled):
     """A digest-pinned reference already in the store needs no registry (this one has none)."""
-    image = pull(f"127.0.0.1:1/t/app@{pulled.digest}", IMAGES_DIR)
+    image = pull(f"127.0.0.1:1/t/app@{pulled.digest}", env.images)
     assert image.digest == pulled.digest and image.config == pulled.config
 
 
 def test_layers_shared_between_images_are_stored_once(env, pulled):
-    blobs = store.layout_dir(IMAGES_DIR) / "blobs" / "sha256"
+    blobs = store.layout_dir(env.images) / "blobs" / "sha256"
     before = {p.name for p in blobs.iterdir()}
-    v2 = pull(env.refs.v2, IMAGES_DIR, insecure=True)
-    env.digests.add(v2.digest)
+    v2 = pull(env.refs.v2, env.images, insecure=True)
     assert v2.digest != pulled.digest
     assert v2.layers[:2] == pulled.layers and len(v2.layers) == 3
     added = {p.name for p in blobs.iterdir()} - before
@@ -128,15 +143,15 @@ def test_layers_shared_between_images_are_stored_once(env, pulled):
 
 
 def test_credentialed_registry(env, pulled):
-    image = pull(env.refs.private, IMAGES_DIR, credentials=AUTH, insecure=True)
+    image = pull(env.refs.private, env.images, credentials=AUTH, insecure=True)
     assert image.digest == pulled.digest  # the same image pushed to both registries
     with pytest.raises(ImagePullError) as e:
-        pull(env.refs.private, IMAGES_DIR, insecure=True)
+        pull(env.refs.private, env.images, insecure=True)
     assert e.value.kind == "unauthorized" and "authentication required" in e.value.message
     with pytest.raises(ImagePullError) as e:
-        pull(env.refs.private, IMAGES_DIR, credentials=(AUTH[0], "wrong"), insecure=True)
+        pull(env.refs.private, env.images, credentials=(AUTH[0], "wrong"), insecure=True)
     assert e.value.kind == "unauthorized"
-    index = json.loads((store.layout_dir(IMAGES_DIR) / "index.json").read_text())
+    index = json.loads((store.layout_dir(env.images) / "index.json").read_text())
     assert not [m for m in index["manifests"] if m["annotations"]["org.opencontainers.image.ref.name"].startswith("pull-")]
 
 
@@ -153,21 +168,21 @@ def test_bad_references_give_clear_errors(env, case):
         "invalid": ("Not A/Reference", True, "invalid", "not an image reference"),
     }[case]
     with pytest.raises(ImagePullError) as e:
-        pull(ref, IMAGES_DIR, insecure=insecure)
+        pull(ref, env.images, insecure=insecure)
     assert e.value.kind == kind, e.value.message
     assert words in e.value.message
     assert ref.split("/")[0] in str(e.value) or case == "invalid"
 
 
 def test_disk_is_reproducible_and_cached(env, pulled, tmp_path):
-    first = ensure_disk(IMAGES_DIR, pulled)
+    first = ensure_disk(env.images, pulled)
     assert first.rootfs.stat().st_mode & 0o777 == 0o444
-    assert first.dir == disks.disk_dir(IMAGES_DIR, pulled.digest)
+    assert first.dir == disks.disk_dir(env.images, pulled.digest)
     assert first.sha256 == ext4.sha256(first.rootfs)
     assert first.meta["prepared"]["user"] == {"name": "user", "uid": 1000, "gid": 1000, "home": "/home/user",
                                               "shell": "/bin/bash", "created": True}
     assert first.config["WorkingDir"] == "/srv/app" and first.size_mb == ext4.MIN_SIZE_MB
-    again = ensure_disk(IMAGES_DIR, pulled)
+    again = ensure_disk(env.images, pulled)
     assert again.reused and again.dir == first.dir and again.sha256 == first.sha256
     inode = first.rootfs.stat().st_ino
     assert again.rootfs.stat().st_ino == inode  # the same file, not rebuilt
@@ -187,23 +202,22 @@ def test_disk_is_reproducible_and_cached(env, pulled, tmp_path):
 
 
 def test_guest_image_keys_include_the_rootfs(env, pulled):
-    base = ensure_image(IMAGES_DIR, "base")
-    disk = ensure_disk(IMAGES_DIR, pulled)
+    base = own_base(env)
+    disk = ensure_disk(env.images, pulled)
     name = f"oci-test-{env.token[4:]}"
-    env.names.add(name)
-    image = guest_image(IMAGES_DIR, disk, name=name)
-    assert find_image(IMAGES_DIR, name) == image
+    image = guest_image(env.images, disk, name=name)
+    assert find_image(env.images, name) == image
     for ours, theirs in ((image.kernel, base.kernel), (image.initrd, base.initrd), (image.tools, base.tools)):
         assert ours.stat().st_ino == theirs.stat().st_ino  # hard links to the base build's files
     assert image.rootfs.stat().st_ino == disk.rootfs.stat().st_ino
     assert image.recipe_hash != base.recipe_hash
-    assert guest_image(IMAGES_DIR, disk, name=name) == image  # idempotent
+    assert guest_image(env.images, disk, name=name) == image  # idempotent
     fingerprint = {"driver": "qemu", "accel": "tcg"}
-    assert snapshot_dir(IMAGES_DIR, image, 2, 512, 2048, fingerprint) != snapshot_dir(IMAGES_DIR, base, 2, 512, 2048,
+    assert snapshot_dir(env.images, image, 2, 512, 2048, fingerprint) != snapshot_dir(env.images, base, 2, 512, 2048,
                                                                                        fingerprint)
-    assert find_image(IMAGES_DIR, "base") == base  # untouched
+    assert find_image(env.images, "base") == base  # untouched
     with pytest.raises(OciError):
-        guest_image(IMAGES_DIR, disk, name="base")
+        guest_image(env.images, disk, name="base")
 
 
 def _mapped_files(sh, pid: str) -> list[str]:
@@ -228,12 +242,11 @@ def _assert_envd_runs_from_the_drive(sh) -> None:
 def test_boot_a_vm_from_the_pulled_image(env, pulled, tmp_path):
     if not shutil.which("qemu-system-x86_64"):
         pytest.skip("qemu-system-x86_64 not installed")
-    ensure_image(IMAGES_DIR, "base")
-    disk = ensure_disk(IMAGES_DIR, pulled)
+    own_base(env)
+    disk = ensure_disk(env.images, pulled)
     name = f"oci-test-{env.token[4:]}"
-    env.names.add(name)
-    image = guest_image(IMAGES_DIR, disk, name=name)
-    driver = get_driver("qemu", tmp_path / "home", IMAGES_DIR)
+    image = guest_image(env.images, disk, name=name)
+    driver = get_driver("qemu", tmp_path / "home", env.images)
     sid = f"oci-{env.token[4:]}"
     info = driver.boot(BootSpec(sid, image=image.name))
     try:
@@ -280,15 +293,13 @@ def test_an_image_without_glibc_or_resize2fs(env, tmp_path):
                             oci_images.DEFAULT_CONFIG, tmp_path)
     ref = env.plain.ref("t/static", "v1")
     oci_images.push(layout, "static", ref)
-    pulled = pull(ref, IMAGES_DIR, insecure=True)
-    env.digests.add(pulled.digest)
-    ensure_image(IMAGES_DIR, "base")
-    disk = ensure_disk(IMAGES_DIR, pulled)
+    pulled = pull(ref, env.images, insecure=True)
+    own_base(env)
+    disk = ensure_disk(env.images, pulled)
     name = f"oci-static-{env.token[4:]}"
-    env.names.add(name)
-    image = guest_image(IMAGES_DIR, disk, name=name)
+    image = guest_image(env.images, disk, name=name)
     grown_mb = disk.size_mb + 1024
-    driver = get_driver("qemu", tmp_path / "home", IMAGES_DIR)
+    driver = get_driver("qemu", tmp_path / "home", env.images)
     sid = f"ocis-{env.token[4:]}"
     info = driver.boot(BootSpec(sid, image=image.name, disk_size_mb=grown_mb))
     try:
@@ -346,7 +357,7 @@ def test_an_image_without_glibc_or_resize2fs(env, tmp_path):
 def test_a_real_distribution_image(env, tmp_path):
     """The debootstrap rootfs of the base image build (~400 MiB, Debian with its own `user`
     and sudo) as an image: its user is kept, and a rebuild elsewhere is byte-identical."""
-    source = oci_images.debootstrap_rootfs(IMAGES_DIR)
+    source = oci_images.debootstrap_rootfs(SHARED_IMAGES_DIR)
     if source is None:
         pytest.skip("no debootstrap rootfs cached (build the base image first)")
     ref = env.plain.ref("t/debian", env.token)
@@ -354,9 +365,8 @@ def test_a_real_distribution_image(env, tmp_path):
     oci_images.build_layout(layout, "deb", [oci_images.debootstrap_layer(source), oci_images.app_layer(env.token)],
                             oci_images.DEFAULT_CONFIG, tmp_path)
     oci_images.push(layout, "deb", ref)
-    image = pull(ref, IMAGES_DIR, insecure=True)
-    env.digests.add(image.digest)
-    disk = ensure_disk(IMAGES_DIR, image)
+    image = pull(ref, env.images, insecure=True)
+    disk = ensure_disk(env.images, image)
     user = disk.meta["prepared"]["user"]
     assert user == {"name": "user", "uid": 1000, "gid": 1000, "home": "/home/user", "shell": "/bin/bash",
                     "created": False}
