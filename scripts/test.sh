@@ -6,59 +6,94 @@
 #   2. the tests with real QEMU VMs on SQLite: drivers, the end-to-end server + node worker
 #      + VMs driven by the E2B SDKs, networks, the cluster, the browser;
 #   3. the unit tests that use the database again, on PostgreSQL.
-# Extra arguments go to both SQLite runs (e.g. a file or `-k name`).
+# Extra arguments go to both SQLite runs (e.g. a file or `-k name`) and narrow them: a narrowed
+# run may select no tests of a pass (pytest's exit status 5). Without arguments every pass must
+# run tests, and every tier of tests/tiers.py (VMs, network, PostgreSQL, browser, TS SDK, ...) must
+# run here: a test of one that skipped fails its pass, with a line naming the tier and the reason
+# (--require-tiers). On a machine that cannot run a tier, AENV_TEST_ALLOW_SKIP_TIERS=vm,browser
+# lets the named tiers skip; CI does not set it.
+# Sourced, this file only defines its functions (tests/unit/test_test_sh.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-export AENV_HOME="${AENV_HOME:-$ROOT/var}"
-export AENV_IMAGES_DIR="${AENV_IMAGES_DIR:-$AENV_HOME/images}"
 
-"$ROOT/scripts/setup.sh"
-"$ROOT/scripts/setup_ts_sdk.sh"  # the TypeScript E2B SDK for tests/ts/ (tests/integration/test_ts_sdk.py)
-"$ROOT/scripts/setup_ts_code_interpreter.sh"  # npm @e2b/code-interpreter (tests/code_interpreter/test_js_sdk.py)
+install_test_dependencies() {
+  "$ROOT/scripts/setup.sh"
+  "$ROOT/scripts/setup_ts_sdk.sh"  # the TypeScript E2B SDK for tests/ts/ (tests/integration/test_ts_sdk.py)
+  "$ROOT/scripts/setup_ts_code_interpreter.sh"  # npm @e2b/code-interpreter (tests/code_interpreter/test_js_sdk.py)
 
-# PostgreSQL for the second unit-test run.
-PG_URL="${AENV_TEST_PG_URL:-postgres://postgres@127.0.0.1:5432/aenv}"
-if ! (exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null; then
-  SUDO=""; [ "$(id -u)" != 0 ] && SUDO="sudo"
-  if ! ls /etc/postgresql/*/main >/dev/null 2>&1; then
-    echo "==> installing postgresql"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq postgresql >/dev/null
+  # PostgreSQL for the second unit-test run.
+  if ! (exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null; then
+    local sudo="" ver
+    [ "$(id -u)" != 0 ] && sudo="sudo"
+    if ! compgen -G "/etc/postgresql/*/main" >/dev/null; then
+      echo "==> installing postgresql"
+      $sudo apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq postgresql >/dev/null
+    fi
+    ver=$(find /etc/postgresql -mindepth 1 -maxdepth 1 -printf '%f\n' | sort | head -1)
+    $sudo sed -i -E 's/^(host|local)(\s+all\s+all\s+.*)(peer|scram-sha-256|md5)$/\1\2trust/' "/etc/postgresql/$ver/main/pg_hba.conf" || true
+    $sudo pg_ctlcluster --skip-systemctl-redirect "$ver" main start || true
+    for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null && break; sleep 0.2; done
   fi
-  ver=$(ls /etc/postgresql | head -1)
-  $SUDO sed -i -E 's/^(host|local)(\s+all\s+all\s+.*)(peer|scram-sha-256|md5)$/\1\2trust/' "/etc/postgresql/$ver/main/pg_hba.conf" || true
-  $SUDO pg_ctlcluster --skip-systemctl-redirect "$ver" main start || true
-  for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null && break; sleep 0.2; done
-fi
 
-# The pre-2.51 SDK generation (v1 create/connect paths, client-side key format check).
-OLD_SDK_VENV="$AENV_HOME/venvs/e2b-2.45.1"
-if [ ! -x "$OLD_SDK_VENV/bin/python" ] || ! "$OLD_SDK_VENV/bin/python" -c 'import e2b' 2>/dev/null; then
-  echo "==> installing e2b==2.45.1 into $OLD_SDK_VENV"
-  python3 -m venv "$OLD_SDK_VENV"
-  "$OLD_SDK_VENV/bin/pip" install -q 'e2b==2.45.1'
-fi
-export AENV_OLD_SDK_PYTHON="$OLD_SDK_VENV/bin/python"
-
-# Long repeats of what the default run covers (200 pause cycles, a 400 MiB image, twelve cold
-# boots at once) are marked slow: AENV_TEST_SLOW=1 runs them too.
-SLOW="not slow"
-[ "${AENV_TEST_SLOW:-0}" = 1 ] && SLOW="slow or not slow"
-
-# Tests without VMs wait more than they compute (servers, subprocesses, timeouts): three
-# pytest-xdist workers; the VM tests share two emulated cores, so they run one at a time.
-status=0
-run() {  # pytest; "no tests collected" (5: the arguments selected none of this part) is fine
-  local rc=0
-  "$@" || rc=$?
-  [ $rc = 5 ] && rc=0
-  [ $rc = 0 ] || status=$rc
+  # The pre-2.51 SDK generation (v1 create/connect paths, client-side key format check).
+  local old_sdk_venv="$AENV_HOME/venvs/e2b-2.45.1"
+  if [ ! -x "$old_sdk_venv/bin/python" ] || ! "$old_sdk_venv/bin/python" -c 'import e2b' 2>/dev/null; then
+    echo "==> installing e2b==2.45.1 into $old_sdk_venv"
+    python3 -m venv "$old_sdk_venv"
+    "$old_sdk_venv/bin/pip" install -q 'e2b==2.45.1'
+  fi
+  export AENV_OLD_SDK_PYTHON="$old_sdk_venv/bin/python"
 }
-echo "==> tests without VMs on SQLite (unit, envd, code interpreter, CLI, deploy files), 3 workers"
-run .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --dist loadgroup --durations=15 -m "not vm and ($SLOW)" "$@"
-echo "==> tests with real VMs on SQLite (drivers, the stack end to end with the SDKs, networks, cluster, browser)"
-run .venv/bin/pytest -p no:cacheprovider -q -rs --durations=40 -m "vm and ($SLOW)" "$@"
-echo "==> unit tests that use the database, on PostgreSQL, 3 workers"
-run env DATABASE_URL="$PG_URL" .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --dist loadgroup --database-tests-only tests/unit
-exit $status
+
+status=0
+failed=()
+run_pass() {  # name, narrowed (1: the caller's arguments narrowed this pass), command...
+  # "no tests collected" (5) is fine only when the caller's arguments selected none of this pass.
+  local name=$1 narrowed=$2 rc=0
+  shift 2
+  "$@" || rc=$?
+  if [ "$rc" = 5 ] && [ "$narrowed" = 1 ]; then rc=0; fi
+  if [ "$rc" != 0 ]; then
+    [ "$rc" = 5 ] && echo "==> $name: no tests collected (exit status 5), and this pass must run tests" >&2
+    status=$rc
+    failed+=("$name (exit status $rc)")
+  fi
+  return 0
+}
+
+main() {
+  cd "$ROOT"
+  export AENV_HOME="${AENV_HOME:-$ROOT/var}"
+  export AENV_IMAGES_DIR="${AENV_IMAGES_DIR:-$AENV_HOME/images}"
+  install_test_dependencies
+
+  # Long repeats of what the default run covers (200 pause cycles, a 400 MiB image, twelve cold
+  # boots at once) are marked slow: AENV_TEST_SLOW=1 runs them too.
+  local slow="not slow" narrowed=0 strict=(--require-tiers)
+  [ "${AENV_TEST_SLOW:-0}" = 1 ] && slow="slow or not slow"
+  # Arguments narrow the SQLite passes: they may then select nothing and skip tiers.
+  if [ $# -gt 0 ]; then narrowed=1; strict=(); fi
+
+  # Tests without VMs wait more than they compute (servers, subprocesses, timeouts): three
+  # pytest-xdist workers; the VM tests share two emulated cores, so they run one at a time.
+  echo "==> tests without VMs on SQLite (unit, envd, code interpreter, CLI, deploy files), 3 workers"
+  run_pass "tests without VMs" "$narrowed" .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --dist loadgroup \
+    --durations=15 "${strict[@]}" -m "not vm and ($slow)" "$@"
+  echo "==> tests with real VMs on SQLite (drivers, the stack end to end with the SDKs, networks, cluster, browser)"
+  run_pass "tests with VMs" "$narrowed" .venv/bin/pytest -p no:cacheprovider -q -rs --durations=40 "${strict[@]}" \
+    -m "vm and ($slow)" "$@"
+  # Never narrowed: all of tests/unit's database tests, so it always runs tests and its tiers.
+  echo "==> unit tests that use the database, on PostgreSQL, 3 workers"
+  run_pass "unit tests on PostgreSQL" 0 env DATABASE_URL="${AENV_TEST_PG_URL:-postgres://postgres@127.0.0.1:5432/aenv}" \
+    .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --dist loadgroup --require-tiers --database-tests-only tests/unit
+
+  if [ ${#failed[@]} -gt 0 ]; then
+    printf '==> failed: %s\n' "${failed[@]}" >&2
+  fi
+  return "$status"
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  main "$@"
+fi

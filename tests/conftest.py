@@ -8,6 +8,9 @@ import os
 
 import pytest
 
+# Tiers that must run on a test machine (--require-tiers, scripts/test.sh): tests/tiers.py.
+pytest_plugins = ["tests.tiers"]
+
 
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, tmp_path_factory):
