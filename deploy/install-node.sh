@@ -95,7 +95,7 @@ while [ $# -gt 0 ]; do
     --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}"; continue ;;
     *)
       [ -n "${FLAG_KEY[$1]:-}" ] || { usage >&2; die "unknown option $1"; }
-      [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"
+      if [ $# -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value"; fi
       FLAG[${FLAG_KEY[$1]}]="$2"; shift ;;
   esac
   shift
@@ -128,8 +128,9 @@ if [[ "${SET[CELERY_BROKER_URL]}" =~ ^(rediss?://[^/]*)(/[0-9]*)?$ ]]; then
   : "${SET[CELERY_RESULT_BACKEND]:=$redis_base/1}"
   : "${SET[AENV_CHANNEL_LAYER_URL]:=$redis_base/2}"
 else
-  [ -n "${SET[CELERY_RESULT_BACKEND]:-}" ] && [ -n "${SET[AENV_CHANNEL_LAYER_URL]:-}" ] \
-    || die "with a broker that is not Redis, give --result-url and --channel-layer-url too"
+  if [ -z "${SET[CELERY_RESULT_BACKEND]:-}" ] || [ -z "${SET[AENV_CHANNEL_LAYER_URL]:-}" ]; then
+    die "with a broker that is not Redis, give --result-url and --channel-layer-url too"
+  fi
 fi
 case "${SET[AENV_NETWORK]:-auto}" in auto|netns|slirp) ;; *) die "--network must be auto, netns or slirp" ;; esac
 if [ -n "${SET[AENV_NET_INGRESS_FROM]:-}" ]; then

@@ -16,10 +16,11 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 NODE_APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static curl ca-certificates redis-tools
                    nftables iproute2 util-linux dnsmasq-base skopeo umoci patchelf binutils)
 # Only the tests use these: docker-registry + apache2-utils (htpasswd) are the local registry the tests push their
-# own images to (tests/oci_registry.py); bash-static is the shell of the tests' image without glibc (tests/oci_images.py).
-TEST_APT_PACKAGES=(docker-registry apache2-utils bash-static)
+# own images to (tests/oci_registry.py); bash-static is the shell of the tests' image without glibc (tests/oci_images.py);
+# The shellcheck package checks every shell script of the repository (tests/unit/test_shell_scripts.py, beside the test extra's).
+TEST_APT_PACKAGES=(docker-registry apache2-utils bash-static shellcheck)
 
-setup_system_packages() {  # [--node]: only what a node runs, not the tests' registry and shells
+setup_system_packages() {  # --node: only what a node runs; --all: also the tests' registry, shells and shellcheck
   local packages=("${NODE_APT_PACKAGES[@]}") missing=() p
   [ "${1:-}" = "--node" ] || packages+=("${TEST_APT_PACKAGES[@]}")
   python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv python3-dev)
@@ -101,7 +102,7 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   cd "$ROOT"
   export AENV_HOME="${AENV_HOME:-$ROOT/var}"
   mkdir -p "$AENV_HOME" "$ROOT/.cache"
-  setup_system_packages
+  setup_system_packages --all
   setup_redis
   setup_python_env
   setup_database

@@ -36,7 +36,7 @@ fi
 
 installed_version() {  # $1 = package name → its installed version, or nothing
   local manifest="$VENDOR/node_modules/$1/package.json"
-  [ -f "$manifest" ] && node -p "require(process.argv[1]).version" "$manifest" 2>/dev/null || true
+  if [ -f "$manifest" ]; then node -p "require(process.argv[1]).version" "$manifest" 2>/dev/null || true; fi
 }
 
 needed=()

@@ -30,7 +30,7 @@ fi
 
 installed_version() {
   local manifest="$PREFIX/node_modules/e2b/package.json"
-  [ -f "$manifest" ] && node -p "require(process.argv[1]).version" "$manifest" 2>/dev/null || true
+  if [ -f "$manifest" ]; then node -p "require(process.argv[1]).version" "$manifest" 2>/dev/null || true; fi
 }
 
 satisfies() {  # $1 = version → 0 if it is a 2.x at or above the floor (2.51.0)

@@ -60,7 +60,8 @@ TIERS: dict[str, Tier] = {
     "host-tools": Tier("root and the host tools scripts/setup.sh and the test extra install (patchelf, readelf, "
                        "resize2fs, qemu-img, busybox-static, docker-compose, systemd-analyze, shellcheck)",
                        paths=("tests/unit/test_toolsdrive.py", "tests/unit/test_vmm_ready_made.py",
-                              "tests/unit/test_deploy.py", "tests/unit/test_builder_scripts.py")),
+                              "tests/unit/test_deploy.py", "tests/unit/test_builder_scripts.py",
+                              "tests/unit/test_shell_scripts.py")),
 }
 
 # Skips that say something about the machine no setup script changes, not about a missing

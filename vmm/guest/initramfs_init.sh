@@ -5,9 +5,9 @@ export PATH=/bin
 mount -t devtmpfs dev /dev
 mount -t proc proc /proc
 mount -t sysfs sys /sys
-for m in $(cat /modules.order); do
+while read -r m; do
     insmod "/lib/modules/$m.ko" 2>/dev/null
-done
+done < /modules.order
 if grep -q aenv.probe /proc/cmdline; then
     echo "AENV-PROBE-OK"
     poweroff -f
@@ -19,7 +19,7 @@ while [ -z "$root" ] || [ -z "$tools" ]; do
     tools=$(findfs LABEL=aenv-tools 2>/dev/null)
     n=$((n + 1))
     if [ $n -gt 500 ]; then echo "aenv-initramfs: disks not found (root=$root tools=$tools)"; ls /dev; sleep 1; poweroff -f; fi
-    [ -n "$root" ] && [ -n "$tools" ] || usleep 10000
+    if [ -z "$root" ] || [ -z "$tools" ]; then usleep 10000; fi
 done
 mkdir -p /newroot
 mount -t ext4 -o rw,noatime "$root" /newroot || { echo "aenv-initramfs: cannot mount root"; poweroff -f; }
