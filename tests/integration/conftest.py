@@ -11,6 +11,7 @@ import pytest
 from tests import oci_images, oci_registry
 
 from .stack import ROOT, Stack
+from .tls_ingress import TlsIngress
 
 
 @contextmanager
@@ -41,6 +42,16 @@ def sdk_env(stack, monkeypatch):
     monkeypatch.setenv("E2B_API_KEY", stack.api_key)
     monkeypatch.delenv("E2B_DEBUG", raising=False)
     return stack
+
+
+@pytest.fixture(scope="session")
+def tls_ingress(stack, tmp_path_factory):
+    """Host routing's TLS terminator in front of the session's data plane, as the SDKs'
+    ``proxy`` (tls_ingress.py): no VM, no DNS name, no port 443."""
+    host, port = stack.sandbox_url.removeprefix("http://").rsplit(":", 1)
+    ingress = TlsIngress((host, int(port)), tmp_path_factory.mktemp("ingress")).start()
+    yield ingress
+    ingress.stop()
 
 
 @pytest.fixture(scope="session")

@@ -105,10 +105,13 @@ def _template_ids(stack) -> set[str]:
 
 
 @pytest.mark.timeout(NODE_TIMEOUT + 300)
-def test_typescript_sdk_suite(node, stack):
+def test_typescript_sdk_suite(node, stack, tls_ingress):
     files = sorted(str(p.relative_to(ROOT)) for p in TS_DIR.glob("*.test.mjs") if p.name != TEMPLATE_TESTS)
     assert files, f"no *.test.mjs files in {TS_DIR}"
-    _run_node_tests(node, stack, files, NODE_TIMEOUT)
+    # host routing (tests/ts/killed.test.mjs): the TLS terminator as the SDK's proxy, its CA trusted
+    counts = _run_node_tests(node, stack, files, NODE_TIMEOUT, AENV_TEST_INGRESS_PROXY=tls_ingress.connect_url,
+                             NODE_EXTRA_CA_CERTS=str(tls_ingress.ca_file))
+    assert counts.get("skipped", 0) == 0, f"{counts['skipped']} TypeScript test(s) skipped"
 
 
 @pytest.mark.timeout(TEMPLATE_TIMEOUT + 300)
