@@ -1,6 +1,7 @@
 """The node's nftables table for its slots, on real namespaces: nothing a slot starts
 reaches the node or another slot, while the node still opens connections into a slot.
 Each check is first made without the table, so it can fail."""
+import os
 import socket
 import subprocess
 import sys
@@ -15,13 +16,17 @@ from vmm.net import host_table, slots
 pytestmark = pytest.mark.skipif(not slots.netns_supported(),
                                 reason="needs root, nft (Debian nftables) and nsenter to make network namespaces")
 
-POOL = "10.12.0.0/16"
+# A /24 of this session's own (one per session and xdist worker, numbered like its AENV_NET_POOL,
+# tests/conftest.py), not the default 10.12.0.0/16: a running node's warm slots (scripts/up.sh)
+# or another worker's hold the same addresses there, and the root namespace then routes a slot's
+# connection to their veth instead of this test's. Nothing else uses 10.14/16.
+POOL = f"10.14.{os.environ.get('AENV_NET_POOL', '10.100.0.0/20').split('.')[1]}.0/24"
 
 
 @pytest.fixture
 def two_slots():
     prefix = "ht" + uuid.uuid4().hex[:4]
-    a, b = slots.create(slots.Slot(prefix, 1)), slots.create(slots.Slot(prefix, 2))
+    a, b = slots.create(slots.Slot(prefix, 1, POOL)), slots.create(slots.Slot(prefix, 2, POOL))
     for slot in (a, b):  # no guest here: let the slot's own address answer instead of DNATing it away
         subprocess.run(slot.nsenter("nft", "flush", "chain", "inet", "aenv", "to_guest"), check=True)
         # the node routes for its slots (IPv4 forwarding is decided per incoming interface,

@@ -13,8 +13,11 @@ import pytest
 from vmm.net import host_table, slots
 from vmm.net.netns import NetnsBackend
 
-pytestmark = pytest.mark.skipif(not slots.netns_supported(),
-                                reason="needs root, nft (Debian nftables) and nsenter to make network namespaces")
+# One xdist group: every test here puts the same addresses (POOL's slot 1, NODE_SIDE) on the
+# root namespace, so two at once on two workers would answer each other's connections.
+pytestmark = [pytest.mark.skipif(not slots.netns_supported(),
+                                 reason="needs root, nft (Debian nftables) and nsenter to make network namespaces"),
+              pytest.mark.xdist_group("net-ingress")]
 
 POOL = "10.215.0.0/24"
 NODE_SIDE, LISTED, UNLISTED = "198.18.7.2", "198.18.7.1", "198.18.7.3"
