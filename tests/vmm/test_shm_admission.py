@@ -20,8 +20,10 @@ def image():
 def test_a_boot_without_tmpfs_room_is_refused_before_it_starts(image, tmp_path):
     import shutil  # noqa: PLC0415
 
-    free_mb = shutil.disk_usage("/dev/shm").free >> 20
-    full = get_driver("qemu", tmp_path / "home", IMAGES_DIR, shm_headroom_mb=free_mb)  # any guest is too big
+    # The tmpfs's whole size, not what is free now: other processes (a node, other sessions' guests)
+    # free and fill /dev/shm meanwhile, and no guest fits in more than all of it.
+    whole_mb = shutil.disk_usage("/dev/shm").total >> 20
+    full = get_driver("qemu", tmp_path / "home", IMAGES_DIR, shm_headroom_mb=whole_mb)  # any guest is too big
     with pytest.raises(HostMemoryFull, match="plus the .* MiB kept for the running guests"):
         full.boot(BootSpec("shm-full", cpu_count=1, memory_mb=256))
     assert full.inspect("shm-full").status.value == "unknown" and full.sandbox_ids() == set()
