@@ -113,8 +113,9 @@ def test_only_skips_outside_the_tiers_pass(tmp_path):
 def test_the_workers_of_xdist_tag_what_the_controller_counts(tmp_path):
     done = pytest_run(project(tmp_path, FILES), "--require-tiers", "-n", "2")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "tier 'browser' ran 0 of 2 tests: 2 skipped" in done.stdout
-    assert "tier 'vm' ran 1 of 2 tests: 1 skipped" in done.stdout
+    assert "tier 'browser' ran 0 of 2 tests: 2 skipped (/usr/bin/chromium is not installed: 2)" in done.stdout
+    assert "tier 'vm' ran 1 of 2 tests: 1 skipped (qemu-system-x86_64 not installed: 1)" in done.stdout
+    assert "tiers: browser 0 ran 2 skipped, envd 1 ran, vm 1 ran 1 skipped" in done.stdout  # the allowed skip: none
 
 
 def test_every_test_of_a_postgresql_run_is_in_the_postgres_tier(tmp_path):
