@@ -57,6 +57,12 @@ def type_line(page, line: str, expect: str) -> None:
     page.wait_for_function(
         "() => /\\$\\s*$/m.test(document.querySelector('[data-terminal-screen] .xterm-rows').innerText)",
         timeout=60_000)
+    type_and_expect(page, line, expect)
+
+
+def type_and_expect(page, line: str, expect: str) -> None:
+    """Types ``line`` in the terminal as it is now; waits for ``expect`` (a regex) alone on a
+    line of the screen."""
     page.click("[data-terminal-screen]")
     page.keyboard.type(line)
     page.keyboard.press("Enter")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration.stack import PY
 
-from .test_dashboard_browser import create_sandbox, shot, sign_in, terminal_text
+from .test_dashboard_browser import create_sandbox, shot, sign_in, terminal_text, type_and_expect
 
 pytestmark = pytest.mark.vm
 
@@ -49,15 +49,6 @@ def wait_status(page, state: str, timeout: float = 60_000) -> str:
     return page.inner_text(STATUS)
 
 
-def type_in_terminal(page, line: str, expect: str) -> None:
-    page.click("[data-terminal-screen]")
-    page.keyboard.type(line)
-    page.keyboard.press("Enter")
-    page.wait_for_function(
-        "(re) => new RegExp(re, 'm').test(document.querySelector('[data-terminal-screen] .xterm-rows').innerText)",
-        arg=f"^{expect}\\s*$", timeout=60_000)
-
-
 @contextlib.contextmanager
 def api_down(stack):
     """daphne stopped, as a deploy or a crash does (every socket drops), then started again
@@ -87,7 +78,7 @@ def test_terminal_status_connecting_connected_reconnecting_closed(page, web_stac
         assert text == f"connected · shell pid {pid}"
         assert states(page) == ["connecting", "connected"], page.evaluate("window.__terminalStatus")
         assert page.is_hidden("[data-terminal-reconnect]")
-        type_in_terminal(page, "export MARK=$((6*7)); echo set-$MARK", "set-42")
+        type_and_expect(page, "export MARK=$((6*7)); echo set-$MARK", "set-42")
         shot(page, shots_dir, "20-terminal-connected")
 
         # The server drops the socket: reconnecting while it is away, then the same shell again.
@@ -105,7 +96,7 @@ def test_terminal_status_connecting_connected_reconnecting_closed(page, web_stac
         seen = states(page)
         assert seen[:2] == ["connecting", "connected"] and seen[-1] == "connected", seen
         assert "closed" not in seen and "reconnecting" in seen, seen
-        type_in_terminal(page, "echo mark-$MARK", "mark-42")  # the same shell: its variable is there
+        type_and_expect(page, "echo mark-$MARK", "mark-42")  # the same shell: its variable is there
         shot(page, shots_dir, "22-terminal-reattached")
 
         # The shell exits: closed with the reason, and no retries (a new shell is a click away).

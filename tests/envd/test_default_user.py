@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from .conftest import EnvdServer
+from .test_http_raw import _frames
 
 NAME = "aenvdefusr"
 HOME = f"/aenv-default-user-home-{uuid.uuid4().hex[:8]}"  # at the top level: its parent is "/"
@@ -111,15 +112,6 @@ def test_single_file_uploads_and_read_with_a_relative_path(client, account, gen)
     assert _owned_by_account(f"{HOME}/deep/oct.txt", account) and _owned_by_account(f"{HOME}/deep", account)
     r = client.get("/files", params=_query(gen, path="deep/oct.txt"))
     assert r.status_code == 200 and r.content == b"octet"
-
-
-def _frames(body):
-    out = []
-    while body:
-        flags, size = struct.unpack(">BI", body[:5])
-        out.append((flags, json.loads(body[5:5 + size])))
-        body = body[5 + size:]
-    return out
 
 
 @pytest.mark.parametrize("gen", GENERATIONS)
