@@ -124,8 +124,18 @@ class EnvdClient(BaseClient):
             on_stderr: Callable[[bytes], None] | None = None) -> RunResult:
         """Runs ``bash -l -c command`` to its end, passing output to the callbacks as it
         arrives; a non-zero exit is a result, not an error."""
+        config = protocol.command_config(command, envs=envs, cwd=cwd)
+        return self.run_argv(config["cmd"], config["args"], envs=envs, cwd=cwd, user=user, stdin=stdin,
+                             deadline=deadline, on_stdout=on_stdout, on_stderr=on_stderr)
+
+    def run_argv(self, cmd: str, args=(), *, envs: dict | None = None, cwd: str | None = None,
+                 user: str | None = None, stdin: bool | None = False, deadline: float | None = None,
+                 on_stdout: Callable[[bytes], None] | None = None,
+                 on_stderr: Callable[[bytes], None] | None = None) -> RunResult:
+        """``cmd args…`` to its end, no shell in between (for a guest that may have no bash);
+        output and exit as in ``run``."""
         collector = protocol.RunCollector(on_stdout, on_stderr)
-        events = self._stream(protocol.start(protocol.command_config(command, envs=envs, cwd=cwd), stdin=stdin,
+        events = self._stream(protocol.start(protocol.process_config(cmd, args, envs=envs, cwd=cwd), stdin=stdin,
                                              user=user, deadline=deadline))
         try:
             for ev in events:

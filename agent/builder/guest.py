@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 from envd_client import EnvdClient, EnvdError
-from envd_client.protocol import RunCollector
 
 from . import plan
 from .log import BuildLog, LineSplitter
@@ -180,16 +179,9 @@ class BuildGuest:
 
     def _exec(self, argv: list[str], *, user: str | None, cwd: str | None, envs: dict | None = None,
               on_stdout=None, on_stderr=None):
-        """``argv`` through envd to its end (envd_client's ``run`` always starts ``/bin/bash``)."""
-        collector = RunCollector(on_stdout, on_stderr)
-        events = self.envd.start(argv[0], argv[1:], envs=envs, cwd=cwd, user=user, stdin=False,
-                                 deadline=self._left())
-        try:
-            for ev in events:
-                collector.add(ev)
-        finally:
-            events.close()
-        return collector.result()
+        """``argv`` through envd to its end (``run`` would start the image's ``/bin/bash``)."""
+        return self.envd.run_argv(argv[0], argv[1:], envs=envs, cwd=cwd, user=user, deadline=self._left(),
+                                  on_stdout=on_stdout, on_stderr=on_stderr)
 
     def check_shell(self) -> str:
         """The shell the next commands run with (/bin/bash, else /bin/sh), asked again before
