@@ -24,6 +24,10 @@ from .test_http_raw import _frames
 
 NAME = "aenvdefusr"
 HOME = f"/aenv-default-user-home-{uuid.uuid4().hex[:8]}"  # at the top level: its parent is "/"
+# The module's tests on one pytest-xdist worker: each worker would run the module fixtures,
+# and the account is one passwd entry that two workers would make, re-home and delete under
+# each other (each worker imports this module with a HOME of its own).
+pytestmark = pytest.mark.xdist_group("envd-default-user")
 
 GENERATIONS = ["names-the-user", "names-no-user"]  # SDK for envd < 0.4.0 or user=; newer SDK
 
