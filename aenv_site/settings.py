@@ -9,6 +9,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from aenv_site.secret_key import load_secret_key
+from vmm.net.conntrack import DEFAULT_MAX_FLOWS, DEFAULT_NEW_BURST, DEFAULT_NEW_RATE
 from vmm.net.spec import DEFAULT_WARM_SLOTS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -50,6 +51,11 @@ AENV_NET_ALLOW_EXTRA = tuple(c.strip() for c in _env("AENV_NET_ALLOW_EXTRA", "")
 # the data plane's and the API's (dashboard terminal) addresses when they run on another host or
 # namespace (vmm.net.host_table). Guests can never reach them. Empty: only the node.
 AENV_NET_INGRESS_FROM = tuple(c.strip() for c in _env("AENV_NET_INGRESS_FROM", "").split(",") if c.strip())
+# Per sandbox (vmm.net.conntrack): tracked connections at once, new connections a second and the
+# burst above that rate; over them a new connection is refused (TCP reset / ICMP), others go on.
+AENV_NET_CT_MAX_PER_SANDBOX = _env_int("AENV_NET_CT_MAX_PER_SANDBOX", DEFAULT_MAX_FLOWS)
+AENV_NET_CT_NEW_RATE = _env_int("AENV_NET_CT_NEW_RATE", DEFAULT_NEW_RATE)
+AENV_NET_CT_NEW_BURST = _env_int("AENV_NET_CT_NEW_BURST", DEFAULT_NEW_BURST)
 AENV_SANDBOX_DOMAIN = _env("AENV_SANDBOX_DOMAIN", "localhost")
 AENV_DEFAULT_TIMEOUT = _env_int("AENV_DEFAULT_TIMEOUT", 300)
 AENV_MAX_TIMEOUT = _env_int("AENV_MAX_TIMEOUT", 24 * 3600)
@@ -78,6 +84,9 @@ AENV_SANDBOX_METRICS_RETENTION = _env_int("AENV_SANDBOX_METRICS_RETENTION", 6 * 
 AENV_SANDBOX_LOGS_INTERVAL = float(_env("AENV_SANDBOX_LOGS_INTERVAL", "2"))
 AENV_SANDBOX_LOGS_RETENTION = _env_int("AENV_SANDBOX_LOGS_RETENTION", 7 * 24 * 3600)
 AENV_SANDBOX_LOG_MAX_LINES = _env_int("AENV_SANDBOX_LOG_MAX_LINES", 10000)
+# A guest may write its serial console without end: each round the node keeps only the
+# newest this many KiB of its console file on disk (the rest becomes a hole; vmm.qemu.console).
+AENV_CONSOLE_LOG_MAX_KB = _env_int("AENV_CONSOLE_LOG_MAX_KB", 1024)
 # Node worker: parallel VM operations, and how far capacity may be overcommitted
 # (idle microVMs use little CPU; guest RAM is touched lazily and ballooned back).
 AENV_NODE_CONCURRENCY = _env_int("AENV_NODE_CONCURRENCY", 32)
@@ -158,6 +167,12 @@ AENV_SNAPSHOT_CACHE_MB = _env_int("AENV_SNAPSHOT_CACHE_MB", 20 * 1024)
 # (aenv_site.request_body answers 413 past it); Django's own form limit follows it.
 AENV_API_MAX_BODY_BYTES = _env_int("AENV_API_MAX_BODY_BYTES", 2621440)
 DATA_UPLOAD_MAX_MEMORY_SIZE = AENV_API_MAX_BODY_BYTES
+# The operators' credential for GET /nodes in full (E2B's X-Admin-Token; sandboxes.auth): every
+# node's address, metrics port, host figures and every team's load. Empty: none accepted, and
+# a team's key sees only node ids, statuses and its own sandboxes' counts. 32 characters at least.
+AENV_ADMIN_TOKEN = os.environ.get("AENV_ADMIN_TOKEN", "").strip()
+if AENV_ADMIN_TOKEN and len(AENV_ADMIN_TOKEN) < 32:
+    raise ImproperlyConfigured("AENV_ADMIN_TOKEN must be at least 32 characters (or empty: no operator token)")
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 # Template builds (template_builds): the shape a build may ask for (E2B's checks: CPUs 1 or
@@ -230,7 +245,20 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    # Browser security headers on every answer of this port (aenv_site.security_headers).
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "aenv_site.security_headers.ContentSecurityPolicyMiddleware",
 ]
+# What browsers are told (aenv_site.security_headers): never framed; nosniff; the origin only
+# as the referrer of same-origin requests; and the CSP (empty AENV_CONTENT_SECURITY_POLICY: the default).
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+AENV_CONTENT_SECURITY_POLICY = _env("AENV_CONTENT_SECURITY_POLICY", "; ".join([
+    "default-src 'self'", "script-src 'self'", "style-src 'self' 'unsafe-inline'", "img-src 'self' data:",
+    "connect-src 'self'", "font-src 'self'", "object-src 'none'", "base-uri 'none'", "form-action 'self'",
+    "frame-ancestors 'none'",
+]))
 
 ROOT_URLCONF = "aenv_site.urls"
 LOGIN_URL = "/dashboard/login/"

@@ -9,16 +9,21 @@ file), so the node reads them as it goes — every ``AENV_SANDBOX_LOGS_INTERVAL`
 for its running sandboxes, and once more right before it pauses or kills one — and the
 database keeps them for paused and killed sandboxes alike.
 
-A guest is hostile: it may write without end. A round reads at most ``READ_BYTES`` of one
-console (the rest waits for the next round), a line is split every ``MAX_LINE_BYTES``, and a
-sandbox keeps its newest ``AENV_SANDBOX_LOG_MAX_LINES`` lines; lines older than
+A guest is hostile: it may write without end. Each round first has the driver trim the
+console file to its newest ``AENV_CONSOLE_LOG_MAX_KB`` (the node's disk; what was cut is a
+hole that reading skips, so a guest that floods loses its oldest unread lines, never the
+newest), then reads at most ``READ_BYTES`` of it (the rest waits for the next round); a line
+is split every ``MAX_LINE_BYTES``, and a sandbox keeps its newest
+``AENV_SANDBOX_LOG_MAX_LINES`` lines; lines older than
 ``AENV_SANDBOX_LOGS_RETENTION`` seconds are deleted. Where reading resumes is stored with
 each line (the VM generation and the byte offset where the line ended), so a node worker
 that restarts neither loses nor repeats lines.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -99,6 +104,15 @@ def split(data: bytes, final: bool) -> tuple[list[tuple[bytes, int]], int]:
     return lines, start
 
 
+def data_from(fd: int, offset: int) -> int:
+    """Where the file's data starts again at or after ``offset`` (a trimmed console begins
+    with a hole); ``offset`` where the filesystem cannot tell."""
+    try:
+        return os.lseek(fd, offset, os.SEEK_DATA)
+    except OSError as e:
+        return os.fstat(fd).st_size if e.errno == errno.ENXIO else offset
+
+
 class ConsoleLogs:
     """Reads consoles into SandboxLog rows; one per node process (``collector()``), shared
     by its round thread and its pause / kill tasks (serialized by a lock)."""
@@ -115,6 +129,12 @@ class ConsoleLogs:
         with self._lock:
             return self._collect(sandbox_id, generation, Path(path), final)
 
+    def bound(self, driver, sandbox_id: str) -> int:
+        """Has the driver trim the sandbox's console file to its newest bytes (between reads,
+        so a read never meets a hole punched under it); returns the bytes freed."""
+        with self._lock:
+            return driver.trim_console(sandbox_id, int(settings.AENV_CONSOLE_LOG_MAX_KB) << 10)
+
     def _collect(self, sandbox_id: str, generation: int, path: Path, final: bool) -> int:
         key = (sandbox_id, generation)
         offset = self._offsets.get(key)
@@ -126,6 +146,7 @@ class ConsoleLogs:
                 size = f.seek(0, 2)
                 if size < offset:  # the file began anew under the same generation: read it all
                     offset = 0
+                offset = max(offset, data_from(f.fileno(), offset))  # past what bound() cut unread
                 f.seek(offset)
                 data = f.read(READ_BYTES)
         except FileNotFoundError:
@@ -215,6 +236,7 @@ class ConsoleCollector(Periodic):
         logs, stored = collector(), 0
         for sandbox_id, generation in rows:
             try:
+                logs.bound(self.driver, sandbox_id)
                 stored += logs.collect(sandbox_id, generation, self.driver.console_path(sandbox_id))
             except Exception:  # noqa: BLE001 - one sandbox's trouble is not the others'
                 log.exception("reading the console of %s failed", sandbox_id)

@@ -212,6 +212,12 @@ class VMDriver(abc.ABC):
         and goes with the VM. None: unknown VM, or a driver that keeps no console."""
         return None
 
+    def trim_console(self, sandbox_id: str, keep_bytes: int) -> int:
+        """Gives back the disk of the VM's console file but its newest ``keep_bytes`` (a guest
+        may write its serial port without end); the bytes kept keep their offsets, and what
+        was trimmed reads as a hole (skip it with ``SEEK_DATA``). Returns the bytes freed."""
+        return 0
+
     # -- what reconcile and the snapshot stores need (no caller knows the driver's files) ----
 
     @abc.abstractmethod

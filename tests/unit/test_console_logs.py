@@ -113,12 +113,38 @@ def test_the_round_reads_running_sandboxes_of_its_node_and_prunes(sandbox, tmp_p
     for sid in (sandbox.id, paused.id):
         (tmp_path / sid).write_bytes(f"hello from {sid}\n".encode())
 
+    trimmed = []
+
     class Driver:
         def console_path(self, sandbox_id):
             return Path(tmp_path / sandbox_id)
+
+        def trim_console(self, sandbox_id, keep_bytes):
+            trimmed.append((sandbox_id, keep_bytes))
+            return 0
 
     old = SandboxLog.objects.create(sandbox=sandbox, timestamp=timezone.now() - timedelta(days=30), message="old",
                                     line="old", vm_generation=9, offset=1)
     assert ConsoleCollector(node.id, Driver(), 1.0, retention_s=7 * 86400).collect_once() == 1
     assert _lines(sandbox) == [f"hello from {sandbox.id}"] and not SandboxLog.objects.filter(pk=old.pk).exists()
     assert _lines(paused) == []  # a paused VM's console was read before its pause
+    assert trimmed == [(sandbox.id, settings.AENV_CONSOLE_LOG_MAX_KB << 10)]  # bounded every round
+
+
+def test_a_trimmed_console_is_read_on_after_its_hole(sandbox, tmp_path, monkeypatch):
+    """A guest that writes faster than the rounds read: the driver punched a hole over what
+    was not read yet, and reading goes on with the newest bytes (not 4 KiB blocks of NULs)."""
+    from vmm.qemu import console
+
+    monkeypatch.setattr(console_logs, "READ_BYTES", 1 << 20)
+    path = tmp_path / "console.log"
+    path.write_bytes(b"first\n")
+    logs = ConsoleLogs()
+    assert logs.collect(sandbox.id, 0, path) == 1
+    with path.open("ab") as f:
+        f.write(b"".join(b"flood %06d\n" % i for i in range(100_000)))  # 1.3 MB unread
+    assert console.trim(path, 64 << 10) > 1 << 20
+    stored = logs.collect(sandbox.id, 0, path)
+    kept = _lines(sandbox)
+    assert 0 < stored <= (64 << 10) // 13 + 400 and kept[-1] == "flood 099999"
+    assert all("\0" not in line for line in kept)

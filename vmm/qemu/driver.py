@@ -25,6 +25,7 @@ from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
 from vmm.net import ENVD_PORT, Attachment, NetworkSpec, choose_backend, ports, slots
 from vmm.net.spec import DEFAULT_WARM_SLOTS
+from vmm.qemu import console
 from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
@@ -54,7 +55,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                  port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None,
                  network: str | None = None, net_prefix: str | None = None, net_pool: str | None = None,
                  net_warm: int = DEFAULT_WARM_SLOTS, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = (),
-                 net_ingress_from: tuple[str, ...] = (), shm_headroom_mb: int = DEFAULT_SHM_HEADROOM_MB,
+                 net_ingress_from: tuple[str, ...] = (), net_limits=None, shm_headroom_mb: int = DEFAULT_SHM_HEADROOM_MB,
                  warm_ram_copies: int = DEFAULT_WARM_RAM_COPIES):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
@@ -89,7 +90,8 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         self.net = choose_backend(network, home=self.home, host_address=host_address,
                                   sandboxes_dir=self.sandboxes_dir, port_range=port_range, prefix=net_prefix,
                                   pool=net_pool, warm=net_warm, deny_extra=tuple(net_deny_extra),
-                                  allow_extra=tuple(net_allow_extra), ingress_from=tuple(net_ingress_from))
+                                  allow_extra=tuple(net_allow_extra), ingress_from=tuple(net_ingress_from),
+                                  limits=net_limits)
 
     @contextmanager
     def _lock(self, sandbox_id: str):
@@ -334,6 +336,10 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
     def console_path(self, sandbox_id: str) -> Path | None:
         state = VMState.load(self.sandboxes_dir / sandbox_id) if valid_sandbox_id(sandbox_id) else None
         return Path(state.console) if state is not None and state.console else None
+
+    def trim_console(self, sandbox_id: str, keep_bytes: int) -> int:
+        path = self.console_path(sandbox_id)
+        return console.trim(path, keep_bytes) if path is not None else 0
 
     def list(self) -> list[VMInfo]:
         out = []

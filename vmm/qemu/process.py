@@ -15,7 +15,7 @@ from pathlib import Path
 
 from envd_client import EnvdClient
 from vmm.driver import BootTimeout, VMError
-from vmm.qemu import cmdline
+from vmm.qemu import cmdline, console
 from vmm.qemu.cmdline import QEMU
 
 DEFAULT_BOOT_TIMEOUT = 60.0
@@ -43,10 +43,8 @@ def cmdline_digest() -> str:
 
 
 def console_tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+    """The console's last lines for a failure message (read from its end: see vmm.qemu.console)."""
+    return console.tail(path, lines)
 
 
 
