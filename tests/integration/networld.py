@@ -101,6 +101,32 @@ def node_addresses() -> list[str]:
     return sorted(a for a in found if a and not a.startswith("127."))
 
 
+def dns_ask(server: str, name: str, *, tcp: bool = False, source: str | None = None,
+            timeout: float = 3.0) -> tuple[str, int]:
+    """One A query to ``server``:53 over UDP or TCP: (address, TTL) of the first answer."""
+    import struct  # noqa: PLC0415
+
+    qid = int.from_bytes(os.urandom(2), "big")
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
+    query = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + labels + b"\0" + struct.pack(">HH", 1, 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM if tcp else socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout)
+        if source:
+            s.bind((source, 0))
+        if tcp:
+            s.connect((server, 53))
+            s.sendall(struct.pack(">H", len(query)) + query)
+            size = struct.unpack(">H", s.recv(2, socket.MSG_WAITALL))[0]
+            reply = s.recv(size, socket.MSG_WAITALL)
+        else:
+            s.sendto(query, (server, 53))
+            reply = s.recv(4096)
+    assert struct.unpack(">H", reply[:2])[0] == qid and struct.unpack(">H", reply[6:8])[0] >= 1, reply
+    ttl, length = struct.unpack(">IH", reply[-10:-4])
+    assert length == 4, reply
+    return socket.inet_ntoa(reply[-4:]), ttl
+
+
 PROBE = r"""
 probe() {
   if timeout 6 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; then echo "$1:$2 open"; else echo "$1:$2 closed"; fi

@@ -110,6 +110,14 @@ def _alive(pidfile: Path) -> int | None:
     return pid if argv and "dnsmasq" in argv[0] and f"--pid-file={pidfile}" in argv else None
 
 
+def _exited(pid: int) -> bool:
+    """Gone or a zombie (an exiting process loses its command line before its sockets)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 class NodeDNS:
     """The resolver of one aenv instance (prefix, pool), its files under ``state_dir``."""
 
@@ -172,7 +180,7 @@ class NodeDNS:
         if pid is not None:
             os.kill(pid, signal.SIGTERM)
             for _ in range(250):
-                if self.pid() is None:
+                if _exited(pid):  # its sockets closed: port 53 is free for the next one
                     break
                 time.sleep(0.02)
         self.pidfile.unlink(missing_ok=True)
