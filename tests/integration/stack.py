@@ -19,6 +19,8 @@ import httpx
 
 from aenv_cluster.processes import qemu_pids
 
+from .networld import EXT_A, EXT_B
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
@@ -89,6 +91,9 @@ class Stack:
             AENV_NET_PREFIX=self.net_prefix,
             AENV_NET_POOL=self.net_pool,
             AENV_PRIVATE_REGISTRIES="127.0.0.1",  # the tests' own registries (tests/oci_registry.py)
+            # the test world's external hosts sit in TEST-NET-2, always denied: opened as an
+            # operator opens a mirror (networld.py)
+            AENV_NET_ALLOW_EXTRA=f"{EXT_A}/32,{EXT_B}/32",
             DJANGO_SETTINGS_MODULE="aenv_site.settings",
             PYTHONUNBUFFERED="1",
         )

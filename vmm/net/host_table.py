@@ -4,7 +4,9 @@ Why on the host as well as in each slot: the slot's table keeps a guest inside i
 rules, but the slot's netns itself is a router the node must not trust. Here the node
 drops anything a slot starts toward the node (its Redis, database, API and every other
 local address), drops slot-to-slot traffic and new connections into a slot that the node
-did not open, and masquerades the slot pool toward the uplink. Drops in base chains are
+did not open, masquerades the slot pool toward the uplink (guests' egress leaves from the
+node's uplink address) and gives the guests' TCP flows shorter conntrack timeouts, so the
+slot's flow limit bounds what a guest holds in the node's table (vmm.net.conntrack). Drops in base chains are
 final whatever other tables accept. Rebuilt whole in one transaction at node start; slots
 join and leave its ``veths`` set. Design: ``../shared/research/networking.md`` §2.3.
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import ipaddress
 import subprocess
+
+from . import conntrack
 
 
 class HostTableError(Exception):
@@ -67,6 +71,10 @@ delete table inet {name}
 table inet {name} {{
     set veths {{ type ifname; {elements} }}
     set ingress {{ type ipv4_addr; flags interval; auto-merge; {ingress_elements} }}
+{conntrack.node_timeout_object()}    chain timeouts {{
+        type filter hook prerouting priority -150; policy accept;
+        iifname @veths ct state new meta l4proto tcp ct timeout set "{conntrack.TIMEOUT_POLICY}"
+    }}
     chain input {{
         type filter hook input priority -10; policy accept;
         iifname @veths ct state established,related accept

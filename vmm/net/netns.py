@@ -26,7 +26,8 @@ from vmm.net import host_table
 from vmm.net import policy as egress
 from vmm.net import slots
 from vmm.net.backend import Attachment, NetworkBackend
-from vmm.net.dns import NodeDNS, service_ip
+from vmm.net.conntrack import GuestLimits
+from vmm.net.dns import DNSLimits, NodeDNS, service_ip
 from vmm.net.slot_pool import SlotPool
 from vmm.net.slots import Slot
 from vmm.net.spec import NetworkSpec
@@ -48,13 +49,17 @@ class NetnsBackend(NetworkBackend):
 
     def __init__(self, home: Path, prefix: str = slots.DEFAULT_PREFIX, pool: str = slots.DEFAULT_POOL,
                  warm: int = 4, deny_extra: tuple[str, ...] = (), allow_extra: tuple[str, ...] = (),
-                 dns: bool = True, ingress_from: tuple[str, ...] = ()):
+                 dns: bool = True, ingress_from: tuple[str, ...] = (), limits: GuestLimits = GuestLimits(),
+                 dns_limits: DNSLimits = DNSLimits()):
         self.prefix, self.pool_cidr = prefix, pool
         self.ingress_from = host_table.ingress_sources(ingress_from, pool)  # refused at start if unfit
-        self.dns = NodeDNS(prefix, pool, Path(home) / "net") if dns else None
+        self.dns = NodeDNS(prefix, pool, Path(home) / "net", dns_limits) if dns else None
         dns_ip = service_ip(pool) if dns else None
-        self.slots = SlotPool(prefix, pool, warm=warm, deny_extra=(*node_addresses(), *deny_extra, *self.ingress_from),
-                              allow_extra=allow_extra, dns_ip=dns_ip, ingress=self.ingress_from)
+        node = (*node_addresses(), *self.ingress_from)
+        allow_extra = slots.allow_extra_ranges(allow_extra, pool, node)  # refused at start if it reopens these
+        self.slots = SlotPool(prefix, pool, warm=warm, deny_extra=(*node, *deny_extra), allow_extra=allow_extra,
+                              dns_ip=dns_ip, ingress=self.ingress_from, limits=limits,
+                              dns_limits=dns_limits)
         self.host_address = ""  # per VM: its slot address
 
     # -- node start / stop --------------------------------------------------------------------

@@ -5,7 +5,8 @@ Why a pool: making a slot (netns, veth, tap, addresses, two nft transactions) co
 milliseconds; taking a made one costs nothing. ``acquire`` hands out a warm slot (making one
 only when the pool is empty) and a background thread refills the pool to ``warm``; ``release``
 hands a slot to that thread to destroy (a slot is never reused: a fresh netns carries no
-conntrack state or rules of a previous sandbox). At node start ``adopt`` keeps the slots its VMs still use and removes the
+conntrack state or rules of a previous sandbox; the node's conntrack entries of its address
+go with it). At node start ``adopt`` keeps the slots its VMs still use and removes the
 rest, with what a crash left half-made. Every slot joins the node's table (``host_table``)
 and gets IPv4 forwarding on its host veth only."""
 from __future__ import annotations
@@ -15,7 +16,9 @@ import subprocess
 import threading
 import time
 
-from . import host_table, slots
+from . import conntrack, host_table, slots
+from .conntrack import GuestLimits
+from .dns import DNSLimits
 from .slots import Slot, SlotError
 
 log = logging.getLogger(__name__)
@@ -24,9 +27,12 @@ log = logging.getLogger(__name__)
 class SlotPool:
     def __init__(self, prefix: str = slots.DEFAULT_PREFIX, pool: str = slots.DEFAULT_POOL, warm: int = 4,
                  deny_extra: tuple[str, ...] = (), dns_ip: str | None = None, allow_extra: tuple[str, ...] = (),
-                 ingress: tuple[str, ...] = ()):
+                 ingress: tuple[str, ...] = (), limits: GuestLimits = GuestLimits(),
+                 dns_limits: DNSLimits = DNSLimits()):
         self.prefix, self.pool, self.warm, self.deny_extra = prefix, pool, warm, deny_extra
+        self.limits = limits  # each guest's conntrack limits (vmm.net.conntrack)
         self.dns_ip, self.allow_extra = dns_ip, allow_extra
+        self.dns_limits = dns_limits  # each guest's share of the node's resolver (vmm.net.dns)
         self.ingress = ingress  # sources besides the node that may open connections into a slot (host_table)
         self._lock = threading.Lock()
         self._ready: list[Slot] = []
@@ -147,7 +153,7 @@ class SlotPool:
                     continue
             try:
                 slot = slots.create(Slot(self.prefix, index, self.pool), self.deny_extra, self.dns_ip,
-                                    self.allow_extra)
+                                    self.allow_extra, self.limits, self.dns_limits)
             except SlotError as exc:
                 if "taken" in str(exc):
                     continue
@@ -170,6 +176,7 @@ class SlotPool:
         except host_table.HostTableError:
             pass  # not in the set (never added, or the table was rebuilt)
         slots.destroy(slot)
+        conntrack.forget(slot.address)  # its guest's flows leave the node's table with it
 
     def _refill_loop(self) -> None:
         while not self._stop.is_set():

@@ -6,9 +6,10 @@ is a named netns holding ``tap0`` (where QEMU attaches, launched through ``nsent
 ``vpeer``, one end of a veth pair whose other end is in the node's netns. Every slot gives
 the guest the same address and MACs (restored and forked guests need no reconfiguration);
 only the /31 on the veth differs per slot. The slot's own nftables table pins the guest's
-source, drops everything to the always-denied ranges (the node included: its addresses sit
-in 10/8 and loopback) and lets only the node open connections into the guest (a DNAT of the
-slot address). Layout and rules: ``../shared/research/networking.md`` §1–2.
+source, refuses new flows past the guest's conntrack limits (vmm.net.conntrack), drops
+everything to the always-denied ranges (the node included: its addresses sit in 10/8 and
+loopback) and lets only the node open connections into the guest (a DNAT of the slot
+address). Layout and rules: ``../shared/research/networking.md`` §1–2.
 
 Names are the claim: ``ip netns add`` of an existing name fails, so two processes never get
 the same slot, and a node that restarts finds its slots by prefix (``list_slots``) and
@@ -23,6 +24,9 @@ from dataclasses import dataclass
 
 from pyroute2 import IPRoute, NetlinkError, NetNS, netns
 
+from . import conntrack
+from .conntrack import GuestLimits
+from .dns import DNSLimits
 from .policy import EgressPolicy
 
 # The guest's view, the same in every slot (a snapshot's ABI: never per slot).
@@ -35,10 +39,16 @@ TAP = "tap0"
 PEER = "vpeer"
 DEFAULT_POOL = "10.12.0.0/16"
 DEFAULT_PREFIX = "aenv"
-# E2B's DeniedSandboxCIDRs (IPv4) plus "this network", multicast and reserved; the slot pool
-# is inside 10/8; the node's own addresses are added per node (``deny_extra``).
+# E2B's DeniedSandboxCIDRs (IPv4) plus "this network", IETF protocol assignments, the
+# benchmarking range, the documentation TEST-NETs, multicast and reserved (RFC 6890: none is
+# the internet); the slot pool is inside 10/8; the node's own addresses are added per node
+# (``deny_extra``).
 ALWAYS_DENIED = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-                 "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
+                 "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15",
+                 "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4")
+# What AENV_NET_ALLOW_EXTRA may never reopen besides the node's addresses and the pool: the
+# guests' link-local side (every slot's gateway, a cloud's metadata service at 169.254.169.254).
+NEVER_ALLOWED = ("169.254.0.0/16",)
 
 
 class SlotError(Exception):
@@ -97,10 +107,41 @@ def _elements(cidrs) -> str:
     return f"elements = {{ {', '.join(cidrs)} }}" if cidrs else ""
 
 
+def rules(lines: list[str]) -> str:
+    return "".join(f"        {line}\n" for line in lines)
+
+
+def allow_extra_ranges(cidrs, pool: str, node: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``cidrs`` (AENV_NET_ALLOW_EXTRA: always-denied ranges the operator opens, e.g. a
+    package mirror in 10/8) as normalised IPv4 networks, or SlotError saying which one
+    reaches what no guest may: the guests' link-local side (NEVER_ALLOWED), the slot pool
+    (the slots and the node's resolver) or ``node`` (the node's addresses and denied ranges).
+    The slot table drops ``node`` before it looks at these; refusing says so at node start."""
+    forbidden = [(ipaddress.ip_network(c), f"the guests' link-local side {c}") for c in NEVER_ALLOWED]
+    forbidden.append((ipaddress.ip_network(pool), f"the slot pool {pool}"))
+    forbidden += [(ipaddress.ip_network(c, strict=False), f"the node's {c}") for c in node]
+    out = []
+    for raw in cidrs:
+        try:
+            net = ipaddress.ip_network(str(raw).strip(), strict=False)
+        except ValueError:
+            raise SlotError(f"AENV_NET_ALLOW_EXTRA: {raw!r} is not an IPv4 address or CIDR") from None
+        if net.version != 4:
+            raise SlotError(f"AENV_NET_ALLOW_EXTRA: {raw!r} is not IPv4 (guests have no IPv6)")
+        for other, what in forbidden:
+            if other.version == 4 and net.overlaps(other):
+                raise SlotError(f"AENV_NET_ALLOW_EXTRA: {raw!r} overlaps {what}: guests may never reach it "
+                                "(list narrower ranges)")
+        out.append(str(net))
+    return tuple(dict.fromkeys(out))
+
+
 def ruleset(slot: Slot, deny_extra: tuple[str, ...] = (), policy: EgressPolicy = EgressPolicy(),
-            dns_ip: str | None = DEFAULT_DNS_IP, allow_extra: tuple[str, ...] = ()) -> str:
+            dns_ip: str | None = DEFAULT_DNS_IP, allow_extra: tuple[str, ...] = (),
+            limits: GuestLimits = GuestLimits(), dns_limits: DNSLimits = DNSLimits()) -> str:
     """The slot's own nftables table (one transaction): the guest may send only from its
-    address; never to the node (``deny_extra``: its addresses and the operator's extra
+    address; a new flow passes the guest's conntrack limits (vmm.net.conntrack) or is
+    refused; never to the node (``deny_extra``: its addresses and the operator's extra
     ranges; the resolver is reached only through the DNAT of 8.8.8.8:53); never to an
     always-denied range unless the operator allowed it (``allow_extra``, e.g. a package
     mirror); then E2B's policy (allow list wins over deny list, else allowed); never start a
@@ -109,6 +150,13 @@ def ruleset(slot: Slot, deny_extra: tuple[str, ...] = (), policy: EgressPolicy =
     deny = ", ".join(ALWAYS_DENIED)
     dns = (f"""        iifname "{TAP}" ip daddr {GUEST_DNS} udp dport 53 dnat ip to {dns_ip}
         iifname "{TAP}" ip daddr {GUEST_DNS} tcp dport 53 dnat ip to {dns_ip}
+""" if dns_ip else "")
+    # issue 21: the guest's share of the node's resolver (vmm.net.dns), before anything else
+    dns_guard = (f"""    chain dns_limits {{
+        type filter hook prerouting priority -160; policy accept;
+        iifname "{TAP}" ip daddr {GUEST_DNS} meta l4proto {{ tcp, udp }} th dport 53 limit rate over {dns_limits.rate}/second burst {dns_limits.burst} packets drop
+        iifname "{TAP}" ip daddr {GUEST_DNS} tcp dport 53 ct state new ct count over {dns_limits.tcp} reject with tcp reset
+    }}
 """ if dns_ip else "")
     return f"""
 table inet aenv
@@ -119,18 +167,23 @@ table inet aenv {{
     set site_allow {{ type ipv4_addr; flags interval; auto-merge; {_elements(allow_extra)} }}
     set user_allow {{ type ipv4_addr; flags interval; auto-merge; {_elements(policy.allow)} }}
     set user_deny {{ type ipv4_addr; flags interval; auto-merge; {_elements(policy.deny)} }}
-    chain guard {{
+{dns_guard}    chain guard {{
         type filter hook prerouting priority -150; policy accept;
         iifname != "{TAP}" accept
         meta nfproto ipv6 drop
         ip saddr != {GUEST_IP} drop
         ct state established,related accept
         ct state invalid drop
+        ct state new jump ct_limits
         ip daddr @node_deny drop
         ip daddr @always_deny ip daddr != @site_allow drop
         ip daddr @user_allow accept
         ip daddr @user_deny drop
     }}
+    chain ct_limits {{
+{rules(conntrack.slot_rules(limits))}    }}
+    chain refuse {{
+{rules(conntrack.REFUSE_RULES)}    }}
     chain to_guest {{
         type nat hook prerouting priority dstnat; policy accept;
         iifname "{PEER}" ip daddr {slot.address} dnat ip to {GUEST_IP}
@@ -170,8 +223,14 @@ def apply_policy(slot: Slot, policy: EgressPolicy) -> None:
     _run_in(slot, "nft", "-f", "-", stdin=policy_script(policy))
 
 
+def apply_limits(slot: Slot, limits: GuestLimits) -> None:
+    """Replaces the slot's conntrack limits (its counts start again: a fresh slot only)."""
+    _run_in(slot, "nft", "-f", "-", stdin=conntrack.limits_script(limits))
+
+
 def create(slot: Slot, deny_extra: tuple[str, ...] = (), dns_ip: str | None = DEFAULT_DNS_IP,
-           allow_extra: tuple[str, ...] = ()) -> Slot:
+           allow_extra: tuple[str, ...] = (), limits: GuestLimits = GuestLimits(),
+           dns_limits: DNSLimits = DNSLimits()) -> Slot:
     """Makes the slot: its netns (the claim: SlotError if it exists), the veth pair, tap0,
     addresses, the guest's neighbour entry, routes, sysctls and the nftables table. On any
     failure what was made is removed and SlotError raised."""
@@ -180,7 +239,7 @@ def create(slot: Slot, deny_extra: tuple[str, ...] = (), dns_ip: str | None = DE
     except FileExistsError:
         raise SlotError(f"slot {slot.netns} is taken") from None
     try:
-        _configure(slot, deny_extra, dns_ip, allow_extra)
+        _configure(slot, deny_extra, dns_ip, allow_extra, limits, dns_limits)
     except BaseException as exc:
         destroy(slot)
         if isinstance(exc, SlotError):
@@ -189,7 +248,8 @@ def create(slot: Slot, deny_extra: tuple[str, ...] = (), dns_ip: str | None = DE
     return slot
 
 
-def _configure(slot: Slot, deny_extra: tuple[str, ...], dns_ip: str | None, allow_extra: tuple[str, ...]) -> None:
+def _configure(slot: Slot, deny_extra: tuple[str, ...], dns_ip: str | None, allow_extra: tuple[str, ...],
+               limits: GuestLimits, dns_limits: DNSLimits = DNSLimits()) -> None:
     with IPRoute() as ipr:
         ipr.link("add", ifname=slot.host_veth, kind="veth", peer={"ifname": PEER, "net_ns_fd": slot.netns})
         host = ipr.link_lookup(ifname=slot.host_veth)[0]
@@ -211,7 +271,8 @@ def _configure(slot: Slot, deny_extra: tuple[str, ...], dns_ip: str | None, allo
     # A new netns inherits IPv4 settings from its creator (this host: ip_forward=0).
     _run_in(slot, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=1",
             "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
-    _run_in(slot, "nft", "-f", "-", stdin=ruleset(slot, deny_extra, dns_ip=dns_ip, allow_extra=allow_extra))
+    _run_in(slot, "nft", "-f", "-", stdin=ruleset(slot, deny_extra, dns_ip=dns_ip, allow_extra=allow_extra,
+                                                           limits=limits, dns_limits=dns_limits))
 
 
 def remove_link(name: str) -> bool:
