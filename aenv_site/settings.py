@@ -10,6 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from aenv_site.secret_key import load_secret_key
 from vmm.net.conntrack import DEFAULT_MAX_FLOWS, DEFAULT_NEW_BURST, DEFAULT_NEW_RATE
+from vmm.net.dns import DNSLimits
 from vmm.net.spec import DEFAULT_WARM_SLOTS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -56,6 +57,13 @@ AENV_NET_INGRESS_FROM = tuple(c.strip() for c in _env("AENV_NET_INGRESS_FROM", "
 AENV_NET_CT_MAX_PER_SANDBOX = _env_int("AENV_NET_CT_MAX_PER_SANDBOX", DEFAULT_MAX_FLOWS)
 AENV_NET_CT_NEW_RATE = _env_int("AENV_NET_CT_NEW_RATE", DEFAULT_NEW_RATE)
 AENV_NET_CT_NEW_BURST = _env_int("AENV_NET_CT_NEW_BURST", DEFAULT_NEW_BURST)
+# The node's resolver (vmm.net.dns): per sandbox, DNS packets a second to 8.8.8.8:53 and the
+# burst above that (more are dropped: the guest's resolver retries) and TCP DNS connections at
+# once (more are reset); for the whole node, queries forwarded upstream at once.
+AENV_NET_DNS_RATE = _env_int("AENV_NET_DNS_RATE", DNSLimits.rate)
+AENV_NET_DNS_BURST = _env_int("AENV_NET_DNS_BURST", DNSLimits.burst)
+AENV_NET_DNS_TCP_CONNECTIONS = _env_int("AENV_NET_DNS_TCP_CONNECTIONS", DNSLimits.tcp)
+AENV_NET_DNS_FORWARD_MAX = _env_int("AENV_NET_DNS_FORWARD_MAX", DNSLimits.forward_max)
 AENV_SANDBOX_DOMAIN = _env("AENV_SANDBOX_DOMAIN", "localhost")
 AENV_DEFAULT_TIMEOUT = _env_int("AENV_DEFAULT_TIMEOUT", 300)
 AENV_MAX_TIMEOUT = _env_int("AENV_MAX_TIMEOUT", 24 * 3600)

@@ -33,7 +33,11 @@ def _qemu_options() -> dict:
 
     limits = GuestLimits(settings.AENV_NET_CT_MAX_PER_SANDBOX, settings.AENV_NET_CT_NEW_RATE,
                          settings.AENV_NET_CT_NEW_BURST)
-    return {"net_limits": limits, "boot_timeout": settings.AENV_BOOT_TIMEOUT, "network": settings.AENV_NETWORK,
+    from vmm.net.dns import DNSLimits  # noqa: PLC0415 - checks the limits (ValueError at node start)
+
+    dns_limits = DNSLimits(settings.AENV_NET_DNS_RATE, settings.AENV_NET_DNS_BURST,
+                           settings.AENV_NET_DNS_TCP_CONNECTIONS, settings.AENV_NET_DNS_FORWARD_MAX)
+    return {"net_limits": limits, "net_dns_limits": dns_limits, "boot_timeout": settings.AENV_BOOT_TIMEOUT, "network": settings.AENV_NETWORK,
             "net_prefix": settings.AENV_NET_PREFIX, "net_pool": settings.AENV_NET_POOL,
             "net_warm": settings.AENV_NET_WARM_SLOTS, "net_deny_extra": settings.AENV_NET_DENY_EXTRA,
             "net_allow_extra": settings.AENV_NET_ALLOW_EXTRA, "net_ingress_from": settings.AENV_NET_INGRESS_FROM,

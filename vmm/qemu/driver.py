@@ -55,7 +55,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                  port_range: tuple[int, int] = ports.PORT_RANGE, accel: str | None = None,
                  network: str | None = None, net_prefix: str | None = None, net_pool: str | None = None,
                  net_warm: int = DEFAULT_WARM_SLOTS, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = (),
-                 net_ingress_from: tuple[str, ...] = (), net_limits=None, shm_headroom_mb: int = DEFAULT_SHM_HEADROOM_MB,
+                 net_ingress_from: tuple[str, ...] = (), net_limits=None, net_dns_limits=None, shm_headroom_mb: int = DEFAULT_SHM_HEADROOM_MB,
                  warm_ram_copies: int = DEFAULT_WARM_RAM_COPIES):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
@@ -91,7 +91,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                                   sandboxes_dir=self.sandboxes_dir, port_range=port_range, prefix=net_prefix,
                                   pool=net_pool, warm=net_warm, deny_extra=tuple(net_deny_extra),
                                   allow_extra=tuple(net_allow_extra), ingress_from=tuple(net_ingress_from),
-                                  limits=net_limits)
+                                  limits=net_limits, dns_limits=net_dns_limits)
 
     @contextmanager
     def _lock(self, sandbox_id: str):
