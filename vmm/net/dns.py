@@ -17,8 +17,8 @@ Every guest shares this one resolver, so (issue 21): it runs as an unprivileged 
 binds port 53 as root, then drops to ``dnsmasq`` or ``nobody``); it keeps no cache, so no
 guest can tell from an answer's TTL or speed which names another guest looked up (the cost,
 measured: a lookup takes ~0.8 ms instead of ~0.05 ms from a cache, the node's resolver being
-one hop away); it may forward
-``DNSLimits.forward_max`` queries at once (dnsmasq's default, 150, is a few guests' worth);
+one hop away); it may forward ``DNSLimits.forward_max`` queries at once (dnsmasq's default,
+150, is a few guests' worth);
 each slot's own table limits its guest's query rate and TCP connections (vmm.net.slots), so
 one guest cannot take all of the resolver (dnsmasq serves at most 20 TCP connections at once:
 a compile-time limit). The unprivileged user could not reach ``hosts_dir`` under a private
