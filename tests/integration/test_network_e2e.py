@@ -4,6 +4,7 @@ and forked — while the node reaches the guest and the egress policy decides wh
 reaches (an external host in a namespace of the test's own), live and across pause and fork.
 """
 import ipaddress
+import json
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from e2b import Sandbox
 
 from vmm.net import slots
 
-from .networld import EXT_A, EXT_B, NODE_SIDE, ExternalHost, NodeService, node_addresses, probe
+from .networld import EXT_A, EXT_B, NODE_SIDE, ExternalHost, NodeService, dns_ask, node_addresses, probe
 
 pytestmark = [pytest.mark.vm,
               pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)")]
@@ -196,3 +197,83 @@ def test_old_sdk_generation_network_options(stack, world):
     assert result["opened"] == [True, True]
     assert result["deny_b"] == [True, False]
     assert result["host"].startswith("8080-")
+
+
+DNS_HOLD = r"""
+import socket, time
+held, out = [], []
+for _ in range(25):
+    s = socket.socket(); s.settimeout(5)
+    try:
+        s.connect(("8.8.8.8", 53)); held.append(s); out.append("ok")
+    except OSError as e:
+        out.append(str(e.errno))
+print(" ".join(out), flush=True)
+time.sleep(600)
+"""
+
+DNS_FLOOD = r"""
+import json, socket, struct, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.setblocking(False); s.connect(("8.8.8.8", 53))
+q = b"\x05ext-a\x04test\x00\x00\x01\x00\x01"
+sent = answered = 0
+end = time.monotonic() + 2
+while time.monotonic() < end:
+    try:
+        s.send(struct.pack(">HHHHHH", sent & 0xffff, 0x0100, 1, 0, 0, 0) + q); sent += 1
+    except BlockingIOError:
+        pass
+    while True:
+        try:
+            s.recv(512); answered += 1
+        except BlockingIOError:
+            break
+drain = time.monotonic() + 1
+while time.monotonic() < drain:
+    try:
+        s.recv(512); answered += 1
+    except BlockingIOError:
+        time.sleep(0.01)
+print(json.dumps({"sent": sent, "answered": answered}))
+"""
+
+
+def test_one_guest_cannot_take_the_nodes_resolver(stack, sdk_env, world):
+    """Issue 21: every guest shares the node's dnsmasq. It runs as an unprivileged user; a
+    guest that holds TCP DNS connections gets 4 (AENV_NET_DNS_TCP_CONNECTIONS), the rest are
+    reset, and dnsmasq (20 TCP children at most) still answers others over TCP; a guest that
+    floods queries gets ~200 a second answered after a burst of 400 (AENV_NET_DNS_RATE/BURST)
+    while the resolver answers others at once. Only a name of the test's hosts file is
+    asked: nothing leaves the node."""
+    from vmm.net.dns import DNSLimits, service_ip
+
+    pid = int((stack.home / "net" / "dnsmasq.pid").read_text())
+    status = open(f"/proc/{pid}/status").read()
+    assert [u for u in next(x for x in status.splitlines() if x.startswith("Uid:")).split()[1:] if u == "0"] == []
+    resolver, limits = service_ip(stack.net_pool), DNSLimits()
+    box = Sandbox.create(timeout=600)
+    try:
+        box.files.write("/tmp/hold.py", DNS_HOLD)
+        box.commands.run("python3 /tmp/hold.py > /tmp/hold.out 2>&1", background=True)
+        deadline = time.monotonic() + 60
+        while not (out := box.commands.run("cat /tmp/hold.out 2>/dev/null || true").stdout.split()):
+            assert time.monotonic() < deadline, "the guest's holder printed nothing"
+            time.sleep(0.5)
+        # the resolver still serves TCP (and UDP) to others while the guest holds its share
+        assert dns_ask(resolver, "ext-a.test", tcp=True, timeout=5)[0] == EXT_A
+        assert dns_ask(resolver, "ext-a.test", timeout=2)[0] == EXT_A
+        assert out[:limits.tcp] == ["ok"] * limits.tcp and set(out[limits.tcp:]) == {"111"}, out  # ECONNREFUSED
+        box.commands.run("pkill -f '[h]old.py' || true")
+
+        box.files.write("/tmp/flood.py", DNS_FLOOD)
+        flood = box.commands.run("python3 /tmp/flood.py", background=True)
+        time.sleep(1)
+        started = time.monotonic()
+        assert dns_ask(resolver, "ext-a.test", timeout=2)[0] == EXT_A  # during the flood
+        assert time.monotonic() - started < 0.5
+        result = json.loads(flood.wait().stdout.strip().splitlines()[-1])
+        bound = limits.burst + 2 * limits.rate + 100  # 2 s of flood, some slack for timing
+        assert result["sent"] > 2 * bound, f"the guest sent too few queries to prove anything: {result}"
+        assert 2 * limits.rate <= result["answered"] <= bound, result
+    finally:
+        box.kill()
