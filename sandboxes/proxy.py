@@ -36,6 +36,7 @@ from asgiref.sync import sync_to_async
 
 from envd import ENVD_PORT
 
+from . import proxy_cookies
 from . import proxy_routes as answers
 from .proxy_pools import UpstreamPools
 from .proxy_routes import ResumeFailed, Refused, Route, RouteTable, Why, close_unusable
@@ -304,7 +305,7 @@ class EnvdProxy:
                             raise await self._gone(route, port)
                         # inside the lease: a pool in use is never retired as idle
                         with self.watch.moved(route) as moved:
-                            return await _relay(send, upstream, route, moved, cors=port == ENVD_PORT)
+                            return await _relay(send, upstream, route, moved, cors=port == ENVD_PORT, scope=scope)
         except Refused as refused:
             return await _send_simple(send, *refused.answer_in(answers.dialect_of(scope)))
 
@@ -330,18 +331,19 @@ def _has_body(headers: dict[bytes, bytes]) -> bool:
     return length.isdigit() and int(length) > 0
 
 
-async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Event, cors: bool):
+async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Event, cors: bool, scope):
     """Streams the upstream response to the client until it ends, the upstream breaks, or
     ``moved`` says the sandbox's VM is gone (killed, paused, moved: ``sandboxes.proxy_watch``).
     In the last two cases the client's connection is reset (UpstreamBroken, then
     ``_reset_on_close``), as E2B's proxy resets the stream of a sandbox that died: both E2B
     SDKs take a reset connection for "the sandbox may be gone", probe ``/health`` (then 502
-    "was not found") and report that it was killed or reached its end of life."""
+    "was not found") and report that it was killed or reached its end of life.
+    The guest's cookies are confined to its own host (``sandboxes.proxy_cookies``)."""
     gone = asyncio.ensure_future(moved.wait())
     chunks = upstream.aiter_raw()
     read = None
     try:
-        headers = answers.response_headers(upstream.headers.raw)
+        headers = proxy_cookies.confine(answers.response_headers(upstream.headers.raw), scope)
         await send({"type": "http.response.start", "status": upstream.status_code,
                     "headers": answers.with_cors(headers) if cors else headers})
         while True:

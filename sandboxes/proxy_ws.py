@@ -26,6 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.frames import CloseCode
 from websockets.uri import WebSocketURI
 
+from . import proxy_cookies
 from . import proxy_routes as answers
 from .proxy_routes import Refused, Route, Why
 
@@ -86,7 +87,7 @@ class WebSocketBridge:
             return await _deny(scope, send, *refused.answer_in(answers.dialect_of(scope)))
         try:
             await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol,
-                        "headers": _accept_headers(upstream.response.headers.raw_items())})
+                        "headers": _accept_headers(upstream.response.headers.raw_items(), scope)})
             await _bridge(receive, send, upstream)
         finally:
             await upstream.close()
@@ -123,7 +124,7 @@ async def _connect(scope, route: Route, port: int) -> ClientConnection:
         await asyncio.wait_for(connection.handshake(user_agent_header=None), HANDSHAKE_TIMEOUT)
     except InvalidStatus as exc:
         connection.transport.abort()
-        raise Refused(answer=_relayed(exc.response)) from None
+        raise Refused(answer=_relayed(exc.response, scope)) from None
     except asyncio.TimeoutError:
         connection.transport.abort()
         raise Refused(Why.UPSTREAM_TIMEOUT, route.sandbox_id, port) from None
@@ -138,18 +139,21 @@ async def _connect(scope, route: Route, port: int) -> ClientConnection:
     return connection
 
 
-def _relayed(response):
-    """The guest's answer to a handshake it rejected, as the client's."""
+def _relayed(response, scope):
+    """The guest's answer to a handshake it rejected, as the client's (its cookies
+    confined: ``sandboxes.proxy_cookies``)."""
     body = bytes(response.body or b"")
     headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in response.headers.raw_items()]
     headers = [(n, v) for n, v in answers.response_headers(headers) if n.lower() not in HANDSHAKE_HEADERS]
-    return response.status_code, headers, body
+    return response.status_code, proxy_cookies.confine(headers, scope), body
 
 
-def _accept_headers(raw_items) -> list[tuple[bytes, bytes]]:
-    """The guest's 101 headers worth passing on (cookies, for instance)."""
+def _accept_headers(raw_items, scope) -> list[tuple[bytes, bytes]]:
+    """The guest's 101 headers worth passing on (cookies, for instance: confined to the
+    sandbox's own host, ``sandboxes.proxy_cookies``)."""
     headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in raw_items]
-    return [(n, v) for n, v in answers.response_headers(headers) if n.lower() not in HANDSHAKE_HEADERS]
+    return proxy_cookies.confine(
+        [(n, v) for n, v in answers.response_headers(headers) if n.lower() not in HANDSHAKE_HEADERS], scope)
 
 
 async def _deny(scope, send, status: int, headers, body: bytes):
