@@ -79,12 +79,24 @@ def browser(chromium_path):
             b.close()
 
 
+def csp_violations(pg) -> list[str]:
+    """The page's Content-Security-Policy violations as they happen (Chromium logs each as a
+    console error): the dashboard must work under its policy (aenv_site.security_headers),
+    so a test's page fixture fails the test on any."""
+    seen: list[str] = []
+    pg.on("console", lambda m: seen.append(m.text) if m.type == "error" and "Content Security Policy" in m.text
+          else None)
+    return seen
+
+
 @pytest.fixture
 def page(browser, web_stack):
     context = browser.new_context(viewport={"width": 1360, "height": 1000}, base_url=web_stack.api_url)
     pg = context.new_page()
     pg.set_default_timeout(30_000)
+    violations = csp_violations(pg)
     try:
         yield pg
     finally:
         context.close()
+    assert violations == [], violations

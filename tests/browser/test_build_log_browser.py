@@ -12,7 +12,7 @@ import pytest
 
 from tests.integration.stack import Stack
 
-from .conftest import dashboard_stack
+from .conftest import csp_violations, dashboard_stack
 
 PASSWORD = "pw-builds-" + uuid.uuid4().hex[:8]
 NODE = "browser-builder"
@@ -62,10 +62,12 @@ def page(browser, log_stack):
     context = browser.new_context(viewport={"width": 1360, "height": 1000}, base_url=log_stack.api_url)
     pg = context.new_page()
     pg.set_default_timeout(30_000)
+    violations = csp_violations(pg)
     try:
         yield pg
     finally:
         context.close()
+    assert violations == [], violations
 
 
 def shot(page, shots_dir, name: str) -> None:
@@ -81,7 +83,9 @@ def test_log_lines_appear_live_and_the_build_ends(page, log_stack, shots_dir):
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     build_id = new_build(log_stack)
 
-    page.goto("/dashboard/")
+    response = page.goto("/dashboard/")
+    # the page runs under the dashboard's policy (the page fixture fails on any violation)
+    assert "script-src 'self'" in response.headers["content-security-policy"]
     page.fill("input[name=username]", "grace")
     page.fill("input[name=password]", PASSWORD)
     page.click("button[type=submit]")
@@ -125,3 +129,22 @@ def test_log_lines_appear_live_and_the_build_ends(page, log_stack, shots_dir):
     assert page.inner_text("[data-log-status]") == "complete"
     shot(page, shots_dir, "23-build-ready")
     assert errors == []
+
+
+def test_the_dashboard_refuses_to_be_framed(browser, log_stack):
+    """Another site's page framing the dashboard (clickjacking): the browser refuses it
+    (CSP frame-ancestors 'none', X-Frame-Options DENY) and the frame shows nothing of it."""
+    context = browser.new_context()
+    try:
+        pg = context.new_page()
+        blocked = []
+        pg.on("console", lambda m: blocked.append(m.text) if "frame-ancestors" in m.text else None)
+        pg.set_content(f'<iframe id="f" src="{log_stack.api_url}/dashboard/login/"></iframe>')
+        for _ in range(100):  # up to 10 s for the frame's load to be refused
+            if blocked:
+                break
+            pg.wait_for_timeout(100)
+        assert blocked, "Chromium did not report the refused frame"
+        assert pg.frame_locator("#f").locator("input[name=username]").count() == 0
+    finally:
+        context.close()
