@@ -365,7 +365,8 @@ def _observe(sub, out) -> None:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new samples")
     p.add_argument("--since", type=seconds, metavar="SECONDS", help="only samples from the last SECONDS")
 
-    p = _command(sub, "nodes", "observe:cmd_nodes", "list the cluster's nodes (or show one)", parents=[out])
+    p = _command(sub, "nodes", "observe:cmd_nodes",
+                 "list the cluster's nodes (or show one; every figure with AENV_ADMIN_TOKEN)", parents=[out])
     p.add_argument("node_id", nargs="?", metavar="NODE_ID")
 
 

@@ -1,6 +1,6 @@
 """Watching sandboxes and the cluster: ``aenv logs`` (E2B's sandbox logs), ``aenv metrics``
 (E2B's ``GET /sandboxes/{id}/metrics``) and ``aenv nodes`` (``GET /nodes``, AgentENV's
-shape).
+shape: every figure with an operator's ``AENV_ADMIN_TOKEN``, else the team's view).
 
 Logs come from ``GET /v2/sandboxes/{id}/logs`` (``{logs: [{timestamp, level, message,
 fields}]}``, ``cursor`` = a unix time in ms, ``direction=forward``); a server without it
@@ -9,6 +9,7 @@ server with neither is told apart from an unknown sandbox and said to be too old
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -196,6 +197,10 @@ def cmd_metrics(args, config: Config) -> int:
 
 NODE_COLUMNS = ["NODE ID", "STATUS", "ADDRESS", "RUNNING", "PAUSED", "STARTING", "vCPU (alloc/cap)",
                 "MEMORY (alloc/cap)", "HOST CPU", "VERSION"]
+# What a team's key is shown (the server's tenant view: the counts are the team's own).
+TENANT_NODE_COLUMNS = ["NODE ID", "STATUS", "RUNNING", "PAUSED", "STARTING"]
+# An operator's token (the server's AENV_ADMIN_TOKEN): ``aenv nodes`` then shows every figure.
+ADMIN_TOKEN_ENV = "AENV_ADMIN_TOKEN"
 
 
 def node_row(n: dict) -> list:
@@ -206,8 +211,15 @@ def node_row(n: dict) -> list:
             f"{float(metrics.get('cpuPercent', 0)):.0f} %", n.get("version")]
 
 
+def tenant_node_row(n: dict) -> list:
+    return [n.get("id"), n.get("status"), n.get("sandboxCount"), n.get("sandboxPausedCount"),
+            n.get("sandboxStartingCount")]
+
+
 def cmd_nodes(args, config: Config) -> int:
     with client(config) as api:
+        if os.environ.get(ADMIN_TOKEN_ENV):
+            api.headers["X-Admin-Token"] = os.environ[ADMIN_TOKEN_ENV]
         if args.node_id:
             node = check(api.get(f"/nodes/{segment(args.node_id)}")).json()
             if output.wants_json(args):
@@ -219,5 +231,8 @@ def cmd_nodes(args, config: Config) -> int:
     if output.wants_json(args):
         output.print_json(nodes)
     else:
-        output.print_table(NODE_COLUMNS, [node_row(n) for n in nodes])
+        if any("address" in n for n in nodes):
+            output.print_table(NODE_COLUMNS, [node_row(n) for n in nodes])
+        else:
+            output.print_table(TENANT_NODE_COLUMNS, [tenant_node_row(n) for n in nodes])
     return 0

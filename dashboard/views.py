@@ -47,8 +47,15 @@ def team_page(view):
     return wrapper
 
 
+def is_operator(user) -> bool:
+    """Staff users are the platform's operators: they see every node's figures (the API's
+    ``X-Admin-Token`` view); anyone else sees what a team's key sees (``nodes.views``)."""
+    return bool(user.is_staff)
+
+
 def _base_context(request, section: str, **extra) -> dict:
-    return {"team": request.team, "teams": list(user_teams(request.user)), "section": section, **extra}
+    return {"team": request.team, "teams": list(user_teams(request.user)), "section": section,
+            "operator": is_operator(request.user), **extra}
 
 
 def _actor(user) -> str:
@@ -73,9 +80,12 @@ def switch_team(request):
 
 
 # --------------------------------------------------------------------------- overview
-def _node_rows():
-    """The nodes as ``GET /nodes`` shows them (``nodes.summary``, one computation for both)."""
-    return summary.summarize(Node.objects.order_by("id"))
+def _node_rows(request):
+    """The nodes as ``GET /nodes`` shows them to the same person (``nodes.summary``, one
+    computation for both): every figure to an operator, the team's own counts to others."""
+    if is_operator(request.user):
+        return summary.summarize(Node.objects.order_by("id"))
+    return summary.for_team(request.team, Node.objects.order_by("id"))
 
 
 def _host_chart(history: list, memory_total: int, width: int = 640, height: int = 120) -> dict | None:
@@ -140,7 +150,7 @@ def overview(request):
     state_counts = [(state, counts.get(state, 0)) for state in SandboxState.values]
     events = SandboxEvent.objects.filter(sandbox__team=team).order_by("-started_at", "-id")[:15]
     return render(request, "dashboard/overview.html", _base_context(
-        request, "overview", nodes=_node_rows(), state_counts=state_counts,
+        request, "overview", nodes=_node_rows(request), state_counts=state_counts,
         live_total=sum(counts.get(s, 0) for s in LIVE), events=events, chart=_chart(team),
     ))
 
@@ -323,9 +333,10 @@ def snapshot_list(request):
 @require_GET
 @team_page
 def node_list(request):
-    nodes = _node_rows()
-    for row in nodes:
-        row.chart = _host_chart(row.node.host_history or [], int(row.host.get("memoryTotalBytes") or 0))
+    nodes = _node_rows(request)
+    for row in nodes:  # the host's history: an operator's figure
+        row.chart = (_host_chart(row.node.host_history or [], int(row.host.get("memoryTotalBytes") or 0))
+                     if is_operator(request.user) else None)
     return render(request, "dashboard/nodes.html", _base_context(request, "nodes", nodes=nodes))
 
 

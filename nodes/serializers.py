@@ -2,7 +2,11 @@
 ``NodeDetail``), from ``nodes.summary``: its field names where it has the figure
 (``sandboxCount``, ``createSuccesses``, ``createFails``, ``metrics{allocatedCPU, ...}``),
 and aenv's own beside them (``address``, ``driver``, ``accel``, ``capacity``,
-``lastHeartbeatAt``, ``metricsPort``). Memory is in bytes, as AgentENV's."""
+``lastHeartbeatAt``, ``metricsPort``). Memory is in bytes, as AgentENV's.
+
+Those are the operators' (``X-Admin-Token``). A team's key gets ``TenantNodeSerializer``:
+the node's id and status and the team's own sandbox counts (``nodes.summary.for_team``),
+never an address, a port, the host or another team's load."""
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -104,6 +108,23 @@ class NodeSerializer(serializers.Serializer):
 class NodeDetailSerializer(NodeSerializer):
     """AgentENV's ``NodeDetail``: ``Node`` without ``sandboxStartingCount``, with
     ``cachedBuilds`` (the caller's team's ready builds made on the node)."""
+
+    sandboxStartingCount = None
+    cachedBuilds = serializers.ListField(child=serializers.CharField(), source="cached_builds")
+
+
+class TenantNodeSerializer(serializers.Serializer):
+    """``GET /nodes`` for a team's key: the counts are the caller's team's sandboxes."""
+
+    id = serializers.CharField(source="node.id")
+    status = serializers.ChoiceField(choices=STATUSES)
+    sandboxCount = serializers.IntegerField(source="running")
+    sandboxStartingCount = serializers.IntegerField(source="starting")
+    sandboxPausedCount = serializers.IntegerField(source="paused")
+
+
+class TenantNodeDetailSerializer(TenantNodeSerializer):
+    """``GET /nodes/{id}`` for a team's key: as ``NodeDetail``, no ``sandboxStartingCount``."""
 
     sandboxStartingCount = None
     cachedBuilds = serializers.ListField(child=serializers.CharField(), source="cached_builds")

@@ -4,6 +4,7 @@ sandboxes by kind, how its creates went and its host's figures from the last hea
 Why one module: ``GET /nodes``, the dashboard's nodes page and the API's Prometheus
 gauges show the same figures, so they come from this one function; reservations are
 placement's own query (``nodes.placement.with_reservations``), never a second count.
+Those figures are the operators'; ``for_team`` is the little a tenant is shown.
 """
 from __future__ import annotations
 
@@ -58,10 +59,13 @@ def status_of(node: Node, now=None) -> str:
     return DRAINING if node.draining else READY
 
 
-def _sandbox_counts(node_ids: list[str]) -> dict[str, dict]:
+def _sandbox_counts(node_ids: list[str], team=None) -> dict[str, dict]:
+    live = Sandbox.objects.filter(node_id__in=node_ids, state__in=LIVE)
+    if team is not None:
+        live = live.filter(team=team)
     return {
         row["node_id"]: row
-        for row in Sandbox.objects.filter(node_id__in=node_ids, state__in=LIVE).order_by().values("node_id").annotate(
+        for row in live.order_by().values("node_id").annotate(
             running=Count("id", filter=Q(state__in=RUNNING_STATES)),
             starting=Count("id", filter=Q(state=SandboxState.CREATING)),
             paused=Count("id", filter=Q(state__in=E2B_PAUSED)),
@@ -110,6 +114,19 @@ def summarize(nodes=None, now=None) -> list[NodeSummary]:
     return out
 
 
+def for_team(team, nodes=None, now=None) -> list[NodeSummary]:
+    """What a tenant is shown of each node (``GET /nodes`` with a team's key, the dashboard
+    for a user who is not staff): its status and the team's own sandboxes there. Nothing
+    else is filled in: other teams' load, reservations, create outcomes and the host's
+    figures (address, metrics port, machine) are the operators'."""
+    now = now or timezone.now()
+    rows = list(nodes if nodes is not None else Node.objects.order_by("id"))
+    counts = _sandbox_counts([n.pk for n in rows], team)
+    return [NodeSummary(node=node, status=status_of(node, now), running=counts.get(node.pk, {}).get("running") or 0,
+                        starting=counts.get(node.pk, {}).get("starting") or 0,
+                        paused=counts.get(node.pk, {}).get("paused") or 0) for node in rows]
+
+
 def summary_of(node_id: str, now=None) -> NodeSummary | None:
     found = summarize(Node.objects.filter(pk=node_id), now)
     return found[0] if found else None
@@ -117,8 +134,9 @@ def summary_of(node_id: str, now=None) -> NodeSummary | None:
 
 def cached_builds(node_id: str, team) -> list[str]:
     """AgentENV's ``cachedBuilds``: the ready template builds of ``team`` made on this node
-    (their snapshot and layers are in its cache). Other teams' builds are never named."""
-    return [str(pk) for pk in TemplateBuild.objects.filter(
-        node_id=node_id, status=BuildStatus.READY, template__team=team,
-        template__deleted_at__isnull=True).order_by("created_at").values_list(
-        "pk", flat=True)]
+    (their snapshot and layers are in its cache). Other teams' builds are never named;
+    ``team`` None (an operator): every team's."""
+    builds = TemplateBuild.objects.filter(node_id=node_id, status=BuildStatus.READY, template__deleted_at__isnull=True)
+    if team is not None:
+        builds = builds.filter(template__team=team)
+    return [str(pk) for pk in builds.order_by("created_at").values_list("pk", flat=True)]

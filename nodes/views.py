@@ -1,46 +1,73 @@
 """``GET /nodes`` and ``GET /nodes/{id}`` (AgentENV's node API), read-only.
 
-Who may see them: any valid API key. Nodes are shared infrastructure, and what these
-answers hold is shared too — a node's status, reservations, counts of sandboxes and
-creates and its host's figures — never which team's sandboxes they are; the one
-per-team field, ``cachedBuilds``, names only the caller's team's builds."""
+Who sees what: an operator (E2B's ``X-Admin-Token``, ``AENV_ADMIN_TOKEN``) sees every
+figure — addresses, metrics ports, the host's figures, every team's load and creates;
+any team's API key sees each node's id and status and its own team's sandbox counts there
+(``nodes.summary.for_team``). Why: the nodes are shared infrastructure; an address or a
+metrics port is a target, and another team's load is that team's business. The one
+per-team field, ``cachedBuilds``, names only the caller's team's builds (an operator has
+no team: every team's)."""
 from adrf.views import APIView
 from asgiref.sync import sync_to_async
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, PolymorphicProxySerializer, extend_schema
 from rest_framework.response import Response
 
+from sandboxes.auth import AdminTokenAuthentication, ApiKeyAuthentication
 from sandboxes.errors import ApiError
 from sandboxes.serializers import ErrorSerializer
 
 from . import summary
 from .models import Node
-from .serializers import NodeDetailSerializer, NodeSerializer
+from .serializers import NodeDetailSerializer, NodeSerializer, TenantNodeDetailSerializer, TenantNodeSerializer
 
 ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (401, 404)}
 
 
-class NodesView(APIView):
+def _either(name: str, operator, tenant, many: bool = False):
+    """The schema's answer: the operator's shape or the tenant's (one of them, by the credential)."""
+    return PolymorphicProxySerializer(component_name=name, serializers=[operator, tenant],
+                                      resource_type_field_name=None, many=many)
+
+
+class _NodesBase(APIView):
+    # The operator's token first; without one, a team's key as everywhere else.
+    authentication_classes = [AdminTokenAuthentication, ApiKeyAuthentication]
+
+
+class NodesView(_NodesBase):
     """``/nodes``: every registered node, dead ones too (``status`` says so)."""
 
-    @extend_schema(operation_id="nodes_list", responses={200: NodeSerializer(many=True), **ERRORS})
+    @extend_schema(operation_id="nodes_list",
+                   responses={200: _either("NodeOrTenantNode", NodeSerializer, TenantNodeSerializer, many=True),
+                              **ERRORS})
     async def get(self, request):
-        nodes = await sync_to_async(summary.summarize)(Node.objects.order_by("id"))
-        return Response(NodeSerializer(nodes, many=True).data)
+        if request.user.is_operator:
+            nodes = await sync_to_async(summary.summarize)(Node.objects.order_by("id"))
+            return Response(NodeSerializer(nodes, many=True).data)
+        nodes = await sync_to_async(summary.for_team)(request.user.team, Node.objects.order_by("id"))
+        return Response(TenantNodeSerializer(nodes, many=True).data)
 
 
-class NodeView(APIView):
+class NodeView(_NodesBase):
     """``/nodes/{id}``: one node with ``cachedBuilds``; 404 if no such node registered."""
 
-    @extend_schema(operation_id="node_get", responses={200: NodeDetailSerializer, **ERRORS})
+    @extend_schema(operation_id="node_get",
+                   responses={200: _either("NodeDetailOrTenantNodeDetail", NodeDetailSerializer,
+                                           TenantNodeDetailSerializer),
+                              **ERRORS})
     async def get(self, request, node_id: str):
-        found = await sync_to_async(_detail)(node_id, request.user.team)
+        operator = request.user.is_operator
+        found = await sync_to_async(_detail)(node_id, request.user.team, operator)
         if found is None:
             raise ApiError(404, f'node "{node_id}" not found')
-        return Response(NodeDetailSerializer(found).data)
+        return Response((NodeDetailSerializer if operator else TenantNodeDetailSerializer)(found).data)
 
 
-def _detail(node_id: str, team):
-    found = summary.summary_of(node_id)
+def _detail(node_id: str, team, operator: bool):
+    if operator:
+        found = summary.summary_of(node_id)
+    else:
+        found = next(iter(summary.for_team(team, Node.objects.filter(pk=node_id))), None)
     if found is not None:
         found.cached_builds = summary.cached_builds(node_id, team)
     return found

@@ -8,3 +8,11 @@ class ApiKeyScheme(OpenApiAuthenticationExtension):
 
     def get_security_definition(self, auto_schema):
         return {"type": "apiKey", "in": "header", "name": "X-API-Key"}
+
+
+class AdminTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "sandboxes.auth.AdminTokenAuthentication"
+    name = "AdminTokenAuth"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "apiKey", "in": "header", "name": "X-Admin-Token"}

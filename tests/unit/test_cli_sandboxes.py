@@ -178,14 +178,26 @@ async def test_fork_prints_one_child_id_a_line_and_fails_on_a_failed_child(cli, 
     assert (await cli("fork", "nope"))[0] == 4
 
 
-async def test_nodes_lists_and_shows_one(cli, node):
+async def test_nodes_lists_and_shows_one(cli, node, settings, monkeypatch):
+    # a team's key: the tenant's view (no address: issue 21, item 11)
+    monkeypatch.delenv("AENV_ADMIN_TOKEN", raising=False)
+    code, out, err = await cli("nodes")
+    assert code == 0, err
+    assert [(n["id"], n["status"], "address" in n) for n in json.loads(out)] == [("n1", "ready", False)]
+    code, out, _ = await cli("nodes", "-o", "table")
+    assert _cells(out)[0] == ["NODE ID", "STATUS", "RUNNING", "PAUSED", "STARTING"]
+    assert _cells(out)[1] == ["n1", "ready", "0", "0", "0"]
+    assert json.loads((await cli("nodes", "n1"))[1])["id"] == "n1"
+    assert (await cli("nodes", "n9"))[0] == 4
+    # the operators' token: every figure
+    settings.AENV_ADMIN_TOKEN = token = "op-" + "y" * 40
+    monkeypatch.setenv("AENV_ADMIN_TOKEN", token)
     code, out, err = await cli("nodes")
     assert code == 0, err
     assert [(n["id"], n["address"]) for n in json.loads(out)] == [("n1", "127.0.0.1")]
     code, out, _ = await cli("nodes", "-o", "table")
     assert _cells(out)[1][:3] == ["n1", "ready", "127.0.0.1"]
-    assert json.loads((await cli("nodes", "n1"))[1])["id"] == "n1"
-    assert (await cli("nodes", "n9"))[0] == 4
+    assert json.loads((await cli("nodes", "n1"))[1])["address"] == "127.0.0.1"
 
 
 async def test_metrics_table_and_json(cli, team, base_template):

@@ -80,12 +80,18 @@ def test_every_page_renders(dash, mine, theirs, path):
     assert resp.status_code == 200, resp.content[:500]
 
 
-def test_overview_shows_team_data_only(dash, mine, theirs, node):
+def test_overview_shows_team_data_only(dash, user, mine, theirs, node):
     html = dash.get("/dashboard/").content.decode()
     assert mine.id in html and theirs.id not in html  # recent events
     assert node.id in html and "<svg" in html and "<polyline" in html
-    # node usage counts both teams' VMs (capacity is shared), by number only
-    assert "4 / 64" in html
+    # not staff: the node with the team's own sandbox, not both teams' load (issue 21, item 11)
+    assert "4 / 64" not in html
+    row = html.split(f'<td class="mono">{node.id}</td>')[1].split("</tr>")[0]
+    assert '<td class="num">1</td>' in row
+    # staff (an operator): node usage counts both teams' VMs (capacity is shared), by number only
+    user.is_staff = True
+    user.save()
+    assert "4 / 64" in dash.get("/dashboard/").content.decode()
 
 
 def test_sandbox_list_and_detail_are_team_scoped(dash, mine, theirs):
@@ -163,12 +169,17 @@ def test_team_switcher(dash, user, team, other_team, mine, theirs):
     assert mine.id in dash.get("/dashboard/sandboxes/").content.decode()
 
 
-def test_templates_and_nodes_pages(dash, team, other_team, base_template, node, mine):
+def test_templates_and_nodes_pages(dash, user, team, other_team, base_template, node, mine):
     from sandboxes.models import Template
 
     Template.objects.create(id="mine-private", team=team, public=False)
     Template.objects.create(id="their-private", team=other_team, public=False)
     html = dash.get("/dashboard/templates/").content.decode()
     assert "base" in html and "mine-private" in html and "their-private" not in html
+    html = dash.get("/dashboard/nodes/").content.decode()
+    # not staff: the node and the team's sandbox on it, not its reservations (issue 21, item 11)
+    assert node.id in html and "2 / 64" not in html and "(your team)" in html
+    user.is_staff = True
+    user.save()
     html = dash.get("/dashboard/nodes/").content.decode()
     assert node.id in html and "2 / 64" in html and "512 / 65536 MiB" in html
