@@ -14,9 +14,12 @@ serves with — so host and guest cannot disagree about a byte.
         result = envd.run("echo hi", on_stdout=sys.stdout.buffer.write)
 
 ``AsyncEnvdClient`` has the same calls, awaited. Errors: ``EnvdError`` (a Connect code:
-``not_found``, ``unauthenticated``, ...) and its subclass ``EnvdUnavailable`` (nothing
-listening, connection broken, timed out). Modules: ``protocol`` (requests, answers and
-events without I/O), ``base`` (address, token, timeouts), ``sync``, ``aio``, ``errors``.
+``not_found``, ``unauthenticated``, ...) and its subclasses ``EnvdUnavailable`` (nothing
+listening, connection broken, timed out: a call's ``timeout`` is its total deadline) and
+``EnvdAnswerTooLarge`` (the guest sent more than the call's cap). Modules: ``protocol``
+(requests, answers and events without I/O), ``base`` (address, token, timeouts), ``sync``,
+``aio``, ``errors``, ``limits`` (how much the host takes from a guest: sizes, time, number
+ranges) and ``deadline`` (the blocking client's total deadline).
 
 Light on purpose (the CLI will be installable on its own): httpx and the standard
 library only — no Django, no protobuf — and ``import envd_client`` loads httpx only when
@@ -24,9 +27,9 @@ a client class is first used.
 """
 from __future__ import annotations
 
-from .errors import EnvdError, EnvdUnavailable
+from .errors import EnvdAnswerTooLarge, EnvdError, EnvdUnavailable
 
-__all__ = ["EnvdClient", "AsyncEnvdClient", "EnvdError", "EnvdUnavailable", "Event", "RunResult", "ProcessInfo",
+__all__ = ["EnvdClient", "AsyncEnvdClient", "EnvdError", "EnvdUnavailable", "EnvdAnswerTooLarge", "Event", "RunResult", "ProcessInfo",
            "GuestMetrics", "EntryInfo"]
 
 _LAZY = {"EnvdClient": "sync", "AsyncEnvdClient": "aio", "Event": "protocol", "RunResult": "protocol",

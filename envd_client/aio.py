@@ -8,14 +8,15 @@ and every call has a timeout (a stream silent for ``stream_idle_timeout`` is dea
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 
 import httpx
 
-from . import protocol
+from . import limits, protocol
 from .base import BaseClient
-from .errors import EnvdError, transport_error
+from .errors import EnvdError, EnvdUnavailable, transport_error
 from .protocol import EntryInfo, Event, GuestMetrics, ProcessInfo, RunResult
 
 
@@ -37,17 +38,33 @@ class AsyncEnvdClient(BaseClient):
 
     # -- transport ------------------------------------------------------------------------------
 
-    async def _send(self, req: protocol.Request) -> httpx.Response:
+    async def _send(self, req: protocol.Request) -> bytes:
+        """The answer's body: at most ``req.max_bytes`` of it read (EnvdAnswerTooLarge past
+        that), all of it within the call's total deadline (EnvdUnavailable after it)."""
+        total = self._total(req)
         try:
-            resp = await self._http.request(req.method, req.path, content=req.content, params=req.params,
-                                      headers=self._headers(req), timeout=self._timeout(req))
+            async with asyncio.timeout(total), \
+                    self._http.stream(req.method, req.path, content=req.content, params=req.params,
+                                      headers=self._headers(req), timeout=self._timeout(req)) as resp:
+                if resp.status_code not in req.expect:
+                    self._check(req, resp.status_code, await self._read(resp, limits.ERROR_BYTES, truncate=True))
+                return await self._read(resp, req.max_bytes, what=f"the answer to {req.method} {req.path}")
         except httpx.HTTPError as exc:
             raise transport_error(exc) from None
-        self._check(req, resp.status_code, resp.content)
-        return resp
+        except TimeoutError:
+            raise EnvdUnavailable(f"no whole answer to {req.method} {req.path} within {total} s") from None
+
+    @staticmethod
+    async def _read(resp: httpx.Response, cap: int, *, what: str = "", truncate: bool = False) -> bytes:
+        body = limits.Cap(what, cap, truncate=truncate)
+        limits.check_encoding(resp.headers)
+        async for chunk in resp.aiter_bytes():
+            if not body.add(chunk):
+                break
+        return body.bytes()
 
     async def _call(self, req: protocol.Request) -> dict:
-        return protocol.json_answer((await self._send(req)).content)
+        return protocol.json_answer(await self._send(req))
 
     async def _stream(self, req: protocol.Request) -> AsyncIterator[Event]:
         decoder = protocol.StreamDecoder()
@@ -55,7 +72,7 @@ class AsyncEnvdClient(BaseClient):
             async with self._http.stream(req.method, req.path, content=req.content, headers=self._headers(req),
                                    timeout=self._stream_timeout()) as resp:
                 if resp.status_code != 200:
-                    self._check(req, resp.status_code, await resp.aread())
+                    self._check(req, resp.status_code, await self._read(resp, limits.ERROR_BYTES, truncate=True))
                 async for chunk in resp.aiter_raw():
                     for message in decoder.feed(chunk):
                         yield protocol.event(message)
@@ -122,9 +139,13 @@ class AsyncEnvdClient(BaseClient):
         collector = protocol.RunCollector(on_stdout, on_stderr)
         events = self._stream(protocol.start(protocol.command_config(command, envs=envs, cwd=cwd), stdin=stdin,
                                              user=user, deadline=deadline))
+        total = None if deadline is None else deadline + limits.RUN_DEADLINE_GRACE
         try:
-            async for ev in events:
-                collector.add(ev)
+            async with asyncio.timeout(total):
+                async for ev in events:
+                    collector.add(ev)
+        except TimeoutError:
+            raise EnvdUnavailable(f"the command's stream went on past its deadline of {deadline:g} s") from None
         finally:
             await events.aclose()
         return collector.result()
@@ -173,8 +194,9 @@ class AsyncEnvdClient(BaseClient):
 
     # -- files ----------------------------------------------------------------------------------
 
-    async def read_file(self, path: str, *, user: str | None = None) -> bytes:
-        return (await self._send(protocol.read_file(path, user=user))).content
+    async def read_file(self, path: str, *, user: str | None = None, max_bytes: int = limits.FILE_BYTES) -> bytes:
+        """The file, whole (at most ``max_bytes``: EnvdAnswerTooLarge past that)."""
+        return await self._send(protocol.read_file(path, user=user, max_bytes=max_bytes))
 
     async def write_file(self, path: str, data: bytes, *, user: str | None = None) -> dict:
         """Writes (creating parents, replacing) ``path``; returns envd's entry for it
@@ -183,20 +205,20 @@ class AsyncEnvdClient(BaseClient):
 
     async def stat(self, path: str, *, user: str | None = None) -> EntryInfo:
         """The entry at ``path`` (a final symlink described, not followed)."""
-        return protocol.entry_info((await self._call(protocol.stat(path, user=user))).get("entry"))
+        return protocol.entry_answer(await self._call(protocol.stat(path, user=user)))
 
     async def list_dir(self, path: str, depth: int = 1, *, user: str | None = None) -> list[EntryInfo]:
         """The entries under directory ``path`` down to ``depth`` levels, parents first."""
         answer = await self._call(protocol.list_dir(path, depth, user=user))
-        return [protocol.entry_info(e) for e in answer.get("entries", [])]
+        return protocol.entry_infos(answer)
 
     async def make_dir(self, path: str, *, user: str | None = None) -> EntryInfo:
         """``mkdir -p``; EnvdError ``already_exists`` if it is already a directory."""
-        return protocol.entry_info((await self._call(protocol.make_dir(path, user=user))).get("entry"))
+        return protocol.entry_answer(await self._call(protocol.make_dir(path, user=user)))
 
     async def move(self, source: str, destination: str, *, user: str | None = None) -> EntryInfo:
         """Renames ``source`` to ``destination`` (replacing a file there)."""
-        return protocol.entry_info((await self._call(protocol.move(source, destination, user=user))).get("entry"))
+        return protocol.entry_answer(await self._call(protocol.move(source, destination, user=user)))
 
     async def remove(self, path: str, *, user: str | None = None) -> None:
         """``rm -rf`` of ``path`` (a missing path is fine)."""

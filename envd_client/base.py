@@ -18,7 +18,8 @@ class BaseClient:
     """Connection facts of one sandbox's envd. ``access_token`` is sent as
     ``X-Access-Token`` (``init`` and ``handoff_token`` replace it with the one they
     install); ``headers`` go on every request (e.g. the data plane's routing headers). Timeouts
-    (seconds): ``timeout`` per unary call, ``connect_timeout`` to connect, and
+    (seconds): ``timeout`` the total of a unary call (connect, send, answer: not per read),
+    ``connect_timeout`` to connect, and
     ``stream_idle_timeout`` of silence after which a stream counts as dead (envd sends
     keepalives every ``protocol.KEEPALIVE_INTERVAL``; None: never)."""
 
@@ -32,7 +33,8 @@ class BaseClient:
         self.stream_idle_timeout = stream_idle_timeout
         self._client_options = {
             "base_url": self.base_url,
-            "headers": {"Connect-Protocol-Version": "1", **(headers or {})},
+            # identity: what is read is what is counted against the caps (no inflating a small body)
+            "headers": {"Connect-Protocol-Version": "1", "Accept-Encoding": "identity", **(headers or {})},
             "timeout": httpx.Timeout(timeout, connect=connect_timeout),
             "verify": protocol.tls_for(self.base_url),
         }
@@ -60,6 +62,12 @@ class BaseClient:
         if self.access_token:
             return {**req.headers, "X-Access-Token": self.access_token}
         return req.headers
+
+    def _total(self, req: protocol.Request) -> float | None:
+        """The call's total deadline (seconds; None for an upload, whose length is the caller's)."""
+        if not req.total:
+            return None
+        return self.timeout if req.timeout is None else req.timeout
 
     def _timeout(self, req: protocol.Request) -> httpx.Timeout:
         return httpx.Timeout(self.timeout if req.timeout is None else req.timeout, connect=self.connect_timeout)

@@ -6,7 +6,9 @@ endpoints (``/init``, ``/files``) and proxies answer errors without a Connect co
 are mapped from the HTTP status as the E2B SDK maps them (401 → ``unauthenticated``,
 404 → ``not_found``, 502/503 → ``unavailable``). ``EnvdUnavailable`` is the subclass for
 transport failures: nothing listening, a refused or reset connection, a timeout, a
-stream that broke or went silent — the sandbox may be gone, paused or still booting.
+stream that broke or went silent — the sandbox may be gone, paused or still booting — or
+no whole answer within the call's total deadline. ``EnvdAnswerTooLarge`` (code
+``resource_exhausted``): the guest sent more than the call's cap (``envd_client.limits``).
 """
 from __future__ import annotations
 
@@ -35,6 +37,15 @@ class EnvdUnavailable(EnvdError):
 
     def __init__(self, message: str = ""):
         super().__init__("unavailable", message)
+
+
+class EnvdAnswerTooLarge(EnvdError):
+    """The guest sent more than the call's cap (code ``resource_exhausted``): the read
+    stopped there and the connection was closed."""
+
+    def __init__(self, what: str, cap: int):
+        super().__init__("resource_exhausted", f"the guest sent too much: {what} exceeds {cap} bytes")
+        self.cap = cap
 
 
 def transport_error(exc: BaseException) -> EnvdUnavailable:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import os
 import ssl
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -27,6 +28,7 @@ from envd.wire import (
     parse_end_stream,
 )
 
+from . import limits
 from .errors import EnvdError, EnvdUnavailable
 
 # envd sends a keepalive event after this much silence (seconds) on our streams...
@@ -56,8 +58,10 @@ class Request:
     headers: dict = field(default_factory=dict)
     content: bytes | None = None
     params: dict | None = None
-    timeout: float | None = None  # None: the client's default
+    timeout: float | None = None  # the call's total deadline (None: the client's default)
     expect: tuple = (200,)
+    max_bytes: int = limits.ANSWER_BYTES  # the most of the answer's body that is read
+    total: bool = True  # False: ``timeout`` bounds each socket operation only (an upload the caller sized)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class RunResult:
     stderr: bytes = b""
     status: str = ""
     error: str = ""
+    truncated: bool = False  # more output came than ``limits.RUN_OUTPUT_BYTES`` per stream: the rest is not kept
 
     @property
     def ok(self) -> bool:
@@ -197,21 +202,27 @@ def sync(*, timeout: float | None = SYNC_TIMEOUT) -> Request:
 
 
 def metrics(*, timeout: float | None = METRICS_TIMEOUT) -> Request:
-    return Request("GET", "/metrics", timeout=timeout)
+    return Request("GET", "/metrics", timeout=timeout, max_bytes=limits.METRICS_BYTES)
 
 
 def guest_metrics(answer) -> GuestMetrics:
-    """envd's ``GET /metrics`` answer (E2B's envd ``Metrics``) as GuestMetrics; a
-    malformed answer is an ``internal`` error."""
+    """envd's ``GET /metrics`` answer (E2B's envd ``Metrics``) as GuestMetrics, every
+    field checked (a guest may send anything): integers in 0..the range of the column they
+    are stored in, a finite CPU % in 0..100. Anything else is an ``internal`` error."""
     if not isinstance(answer, dict):
         raise EnvdError("internal", f"unexpected /metrics answer: {answer!r:.200}")
+
+    def number(name: str, maximum: int = limits.BYTES_MAX, default=None) -> int:
+        return limits.guest_int(answer[name] if default is None else answer.get(name, default), name, maximum)
+
     try:
-        return GuestMetrics(ts=int(answer["ts"]), cpu_count=int(answer["cpu_count"]),
-                            cpu_used_pct=float(answer["cpu_used_pct"]), mem_total=int(answer["mem_total"]),
-                            mem_used=int(answer["mem_used"]), mem_cache=int(answer.get("mem_cache", 0)),
-                            disk_used=int(answer.get("disk_used", 0)), disk_total=int(answer.get("disk_total", 0)))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise EnvdError("internal", f"unexpected /metrics answer ({exc!r}): {answer!r:.200}") from None
+        return GuestMetrics(ts=number("ts"), cpu_count=number("cpu_count", limits.COUNT_MAX),
+                            cpu_used_pct=limits.guest_percent(answer["cpu_used_pct"], "cpu_used_pct"),
+                            mem_total=number("mem_total"), mem_used=number("mem_used"),
+                            mem_cache=number("mem_cache", default=0), disk_used=number("disk_used", default=0),
+                            disk_total=number("disk_total", default=0))
+    except (KeyError, ValueError) as exc:
+        raise EnvdError("internal", f"unexpected /metrics answer ({exc}): {answer!r:.200}") from None
 
 
 def health(*, timeout: float | None = HEALTH_TIMEOUT) -> Request:
@@ -299,13 +310,14 @@ def remove(path: str, *, user: str | None = None) -> Request:
     return unary("filesystem.Filesystem/Remove", {"path": path}, user=user)
 
 
-def read_file(path: str, *, user: str | None = None) -> Request:
-    return Request("GET", "/files", params={"path": path, **({"username": user} if user else {})})
+def read_file(path: str, *, user: str | None = None, max_bytes: int = limits.FILE_BYTES) -> Request:
+    return Request("GET", "/files", params={"path": path, **({"username": user} if user else {})},
+                   max_bytes=max_bytes)
 
 
 def write_file(path: str, data: bytes, *, user: str | None = None) -> Request:
     return Request("POST", "/files", {"Content-Type": "application/octet-stream"}, bytes(data),
-                   params={"path": path, **({"username": user} if user else {})})
+                   params={"path": path, **({"username": user} if user else {})}, total=False)
 
 
 FILE_CHUNK = 256 * 1024
@@ -332,8 +344,23 @@ def json_answer(body: bytes) -> dict:
     return data
 
 
-def event(message: dict) -> Event:
+@contextmanager
+def _guest_answer(what: str, value):
+    """A malformed answer (a guest may send any JSON) is an ``internal`` EnvdError, never a
+    TypeError or an OverflowError in the caller."""
+    try:
+        yield
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise EnvdError("internal", f"unexpected {what} ({type(exc).__name__}): {value!r:.200}") from None
+
+
+def event(message) -> Event:
     """A ``StartResponse`` / ``ConnectResponse`` message as an Event."""
+    with _guest_answer("process event", message):
+        return _event(message)
+
+
+def _event(message: dict) -> Event:
     ev = message.get("event") or {}
     if "start" in ev:
         return Event("start", pid=int(ev["start"].get("pid", 0)))
@@ -358,19 +385,34 @@ def entry_info(message) -> EntryInfo:
     """An ``EntryInfo`` message (proto3 JSON: defaults omitted, int64 as a string)."""
     if not isinstance(message, dict) or "path" not in message:
         raise EnvdError("internal", f"unexpected entry: {message!r:.200}")
-    return EntryInfo(name=str(message.get("name", "")), type=_FILE_TYPES.get(message.get("type", ""), "other"),
-                     path=str(message["path"]), size=int(message.get("size", 0) or 0),
-                     mode=int(message.get("mode", 0) or 0), is_symlink=bool(message.get("isSymlink", False)),
-                     symlink_target=message.get("symlinkTarget"))
+    with _guest_answer("entry", message):
+        return EntryInfo(name=str(message.get("name", "")), type=_FILE_TYPES.get(message.get("type", ""), "other"),
+                         path=str(message["path"]), size=int(message.get("size", 0) or 0),
+                         mode=int(message.get("mode", 0) or 0), is_symlink=bool(message.get("isSymlink", False)),
+                         symlink_target=message.get("symlinkTarget"))
 
 
-def process_infos(answer: dict) -> list[ProcessInfo]:
+def entry_answer(answer) -> EntryInfo:
+    """The ``entry`` of a Stat / MakeDir / Move answer."""
+    return entry_info(answer.get("entry") if isinstance(answer, dict) else answer)
+
+
+def entry_infos(answer) -> list[EntryInfo]:
+    """The ``entries`` of a ListDir answer."""
+    entries = answer.get("entries", []) if isinstance(answer, dict) else None
+    if not isinstance(entries, list):
+        raise EnvdError("internal", f"unexpected ListDir answer: {answer!r:.200}")
+    return [entry_info(e) for e in entries]
+
+
+def process_infos(answer) -> list[ProcessInfo]:
     out = []
-    for proc in answer.get("processes", []):
-        config = proc.get("config") or {}
-        out.append(ProcessInfo(pid=int(proc.get("pid", 0)), tag=proc.get("tag"), cmd=config.get("cmd", ""),
-                               args=list(config.get("args", [])), envs=dict(config.get("envs", {})),
-                               cwd=config.get("cwd")))
+    with _guest_answer("process list", answer):
+        for proc in answer.get("processes", []):
+            config = proc.get("config") or {}
+            out.append(ProcessInfo(pid=int(proc.get("pid", 0)), tag=proc.get("tag"), cmd=config.get("cmd", ""),
+                                   args=list(config.get("args", [])), envs=dict(config.get("envs", {})),
+                                   cwd=config.get("cwd")))
     return out
 
 
@@ -379,7 +421,7 @@ class StreamDecoder:
     end-of-stream envelope arrived, whose error ``check()`` raises."""
 
     def __init__(self):
-        self._reader = EnvelopeReader()
+        self._reader = EnvelopeReader(limits.STREAM_MESSAGE_BYTES)
         self.done = False
         self.error: dict | None = None
         self.metadata: dict = {}
@@ -414,11 +456,15 @@ def unterminated() -> EnvdUnavailable:
 
 
 class RunCollector:
-    """Builds a RunResult from a command's events, passing output to callbacks."""
+    """Builds a RunResult from a command's events, passing output to callbacks. It keeps
+    the first ``max_bytes`` of each stream (a guest may print without end); the callbacks
+    see all of it."""
 
-    def __init__(self, on_stdout=None, on_stderr=None):
+    def __init__(self, on_stdout=None, on_stderr=None, max_bytes: int = limits.RUN_OUTPUT_BYTES):
         self._callbacks = {"stdout": on_stdout, "stderr": on_stderr}
         self._out = {"stdout": bytearray(), "stderr": bytearray()}
+        self._max = max_bytes
+        self.truncated = False
         self.pid = 0
         self.end: Event | None = None
 
@@ -426,7 +472,11 @@ class RunCollector:
         if ev.kind == "start":
             self.pid = ev.pid or 0
         elif ev.kind == "data" and ev.stream in self._out:
-            self._out[ev.stream] += ev.data
+            out = self._out[ev.stream]
+            room = self._max - len(out)
+            if len(ev.data) > room:
+                self.truncated = True
+            out += ev.data[:max(0, room)]
             callback = self._callbacks[ev.stream]
             if callback is not None:
                 callback(ev.data)
@@ -437,7 +487,8 @@ class RunCollector:
         if self.end is None:
             raise EnvdError("internal", "the command's stream ended without an end event")
         return RunResult(pid=self.pid, exit_code=self.end.exit_code or 0, stdout=bytes(self._out["stdout"]),
-                         stderr=bytes(self._out["stderr"]), status=self.end.status, error=self.end.error)
+                         stderr=bytes(self._out["stderr"]), status=self.end.status, error=self.end.error,
+                         truncated=self.truncated)
 
 
 def written_entry(answer) -> dict:

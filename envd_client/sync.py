@@ -16,7 +16,8 @@ from typing import BinaryIO
 
 import httpx
 
-from . import protocol
+from . import deadline as _deadline
+from . import limits, protocol
 from .base import BaseClient
 from .errors import EnvdError, transport_error
 from .protocol import EntryInfo, Event, GuestMetrics, ProcessInfo, RunResult
@@ -27,7 +28,10 @@ class EnvdClient(BaseClient):
 
     def __init__(self, base_url: str, access_token: str | None = None, **kwargs):
         super().__init__(base_url, access_token, **kwargs)
-        self._http = httpx.Client(**self._client_options)
+        options = self._client_options
+        if "transport" not in options:  # sockets that keep to a call's total deadline (envd_client.deadline)
+            options = {**options, "transport": _deadline.transport(options["verify"])}
+        self._http = httpx.Client(**options)
 
     def __enter__(self) -> "EnvdClient":
         return self
@@ -40,17 +44,30 @@ class EnvdClient(BaseClient):
 
     # -- transport ------------------------------------------------------------------------------
 
-    def _send(self, req: protocol.Request) -> httpx.Response:
+    def _send(self, req: protocol.Request) -> bytes:
+        """The answer's body: at most ``req.max_bytes`` of it read (EnvdAnswerTooLarge past
+        that), all of it within the call's total deadline (EnvdUnavailable after it)."""
         try:
-            resp = self._http.request(req.method, req.path, content=req.content, params=req.params,
-                                      headers=self._headers(req), timeout=self._timeout(req))
+            with _deadline.within(self._total(req)), \
+                    self._http.stream(req.method, req.path, content=req.content, params=req.params,
+                                      headers=self._headers(req), timeout=self._timeout(req)) as resp:
+                if resp.status_code not in req.expect:
+                    self._check(req, resp.status_code, self._read(resp, limits.ERROR_BYTES, truncate=True))
+                return self._read(resp, req.max_bytes, what=f"the answer to {req.method} {req.path}")
         except httpx.HTTPError as exc:
             raise transport_error(exc) from None
-        self._check(req, resp.status_code, resp.content)
-        return resp
+
+    @staticmethod
+    def _read(resp: httpx.Response, cap: int, *, what: str = "", truncate: bool = False) -> bytes:
+        body = limits.Cap(what, cap, truncate=truncate)
+        limits.check_encoding(resp.headers)
+        for chunk in resp.iter_bytes():
+            if not body.add(chunk):
+                break
+        return body.bytes()
 
     def _call(self, req: protocol.Request) -> dict:
-        return protocol.json_answer(self._send(req).content)
+        return protocol.json_answer(self._send(req))
 
     def _stream(self, req: protocol.Request) -> Iterator[Event]:
         decoder = protocol.StreamDecoder()
@@ -58,7 +75,7 @@ class EnvdClient(BaseClient):
             with self._http.stream(req.method, req.path, content=req.content, headers=self._headers(req),
                                    timeout=self._stream_timeout()) as resp:
                 if resp.status_code != 200:
-                    self._check(req, resp.status_code, resp.read())
+                    self._check(req, resp.status_code, self._read(resp, limits.ERROR_BYTES, truncate=True))
                 for chunk in resp.iter_raw():
                     for message in decoder.feed(chunk):
                         yield protocol.event(message)
@@ -138,8 +155,9 @@ class EnvdClient(BaseClient):
         events = self._stream(protocol.start(protocol.process_config(cmd, args, envs=envs, cwd=cwd), stdin=stdin,
                                              user=user, deadline=deadline))
         try:
-            for ev in events:
-                collector.add(ev)
+            with _deadline.within(None if deadline is None else deadline + limits.RUN_DEADLINE_GRACE):
+                for ev in events:
+                    collector.add(ev)
         finally:
             events.close()
         return collector.result()
@@ -188,8 +206,9 @@ class EnvdClient(BaseClient):
 
     # -- files ----------------------------------------------------------------------------------
 
-    def read_file(self, path: str, *, user: str | None = None) -> bytes:
-        return self._send(protocol.read_file(path, user=user)).content
+    def read_file(self, path: str, *, user: str | None = None, max_bytes: int = limits.FILE_BYTES) -> bytes:
+        """The file, whole (at most ``max_bytes``: EnvdAnswerTooLarge past that)."""
+        return self._send(protocol.read_file(path, user=user, max_bytes=max_bytes))
 
     def download_file(self, path: str, sink: BinaryIO, *, user: str | None = None,
                       on_chunk: Callable[[int], None] | None = None) -> int:
@@ -203,7 +222,7 @@ class EnvdClient(BaseClient):
             with self._http.stream(req.method, req.path, params=req.params, headers=self._headers(req),
                                    timeout=self._stream_timeout()) as resp:
                 if resp.status_code not in req.expect:
-                    self._check(req, resp.status_code, resp.read())
+                    self._check(req, resp.status_code, self._read(resp, limits.ERROR_BYTES, truncate=True))
                 for chunk in resp.iter_bytes():
                     sink.write(chunk)
                     written += len(chunk)
@@ -233,21 +252,21 @@ class EnvdClient(BaseClient):
     def stat(self, path: str, *, user: str | None = None) -> EntryInfo:
         """The entry at ``path`` (a final symlink described, not followed); EnvdError
         ``not_found`` if there is none."""
-        return protocol.entry_info(self._call(protocol.stat(path, user=user)).get("entry"))
+        return protocol.entry_answer(self._call(protocol.stat(path, user=user)))
 
     def list_dir(self, path: str, depth: int = 1, *, user: str | None = None) -> list[EntryInfo]:
         """The entries under directory ``path`` down to ``depth`` levels, parents before
         their children (symlinked directories are not entered)."""
         answer = self._call(protocol.list_dir(path, depth, user=user))
-        return [protocol.entry_info(e) for e in answer.get("entries", [])]
+        return protocol.entry_infos(answer)
 
     def make_dir(self, path: str, *, user: str | None = None) -> EntryInfo:
         """``mkdir -p``; EnvdError ``already_exists`` if it is already a directory."""
-        return protocol.entry_info(self._call(protocol.make_dir(path, user=user)).get("entry"))
+        return protocol.entry_answer(self._call(protocol.make_dir(path, user=user)))
 
     def move(self, source: str, destination: str, *, user: str | None = None) -> EntryInfo:
         """Renames ``source`` to ``destination`` (replacing a file there)."""
-        return protocol.entry_info(self._call(protocol.move(source, destination, user=user)).get("entry"))
+        return protocol.entry_answer(self._call(protocol.move(source, destination, user=user)))
 
     def remove(self, path: str, *, user: str | None = None) -> None:
         """``rm -rf`` of ``path`` (a missing path is fine)."""

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from envd_client import EnvdClient, EnvdError
+from envd_client.deadline import within
 
 from . import plan
 from .log import BuildLog, LineSplitter
@@ -249,7 +250,8 @@ class BuildGuest:
 
     def copy(self, archive: Path, gzip: bool, files_hash: str, cp: plan.CopyPlan, step: str) -> None:
         remote = f"/tmp/.aenv-copy-{files_hash[:16]}.tar"
-        self.envd.upload_file(remote, archive, user="root")
+        with within(self._left()):  # the upload as a whole, not only each read, ends with the build
+            self.envd.upload_file(remote, archive, user="root")
         self.root_script(COPY_SCRIPT, {"ARCHIVE": remote, "GZ": "1" if gzip else "0", "SRC": cp.source,
                                        "DEST": cp.dest, "INTO": "1" if cp.into else "0", "OWNER": cp.owner,
                                        "MODE": cp.mode, "WORK": f"/tmp/.aenv-copy-{files_hash[:16]}"},
