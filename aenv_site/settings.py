@@ -8,6 +8,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from aenv_site import log_redaction
 from aenv_site.secret_key import load_secret_key
 from vmm.net.conntrack import DEFAULT_MAX_FLOWS, DEFAULT_NEW_BURST, DEFAULT_NEW_RATE
 from vmm.net.dns import DNSLimits
@@ -26,7 +27,12 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _env_bool(name: str, default: bool) -> bool:
-    return _env(name, "1" if default else "0").lower() in ("1", "true", "yes", "on")
+    """A flag; a value that is neither yes nor no is refused (a misspelt security switch
+    must not read as off)."""
+    value = _env(name, "1" if default else "0").lower()
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ImproperlyConfigured(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+    return value in ("1", "true", "yes", "on")
 
 
 AENV_HOME = Path(_env("AENV_HOME", str(BASE_DIR / "var"))).resolve()
@@ -65,6 +71,16 @@ AENV_NET_DNS_BURST = _env_int("AENV_NET_DNS_BURST", DNSLimits.burst)
 AENV_NET_DNS_TCP_CONNECTIONS = _env_int("AENV_NET_DNS_TCP_CONNECTIONS", DNSLimits.tcp)
 AENV_NET_DNS_FORWARD_MAX = _env_int("AENV_NET_DNS_FORWARD_MAX", DNSLimits.forward_max)
 AENV_SANDBOX_DOMAIN = _env("AENV_SANDBOX_DOMAIN", "localhost")
+# Signed file URLs (E2B's download_url / upload_url; sandboxes.proxy_routes.SignedFile):
+# refuse those without signature_expiration (off: E2B's SDK signs without one unless asked),
+# and those expiring more than this many seconds ahead (0: any). The data plane enforces both.
+AENV_SIGNED_URL_REQUIRE_EXPIRATION = _env_bool("AENV_SIGNED_URL_REQUIRE_EXPIRATION", False)
+AENV_SIGNED_URL_MAX_TTL = _env_int("AENV_SIGNED_URL_MAX_TTL", 0)
+# Hashes a second the data plane may spend finding which sandbox signed a URL naming none
+# (one per secured sandbox per unknown signature; sandboxes.proxy_signers); past it: 429.
+AENV_SIGNED_URL_SCAN_RATE = _env_int("AENV_SIGNED_URL_SCAN_RATE", 20000)
+if AENV_SIGNED_URL_MAX_TTL < 0 or AENV_SIGNED_URL_SCAN_RATE < 1:
+    raise ImproperlyConfigured("AENV_SIGNED_URL_MAX_TTL must be >= 0 and AENV_SIGNED_URL_SCAN_RATE >= 1")
 AENV_DEFAULT_TIMEOUT = _env_int("AENV_DEFAULT_TIMEOUT", 300)
 AENV_MAX_TIMEOUT = _env_int("AENV_MAX_TIMEOUT", 24 * 3600)
 # A cold boot under TCG takes ~10 s alone and much longer when many boot at once on
@@ -369,3 +385,6 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": _env("AENV_LOG_LEVEL", "INFO")},
 }
+# Every process that loads these settings: no credential reaches a log (signed-URL
+# signatures, tokens, API keys; aenv_site.log_redaction), whatever handler writes it.
+log_redaction.install()

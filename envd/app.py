@@ -8,7 +8,7 @@ import os
 import time
 
 from . import files_http
-from .auth import AuthError, check_signature, token_matches
+from .auth import UNAUTHORIZED_MESSAGE as UNAUTHORIZED, AuthError, check_signature, token_matches
 from .clock import maybe_set_clock
 from .connect import ConnectError
 from .entropy import credit, decode_seed
@@ -25,8 +25,6 @@ log = logging.getLogger("envd.app")
 # Host-driver endpoint (no token: it reveals nothing and only flushes dirty pages to disk), called
 # before a filesystem-only pause so no write still in the guest page cache is lost.
 SYNC_PATH = "/aenv/sync"
-
-UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
 
 
 def _headers(scope):

@@ -6,6 +6,8 @@ import hmac
 import time
 
 EXPIRED_MESSAGE = "signature is already expired"
+# envd's 401 without a valid X-Access-Token (E2B's words; the data plane says the same).
+UNAUTHORIZED_MESSAGE = "unauthorized access, please provide a valid access token or method signing if supported"
 
 
 class AuthError(Exception):

@@ -40,6 +40,7 @@ from . import proxy_cookies
 from . import proxy_routes as answers
 from .proxy_pools import UpstreamPools
 from .proxy_routes import ResumeFailed, Refused, Route, RouteTable, Why, close_unusable
+from .proxy_signers import SignerLookup
 from .proxy_watch import RouteWatch
 from .proxy_ws import WebSocketBridge
 from .states import RESUMABLE
@@ -66,6 +67,7 @@ class EnvdProxy:
 
     def __init__(self, routes: RouteTable | None = None):
         self.routes = routes or RouteTable()
+        self.signers = SignerLookup(self.routes)
         self.pools = UpstreamPools(CONNECT_TIMEOUT)
         self.websockets = WebSocketBridge(self)
         self.watch = RouteWatch(self.routes)
@@ -131,6 +133,8 @@ class EnvdProxy:
         # Checked before a resume: traffic without its token wakes nothing.
         refusal = (answers.access_token_refusal(route, scope["path"], scope.get("query_string", b""), headers)
                    if port == ENVD_PORT else answers.traffic_token_refusal(route, headers))
+        if refusal is None and port == ENVD_PORT:
+            refusal = answers.wake_refusal(route, scope, headers)
         if refusal is not None:
             raise refusal
         route = await self.current_route(sandbox_id, route)
@@ -159,11 +163,12 @@ class EnvdProxy:
         SDK's ``download_url`` / ``upload_url`` behind ``E2B_SANDBOX_URL``) goes to envd of
         the sandbox whose token signed it; envd checks the signature again. No sandbox
         signed it: envd's 401 "invalid signature"; signed but past its expiration: 401
-        "signature is already expired" (nothing is resumed for it). Anything else: 400."""
+        "signature is already expired" (nothing is resumed for it); the signer lookup's
+        budget spent: 429 (``sandboxes.proxy_signers``). Anything else: 400."""
         signed = answers.signed_file(scope)
         if signed is None:
             raise Refused(Why.NO_TARGET)
-        sandbox_id = await self.routes.signed_by(signed)
+        sandbox_id = await self.signers.signer(signed)
         if sandbox_id is None:
             raise Refused(answer=answers.signature_refused(answers.MSG_INVALID_SIGNATURE))
         if signed.expired:

@@ -23,7 +23,7 @@ path sent to the guest        as sent                               as sent, les
 port when not given           49983 (envd)                          none: 400
 no sandbox named              400 (a signed ``/files`` URL names    400 "missing sandbox routing header"
                               its sandbox by its signature)
-bad port / id                 502 "port is not open" / —            400
+bad port / id                 400 / —                               400
 unknown, killed, another      502 "The sandbox was not found"       404 "sandbox not found"
 team's (by its X-API-Key)
 paused, no autoResume; or     502 "The sandbox was not found"       410 "sandbox is not proxyable in its
@@ -48,16 +48,16 @@ import json
 import posixpath
 import re
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import connections
 
 from aenv_site import cors
 from envd import ENVD_PORT
-from envd.auth import EXPIRED_MESSAGE, make_signature
+from envd.auth import EXPIRED_MESSAGE, UNAUTHORIZED_MESSAGE, make_signature
 
 from .states import DEAD, RESUMABLE, ROUTABLE
 
@@ -71,6 +71,10 @@ MSG_INTERNAL_ROUTE = "This envd route is only reachable by the sandbox's node"
 # envd's words for a signed file URL it refuses (E2B's envd: the signature is judged first).
 MSG_INVALID_SIGNATURE = "invalid signature"
 MSG_INVALID_EXPIRATION = "invalid signature expiration"
+# The deployment's signed-URL policy (AENV_SIGNED_URL_REQUIRE_EXPIRATION, AENV_SIGNED_URL_MAX_TTL).
+MSG_EXPIRATION_REQUIRED = "signature expiration is required (signed URLs must expire here)"
+MSG_EXPIRATION_TOO_FAR = "signature expiration is too far in the future (at most {max_ttl} s ahead)"
+MSG_BAD_PORT = "invalid sandbox port: a port is a number from 1 to 65535 in ASCII digits"
 
 TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 E2B_SANDBOX_HEADER, E2B_PORT_HEADER = b"e2b-sandbox-id", b"e2b-sandbox-port"
@@ -91,7 +95,11 @@ ROUTING_HEADERS = frozenset({E2B_SANDBOX_HEADER, E2B_PORT_HEADER, AGENTENV_SANDB
 # uvicorn writes its own; the upstream's would be duplicates.
 RESPONSE_DROP = frozenset({b"date", b"server"})
 
-HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<id>[A-Za-z0-9_-]+)\.")
+# A sandbox host: ``{port}-{id}.`` (ASCII digits: ``\d`` would take other scripts' digits;
+# the port's range is ``parse_port``'s to judge).
+HOST_RE = re.compile(r"^(?P<port>[0-9]+)-(?P<id>[A-Za-z0-9_-]+)\.")
+# A port as sent: ASCII digits only (no sign, space, or other Unicode digit: '²'.isdigit()).
+PORT_RE = re.compile(rb"[0-9]{1,5}")
 # What a sandbox id may look like (models.Sandbox.id), checked before it reaches a query.
 SANDBOX_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -161,26 +169,11 @@ def _lookup_sync(sandbox_ids: list[str]) -> dict[str, Route]:
     return {row[0]: _route_of(row) for row in rows}
 
 
-# Sandboxes a signed file URL without a sandbox id may reach.
-SIGNED_REACHABLE = ROUTABLE | RESUMABLE
-
-
-def _secured_tokens_sync() -> list[tuple[str, str]]:
-    """(id, envd token) of every secured sandbox a signed URL may reach (routable, or
-    paused and maybe auto-resumable)."""
-    from sandboxes.models import Sandbox
-
-    try:
-        return list(Sandbox.objects.filter(secure=True, state__in=SIGNED_REACHABLE)
-                    .exclude(envd_access_token="").values_list("id", "envd_access_token"))
-    finally:
-        close_unusable()
-
-
 @dataclass(frozen=True)
 class SignedFile:
     """A ``/files`` request carrying E2B's URL signature (``download_url`` / ``upload_url``):
-    what the signature covers, so the sandbox whose envd token made it can be found."""
+    what the signature covers, so the sandbox whose envd token made it can be found
+    (``sandboxes.proxy_signers``) and the URL judged as envd judges it (``refusal``)."""
 
     path: str
     operation: str
@@ -196,16 +189,33 @@ class SignedFile:
     def expired(self) -> bool:
         return self.expiration is not None and self.expiration < time.time()
 
+    def refusal(self, token: str) -> "Refused | None":
+        """None when ``token`` made this signature, it has not expired and it keeps the
+        deployment's policy; else envd's 401 (the signature judged first, as E2B's envd
+        does: a forged URL is "invalid signature" whatever expiration it claims)."""
+        if not (token and self.signed_by(token)):
+            return Refused(answer=signature_refused(MSG_INVALID_SIGNATURE))
+        if self.expired:
+            return Refused(answer=signature_expired())
+        return self.policy_refusal()
+
+    def policy_refusal(self) -> "Refused | None":
+        """This deployment's limits on signed URLs, which E2B's SDK leaves to the caller
+        (no expiration unless ``use_signature_expiration`` is given): required expiration
+        (``AENV_SIGNED_URL_REQUIRE_EXPIRATION``) and the farthest one accepted
+        (``AENV_SIGNED_URL_MAX_TTL`` s from now; 0: any)."""
+        if self.expiration is None:
+            if settings.AENV_SIGNED_URL_REQUIRE_EXPIRATION:
+                return Refused(answer=signature_refused(MSG_EXPIRATION_REQUIRED))
+            return None
+        max_ttl = settings.AENV_SIGNED_URL_MAX_TTL
+        if max_ttl and self.expiration > time.time() + max_ttl:
+            return Refused(answer=signature_refused(MSG_EXPIRATION_TOO_FAR.format(max_ttl=max_ttl)))
+        return None
+
 
 class RouteTable:
     """The current route of a sandbox, read from the database each time it is asked."""
-
-    # Signatures recently matched, and the sandbox whose token made them (a hint only:
-    # every use is verified against that sandbox's token as the database has it now).
-    SIGNED_HINTS = 4096
-
-    def __init__(self):
-        self._signed_hints: OrderedDict[str, str] = OrderedDict()
 
     async def get(self, sandbox_id: str) -> Route | None:
         return (await self.get_many([sandbox_id])).get(sandbox_id)
@@ -213,32 +223,6 @@ class RouteTable:
     async def get_many(self, sandbox_ids: list[str]) -> dict[str, Route]:
         """The routes of those of ``sandbox_ids`` that exist, in one query."""
         return await sync_to_async(_lookup_sync, thread_sensitive=False)(list(sandbox_ids))
-
-    async def signed_by(self, signed: SignedFile) -> str | None:
-        """The id of the sandbox whose envd token made ``signed``'s signature, or None.
-
-        Why: with ``E2B_SANDBOX_URL`` the SDK's signed file URLs are
-        ``{E2B_SANDBOX_URL}/files?path=…&signature=…``, with no sandbox id in the URL or
-        its headers (a browser or curl fetches them as they are). The signature is a hash
-        over the path, operation, user, expiration and the sandbox's envd token, so it
-        names exactly one sandbox: the one whose token reproduces it. Secured sandboxes are
-        tried in turn (one SHA-256 each); a match is remembered for the next request of
-        the same URL."""
-        hint = self._signed_hints.get(signed.signature)
-        if hint is not None:
-            route = await self.get(hint)
-            if (route is not None and route.secure and route.state in SIGNED_REACHABLE and route.token
-                    and signed.signed_by(route.token)):
-                self._signed_hints.move_to_end(signed.signature)
-                return hint
-            self._signed_hints.pop(signed.signature, None)
-        for sandbox_id, token in await sync_to_async(_secured_tokens_sync, thread_sensitive=False)():
-            if signed.signed_by(token):
-                self._signed_hints[signed.signature] = sandbox_id
-                while len(self._signed_hints) > self.SIGNED_HINTS:
-                    self._signed_hints.popitem(last=False)
-                return sandbox_id
-        return None
 
     async def key_team(self, raw_key: bytes) -> str | None:
         """The team whose live API key ``raw_key`` is, or None: not one of ours."""
@@ -277,7 +261,7 @@ class Why(enum.Enum):
     NO_TARGET = "no sandbox named"
     BAD_SANDBOX_ID = "malformed sandbox id"
     NO_PORT = "no target port"
-    BAD_PORT = "port out of range"
+    BAD_PORT = "not a port (ASCII digits, 1-65535)"
     NOT_FOUND = "unknown, gone, or another team's"
     NOT_RUNNING = "paused and not auto-resumed, or in passing (creating, killing)"
     PORT_CLOSED = "nothing answers on the port"
@@ -312,22 +296,47 @@ def _header(headers: dict[bytes, bytes], name: bytes) -> str:
     return headers.get(name, b"").decode("latin-1").strip()
 
 
+def parse_port(raw: bytes | str) -> int | None:
+    """The port a header, host label or path gives, or None when it is no port: ASCII
+    digits only — no sign, space or other Unicode digit (``'²'.isdigit()`` is True and
+    ``int('²')`` raises) — from 1 to 65535. The one place ports from a request are read."""
+    if isinstance(raw, str):
+        try:
+            raw = raw.encode("ascii")
+        except UnicodeEncodeError:
+            return None
+    if not PORT_RE.fullmatch(raw):
+        return None
+    port = int(raw)
+    return port if valid_port(port) else None
+
+
+def _header_port(headers: dict[bytes, bytes], *names: bytes) -> int | None | bool:
+    """The first of ``names`` present, parsed (None: present but no port); False when
+    none is present. Only HTTP's optional whitespace around the value is ignored."""
+    for name in names:
+        raw = headers.get(name)
+        if raw is not None:
+            return parse_port(raw.strip(b" \t"))
+    return False
+
+
 def _agentenv_target(headers: dict[bytes, bytes]) -> Target:
     """AgentENV's routing headers (the E2B names as aliases); both are required."""
     sandbox_id = _header(headers, AGENTENV_SANDBOX_HEADER) or _header(headers, E2B_SANDBOX_HEADER)
-    port = _header(headers, AGENTENV_PORT_HEADER) or _header(headers, E2B_PORT_HEADER)
+    port = _header_port(headers, AGENTENV_PORT_HEADER, E2B_PORT_HEADER)
     error = None
     if not sandbox_id:
         error = Why.NO_TARGET
     elif not SANDBOX_ID_RE.fullmatch(sandbox_id):
         error = Why.BAD_SANDBOX_ID
-    elif not port:
+    elif port is False:
         error = Why.NO_PORT
-    elif not (port.isdigit() and valid_port(int(port))):
+    elif port is None:
         error = Why.BAD_PORT
     if error is not None:
         return Target(Dialect.AGENTENV, error=error)
-    return Target(Dialect.AGENTENV, sandbox_id, int(port))
+    return Target(Dialect.AGENTENV, sandbox_id, port)
 
 
 def has_proxy_prefix(raw_path: bytes) -> bool:
@@ -352,12 +361,17 @@ def _address(headers: dict[bytes, bytes], raw_path: bytes, mounted: bool) -> tup
     if not mounted:
         sandbox_id = _header(headers, E2B_SANDBOX_HEADER)
         if sandbox_id:
-            port = _header(headers, E2B_PORT_HEADER)
-            return Target(Dialect.E2B, sandbox_id, int(port) if port.isdigit() else ENVD_PORT), False
+            port = _header_port(headers, E2B_PORT_HEADER)
+            if port is None:
+                return Target(Dialect.E2B, sandbox_id, error=Why.BAD_PORT), False
+            return Target(Dialect.E2B, sandbox_id, ENVD_PORT if port is False else port), False
         if not _header(headers, AGENTENV_SANDBOX_HEADER):
             m = HOST_RE.match(_header(headers, b"host").lower())
             if m:
-                return Target(Dialect.E2B, m.group("id"), int(m.group("port"))), False
+                port = parse_port(m.group("port"))
+                if port is None:
+                    return Target(Dialect.E2B, m.group("id"), error=Why.BAD_PORT), False
+                return Target(Dialect.E2B, m.group("id"), port), False
             if not prefixed:
                 return Target(Dialect.E2B), False
     return _agentenv_target(headers), prefixed
@@ -414,11 +428,12 @@ def valid_port(port: int) -> bool:
 
 def needs_token(path: str, query: bytes) -> bool:
     """Secure sandboxes: every envd call needs X-Access-Token, except /health and
-    signed /files URLs (envd verifies the signature itself)."""
-    path = path.rstrip("/")
-    if path.endswith("/health"):
+    signed /files URLs (judged by ``wake_refusal``; envd verifies the signature itself).
+    Paths are folded as envd resolves them."""
+    path = _folded(path)
+    if path == "/health":
         return False
-    return not (path.endswith("/files") and re.search(rb"(^|&)signature=", query))
+    return not (path == "/files" and re.search(rb"(^|&)signature=", query))
 
 
 def _folded(path: str) -> str:
@@ -456,6 +471,27 @@ def access_token_refusal(route: Route, path: str, query: bytes, headers: dict[by
     if hmac.compare_digest(given, route.token.encode()):
         return None
     return Refused(Why.ACCESS_TOKEN_INVALID if given else Why.ACCESS_TOKEN_MISSING, route.sandbox_id)
+
+
+def wake_refusal(route: Route, scope, headers: dict[bytes, bytes]) -> "Refused | None":
+    """For envd's port, after ``access_token_refusal``: None when the request may go on
+    (and wake a paused sandbox); else why not. A secured sandbox is reached with its
+    X-Access-Token or, on a signed ``/files`` URL, a signature its token made — judged here
+    (unexpired, within the deployment's policy: ``SignedFile.refusal``) before anything is
+    resumed, and for running sandboxes too, as envd in the guest does not know the policy.
+    Without either, a paused secured sandbox is not woken: ``/health`` (which envd answers
+    without a token) is told it is not running, as without autoResume."""
+    if not route.secure:
+        return None
+    given = headers.get(b"x-access-token")
+    if given is not None and route.token and hmac.compare_digest(given, route.token.encode()):
+        return None
+    signed = signed_file(scope)
+    if signed is not None:
+        return signed.refusal(route.token)
+    if route.state in RESUMABLE:
+        return unavailable(route.sandbox_id, route)
+    return None
 
 
 def forward_headers(raw_headers, drop=frozenset()) -> list[tuple[bytes, bytes]]:
@@ -530,17 +566,16 @@ ANSWERS: dict[Why, dict[Dialect, tuple[int, str]]] = {
                     AGENTENV: (400, "missing sandbox routing header")},
     Why.BAD_SANDBOX_ID: {AGENTENV: (400, "invalid sandbox routing header")},
     Why.NO_PORT: {AGENTENV: (400, "missing target port routing header")},
-    Why.BAD_PORT: {E2B: (502, MSG_PORT_CLOSED), AGENTENV: (400, "invalid target port routing header")},
+    Why.BAD_PORT: {E2B: (400, MSG_BAD_PORT), AGENTENV: (400, "invalid target port routing header")},
     Why.NOT_FOUND: {E2B: (502, MSG_NOT_FOUND), AGENTENV: (404, "sandbox not found")},
     Why.NOT_RUNNING: {E2B: (502, MSG_NOT_FOUND), AGENTENV: (410, MSG_NOT_PROXYABLE)},
     Why.PORT_CLOSED: {E2B: (502, MSG_PORT_CLOSED), AGENTENV: (502, "sandbox port is not reachable")},
     Why.NODE_ONLY: {E2B: (403, MSG_INTERNAL_ROUTE), AGENTENV: (403, MSG_INTERNAL_ROUTE)},
     Why.TRAFFIC_TOKEN_MISSING: {E2B: (403, MSG_TOKEN_MISSING), AGENTENV: (401, MSG_TOKEN_MISSING)},
     Why.TRAFFIC_TOKEN_INVALID: {E2B: (403, MSG_TOKEN_INVALID), AGENTENV: (401, MSG_TOKEN_INVALID)},
-    Why.ACCESS_TOKEN_MISSING: {E2B: (401, "missing X-Access-Token header"),
-                               AGENTENV: (401, "missing X-Access-Token header")},
-    Why.ACCESS_TOKEN_INVALID: {E2B: (401, "missing or invalid X-Access-Token"),
-                               AGENTENV: (401, "missing or invalid X-Access-Token")},
+    # envd's own 401 (both dialects: envd, not the proxy, would answer it)
+    Why.ACCESS_TOKEN_MISSING: {E2B: (401, UNAUTHORIZED_MESSAGE), AGENTENV: (401, UNAUTHORIZED_MESSAGE)},
+    Why.ACCESS_TOKEN_INVALID: {E2B: (401, UNAUTHORIZED_MESSAGE), AGENTENV: (401, UNAUTHORIZED_MESSAGE)},
     Why.UPSTREAM_TIMEOUT: {E2B: (504, "The sandbox did not answer in time"),
                            AGENTENV: (504, "sandbox did not answer in time")},
     Why.RESUME_FAILED: {E2B: (502, "auto-resume failed: {detail}"), AGENTENV: (502, "auto-resume failed: {detail}")},
@@ -549,7 +584,7 @@ ANSWERS: dict[Why, dict[Dialect, tuple[int, str]]] = {
 # E2B's bodies: ``{sandboxId, message, code}``, without the id where envd (not the proxy)
 # would answer, plus the port where it is about one.
 E2B_WITHOUT_ID = frozenset({Why.NO_TARGET, Why.ACCESS_TOKEN_MISSING, Why.ACCESS_TOKEN_INVALID})
-E2B_WITH_PORT = frozenset({Why.BAD_PORT, Why.PORT_CLOSED, Why.UPSTREAM_TIMEOUT})
+E2B_WITH_PORT = frozenset({Why.PORT_CLOSED, Why.UPSTREAM_TIMEOUT})
 
 
 def answer(dialect: Dialect, why: Why, sandbox_id: str = "", port: int | None = None, detail: str = ""):

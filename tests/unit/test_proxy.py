@@ -346,8 +346,12 @@ async def test_access_token_enforced_for_secure_sandboxes(stack):
     r = await stack.client.post(rpc, content=b"{}", headers=hdr(sbx, **{"x-access-token": "s3cret"}))
     assert r.status_code == 200 and ["x-access-token", "s3cret"] in r.json()["headers"]
     assert (await stack.client.get("/health", headers=hdr(sbx))).status_code == 204
+    signed = _signed_url("a.txt", "read", "s3cret")
+    r = await stack.client.get(signed, headers=hdr(sbx))
+    assert r.status_code == 200 and r.json()["query"] == signed.split("?", 1)[1]
+    # a signature the token did not make is envd's 401, answered here (envd never sees it)
     r = await stack.client.get("/files?path=a.txt&signature=v1_abc", headers=hdr(sbx))
-    assert r.status_code == 200 and r.json()["query"] == "path=a.txt&signature=v1_abc"
+    assert r.status_code == 401 and r.json() == {"code": 401, "message": "invalid signature"}
     assert (await stack.client.get("/files?path=a.txt", headers=hdr(sbx))).status_code == 401
 
 
@@ -542,3 +546,78 @@ async def test_a_refused_connect_is_not_retried_for_patience(stack, monkeypatch)
     r = await stack.client.get("/health", headers=hdr(sbx))
     assert r.status_code == 502 and "port is not open" in r.json()["message"]
     assert len(seen) == 1
+
+
+# --------------------------------------------------------------------------- waking a secured sandbox
+
+
+async def _paused_secured(stack, node):
+    sbx = await _paused_sandbox(stack, node)
+    await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(secure=True, envd_access_token="s3cret")
+    return sbx
+
+
+def _envd_401(message):
+    return 401, {"code": 401, "message": message}
+
+
+async def test_a_paused_secured_sandbox_is_not_woken_without_its_token_or_signature(stack, nodes_mock):
+    """Every way in to envd's port of a paused secured autoResume sandbox without a valid
+    X-Access-Token (or, on /files, a signature its token made) is answered as envd would
+    answer it — or, for /health (which envd answers without a token), as a sandbox that
+    is not running — and nothing is resumed."""
+    import time
+    sbx = await _paused_secured(stack, nodes_mock.node)
+    unauthorized = "unauthorized access, please provide a valid access token or method signing if supported"
+    cases = [
+        ("POST", "/process.Process/List", hdr(sbx), _envd_401(unauthorized)),
+        ("POST", "/process.Process/List", hdr(sbx, **{"x-access-token": "wrong"}), _envd_401(unauthorized)),
+        ("GET", "/files?path=%2Fa", hdr(sbx), _envd_401(unauthorized)),
+        ("GET", "/files?path=%2Fa&signature=v1_forged", hdr(sbx), _envd_401("invalid signature")),
+        ("GET", "/files?path=%2Fa&signature=", hdr(sbx), (502, {"sandboxId": sbx.id, "code": 502,
+                                                              "message": "The sandbox was not found"})),
+        ("GET", "/x/files?path=%2Fa&signature=v1_x", hdr(sbx), _envd_401(unauthorized)),
+        ("POST", _signed_url("/a", "read", "s3cret"), hdr(sbx), _envd_401("invalid signature")),  # read, not write
+        ("GET", _signed_url("/a", "read", "s3cret", expiration=int(time.time()) - 5), hdr(sbx),
+         _envd_401("signature is already expired")),
+        ("GET", "/files?path=%2Fa&signature=v1_forged", {"host": f"49983-{sbx.id}.localhost"},
+         _envd_401("invalid signature")),
+        ("GET", "/health", hdr(sbx), (502, {"sandboxId": sbx.id, "code": 502, "message": "The sandbox was not found"})),
+        ("GET", "/health", hdr(sbx, **{"x-access-token": "wrong"}),
+         (502, {"sandboxId": sbx.id, "code": 502, "message": "The sandbox was not found"})),
+        ("GET", "/health", {"x-agentenv-sandbox-id": sbx.id, "x-agentenv-target-port": "49983"},
+         (410, {"code": 410, "message": "sandbox is not proxyable in its current state (paused)"})),
+    ]
+    for method, url, headers, (status, body) in cases:
+        r = await stack.client.request(method, url, headers=headers)
+        assert (r.status_code, r.json()) == (status, body), (method, url, headers)
+    nodes_mock.client.resume_sandbox.assert_not_awaited()
+    assert (await sync_to_async(Sandbox.objects.get)(pk=sbx.pk)).state == "paused"
+    assert stack.upstream.seen_headers is None
+
+
+async def test_a_websocket_to_a_paused_secured_sandbox_without_its_token_wakes_nothing(stack, nodes_mock):
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    sbx = await _paused_secured(stack, nodes_mock.node)
+    with pytest.raises(InvalidStatus) as refused:
+        async with connect(f"ws://127.0.0.1:{stack.px_port}/ws", additional_headers=hdr(sbx)):
+            pass
+    assert refused.value.response.status_code == 401
+    nodes_mock.client.resume_sandbox.assert_not_awaited()
+
+
+@pytest.mark.parametrize("credential", ["token", "signature"])
+async def test_a_paused_secured_sandbox_is_woken_by_its_token_or_signature(stack, nodes_mock, credential):
+    nodes_mock.client.resume_sandbox.return_value = {
+        "envd_host": "127.0.0.1", "envd_port": stack.up_port, "pid": 1, "accel": "tcg", "timings": {}}
+    sbx = await _paused_secured(stack, nodes_mock.node)
+    if credential == "token":
+        r = await stack.client.get("/health", headers=hdr(sbx, **{"x-access-token": "s3cret"}))
+        assert r.status_code == 204
+    else:
+        r = await stack.client.get(_signed_url("/a", "read", "s3cret"), headers=hdr(sbx))
+        assert r.status_code == 200 and r.json()["path"] == "/files"
+    assert nodes_mock.client.resume_sandbox.await_count == 1
+    assert (await sync_to_async(Sandbox.objects.get)(pk=sbx.pk)).state == "running"

@@ -3,6 +3,7 @@ client's Host (or maskRequestHost), connect retries, the traffic access token, e
 node-only routes and CORS. Real uvicorn servers on 127.0.0.1 stand in for the guest's
 services; the sandbox rows live in the test database (the fixtures of test_proxy)."""
 import asyncio
+import json
 import socket
 
 import httpx
@@ -174,11 +175,82 @@ async def test_a_service_that_listens_300ms_late_is_reached(stack):
     assert len(attempts) >= 2  # the first connect was refused, a later one served
 
 
-@pytest.mark.parametrize("port", [0, 70000])
-async def test_impossible_port_is_502(stack, port):
+# --------------------------------------------------------------------------- strict ports
+
+# Not ports: a Unicode digit ('²'.isdigit() is True; int('²') raised: a 500), a sign, a
+# space inside, out of range, hex, too long, empty; the raw UTF-8 and Latin-1 bytes of '²'.
+BAD_PORTS = [b"\xc2\xb2", b"\xb2", b"-1", b"0", b"65536", b"70000", b"+80", b"8 0", b"0x50", b"000080", b""]
+
+
+async def raw_request(port: int, head: bytes, close: bool = True) -> tuple[int, dict]:
+    """Sends ``head`` (request line and headers, bytes as they are: httpx will not send
+    non-ASCII header bytes) and returns the status and JSON body of the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + (b"Connection: close\r\n" if close else b"") + b"\r\n")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    status_line, _, rest = data.partition(b"\r\n")
+    body = rest.split(b"\r\n\r\n", 1)[1]
+    return int(status_line.split()[1]), json.loads(body)
+
+
+def test_parse_port_takes_ascii_digits_from_1_to_65535_only():
+    from sandboxes.proxy_routes import parse_port
+
+    assert [parse_port(p) for p in (b"1", b"80", "080", b"49983", "65535")] == [1, 80, 80, 49983, 65535]
+    for bad in (*BAD_PORTS, "²", "\u0668\u0660", " 80", "80 ", "\t80", "1e3", "８０"):
+        assert parse_port(bad) is None, bad
+
+
+@pytest.mark.parametrize("bad", BAD_PORTS)
+async def test_a_bad_e2b_port_header_is_400_and_reaches_nothing(stack, bad):
     sbx = await user_sandbox(stack.up_port)
-    r = await stack.client.get("/", headers=hdr(sbx, port=port))
-    assert r.status_code == 502 and r.json()["port"] == port
+    status, body = await raw_request(stack.px_port, b"GET /health HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: "
+                                     + sbx.id.encode() + b"\r\nE2b-Sandbox-Port: " + bad + b"\r\n")
+    assert (status, body["code"]) == (400, 400) and "invalid sandbox port" in body["message"], body
+    assert stack.upstream.seen_headers is None  # envd's /health was not asked (it answered 204 before)
+
+
+@pytest.mark.parametrize("bad", BAD_PORTS)
+async def test_a_bad_agentenv_port_header_is_400(stack, bad):
+    sbx = await user_sandbox(stack.up_port)
+    status, body = await raw_request(stack.px_port, b"GET /health HTTP/1.1\r\nHost: x\r\nx-agentenv-sandbox-id: "
+                                     + sbx.id.encode() + b"\r\nx-agentenv-target-port: " + bad + b"\r\n")
+    assert (status, body) == (400, {"code": 400, "message": "invalid target port routing header"})
+    assert stack.upstream.seen_headers is None
+
+
+@pytest.mark.parametrize("bad", [b"0", b"65536", b"99999999", b"-1", b"+80", b"\xc2\xb2", b"\xb2", b"0x50"])
+async def test_a_bad_port_in_the_host_name_is_400(stack, bad):
+    sbx = await user_sandbox(stack.up_port)
+    status, body = await raw_request(stack.px_port, b"GET /health HTTP/1.1\r\nHost: " + bad + b"-"
+                                     + sbx.id.encode() + b".localhost\r\n")
+    assert (status, body["code"]) == (400, 400), body
+    assert stack.upstream.seen_headers is None
+
+
+async def test_a_good_port_with_http_whitespace_around_it_is_served(stack):
+    """HTTP strips optional whitespace around a header value before the app sees it."""
+    sbx = await user_sandbox(stack.up_port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.px_port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: " + sbx.id.encode()
+                 + b"\r\nE2b-Sandbox-Port:  49983 \r\nConnection: close\r\n\r\n")
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 204")
+
+
+@pytest.mark.parametrize("bad", [b"\xc2\xb2", b"-1", b"0", b"65536"])
+async def test_a_websocket_upgrade_with_a_bad_port_is_400(stack, bad):
+    sbx = await user_sandbox(stack.up_port)
+    status, body = await raw_request(stack.px_port, (
+        b"GET /socket HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+        b"E2b-Sandbox-Id: " + sbx.id.encode() + b"\r\nE2b-Sandbox-Port: " + bad + b"\r\n"), close=False)
+    assert (status, body["code"]) == (400, 400), body
 
 
 async def test_killed_sandbox_user_port_is_502_not_found(stack, service):
