@@ -621,3 +621,44 @@ async def test_a_paused_secured_sandbox_is_woken_by_its_token_or_signature(stack
         assert r.status_code == 200 and r.json()["path"] == "/files"
     assert nodes_mock.client.resume_sandbox.await_count == 1
     assert (await sync_to_async(Sandbox.objects.get)(pk=sbx.pk)).state == "running"
+
+
+# --------------------------------------------------------------------------- signed-URL policy
+
+
+@pytest.mark.parametrize("named", [True, False])
+async def test_the_deployments_signed_url_policy_is_enforced(settings, stack, named):
+    """AENV_SIGNED_URL_REQUIRE_EXPIRATION / AENV_SIGNED_URL_MAX_TTL: E2B's SDK signs without
+    an expiration unless asked; a deployment may refuse those, and far-off ones, at the data
+    plane (envd in the guest does not know the policy). A valid X-Access-Token is not a URL."""
+    import time
+    sbx = await make_sandbox(stack.up_port, secure=True, token="s3cret")
+    route = hdr(sbx) if named else {}
+    forever = _signed_url("/a", "read", "s3cret")
+    soon = _signed_url("/a", "read", "s3cret", expiration=int(time.time()) + 60)
+    later = _signed_url("/a", "read", "s3cret", expiration=int(time.time()) + 7200)
+    assert [(await stack.client.get(u, headers=route)).status_code for u in (forever, soon, later)] == [200] * 3
+    settings.AENV_SIGNED_URL_REQUIRE_EXPIRATION = True
+    settings.AENV_SIGNED_URL_MAX_TTL = 3600
+    r = await stack.client.get(forever, headers=route)
+    assert (r.status_code, r.json()) == _envd_401("signature expiration is required (signed URLs must expire here)")
+    r = await stack.client.get(later, headers=route)
+    assert (r.status_code, r.json()) == _envd_401("signature expiration is too far in the future (at most 3600 s ahead)")
+    assert (await stack.client.get(soon, headers=route)).status_code == 200
+    # forged stays "invalid signature" whatever the policy (judged first, as envd does)
+    r = await stack.client.get("/files?path=%2Fa&signature=v1_forged", headers=route)
+    assert r.json()["message"] == "invalid signature"
+    r = await stack.client.get("/files?path=%2Fa", headers={**hdr(sbx), "x-access-token": "s3cret"})
+    assert r.status_code == 200
+
+
+def test_a_misspelt_flag_setting_is_refused(monkeypatch):
+    from django.core.exceptions import ImproperlyConfigured
+
+    from aenv_site.settings import _env_bool
+
+    monkeypatch.setenv("AENV_SIGNED_URL_REQUIRE_EXPIRATION", "treu")
+    with pytest.raises(ImproperlyConfigured):
+        _env_bool("AENV_SIGNED_URL_REQUIRE_EXPIRATION", False)
+    monkeypatch.setenv("AENV_SIGNED_URL_REQUIRE_EXPIRATION", "ON")
+    assert _env_bool("AENV_SIGNED_URL_REQUIRE_EXPIRATION", False) is True
