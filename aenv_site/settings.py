@@ -111,6 +111,10 @@ AENV_SANDBOX_LOG_MAX_LINES = _env_int("AENV_SANDBOX_LOG_MAX_LINES", 10000)
 # A guest may write its serial console without end: each round the node keeps only the
 # newest this many KiB of its console file on disk (the rest becomes a hole; vmm.qemu.console).
 AENV_CONSOLE_LOG_MAX_KB = _env_int("AENV_CONSOLE_LOG_MAX_KB", 1024)
+# Each guest's root disk I/O, reads and writes together (vmm.qemu.iolimits; 0: unlimited):
+# a guest over it is slowed, so one sandbox cannot take the node's disk from the others.
+AENV_DISK_BPS_MAX_MB = _env_int("AENV_DISK_BPS_MAX_MB", 200)
+AENV_DISK_IOPS_MAX = _env_int("AENV_DISK_IOPS_MAX", 4000)
 # Node worker: parallel VM operations, and how far capacity may be overcommitted
 # (idle microVMs use little CPU; guest RAM is touched lazily and ballooned back).
 AENV_NODE_CONCURRENCY = _env_int("AENV_NODE_CONCURRENCY", 32)

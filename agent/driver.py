@@ -30,6 +30,7 @@ def get_driver():
 
 def _qemu_options() -> dict:
     from vmm.net.conntrack import GuestLimits  # noqa: PLC0415 - checks the limits (LimitsError at node start)
+    from vmm.qemu.iolimits import DiskLimits  # noqa: PLC0415 - refuses negative limits at node start
 
     limits = GuestLimits(settings.AENV_NET_CT_MAX_PER_SANDBOX, settings.AENV_NET_CT_NEW_RATE,
                          settings.AENV_NET_CT_NEW_BURST)
@@ -41,7 +42,8 @@ def _qemu_options() -> dict:
             "net_prefix": settings.AENV_NET_PREFIX, "net_pool": settings.AENV_NET_POOL,
             "net_warm": settings.AENV_NET_WARM_SLOTS, "net_deny_extra": settings.AENV_NET_DENY_EXTRA,
             "net_allow_extra": settings.AENV_NET_ALLOW_EXTRA, "net_ingress_from": settings.AENV_NET_INGRESS_FROM,
-            "shm_headroom_mb": settings.AENV_SHM_HEADROOM_MB, "warm_ram_copies": settings.AENV_WARM_RAM_COPIES}
+            "shm_headroom_mb": settings.AENV_SHM_HEADROOM_MB, "warm_ram_copies": settings.AENV_WARM_RAM_COPIES,
+            "disk_limits": DiskLimits(bps=settings.AENV_DISK_BPS_MAX_MB << 20, iops=settings.AENV_DISK_IOPS_MAX)}
 
 
 def get_templates():

@@ -39,7 +39,7 @@ while True:
 """
 
 
-def sh(vm: Endpoint | object, cmd: str) -> str:
+def sh(vm: Endpoint | object, cmd: str, user: str = "user", timeout: float = 60) -> str:
     """Runs cmd as `user` through the envd at vm's endpoint (a (host, port) pair or a VMInfo;
     e2b SDK in debug mode) and returns stdout."""
     from e2b import Sandbox
@@ -49,7 +49,7 @@ def sh(vm: Endpoint | object, cmd: str) -> str:
     os.environ.update(E2B_DEBUG="true", E2B_SANDBOX_URL=url(vm))
     fresh_sdk_connections()  # never a connection pooled for another VM at this endpoint
     try:
-        return Sandbox.create().commands.run(cmd, user="user", timeout=60).stdout
+        return Sandbox.create().commands.run(cmd, user=user, timeout=timeout).stdout
     finally:
         for k, v in old.items():
             if v is None:

@@ -29,6 +29,7 @@ from vmm.qemu import console
 from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
+from vmm.qemu.iolimits import DiskLimits
 from vmm.qemu.lifecycle import LifecycleMixin
 from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, OFFLINE, BootAttemptFailed, attempts_error, cmdline_digest,
                               console_tail, envd_healthy, qemu_version, run, virtual_size_mb)
@@ -56,7 +57,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                  network: str | None = None, net_prefix: str | None = None, net_pool: str | None = None,
                  net_warm: int = DEFAULT_WARM_SLOTS, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = (),
                  net_ingress_from: tuple[str, ...] = (), net_limits=None, net_dns_limits=None, shm_headroom_mb: int = DEFAULT_SHM_HEADROOM_MB,
-                 warm_ram_copies: int = DEFAULT_WARM_RAM_COPIES):
+                 warm_ram_copies: int = DEFAULT_WARM_RAM_COPIES, disk_limits: DiskLimits | None = None):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
@@ -68,6 +69,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         self.qemu = qemu
         self.shm_dir = Path(shm_dir)
         self.shm_headroom_mb = int(shm_headroom_mb)
+        self.disk_limits = disk_limits or DiskLimits()  # every guest's root disk I/O (vmm.qemu.iolimits)
         self.port_range = port_range
         self._accel = accel
         self._accel_lock = threading.Lock()
@@ -251,7 +253,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         state.save()
         try:
             with QMP(paths.qmp, timeout=10.0) as q:
-                prepare_migration(q)  # always ready for pause_to_disk / snapshot / fork
+                self._prepare(q)
         except (QMPError, OSError) as e:
             raise BootAttemptFailed(f"attempt {attempt}: QMP setup failed: {e}", console_tail(paths.console))
         deadline = t_spawn + self.boot_timeout
@@ -263,6 +265,12 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
                                          console_tail(paths.console), timed_out=True)
             time.sleep(0.05)
         return t_spawn, time.monotonic()
+
+    def _prepare(self, q: QMP) -> None:
+        """What every QEMU the driver starts gets over QMP right after it starts: ready for
+        pause_to_disk / snapshot / fork, and its disk I/O limits."""
+        prepare_migration(q)
+        self.disk_limits.apply(q)
 
     # -- kill -------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from vmm.driver import VMError, VMInfo
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
 from vmm.qemu.process import GUEST_SYNC_TIMEOUT, OFFLINE, BootAttemptFailed, attempts_error
-from vmm.qemu.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, prepare_migration, set_ignore_shared
+from vmm.qemu.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, set_ignore_shared
 from vmm.qemu.state import VMState, process_alive, read_pidfile, reap
 
 RAM_ON_DISK = "memory.ram"  # a paused VM's RAM, in its state dir
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class LifecycleMixin:
     """pause / pause_to_disk / resume of QemuDriver (needs its _lock, _load, _paths, _argv,
-    _spawn_cold, _wait_health, _stop_process, _to_info)."""
+    _prepare, _spawn_cold, _wait_health, _stop_process, _to_info)."""
 
     def _spawn_incoming(self, state: VMState, device_state: Path, ignore_shared: bool = True,
                         before_cont=None, before_incoming=None) -> dict[str, float]:
@@ -64,7 +64,7 @@ class LifecycleMixin:
             state.pid = pid
             t_spawn = time.monotonic()
             with QMP(paths.qmp, timeout=30.0) as q:
-                prepare_migration(q)
+                self._prepare(q)
                 if before_incoming is not None:  # e.g. the RAM file must be complete before the guest runs
                     before_incoming()
                 if not ignore_shared:  # a full-RAM stream written without x-ignore-shared
