@@ -199,6 +199,79 @@ def test_old_sdk_generation_network_options(stack, world):
     assert result["host"].startswith("8080-")
 
 
+HOLD = r"""
+import socket, sys, time
+held, out = [], []
+for _ in range(int(sys.argv[3])):
+    s = socket.socket(); s.settimeout(5); t = time.monotonic()
+    try:
+        s.connect((sys.argv[1], int(sys.argv[2]))); held.append(s); out.append("ok")
+    except OSError as e:
+        out.append(f"{e.errno}:{time.monotonic() - t:.2f}")
+print(" ".join(out), flush=True)
+time.sleep(600)
+"""
+
+
+def _node_entries(address: str) -> list[str]:
+    """The node's conntrack entries whose original source is ``address`` (a slot: its guest's flows)."""
+    with open("/proc/net/nf_conntrack") as f:
+        return [line for line in f if line.split("src=")[1].split()[0] == address]
+
+
+def test_a_guest_at_its_conntrack_limit_is_refused_and_starves_no_one(stack, sdk_env, world):
+    """A hostile guest holds all the connections it may (the limit lowered to 50 on its fresh
+    slot, as AENV_NET_CT_MAX_PER_SANDBOX=50 would): its next connect and its DNS are refused at
+    once; the node's table holds no more than 50 of its flows, for hours not days; the node
+    still opens connections into it, more than 50; once its sandbox is gone its flows are
+    out of the node's table."""
+    from vmm.net.conntrack import GuestLimits
+
+    box = Sandbox.create(timeout=600)
+    try:
+        address = _route(stack, box.sandbox_id)
+        index = (int(ipaddress.ip_address(address)) - int(ipaddress.ip_network(stack.net_pool).network_address)) // 2
+        slot = slots.Slot(stack.net_prefix, index, stack.net_pool)
+        assert slot.address == address
+        slots.apply_limits(slot, GuestLimits(max_flows=50, new_rate=1000, new_burst=1000))
+        box.files.write("/tmp/hold.py", HOLD)
+        box.commands.run(f"python3 /tmp/hold.py {EXT_A} 80 55 > /tmp/hold.out 2>&1", background=True)
+        deadline = time.monotonic() + 60
+        while not (out := box.commands.run("cat /tmp/hold.out 2>/dev/null || true").stdout.split()):
+            assert time.monotonic() < deadline, "the guest's holder printed nothing"
+            time.sleep(0.5)
+        assert out[:50] == ["ok"] * 50, out
+        assert all(r.startswith("111:") and float(r.split(":")[1]) < 1 for r in out[50:]), out  # ECONNREFUSED at once
+        held = [e for e in _node_entries(address) if "ESTABLISHED" in e and f"dst={EXT_A}" in e]
+        assert len(held) == 50 and all(int(e.split()[4]) <= 7440 for e in held), held
+        # DNS is a flow too: refused at the limit, quickly
+        started = time.monotonic()
+        assert box.commands.run("getent hosts ext-a.test || echo no-answer", timeout=60).stdout.strip() == "no-answer"
+        assert time.monotonic() - started < 15
+        # the node is not starved: its connections into the guest enter at vpeer and are not counted
+        box.commands.run("cd /tmp && python3 -m http.server 8080 >/dev/null 2>&1", background=True)
+        import httpx
+        deadline = time.monotonic() + 30
+        with httpx.Client(timeout=5, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            answered = 0
+            while answered < 60:
+                try:
+                    answered += client.get(f"http://{address}:8080/").status_code == 200
+                except httpx.HTTPError:
+                    assert answered == 0 and time.monotonic() < deadline, "the node cannot reach the guest"
+                    time.sleep(0.5)
+        assert box.commands.run("echo alive").stdout.strip() == "alive"
+        # let go, and it connects again
+        box.commands.run("pkill -f 'python3 /tmp/[h]old.py'; sleep 1")
+        assert probe(box, [(EXT_A, 80)]) == {(EXT_A, 80): True}
+    finally:
+        box.kill()
+    deadline = time.monotonic() + 30
+    while _node_entries(address):
+        assert time.monotonic() < deadline, "the killed guest's flows stayed in the node's table"
+        time.sleep(0.5)
+
+
 DNS_HOLD = r"""
 import socket, time
 held, out = [], []
