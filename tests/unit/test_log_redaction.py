@@ -127,5 +127,6 @@ def test_redact_keeps_what_is_no_credential():
     assert redact(line) == ('127.0.0.1:5 - "GET /files?path=%2Fa&username=user&signature=[redacted]'
                             '&signature_expiration=9 HTTP/1.1" 200')
     assert redact("Authorization: Basic dXNlcjpw") == "Authorization: [redacted]"
-    assert redact('{"envdAccessToken": "abc", "sandboxID": "s1"}') == '{"envdAccessToken": "[redacted]", "sandboxID": "s1"}'
+    assert (redact('{"envdAccessToken": "abc", "sandboxID": "s1"}')
+            == '{"envdAccessToken": "[redacted]", "sandboxID": "s1"}')
     assert redact("authorization failed for team t") == "authorization failed for team t"
