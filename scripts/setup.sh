@@ -92,9 +92,10 @@ setup_guest_images() (
     --images-dir "$local_images"
 )
 
-setup_system_template_packages() (  # what the system templates install offline (code-interpreter-v1's wheels)
+setup_system_template_packages() (  # what the system templates install offline (code-interpreter-v1's wheels and,
+  # as root with the base image built, its venv made on the host in the guest's root file system)
   cd "$ROOT"
-  echo "==> packages of the system templates (downloaded once per list, cached under .cache/packages)"
+  echo "==> packages of the system templates (downloaded and built once per list, cached under .cache/packages)"
   .venv/bin/python manage.py ensure_system_templates --download-only
 )
 

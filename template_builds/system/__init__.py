@@ -6,6 +6,7 @@ default template of the ``e2b-code-interpreter`` SDKs).
 |---|---|
 | ``recipes`` | what a recipe is (steps, COPY trees, start / ready commands, shape) and its hash |
 | ``code_interpreter`` | the ``code-interpreter-v1`` recipe: PyPI wheels downloaded on the host, the server's code |
+| ``host_venv`` | a venv built on the host inside the guest's root file system stage (a private namespace) |
 | ``ensure`` | make the template's newest build match its recipe: register, start, wait |
 
 A system template is an ordinary build of a global template (``Template.team`` empty,

@@ -9,6 +9,7 @@ already waiting or building is waited for, not started again."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 import time
 import uuid
@@ -67,7 +68,11 @@ def store_trees(team: Team, recipe: Recipe) -> None:
         if TemplateFile.objects.filter(team=team, hash=h).exists() and store.exists(team.pk, h):
             continue
         with tempfile.TemporaryDirectory(dir=store.staging_dir()) as tmp:
-            archive = tree_archive(tree.root, tree.name, Path(tmp) / "tree.tar.gz")
+            archive = Path(tmp) / "tree.tar.gz"
+            if tree.archive is not None:  # made ahead with the tree (a large one, archived once)
+                shutil.copyfile(tree.archive, archive)
+            else:
+                tree_archive(tree.root, tree.name, archive, tree.keep_caches)
             size = archive.stat().st_size
             store.save(team.pk, h, archive)
         TemplateFile.objects.update_or_create(team=team, hash=h, defaults=dict(size_bytes=size, gzip=True))

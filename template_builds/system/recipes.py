@@ -14,21 +14,27 @@ from pathlib import Path
 SKIP = {"__pycache__", ".pytest_cache"}
 
 
-def tree_files(root: Path) -> list[Path]:
-    """The regular files under ``root``, sorted, without caches."""
+def tree_files(root: Path, keep_caches: bool = False) -> list[Path]:
+    """The regular files and symlinks under ``root``, sorted, without caches (unless
+    ``keep_caches``: a tree whose byte-compiled files are part of it)."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP)
-        out.extend(Path(dirpath) / f for f in sorted(filenames) if not f.endswith(".pyc"))
+        here = Path(dirpath)
+        out.extend(here / d for d in dirnames if (here / d).is_symlink())  # not walked into
+        dirnames[:] = sorted(d for d in dirnames if keep_caches or d not in SKIP)
+        out.extend(here / f for f in sorted(filenames) if keep_caches or not f.endswith(".pyc"))
     return sorted(out)
 
 
-def tree_hash(root: Path, name: str) -> str:
+def tree_hash(root: Path, name: str, keep_caches: bool = False) -> str:
     """A content hash of the tree as it will be unpacked under ``name/`` (paths, modes,
-    bytes): the COPY step's ``filesHash``."""
+    bytes, a symlink's target): the COPY step's ``filesHash``."""
     h = hashlib.sha256(f"aenv-system-tree;{name}".encode())
-    for path in tree_files(root):
+    for path in tree_files(root, keep_caches):
         rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            h.update(f"\0{rel}\0link\0{os.readlink(path)}\0".encode())
+            continue
         h.update(f"\0{rel}\0{path.stat().st_mode & 0o777:o}\0".encode())
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -36,16 +42,24 @@ def tree_hash(root: Path, name: str) -> str:
     return h.hexdigest()
 
 
-def tree_archive(root: Path, name: str, dest: Path) -> Path:
+def _whole_seconds(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """mtimes in whole seconds, as a .pyc records its source's: a fraction would be rounded
+    in the tar header (a second later for half the files) and the .pyc seen as stale."""
+    info.mtime = int(info.mtime)
+    return info
+
+
+def tree_archive(root: Path, name: str, dest: Path, keep_caches: bool = False, compresslevel: int = 9) -> Path:
     """The tree as a gzipped tar with everything under ``name/`` (what COPY ``name/`` reads)."""
-    with tarfile.open(dest, "w:gz") as tar:
-        tar.add(root, arcname=name, recursive=False)
+    with tarfile.open(dest, "w:gz", compresslevel=compresslevel) as tar:
+        tar.add(root, arcname=name, recursive=False, filter=_whole_seconds)
         for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d not in SKIP)
+            dirnames[:] = sorted(d for d in dirnames if keep_caches or d not in SKIP)
             here = Path(dirpath)
             rel = here.relative_to(root)
-            for entry in [*dirnames, *sorted(f for f in filenames if not f.endswith(".pyc"))]:
-                tar.add(here / entry, arcname=f"{name}/{(rel / entry).as_posix()}", recursive=False)
+            for entry in [*dirnames, *sorted(f for f in filenames if keep_caches or not f.endswith(".pyc"))]:
+                tar.add(here / entry, arcname=f"{name}/{(rel / entry).as_posix()}", recursive=False,
+                        filter=_whole_seconds)
     return dest
 
 
@@ -55,12 +69,15 @@ class Tree:
 
     root: Path
     name: str  # the top directory inside the archive (the COPY source)
+    keep_caches: bool = False  # its __pycache__ directories and .pyc files are copied too
+    archive: Path | None = None  # its tree_archive, made ahead (else made when stored)
+    known_hash: str = ""  # its files_hash, computed ahead
 
     @property
     def files_hash(self) -> str:
-        if not hasattr(self, "_hash"):
-            self._hash = tree_hash(self.root, self.name)
-        return self._hash
+        if not self.known_hash:
+            self.known_hash = tree_hash(self.root, self.name, self.keep_caches)
+        return self.known_hash
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """``manage.py ensure_system_templates [--no-wait] [--download-only]``: the system templates
 (``code-interpreter-v1``) built from their recipes if they changed (template_builds.system).
-Needs a running node worker unless ``--download-only`` (the host-side downloads, which
-``scripts/setup.sh`` does ahead)."""
+Needs a running node worker unless ``--download-only`` (the host-side work: the downloads
+and, where the host can, the venv built in the guest's root file system; ``scripts/setup.sh``
+does it ahead)."""
 from asgiref.sync import async_to_sync
 from django.core.management.base import BaseCommand, CommandError
 
@@ -15,7 +16,8 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--no-wait", action="store_true", help="start the build and return")
         parser.add_argument("--download-only", action="store_true",
-                            help="only fetch what the recipes need from package registries (no node needed)")
+                            help="only prepare what the recipes need on the host: downloads from package "
+                                 "registries, the venv built in the guest's root file system (no node needed)")
         parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for a build")
 
     def handle(self, *args, **options):
