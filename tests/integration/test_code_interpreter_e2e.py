@@ -129,6 +129,41 @@ def test_commands_and_files_still_work(sbx):
     assert sbx.files.read("/home/user/from_kernel.txt") == "written by a cell"
 
 
+PYC_CHECK = """
+import importlib.util, os, sys, sysconfig
+site = sysconfig.get_paths()["purelib"]
+total = stale = 0
+for package in ("numpy", "pandas", "matplotlib", "ipykernel"):
+    for dirpath, dirnames, filenames in os.walk(os.path.join(site, package)):
+        dirnames[:] = [d for d in dirnames if d not in ("tests", "test")]
+        for name in filenames:
+            if not name.endswith(".py"):
+                continue
+            source = os.path.join(dirpath, name)
+            try:
+                with open(importlib.util.cache_from_source(source), "rb") as f:
+                    header = f.read(16)
+            except FileNotFoundError:
+                stale += 1
+                continue
+            st = os.stat(source)
+            total += 1
+            flags = int.from_bytes(header[4:8], "little")
+            if flags == 0 and header[8:16] != ((int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+                                               + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")):
+                stale += 1
+print(total, stale)
+"""
+
+
+def test_the_venv_is_byte_compiled_for_the_guest(sbx):
+    """Every module of the big packages has a .pyc (made on the host where it can, else in
+    the build VM) that the guest's python takes as current: no import compiles again."""
+    sbx.files.write("/tmp/pyc_check.py", PYC_CHECK)
+    total, stale = map(int, sbx.commands.run("/opt/code-interpreter/venv/bin/python /tmp/pyc_check.py").stdout.split())
+    assert total > 500 and stale == 0, (total, stale)
+
+
 def test_health_through_the_data_plane(sbx, stack):
     r = httpx.get(f"{stack.sandbox_url}/health", headers={"E2b-Sandbox-Id": sbx.sandbox_id,
                                                            "E2b-Sandbox-Port": "49999"}, timeout=30)
