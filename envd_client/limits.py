@@ -17,7 +17,8 @@ import math
 from .errors import EnvdAnswerTooLarge, EnvdError
 
 # -- sizes (bytes) --------------------------------------------------------------------------
-ANSWER_BYTES = 8 << 20          # a unary answer: a process list, a directory listing, /init
+ANSWER_BYTES = 8 << 20          # a unary answer: a process list, a stat, /init
+LISTING_BYTES = 64 << 20        # a ListDir answer (the CLI lists a tree 100 levels deep at once)
 METRICS_BYTES = 64 << 10        # GET /metrics: eight numbers (envd's answer is ~200 bytes)
 ERROR_BYTES = 64 << 10          # the body of an error answer (only its message is kept)
 FILE_BYTES = 64 << 20           # read_file, whole in memory (download_file streams to a sink instead)

@@ -9,6 +9,7 @@ mirrors of each other and cannot drift apart.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import ssl
 from contextlib import contextmanager
@@ -295,7 +296,8 @@ def stat(path: str, *, user: str | None = None) -> Request:
 
 
 def list_dir(path: str, depth: int = 1, *, user: str | None = None) -> Request:
-    return unary("filesystem.Filesystem/ListDir", {"path": path, "depth": int(depth)}, user=user)
+    req = unary("filesystem.Filesystem/ListDir", {"path": path, "depth": int(depth)}, user=user)
+    return dataclasses.replace(req, max_bytes=limits.LISTING_BYTES)
 
 
 def make_dir(path: str, *, user: str | None = None) -> Request:
