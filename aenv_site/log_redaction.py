@@ -25,7 +25,7 @@ _PARAMS = r"signature|token|access_?token|accessToken|api_?key|apiKey|x-api-key|
 _QUERY = re.compile(rf"(?i)(?P<lead>(?:^|[?&;\s\"'(]))(?P<name>{_PARAMS})=(?P<value>[^&\s\"'<>#;)]+)")
 # Headers whose values are credentials, in the shapes logs show them: ``Name: value``,
 # ``name=value``, a dict's ``'name': 'value'`` or a tuple's ``(b'name', b'value')``.
-_HEADERS = (r"x-access-token|x-api-key|authorization|proxy-authorization|e2b-traffic-access-token"
+_HEADERS = (r"x-access-token|x-api-key|x-admin-token|authorization|proxy-authorization|e2b-traffic-access-token"
             r"|x-csrftoken|envd-access-token|accesstoken|envdaccesstoken|trafficaccesstoken")
 _HEADER = re.compile(rf"(?i)(?P<name>\b(?:{_HEADERS}))(?P<sep>['\"]?\s*[:=,]\s*(?:b?['\"])?)"
                      r"(?P<value>(?:(?:bearer|basic|token|digest)\s+)?[^\s'\",;&)}\]]+)")

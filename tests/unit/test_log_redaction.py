@@ -21,9 +21,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRETS = {"signature": "v1_SIGNATURESECRET", "access": "ACCESSTOKENSECRET", "api": "e2b_" + "ab" * 20,
-           "traffic": "TRAFFICSECRET", "bearer": "BEARERSECRET", "query": "QUERYTOKENSECRET"}
+           "traffic": "TRAFFICSECRET", "bearer": "BEARERSECRET", "query": "QUERYTOKENSECRET",
+           "admin": "ADMINTOKENSECRET"}
 HEADERS = {"X-Access-Token": SECRETS["access"], "X-API-Key": SECRETS["api"],
-           "Authorization": f"Bearer {SECRETS['bearer']}", "E2b-Traffic-Access-Token": SECRETS["traffic"]}
+           "Authorization": f"Bearer {SECRETS['bearer']}", "E2b-Traffic-Access-Token": SECRETS["traffic"],
+           "X-Admin-Token": SECRETS["admin"]}
 QUERY = f"path=%2Fa&signature={SECRETS['signature']}&signature_expiration=4102444800&token={SECRETS['query']}"
 
 
@@ -110,6 +112,7 @@ def test_every_logger_and_handler_gets_redacted_records():
     try:
         logger.warning("GET %s %s", f"/files?{QUERY}", {"x-access-token": SECRETS["access"]})
         logger.warning("headers %r", [(b"authorization", b"Bearer " + SECRETS["bearer"].encode())])
+        logger.warning("nodes asked with %s", {"X-Admin-Token": SECRETS["admin"]})  # the operators' token
         logger.warning("key %s", httpx.URL(f"http://h/files?{QUERY}"))  # no string: the whole line is redacted
         try:
             raise ValueError(f"failed on /files?{QUERY} with X-API-Key: {SECRETS['api']}")
