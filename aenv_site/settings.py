@@ -216,6 +216,9 @@ AENV_TEMPLATE_MAX_DISK_MB = _env_int("AENV_TEMPLATE_MAX_DISK_MB", 65536)
 AENV_TEMPLATE_MAX_CONCURRENT_BUILDS = _env_int("AENV_TEMPLATE_MAX_CONCURRENT_BUILDS", 8)
 AENV_TEMPLATE_PICKUP_TIMEOUT = _env_int("AENV_TEMPLATE_PICKUP_TIMEOUT", 600)
 AENV_TEMPLATE_BUILD_TIMEOUT = _env_int("AENV_TEMPLATE_BUILD_TIMEOUT", 3600)
+# What a build's commands print is kept in its log up to this many MiB (a RUN in the
+# user's image is a hostile guest's output); the rest is counted, not stored.
+AENV_BUILD_LOG_MAX_MB = _env_int("AENV_BUILD_LOG_MAX_MB", 16)
 # The node's image cache: the template layer cache, the pulled images' root disks and
 # their OCI blobs, evicted least recently used first (agent.builder.images) after every
 # build and at node start; what VMs or snapshots on the node use always stays.

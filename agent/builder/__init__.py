@@ -78,10 +78,12 @@ def build_template(*, build_id: str, template_id: str, spec: dict, cpu_count: in
 
 def _build_and_report(node: Node, build_id: str, template_id: str, spec: dict, cpu_count: int, memory_mb: int,
                       disk_size_mb: int) -> dict:
+    from django.conf import settings
     from template_builds import progress
 
     holder: dict = {}
-    blog = BuildLog(str(build_id), progress.report_many, on_cancel=lambda: holder["build"].kill_vm())
+    blog = BuildLog(str(build_id), progress.report_many, on_cancel=lambda: holder["build"].kill_vm(),
+                    max_output_bytes=settings.AENV_BUILD_LOG_MAX_MB * 1024 * 1024)
     build = holder["build"] = Build(node, Request(str(build_id), template_id, spec, cpu_count, memory_mb,
                                                   disk_size_mb), blog)
     outcome = error = None

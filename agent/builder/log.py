@@ -5,7 +5,13 @@ fraction of a second. The append is also how the builder learns the build was ca
 (template deleted, timed out): it then calls ``on_cancel`` (which kills the build VM, so
 a running command stops at once) and raises ``Cancelled`` at the next line. A command that
 prints nothing (``sleep 600``) is checked on too, every ``CHECK_SECONDS``, with an empty
-append."""
+append.
+
+The build VM runs the user's image and commands, so what it prints is a hostile guest's
+output: a ``RUN yes`` must not fill the control plane's database for the build's hour.
+Command output past ``max_output_bytes`` (``AENV_BUILD_LOG_MAX_MB``) is counted, not kept;
+one line says so when the cap is reached and one at the end says how much was left out,
+and the newest lines stay in ``tail`` for a failed command's reason."""
 from __future__ import annotations
 
 import logging
@@ -20,6 +26,7 @@ FLUSH_SECONDS = 0.25
 CHECK_SECONDS = 2.0  # how soon a build whose command is silent learns it was cancelled
 MAX_BATCH = 200
 TAIL_LINES = 8  # the last output lines a failed command's reason quotes
+MAX_OUTPUT_BYTES = 16 * 1024 * 1024  # command output kept per build (AENV_BUILD_LOG_MAX_MB)
 
 
 class Cancelled(Exception):
@@ -27,10 +34,13 @@ class Cancelled(Exception):
 
 
 class BuildLog:
-    def __init__(self, build_id: str, append, on_cancel=lambda: None):
+    def __init__(self, build_id: str, append, on_cancel=lambda: None, max_output_bytes: int = MAX_OUTPUT_BYTES):
         """``append(build_id, [(level, message, step, timestamp)])`` → False once the build
         is no longer building (``template_builds.progress.report_many``)."""
         self.build_id = build_id
+        self.max_output_bytes = max_output_bytes
+        self.output_bytes = 0  # command output seen, kept or not
+        self.dropped_lines = self.dropped_bytes = 0
         self._append = append
         self._on_cancel = on_cancel
         self._pending: list[tuple] = []
@@ -56,8 +66,22 @@ class BuildLog:
         self(level="info", message=message, step=step)
 
     def output(self, stream: str, line: str, prefix: str, step: str) -> None:
-        """A line a command printed: ``<prefix> [stdout]: line``; kept in the tail."""
+        """A line a command printed: ``<prefix> [stdout]: line``; kept in the tail, and in
+        the log while the build's output is under its cap."""
         self.tail.append(line)
+        size = len(line.encode("utf-8", "replace")) + 1
+        self.output_bytes += size
+        if self.output_bytes > self.max_output_bytes:
+            if not self.dropped_lines:
+                self(level="warn", step=step, message=(
+                    f"the build's commands printed more than {self.max_output_bytes // (1024 * 1024)} MiB: "
+                    "further output is not kept in the log (the build goes on; a failed command's last "
+                    "lines are still quoted)"))
+            self.dropped_lines += 1
+            self.dropped_bytes += size
+            if self.cancelled:
+                raise Cancelled("the build was cancelled")
+            return
         self(level="info" if stream == "stdout" else "warn", message=f"{prefix} [{stream}]: {line}", step=step)
 
     def flush(self, check: bool = False) -> bool:
@@ -95,6 +119,10 @@ class BuildLog:
     def close(self) -> bool:
         self._stop.set()
         self._thread.join(5)
+        if self.dropped_lines and not self.cancelled:
+            with self._lock:
+                self._pending.append(("warn", f"{self.dropped_lines} lines ({self.dropped_bytes} bytes) of command "
+                                      "output were not kept in the log", "", datetime.now(timezone.utc)))
         return self.flush()
 
 

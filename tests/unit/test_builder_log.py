@@ -49,3 +49,21 @@ def test_a_silent_command_still_learns_of_a_cancel(monkeypatch):
     with pytest.raises(Cancelled):
         blog.info("too late")
     blog.close()
+
+
+def test_a_flooding_command_keeps_only_the_cap_in_the_log():
+    """A ``RUN yes`` in a hostile image: the log keeps the cap's worth, one line saying
+    output stops being kept, one at the end saying how much was left out; the newest
+    lines stay in the tail for a failure's reason."""
+    store = Store()
+    blog = BuildLog("b3", store.append, max_output_bytes=10_000)
+    for i in range(5_000):  # 8 bytes a line with its newline: 40 KB of output
+        blog.output("stdout", f"y {i:05d}", "[builder 1/2] RUN yes", "run-1")
+    assert blog.close() is True
+    kept = [line for line in store.lines if "[stdout]: y " in line]
+    assert len(kept) == 10_000 // 8, len(kept)
+    kept_bytes = sum(len(line.split("]: ", 1)[1]) + 1 for line in kept)
+    assert kept_bytes <= 10_000
+    notices = [line for line in store.lines if "not kept" in line]
+    assert len(notices) == 2 and notices[-1].startswith(f"{5_000 - len(kept)} lines"), notices
+    assert list(blog.tail)[-1] == "y 04999"
