@@ -13,8 +13,9 @@ data plane (``sandboxes.proxy_routes``) for envd's port and its own answers.
 """
 import re
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpResponse
+
+from .middleware_base import AroundMiddleware
 
 ALLOW_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 # Browsers cap this (Chromium at 2 h); longer would not save more preflights.
@@ -49,31 +50,11 @@ def is_preflight(method: str, request_headers) -> bool:
     return method == "OPTIONS" and "access-control-request-method" in request_headers
 
 
-class ApiCorsMiddleware:
+class ApiCorsMiddleware(AroundMiddleware):
     """CORS for the E2B API paths only; first in MIDDLEWARE, so a preflight is answered
     before authentication and every answer (errors included) carries the headers."""
 
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response):
-        self.get_response = get_response
-        self._is_async = iscoroutinefunction(get_response)
-        if self._is_async:
-            markcoroutinefunction(self)
-
-    def __call__(self, request):
-        if self._is_async:
-            return self.__acall__(request)
-        early = self._preflight(request)
-        return early if early is not None else self._decorate(request, self.get_response(request))
-
-    async def __acall__(self, request):
-        early = self._preflight(request)
-        return early if early is not None else self._decorate(request, await self.get_response(request))
-
-    @staticmethod
-    def _preflight(request):
+    def before(self, request):
         if not API_PATH.match(request.path_info):
             return None
         headers = {k.lower(): v for k, v in request.headers.items()}
@@ -84,8 +65,7 @@ class ApiCorsMiddleware:
             response[name] = value
         return response
 
-    @staticmethod
-    def _decorate(request, response):
+    def after(self, request, response):
         if API_PATH.match(request.path_info):
             for name, value in simple_headers():
                 response.setdefault(name, value)  # a view's own (e.g. exposing X-Next-Token) wins

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 
 from envd import ENVD_PORT
+
+from .middleware_base import AroundMiddleware
 
 # API calls range from ~1 ms (a list) to minutes (a create waiting for a cold boot).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -49,31 +50,15 @@ def metrics_view(request):
     return HttpResponse(body + generate_latest(CLUSTER), content_type=content_type)
 
 
-class RequestMetricsMiddleware:
+class RequestMetricsMiddleware(AroundMiddleware):
     """Counts and times every API and dashboard request by its URL pattern, method and
-    status. Async-capable (a sync middleware would push every async view through one thread)."""
+    status (sync and async alike: ``AroundMiddleware``)."""
 
-    sync_capable = True
-    async_capable = True
+    def before(self, request):
+        request.aenv_metrics_started = time.perf_counter()
 
-    def __init__(self, get_response):
-        self.get_response = get_response
-        self._is_async = iscoroutinefunction(get_response)
-        if self._is_async:
-            markcoroutinefunction(self)
-
-    def __call__(self, request):
-        if self._is_async:
-            return self.__acall__(request)
-        started = time.perf_counter()
-        response = self.get_response(request)
-        self._observe(request, response, started)
-        return response
-
-    async def __acall__(self, request):
-        started = time.perf_counter()
-        response = await self.get_response(request)
-        self._observe(request, response, started)
+    def after(self, request, response):
+        self._observe(request, response, request.aenv_metrics_started)
         return response
 
     @staticmethod

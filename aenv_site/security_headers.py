@@ -14,34 +14,21 @@ Django's SecurityMiddleware (``SECURE_CONTENT_TYPE_NOSNIFF``, ``SECURE_REFERRER_
 
 A JSON answer carries the same header: harmless there, and one policy is one place.
 A response that set its own policy keeps it."""
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
+
+from .middleware_base import AroundMiddleware
 
 HEADER = "Content-Security-Policy"
 
 
-class ContentSecurityPolicyMiddleware:
+class ContentSecurityPolicyMiddleware(AroundMiddleware):
     """Adds ``settings.AENV_CONTENT_SECURITY_POLICY`` to every response (empty: none)."""
 
-    sync_capable = True
-    async_capable = True
-
     def __init__(self, get_response):
-        self.get_response = get_response
+        super().__init__(get_response)
         self.policy = settings.AENV_CONTENT_SECURITY_POLICY
-        self._is_async = iscoroutinefunction(get_response)
-        if self._is_async:
-            markcoroutinefunction(self)
 
-    def __call__(self, request):
-        if self._is_async:
-            return self.__acall__(request)
-        return self._decorate(self.get_response(request))
-
-    async def __acall__(self, request):
-        return self._decorate(await self.get_response(request))
-
-    def _decorate(self, response):
+    def after(self, request, response):
         if self.policy and HEADER not in response:
             response[HEADER] = self.policy
         return response
