@@ -22,6 +22,7 @@ import ipaddress
 import subprocess
 
 from . import conntrack
+from .cidrs import checked_ipv4
 
 
 class HostTableError(Exception):
@@ -38,20 +39,9 @@ GUEST_SIDE = ipaddress.ip_network("169.254.0.0/16")  # every slot's guest link (
 def ingress_sources(cidrs, pool: str) -> tuple[str, ...]:
     """``cidrs`` (strings) as normalised IPv4 networks, or HostTableError saying which one
     cannot be an ingress source: not IPv4, or overlapping the slot pool or the guests' side."""
-    pool_net = ipaddress.ip_network(pool)
-    out = []
-    for raw in cidrs:
-        try:
-            net = ipaddress.ip_network(str(raw).strip(), strict=False)
-        except ValueError:
-            raise HostTableError(f"ingress source {raw!r} is not an IPv4 address or CIDR") from None
-        if net.version != 4:
-            raise HostTableError(f"ingress source {raw!r} is not IPv4 (guests have no IPv6)")
-        for forbidden, what in ((pool_net, f"the slot pool {pool}"), (GUEST_SIDE, "the guests' side 169.254.0.0/16")):
-            if net.overlaps(forbidden):
-                raise HostTableError(f"ingress source {raw!r} overlaps {what}: a guest must never be a gateway")
-        out.append(str(net))
-    return tuple(dict.fromkeys(out))
+    forbidden = ((ipaddress.ip_network(pool), f"the slot pool {pool}"),
+                 (GUEST_SIDE, "the guests' side 169.254.0.0/16"))
+    return checked_ipv4(cidrs, forbidden, "ingress source", "a guest must never be a gateway", HostTableError)
 
 
 def ruleset(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None,

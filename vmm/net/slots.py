@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute, NetlinkError, NetNS, netns
 
 from . import conntrack
+from .cidrs import checked_ipv4
 from .conntrack import GuestLimits
 from .dns import DNSLimits
 from .policy import EgressPolicy
@@ -120,20 +121,8 @@ def allow_extra_ranges(cidrs, pool: str, node: tuple[str, ...] = ()) -> tuple[st
     forbidden = [(ipaddress.ip_network(c), f"the guests' link-local side {c}") for c in NEVER_ALLOWED]
     forbidden.append((ipaddress.ip_network(pool), f"the slot pool {pool}"))
     forbidden += [(ipaddress.ip_network(c, strict=False), f"the node's {c}") for c in node]
-    out = []
-    for raw in cidrs:
-        try:
-            net = ipaddress.ip_network(str(raw).strip(), strict=False)
-        except ValueError:
-            raise SlotError(f"AENV_NET_ALLOW_EXTRA: {raw!r} is not an IPv4 address or CIDR") from None
-        if net.version != 4:
-            raise SlotError(f"AENV_NET_ALLOW_EXTRA: {raw!r} is not IPv4 (guests have no IPv6)")
-        for other, what in forbidden:
-            if other.version == 4 and net.overlaps(other):
-                raise SlotError(f"AENV_NET_ALLOW_EXTRA: {raw!r} overlaps {what}: guests may never reach it "
-                                "(list narrower ranges)")
-        out.append(str(net))
-    return tuple(dict.fromkeys(out))
+    return checked_ipv4(cidrs, forbidden, "AENV_NET_ALLOW_EXTRA:", "guests may never reach it (list narrower ranges)",
+                        SlotError)
 
 
 def ruleset(slot: Slot, deny_extra: tuple[str, ...] = (), policy: EgressPolicy = EgressPolicy(),
