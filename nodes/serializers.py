@@ -76,9 +76,19 @@ class CapacitySerializer(serializers.Serializer):
         return s.node.memory_mb_capacity * MIB
 
 
-class NodeSerializer(serializers.Serializer):
+class TenantNodeSerializer(serializers.Serializer):
+    """``GET /nodes`` for a team's key: the counts are the caller's team's sandboxes."""
+
     id = serializers.CharField(source="node.id")
     status = serializers.ChoiceField(choices=STATUSES)
+    sandboxCount = serializers.IntegerField(source="running")
+    sandboxStartingCount = serializers.IntegerField(source="starting")
+    sandboxPausedCount = serializers.IntegerField(source="paused")
+
+
+class NodeSerializer(TenantNodeSerializer):
+    """``GET /nodes`` for operators: AgentENV's ``Node`` whole (the counts are every team's)."""
+
     version = serializers.CharField(source="node.version")
     address = serializers.CharField(source="node.address")
     driver = serializers.CharField(source="node.driver")
@@ -86,9 +96,6 @@ class NodeSerializer(serializers.Serializer):
     startedAt = serializers.DateTimeField(source="node.started_at")
     lastHeartbeatAt = serializers.DateTimeField(source="node.last_heartbeat_at", allow_null=True)
     machineInfo = serializers.SerializerMethodField()
-    sandboxCount = serializers.IntegerField(source="running")
-    sandboxStartingCount = serializers.IntegerField(source="starting")
-    sandboxPausedCount = serializers.IntegerField(source="paused")
     createSuccesses = serializers.IntegerField(source="create_successes")
     createFails = serializers.IntegerField(source="create_failures")
     capacity = CapacitySerializer(source="*")
@@ -111,16 +118,6 @@ class NodeDetailSerializer(NodeSerializer):
 
     sandboxStartingCount = None
     cachedBuilds = serializers.ListField(child=serializers.CharField(), source="cached_builds")
-
-
-class TenantNodeSerializer(serializers.Serializer):
-    """``GET /nodes`` for a team's key: the counts are the caller's team's sandboxes."""
-
-    id = serializers.CharField(source="node.id")
-    status = serializers.ChoiceField(choices=STATUSES)
-    sandboxCount = serializers.IntegerField(source="running")
-    sandboxStartingCount = serializers.IntegerField(source="starting")
-    sandboxPausedCount = serializers.IntegerField(source="paused")
 
 
 class TenantNodeDetailSerializer(TenantNodeSerializer):
