@@ -55,9 +55,11 @@ ensure_dir() {
 '''
 
 # COPY (spec §4.2): unpack the archive aside, give the source its owner and mode, then a
-# directory's contents are merged into DEST (created if needed; an existing DEST keeps its
-# own owner and mode), a file goes into DEST when it ends with "/" or is a directory, else
-# becomes DEST; symlinks stay links.
+# directory's contents are merged into DEST (an existing DEST keeps its own owner and mode;
+# a new one is the unpacked directory moved into place, as `cp -a src/. DEST/` would leave
+# it but without writing every file twice: a venv of 330 MB took 93 s to unpack and copy
+# under TCG), a file goes into DEST when it ends with "/" or is a directory, else becomes
+# DEST; symlinks stay links.
 COPY_SCRIPT = _TOOLS + _ENSURE_DIR + r'''
 set -eu
 rm -rf "$WORK"; mkdir -p "$WORK"
@@ -67,7 +69,11 @@ src="$WORK/$SRC"
 if [ ! -e "$src" ] && [ ! -L "$src" ]; then echo "COPY: $SRC is not among the uploaded files" >&2; exit 2; fi
 chown -hR "$OWNER" "$src"
 if [ -n "$MODE" ]; then chmod -R "$MODE" "$src"; fi
-if [ -d "$src" ] && [ ! -L "$src" ]; then
+dest="${DEST%/}"
+if [ -d "$src" ] && [ ! -L "$src" ] && [ -n "$dest" ] && [ ! -e "$dest" ] && [ ! -L "$dest" ]; then
+  ensure_dir "$(dirname "$dest")"
+  mv "$src" "$dest"
+elif [ -d "$src" ] && [ ! -L "$src" ]; then
   keep=""
   if [ -d "$DEST" ]; then keep=$(stat -c '%u:%g %a' "$DEST"); fi
   ensure_dir "$DEST"

@@ -129,6 +129,8 @@ def _archive(files: dict[str, str], gz: bool = True) -> bytes:
     ("site/index.html", "/srv/renamed.html", "0", {"srv/renamed.html": "home"}),
 ])
 def test_copy_with_the_drive_tools(image, src, dest, into, expect):
+    """A new directory destination (the first case) is the unpacked tree moved into place;
+    the others copy into what exists."""
     (image / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n")
     (image / "etc/group").write_text("root:x:0:\nuser:x:1000:\n")
     (image / "tmp/up.tar").write_bytes(_archive({"site/index.html": "home",
@@ -162,3 +164,27 @@ def test_root_env_is_what_the_login_shell_exports(image):
     env = dict(item.split("=", 1) for item in proc.stdout.decode().split("\0") if "=" in item)
     assert env["FROM_PROFILE"] == "a b" and env["HOME"] == "/root" and "NOT_EXPORTED" not in env
 
+
+
+@pytest.mark.parametrize("exists", [False, True], ids=["new", "existing"])
+def test_a_directory_copied_to_a_new_or_an_existing_destination(image, exists):
+    """The same files, owners and modes either way; an existing destination keeps its own
+    owner and mode and what it held, a new one is made with the parents it lacks."""
+    (image / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n")
+    (image / "etc/group").write_text("root:x:0:\nuser:x:1000:\n")
+    if exists:
+        (image / "srv/app").mkdir(parents=True, mode=0o700)
+        (image / "srv/app/old.txt").write_text("old")
+    (image / "tmp/up.tar").write_bytes(_archive({"venv/bin/python": "py", "venv/lib/m.py": "m"}))
+    ok(run(image, guest.COPY_SCRIPT, ARCHIVE="/tmp/up.tar", GZ="1", SRC="venv", DEST="/srv/app/", INTO="0",
+           OWNER="user:user", MODE="", WORK="/tmp/work"))
+    app = image / "srv/app"
+    assert (app / "bin/python").read_text() == "py" and (app / "lib/m.py").read_text() == "m"
+    assert (app / "lib/m.py").stat().st_uid == 1000 and (app / "lib/m.py").stat().st_mode & 0o777 == 0o600
+    assert int((app / "lib/m.py").stat().st_mtime) == 1700000000
+    if exists:
+        assert (app / "old.txt").read_text() == "old"
+        assert app.stat().st_uid == 0 and app.stat().st_mode & 0o777 == 0o700
+    else:
+        assert app.stat().st_uid == 1000 and (image / "srv").stat().st_uid == 1000
+    assert not (image / "tmp/work").exists() and not (image / "tmp/up.tar").exists()
