@@ -54,13 +54,22 @@ class Cluster:
     def _layout_file(self) -> Path:
         return self.layout.state_dir / "cluster.json"
 
-    def _secret_key(self) -> str:
-        path = self.layout.state_dir / "secret_key"
+    def _state_secret(self, name: str) -> str:
+        """A random secret of the cluster's, made once in its state dir (0600)."""
+        path = self.layout.state_dir / name
         if not path.exists():
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_urlsafe(50))
         return path.read_text().strip()
+
+    def _secret_key(self) -> str:
+        return self._state_secret("secret_key")
+
+    @property
+    def admin_token(self) -> str:
+        """The operators' token (``AENV_ADMIN_TOKEN``): ``GET /nodes`` shows every figure with it."""
+        return self._state_secret("admin_token")
 
     @property
     def api_key(self) -> str:
@@ -115,7 +124,7 @@ class Cluster:
             node.home.mkdir(parents=True, exist_ok=True)
             self.procs.start(Spec(self._node_proc(node), (self.python, "manage.py", "run_node"),
                                   self._env(node.env(key, deny)), netns=node.netns))
-        control = self._env(layout.control_env(key))
+        control = self._env({**layout.control_env(key), "AENV_ADMIN_TOKEN": self.admin_token})
         self.procs.start(Spec("sweeper", (self.python, "manage.py", "run_lifecycle"), control))
         self.procs.start(Spec("api", (self.python, "-m", "daphne", "-b", "127.0.0.1", "-p", str(layout.api_port),
                                       "aenv_site.asgi:application"), control))
@@ -219,7 +228,8 @@ class Cluster:
     def nodes(self) -> list[dict] | None:
         """``GET /nodes`` (None while the API does not answer)."""
         try:
-            answer = httpx.get(f"{self.layout.api_url}/nodes", headers={"X-API-Key": self.api_key}, timeout=5)
+            answer = httpx.get(f"{self.layout.api_url}/nodes", timeout=5,
+                               headers={"X-API-Key": self.api_key, "X-Admin-Token": self.admin_token})
         except (httpx.HTTPError, OSError):
             return None
         return answer.json() if answer.status_code == 200 else None

@@ -87,8 +87,8 @@ def stack_of(tag: str, extra_env: dict | None = None):
 
 
 @contextmanager
-def api_of(url: str, key: str, made: set):
-    api = Api(url, key)
+def api_of(url: str, key: str, made: set, admin_token: str = ""):
+    api = Api(url, key, admin_token)
     try:
         yield api
     finally:
@@ -151,7 +151,7 @@ def stop_second_node(node) -> None:
 
 
 def run_single_node(args, result: dict, made: set, monitor: LoadMonitor) -> None:
-    with stack_of("cs") as stack, api_of(stack.api_url, stack.api_key, made) as api:
+    with stack_of("cs") as stack, api_of(stack.api_url, stack.api_key, made, stack.admin_token) as api:
         if "capacity" in args.parts:
             monitor.phase = "capacity"
             cap = parts.Capacity(api, stack.home, parallel=args.capacity_parallel, limit=args.capacity_max,
@@ -192,7 +192,7 @@ def run_creates(args, result: dict, made: set, monitor: LoadMonitor) -> None:
     n = burst_size(args, result)
     for nodes in (1, 3):
         monitor.phase = f"creates_{nodes}"
-        with cluster_of(nodes) as cluster, api_of(cluster.layout.api_url, cluster.api_key, made) as api:
+        with cluster_of(nodes) as cluster, api_of(cluster.layout.api_url, cluster.api_key, made, cluster.admin_token) as api:
             result[f"creates_{nodes}"] = c = parts.creates(api, ClusterDb(cluster), creates=n, clients=args.clients)
         print(f"creates, {nodes} node(s): {c['statuses']}, {c['creates_per_s']}/s, p50 "
               f"{c['latency_ms_created'].get('p50')} ms, p99 {c['latency_ms_created'].get('p99')} ms", flush=True)
@@ -230,7 +230,7 @@ def run_moves(args, result: dict, made: set, monitor: LoadMonitor) -> None:
             node_b = None
             try:
                 node_b = SecondNode(stack, root)
-                with api_of(stack.api_url, stack.api_key, made) as api:
+                with api_of(stack.api_url, stack.api_key, made, stack.admin_token) as api:
                     result["moves"] = mv = parts.resume_same_vs_other_node(
                         api, stack, node_b.id, runs=args.move_runs, image_bytes=lambda sid: stored_bytes(url, sid))
             finally:

@@ -50,8 +50,10 @@ class Api:
     """One team's view of an API (a stack or a cluster); remembers every sandbox it made,
     so ``kill_all`` leaves nothing running."""
 
-    def __init__(self, api_url: str, key: str):
+    def __init__(self, api_url: str, key: str, admin_token: str = ""):
         self.url, self.headers = api_url.rstrip("/"), {"X-API-Key": key}
+        # GET /nodes shows placement's figures to operators only (AENV_ADMIN_TOKEN)
+        self.admin_headers = {"X-Admin-Token": admin_token} if admin_token else {}
         self.client = httpx.Client(trust_env=False, headers=self.headers)  # no HTTP(S)_PROXY detour
         self.live: set[str] = set()
 

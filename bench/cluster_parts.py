@@ -41,7 +41,7 @@ def phase_medians(answers) -> dict:
 
 def nodes_view(api: Api) -> list[dict]:
     """GET /nodes, reduced to what placement decided with."""
-    resp = api.client.get(f"{api.url}/nodes", timeout=30)
+    resp = api.client.get(f"{api.url}/nodes", headers=api.admin_headers, timeout=30)
     if resp.status_code != 200:
         return []
     return [{"id": n["id"], "status": n["status"], "sandboxes": n["sandboxCount"],

@@ -131,9 +131,12 @@ def test_log_lines_appear_live_and_the_build_ends(page, log_stack, shots_dir):
     assert errors == []
 
 
-def test_the_dashboard_refuses_to_be_framed(browser, log_stack):
+def test_the_dashboard_refuses_to_be_framed(log_stack, browser):
     """Another site's page framing the dashboard (clickjacking): the browser refuses it
-    (CSP frame-ancestors 'none', X-Frame-Options DENY) and the frame shows nothing of it."""
+    (CSP frame-ancestors 'none', X-Frame-Options DENY) and the frame shows nothing of it.
+    The stack is asked for before the browser, so it is torn down after it: Playwright's
+    sync API keeps an event loop running in this thread, and the stack's teardown (pyroute2)
+    cannot run its own while it does."""
     context = browser.new_context()
     try:
         pg = context.new_page()

@@ -27,9 +27,11 @@ test('streaming callbacks arrive before the call returns', async () => {
     onStdout: (m) => seen.push([m.line, Date.now()]),
   })
   const returned = Date.now()
-  assert.deepEqual(seen.map(([line]) => line), ['a\n', 'b\n'])
+  // The kernel's stdout may arrive as "a" and "\n" when its flush timer fires between
+  // print's two writes (a loaded host): the text and its timing are what is promised.
+  assert.equal(seen.map(([line]) => line).join(''), 'a\nb\n')
   assert.ok(returned - seen[0][1] >= 1000, `${returned - seen[0][1]} ms`)
-  assert.deepEqual(execution.logs.stdout, ['a\n', 'b\n'])
+  assert.equal(execution.logs.stdout.join(''), 'a\nb\n')
 })
 
 test('a chart: png, chart, no extra formats', async () => {

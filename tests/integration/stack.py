@@ -23,6 +23,8 @@ from .networld import EXT_A, EXT_B
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
+# The stacks' operators' token (AENV_ADMIN_TOKEN): what GET /nodes needs to show every figure.
+ADMIN_TOKEN = "test-operators-" + uuid.uuid4().hex
 
 
 def free_port() -> int:
@@ -94,6 +96,7 @@ class Stack:
             # the test world's external hosts sit in TEST-NET-2, always denied: opened as an
             # operator opens a mirror (networld.py)
             AENV_NET_ALLOW_EXTRA=f"{EXT_A}/32,{EXT_B}/32",
+            AENV_ADMIN_TOKEN=ADMIN_TOKEN,
             DJANGO_SETTINGS_MODULE="aenv_site.settings",
             PYTHONUNBUFFERED="1",
         )
@@ -227,6 +230,15 @@ class Stack:
 
     def headers(self) -> dict:
         return {"X-API-Key": self.api_key}
+
+    @property
+    def admin_token(self) -> str:
+        return ADMIN_TOKEN
+
+    def admin_headers(self) -> dict:
+        """The operators' view (``GET /nodes`` with every figure): the key and the stack's
+        ``AENV_ADMIN_TOKEN``."""
+        return {**self.headers(), "X-Admin-Token": self.admin_token}
 
     def vm_leftovers(self) -> dict:
         """QEMU processes, sandbox state dirs and RAM files that belong to this stack's home."""

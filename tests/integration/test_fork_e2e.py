@@ -179,7 +179,7 @@ def test_fork_into_sixteen_on_one_node(stack, sdk_env):
         assert len(children) == 16
         for c in children:
             assert c.files.read("/home/user/state.txt") == "from parent"
-        node = httpx.get(f"{stack.api_url}/nodes", headers=stack.headers()).json()[0]
+        node = httpx.get(f"{stack.api_url}/nodes", headers=stack.admin_headers()).json()[0]
         charge_mb = min(512, settings.AENV_FORK_CHILD_MEMORY_MB)
         charge_cpu = -(-2 // int(settings.AENV_FORK_VCPU_OVERCOMMIT))
         assert node["metrics"]["allocatedMemoryBytes"] == (512 + 16 * charge_mb) << 20, node["metrics"]

@@ -77,13 +77,13 @@ def test_metrics_nodes_and_prometheus_end_to_end(metrics_stack):
         assert newest["sandboxes"][sandbox.sandbox_id]["memTotal"] == first.mem_total
 
         # -- the node, as GET /nodes shows it
-        nodes = httpx.get(f"{s.api_url}/nodes", headers=s.headers(), timeout=10).json()
+        nodes = httpx.get(f"{s.api_url}/nodes", headers=s.admin_headers(), timeout=10).json()
         (node,) = [n for n in nodes if n["id"] == s.node_id]
         assert node["status"] == "ready" and node["sandboxCount"] == 1 and node["createSuccesses"] >= 1
         assert node["metrics"]["allocatedCPU"] == 2 and node["metrics"]["allocatedMemoryBytes"] == 512 * MIB
         assert node["metrics"]["memoryTotalBytes"] > 0 and node["metrics"]["disks"]
         assert node["metricsPort"] == int(s.node_metrics_url.split(":")[2].split("/")[0])
-        detail = httpx.get(f"{s.api_url}/nodes/{s.node_id}", headers=s.headers(), timeout=10)
+        detail = httpx.get(f"{s.api_url}/nodes/{s.node_id}", headers=s.admin_headers(), timeout=10)
         assert detail.status_code == 200 and detail.json()["cachedBuilds"] == []
 
         # -- Prometheus: a command goes through the data plane, the create ran on the node
