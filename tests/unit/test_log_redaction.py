@@ -5,7 +5,6 @@ are run, asked with a signed URL and every token header, and their whole output 
 import io
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,9 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from django.db import connection
 
 from aenv_site.log_redaction import REDACTED, redact
+from tests.integration.stack import free_port
+from tests.unit.test_dataplane import _test_database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -29,25 +29,12 @@ HEADERS = {"X-Access-Token": SECRETS["access"], "X-API-Key": SECRETS["api"],
 QUERY = f"path=%2Fa&signature={SECRETS['signature']}&signature_expiration=4102444800&token={SECRETS['query']}"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _database_url() -> str:
-    db = connection.settings_dict
-    if db["ENGINE"].endswith("sqlite3"):
-        return f"sqlite:///{db['NAME']}"
-    return f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-
-
 def _serve_and_ask(tmp_path, argv, ready_status, requests) -> str:
     """Runs ``argv`` (a server on ``{port}``) until it answers, makes ``requests``
     (method, path, headers), stops it, and returns everything it wrote."""
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "server.log"
-    env = {**os.environ, "DATABASE_URL": _database_url(), "AENV_HOME": str(tmp_path), "AENV_LOG_LEVEL": "DEBUG",
+    env = {**os.environ, "DATABASE_URL": _test_database_url(), "AENV_HOME": str(tmp_path), "AENV_LOG_LEVEL": "DEBUG",
            "PYTHONUNBUFFERED": "1"}
     with open(out, "wb") as log:
         proc = subprocess.Popen([a.format(port=port) for a in argv], cwd=ROOT, env=env, stdout=log,
