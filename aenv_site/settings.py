@@ -219,6 +219,9 @@ AENV_TEMPLATE_BUILD_TIMEOUT = _env_int("AENV_TEMPLATE_BUILD_TIMEOUT", 3600)
 # What a build's commands print is kept in its log up to this many MiB (a RUN in the
 # user's image is a hostile guest's output); the rest is counted, not stored.
 AENV_BUILD_LOG_MAX_MB = _env_int("AENV_BUILD_LOG_MAX_MB", 16)
+for _name in ("AENV_CONSOLE_LOG_MAX_KB", "AENV_DISK_BPS_MAX_MB", "AENV_DISK_IOPS_MAX", "AENV_BUILD_LOG_MAX_MB"):
+    if globals()[_name] < 0:  # a negative bound would fail later, inside a VM start or a build
+        raise ImproperlyConfigured(f"{_name} must be >= 0")
 # The node's image cache: the template layer cache, the pulled images' root disks and
 # their OCI blobs, evicted least recently used first (agent.builder.images) after every
 # build and at node start; what VMs or snapshots on the node use always stays.

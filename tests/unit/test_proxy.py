@@ -662,3 +662,16 @@ def test_a_misspelt_flag_setting_is_refused(monkeypatch):
         _env_bool("AENV_SIGNED_URL_REQUIRE_EXPIRATION", False)
     monkeypatch.setenv("AENV_SIGNED_URL_REQUIRE_EXPIRATION", "ON")
     assert _env_bool("AENV_SIGNED_URL_REQUIRE_EXPIRATION", False) is True
+
+
+@pytest.mark.parametrize("name", ["AENV_CONSOLE_LOG_MAX_KB", "AENV_DISK_BPS_MAX_MB", "AENV_DISK_IOPS_MAX",
+                                  "AENV_BUILD_LOG_MAX_MB"])
+def test_a_negative_guest_bound_stops_the_settings(name):
+    """A negative bound is refused when the settings load, not later inside a VM start or a build."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import aenv_site.settings"], capture_output=True, text=True,
+                          env={**os.environ, name: "-1"}, timeout=60)
+    assert done.returncode != 0 and f"{name} must be >= 0" in done.stderr, done.stderr[-500:]
