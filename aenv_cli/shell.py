@@ -110,6 +110,7 @@ class Session:
         self.started = threading.Event()
         self.attached = threading.Event()
         self.finished = threading.Event()
+        self.finish_lock = threading.Lock()  # the output pump and the input loop both end sessions
         self.outcome: tuple[int, str | None] = (errors.FAILED, "the session ended unexpectedly")
         self.used = False  # input or output since the last time-to-live extension
         self.wake_r, self.wake_w = os.pipe()
@@ -129,10 +130,11 @@ class Session:
 
     def finish(self, code: int, notice: str | None = None) -> None:
         """Ends the session (the first call wins)."""
-        if self.finished.is_set():
-            return
-        self.outcome = (code, notice)
-        self.finished.set()
+        with self.finish_lock:
+            if self.finished.is_set():
+                return
+            self.outcome = (code, notice)
+            self.finished.set()
         self._wake(b"x")
 
     def _wake(self, byte: bytes) -> None:
@@ -294,12 +296,14 @@ class Session:
         self._wake(b"w")
 
     def _hang_up(self, signum: int) -> None:
+        """The session's outcome is the signal's, decided before the remote shell is
+        killed: the output pump would otherwise report the killed shell's 137 first."""
+        self.finish(128 + signum, None)
         if self.pid is not None:
             try:
                 self.input_envd.kill(self.pid)
             except EnvdError:
                 pass
-        self.finish(128 + signum, None)
 
     def _loop(self) -> None:
         reading = True
