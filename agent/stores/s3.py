@@ -33,7 +33,10 @@ The node that took a snapshot keeps its local copy (``AENV_HOME/snapshots/<id>``
 as posix_fs). Other nodes download into ``AENV_HOME/cache/snapshots/<id>`` (see
 storage_cache), rewrite the paths to theirs and let the VM driver adopt the files
 (``adopt_snapshot``: QEMU re-points each layer's backing file); the driver also says
-beforehand whether this node can restore it at all (``check_snapshot``: the image build)."""
+beforehand whether this node can restore it at all (``check_snapshot``: the image build).
+
+This module is the upload and download logic; the bucket's object names and the
+release half of the scheme are ``s3_objects``, the manifest's path rewriting ``s3_paths``."""
 from __future__ import annotations
 
 import json
@@ -42,7 +45,6 @@ import os
 import re
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vmm.driver import SnapshotManifest, VMError
@@ -51,88 +53,20 @@ from .base import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked, com
 from .cache import CacheFull, SnapshotCache
 from .chunks import CHUNK_SIZE, Chunk, allocated_bytes, chunk_spans, digest, read_chunk
 from .local_chunks import LocalChunks
+from .s3_objects import S3Objects
+from .s3_paths import image_files, localize, relativize, replace_path, unique_paths
 
 log = logging.getLogger(__name__)
 
 FORMAT = "aenv-snapshot/1"
-SNAP, IMAGES = "$SNAPSHOT", "$IMAGES"
 FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SHA = re.compile(r"^[0-9a-f]{64}$")
 SKIP_FILES = {"manifest.json", ".last_used"}
 
 
-def make_client(endpoint: str = "", region: str = "", concurrency: int = 8):
-    """A boto3 S3 client; credentials come from the standard AWS sources."""
-    import boto3  # noqa: PLC0415
-    from botocore.config import Config  # noqa: PLC0415
-
-    config = Config(max_pool_connections=max(10, concurrency), retries={"max_attempts": 5, "mode": "standard"},
-                    s3={"addressing_style": "path"} if endpoint else None)
-    return boto3.client("s3", endpoint_url=endpoint or None, region_name=region or None, config=config)
-
-
-def _is_missing(exc: Exception) -> bool:
-    code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
-    return code in ("404", "NoSuchKey", "NotFound")
-
-
-# --------------------------------------------------------------------------- paths
-
-
-def relativize(value, snap_dir: Path, images_dirs: list[Path]):
-    """``value`` (manifest JSON) with absolute paths into the snapshot dir or the
-    images dir replaced by ``$SNAPSHOT``/``$IMAGES`` forms."""
-    roots = [(str(snap_dir), SNAP)] + [(str(d), IMAGES) for d in images_dirs]
-    if isinstance(value, dict):
-        return {k: relativize(v, snap_dir, images_dirs) for k, v in value.items()}
-    if isinstance(value, list):
-        return [relativize(v, snap_dir, images_dirs) for v in value]
-    if isinstance(value, str):
-        for root, token in roots:
-            if value == root or value.startswith(root + "/"):
-                return token + value[len(root):]
-    return value
-
-
-def localize(value, snap_dir: Path, images_dir: Path):
-    """The inverse of relativize, onto this node's directories."""
-    if isinstance(value, dict):
-        return {k: localize(v, snap_dir, images_dir) for k, v in value.items()}
-    if isinstance(value, list):
-        return [localize(v, snap_dir, images_dir) for v in value]
-    if isinstance(value, str):
-        for token, root in ((SNAP, snap_dir), (IMAGES, images_dir)):
-            if value == token or value.startswith(token + "/"):
-                return str(root) + value[len(token):]
-    return value
-
-
-def image_files(manifest: dict, images_dirs: list[Path]) -> dict[str, str]:
-    """{role: path} of the files a snapshot's manifest takes from the node's images dir:
-    its template's base disk (the bottom layer, unless the snapshot carries its own), the
-    kernel, initrd and tools drive."""
-    machine = manifest.get("machine") or {}
-    layers = manifest.get("layers") or []
-    named = {"base": layers[0] if layers else "", **{key: machine.get(key) or "" for key in ("kernel", "initrd", "tools")}}
-    roots = [str(d) + "/" for d in images_dirs]
-    return {role: path for role, path in named.items() if path and path.startswith(tuple(roots))}
-
-
-def _replace_path(value, old: str, new: str):
-    """Every string of the manifest JSON ``value`` equal to ``old`` becomes ``new`` (in place)."""
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in list(items):
-        if item == old:
-            value[key] = new
-        elif isinstance(item, (dict, list)):
-            _replace_path(item, old, new)
-
-
-# --------------------------------------------------------------------------- store
-
-
-class S3Store(SnapshotStore):
-    """Local captures as posix_fs, plus an S3 copy any node can restore from."""
+class S3Store(S3Objects, SnapshotStore):
+    """Local captures as posix_fs, plus an S3 copy any node can restore from (the
+    bucket's object names and releasing: ``S3Objects``)."""
 
     name = "s3"
 
@@ -142,19 +76,15 @@ class S3Store(SnapshotStore):
         """``driver``: the node's VM driver (vmm.driver.VMDriver), which adopts downloads and
         says which cached files its VMs use; default the node's own (agent.driver), made on
         first use, since only downloads and eviction need it."""
-        if not bucket:
-            raise SnapshotStoreError("the s3 snapshot store needs a bucket (AENV_S3_BUCKET)")
+        super().__init__(bucket=bucket, client=client, endpoint=endpoint, region=region, prefix=prefix,
+                         concurrency=concurrency)
         home = Path(home).absolute()
         self.local = PosixFsStore(home / "snapshots")
         self._driver = driver
         self.cache = SnapshotCache(home / "cache" / "snapshots", lambda: self.driver.files_in_use(),
                                    cache_limit_bytes, pin_seconds)
         self.images_dir = Path(images_dir).absolute()
-        self.bucket = bucket
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.concurrency = max(1, int(concurrency))
         self.chunk_size = int(chunk_size)
-        self.s3 = client or make_client(endpoint, region, self.concurrency)
         # what a download need not fetch: chunks of this node's image builds, template
         # snapshots and earlier downloads
         self.on_disk = LocalChunks([self.images_dir, self.cache.root], home / "cache" / "chunk-index",
@@ -167,56 +97,6 @@ class S3Store(SnapshotStore):
 
             self._driver = get_driver()
         return self._driver
-
-    # ------------------------------------------------------------------ keys
-
-    def manifest_key(self, snapshot_id: str) -> str:
-        return f"{self.prefix}snapshots/{snapshot_id}/manifest.json"
-
-    def chunk_key(self, sha: str) -> str:
-        return f"{self.prefix}chunks/{sha}"
-
-    def ref_key(self, sha: str, snapshot_id: str) -> str:
-        return f"{self.prefix}refs/{sha}/{snapshot_id}"
-
-    def image_key(self, file_digest: str) -> str:
-        return f"{self.prefix}images/{file_digest}.json"
-
-    def image_user_key(self, file_digest: str, snapshot_id: str) -> str:
-        return f"{self.prefix}image-users/{file_digest}/{snapshot_id}"
-
-    def trash_key(self, snapshot_id: str) -> str:
-        return f"{self.prefix}trash/{snapshot_id}.json"
-
-    def _where(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
-
-    # ------------------------------------------------------------------ small S3 helpers
-
-    def _exists(self, key: str) -> bool:
-        try:
-            self.s3.head_object(Bucket=self.bucket, Key=key)
-            return True
-        except Exception as exc:
-            if _is_missing(exc):
-                return False
-            raise
-
-    def _get_json(self, key: str) -> dict | None:
-        try:
-            body = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-        except Exception as exc:
-            if _is_missing(exc):
-                return None
-            raise
-        return json.loads(body)
-
-    def _put_json(self, key: str, doc: dict) -> None:
-        self.s3.put_object(Bucket=self.bucket, Key=key, Body=json.dumps(doc, indent=1).encode(),
-                           ContentType="application/json")
-
-    def _pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="aenv-s3")
 
     # ------------------------------------------------------------------ interface
 
@@ -301,7 +181,7 @@ class S3Store(SnapshotStore):
                 stats["chunks"] += 1
                 stats["uploaded"] += 1 if sent else 0
                 stats["uploaded_bytes"] += sent
-            images_dirs = _unique([self.images_dir, self.images_dir.resolve()])
+            images_dirs = unique_paths([self.images_dir, self.images_dir.resolve()])
             needed = image_files(manifest, images_dirs)
             doc = {
                 "format": FORMAT, "snapshot_id": snapshot_id, "chunk_size": self.chunk_size, "files": files,
@@ -433,7 +313,7 @@ class S3Store(SnapshotStore):
                                          f"({info['digest'][:16]}), which {self._where()} does not have")
             name = f"image-{role}{Path(local).suffix}"
             files[name] = (int(image["size"]), image["chunks"])
-            _replace_path(manifest, local, str(final / name))
+            replace_path(manifest, local, str(final / name))
             shipped.append(name)
         return shipped
 
@@ -503,52 +383,3 @@ class S3Store(SnapshotStore):
             raise
         except Exception as exc:
             raise SnapshotStoreError(f"deleting snapshot {snapshot_id} from {self._where()} failed: {exc}") from exc
-
-    def _delete_remote(self, snapshot_id: str) -> bool:
-        doc = self._get_json(self.manifest_key(snapshot_id))
-        if doc is not None:
-            self._put_json(self.trash_key(snapshot_id), doc)
-            self.s3.delete_object(Bucket=self.bucket, Key=self.manifest_key(snapshot_id))
-        else:
-            doc = self._get_json(self.trash_key(snapshot_id))  # an interrupted delete
-            if doc is None:
-                return False
-        shas = sorted({c[2] for f in doc.get("files", {}).values() for c in f.get("chunks", [])})
-        with self._pool() as pool:
-            list(pool.map(lambda sha: self._release(sha, snapshot_id), shas))
-        for file_digest in sorted({i["digest"] for i in (doc.get("image_files") or {}).values()}):
-            self._release_image(file_digest, snapshot_id)
-        self.s3.delete_object(Bucket=self.bucket, Key=self.trash_key(snapshot_id))
-        return True
-
-    def _release_image(self, file_digest: str, snapshot_id: str) -> None:
-        """Drops this snapshot's use of an image file; with its last user the image goes:
-        its index first (so no new snapshot relies on chunks about to go), then its chunks'
-        markers, and each chunk nothing else marks."""
-        self.s3.delete_object(Bucket=self.bucket, Key=self.image_user_key(file_digest, snapshot_id))
-        left = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}image-users/{file_digest}/",
-                                       MaxKeys=1)
-        if left.get("KeyCount"):
-            return
-        image = self._get_json(self.image_key(file_digest))
-        if image is None:
-            return
-        self.s3.delete_object(Bucket=self.bucket, Key=self.image_key(file_digest))
-        owner = f"image-{file_digest[:32]}"
-        with self._pool() as pool:
-            list(pool.map(lambda sha: self._release(sha, owner), sorted({c[2] for c in image["chunks"]})))
-
-    def _release(self, sha: str, snapshot_id: str) -> None:
-        """Drops this snapshot's marker; the chunk goes when no marker is left."""
-        self.s3.delete_object(Bucket=self.bucket, Key=self.ref_key(sha, snapshot_id))
-        left = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}refs/{sha}/", MaxKeys=1)
-        if not left.get("KeyCount"):
-            self.s3.delete_object(Bucket=self.bucket, Key=self.chunk_key(sha))
-
-
-def _unique(paths: list[Path]) -> list[Path]:
-    out = []
-    for p in paths:
-        if p not in out:
-            out.append(p)
-    return out
