@@ -31,15 +31,20 @@ and USER are replaced by the values ``ARG`` and ``ENV`` gave them earlier in the
 a variable it does not know (say ``$HOME``, from the image) is left as written. ENV
 values are substituted the same way and keep unknown references for the builder, which
 expands them (an escaped ``\\$`` stays ``\\$``, a literal dollar for it). RUN commands
-and the start command are left to the shell."""
+and the start command are left to the shell.
+
+This module converts instructions into steps; splitting the file into instructions and
+words (Docker's lexical rules) is ``dockerfile_syntax``'s."""
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
+
+from .dockerfile_syntax import (NAME, DockerfileError, Instruction, Lexer, has_heredoc, parse_exec_form,
+                               read_instructions, split_flags)
 
 DEFAULT_READY_CMD = "sleep 20"  # what from_dockerfile gives a CMD / ENTRYPOINT
 IGNORED = {"EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "VOLUME"}
@@ -51,19 +56,6 @@ REFUSED = {
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tbz", ".tar.xz", ".txz", ".tar.zst")
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 _CHMOD = re.compile(r"^[0-7]{3,4}$")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_HEREDOC = re.compile(r"<<-?\s*[\"']?[A-Za-z_][A-Za-z0-9_]*")
-
-
-class DockerfileError(ValueError):
-    """A Dockerfile aenv cannot turn into a template; says why and on which line."""
-
-    def __init__(self, message: str, line: int | None = None):
-        super().__init__(message)
-        self.message, self.line = message, line
-
-    def __str__(self) -> str:
-        return f"line {self.line}: {self.message}" if self.line else self.message
 
 
 @dataclass
@@ -92,204 +84,6 @@ class Recipe:
         return [s for s in self.steps if s.type == "COPY"]
 
 
-@dataclass
-class _Instruction:
-    keyword: str
-    rest: str
-    line: int
-
-
-# --------------------------------------------------------------------------- lines
-
-
-def _directives(lines: list[str]) -> str:
-    """The escape character the parser directives at the top choose (``\\`` or a backtick)."""
-    escape = "\\"
-    for raw in lines:
-        m = re.match(r"^\s*#\s*([A-Za-z]+)\s*=\s*(\S+)\s*$", raw)
-        if not m:
-            break
-        if m.group(1).lower() == "escape":
-            if m.group(2) not in ("\\", "`"):
-                raise DockerfileError(f"invalid escape directive {m.group(2)!r}: \\ or ` expected", 1)
-            escape = m.group(2)
-    return escape
-
-
-def _instructions(text: str) -> tuple[list[_Instruction], str]:
-    """The logical instructions (continuations joined, comments dropped) with the line
-    each starts on, and the escape character."""
-    lines = text.lstrip("\ufeff").splitlines()
-    escape = _directives(lines)
-    continued = re.compile(re.escape(escape) + r"[ \t]*$")
-    out: list[_Instruction] = []
-    current: str | None = None
-    start = 0
-    for number, raw in enumerate(lines, start=1):
-        stripped = raw.strip()
-        if stripped.startswith("#") or (current is not None and not stripped):
-            continue  # comments anywhere, blank lines inside a continuation
-        if current is None:
-            if not stripped:
-                continue
-            start, current, raw = number, "", raw.lstrip()
-        body, n = continued.subn("", raw)
-        current += body
-        if not n:
-            out.append(_split(current, start))
-            current = None
-    if current is not None and current.strip():
-        out.append(_split(current, start))
-    return out, escape
-
-
-def _split(text: str, line: int) -> _Instruction:
-    keyword, rest = (re.split(r"\s+", text.strip(), maxsplit=1) + [""])[:2]
-    return _Instruction(keyword.upper(), rest.strip(), line)
-
-
-# --------------------------------------------------------------------------- words
-
-
-class _Lexer:
-    """Docker's word rules: quotes removed, the escape character takes the next one
-    literally, ``$VAR`` replaced from ``known`` (a None value: unknown) or kept."""
-
-    def __init__(self, escape: str, known: dict[str, str | None]):
-        self.escape, self.known = escape, known
-
-    def words(self, text: str, line: int, *, split: bool = True, shell_dollar: bool = False) -> list[str]:
-        """``text`` as words (one word with its spaces when ``split`` is False).
-        ``shell_dollar``: an escaped ``$`` stays ``\\$`` (a value a shell expands later)."""
-        words: list[str] = []
-        word: list[str] = []
-        started = False
-        i, n = 0, len(text)
-        literal_dollar = "\\$" if shell_dollar else "$"
-        while i < n:
-            ch = text[i]
-            if ch.isspace() and split:
-                if started:
-                    words.append("".join(word))
-                    word, started = [], False
-                i += 1
-                continue
-            started = True
-            if ch == self.escape:
-                if i + 1 < n:
-                    word.append(literal_dollar if text[i + 1] == "$" else text[i + 1])
-                i += 2
-            elif ch == "'":
-                end = text.find("'", i + 1)
-                if end < 0:
-                    raise DockerfileError("unterminated single quote", line)
-                word.append(text[i + 1:end].replace("$", literal_dollar) if shell_dollar else text[i + 1:end])
-                i = end + 1
-            elif ch == '"':
-                i += 1
-                while True:
-                    if i >= n:
-                        raise DockerfileError("unterminated double quote", line)
-                    c = text[i]
-                    if c == '"':
-                        i += 1
-                        break
-                    if c == self.escape and i + 1 < n and text[i + 1] in ('"', "$", self.escape):
-                        word.append(literal_dollar if text[i + 1] == "$" else text[i + 1])
-                        i += 2
-                    elif c == "$":
-                        value, i = self._variable(text, i, line)
-                        word.append(value)
-                    else:
-                        word.append(c)
-                        i += 1
-            elif ch == "$":
-                value, i = self._variable(text, i, line)
-                word.append(value)
-            else:
-                word.append(ch)
-                i += 1
-        if started:
-            words.append("".join(word))
-        return words
-
-    def substitute(self, text: str, line: int) -> str:
-        """Only the ``$VAR`` references of ``text`` replaced (a JSON-form word)."""
-        out, i = [], 0
-        while i < len(text):
-            if text[i] == "$":
-                value, i = self._variable(text, i, line)
-                out.append(value)
-            else:
-                out.append(text[i])
-                i += 1
-        return "".join(out)
-
-    def _variable(self, text: str, i: int, line: int) -> tuple[str, int]:
-        """The value of the reference at ``text[i] == '$'`` and where it ends; the
-        reference as written when its value is not known."""
-        if not text.startswith("${", i):
-            m = _NAME.match(text, i + 1)
-            if not m:
-                return "$", i + 1
-            value = self.known.get(m.group(0))
-            return (text[i:m.end()] if value is None else value), m.end()
-        end = text.find("}", i)
-        if end < 0:
-            raise DockerfileError("missing '}' in a ${...} reference", line)
-        inner = text[i + 2:end]
-        m = _NAME.match(inner)
-        if not m:
-            raise DockerfileError(f"bad substitution ${{{inner}}}", line)
-        modifier = inner[m.end():]
-        op = modifier[:2] if modifier.startswith(":") else modifier[:1]
-        if op not in ("", ":-", "-", ":+", "+"):
-            raise DockerfileError(f"unsupported modifier in ${{{inner}}} (:-, -, :+ and + are)", line)
-        value = self.known.get(m.group(0))
-        if value is None:
-            return text[i:end + 1], end + 1
-        word = modifier[len(op):]
-        result = {"": value, ":-": value or word, "-": value, ":+": word if value else "", "+": word}[op]
-        return result, end + 1
-
-
-def _exec_form(rest: str) -> list[str] | None:
-    """The words of a JSON exec form (``["a", "b"]``), or None for the shell form."""
-    if not rest.startswith("["):
-        return None
-    try:
-        value = json.loads(rest)
-    except ValueError:
-        return None
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return value
-    return None
-
-
-def _flags(rest: str) -> tuple[list[tuple[str, str | None]], str]:
-    """Leading ``--name[=value]`` words, and the rest."""
-    flags = []
-    while rest.startswith("--"):
-        word, rest = (re.split(r"\s+", rest, maxsplit=1) + [""])[:2]
-        name, eq, value = word[2:].partition("=")
-        flags.append((name, value if eq else None))
-    return flags, rest
-
-
-def _has_heredoc(rest: str) -> bool:
-    """``<<WORD`` outside quotes (a here-string ``<<<`` is not one)."""
-    quote = None
-    for i, ch in enumerate(rest):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif rest.startswith("<<", i) and not rest.startswith("<<<", i) and (i == 0 or rest[i - 1] != "<"):
-            if _HEREDOC.match(rest, i):
-                return True
-    return False
-
-
 # --------------------------------------------------------------------------- the file
 
 
@@ -299,7 +93,7 @@ class _Converter:
 
     def __init__(self, escape: str):
         self.known: dict[str, str | None] = {}
-        self.lexer = _Lexer(escape, self.known)
+        self.lexer = Lexer(escape, self.known)
         self.steps: list[Step] = [Step("USER", ["root"]), Step("WORKDIR", ["/"])]
         self.warnings: list[str] = []
         self.user_set = self.workdir_set = False
@@ -312,7 +106,7 @@ class _Converter:
     def remember(self, key: str, value: str) -> None:
         self.known[key] = None if "$" in value else value
 
-    def convert(self, instructions: list[_Instruction]) -> Recipe:
+    def convert(self, instructions: list[Instruction]) -> Recipe:
         froms = [i for i in instructions if i.keyword == "FROM"]
         if not froms:
             raise DockerfileError("the Dockerfile has no FROM instruction")
@@ -339,7 +133,7 @@ class _Converter:
             self.steps.append(Step("WORKDIR", ["/home/user"]))
         return Recipe(image, self.steps, self.start_cmd(), self.warnings)
 
-    def instruction(self, ins: _Instruction) -> None:
+    def instruction(self, ins: Instruction) -> None:
         kw = ins.keyword
         handlers = {"RUN": self.run, "COPY": self.copy, "ADD": self.copy, "ENV": self.env, "ARG": self.arg,
                     "WORKDIR": self.workdir, "USER": self.user, "CMD": self.cmd, "ENTRYPOINT": self.entrypoint}
@@ -352,14 +146,14 @@ class _Converter:
         else:
             raise DockerfileError(f"unknown or unsupported instruction {kw}", ins.line)
 
-    def no_flags(self, ins: _Instruction) -> str:
-        flags, rest = _flags(ins.rest)
+    def no_flags(self, ins: Instruction) -> str:
+        flags, rest = split_flags(ins.rest)
         if flags:
             raise DockerfileError(f"{ins.keyword} takes no flags (--{flags[0][0]})", ins.line)
         return rest
 
-    def from_(self, ins: _Instruction) -> str:
-        flags, rest = _flags(ins.rest)
+    def from_(self, ins: Instruction) -> str:
+        flags, rest = split_flags(ins.rest)
         for name, _value in flags:
             if name != "platform":
                 raise DockerfileError(f"unknown FROM flag --{name}", ins.line)
@@ -373,19 +167,19 @@ class _Converter:
             raise DockerfileError(f"FROM {words[0]!r}: not an image reference (an undefined ARG?)", ins.line)
         return words[0]
 
-    def run(self, ins: _Instruction) -> None:
-        flags, rest = _flags(ins.rest)
+    def run(self, ins: Instruction) -> None:
+        flags, rest = split_flags(ins.rest)
         for name, value in flags:
             if name == "mount" and "type=cache" not in (value or "").split(","):
                 raise DockerfileError(f"RUN --mount={value} is not supported (only type=cache, ignored)", ins.line)
             if name not in ("mount", "network", "security"):
                 raise DockerfileError(f"unknown RUN flag --{name}", ins.line)
             self.warn(ins.line, f"RUN --{name} is ignored")
-        words = _exec_form(rest)
+        words = parse_exec_form(rest)
         if words is not None:
             command = shlex.join(words)
         else:
-            if _has_heredoc(rest):
+            if has_heredoc(rest):
                 raise DockerfileError("heredocs (<<EOF) are not supported: put the script in a file, COPY it and "
                                       "RUN it", ins.line)
             command = rest
@@ -393,9 +187,9 @@ class _Converter:
             raise DockerfileError("RUN needs a command", ins.line)
         self.steps.append(Step("RUN", [command], ins.line))
 
-    def copy(self, ins: _Instruction) -> None:
+    def copy(self, ins: Instruction) -> None:
         kw = ins.keyword
-        flags, rest = _flags(ins.rest)
+        flags, rest = split_flags(ins.rest)
         owner = mode = ""
         for name, value in flags:
             if name in ("chown", "chmod") and not value:
@@ -413,9 +207,9 @@ class _Converter:
                 self.warn(ins.line, f"{kw} --link is ignored")
             else:
                 raise DockerfileError(f"{kw} --{name} is not supported", ins.line)
-        words = _exec_form(rest)
+        words = parse_exec_form(rest)
         if words is None:
-            if _has_heredoc(rest):
+            if has_heredoc(rest):
                 raise DockerfileError(f"heredocs (<<EOF) in {kw} are not supported: put the content in a file",
                                       ins.line)
             words = self.lexer.words(rest, ins.line)
@@ -435,7 +229,7 @@ class _Converter:
                 raise DockerfileError(f"{kw} source {src!r} must be a path inside the build context", ins.line)
             self.steps.append(Step("COPY", [src, dest, owner, mode], ins.line))
 
-    def env(self, ins: _Instruction) -> None:
+    def env(self, ins: Instruction) -> None:
         rest = self.no_flags(ins)
         first = rest.split(None, 1)
         if not first:
@@ -453,13 +247,13 @@ class _Converter:
                 pairs.append((key, value))
         args = []
         for key, value in pairs:
-            if not _NAME.fullmatch(key):
+            if not NAME.fullmatch(key):
                 raise DockerfileError(f"ENV name {key!r} is not a valid variable name", ins.line)
             self.remember(key, value)
             args += [key, value]
         self.steps.append(Step("ENV", args, ins.line))
 
-    def args(self, ins: _Instruction) -> list[tuple[str, str | None]]:
+    def args(self, ins: Instruction) -> list[tuple[str, str | None]]:
         rest = self.no_flags(ins)
         words = self.lexer.words(rest, ins.line, shell_dollar=True)
         if not words:
@@ -467,12 +261,12 @@ class _Converter:
         out = []
         for word in words:
             key, eq, value = word.partition("=")
-            if not _NAME.fullmatch(key):
+            if not NAME.fullmatch(key):
                 raise DockerfileError(f"ARG name {key!r} is not a valid variable name", ins.line)
             out.append((key, value if eq else None))
         return out
 
-    def arg(self, ins: _Instruction) -> None:
+    def arg(self, ins: Instruction) -> None:
         args = []
         for key, value in self.args(ins):
             if value is None:  # no default: nothing to set (the name stays unknown)
@@ -483,30 +277,30 @@ class _Converter:
         if args:
             self.steps.append(Step("ENV", args, ins.line))
 
-    def single(self, ins: _Instruction) -> str:
+    def single(self, ins: Instruction) -> str:
         rest = self.no_flags(ins)
         value = (self.lexer.words(rest, ins.line, split=False) or [""])[0]
         if not value.strip():
             raise DockerfileError(f"{ins.keyword} needs an argument", ins.line)
         return value.strip()
 
-    def workdir(self, ins: _Instruction) -> None:
+    def workdir(self, ins: Instruction) -> None:
         self.steps.append(Step("WORKDIR", [self.single(ins)], ins.line))
         self.workdir_set = True
 
-    def user(self, ins: _Instruction) -> None:
+    def user(self, ins: Instruction) -> None:
         self.steps.append(Step("USER", [self.single(ins)], ins.line))
         self.user_set = True
 
-    def command(self, ins: _Instruction) -> tuple[bool, list[str]]:
+    def command(self, ins: Instruction) -> tuple[bool, list[str]]:
         rest = self.no_flags(ins)
-        words = _exec_form(rest)
+        words = parse_exec_form(rest)
         return (True, words) if words is not None else (False, [rest] if rest else [])
 
-    def cmd(self, ins: _Instruction) -> None:
+    def cmd(self, ins: Instruction) -> None:
         self.cmd_form = self.command(ins)
 
-    def entrypoint(self, ins: _Instruction) -> None:
+    def entrypoint(self, ins: Instruction) -> None:
         self.entrypoint_form = self.command(ins)
 
     def start_cmd(self) -> str | None:
@@ -531,5 +325,5 @@ class _Converter:
 
 def parse(text: str) -> Recipe:
     """The recipe of the Dockerfile ``text``; DockerfileError with the line otherwise."""
-    instructions, escape = _instructions(text)
+    instructions, escape = read_instructions(text)
     return _Converter(escape).convert(instructions)

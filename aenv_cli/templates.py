@@ -26,7 +26,8 @@ from . import errors, output
 from .api import check, client, error_message, message_of, segment
 from .build_context import BuildContext, ContextError, Entry, files_hash, write_archive
 from .config import Config
-from .dockerfile import DEFAULT_READY_CMD, DockerfileError, Recipe, parse
+from .dockerfile import DEFAULT_READY_CMD, Recipe, parse
+from .dockerfile_syntax import DockerfileError
 from .errors import CliError
 
 DOCKERFILE_NAMES = ("e2b.Dockerfile", "Dockerfile")

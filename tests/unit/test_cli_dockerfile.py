@@ -11,7 +11,8 @@ import textwrap
 import pytest
 
 from aenv_cli.build_context import BuildContext, ContextError, DockerIgnore, files_hash, write_archive
-from aenv_cli.dockerfile import DockerfileError, parse
+from aenv_cli.dockerfile import parse
+from aenv_cli.dockerfile_syntax import DockerfileError
 
 HEAD = [("USER", ["root"]), ("WORKDIR", ["/"])]
 TAIL = [("USER", ["user"]), ("WORKDIR", ["/home/user"])]
