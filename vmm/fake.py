@@ -6,10 +6,10 @@ the drivers (node tasks, reconcile, snapshot stores, the template cache) is unit
 instead of on hand-written stubs that drift from the contract.
 
 What it models: each VM's status (running / paused in memory / saved with or without its
-memory), a guest as two dicts (``memory``: what a resume with memory keeps, e.g. processes;
-``disk``: files, kept by every pause), snapshots as JSON files in the caller's dir (so the
-snapshot stores and a second driver instance can restore them), fork children that are
-independent copies, host capacity (a boot past it is refused), the fingerprint, and the
+memory: vmm.vm_status, moved by the same table as QEMU's records), a guest as two dicts
+(``memory``: what a resume with memory keeps, e.g. processes; ``disk``: files, kept by every
+pause), snapshots as JSON files in the caller's dir (so the snapshot stores and a second
+driver instance can restore them), fork children that are independent copies, host capacity (a boot past it is refused), the fingerprint, and the
 documented errors (VMNotFound for unknown ids, VMError for verbs the state does not allow).
 Test hooks: ``guest(id)`` for the dicts, ``leave_process(id)`` for a stray process, ``crash(id)``
 for a VM whose process died (STOPPED: only kill() helps).
@@ -29,6 +29,7 @@ from vmm.driver import (BootSpec, Leftover, SealedLayer, SnapshotManifest, Snaps
                         VMInfo, VMInspection, VMNotFound, VMStatus, valid_sandbox_id)
 from vmm.images import ImageNotFound
 from vmm.net import ENVD_PORT, Attachment, NetworkBackend, NetworkSpec
+from vmm.vm_status import MovesByTable, VmLifecycle
 
 STRAY_PROCESS, FORK_CAPTURE = "process", "fork capture"
 
@@ -64,19 +65,28 @@ class FakeGuest:
 
 
 @dataclass
-class _VM:
+class _VM(MovesByTable):
     spec: BootSpec
-    status: VMStatus
     network: Attachment
     pid: int
     guest: FakeGuest
-    memory_kept: bool = True  # SAVED with its memory
+    status: VmLifecycle = VmLifecycle.RUNNING  # changes only through move() (vmm.vm_status's table)
+    crashed: bool = False  # crash(): its process died (STOPPED until killed), whatever its status
     uses: tuple[str, ...] = ()  # files of the snapshot it was restored from
     capture: str = ""  # the fork capture it was restored from
     stray_process: bool = False
     timings: dict = field(default_factory=dict)
     sealed: list = field(default_factory=list)  # seal_layer(): the chain to boot its last sealed state
     sealable: bool = True  # like QEMU: a snapshot or fork changes the disk chain; no seal after it
+
+    @property
+    def memory_kept(self) -> bool:
+        """Saved with its memory (or not saved at all): all but a filesystem-only pause."""
+        return self.status is not VmLifecycle.PAUSED_FS
+
+    @property
+    def reported(self) -> VMStatus:
+        return VMStatus.STOPPED if self.crashed else self.status.reported
 
 
 class FakeDriver(VMDriver):
@@ -118,12 +128,12 @@ class FakeDriver(VMDriver):
     def crash(self, sandbox_id: str) -> None:
         """Its process died (or its boot was cut off): STOPPED until killed."""
         with self._lock:
-            self._vm(sandbox_id, live=False).status = VMStatus.STOPPED
+            self._vm(sandbox_id, live=False).crashed = True
 
     def leave_process(self, sandbox_id: str) -> None:
         """As if the worker died between a save to disk and the hypervisor's exit."""
         vm = self._vm(sandbox_id)
-        if vm.status is not VMStatus.SAVED:
+        if not vm.status.offline:
             raise VMError(f"sandbox {sandbox_id} is not saved to disk")
         vm.stray_process = True
 
@@ -149,12 +159,12 @@ class FakeDriver(VMDriver):
         with self._lock:
             if spec.sandbox_id in self.vms:
                 raise VMError(f"sandbox {spec.sandbox_id} already exists")
-            live = [vm.spec for vm in self.vms.values() if vm.status in (VMStatus.RUNNING, VMStatus.PAUSED)]
+            live = [vm.spec for vm in self.vms.values() if not vm.crashed and not vm.status.offline]
             if (sum(s.cpu_count for s in live) + spec.cpu_count > self.vcpus
                     or sum(s.memory_mb for s in live) + spec.memory_mb > self.memory_mb):
                 raise VMError(f"no capacity for {spec.sandbox_id}: {self.capacity()} in use")
             network = self.net.attach(spec.sandbox_id, self._state_dir(spec.sandbox_id), spec.network)
-            vm = _VM(spec=spec, status=VMStatus.RUNNING, network=network, pid=next(self._pids),
+            vm = _VM(spec=spec, status=VmLifecycle.RUNNING, network=network, pid=next(self._pids),
                      guest=guest, uses=tuple(uses), capture=capture, timings=dict(timings or {}))
             self.vms[spec.sandbox_id] = vm
             return self._info(vm)
@@ -177,7 +187,7 @@ class FakeDriver(VMDriver):
         vm = self.vms.get(sandbox_id)
         if vm is None:
             raise VMNotFound(f"unknown sandbox {sandbox_id!r}")
-        if live and vm.status is VMStatus.STOPPED:
+        if live and vm.crashed:
             raise VMError(f"sandbox {sandbox_id}: its process is gone")
         return vm
 
@@ -185,29 +195,30 @@ class FakeDriver(VMDriver):
         return (self.home or Path("/nonexistent")) / "sandboxes" / sandbox_id  # never created
 
     def _info(self, vm: _VM, timings: dict | None = None) -> VMInfo:
-        return VMInfo(sandbox_id=vm.spec.sandbox_id, pid=vm.pid if vm.status is not VMStatus.SAVED else 0,
+        return VMInfo(sandbox_id=vm.spec.sandbox_id, pid=vm.pid if not vm.status.offline else 0,
                       envd_host=vm.network.host_address, envd_port=vm.network.host_port(ENVD_PORT),
                       accel=self.accel, state_dir=self._state_dir(vm.spec.sandbox_id),
-                      timings=dict(vm.timings if timings is None else timings), status=vm.status,
+                      timings=dict(vm.timings if timings is None else timings), status=vm.reported,
                       guest_host=vm.network.guest_host)
 
     def info(self, sandbox_id: str) -> VMInfo | None:
         with self._lock:
             vm = self.vms.get(sandbox_id)
-            return None if vm is None or vm.status is VMStatus.STOPPED else self._info(vm)
+            return None if vm is None or vm.crashed else self._info(vm)
 
     def list(self) -> list[VMInfo]:
         with self._lock:
-            return [self._info(vm) for _, vm in sorted(self.vms.items()) if vm.status is not VMStatus.STOPPED]
+            return [self._info(vm) for _, vm in sorted(self.vms.items()) if not vm.crashed]
 
     def inspect(self, sandbox_id: str) -> VMInspection:
         with self._lock:
             vm = self.vms.get(sandbox_id)
             if vm is None:
                 return VMInspection(sandbox_id, VMStatus.UNKNOWN)
-            saved = vm.status is VMStatus.SAVED
-            running = vm.status in (VMStatus.RUNNING, VMStatus.PAUSED)
-            return VMInspection(sandbox_id, vm.status, pid=vm.pid if running else 0, memory=saved and vm.memory_kept)
+            status = vm.reported
+            running = status in (VMStatus.RUNNING, VMStatus.PAUSED)
+            return VMInspection(sandbox_id, status, pid=vm.pid if running else 0,
+                                memory=status is VMStatus.SAVED and vm.memory_kept)
 
     def sandbox_ids(self) -> set[str]:
         with self._lock:
@@ -244,36 +255,36 @@ class FakeDriver(VMDriver):
     def pause(self, sandbox_id: str) -> dict[str, float]:
         with self._lock:
             vm = self._vm(sandbox_id)
-            if vm.status is VMStatus.SAVED:
+            if vm.status.offline:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk")
-            vm.status = VMStatus.PAUSED
+            vm.move(VmLifecycle.PAUSED)
             return {"pause_ms": 0.0}
 
     def pause_to_disk(self, sandbox_id: str, memory: bool = True) -> dict[str, float]:
         with self._lock:
             vm = self._vm(sandbox_id)
-            if vm.status is VMStatus.SAVED:
+            if vm.status.offline:
                 if vm.memory_kept == memory:
                     return {}
                 raise VMError(f"sandbox {sandbox_id} is already paused to disk "
                               f"({'with' if vm.memory_kept else 'without'} its memory); resume it first")
             if not memory:
                 vm.guest.memory = {}
-            vm.status, vm.memory_kept = VMStatus.SAVED, memory
+            vm.move(VmLifecycle.PAUSED_DISK if memory else VmLifecycle.PAUSED_FS)
             return {"total_ms": 0.0}
 
     def resume(self, sandbox_id: str, memory: bool = True) -> VMInfo:
         with self._lock:
             vm = self._vm(sandbox_id)
-            cold = vm.status is VMStatus.SAVED and not vm.memory_kept
-            if not memory and vm.status is not VMStatus.RUNNING:
+            cold = vm.status is VmLifecycle.PAUSED_FS
+            if not memory and vm.status is not VmLifecycle.RUNNING:
                 cold = True
             if cold:
                 vm.guest.memory = {}
                 vm.pid = next(self._pids)
-            elif vm.status is VMStatus.SAVED:
+            elif vm.status.offline:
                 vm.pid = next(self._pids)  # a new process, same id and port
-            vm.status, vm.memory_kept = VMStatus.RUNNING, True
+            vm.move(VmLifecycle.RUNNING)
             return self._info(vm, {"total_ms": 0.0, **({"cold_boot": 1} if cold else {})})
 
     # -- snapshots --------------------------------------------------------------------------
@@ -287,7 +298,7 @@ class FakeDriver(VMDriver):
             raise VMError(f"snapshot dir {dest} is not empty")
         with self._lock:
             vm = self._vm(sandbox_id)
-            if vm.status is VMStatus.SAVED:
+            if vm.status.offline:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a snapshot")
             disk = dest / "layer-0.json"
             disk.write_text(json.dumps(vm.guest.disk))
@@ -312,7 +323,7 @@ class FakeDriver(VMDriver):
             raise VMError(f"layer {dest} already exists")
         with self._lock:
             vm = self._vm(sandbox_id)
-            if vm.status is VMStatus.SAVED:
+            if vm.status.offline:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before sealing a layer")
             if not vm.sealable:
                 raise VMError(f"sandbox {sandbox_id}: its disk chain changed since it booted (a snapshot); "
@@ -326,7 +337,7 @@ class FakeDriver(VMDriver):
     def export_saved(self, sandbox_id: str, dest_dir: Path) -> SnapshotManifest:
         with self._lock:
             vm = self._vm(sandbox_id)
-            if vm.status is not VMStatus.SAVED or not vm.memory_kept:
+            if vm.status is not VmLifecycle.PAUSED_DISK:
                 raise VMError(f"sandbox {sandbox_id} is not paused to disk with its memory")
             dest = Path(dest_dir).absolute()
             dest.mkdir(parents=True, exist_ok=True)
@@ -363,7 +374,7 @@ class FakeDriver(VMDriver):
             raise VMError("fork count must be >= 1")
         with self._lock:
             vm = self._vm(sandbox_id)
-            if vm.status is VMStatus.SAVED:
+            if vm.status.offline:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a fork")
             tag = f"{sandbox_id}-{next(self._pids)}"
             ids = child_ids or [f"{sandbox_id[:48]}-f{tag[-6:]}-{i}" for i in range(count)]

@@ -12,6 +12,7 @@ import pytest
 from vmm.qemu import lifecycle
 from vmm.qemu.lifecycle import RAM_ON_DISK, LifecycleMixin
 from vmm.qemu.state import VMState
+from vmm.vm_status import VmLifecycle
 
 MiB = 1 << 20
 
@@ -107,7 +108,7 @@ def test_a_resume_during_the_copy_keeps_its_tmpfs_ram(node, shm, monkeypatch):
 
     def resume():
         now = VMState.load(Path(state.state_dir))
-        now.status = "running"
+        now.move(VmLifecycle.RUNNING)
         now.save()
     monkeypatch.setattr(lifecycle, "_copy_synced", copy_then(resume))
     node._spill("sbx")

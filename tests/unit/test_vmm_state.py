@@ -10,6 +10,7 @@ import pytest
 from vmm.driver import BootSpec, VMError, get_driver
 from vmm.qemu import QemuDriver
 from vmm.qemu.state import VMState, process_alive, valid_sandbox_id
+from vmm.vm_status import VmLifecycle
 
 
 def state_for(tmp_path, sid, pid, marker):
@@ -114,7 +115,8 @@ def test_paused_to_disk_is_listed_and_kill_spares_a_snapshot_ram_file(tmp_path):
     driver = QemuDriver(home=tmp_path / "home", images_dir=tmp_path / "images", accel="tcg")
     s = state_for(tmp_path, "pz", 0, "nope")
     assert VMState.load(Path(s.state_dir)).status == "running"
-    s.status, s.device_state = "paused_disk", str(Path(s.state_dir) / "device.state")
+    s.move(VmLifecycle.PAUSED_DISK)
+    s.device_state = str(Path(s.state_dir) / "device.state")
     s.save()
     info = driver.info("pz")
     assert info.status == "saved" and info.pid == 0
@@ -140,7 +142,8 @@ def test_inspect_leftovers_and_files_in_use_without_real_vms(tmp_path):
         state_for(tmp_path, "live", procs[0].pid, marker)
         state_for(tmp_path, "dead", 999999, "nope")
         saved = state_for(tmp_path, "saved", procs[1].pid, marker)
-        saved.status, saved.pid, saved.chain = "paused_disk", 0, ["/snaps/s1/layer-0.qcow2"]
+        saved.move(VmLifecycle.PAUSED_DISK)
+        saved.pid, saved.chain = 0, ["/snaps/s1/layer-0.qcow2"]
         saved.capture_ref = str(tmp_path / "home" / "forks" / "used-1")
         saved.save()
         (tmp_path / "home" / "sandboxes" / "cut").mkdir()  # a boot cut off before its record

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vmm import hostinfo
 from vmm.driver import (BootSpec, BootTimeout, HostMemoryFull, SnapshotManifest, SnapshotUnusable, VMDriver,
-                        VMError, VMInfo, VMNotFound, VMStatus)
+                        VMError, VMInfo, VMNotFound)
 from vmm.hostinfo import kvm_openable
 from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
@@ -31,7 +31,7 @@ from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
 from vmm.qemu.iolimits import DiskLimits
 from vmm.qemu.lifecycle import LifecycleMixin
-from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, OFFLINE, BootAttemptFailed, attempts_error, cmdline_digest,
+from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, BootAttemptFailed, attempts_error, cmdline_digest,
                               console_tail, envd_healthy, qemu_version, run, virtual_size_mb)
 from vmm.qemu.qmp import QMP, QMPError, prepare_migration
 from vmm.qemu.snapshots import SnapshotMixin
@@ -43,9 +43,6 @@ DEFAULT_SHM_HEADROOM_MB = 1024  # tmpfs kept free for running guests' RAM to gro
 DEFAULT_WARM_RAM_COPIES = 1  # ready RAM files per recently used booted template
 
 log = logging.getLogger(__name__)
-
-# vm.json status -> VMInfo.status ("paused_disk" and "paused_fs": SAVED)
-_STATUS = {"running": VMStatus.RUNNING, "paused": VMStatus.PAUSED}
 
 
 class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
@@ -335,7 +332,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         state = VMState.load(self.sandboxes_dir / sandbox_id)
         if state is None:
             return None
-        if state.status in OFFLINE:
+        if state.status.offline:
             return self._to_info(state)
         if not process_alive(state.pid, state.qmp):
             return None
@@ -353,7 +350,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         out = []
         for d in sorted(self.sandboxes_dir.iterdir()) if self.sandboxes_dir.exists() else []:
             state = VMState.load(d)
-            if state is not None and (state.status in OFFLINE or process_alive(state.pid, state.qmp)):
+            if state is not None and (state.status.offline or process_alive(state.pid, state.qmp)):
                 out.append(self._to_info(state))
         return out
 
@@ -363,7 +360,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         state = VMState.load(self.sandboxes_dir / sandbox_id) if valid_sandbox_id(sandbox_id) else None
         if state is None:
             raise VMNotFound(f"unknown sandbox {sandbox_id!r}")
-        if state.status not in OFFLINE and not process_alive(state.pid, state.qmp):
+        if not state.status.offline and not process_alive(state.pid, state.qmp):
             raise VMError(f"sandbox {sandbox_id}: QEMU process is gone")
         return state
 
@@ -459,4 +456,4 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         guest_host = state.host_address if state.net_mode == "netns" and state.net_slot else ""
         return VMInfo(sandbox_id=state.sandbox_id, pid=state.pid, envd_host=state.host_address, guest_host=guest_host,
                       envd_port=state.host_port, accel=state.accel, state_dir=Path(state.state_dir),
-                      timings=dict(state.timings), status=_STATUS.get(state.status, VMStatus.SAVED))
+                      timings=dict(state.timings), status=state.status.reported)

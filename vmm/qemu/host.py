@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from vmm.driver import Leftover, SnapshotManifest, SnapshotUnusable, VMInspection, VMStatus
-from vmm.qemu.process import OFFLINE, run
+from vmm.qemu.process import run
 from vmm.qemu.state import VMState, process_alive, read_pidfile, reap, valid_sandbox_id
+from vmm.vm_status import VmLifecycle
 
 STRAY_PROCESS, FORK_CAPTURE = "process", "fork capture"
 
@@ -36,12 +37,11 @@ class HostMixin:
         if state is None:  # a boot cut off before its record, or files of a half-done kill
             left = state_dir.exists() or (self.shm_dir / f"aenv-{sandbox_id}.ram").exists()
             return VMInspection(sandbox_id, VMStatus.STOPPED if left else VMStatus.UNKNOWN)
-        if state.status in OFFLINE:
-            return VMInspection(sandbox_id, VMStatus.SAVED, memory=state.status == "paused_disk")
+        if state.status.offline:
+            return VMInspection(sandbox_id, VMStatus.SAVED, memory=state.status is VmLifecycle.PAUSED_DISK)
         if not process_alive(state.pid, state.qmp):
             return VMInspection(sandbox_id, VMStatus.STOPPED)
-        status = VMStatus.PAUSED if state.status == "paused" else VMStatus.RUNNING
-        return VMInspection(sandbox_id, status, pid=state.pid)
+        return VMInspection(sandbox_id, state.status.reported, pid=state.pid)
 
     def sandbox_ids(self) -> set[str]:
         if not self.sandboxes_dir.is_dir():
@@ -108,7 +108,7 @@ class HostMixin:
     @staticmethod
     def _stray_pid(state: VMState | None) -> int:
         """The pid of a QEMU still running for a VM recorded as saved to disk, else 0."""
-        if state is None or state.status not in OFFLINE:
+        if state is None or not state.status.offline:
             return 0
         pid = read_pidfile(Path(state.pidfile)) or state.pid
         return pid if pid and process_alive(pid, state.qmp) else 0

@@ -22,9 +22,10 @@ from envd_client import EnvdClient, EnvdError, EnvdUnavailable
 from vmm.driver import VMError, VMInfo
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
-from vmm.qemu.process import GUEST_SYNC_TIMEOUT, OFFLINE, BootAttemptFailed, attempts_error
+from vmm.qemu.process import GUEST_SYNC_TIMEOUT, BootAttemptFailed, attempts_error
 from vmm.qemu.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, set_ignore_shared
 from vmm.qemu.state import VMState, process_alive, read_pidfile, reap
+from vmm.vm_status import VmLifecycle
 
 RAM_ON_DISK = "memory.ram"  # a paused VM's RAM, in its state dir
 DISCARDED = ".discard"  # RAM files in ram-moves/ that are only waiting to be deleted
@@ -85,13 +86,13 @@ class LifecycleMixin:
     def pause(self, sandbox_id: str) -> dict[str, float]:
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if state.status in OFFLINE:
+            if state.status.offline:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk")
             t0 = time.monotonic()
             with QMP(Path(state.qmp)) as q:
                 q.execute("stop")
             timings = {"pause_ms": (time.monotonic() - t0) * 1e3}
-            state.status = "paused"
+            state.move(VmLifecycle.PAUSED)
             state.timings.update(timings)
             state.save()
             return timings
@@ -99,11 +100,12 @@ class LifecycleMixin:
     def pause_to_disk(self, sandbox_id: str, memory: bool = True) -> dict[str, float]:
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if state.status == ("paused_disk" if memory else "paused_fs"):
+            if state.status is (VmLifecycle.PAUSED_DISK if memory else VmLifecycle.PAUSED_FS):
                 return {}
-            if state.status in OFFLINE:
+            if state.status.offline:
                 raise VMError(f"sandbox {sandbox_id} is already paused to disk "
-                              f"({'without' if state.status == 'paused_fs' else 'with'} its memory); resume it first")
+                              f"({'without' if state.status is VmLifecycle.PAUSED_FS else 'with'} its memory); "
+                              "resume it first")
             if not memory:
                 return self._pause_fs(state)
             paths = self._paths(state)
@@ -126,7 +128,7 @@ class LifecycleMixin:
                     raise
                 t_saved = time.monotonic()
                 # From here the device state + RAM file are the VM: record that before QEMU exits.
-                state.status = "paused_disk"
+                state.move(VmLifecycle.PAUSED_DISK)
                 state.device_state = str(device_state)
                 state.device_state_full_ram = full_ram
                 state.save()
@@ -187,7 +189,7 @@ class LifecycleMixin:
         state_dir = self.sandboxes_dir / sandbox_id
         try:
             state = VMState.load(state_dir)
-            move = self._ram_move(state) if state is not None and state.status == "paused_disk" else None
+            move = self._ram_move(state) if state is not None and state.status is VmLifecycle.PAUSED_DISK else None
             if move is None:
                 return
             ram, dest = move
@@ -202,12 +204,12 @@ class LifecycleMixin:
             except OSError:
                 tmp.unlink(missing_ok=True)
                 now = VMState.load(state_dir)
-                if now is not None and now.status == "paused_disk" and _pause_mark(now) == pause:
+                if now is not None and now.status is VmLifecycle.PAUSED_DISK and _pause_mark(now) == pause:
                     raise
                 return  # resumed or killed meanwhile: its RAM file went away or changed hands
             with self._lock(sandbox_id):
                 now = VMState.load(state_dir)
-                if (now is None or now.status != "paused_disk" or now.ram != str(ram)
+                if (now is None or now.status is not VmLifecycle.PAUSED_DISK or now.ram != str(ram)
                         or _pause_mark(now) != pause):
                     tmp.unlink(missing_ok=True)
                     return
@@ -267,7 +269,7 @@ class LifecycleMixin:
         """Guest sync, continuing a guest paused in memory for it (only a running guest
         flushes its page cache); if the sync fails it is stopped again and VMError raised.
         Returns whether it was continued (the caller stops it again when it is done)."""
-        continued = state.status == "paused"
+        continued = state.status is VmLifecycle.PAUSED
         if continued:
             with QMP(paths.qmp) as q:
                 q.execute("cont")
@@ -290,7 +292,7 @@ class LifecycleMixin:
         with QMP(paths.qmp, timeout=30.0) as q:
             q.execute("stop")
             # From here only the disk is the VM: record that before QEMU exits.
-            state.status = "paused_fs"
+            state.move(VmLifecycle.PAUSED_FS)
             state.device_state = ""
             state.save()
             try:
@@ -327,7 +329,7 @@ class LifecycleMixin:
         if state.ram_owned:
             paths.ram.unlink(missing_ok=True)
             Path(state.ram).unlink(missing_ok=True)  # or its copy on disk (_spill)
-        state.status = "paused_fs"
+        state.move(VmLifecycle.PAUSED_FS)
         state.device_state = ""
         state.ram = str(VMPaths.for_sandbox(paths.state_dir, state.sandbox_id, self.shm_dir).ram)
         state.ram_share = state.ram_owned = True
@@ -439,16 +441,16 @@ class LifecycleMixin:
     def resume(self, sandbox_id: str, memory: bool = True) -> VMInfo:
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if not memory and state.status in ("paused", "paused_disk"):
+            if not memory and state.status in (VmLifecycle.PAUSED, VmLifecycle.PAUSED_DISK):
                 self._discard_memory(state)
-            if state.status in ("paused_fs", "paused_disk"):
-                ram_in_tmpfs = (state.status == "paused_disk" and state.ram_share
+            if state.status.offline:
+                ram_in_tmpfs = (state.status is VmLifecycle.PAUSED_DISK and state.ram_share
                                 and Path(state.ram).parent == self.shm_dir)
                 if not ram_in_tmpfs:  # a RAM file is made in tmpfs (back from disk, or a new one)
                     self._check_shm(state.memory_mb, sandbox_id)
                 self._take_slot(state)
                 try:
-                    timings = (self._resume_cold(state) if state.status == "paused_fs"
+                    timings = (self._resume_cold(state) if state.status is VmLifecycle.PAUSED_FS
                                else self._resume_incoming(state))
                 except BaseException:
                     self._give_back_slot(state)
@@ -460,7 +462,7 @@ class LifecycleMixin:
                 t_cont = time.monotonic()
                 self._wait_health(state, self.boot_timeout)
                 timings = {"cont_ms": (t_cont - t0) * 1e3, "total_ms": (time.monotonic() - t0) * 1e3}
-            state.status = "running"
+            state.move(VmLifecycle.RUNNING)
             state.timings.update({f"resume.{k}": v for k, v in timings.items()})
             state.save()
             info = self._to_info(state)

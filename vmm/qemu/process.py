@@ -20,8 +20,6 @@ from vmm.qemu.cmdline import QEMU
 
 DEFAULT_BOOT_TIMEOUT = 60.0
 GUEST_SYNC_TIMEOUT = 120.0
-# vm.json statuses without a QEMU process: device state + RAM kept, or only the disk kept.
-OFFLINE = ("paused_disk", "paused_fs")
 
 
 def envd_healthy(host: str, port: int, timeout: float = 1.0) -> bool:

@@ -17,10 +17,11 @@ from vmm.driver import BootSpec, SealedLayer, SnapshotManifest, SnapshotUnusable
 from vmm.net import ENVD_PORT, NetworkSpec
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
-from vmm.qemu.process import OFFLINE, run
+from vmm.qemu.process import run
 from vmm.qemu.qmp import QMP, migrate_to_file
 from vmm.qemu.state import VMState, other_forwards, valid_sandbox_id
 from vmm.qemu.tops import create_top
+from vmm.vm_status import VmLifecycle
 
 
 class SnapshotMixin:
@@ -44,7 +45,7 @@ class SnapshotMixin:
             raise VMError(f"snapshot dir {dest} is not empty")
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if state.status in OFFLINE:
+            if state.status.offline:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before a snapshot")
             paths = self._paths(state)
             device_state = dest / "device.state"
@@ -113,7 +114,7 @@ class SnapshotMixin:
             raise VMError(f"snapshot dir {dest} is not empty")
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if state.status != "paused_disk" or not state.device_state:
+            if state.status is not VmLifecycle.PAUSED_DISK or not state.device_state:
                 raise VMError(f"sandbox {sandbox_id} is not paused to disk with its memory")
             if state.device_state_full_ram or not state.ram_share:
                 raise VMError(f"sandbox {sandbox_id} keeps its memory copy-on-write over a snapshot's; resume it "
@@ -157,7 +158,7 @@ class SnapshotMixin:
             raise VMError(f"layer {dest} already exists")
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
-            if state.status in OFFLINE:
+            if state.status.offline:
                 raise VMError(f"sandbox {sandbox_id} is paused to disk; resume it before sealing a layer")
             below = state.chain[-1]
             if state.seal_chain:
@@ -277,8 +278,7 @@ class SnapshotMixin:
             timings["ram_ready_made"] = 1 if warm else 0
             self.warm_ram.refill_later(Path(manifest.memory_file))  # for the next create, now that this one runs
         timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3}
-        state.status = "running"
-        state.timings = timings
+        state.timings = timings  # its status: RUNNING since its record was made
         state.save()
         return self._to_info(state)
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 from vmm.driver import valid_sandbox_id  # noqa: F401 - ids become path parts here
 from vmm.net import ENVD_PORT, Attachment
+from vmm.vm_status import MovesByTable, VmLifecycle
 
 
 @dataclass
-class VMState:
+class VMState(MovesByTable):
     sandbox_id: str
     pid: int
     accel: str
@@ -41,7 +42,8 @@ class VMState:
     created_at: float
     timings: dict[str, float] = field(default_factory=dict)
     # Lifecycle (older records lack these and get the defaults).
-    status: str = "running"  # running | paused (QEMU stopped, in memory) | paused_disk (QEMU gone)
+    # vmm.vm_status: changes only through move() (its table); on disk the same strings as ever
+    status: VmLifecycle = VmLifecycle.RUNNING
     tsc_khz: int = 0  # the guest's tsc_early_khz: must be identical on every destination
     resize: bool = False  # kernel cmdline flag of the first boot (kept for identical restores)
     qemu: str = "qemu-system-x86_64"
@@ -64,6 +66,10 @@ class VMState:
     net_mode: str = "slirp"
     net_slot: int = 0
     network: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # vm.json holds the plain string (older records too); an unknown one is not a record
+        object.__setattr__(self, "status", VmLifecycle(self.status))
 
     def save(self) -> None:
         path = Path(self.state_dir) / "vm.json"
