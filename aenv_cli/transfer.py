@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from envd_client import EnvdClient, EnvdError
-from envd_client.protocol import EntryInfo
+from envd_client.answers import EntryInfo
 
 from . import errors, output
 from .api import check, client, segment

@@ -17,9 +17,10 @@ serves with — so host and guest cannot disagree about a byte.
 ``not_found``, ``unauthenticated``, ...) and its subclasses ``EnvdUnavailable`` (nothing
 listening, connection broken, timed out: a call's ``timeout`` is its total deadline) and
 ``EnvdAnswerTooLarge`` (the guest sent more than the call's cap). Modules: ``protocol``
-(requests, answers and events without I/O), ``base`` (address, token, timeouts), ``sync``,
-``aio``, ``errors``, ``limits`` (how much the host takes from a guest: sizes, time, number
-ranges) and ``deadline`` (the blocking client's total deadline).
+(requests without I/O), ``answers`` (reading answers and events, the result types, without
+I/O), ``base`` (address, token, timeouts), ``sync``, ``aio``, ``errors``, ``limits`` (how
+much the host takes from a guest: sizes, time, number ranges) and ``deadline`` (the
+blocking client's total deadline).
 
 Light on purpose (the CLI will be installable on its own): httpx and the standard
 library only — no Django, no protobuf — and ``import envd_client`` loads httpx only when
@@ -32,8 +33,8 @@ from .errors import EnvdAnswerTooLarge, EnvdError, EnvdUnavailable
 __all__ = ["EnvdClient", "AsyncEnvdClient", "EnvdError", "EnvdUnavailable", "EnvdAnswerTooLarge", "Event", "RunResult", "ProcessInfo",
            "GuestMetrics", "EntryInfo"]
 
-_LAZY = {"EnvdClient": "sync", "AsyncEnvdClient": "aio", "Event": "protocol", "RunResult": "protocol",
-         "ProcessInfo": "protocol", "GuestMetrics": "protocol", "EntryInfo": "protocol"}
+_LAZY = {"EnvdClient": "sync", "AsyncEnvdClient": "aio", "Event": "answers", "RunResult": "answers",
+         "ProcessInfo": "answers", "GuestMetrics": "answers", "EntryInfo": "answers"}
 
 
 def __getattr__(name: str):

@@ -14,10 +14,10 @@ from datetime import datetime
 
 import httpx
 
-from . import limits, protocol
+from . import answers, limits, protocol
 from .base import BaseClient
 from .errors import EnvdError, EnvdUnavailable, transport_error
-from .protocol import EntryInfo, Event, GuestMetrics, ProcessInfo, RunResult
+from .answers import EntryInfo, Event, GuestMetrics, ProcessInfo, RunResult
 
 
 class AsyncEnvdClient(BaseClient):
@@ -64,10 +64,10 @@ class AsyncEnvdClient(BaseClient):
         return body.bytes()
 
     async def _call(self, req: protocol.Request) -> dict:
-        return protocol.json_answer(await self._send(req))
+        return answers.json_answer(await self._send(req))
 
     async def _stream(self, req: protocol.Request) -> AsyncIterator[Event]:
-        decoder = protocol.StreamDecoder()
+        decoder = answers.StreamDecoder()
         try:
             async with self._http.stream(req.method, req.path, content=req.content, headers=self._headers(req),
                                    timeout=self._stream_timeout()) as resp:
@@ -75,13 +75,13 @@ class AsyncEnvdClient(BaseClient):
                     self._check(req, resp.status_code, await self._read(resp, limits.ERROR_BYTES, truncate=True))
                 async for chunk in resp.aiter_raw():
                     for message in decoder.feed(chunk):
-                        yield protocol.event(message)
+                        yield answers.event(message)
                     if decoder.done:
                         decoder.check()
                         return
         except httpx.HTTPError as exc:
             raise transport_error(exc) from None
-        raise protocol.unterminated()
+        raise answers.unterminated()
 
     # -- lifecycle: the node and the driver -----------------------------------------------------
 
@@ -118,7 +118,7 @@ class AsyncEnvdClient(BaseClient):
 
     async def metrics(self, timeout: float | None = protocol.METRICS_TIMEOUT) -> GuestMetrics:
         """``GET /metrics``: the guest's CPU, memory and disk usage (E2B's envd ``Metrics``)."""
-        return protocol.guest_metrics(await self._call(protocol.metrics(timeout=timeout)))
+        return answers.guest_metrics(await self._call(protocol.metrics(timeout=timeout)))
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -136,7 +136,7 @@ class AsyncEnvdClient(BaseClient):
             on_stderr: Callable[[bytes], None] | None = None) -> RunResult:
         """Runs ``bash -l -c command`` to its end, passing output to the callbacks as it
         arrives; a non-zero exit is a result, not an error."""
-        collector = protocol.RunCollector(on_stdout, on_stderr)
+        collector = answers.RunCollector(on_stdout, on_stderr)
         events = self._stream(protocol.start(protocol.command_config(command, envs=envs, cwd=cwd), stdin=stdin,
                                              user=user, deadline=deadline))
         total = None if deadline is None else deadline + limits.RUN_DEADLINE_GRACE
@@ -179,7 +179,7 @@ class AsyncEnvdClient(BaseClient):
         return True
 
     async def list(self) -> list[ProcessInfo]:
-        return protocol.process_infos(await self._call(protocol.list_processes()))
+        return answers.process_infos(await self._call(protocol.list_processes()))
 
     async def close_stdin(self, pid: int) -> None:
         """EOF on the stdin pipe of ``pid`` (started with ``stdin=True``)."""
@@ -201,24 +201,24 @@ class AsyncEnvdClient(BaseClient):
     async def write_file(self, path: str, data: bytes, *, user: str | None = None) -> dict:
         """Writes (creating parents, replacing) ``path``; returns envd's entry for it
         (``name``, ``type``, ``path``: absolute)."""
-        return protocol.written_entry(await self._call(protocol.write_file(path, data, user=user)))
+        return answers.written_entry(await self._call(protocol.write_file(path, data, user=user)))
 
     async def stat(self, path: str, *, user: str | None = None) -> EntryInfo:
         """The entry at ``path`` (a final symlink described, not followed)."""
-        return protocol.entry_answer(await self._call(protocol.stat(path, user=user)))
+        return answers.entry_answer(await self._call(protocol.stat(path, user=user)))
 
     async def list_dir(self, path: str, depth: int = 1, *, user: str | None = None) -> list[EntryInfo]:
         """The entries under directory ``path`` down to ``depth`` levels, parents first."""
         answer = await self._call(protocol.list_dir(path, depth, user=user))
-        return protocol.entry_infos(answer)
+        return answers.entry_infos(answer)
 
     async def make_dir(self, path: str, *, user: str | None = None) -> EntryInfo:
         """``mkdir -p``; EnvdError ``already_exists`` if it is already a directory."""
-        return protocol.entry_answer(await self._call(protocol.make_dir(path, user=user)))
+        return answers.entry_answer(await self._call(protocol.make_dir(path, user=user)))
 
     async def move(self, source: str, destination: str, *, user: str | None = None) -> EntryInfo:
         """Renames ``source`` to ``destination`` (replacing a file there)."""
-        return protocol.entry_answer(await self._call(protocol.move(source, destination, user=user)))
+        return answers.entry_answer(await self._call(protocol.move(source, destination, user=user)))
 
     async def remove(self, path: str, *, user: str | None = None) -> None:
         """``rm -rf`` of ``path`` (a missing path is fine)."""

@@ -17,10 +17,10 @@ from typing import BinaryIO
 import httpx
 
 from . import deadline as _deadline
-from . import limits, protocol
+from . import answers, limits, protocol
 from .base import BaseClient
 from .errors import EnvdError, transport_error
-from .protocol import EntryInfo, Event, GuestMetrics, ProcessInfo, RunResult
+from .answers import EntryInfo, Event, GuestMetrics, ProcessInfo, RunResult
 
 
 class EnvdClient(BaseClient):
@@ -67,10 +67,10 @@ class EnvdClient(BaseClient):
         return body.bytes()
 
     def _call(self, req: protocol.Request) -> dict:
-        return protocol.json_answer(self._send(req))
+        return answers.json_answer(self._send(req))
 
     def _stream(self, req: protocol.Request) -> Iterator[Event]:
-        decoder = protocol.StreamDecoder()
+        decoder = answers.StreamDecoder()
         try:
             with self._http.stream(req.method, req.path, content=req.content, headers=self._headers(req),
                                    timeout=self._stream_timeout()) as resp:
@@ -78,13 +78,13 @@ class EnvdClient(BaseClient):
                     self._check(req, resp.status_code, self._read(resp, limits.ERROR_BYTES, truncate=True))
                 for chunk in resp.iter_raw():
                     for message in decoder.feed(chunk):
-                        yield protocol.event(message)
+                        yield answers.event(message)
                     if decoder.done:
                         decoder.check()
                         return
         except httpx.HTTPError as exc:
             raise transport_error(exc) from None
-        raise protocol.unterminated()
+        raise answers.unterminated()
 
     # -- lifecycle: the node and the driver -----------------------------------------------------
 
@@ -121,7 +121,7 @@ class EnvdClient(BaseClient):
 
     def metrics(self, timeout: float | None = protocol.METRICS_TIMEOUT) -> GuestMetrics:
         """``GET /metrics``: the guest's CPU, memory and disk usage (E2B's envd ``Metrics``)."""
-        return protocol.guest_metrics(self._call(protocol.metrics(timeout=timeout)))
+        return answers.guest_metrics(self._call(protocol.metrics(timeout=timeout)))
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -151,7 +151,7 @@ class EnvdClient(BaseClient):
                  on_stderr: Callable[[bytes], None] | None = None) -> RunResult:
         """``cmd args…`` to its end, no shell in between (for a guest that may have no bash);
         output and exit as in ``run``."""
-        collector = protocol.RunCollector(on_stdout, on_stderr)
+        collector = answers.RunCollector(on_stdout, on_stderr)
         events = self._stream(protocol.start(protocol.process_config(cmd, args, envs=envs, cwd=cwd), stdin=stdin,
                                              user=user, deadline=deadline))
         try:
@@ -191,7 +191,7 @@ class EnvdClient(BaseClient):
         return True
 
     def list(self) -> list[ProcessInfo]:
-        return protocol.process_infos(self._call(protocol.list_processes()))
+        return answers.process_infos(self._call(protocol.list_processes()))
 
     def close_stdin(self, pid: int) -> None:
         """EOF on the stdin pipe of ``pid`` (started with ``stdin=True``)."""
@@ -242,31 +242,31 @@ class EnvdClient(BaseClient):
             base = protocol.write_file(path, b"", user=user)
             req = dataclasses.replace(base, content=protocol.file_chunks(f, on_chunk),
                                       headers={**base.headers, "Content-Length": str(size)})
-            return protocol.written_entry(self._call(req))
+            return answers.written_entry(self._call(req))
 
     def write_file(self, path: str, data: bytes, *, user: str | None = None) -> dict:
         """Writes (creating parents, replacing) ``path``; returns envd's entry for it
         (``name``, ``type``, ``path``: absolute)."""
-        return protocol.written_entry(self._call(protocol.write_file(path, data, user=user)))
+        return answers.written_entry(self._call(protocol.write_file(path, data, user=user)))
 
     def stat(self, path: str, *, user: str | None = None) -> EntryInfo:
         """The entry at ``path`` (a final symlink described, not followed); EnvdError
         ``not_found`` if there is none."""
-        return protocol.entry_answer(self._call(protocol.stat(path, user=user)))
+        return answers.entry_answer(self._call(protocol.stat(path, user=user)))
 
     def list_dir(self, path: str, depth: int = 1, *, user: str | None = None) -> list[EntryInfo]:
         """The entries under directory ``path`` down to ``depth`` levels, parents before
         their children (symlinked directories are not entered)."""
         answer = self._call(protocol.list_dir(path, depth, user=user))
-        return protocol.entry_infos(answer)
+        return answers.entry_infos(answer)
 
     def make_dir(self, path: str, *, user: str | None = None) -> EntryInfo:
         """``mkdir -p``; EnvdError ``already_exists`` if it is already a directory."""
-        return protocol.entry_answer(self._call(protocol.make_dir(path, user=user)))
+        return answers.entry_answer(self._call(protocol.make_dir(path, user=user)))
 
     def move(self, source: str, destination: str, *, user: str | None = None) -> EntryInfo:
         """Renames ``source`` to ``destination`` (replacing a file there)."""
-        return protocol.entry_answer(self._call(protocol.move(source, destination, user=user)))
+        return answers.entry_answer(self._call(protocol.move(source, destination, user=user)))
 
     def remove(self, path: str, *, user: str | None = None) -> None:
         """``rm -rf`` of ``path`` (a missing path is fine)."""
