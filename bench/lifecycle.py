@@ -67,7 +67,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.lifecycle_common import OVERHEAD_TARGET, TARGETS, LoadMonitor, ensure_template_snapshot  # noqa: E402
 from bench.lifecycle_report import ratios, summarize, summary_rows, write_results  # noqa: E402
-from bench.lifecycle_runs import NET_WARM, Api, Raw  # noqa: E402
+from bench.lifecycle_api import Api  # noqa: E402
+from bench.lifecycle_raw import NET_WARM, Raw  # noqa: E402
 from vmm.images import DEFAULT_IMAGES_DIR  # noqa: E402
 
 def start_stack(args):

@@ -24,6 +24,8 @@ TARGETS = {
 }
 OVERHEAD_TARGET = 15  # ms of control plane per operation
 MIB = 1 << 20
+# the operations both halves (lifecycle_raw, lifecycle_api) run on one long-lived parent sandbox
+PARENT_OPS = {"pause", "disk", "fs", "snapshot", "fork4", "fork16"}
 
 # Why a target is missed on this machine (from the raw driver measurements and the node's
 # timings): shown next to a miss in the summary table.
