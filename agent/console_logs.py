@@ -37,7 +37,7 @@ from django.utils import timezone
 from sandboxes.models import Sandbox, SandboxLog
 from sandboxes.states import SandboxState
 
-from .periodic import Periodic
+from agent.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from django.utils import timezone
 
 from nodes.models import Node
 
-from .host_usage import history_point
-from .periodic import Periodic
+from agent.host_usage import history_point
+from agent.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from envd_client.protocol import METRICS_TIMEOUT
 from sandboxes.models import Sandbox, SandboxMetric
 from sandboxes.states import SandboxState
 
-from .periodic import Periodic
+from agent.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ disk with its memory is also exported to the store (``VMDriver.export_saved``) a
 ``pause-<sandbox id>``: in the background once it has stayed paused a while, and at once
 when its node stops (``agent.shutdown``). If its node is gone,
 drained or full when it is resumed, the control plane restores that image on another node
-under the same id (``sandboxes.lifecycle.pause``), and the sandbox continues there.
+under the same id (``lifecycle.sandboxes.pause``), and the sandbox continues there.
 
 The image is the sandbox's latest pause: a new pause replaces it, a kill deletes it, a
 resume leaves it (stale, never used: only a paused row whose ``pause_image_at`` is newer
@@ -26,7 +26,7 @@ image_id = protocol.pause_image_of
 
 
 def shared_store() -> bool:
-    from .stores import backend_name  # noqa: PLC0415
+    from agent.stores import backend_name  # noqa: PLC0415
 
     return backend_name() == "s3"
 

@@ -36,9 +36,9 @@ from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.states import DEAD, SandboxState
 from vmm.driver import VMStatus
 
-from .periodic import Periodic
-from .reconcile_snapshots import reconcile_interrupted
-from .settle import continue_vm, move
+from agent.periodic import Periodic
+from agent.reconcile_snapshots import reconcile_interrupted
+from agent.settle import continue_vm, move
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def purge_queue(queue: str) -> int:
     """Drops the tasks sent to this node while its worker was down: their callers have
     either given up or are watching the row the reconcile is about to fix, and running
     them now (a pause of a sandbox just reconciled to running) would undo the reconcile."""
-    from aenv_site.celery import app as celery_app  # noqa: PLC0415
+    from nodes.celery_app import app as celery_app  # noqa: PLC0415
 
     try:
         with celery_app.connection_for_write() as conn:

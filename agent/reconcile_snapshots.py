@@ -27,8 +27,8 @@ from sandboxes.states import TRANSITIONS, SandboxState
 
 from snapshots.models import Snapshot, SnapshotState
 
-from .settle import continue_vm, move
-from .stores import get_store
+from agent.settle import continue_vm, move
+from agent.stores import get_store
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from django.utils import timezone
 from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.transitions import transition_sync
 
-from .guest import init_envd
+from agent.guest import init_envd
 
 
 def move(row: Sandbox, to_state: str, actor: str, message: str, details: dict | None = None, **fields) -> bool:

@@ -19,8 +19,8 @@ from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.states import SandboxState as S
 from sandboxes.transitions import transition_sync
 
-from . import moves
-from .stores import get_store
+from agent import moves
+from agent.stores import get_store
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from celery import shared_task
 
 from nodes import protocol
 
-from . import console_logs, moves
-from .driver import get_driver, get_templates
-from .guest import EnvdInitFailed, GuestUnresponsive, guest_responds, handoff_token, init_envd
+from agent import console_logs, moves
+from agent.driver import get_driver, get_templates
+from agent.guest import EnvdInitFailed, GuestUnresponsive, guest_responds, handoff_token, init_envd
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def _take_over_envd(info, env_vars: dict, access_token: str | None, source_token
 
 
 def _store():
-    from .stores import get_store  # noqa: PLC0415 - boto3 only on nodes that use s3
+    from agent.stores import get_store  # noqa: PLC0415 - boto3 only on nodes that use s3
 
     return get_store()
 
@@ -357,7 +357,7 @@ def build_template(*, build_id: str, template_id: str, spec: dict, cpu_count: in
     The control plane does not wait for this task: the builder reports through
     ``template_builds.progress`` (accept, every log line, finish with the result or the
     error and its step)."""
-    from .builder import build_template as build
+    from agent.builder import build_template as build
 
     return build(build_id=build_id, template_id=template_id, spec=spec, cpu_count=cpu_count,
                  memory_mb=memory_mb, disk_size_mb=disk_size_mb)

@@ -7,17 +7,17 @@ import logging
 from django.conf import settings
 from django.utils import timezone
 
-from aenv_site.celery import app as celery_app
-from . import tasks  # noqa: F401 - registers the node tasks with the Celery app this worker runs
-from .console_logs import ConsoleCollector
-from .driver import get_driver, get_templates
-from .heartbeat import Heartbeat, register_node
-from .host_usage import HostSampler
-from .metrics import MetricsSampler
-from .prometheus import NodeCollector, count_round, start_exporter
-from .reconcile import Reconciler, purge_queue, reconcile_node
-from .shutdown import pause_all
-from .stores import get_store
+from nodes.celery_app import app as celery_app
+from agent import tasks  # noqa: F401 - registers the node tasks with the Celery app this worker runs
+from agent.console_logs import ConsoleCollector
+from agent.driver import get_driver, get_templates
+from agent.heartbeat import Heartbeat, register_node
+from agent.host_usage import HostSampler
+from agent.metrics import MetricsSampler
+from agent.prometheus import NodeCollector, count_round, start_exporter
+from agent.reconcile import Reconciler, purge_queue, reconcile_node
+from agent.shutdown import pause_all
+from agent.stores import get_store
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def reattach(node_id: str, queue: str, driver) -> list:
     sandbox of this node with the VM the driver finds in its state dir (running and
     paused VMs outlive the worker and are simply served again; operations the previous
     worker died in are settled to the VM's real state — see agent.reconcile)."""
-    from .builder import abandon_interrupted, trim_image_cache_at_start
+    from agent.builder import abandon_interrupted, trim_image_cache_at_start
 
     started = timezone.now()
     purged = purge_queue(queue)

@@ -12,7 +12,7 @@
    (``<state dir>/memory.ram``) → connect; pause and resume times through the API, and
    where each resume found the RAM (the node's resume timings).
 3. creates (``creates``): ``--creates`` creates from ``--clients`` concurrent httpx clients
-   against a one-node and then a three-node cluster (``aenv_cluster``, what
+   against a one-node and then a three-node cluster (``cluster``, what
    ``scripts/cluster.sh`` runs: each node in a network namespace of its own, PostgreSQL,
    Redis): statuses, created/s, latency p50 / p99, placement per node; all killed between.
    Every node of a one-machine cluster believes it has the whole machine, so 3 nodes admit
@@ -75,7 +75,7 @@ def _shm_leftovers(ids) -> int:
 
 @contextmanager
 def stack_of(tag: str, extra_env: dict | None = None):
-    from tests.integration.stack import Stack  # noqa: PLC0415
+    from harness.stack import Stack  # noqa: PLC0415
 
     stack = Stack(home=_home(tag), extra_env=extra_env or {})
     try:
@@ -111,8 +111,8 @@ class ClusterDb:
 
 @contextmanager
 def cluster_of(nodes: int):
-    from aenv_cluster import Cluster, ClusterLayout  # noqa: PLC0415
-    from tests.integration.stack import free_port, shared_images_dir  # noqa: PLC0415
+    from cluster import Cluster, ClusterLayout  # noqa: PLC0415
+    from harness.stack import free_port, shared_images_dir  # noqa: PLC0415
 
     layout = ClusterLayout(nodes=nodes, name="acb", link_net="10.216.0.0/16", pool_net="10.217.0.0/16",
                            state_dir=ROOT / "var" / "bench-runs" / "cluster-acb",  # fixed: a crashed run's is found
@@ -132,7 +132,7 @@ def cluster_of(nodes: int):
 def stop_second_node(node) -> None:
     """The second node worker (its process group, which this run started), its VMs (by pid)
     and its network instance."""
-    from aenv_cluster.cluster import kill_vms  # noqa: PLC0415
+    from cluster.cluster import kill_vms  # noqa: PLC0415
     from vmm.net import slots  # noqa: PLC0415
 
     if node.proc.poll() is None:
@@ -204,7 +204,7 @@ def stored_bytes(url: str, sandbox_id: str) -> dict[str, int]:
     import json  # noqa: PLC0415
 
     from nodes.protocol import pause_image_of  # noqa: PLC0415
-    from tests.moto_s3 import client  # noqa: PLC0415
+    from harness.moto_s3 import client  # noqa: PLC0415
 
     s3 = client(url)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
@@ -216,8 +216,8 @@ def stored_bytes(url: str, sandbox_id: str) -> dict[str, int]:
 
 
 def run_moves(args, result: dict, made: set, monitor: LoadMonitor) -> None:
-    from tests.integration.second_node import SecondNode  # noqa: PLC0415
-    from tests.moto_s3 import CREDENTIALS, moto_server  # noqa: PLC0415
+    from harness.second_node import SecondNode  # noqa: PLC0415
+    from harness.moto_s3 import CREDENTIALS, moto_server  # noqa: PLC0415
 
     monitor.phase = "moves"
     with moto_server(BUCKET) as url:

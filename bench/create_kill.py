@@ -72,7 +72,7 @@ def main() -> int:
     if args.external:
         api, sandbox_url, key = os.environ["E2B_API_URL"], os.environ["E2B_SANDBOX_URL"], os.environ["E2B_API_KEY"]
     else:
-        from tests.integration.stack import Stack  # noqa: PLC0415
+        from harness.stack import Stack  # noqa: PLC0415
 
         stack = Stack(home=ROOT / "var" / "bench-runs" / uuid.uuid4().hex[:8]).start()
         api, sandbox_url, key = stack.api_url, stack.sandbox_url, stack.api_key

@@ -10,7 +10,7 @@ driver's default as root). The raw driver is a network instance of the benchmark
 before anything runs, the template build included), so neither a running node's slots nor a
 test session's are touched; it is removed at the end of the raw part
 (vmm.net.netns.remove_instance). The API part's stack is an instance inside it
-(tests.integration.stack: prefix aenvbs1, the next /20, 10.15.16.0/20), removed when the stack
+(harness.stack: prefix aenvbs1, the next /20, 10.15.16.0/20), removed when the stack
 stops.
 
 Raw part: network slots (bench/net_slots.py in an instance of its own: making and destroying
@@ -77,7 +77,7 @@ def start_stack(args):
     (2 cores × 32 = 64 vCPUs of admission for 17 one-vCPU guests; memory: 17 × 256 MiB). Its
     network instance derives from this process's AENV_NET_PREFIX / AENV_NET_POOL (set in main):
     <prefix>s<N> on a /20 of the same /16 after the raw driver's, never a node's or a test's."""
-    from tests.integration.stack import Stack  # noqa: PLC0415
+    from harness.stack import Stack  # noqa: PLC0415
 
     stack = Stack(home=ROOT / "var" / "bench-runs" / uuid.uuid4().hex[:8],
                   extra_env={"AENV_NODE_VCPU_OVERCOMMIT": str(args.vcpu_overcommit),

@@ -1,6 +1,6 @@
 """Benchmark: the workflow aenv exists for (issue 13), one run, two ways on the same node, with
 real VMs of the default template and the official E2B SDK, against a stack of its own
-(tests/integration/stack.py):
+(harness/stack.py):
 
 (a) fork: one sandbox is set up once — a wheelhouse (``pip download`` of --packages on the
     host, from the host's PyPI mirror) and a git bundle of a tiny RL environment are uploaded
@@ -308,7 +308,7 @@ def main() -> int:
     out_dir = args.out or (ROOT / "var" / "bench-quick" if args.quick else ROOT / "bench" / "results")
     os.environ["AENV_NET_PREFIX"], os.environ["AENV_NET_POOL"] = args.net_prefix, args.net_pool
     from bench.templates import base_shape, git_state  # noqa: PLC0415
-    from tests.integration.stack import Stack  # noqa: PLC0415
+    from harness.stack import Stack  # noqa: PLC0415
 
     def on_term(signum, frame):  # noqa: ARG001 - cleanup runs in the finally blocks
         raise KeyboardInterrupt

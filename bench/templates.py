@@ -1,7 +1,7 @@
 """Benchmark: E2B template builds on aenv's node builder, with real VMs, in one run against
-a stack of its own (tests/integration/stack.py) and a local OCI registry (tests/oci_registry.py).
+a stack of its own (harness/stack.py) and a local OCI registry (harness/oci_registry.py).
 
-1. A fresh test image (tests/oci_images.py: the small debootstrap Debian + an app layer, a
+1. A fresh test image (harness/oci_images.py: the small debootstrap Debian + an app layer, a
    run token in both layers, so every blob is new to the node) is pushed to the registry.
 2. The official SDK builds it (``Template.build``): FROM the image, a small RUN, a RUN writing
    --run-mib MiB, a COPY of --copy-files files / --copy-mib MiB of random bytes, ENV, WORKDIR,
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from bench import templates_runs as runs  # noqa: E402
 from bench.lifecycle_common import LoadMonitor, finish_run  # noqa: E402
 from bench.templates_report import create_summary, verdict, write_results  # noqa: E402
-from tests import oci_images, oci_registry  # noqa: E402
+from harness import oci_images, oci_registry  # noqa: E402
 
 
 def git_state() -> dict:
@@ -124,7 +124,7 @@ def main() -> int:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 1
     os.environ["AENV_NET_PREFIX"], os.environ["AENV_NET_POOL"] = args.net_prefix, args.net_pool
-    from tests.integration.stack import Stack, shared_images_dir  # noqa: PLC0415
+    from harness.stack import Stack, shared_images_dir  # noqa: PLC0415
 
     t_start, load0 = time.monotonic(), os.getloadavg()
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -19,7 +19,7 @@ import httpx
 
 from bench.create_kill import parse_server_timing
 from envd import ENVD_PORT
-from tests import oci_images
+from harness import oci_images
 
 START_PORT = 8000  # the template's start command serves here (python3 -m http.server)
 

@@ -2,7 +2,7 @@
 timeout, snapshot, fork, create, delete a snapshot).
 
 Why apart from the pages: each is a thin async wrapper that checks its form, calls the
-lifecycle (``sandboxes.lifecycle`` / ``snapshots.lifecycle``, which write every state
+lifecycle (``lifecycle.sandboxes`` / ``lifecycle.snapshots``, which write every state
 change through ``sandboxes.transitions``) and shows the outcome inline (JSON) or as a
 message; another team's sandbox or snapshot is a 404 like an unknown one."""
 from __future__ import annotations
@@ -16,18 +16,18 @@ from django.shortcuts import redirect
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from sandboxes.errors import status_of
-from sandboxes.lifecycle import create, kill, pause, ttl
-from sandboxes.lifecycle.errors import LifecycleError
-from sandboxes.lifecycle.options import SandboxOptions
+from api.errors import status_of
+from lifecycle.sandboxes import create, kill, pause, ttl
+from sandboxes.errors import LifecycleError
+from lifecycle.sandboxes.options import SandboxOptions
 from sandboxes.models import Sandbox
-from snapshots.lifecycle import delete as snapshot_delete_op
-from snapshots.lifecycle import fork as fork_op
-from snapshots.lifecycle import snapshot as snapshot_op
-from snapshots.serializers import SnapshotRequestSerializer
+from lifecycle.snapshots import delete as snapshot_delete_op
+from lifecycle.snapshots import fork as fork_op
+from lifecycle.snapshots import snapshot as snapshot_op
+from api.snapshots.serializers import SnapshotRequestSerializer
 
-from .teams import current_team
-from .views import _actor, parse_metadata_filter
+from dashboard.teams import current_team
+from dashboard.views import _actor, parse_metadata_filter
 
 
 def _action_team(request, sandbox_id):
@@ -125,7 +125,7 @@ async def sandbox_timeout(request, sandbox_id):
         sandbox = await ttl.set_timeout(team, sandbox_id, seconds, actor=_actor(user))
     except LifecycleError as exc:
         return _failed(request, sandbox_id, "Timeout not changed", exc)
-    from .templatetags.dashboard_tags import human_seconds  # noqa: PLC0415
+    from dashboard.templatetags.dashboard_tags import human_seconds  # noqa: PLC0415
 
     return _action_result(request, sandbox_id, "success",
                           f"Sandbox {sandbox_id} now ends in {human_seconds(seconds)}.", state=sandbox.state)

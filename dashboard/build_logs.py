@@ -14,7 +14,7 @@ The log's writer is a node's builder in another process (``template_builds.progr
 so the database is the truth: the consumer polls it (``index >= next``) every
 ``POLL_SECONDS`` while the socket is open, and stops when it closes. Like the API's
 status poll it fails a build whose node or builder went away
-(``template_builds.lifecycle.common.settle_stale``), so a watched build always ends.
+(``lifecycle.templates.common.settle_stale``), so a watched build always ends.
 Only members of the build's team (the dashboard's current team) may open it; anything
 else looks like a missing build."""
 from __future__ import annotations
@@ -28,11 +28,11 @@ from urllib.parse import parse_qsl
 
 from channels.db import database_sync_to_async
 
-from template_builds.lifecycle.common import settle_stale
+from lifecycle.templates.common import settle_stale
 from template_builds.models import BuildLogEntry, BuildStatus, TemplateBuild
 
-from .teams import current_team
-from .sockets import CLOSE_BAD_MESSAGE, CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED, TaskSocket
+from dashboard.teams import current_team
+from dashboard.sockets import CLOSE_BAD_MESSAGE, CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED, TaskSocket
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""WebSocket routes of the dashboard (mounted by aenv_site.asgi)."""
+"""WebSocket routes of the dashboard (mounted by config.asgi)."""
 from django.urls import path
 
-from .build_logs import BuildLogConsumer
-from .terminal import TerminalConsumer
+from dashboard.build_logs import BuildLogConsumer
+from dashboard.terminal import TerminalConsumer
 
 websocket_urlpatterns = [
     path("ws/sandboxes/<str:sandbox_id>/terminal", TerminalConsumer.as_asgi(), name="sandbox-terminal"),

@@ -19,7 +19,7 @@ from sandboxes.models import Template
 from sandboxes.states import LIVE
 from template_builds.models import BuildLogEntry, BuildStatus, TemplateBuild, TemplateTag
 
-from .views import _base_context, team_page
+from dashboard.views import _base_context, team_page
 
 BUILD_LIST_LIMIT = 200
 # Entries rendered with the build page; the log socket sends the rest from there.
@@ -64,7 +64,7 @@ def build_duration(build: TemplateBuild, now=None) -> float | None:
 
 
 def describe_step(number: int, step: dict) -> dict:
-    """One stored step (``template_builds.lifecycle.start.normalised_steps``) for display:
+    """One stored step (``lifecycle.templates.start.normalised_steps``) for display:
     COPY/ADD as source → destination (with the owner and mode the SDK sends after them),
     RUN as its command (and user), ENV as ``KEY=value`` pairs, the rest as their args."""
     kind = str(step.get("type") or "?")

@@ -41,9 +41,9 @@ from envd_client.protocol import STREAM_IDLE_TIMEOUT, UNARY_TIMEOUT
 from sandboxes.models import Sandbox
 from sandboxes.states import ROUTABLE, SandboxState
 
-from .sockets import (CLOSE_BAD_MESSAGE, CLOSE_EXITED, CLOSE_NOT_FOUND, CLOSE_NOT_RUNNING,  # noqa: F401
+from dashboard.sockets import (CLOSE_BAD_MESSAGE, CLOSE_EXITED, CLOSE_NOT_FOUND, CLOSE_NOT_RUNNING,  # noqa: F401
                       CLOSE_UNAUTHENTICATED, CLOSE_UNREACHABLE, TaskSocket)
-from .teams import current_team
+from dashboard.teams import current_team
 
 log = logging.getLogger(__name__)
 

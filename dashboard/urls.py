@@ -2,7 +2,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import actions, template_pages, views
+from dashboard import actions, template_pages, views
 
 app_name = "dashboard"
 

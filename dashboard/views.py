@@ -21,11 +21,11 @@ from nodes import summary
 from nodes.models import Node
 from sandboxes.models import ApiKey, Sandbox, SandboxEvent, Template
 from sandboxes.states import LIVE, SandboxState, can_start
-from snapshots.lifecycle import fork as fork_op
+from lifecycle.snapshots import fork as fork_op
 from snapshots.models import Snapshot
 
-from .teams import current_team, set_current_team, user_teams
-from .terminal import FINAL_CLOSE_CODES, TERMINAL_STATES, gone_reason
+from dashboard.teams import current_team, set_current_team, user_teams
+from dashboard.terminal import FINAL_CLOSE_CODES, TERMINAL_STATES, gone_reason
 
 LIST_LIMIT = 200
 TIMEOUT_CHOICES = [(300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (4 * 3600, "4 hours")]
@@ -49,7 +49,7 @@ def team_page(view):
 
 def is_operator(user) -> bool:
     """Staff users are the platform's operators: they see every node's figures (the API's
-    ``X-Admin-Token`` view); anyone else sees what a team's key sees (``nodes.views``)."""
+    ``X-Admin-Token`` view); anyone else sees what a team's key sees (``api.nodes.views``)."""
     return bool(user.is_staff)
 
 

@@ -165,7 +165,7 @@ env_file_text() {  # the settings, one KEY=value a line, quoted where systemd or
                AENV_S3_REGION AENV_S3_PREFIX AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY DJANGO_SECRET_KEY
                AENV_SANDBOX_DOMAIN AENV_API_PUBLIC_URL AENV_SANDBOX_PUBLIC_URL)
   local key value
-  echo "# aenv settings (aenv_site/settings.py), written by deploy/install-node.sh; read by the aenv-* units."
+  echo "# aenv settings (config/settings.py), written by deploy/install-node.sh; read by the aenv-* units."
   for key in "${order[@]}"; do
     value="${SET[$key]:-}"
     [ -n "$value" ] || continue

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from sandboxes.states import LIVE
 
-from .models import Node
+from nodes.models import Node
 
 
 class AliveFilter(admin.SimpleListFilter):

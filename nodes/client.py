@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from celery import states
 from django.conf import settings
 
-from aenv_site.celery import app as celery_app
+from nodes.celery_app import app as celery_app
 from nodes import protocol
 from nodes.models import Node
 
@@ -284,7 +284,7 @@ async def build_template(node: Node, *, build_id: str, template_id: str, spec: d
     """Hand template build ``build_id`` of ``template_id`` to ``node``'s builder and return
     at once (a build takes minutes): the builder reports its log and outcome through
     ``template_builds.progress``, not through a task result. ``spec`` is the normalised
-    start body (``template_builds.lifecycle.start.node_spec``); the shape is the build VM's
+    start body (``lifecycle.templates.start.node_spec``); the shape is the build VM's
     and the template's. A node that does not pick the task up within ``pickup_timeout``
     seconds (default ``AENV_TEMPLATE_PICKUP_TIMEOUT``) never runs it.
 

@@ -4,7 +4,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import models
 
-from . import protocol
+from nodes import protocol
 from django.utils import timezone
 
 

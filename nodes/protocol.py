@@ -18,7 +18,7 @@ BUILD_TEMPLATE = "nodes.build_template"
 
 def pause_image_of(sandbox_id: str) -> str:
     """The snapshot-store id under which a node exports a paused sandbox (agent.moves), so
-    another node can resume it (sandboxes.lifecycle.pause)."""
+    another node can resume it (lifecycle.sandboxes.pause)."""
     return f"pause-{sandbox_id}"[:64]
 
 

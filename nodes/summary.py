@@ -17,8 +17,8 @@ from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.states import E2B_PAUSED, E2B_RUNNING, LIVE, SandboxState
 from template_builds.models import BuildStatus, TemplateBuild
 
-from .models import Node
-from .placement import with_reservations
+from nodes.models import Node
+from nodes.placement import with_reservations
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"
 STATUSES = (READY, DRAINING, DEAD)

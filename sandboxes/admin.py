@@ -4,7 +4,7 @@ Sandbox state is shown, never edited here: state changes belong to the lifecycle
 service (conditional updates + events), not to a form."""
 from django.contrib import admin
 
-from .models import ApiKey, Sandbox, SandboxEvent, SandboxLog, SandboxMetric, Team, Template
+from sandboxes.models import ApiKey, Sandbox, SandboxEvent, SandboxLog, SandboxMetric, Team, Template
 
 
 class ApiKeyInline(admin.TabularInline):

@@ -4,6 +4,3 @@ from django.apps import AppConfig
 class SandboxesConfig(AppConfig):
     name = "sandboxes"
     default_auto_field = "django.db.models.BigAutoField"
-
-    def ready(self):
-        from . import schema  # noqa: F401 - registers the OpenAPI auth extension

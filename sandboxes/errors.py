@@ -1,106 +1,67 @@
-"""Every error the API returns is JSON `{code, message}`: the E2B SDK parses the body
-of every error status before looking at it, and crashes on anything else.
+"""What a lifecycle operation can fail with, in the domain's words.
 
-The one table from domain errors (``sandboxes.lifecycle.errors``) to HTTP lives here:
-the lifecycle never speaks HTTP, the views never pick status codes for it."""
-import logging
-
-from django.db import OperationalError
-from django.http import Http404
-from rest_framework import exceptions, status
-from rest_framework.response import Response
-from rest_framework.views import exception_handler
-
-from .lifecycle import errors as domain
-
-log = logging.getLogger(__name__)
-
-STATUS = {
-    domain.Invalid: 400,
-    domain.Forbidden: 403,
-    domain.NotFound: 404,
-    domain.Conflict: 409,
-    domain.RateLimited: 429,
-    domain.Failed: 500,
-    domain.Unavailable: 503,
-    domain.Timeout: 504,
-    domain.StorageFull: 507,
-}
-# Failed creates are not retried by the SDK when told so: each retry would insert (and
-# fail) another sandbox, and neither "no capacity" nor "node dead" heals within its backoff.
-NO_RETRY = {"Should-Retry": "false"}
+Why not HTTP errors: the sweeper, the data plane and the dashboard call the same
+operations as the API. Each kind below means one thing to every caller; only the API
+edge (``api.errors``) turns it into a status code, E2B's JSON and headers.
+"""
 
 
-def status_of(exc: domain.LifecycleError) -> int:
-    """The HTTP status of a domain error (also what the dashboard shows)."""
-    for kind in type(exc).__mro__:
-        if kind in STATUS:
-            return STATUS[kind]
-    return 500
+class LifecycleError(Exception):
+    """``message`` is for people; ``code`` a stable snake_case name for programs (e.g.
+    the node's failure kind); ``retry`` False tells clients a retry cannot help."""
+
+    def __init__(self, message: str, *, code: str | None = None, retry: bool = True):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.retry = retry
+        self.kind = type(self).__name__  # for event logs: what failed (e.g. the node's error class)
 
 
-class ApiError(exceptions.APIException):
-    """An error with an explicit HTTP status and message, raised by views (the edge)."""
-
-    def __init__(self, status_code: int, message: str, error_code: str | None = None, headers=None):
-        self.status_code = status_code
-        self.detail = message
-        self.error_code = error_code
-        self.extra_headers = headers or {}
+class NotFound(LifecycleError):
+    """No such sandbox or snapshot for this team (or it is gone)."""
 
 
-def _message(detail) -> str:
-    if isinstance(detail, dict):
-        parts = []
-        for field, value in detail.items():
-            text = _message(value)
-            parts.append(text if field in ("detail", "non_field_errors") else f"{field}: {text}")
-        return "; ".join(parts)
-    if isinstance(detail, (list, tuple)):
-        return "; ".join(_message(item) for item in detail)
-    return str(detail)
+class Forbidden(LifecycleError):
+    """The thing exists but belongs to another team (where E2B says so rather than hiding it)."""
 
 
-def error_response(status_code: int, message: str, error_code: str | None = None, headers=None) -> Response:
-    body = {"code": status_code, "message": message}
-    if error_code:
-        body["error_code"] = error_code
-    return Response(body, status=status_code, headers=headers)
+class RateLimited(LifecycleError):
+    """The team is at a limit that frees up with time (e.g. concurrent template builds)."""
 
 
-def e2b_exception_handler(exc, context):
-    if isinstance(exc, Http404):
-        return error_response(404, str(exc) or "not found")
-    if isinstance(exc, ApiError):
-        return error_response(exc.status_code, str(exc.detail), exc.error_code, exc.extra_headers)
-    if isinstance(exc, domain.LifecycleError):
-        code = status_of(exc)
-        return error_response(code, exc.message, exc.code,
-                              None if exc.retry else NO_RETRY)
-    if isinstance(exc, exceptions.ParseError):
-        return error_response(400, f"malformed JSON body: {exc.detail}")
-    if isinstance(exc, OperationalError):  # no connection to be had (pool exhausted, database down or locked)
-        log.warning("database unavailable: %s", exc)
-        return error_response(503, "the database is busy or unreachable; try again")
-    response = exception_handler(exc, context)
-    if response is None:
-        log.exception("unhandled API error", exc_info=exc)
-        return error_response(status.HTTP_500_INTERNAL_SERVER_ERROR, "internal error")
-    headers = {k: v for k, v in response.items() if k.lower() in ("www-authenticate", "retry-after", "allow")}
-    return error_response(response.status_code, _message(response.data), headers=headers)
+class Conflict(LifecycleError):
+    """The thing exists but its state does not allow the operation now."""
 
 
-def _json(status_code: int, message: str):
-    from django.http import JsonResponse  # noqa: PLC0415
-
-    return JsonResponse({"code": status_code, "message": message}, status=status_code)
+class Invalid(LifecycleError):
+    """The request names something impossible (an unknown template, a count over a limit)."""
 
 
-def json_not_found(request, exception=None):
-    """handler404: an unknown URL is a JSON 404 too, so SDK clients never see HTML."""
-    return _json(404, f"no route for {request.method} {request.path}")
+class Unavailable(LifecycleError):
+    """No node can do it now (none alive, none with room, node unreachable)."""
 
 
-def json_server_error(request):
-    """handler500: even a crash outside DRF answers `{code, message}`."""
-    return _json(500, "internal error")
+class Timeout(LifecycleError):
+    """The node did not finish within its deadline (the outcome is recorded when it does)."""
+
+
+class StorageFull(LifecycleError):
+    """The snapshot store has no room."""
+
+
+class Failed(LifecycleError):
+    """The node tried and failed (``code`` names the node's error kind)."""
+
+
+# Node failures (the class name raised on the node) that say the request cannot be honoured
+# there, not that the node broke: an egress policy its network backend cannot enforce (the
+# slirp fallback cannot filter). They are Invalid (400), never Failed.
+REFUSED_BY_NODE = frozenset({"UnsupportedNetworkPolicy"})
+# A node's refusals for want of room (vmm.errors.HostMemoryFull): another node, or later, may do it.
+FULL_NODE = frozenset({"HostMemoryFull"})
+# The node found the guest agent (envd) not answering and was told not to pause it then
+# (agent.guest.GuestUnresponsive): the sandbox keeps running; later, it may answer.
+UNRESPONSIVE_GUEST = frozenset({"GuestUnresponsive"})
+# E2B's error_code for a plain resume of a pause taken while the guest agent did not answer.
+GUEST_UNRESPONSIVE_CODE = "sandbox_snapshot_guest_agent_unresponsive"

@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from .states import E2B_VIEW, SandboxState  # noqa: F401 - SandboxState: the field's choices, re-exported
+from sandboxes.states import E2B_VIEW, SandboxState  # noqa: F401 - SandboxState: the field's choices, re-exported
 
 SANDBOX_ID_ALPHABET = string.ascii_lowercase + string.digits
 

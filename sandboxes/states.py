@@ -93,7 +93,7 @@ RECONCILE: dict[str, frozenset[str]] = {
     S.SNAPSHOTTING: frozenset({S.RUNNING, S.ERROR}),
     S.FORKING: frozenset({S.RUNNING, S.ERROR}),
 }
-# A node declared dead (no heartbeat for AENV_NODE_LOST_AFTER, sandboxes.lost): what ran
+# A node declared dead (no heartbeat for AENV_NODE_LOST_AFTER, lifecycle.lost): what ran
 # or was on its way there is lost; a kill is as done as it will get; paused ones stay paused.
 LOST: dict[str, frozenset[str]] = {
     **{state: frozenset({S.ERROR}) for state in (S.CREATING, S.RUNNING, S.PAUSING, S.RESUMING, S.SNAPSHOTTING,

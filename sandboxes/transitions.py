@@ -12,8 +12,8 @@ from asgiref.sync import sync_to_async
 from django.db import models, transaction
 from django.utils import timezone
 
-from .models import Sandbox, SandboxEvent
-from .states import S, is_legal
+from sandboxes.models import Sandbox, SandboxEvent
+from sandboxes.states import S, is_legal
 
 
 class IllegalTransition(Exception):

@@ -6,7 +6,7 @@
 #   scripts/cluster.sh status [--json]   processes, namespaces, GET /nodes
 #   scripts/cluster.sh down [--purge]    stop (node workers pause their sandboxes to disk first)
 # Ports: AENV_CLUSTER_API_PORT (3010), AENV_CLUSTER_DATAPLANE_PORT (3011). State: var/cluster/.
-# The implementation is aenv_cluster/ (the tests drive the same code).
+# The implementation is cluster/ (the tests drive the same code).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ "$(id -u)" -ne 0 ]; then
@@ -18,4 +18,4 @@ if [ ! -x "$ROOT/.venv/bin/python" ]; then
   exit 1
 fi
 cd "$ROOT"
-exec "$ROOT/.venv/bin/python" -m aenv_cluster "$@"
+exec "$ROOT/.venv/bin/python" -m cluster "$@"

@@ -16,7 +16,7 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 NODE_APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static curl ca-certificates redis-tools
                    nftables iproute2 util-linux dnsmasq-base skopeo umoci patchelf binutils)
 # Only the tests use these: docker-registry + apache2-utils (htpasswd) are the local registry the tests push their
-# own images to (tests/oci_registry.py); bash-static is the shell of the tests' image without glibc (tests/oci_images.py);
+# own images to (harness/oci_registry.py); bash-static is the shell of the tests' image without glibc (harness/oci_images.py);
 # The shellcheck package checks every shell script of the repository (tests/unit/test_shell_scripts.py, beside the test extra's).
 TEST_APT_PACKAGES=(docker-registry apache2-utils bash-static shellcheck)
 

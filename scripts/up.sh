@@ -26,8 +26,8 @@ start() {  # name, command...
 }
 start node .venv/bin/python manage.py run_node
 start lifecycle .venv/bin/python manage.py run_lifecycle
-start api .venv/bin/daphne -b "$BIND" -p "$API_PORT" aenv_site.asgi:application
-start dataplane .venv/bin/uvicorn aenv_site.dataplane:application --host "$BIND" --port "$SANDBOX_PORT" \
+start api .venv/bin/daphne -b "$BIND" -p "$API_PORT" config.asgi:application
+start dataplane .venv/bin/uvicorn config.dataplane_asgi:application --host "$BIND" --port "$SANDBOX_PORT" \
   --no-access-log --timeout-keep-alive 300
 
 wait_http() {  # url, what

@@ -1,8 +1,8 @@
 """Admin: snapshots with their team, source, node and size. Read-mostly: state changes
-go through ``snapshots.lifecycle`` (which also removes the files on the node)."""
+go through ``lifecycle.snapshots`` (which also removes the files on the node)."""
 from django.contrib import admin
 
-from .models import Snapshot
+from snapshots.models import Snapshot
 
 
 @admin.register(Snapshot)

@@ -2,7 +2,7 @@
 files. Read-mostly: a build's status changes only through ``template_builds.transitions``."""
 from django.contrib import admin
 
-from .models import BuildLogEntry, TemplateBuild, TemplateFile, TemplateTag
+from template_builds.models import BuildLogEntry, TemplateBuild, TemplateFile, TemplateTag
 
 
 class BuildLogInline(admin.TabularInline):

@@ -29,8 +29,8 @@ from datetime import datetime
 
 from django.utils import timezone
 
-from .models import BuildStatus as B, TemplateBuild
-from .transitions import Log, append_sync, mark_accepted_sync, transition_sync
+from template_builds.models import BuildStatus as B, TemplateBuild
+from template_builds.transitions import Log, append_sync, mark_accepted_sync, transition_sync
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from .models import BuildLogEntry, BuildStatus as B, LogLevel, TemplateBuild
+from template_builds.models import BuildLogEntry, BuildStatus as B, LogLevel, TemplateBuild
 
 # operation → (the statuses it may start from, the status it sets)
 TRANSITIONS: dict[str, tuple[frozenset[str], str]] = {

@@ -40,7 +40,7 @@ def pytest_report_header(config):
 # Each test session is an aenv network instance of its own: drivers made by tests (tests/vmm,
 # the contract suite) share its slots, never a running node's nor another session's (two
 # sessions may run at once). Each test stack of the session is yet another instance inside the
-# session's /16 (tests/integration/stack.py). Names stay within Linux's 15-character limit.
+# session's /16 (harness/stack.py). Names stay within Linux's 15-character limit.
 # pytest-xdist workers inherit the controller's environment: each takes the number after the
 # controller's (plus its index), or two workers' stacks would make the same instance.
 if "AENV_NET_PREFIX" not in os.environ or os.environ.get("AENV_TEST_NET_SESSION"):

@@ -18,10 +18,10 @@ import logging
 import threading
 from pathlib import Path
 
-from . import images
-from .build import BUILD_VM_PREFIX, Build, Failure, Node, Request, internal_error
-from .layers import LayerCache
-from .log import BuildLog, Cancelled
+from agent.builder import images
+from agent.builder.build import BUILD_VM_PREFIX, Build, Failure, Node, Request, internal_error
+from agent.builder.layers import LayerCache
+from agent.builder.log import BuildLog, Cancelled
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ def node_context(driver=None) -> Node:
     from envd.state import TEMPLATE_DEFAULTS
     from template_builds.files import get_file_store
 
-    from ..driver import get_driver
-    from ..stores import get_store
+    from agent.driver import get_driver
+    from agent.stores import get_store
 
     return Node(node_id=settings.AENV_NODE_ID, driver=driver or get_driver(), store=get_store(),
                 files=get_file_store(), images_dir=settings.AENV_IMAGES_DIR, cache=layer_cache(),

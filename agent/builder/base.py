@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import images, plan
-from .guest import StepFailed
+from agent.builder import images, plan
+from agent.builder.guest import StepFailed
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def from_image(ref: str, registry: dict | None, images_dir: Path, insecure_list:
 
 
 def from_template(source: dict, store, images_dir: Path) -> Base:
-    """``source``: the start body's resolved ``fromTemplate`` (``template_builds.lifecycle.
+    """``source``: the start body's resolved ``fromTemplate`` (``lifecycle.templates.
     start.node_spec``): a build (its result), a snapshot, or an image."""
     from template_builds.models import TemplateBuild
     from vmm.images import ImageNotFound, find_image

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from envd_client import EnvdUnavailable
 
-from . import base as bases
-from . import plan
-from .guest import BuildGuest, StartCommand, StepFailed
-from .layers import LayerCache
-from .log import BuildLog, Cancelled
+from agent.builder import base as bases
+from agent.builder import plan
+from agent.builder.guest import BuildGuest, StartCommand, StepFailed
+from agent.builder.layers import LayerCache
+from agent.builder.log import BuildLog, Cancelled
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Failure(Exception):
 class Request:
     build_id: str
     template_id: str
-    spec: dict  # template_builds.lifecycle.start.node_spec
+    spec: dict  # lifecycle.templates.start.node_spec
     cpu_count: int
     memory_mb: int
     disk_size_mb: int

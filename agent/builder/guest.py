@@ -20,8 +20,8 @@ from pathlib import Path
 from envd_client import EnvdClient, EnvdError
 from envd_client.deadline import within
 
-from . import plan
-from .log import BuildLog, LineSplitter
+from agent.builder import plan
+from agent.builder.log import BuildLog, LineSplitter
 
 # The tools drive's static busybox (vmm.toolsdrive: mounted read-only at /opt/aenv in every guest).
 BUSYBOX = "/opt/aenv/bin/busybox"

@@ -32,7 +32,7 @@ from pathlib import Path
 from vmm.oci import store as oci_store
 from vmm.oci import usage
 
-from .layers import LayerCache
+from agent.builder.layers import LayerCache
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import PosixFsStore, SnapshotStore, SnapshotStoreError
+from agent.stores.base import PosixFsStore, SnapshotStore, SnapshotStoreError
 
 _S3_STORES: dict = {}
 
@@ -22,7 +22,7 @@ def get_store() -> SnapshotStore:
     if kind == "posix_fs":
         return PosixFsStore(Path(settings.AENV_HOME) / "snapshots")
     if kind == "s3":
-        from .s3 import S3Store  # noqa: PLC0415  (boto3 only when used)
+        from agent.stores.s3 import S3Store  # noqa: PLC0415  (boto3 only when used)
 
         config = dict(home=Path(settings.AENV_HOME), images_dir=Path(settings.AENV_IMAGES_DIR),
                       bucket=settings.AENV_S3_BUCKET, endpoint=settings.AENV_S3_ENDPOINT,

@@ -17,7 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
-from .chunks import allocated_bytes
+from agent.stores.chunks import allocated_bytes
 
 SNAPSHOT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 

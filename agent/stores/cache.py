@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from .chunks import allocated_bytes
+from agent.stores.chunks import allocated_bytes
 
 log = logging.getLogger(__name__)
 

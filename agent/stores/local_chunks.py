@@ -18,7 +18,7 @@ import os
 import threading
 from pathlib import Path
 
-from .chunks import CHUNK_SIZE, chunk_spans, digest, read_chunk
+from agent.stores.chunks import CHUNK_SIZE, chunk_spans, digest, read_chunk
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
 #   node                        the node worker (Dockerfile.node, privileged): builds the guest
 #                               images into AENV_IMAGES_DIR on its first start, then serves
 #   health api|dataplane|node   the container's health check
-# Anything else is run as given. Settings are environment variables (aenv_site/settings.py).
+# Anything else is run as given. Settings are environment variables (config/settings.py).
 set -euo pipefail
 cd /opt/aenv
 PY=/opt/aenv/.venv/bin/python
@@ -29,8 +29,8 @@ sys.exit(0 if node is not None and node.is_alive() else 1)' ;;
 }
 
 case "${1:-}" in
-  api) exec .venv/bin/daphne --bind 0.0.0.0 --port 3000 aenv_site.asgi:application ;;
-  dataplane) exec .venv/bin/uvicorn aenv_site.dataplane:application --host 0.0.0.0 --port 3001 \
+  api) exec .venv/bin/daphne --bind 0.0.0.0 --port 3000 config.asgi:application ;;
+  dataplane) exec .venv/bin/uvicorn config.dataplane_asgi:application --host 0.0.0.0 --port 3001 \
                --no-access-log --timeout-keep-alive 300 ;;
   sweeper) exec "$PY" manage.py run_lifecycle ;;
   migrate) "$PY" manage.py migrate --noinput; exec "$PY" manage.py bootstrap ;;

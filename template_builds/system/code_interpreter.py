@@ -26,8 +26,8 @@ from pathlib import Path
 
 from django.conf import settings
 
-from . import host_venv
-from .recipes import Recipe, Tree, copy_step, run_step, tree_archive, tree_hash
+from template_builds.system import host_venv
+from template_builds.system.recipes import Recipe, Tree, copy_step, run_step, tree_archive, tree_hash
 
 ALIAS = "code-interpreter-v1"
 SERVER = Path(__file__).resolve().parents[2] / "code_interpreter"

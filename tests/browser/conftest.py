@@ -1,5 +1,5 @@
 """Browser tests: Playwright drives Debian's Chromium (headless) against a real aenv
-stack (daphne + uvicorn + node worker + QEMU VMs, tests/integration/stack.py).
+stack (daphne + uvicorn + node worker + QEMU VMs, harness/stack.py).
 
 Needs ``/usr/bin/chromium`` and the xterm.js packages (both installed by
 ``scripts/setup_frontend.sh``, which ``scripts/setup.sh`` runs). Without chromium the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.stack import ROOT, Stack
+from harness.stack import ROOT, Stack
 
 CHROMIUM = Path(os.environ.get("AENV_CHROMIUM", "/usr/bin/chromium"))
 XTERM = ROOT / "vendor" / "node_modules" / "@xterm" / "xterm" / "lib" / "xterm.js"
@@ -81,7 +81,7 @@ def browser(chromium_path):
 
 def csp_violations(pg) -> list[str]:
     """The page's Content-Security-Policy violations as they happen (Chromium logs each as a
-    console error): the dashboard must work under its policy (aenv_site.security_headers),
+    console error): the dashboard must work under its policy (config.security_headers),
     so a test's page fixture fails the test on any."""
     seen: list[str] = []
     pg.on("console", lambda m: seen.append(m.text) if m.type == "error" and "Content Security Policy" in m.text

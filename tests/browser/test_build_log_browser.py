@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from tests.integration.stack import Stack
+from harness.stack import Stack
 
 from .conftest import csp_violations, dashboard_stack
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.stack import PY
+from harness.stack import PY
 
 from .test_dashboard_browser import create_sandbox, shot, sign_in, terminal_text, type_and_expect
 
@@ -58,7 +58,7 @@ def api_down(stack):
     try:
         yield
     finally:
-        stack._spawn("api", [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", port, "aenv_site.asgi:application"])
+        stack._spawn("api", [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", port, "config.asgi:application"])
         stack._wait_http(f"{stack.api_url}/health", "api")
 
 

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests import oci_images, oci_registry
+from harness import oci_images, oci_registry
 
-from .stack import ROOT, Stack
+from harness.stack import ROOT, Stack
 from .tls_ingress import TlsIngress
 
 

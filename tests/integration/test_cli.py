@@ -17,7 +17,7 @@ import pytest
 
 from tests.envd.cli_api import Relay
 
-from .stack import ROOT
+from harness.stack import ROOT
 
 pytestmark = pytest.mark.vm
 RUN = uuid.uuid4().hex[:6]  # this module's sandboxes carry metadata cli=RUN

@@ -1,4 +1,4 @@
-"""A real 3-node cluster on this machine (``aenv_cluster``, what ``scripts/cluster.sh``
+"""A real 3-node cluster on this machine (``cluster``, what ``scripts/cluster.sh``
 runs): each node worker in a network namespace of its own with its own address, home and
 slot pool, against one PostgreSQL and one Redis, the API, data plane and sweeper in the root
 namespace. 30 sandboxes created at once through the official SDK spread over the nodes;
@@ -23,11 +23,11 @@ from ipaddress import ip_address, ip_network
 import httpx
 import pytest
 
-from aenv_cluster import Cluster, ClusterLayout
-from aenv_cluster import hostnet
+from cluster import Cluster, ClusterLayout
+from cluster import hostnet
 
-from .networld import NodeService, probe
-from .stack import ROOT, free_port, shared_images_dir
+from harness.networld import NodeService, probe
+from harness.stack import ROOT, free_port, shared_images_dir
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1500)]
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from aenv_cluster.processes import qemu_pids
+from cluster.processes import qemu_pids
 
 from .guest_counter import read_counter, start_counter
 from .test_snapshot_e2e import _shm_files

@@ -6,7 +6,7 @@ import pytest
 
 from envd import ENVD_PORT
 
-from .stack import ROOT, Stack
+from harness.stack import ROOT, Stack
 
 
 def assert_error(resp: httpx.Response, status: int, text: str | None = None) -> dict:

@@ -12,7 +12,7 @@ from e2b import Sandbox
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import running_stack
-from .stack import free_port
+from harness.stack import free_port
 
 pytestmark = pytest.mark.vm
 

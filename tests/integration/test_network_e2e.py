@@ -12,7 +12,7 @@ from e2b import Sandbox
 
 from vmm.net import slots
 
-from .networld import EXT_A, EXT_B, NODE_SIDE, ExternalHost, NodeService, dns_ask, node_addresses, probe
+from harness.networld import EXT_A, EXT_B, NODE_SIDE, ExternalHost, NodeService, dns_ask, node_addresses, probe
 
 pytestmark = [pytest.mark.vm,
               pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)")]

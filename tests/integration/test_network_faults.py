@@ -13,7 +13,7 @@ from e2b import Sandbox
 from vmm.net import host_table, slots
 
 from .conftest import running_stack
-from .networld import EXT_A, ExternalHost, NodeService, probe
+from harness.networld import EXT_A, ExternalHost, NodeService, probe
 
 pytestmark = [pytest.mark.vm,
               pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)")]

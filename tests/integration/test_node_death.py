@@ -13,11 +13,11 @@ import uuid
 import pytest
 from e2b import Sandbox
 
-from tests.moto_s3 import CREDENTIALS, moto_server
+from harness.moto_s3 import CREDENTIALS, moto_server
 
 from .conftest import running_stack
 from .guest_counter import read_counter, start_counter
-from .second_node import SecondNode, short_root  # noqa: F401 - a fixture
+from harness.second_node import SecondNode, short_root  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 

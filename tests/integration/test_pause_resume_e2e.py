@@ -7,7 +7,7 @@ import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
-from aenv_cluster.processes import qemu_pids
+from cluster.processes import qemu_pids
 
 from .guest_counter import read_counter, start_counter
 

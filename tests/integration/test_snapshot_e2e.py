@@ -10,7 +10,7 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
-from aenv_cluster.processes import qemu_pids
+from cluster.processes import qemu_pids
 
 from .guest_counter import read_counter, start_counter
 

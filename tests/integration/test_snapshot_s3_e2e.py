@@ -11,9 +11,9 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
-from aenv_cluster.processes import qemu_pids
-from tests.moto_s3 import CREDENTIALS, moto_server
-from tests.moto_s3 import client as s3_client
+from cluster.processes import qemu_pids
+from harness.moto_s3 import CREDENTIALS, moto_server
+from harness.moto_s3 import client as s3_client
 
 from .conftest import running_stack
 from .guest_counter import read_counter, start_counter

@@ -12,9 +12,9 @@ import uuid
 import pytest
 from e2b import Sandbox, Template, wait_for_port
 
-from tests.moto_s3 import CREDENTIALS, moto_server
+from harness.moto_s3 import CREDENTIALS, moto_server
 from .conftest import running_stack
-from .second_node import SecondNode, short_root  # noqa: F401 - a fixture
+from harness.second_node import SecondNode, short_root  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 

@@ -18,7 +18,7 @@ import pytest
 from e2b import Sandbox, Template, wait_for_port
 from e2b.exceptions import BuildException
 
-from tests import oci_registry
+from harness import oci_registry
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(2400)]
 

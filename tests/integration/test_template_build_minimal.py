@@ -3,7 +3,7 @@
 builder would, and a sandbox of each runs commands as the template's user in its working
 directory; an image without any shell fails at its first step saying so.
 
-The images are made here (tests.oci_images) and pushed to the session's local registry:
+The images are made here (harness.oci_images) and pushed to the session's local registry:
 
 * ``busybox``: static busybox with a few applets (no ``dirname``), bash and glibc, root and
   nobody only, no WORKDIR or USER: the image of the report, whose build failed at finalize
@@ -33,7 +33,7 @@ import pytest
 from e2b import Sandbox, Template
 
 from envd_client import EnvdClient
-from tests import oci_images
+from harness import oci_images
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 

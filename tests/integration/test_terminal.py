@@ -23,10 +23,10 @@ from django.utils import timezone
 from dashboard import terminal
 from envd_client import EnvdClient
 from nodes.models import Node
-from sandboxes.lifecycle import kill, pause
+from lifecycle.sandboxes import kill, pause
 from sandboxes.models import Sandbox, Team, Template
 
-from .stack import ROOT, shared_images_dir
+from harness.stack import ROOT, shared_images_dir
 
 pytestmark = [pytest.mark.vm, pytest.mark.django_db(transaction=True)]
 
@@ -94,8 +94,9 @@ def sandbox(vm, team, base_template, node):
 
 @pytest.fixture
 def inproc_node(vm):
-    """``sandboxes.lifecycle`` with node tasks run by the in-process driver."""
-    from nodes import client as real, placement  # noqa: PLC0415
+    """``lifecycle.sandboxes`` with node tasks run by the in-process driver."""
+    from nodes import client as real  # noqa: PLC0415
+    from nodes import placement  # noqa: PLC0415
 
     async def kill_sandbox(node, *, sandbox_id, **_):
         return {"killed": await asyncio.to_thread(vm.driver.kill, sandbox_id)}
@@ -111,12 +112,12 @@ def inproc_node(vm):
     client = SimpleNamespace(NodeError=real.NodeError, NodeUnavailable=real.NodeUnavailable,
                              NodeTimeout=real.NodeTimeout, NodeTaskFailed=real.NodeTaskFailed,
                              kill_sandbox=kill_sandbox, pause_sandbox=pause_sandbox, resume_sandbox=resume_sandbox)
-    with mock.patch("sandboxes.lifecycle.core.node_api", return_value=(client, placement)):
+    with mock.patch("lifecycle.sandboxes.core.node_api", return_value=(client, placement)):
         yield client
 
 
 def open_terminal(sandbox_id: str, dash, query: str = "cols=80&rows=24") -> WebsocketCommunicator:
-    from aenv_site.asgi import application  # noqa: PLC0415
+    from config.asgi import application  # noqa: PLC0415
 
     headers = [(b"host", b"testserver"), (b"origin", b"http://testserver"),
                (b"cookie", f"sessionid={dash.cookies['sessionid'].value}".encode())]

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from .stack import ROOT
+from harness.stack import ROOT
 
 pytestmark = pytest.mark.vm
 

@@ -49,7 +49,8 @@ def _node_modules():
     """The real exception classes when the node side is importable, so the tests
     check the contract; stand-ins otherwise."""
     try:
-        from nodes import client, placement  # noqa: PLC0415
+        from nodes import client  # noqa: PLC0415
+        from nodes import placement  # noqa: PLC0415
 
         return client, placement
     except Exception:  # noqa: BLE001
@@ -96,13 +97,13 @@ def nodes_mock(node):
 
     placement = SimpleNamespace(NoNodeAvailable=real_placement.NoNodeAvailable,
                                 place=mock.AsyncMock(side_effect=place))
-    with mock.patch("sandboxes.lifecycle.core.node_api", return_value=(client, placement)):
+    with mock.patch("lifecycle.sandboxes.core.node_api", return_value=(client, placement)):
         yield SimpleNamespace(client=client, placement=placement, node=node)
 
 
 @pytest.fixture
 def asgi_app():
-    from aenv_site.asgi import http_app  # noqa: PLC0415
+    from config.asgi import http_app  # noqa: PLC0415
 
     return http_app
 

@@ -57,7 +57,7 @@ async def test_50_creates_racing_for_20_slots_get_exactly_20(api, nodes_mock):
         return {"envd_host": "127.0.0.1", "envd_port": 40000, "pid": 1, "accel": "tcg", "timings": {}}
 
     nodes_mock.client.boot_sandbox.side_effect = slow_boot
-    with mock.patch("sandboxes.lifecycle.core.node_api", return_value=(nodes_mock.client, placement)):
+    with mock.patch("lifecycle.sandboxes.core.node_api", return_value=(nodes_mock.client, placement)):
         responses = await asyncio.gather(*(api.post("/v2/sandboxes", json={"templateID": "base"})
                                            for _ in range(50)))
     statuses = sorted(r.status_code for r in responses)

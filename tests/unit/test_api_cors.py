@@ -1,4 +1,4 @@
-"""CORS on the E2B API (aenv_site.cors.ApiCorsMiddleware), so the TypeScript SDK works
+"""CORS on the E2B API (api.cors.ApiCorsMiddleware), so the TypeScript SDK works
 from a browser; the dashboard and the admin keep their same-origin rules."""
 import pytest
 from django.test import Client

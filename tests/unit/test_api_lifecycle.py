@@ -80,7 +80,7 @@ async def test_a_pause_of_an_unresponsive_guest_resumes_only_by_reboot(api, crea
     """The node paused with the memory although envd did not answer: the sandbox shows
     envdUnresponsiveAtPause; a plain resume is E2B's 409 with its error_code (the SDK's
     GuestUnresponsiveException), traffic does not auto-resume it, a reboot does."""
-    from sandboxes.lifecycle import pause
+    from lifecycle.sandboxes import pause
 
     sb = await create(autoResume={"enabled": True})
     sid = sb["sandboxID"]

@@ -6,7 +6,7 @@ import pytest
 from django.utils import timezone
 
 from sandboxes.models import Sandbox
-from sandboxes.lifecycle.queries import decode_metadata_filter
+from lifecycle.sandboxes.queries import decode_metadata_filter
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

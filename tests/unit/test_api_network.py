@@ -8,7 +8,7 @@ from unittest import mock
 import httpx
 import pytest
 
-from sandboxes.lifecycle import network as sandbox_network
+from lifecycle.sandboxes import network as sandbox_network
 from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.transitions import with_route_generation
 

@@ -1,4 +1,4 @@
-"""The CLI installs on its own: ``pip install ./cli`` into a fresh venv (packages from
+"""The CLI installs on its own: ``pip install ./packaging/aenv-cli`` into a fresh venv (packages from
 PyPI only: the build backend and the CLI's few dependencies) gives a working ``aenv``
 without Django or any server package; its help, version, completion and a real command
 (which finds no server) run there."""
@@ -23,7 +23,7 @@ def installed(tmp_path_factory):
     where = tmp_path_factory.mktemp("standalone") / "venv"
     venv.create(where, with_pip=True)
     out = subprocess.run([str(where / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                          str(ROOT / "cli")], capture_output=True, text=True, timeout=540)
+                          str(ROOT / "packaging" / "aenv-cli")], capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, out.stderr
     return where
 

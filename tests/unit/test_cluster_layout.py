@@ -1,5 +1,5 @@
-"""The one-machine cluster's plan (``aenv_cluster.layout``) and its root-namespace table
-(``aenv_cluster.hostnet.ruleset``): distinct names, addresses and pools per node, each
+"""The one-machine cluster's plan (``cluster.layout``) and its root-namespace table
+(``cluster.hostnet.ruleset``): distinct names, addresses and pools per node, each
 node's settings (its gateway the only ingress source, guests denied the root namespace and
 every cluster range), bad layouts refused, and a table nft accepts (checked, not applied)."""
 import ipaddress
@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from aenv_cluster import ClusterLayout, LayoutError
-from aenv_cluster.hostnet import ruleset
+from cluster import ClusterLayout, LayoutError
+from cluster.hostnet import ruleset
 
 
 def test_nodes_get_distinct_namespaces_addresses_and_pools():
@@ -30,14 +30,14 @@ def test_nodes_get_distinct_namespaces_addresses_and_pools():
 def test_a_node_reaches_the_services_through_its_gateway_and_only_it_opens_slots():
     layout = ClusterLayout(nodes=2, redis_db=7)
     env = layout.node(2).env("k", deny_extra=("192.0.2.2/32",))
-    assert env["DATABASE_URL"] == "postgres://postgres@10.210.2.1:5432/aenv_cluster"
+    assert env["DATABASE_URL"] == "postgres://postgres@10.210.2.1:5432/cluster"
     assert env["CELERY_BROKER_URL"] == "redis://10.210.2.1:6379/7"
     assert env["AENV_CHANNEL_LAYER_URL"] == "redis://10.210.2.1:6379/9"
     assert env["AENV_NODE_ADDRESS"] == "10.210.2.2" and env["AENV_NODE_ID"] == "aenvh-2"
     assert env["AENV_NET_INGRESS_FROM"] == "10.210.2.1/32" and env["AENV_NETWORK"] == "netns"
     assert env["AENV_NET_DENY_EXTRA"].split(",") == ["192.0.2.2/32", "10.210.0.0/16", "10.211.0.0/16"]
     control = layout.control_env("k")
-    assert control["DATABASE_URL"] == "postgres://postgres@127.0.0.1:5432/aenv_cluster"
+    assert control["DATABASE_URL"] == "postgres://postgres@127.0.0.1:5432/cluster"
     assert control["DJANGO_SECRET_KEY"] == env["DJANGO_SECRET_KEY"] == "k"
     assert control["AENV_HOME"] != env["AENV_HOME"]
 

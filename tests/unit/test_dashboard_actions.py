@@ -281,15 +281,15 @@ def test_create_errors_are_inline(dash, team, base_template, other_team, nodes_m
 def test_snapshot_and_fork_call_the_snapshot_lifecycle(dash, mine, team):
     from unittest import mock
 
-    from sandboxes.lifecycle.core import Result
-    from sandboxes.lifecycle.errors import Conflict, StorageFull
-    from snapshots.lifecycle.snapshot import Taken
+    from lifecycle.sandboxes.core import Result
+    from sandboxes.errors import Conflict, StorageFull
+    from lifecycle.snapshots.snapshot import Taken
     from snapshots.models import Snapshot
 
     snap = Snapshot(id="sabc", team=team, template=mine.template, name="n1")
     child = Sandbox(id="ichild", team=team, template=mine.template, end_at=timezone.now())
-    with mock.patch("snapshots.lifecycle.snapshot.create_snapshot", mock.AsyncMock(return_value=Taken(snap))) as create, \
-            mock.patch("snapshots.lifecycle.fork.fork_sandbox",
+    with mock.patch("lifecycle.snapshots.snapshot.create_snapshot", mock.AsyncMock(return_value=Taken(snap))) as create, \
+            mock.patch("lifecycle.snapshots.fork.fork_sandbox",
                        mock.AsyncMock(return_value=[Result(child), StorageFull("store full")])) as fork:
         resp = dash.post(f"/dashboard/sandboxes/{mine.id}/snapshot", {"name": "n1"}, **JSON)
         assert resp.status_code == 200 and resp.json()["snapshot"] == "sabc"

@@ -214,7 +214,7 @@ def test_step_and_layer_formatting():
 
 
 def communicator(template_id, build_id, headers, query=""):
-    from aenv_site.asgi import application  # noqa: PLC0415
+    from config.asgi import application  # noqa: PLC0415
 
     path = f"/ws/templates/{template_id}/builds/{build_id}/logs" + (f"?{query}" if query else "")
     return WebsocketCommunicator(application, path, headers=headers)

@@ -41,7 +41,7 @@ def headers_for(client=None, origin=b"http://testserver"):
 
 
 def communicator(sandbox_id, headers, query=""):
-    from aenv_site.asgi import application  # noqa: PLC0415
+    from config.asgi import application  # noqa: PLC0415
 
     path = f"/ws/sandboxes/{sandbox_id}/terminal" + (f"?{query}" if query else "")
     return WebsocketCommunicator(application, path, headers=headers)

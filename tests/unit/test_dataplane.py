@@ -1,4 +1,4 @@
-"""The data plane as deployed — `uvicorn aenv_site.dataplane:application` in its own
+"""The data plane as deployed — `uvicorn config.dataplane_asgi:application` in its own
 process on the test database — in front of a real envd on the host, driven by the
 official e2b SDK (debug mode: no control plane; E2B_SANDBOX_URL = the data plane)."""
 import os
@@ -41,7 +41,7 @@ def dataplane(tmp_path):
     log = open(tmp_path / "dataplane.log", "wb")
     env = {**os.environ, "DATABASE_URL": _test_database_url(), "AENV_HOME": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "aenv_site.dataplane:application", "--host", "127.0.0.1",
+        [sys.executable, "-m", "uvicorn", "config.dataplane_asgi:application", "--host", "127.0.0.1",
          "--port", str(port), "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )

@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from aenv_site.secret_key import PUBLIC_DEFAULT_KEY
+from config.secret_key import PUBLIC_DEFAULT_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -36,7 +36,7 @@ INSTALL = DEPLOY / "install-node.sh"
 VENV_BIN = Path(sys.executable).parent
 # A Kubernetes version kubernetes-validate ships schemas for (it bundles 1.25 on).
 K8S_VERSION = "1.32.0"
-# Variables the deploy files may set that aenv_site/settings.py does not read: who reads them.
+# Variables the deploy files may set that config/settings.py does not read: who reads them.
 EXTERNAL_ENV = {
     "AWS_ACCESS_KEY_ID": "boto3 (the S3 snapshot store)",
     "AWS_SECRET_ACCESS_KEY": "boto3 (the S3 snapshot store)",
@@ -104,8 +104,8 @@ def env_file_values(text: str) -> dict[str, str]:
 
 
 def settings_env_names() -> set[str]:
-    """Every environment variable aenv_site/settings.py reads (_env*, os.environ)."""
-    source = (ROOT / "aenv_site" / "settings.py").read_text()
+    """Every environment variable config/settings.py reads (_env*, os.environ)."""
+    source = (ROOT / "config" / "settings.py").read_text()
     names = set(re.findall(r'_env(?:_int|_bool)?\(\s*"([A-Z][A-Z0-9_]*)"', source))
     names |= set(re.findall(r'os\.environ(?:\.get\(|\[)\s*"([A-Z][A-Z0-9_]*)"', source))
     return names
@@ -297,8 +297,8 @@ def test_systemd_units_shape():
 def test_systemd_units_run_what_up_sh_runs():
     """The same four processes, the same apps and entry points as scripts/up.sh."""
     up = (ROOT / "scripts" / "up.sh").read_text()
-    for unit, needle in (("aenv-api.service", "aenv_site.asgi:application"),
-                         ("aenv-dataplane.service", "aenv_site.dataplane:application"),
+    for unit, needle in (("aenv-api.service", "config.asgi:application"),
+                         ("aenv-dataplane.service", "config.dataplane_asgi:application"),
                          ("aenv-sweeper.service", "manage.py run_lifecycle"),
                          ("aenv-node.service", "manage.py run_node")):
         assert needle in up and needle in unit_text(unit), unit

@@ -2,8 +2,8 @@
 import pytest
 from rest_framework.response import Response
 
-from sandboxes.errors import STATUS, e2b_exception_handler, status_of
-from sandboxes.lifecycle import errors as domain
+from api.errors import STATUS, e2b_exception_handler, status_of
+from sandboxes import errors as domain
 
 
 @pytest.mark.parametrize("kind, status", [

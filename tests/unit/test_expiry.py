@@ -1,4 +1,4 @@
-"""The lifecycle sweeper (sandboxes.expiry) with the node side mocked: expired running
+"""The lifecycle sweeper (lifecycle.expiry) with the node side mocked: expired running
 sandboxes are paused or killed as created, paused ones past retention are killed, every
 action is a conditional transition with events by "lifecycle", and two sweepers never
 both act. Runs on SQLite and, with DATABASE_URL, on PostgreSQL."""
@@ -10,9 +10,9 @@ from conftest import PAUSE_RESULT
 from django.core.management import call_command
 from django.utils import timezone
 
-from sandboxes import expiry
-from sandboxes.lifecycle import create, ttl
-from sandboxes.lifecycle.options import SandboxOptions
+from lifecycle import expiry
+from lifecycle.sandboxes import create, ttl
+from lifecycle.sandboxes.options import SandboxOptions
 from sandboxes.models import Sandbox, SandboxEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)

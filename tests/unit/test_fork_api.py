@@ -100,7 +100,7 @@ async def test_fork_children_inherit_every_setting_of_the_parent(api, create, fo
     assert (row.auto_pause, row.auto_pause_memory, row.auto_resume) == (True, False, True)
     assert row.metadata == {"k": "v"} and row.env_vars == {"E": "1"} and row.secure
     parent_row = await Sandbox.objects.aget(pk=parent["sandboxID"])
-    from sandboxes.lifecycle.options import SandboxOptions  # noqa: PLC0415
+    from lifecycle.sandboxes.options import SandboxOptions  # noqa: PLC0415
 
     assert SandboxOptions.of(row) == SandboxOptions.of(parent_row)
 

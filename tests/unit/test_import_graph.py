@@ -145,25 +145,86 @@ def test_vmm_has_no_import_cycles():
     assert cycles(import_graph(["vmm"])) == []
 
 
-PACKAGES = ["aenv_site", "sandboxes", "snapshots", "template_builds", "nodes", "agent", "dashboard", "vmm", "envd",
-            "envd_client", "aenv_cli"]
+# The layers, top to bottom (docs/architecture.md draws them). A package imports only
+# packages of the layers below its own; packages sharing a layer never import each other.
+LAYERS: list[tuple[str, ...]] = [
+    ("tests",),
+    ("bench",),
+    ("harness",),  # the local stack the tests and benchmarks start
+    ("cluster",),  # many nodes on one machine (a launcher, no Django)
+    ("config",),  # settings, URLs, the two ASGI entry points, the middleware stack
+    ("dashboard", "dataplane", "agent"),  # edges: browser pages, sandbox traffic, the node process
+    ("api",),  # the E2B REST edge: auth, errors -> HTTP, serializers, views
+    ("lifecycle",),  # operations across the domain apps: create, pause, snapshot, fork, build
+    ("nodes",),  # Node, placement, the Celery gateway to node workers
+    ("template_builds",),
+    ("snapshots",),
+    ("sandboxes",),  # Team, ApiKey, Template, Sandbox; the sandbox states and their writer
+    ("code_interpreter", "aenv_cli"),
+    ("vmm",),
+    ("envd_client",),
+    ("envd",),
+]
+PACKAGES = [package for layer in LAYERS for package in layer]
+
+
+def _layer_of() -> dict[str, int]:
+    return {package: depth for depth, layer in enumerate(LAYERS) for package in layer}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a package from its own layer or one above it (an edge that points up)."""
+    depth = _layer_of()
+    found = []
+    for module, deps in sorted(graph.items()):
+        here = module.split(".")[0]
+        for dep in sorted(deps):
+            there = dep.split(".")[0]
+            if there != here and depth[there] <= depth[here]:
+                found.append(f"{module} -> {dep}")
+    return found
+
+
+def test_every_top_level_package_is_in_a_layer():
+    on_disk = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+    assert sorted(PACKAGES) == on_disk
+
+
+def test_imports_point_down_the_layers_only():
+    """Function-level imports count too: a lazy import hides a cycle from Python only."""
+    assert layer_violations(import_graph(PACKAGES, exclude=("migrations",))) == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    for package, source in (("low", "import high.mod\n"), ("high", "")):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        (tmp_path / package / "mod.py").write_text(source)
+    graph = import_graph(["low", "high"], root=tmp_path)
+    global LAYERS
+    saved, LAYERS = LAYERS, [("high",), ("low",)]
+    try:
+        assert layer_violations(graph) == ["low.mod -> high.mod"]
+    finally:
+        LAYERS = saved
 
 
 def test_the_repository_has_no_import_cycles():
-    assert cycles(import_graph(PACKAGES)) == []
+    assert cycles(import_graph(PACKAGES, exclude=("migrations",))) == []
 
 
 def test_control_plane_and_node_agent_meet_only_at_the_protocol():
     """The control plane sends tasks by name (nodes.protocol) and never imports the node
     agent (only the run_node command starts it); the agent never imports the API edge."""
     graph = import_graph(PACKAGES)
-    control = ("sandboxes", "snapshots", "template_builds", "nodes", "dashboard", "aenv_site")
+    control = ("sandboxes", "snapshots", "template_builds", "nodes", "lifecycle", "api", "dataplane", "dashboard",
+               "config")
     into_agent = sorted((m, d) for m, deps in graph.items() for d in deps
                         if m.split(".")[0] in control and d.split(".")[0] == "agent")
-    assert into_agent == [("nodes.management.commands.run_node", "agent.worker")]
-    edge = ("sandboxes.views", "sandboxes.serializers", "sandboxes.errors", "sandboxes.lifecycle", "snapshots.views",
-            "snapshots.lifecycle", "template_builds.views", "template_builds.serializers",
-            "template_builds.lifecycle", "template_builds.resolve", "dashboard", "nodes.client", "nodes.placement")
+    assert into_agent == []
+    edge = ("api.sandboxes.views", "api.sandboxes.serializers", "api.errors", "lifecycle.sandboxes", "api.snapshots.views",
+            "lifecycle.snapshots", "api.templates.views", "api.templates.serializers",
+            "lifecycle.templates", "lifecycle.resolve", "dashboard", "nodes.client", "nodes.placement")
     into_edge = sorted((m, d) for m, deps in graph.items() if m.split(".")[0] == "agent" for d in deps
                        if any(d == e or d.startswith(e + ".") for e in edge))
     assert into_edge == []
@@ -172,7 +233,7 @@ def test_control_plane_and_node_agent_meet_only_at_the_protocol():
 
 
 def test_the_standalone_cli_needs_only_what_cli_pyproject_packages():
-    """cli/hatch_build.py ships aenv_cli, envd_client and, of envd, only its package
+    """packaging/aenv-cli/hatch_build.py ships aenv_cli, envd_client and, of envd, only its package
     __init__ and the wire module: the CLI's imports of the repository stay inside those."""
     shipped = {"envd", "envd.wire"}
     graph = import_graph(PACKAGES)

@@ -1,6 +1,6 @@
-"""No credential reaches a log (aenv_site.log_redaction): the data plane as deployed
-(``uvicorn aenv_site.dataplane:application``, its access log on) and the API as deployed
-(``daphne aenv_site.asgi:application``, whose access log is written to stdout by default)
+"""No credential reaches a log (config.log_redaction): the data plane as deployed
+(``uvicorn config.dataplane_asgi:application``, its access log on) and the API as deployed
+(``daphne config.asgi:application``, whose access log is written to stdout by default)
 are run, asked with a signed URL and every token header, and their whole output searched."""
 import io
 import logging
@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aenv_site.log_redaction import REDACTED, redact
-from tests.integration.stack import free_port
+from config.log_redaction import REDACTED, redact
+from harness.stack import free_port
 from tests.unit.test_dataplane import _test_database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -71,7 +71,7 @@ def _assert_clean(text: str, expect: str):
 
 
 def test_the_data_planes_logs_hold_no_credentials(tmp_path):
-    text = _serve_and_ask(tmp_path, [sys.executable, "-m", "uvicorn", "aenv_site.dataplane:application",
+    text = _serve_and_ask(tmp_path, [sys.executable, "-m", "uvicorn", "config.dataplane_asgi:application",
                                      "--host", "127.0.0.1", "--port", "{port}", "--log-level", "debug"], 400, [
         ("GET", f"/files?{QUERY}", HEADERS),  # a signed URL naming no sandbox
         ("POST", f"/files?{QUERY}", {**HEADERS, "E2b-Sandbox-Id": "inope"}),
@@ -82,7 +82,7 @@ def test_the_data_planes_logs_hold_no_credentials(tmp_path):
 
 def test_the_apis_logs_hold_no_credentials(tmp_path):
     text = _serve_and_ask(tmp_path, [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", "{port}",
-                                     "aenv_site.asgi:application"], 204, [
+                                     "config.asgi:application"], 204, [
         ("GET", f"/proxy/files?{QUERY}", HEADERS),  # AgentENV's /proxy mount: a signed URL
         ("GET", f"/sandboxes?{QUERY}", HEADERS),  # the API, with a wrong key
         ("GET", f"/nowhere?{QUERY}", HEADERS),  # Django's 404 logging

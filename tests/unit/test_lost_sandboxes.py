@@ -7,8 +7,8 @@ import pytest
 from django.utils import timezone
 
 from nodes.models import Node
-from sandboxes import lost
-from sandboxes.expiry import sweep_once
+from lifecycle import lost
+from lifecycle.expiry import sweep_once
 from sandboxes.models import Sandbox, SandboxEvent, Team, Template
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -19,7 +19,7 @@ from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
-from aenv_site.celery import app as celery_app
+from nodes.celery_app import app as celery_app
 from agent import driver as node_driver
 from nodes import client
 from nodes.client import NodeTaskFailed, NodeTimeout, NodeUnavailable, boot_sandbox, kill_sandbox, update_network

@@ -112,10 +112,10 @@ async def test_locality_comes_before_the_policy():
 
 
 async def test_a_restore_prefers_every_node_that_cached_the_snapshot(settings):
-    """``snapshots.sources.restore_node`` on a shared store: the snapshot's own node is gone,
+    """``lifecycle.sources.restore_node`` on a shared store: the snapshot's own node is gone,
     a node whose heartbeat listed the snapshot among its files gets the restore, not the
     emptier node that would have to download it."""
-    from snapshots import sources  # noqa: PLC0415
+    from lifecycle import sources  # noqa: PLC0415
     from snapshots.models import Snapshot  # noqa: PLC0415
 
     settings.AENV_SNAPSHOT_BACKEND = "s3"

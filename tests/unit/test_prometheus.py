@@ -96,8 +96,8 @@ class _Guest:
 
 
 def _dataplane(guest):
-    from aenv_site.prometheus import InstrumentedDataPlane  # noqa: PLC0415
-    from sandboxes.proxy_routes import parse_target  # noqa: PLC0415
+    from config.prometheus import InstrumentedDataPlane  # noqa: PLC0415
+    from dataplane.routes import parse_target  # noqa: PLC0415
 
     return InstrumentedDataPlane(guest, parse_target)
 
@@ -140,9 +140,9 @@ async def test_dataplane_counts_by_route_and_status():
 
 
 def test_the_deployed_dataplane_is_instrumented():
-    from aenv_site import dataplane  # noqa: PLC0415
-    from aenv_site.prometheus import InstrumentedDataPlane  # noqa: PLC0415
-    from sandboxes.proxy import EnvdProxy  # noqa: PLC0415
+    from config import dataplane_asgi as dataplane  # noqa: PLC0415
+    from config.prometheus import InstrumentedDataPlane  # noqa: PLC0415
+    from dataplane.proxy import EnvdProxy  # noqa: PLC0415
 
     assert isinstance(dataplane.application, InstrumentedDataPlane)
     assert isinstance(dataplane.application.app, EnvdProxy)

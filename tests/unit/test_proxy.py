@@ -15,7 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from sandboxes.models import Sandbox, Team, Template
-from sandboxes.proxy import EnvdProxy, Route
+from dataplane.proxy import EnvdProxy, Route
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -655,7 +655,7 @@ async def test_the_deployments_signed_url_policy_is_enforced(settings, stack, na
 def test_a_misspelt_flag_setting_is_refused(monkeypatch):
     from django.core.exceptions import ImproperlyConfigured
 
-    from aenv_site.settings import _env_bool
+    from config.settings import _env_bool
 
     monkeypatch.setenv("AENV_SIGNED_URL_REQUIRE_EXPIRATION", "treu")
     with pytest.raises(ImproperlyConfigured):
@@ -672,6 +672,6 @@ def test_a_negative_guest_bound_stops_the_settings(name):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", "import aenv_site.settings"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", "import config.settings"], capture_output=True, text=True,
                           env={**os.environ, name: "-1"}, timeout=60)
     assert done.returncode != 0 and f"{name} must be >= 0" in done.stderr, done.stderr[-500:]

@@ -32,10 +32,10 @@ def agentenv(sbx_id, port=ENVD_PORT, **extra) -> dict:
 
 @pytest.fixture
 async def api(stack):
-    """The API's ASGI app as ``aenv_site.asgi`` wires it for daphne, on uvicorn in the test's
+    """The API's ASGI app as ``config.asgi`` wires it for daphne, on uvicorn in the test's
     loop, with the stack's data plane behind its ``/proxy``."""
-    from aenv_site.asgi import http_app
-    from aenv_site.proxy_mount import ApiProxyMount
+    from config.asgi import http_app
+    from dataplane.mount import ApiProxyMount
 
     server, task, port = await serve(ApiProxyMount(http_app, stack.proxy))
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
@@ -129,8 +129,8 @@ async def test_header_routed_paths_the_api_has_no_route_for_reach_the_sandbox(st
 
 
 async def test_the_deployed_api_app_serves_proxy():
-    """``aenv_site.asgi.application`` (what daphne runs) sends ``/proxy`` to the data plane."""
-    from aenv_site.asgi import application
+    """``config.asgi.application`` (what daphne runs) sends ``/proxy`` to the data plane."""
+    from config.asgi import application
 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://api") as c:
         r = await c.get("/proxy/health")

@@ -12,8 +12,8 @@ from websockets.datastructures import Headers
 from websockets.exceptions import InvalidStatus
 from websockets.http11 import Response
 
-from aenv_site.proxy_mount import ApiProxyMount
-from sandboxes import proxy_cookies
+from dataplane.mount import ApiProxyMount
+from dataplane import cookies as proxy_cookies
 from tests.unit import test_proxy
 from tests.unit.test_proxy import serve
 from tests.unit.test_proxy_ports import user_sandbox

@@ -1,6 +1,6 @@
 """Signed file URLs that name no sandbox (``E2B_SANDBOX_URL``): finding their signer costs
 O(1) per request beyond a fixed hash budget, never blocks the event loop, and reads the
-database a bounded number of times (``sandboxes.proxy_signers``). The data plane and an
+database a bounded number of times (``dataplane.signers``). The data plane and an
 envd stand-in on uvicorn (the fixtures of test_proxy)."""
 import asyncio
 import secrets
@@ -10,7 +10,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db.backends import utils as db_utils
 
-from sandboxes import proxy_routes
+from dataplane import routes as proxy_routes
 from tests.unit import test_proxy
 from tests.unit.test_proxy import _make_sandbox, _signed_url
 

@@ -182,7 +182,7 @@ async def test_a_rejected_upgrade_is_relayed(stack, echo):
 
 
 async def test_a_service_that_never_answers_the_handshake_is_504(stack, monkeypatch):
-    from sandboxes import proxy_ws
+    from dataplane import websockets as proxy_ws
 
     monkeypatch.setattr(proxy_ws, "HANDSHAKE_TIMEOUT", 0.5)
     accepted = []

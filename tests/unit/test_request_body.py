@@ -6,7 +6,7 @@ from unittest import mock
 
 import pytest
 
-from aenv_site.request_body import BoundedRequestBody
+from config.request_body import BoundedRequestBody
 from sandboxes.models import Sandbox
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv_site.secret_key import PUBLIC_DEFAULT_KEY, InsecureSecretKey, load_secret_key
+from config.secret_key import PUBLIC_DEFAULT_KEY, InsecureSecretKey, load_secret_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def test_processes_starting_together_share_one_key(tmp_path):
 
 def _settings_key(home: Path, **env) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SECRET_KEY", "DJANGO_DEBUG")}
-    full.update(AENV_HOME=str(home), DJANGO_SETTINGS_MODULE="aenv_site.settings", **env)
+    full.update(AENV_HOME=str(home), DJANGO_SETTINGS_MODULE="config.settings", **env)
     return subprocess.run([sys.executable, "-c", "from django.conf import settings; print(settings.SECRET_KEY)"],
                           cwd=ROOT, env=full, capture_output=True, text=True, timeout=60)
 

@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from sandboxes.lifecycle import core, create, kill
-from sandboxes.lifecycle.errors import Conflict, NotFound
+from lifecycle.sandboxes import core, create, kill
+from sandboxes.errors import Conflict, NotFound
 from sandboxes.models import Sandbox, SandboxEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)

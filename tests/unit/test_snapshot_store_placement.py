@@ -9,7 +9,7 @@ from django.utils import timezone
 from nodes.models import Node
 from nodes.placement import NoNodeAvailable
 from snapshots.models import Snapshot, SnapshotState
-from snapshots.sources import restore_node
+from lifecycle.sources import restore_node
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -17,8 +17,8 @@ from agent.stores.base import SnapshotStoreError
 from agent.stores.cache import LAST_USED
 from agent.stores.chunks import Chunk, chunk_spans, read_chunk
 from agent.stores.s3 import S3Store
-from tests.moto_s3 import CREDENTIALS, moto_server
-from tests.moto_s3 import client as _client
+from harness.moto_s3 import CREDENTIALS, moto_server
+from harness.moto_s3 import client as _client
 from vmm.qemu import QemuDriver
 
 CHUNK = 64 << 10  # small chunks keep the test files small

@@ -297,7 +297,7 @@ async def test_restore_racing_a_delete_loses_cleanly(api, create, snap_mock, ass
     the new sandbox ends ``error`` and no node work starts."""
     sb = await create()
     snap_id = (await _snap(api, sb["sandboxID"]))["snapshotID"]
-    with mock.patch("snapshots.sources.snapshot_still_ready", mock.AsyncMock(return_value=False)):
+    with mock.patch("lifecycle.sources.snapshot_still_ready", mock.AsyncMock(return_value=False)):
         assert_error(await api.post("/v2/sandboxes", json={"templateID": snap_id}), 409, "being deleted")
     lost = await Sandbox.objects.filter(source_snapshot_id=snap_id).aget()
     assert lost.state == "error"

@@ -11,11 +11,12 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from sandboxes.models import Template
-from template_builds import files, resolve
+from template_builds import files
+from lifecycle import resolve
 from template_builds.models import TemplateBuild, TemplateFile
 from template_builds.names import check_tag
 from template_builds.system import code_interpreter, host_venv
-from template_builds.system.ensure import SYSTEM_TEAM_ID, SystemTemplateError, ensure, store_trees, system_team
+from lifecycle.templates.system import SYSTEM_TEAM_ID, SystemTemplateError, ensure, store_trees, system_team
 from template_builds.system.recipes import Recipe, Tree, copy_step, run_step, tree_archive, tree_hash
 from tests.unit.template_builder_double import FakeBuilder, fail_at_last_step
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture(autouse=True)
 def fast_polls(monkeypatch):
-    monkeypatch.setattr("template_builds.system.ensure.POLL_SECONDS", 0.05)
+    monkeypatch.setattr("lifecycle.templates.system.POLL_SECONDS", 0.05)
 
 
 @pytest.fixture

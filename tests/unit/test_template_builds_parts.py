@@ -17,7 +17,7 @@ from template_builds import files
 from template_builds.models import BuildLogEntry, TemplateBuild
 from template_builds.names import InvalidName, Name, check_tag, new_template_id, parse
 from template_builds.transitions import IllegalTransition, Log, append_sync, transition_sync
-from tests.moto_s3 import CREDENTIALS, moto_server
+from harness.moto_s3 import CREDENTIALS, moto_server
 
 HASH = "c" * 64
 
@@ -220,7 +220,7 @@ def test_s3_store(settings, tmp_path):
 
 
 async def test_upload_path_needs_a_length_and_has_its_own_limit(settings):
-    from aenv_site.request_body import BoundedRequestBody  # noqa: PLC0415
+    from config.request_body import BoundedRequestBody  # noqa: PLC0415
 
     seen = []
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.networld import dns_ask as ask
+from harness.networld import dns_ask as ask
 from vmm.net import slots
 from vmm.net.dns import DNSLimits, NodeDNS
 

@@ -1,4 +1,4 @@
-"""A paused VM's RAM moving from tmpfs to disk (vmm.qemu.lifecycle._spill), without QEMU:
+"""A paused VM's RAM moving from tmpfs to disk (vmm.qemu.ram_moves._spill), without QEMU:
 the copy runs outside the VM's lock, and becomes the VM's memory only if the VM is still
 in the very pause that was copied; otherwise it is dropped and the tmpfs RAM stays."""
 import os
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from vmm.qemu import lifecycle
-from vmm.qemu.lifecycle import RAM_ON_DISK, LifecycleMixin
+from vmm.qemu import ram_moves
+from vmm.qemu.ram_moves import RAM_ON_DISK, RamMovesMixin
 from vmm.qemu.state import VMState
 from vmm.vm_status import VmLifecycle
 
 MiB = 1 << 20
 
 
-class Node(LifecycleMixin):
+class Node(RamMovesMixin):
     """Just what _spill uses of a QemuDriver: its dirs and a per-VM lock."""
 
     def __init__(self, home: Path):
@@ -80,7 +80,7 @@ def test_the_ram_moves_to_disk_sparse_and_the_tmpfs_file_goes(node, shm):
 
 def copy_then(action):
     """_copy_synced that runs ``action`` once the copy is written (as if during it)."""
-    real = lifecycle._copy_synced
+    real = ram_moves._copy_synced
 
     def copy(src, dst):
         n = real(src, dst)
@@ -98,7 +98,7 @@ def test_the_copy_does_not_hold_the_vms_lock(node, shm, monkeypatch):
         free.append(got)
         if got:
             node.vm_lock.release()
-    monkeypatch.setattr(lifecycle, "_copy_synced", copy_then(try_the_lock))
+    monkeypatch.setattr(ram_moves, "_copy_synced", copy_then(try_the_lock))
     node._spill("sbx")
     assert free == [True], "a resume during the copy would have waited for it"
 
@@ -110,7 +110,7 @@ def test_a_resume_during_the_copy_keeps_its_tmpfs_ram(node, shm, monkeypatch):
         now = VMState.load(Path(state.state_dir))
         now.move(VmLifecycle.RUNNING)
         now.save()
-    monkeypatch.setattr(lifecycle, "_copy_synced", copy_then(resume))
+    monkeypatch.setattr(ram_moves, "_copy_synced", copy_then(resume))
     node._spill("sbx")
     now = VMState.load(Path(state.state_dir))
     assert now.ram == state.ram and Path(state.ram).exists()
@@ -129,7 +129,7 @@ def test_a_resume_and_a_new_pause_during_the_copy_drop_the_stale_copy(node, shm,
         tmp = dev.with_name("device.state.new")
         tmp.write_bytes(b"devices, later")
         os.replace(tmp, dev)
-    monkeypatch.setattr(lifecycle, "_copy_synced", copy_then(resume_and_pause_again))
+    monkeypatch.setattr(ram_moves, "_copy_synced", copy_then(resume_and_pause_again))
     node._spill("sbx")
     now = VMState.load(Path(state.state_dir))
     assert now.ram == state.ram and Path(state.ram).read_bytes()[MiB:MiB + 4096] == b"C" * 4096
@@ -144,7 +144,7 @@ def test_a_kill_during_the_copy_leaves_nothing(node, shm, monkeypatch):
             p.unlink()
         Path(state.state_dir).rmdir()
         Path(state.ram).unlink()
-    monkeypatch.setattr(lifecycle, "_copy_synced", copy_then(kill))
+    monkeypatch.setattr(ram_moves, "_copy_synced", copy_then(kill))
     node._spill("sbx")
     assert not Path(state.state_dir).exists()
     assert list((node.sandboxes_dir.with_name("ram-moves")).iterdir()) == []
@@ -155,7 +155,7 @@ def test_stale_half_copies_are_removed_fresh_ones_kept(tmp_path):
     old.write_bytes(b"x")
     new.write_bytes(b"y")
     os.utime(old, (0, 0))
-    lifecycle._remove_stale_copies(tmp_path)
+    ram_moves._remove_stale_copies(tmp_path)
     assert not old.exists() and new.exists()
 
 
@@ -173,7 +173,7 @@ def test_a_resumed_vms_disk_copy_is_deleted_off_the_resume_path(tmp_path):
 def test_files_left_being_deleted_go_at_the_next_start_whatever_their_age(tmp_path):
     moves = tmp_path / "ram-moves"
     moves.mkdir()
-    (moves / f"memory.ram.abc{lifecycle.DISCARDED}").write_bytes(b"x")
+    (moves / f"memory.ram.abc{ram_moves.DISCARDED}").write_bytes(b"x")
     (moves / "sbx.1-2.tmp").write_bytes(b"x")  # a copy in progress, young: kept
-    lifecycle._remove_stale_copies(moves)
+    ram_moves._remove_stale_copies(moves)
     assert [p.name for p in moves.iterdir()] == ["sbx.1-2.tmp"]

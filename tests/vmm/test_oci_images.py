@@ -2,7 +2,7 @@
 Debian's docker-registry on 127.0.0.1 (one open, one with htpasswd auth), skopeo, umoci,
 e2fsprogs, qemu-img, and one real QEMU VM booted from the result.
 
-The test images are made here (tests.oci_images: busybox + bash, two layers, a whiteout, an
+The test images are made here (harness.oci_images: busybox + bash, two layers, a whiteout, an
 owned file, a hard link and a symlink; and one without glibc, a static busybox and bash) with a
 random token, so every session pulls and builds fresh. Two VM boots (marked ``vm``): the
 glibc image, and the image without glibc or resize2fs on a disk larger than the image's; the
@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import pytest
 
 from envd_client import EnvdClient, EnvdError
-from tests import oci_images, oci_registry
+from harness import oci_images, oci_registry
 from vmm.driver import BootSpec, get_driver
 from vmm.images import DEFAULT_IMAGES_DIR, GuestImage, ensure_image, find_image
 from vmm.oci import ImagePullError, OciError, disks, ensure_disk, ext4, guest_image, pull, store, tools
@@ -85,7 +85,7 @@ def env(tmp_path_factory):
 
 def own_base(env) -> GuestImage:
     """The shared base image (built if missing), hard-linked into the module's images dir as
-    its ``base`` (like a second node's, tests/integration/second_node.py), with the cached
+    its ``base`` (like a second node's, harness/second_node.py), with the cached
     accelerator probe: guest images made here link its kernel, initrd and tools drive."""
     shared = ensure_image(SHARED_IMAGES_DIR, "base")
     build = shared.kernel.parent

@@ -1,0 +1,84 @@
+"""Who calls the API: a team, by its ``X-API-Key`` (keys are looked up by their hash), or
+an operator, by E2B's ``X-Admin-Token`` on the routes that take it (``GET /nodes``)."""
+import hmac
+
+from django.conf import settings
+from django.utils import timezone
+from rest_framework import authentication, exceptions
+
+from sandboxes.models import ApiKey, hash_api_key
+
+
+class ApiKeyPrincipal:
+    """What `request.user` is for an API-key request: the key's team, never a person."""
+
+    is_authenticated = True
+    is_anonymous = False
+    is_operator = False
+
+    def __init__(self, api_key: ApiKey):
+        self.api_key = api_key
+        self.team = api_key.team
+        self.team_id = api_key.team_id
+
+    def __str__(self) -> str:
+        return f"apikey:{self.api_key.prefix}"
+
+
+class ApiKeyAuthentication(authentication.BaseAuthentication):
+    header = "HTTP_X_API_KEY"
+
+    def authenticate(self, request):
+        raw = request.META.get(self.header)
+        if not raw:
+            raise exceptions.NotAuthenticated("missing X-API-Key header")
+        key = (
+            ApiKey.objects.select_related("team")
+            .filter(key_hash=hash_api_key(raw.strip()), revoked_at__isnull=True)
+            .first()
+        )
+        if key is None:
+            raise exceptions.AuthenticationFailed("invalid API key")
+        now = timezone.now()
+        if key.last_used_at is None or (now - key.last_used_at).total_seconds() > 60:
+            ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
+        return ApiKeyPrincipal(key), key
+
+    def authenticate_header(self, request):
+        # Makes DRF answer 401 (not 403) for missing/invalid keys.
+        return "X-API-Key"
+
+
+class OperatorPrincipal:
+    """What ``request.user`` is for an ``X-Admin-Token`` request: the platform's operator,
+    no team (a view that takes it must never reach for ``request.user.team``)."""
+
+    is_authenticated = True
+    is_anonymous = False
+    is_operator = True
+    team = None
+    team_id = None
+
+    def __str__(self) -> str:
+        return "operator"
+
+
+class AdminTokenAuthentication(authentication.BaseAuthentication):
+    """E2B's ``AdminTokenAuth``: ``X-Admin-Token`` equal to ``AENV_ADMIN_TOKEN``. No header:
+    the next class decides (a team's key); a wrong token, or none configured: 401. Why a
+    token and not a team's key: operators see every team's load and the nodes' addresses,
+    which no tenant's key may."""
+
+    header = "HTTP_X_ADMIN_TOKEN"
+
+    def authenticate(self, request):
+        raw = request.META.get(self.header)
+        if raw is None:
+            return None
+        expected = settings.AENV_ADMIN_TOKEN
+        if not expected or not hmac.compare_digest(raw.strip().encode(), expected.encode()):
+            raise exceptions.AuthenticationFailed("invalid admin token")
+        return OperatorPrincipal(), None
+
+    def authenticate_header(self, request):
+        return "X-Admin-Token"

@@ -1,0 +1,360 @@
+"""The E2B wire contract: request bodies in, response models out.
+
+Field names are E2B's (camelCase, plus the snake_case ``allow_internet_access``
+the SDK really sends). Input fields are strict about JSON types — DRF would
+happily turn ``"120"`` into 120 or ``1`` into True, but a client sending the wrong
+type has a bug we should report (400), not guess around. Unknown fields are
+ignored: newer SDKs add fields (``mcp``, ``iam``, ``volumeMounts``…) and must
+keep working."""
+from django.conf import settings
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+from rest_framework.settings import api_settings
+
+from lifecycle.sandboxes import network as sandbox_network
+from sandboxes.errors import Invalid
+from lifecycle.sandboxes.options import SandboxOptions
+from sandboxes.models import Sandbox
+
+
+# --------------------------------------------------------------------------- strict fields
+
+
+class StrictCharField(serializers.CharField):
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    default_error_messages = {"invalid": "A JSON integer is required."}
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    default_error_messages = {"invalid": "Must be a JSON boolean (true or false)."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
+
+
+class TimeoutField(StrictIntegerField):
+    """Seconds from 0 to ``AENV_MAX_TIMEOUT``, the limit read when a request is checked
+    (not when this module is imported)."""
+
+    default_error_messages = {"max_timeout": "Ensure this value is less than or equal to {max_value}."}
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("min_value", 0)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        if value > settings.AENV_MAX_TIMEOUT:
+            self.fail("max_timeout", max_value=settings.AENV_MAX_TIMEOUT)
+        return value
+
+
+def default_timeout() -> int:
+    return settings.AENV_DEFAULT_TIMEOUT
+
+
+class StringMapField(serializers.DictField):
+    """A JSON object mapping strings to strings (metadata, envVars)."""
+
+    child = StrictCharField(allow_blank=True, trim_whitespace=False)
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("allow_null", True)
+        super().__init__(**kwargs)
+
+
+class JsonObjectField(serializers.JSONField):
+    """Any JSON object (e.g. the network settings, checked by the serializer that has them)."""
+
+    default_error_messages = {"not_object": "Must be a JSON object."}
+
+    def to_internal_value(self, data):
+        if data is not None and not isinstance(data, dict):
+            self.fail("not_object")
+        return data
+
+
+@extend_schema_field({"type": "object", "properties": {"enabled": {"type": "boolean"}}})
+class AutoResumeField(serializers.Field):
+    """``{"enabled": bool}`` (current SDKs) or a bare boolean (older payloads)."""
+
+    default_error_messages = {"invalid": 'Must be {{"enabled": true|false}} or a boolean.'}
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool):
+            return data
+        if isinstance(data, dict) and isinstance(data.get("enabled", False), bool):
+            return bool(data.get("enabled", False))
+        self.fail("invalid")
+
+    def to_representation(self, value):
+        return {"enabled": bool(value)}
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def _checked(check, *args):
+    """A ``lifecycle.sandboxes.network`` check at the edge: its Invalid becomes a 400 whose
+    message is exactly the check's (E2B's for a bad egress policy)."""
+    try:
+        return check(*args)
+    except Invalid as exc:
+        raise serializers.ValidationError({api_settings.NON_FIELD_ERRORS_KEY: [exc.message]}) from None
+
+
+class NewSandboxV2Serializer(serializers.Serializer):
+    """Body of ``POST /v2/sandboxes`` (SDK ≥2.51)."""
+
+    templateID = StrictCharField(max_length=255)
+    timeout = TimeoutField(required=False)
+    metadata = StringMapField()
+    envVars = StringMapField()
+    # What happens at the end of the TTL: absent → pause (aenv keeps work by default),
+    # false → kill (old SDKs always send false, which keeps E2B's kill for them).
+    autoPause = StrictBooleanField(required=False, default=True)
+    # false: the expiry pause is filesystem-only (processes are gone after a resume).
+    autoPauseMemory = StrictBooleanField(required=False, allow_null=True, default=None)
+    autoResume = AutoResumeField(required=False, default=False)
+    allow_internet_access = StrictBooleanField(required=False, allow_null=True, default=None)
+    network = JsonObjectField(required=False, allow_null=True, default=None)
+    # v2 dropped `secure` because every sandbox is secure; accept it if a client sends it.
+    secure = StrictBooleanField(required=False, default=True)
+
+    def validate(self, data):
+        # What aenv enforces (egress allow / deny, no internet, private ports) is stored as
+        # checked; what it cannot (rules, egressProxy, httpsPorts) is a 400, never ignored.
+        data["network"] = _checked(sandbox_network.checked_create, data.get("network"),
+                                   data.get("allow_internet_access"))
+        return data
+
+    def to_create(self) -> tuple[str, int | None, SandboxOptions]:
+        """(templateID, timeout or None for the default, the sandbox's options)."""
+        d = self.validated_data
+        return d["templateID"], d.get("timeout"), SandboxOptions(
+            metadata=d.get("metadata") or {}, env_vars=d.get("envVars") or {}, secure=d["secure"],
+            auto_pause=d["autoPause"], auto_pause_memory=d.get("autoPauseMemory") is not False,
+            auto_resume=d["autoResume"], allow_internet_access=d["allow_internet_access"],
+            network=d["network"],
+        )
+
+
+class NewSandboxSerializer(NewSandboxV2Serializer):
+    """Body of ``POST /sandboxes`` (SDK ≤2.50): same fields, ``secure`` defaults to false."""
+
+    secure = StrictBooleanField(required=False, default=False)
+
+
+class NetworkUpdateSerializer(serializers.Serializer):
+    """Body of ``PUT /sandboxes/{id}/network`` (E2B ``SandboxNetworkUpdateConfig``): the
+    egress config that replaces the sandbox's; omitted fields are cleared, ``{}`` allows all.
+    The fields below document it; the check itself is ``lifecycle.sandboxes.network``'s
+    (snake_case spellings accepted), shared with create."""
+
+    allowOut = serializers.ListField(child=serializers.CharField(), required=False)
+    denyOut = serializers.ListField(child=serializers.CharField(), required=False)
+    dnsServers = serializers.ListField(child=serializers.CharField(), required=False)
+    egressProxy = serializers.JSONField(required=False, allow_null=True, help_text="not supported (400)")
+    rules = serializers.JSONField(required=False, help_text="not supported unless empty (400)")
+    allow_internet_access = serializers.BooleanField(required=False, allow_null=True)
+
+    def to_internal_value(self, data):
+        return _checked(sandbox_network.checked_update, data)
+
+
+class TimeoutSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/timeout``."""
+
+    timeout = TimeoutField()
+
+
+class RefreshSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/refreshes`` (extend-only keep-alive)."""
+
+    duration = TimeoutField(required=False, default=default_timeout)
+
+
+class PauseSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/pause``: empty, ``{}``, ``{"memory": bool}`` and
+    ``requireHealthyGuest`` (SDK ``pause(strict=True)``: refuse with 503 when the guest
+    agent does not answer, instead of pausing and marking the pause)."""
+
+    memory = StrictBooleanField(required=False, allow_null=True, default=None)
+    requireHealthyGuest = StrictBooleanField(required=False, allow_null=True, default=None)
+
+
+class ResumeSerializer(serializers.Serializer):
+    """Body of ``POST /sandboxes/{id}/resume`` (legacy) and ``/connect`` (v1): ``{"timeout": N}``;
+    a missing timeout means the default."""
+
+    timeout = TimeoutField(required=False, allow_null=True, default=None)
+    autoPause = StrictBooleanField(required=False, allow_null=True, default=None)
+
+
+class ConnectV2Serializer(ResumeSerializer):
+    """Body of ``POST /v2/sandboxes/{id}/connect``: ``timeout`` and ``memory`` optional
+    (``memory: false`` = cold boot on the disk, ignoring the memory snapshot)."""
+
+    memory = StrictBooleanField(required=False, allow_null=True, default=None)
+
+
+class ListQuerySerializer(serializers.Serializer):
+    """Query string of ``GET /v2/sandboxes``."""
+
+    metadata = serializers.CharField(required=False, allow_blank=True)
+    state = serializers.CharField(required=False, allow_blank=True)
+    order = serializers.ChoiceField(choices=["asc", "desc"], required=False, default="desc")
+    startedAfter = serializers.DateTimeField(required=False)
+    template = serializers.CharField(required=False, allow_blank=True)
+    nextToken = serializers.CharField(required=False, allow_blank=True)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=100, default=100)
+
+    def validate_state(self, value):
+        states = [s.strip() for s in value.split(",") if s.strip()]
+        bad = sorted(set(states) - {"running", "paused"})
+        if bad:
+            raise serializers.ValidationError(f"unknown state {', '.join(bad)}; use running and/or paused")
+        return states
+
+    def to_internal_value(self, data):
+        # A '+' in an unencoded offset arrives as a space; put it back.
+        if "startedAfter" in data:
+            data = data.copy()
+            data["startedAfter"] = data["startedAfter"].replace(" ", "+")
+        return super().to_internal_value(data)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def _domain(_obj=None):
+    return settings.AENV_SANDBOX_DOMAIN
+
+
+def traffic_access_token(sandbox) -> str | None:
+    """E2B's ``trafficAccessToken``: the token the data plane requires on the sandbox's ports
+    (all but envd's) when it was created with ``allowPublicTraffic: false``; null when public."""
+    return sandbox.traffic_access_token or None
+
+
+class SandboxSerializer(serializers.ModelSerializer):
+    """Model ``Sandbox``: the answer to create (and, later, connect)."""
+
+    sandboxID = serializers.CharField(source="id")
+    templateID = serializers.CharField(source="template_id")
+    clientID = serializers.CharField(source="client_id")
+    envdVersion = serializers.CharField(source="envd_version")
+    envdAccessToken = serializers.CharField(source="envd_access_token", required=False)
+    trafficAccessToken = serializers.SerializerMethodField()
+    domain = serializers.SerializerMethodField()
+    alias = serializers.CharField()
+
+    class Meta:
+        model = Sandbox
+        fields = ["sandboxID", "templateID", "clientID", "envdVersion", "envdAccessToken",
+                  "trafficAccessToken", "domain", "alias"]
+
+    def get_trafficAccessToken(self, obj) -> str | None:  # noqa: N802 - wire name
+        return traffic_access_token(obj)
+
+    def get_domain(self, obj) -> str | None:
+        return _domain()
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        if not instance.secure:
+            data.pop("envdAccessToken", None)  # only secure sandboxes have a token
+        return data
+
+
+class ListedSandboxSerializer(serializers.ModelSerializer):
+    """Model ``ListedSandbox``: every field the SDK requires is always present."""
+
+    sandboxID = serializers.CharField(source="id")
+    templateID = serializers.CharField(source="template_id")
+    clientID = serializers.CharField(source="client_id")
+    alias = serializers.CharField()
+    startedAt = serializers.DateTimeField(source="started_at")
+    endAt = serializers.DateTimeField(source="end_at")
+    cpuCount = serializers.IntegerField(source="cpu_count")
+    memoryMB = serializers.IntegerField(source="memory_mb")
+    diskSizeMB = serializers.IntegerField(source="disk_size_mb")
+    state = serializers.ChoiceField(choices=["running", "paused"], source="e2b_state")
+    envdVersion = serializers.CharField(source="envd_version")
+    metadata = serializers.DictField(child=serializers.CharField())
+
+    class Meta:
+        model = Sandbox
+        fields = ["sandboxID", "templateID", "clientID", "alias", "startedAt", "endAt", "cpuCount",
+                  "memoryMB", "diskSizeMB", "state", "envdVersion", "metadata"]
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        # E2B's envdUnresponsiveAtPause: only for a paused sandbox whose guest agent did not
+        # answer at its pause (omitted otherwise, as E2B does)
+        if instance.envd_unresponsive_at_pause and data.get("state") == "paused":
+            data["envdUnresponsiveAtPause"] = True
+        return data
+
+
+class LifecycleSerializer(serializers.Serializer):
+    autoResume = serializers.BooleanField(source="auto_resume")
+    onTimeout = serializers.SerializerMethodField()
+
+    def get_onTimeout(self, obj) -> str:  # noqa: N802 - wire name
+        return "pause" if obj.auto_pause else "kill"
+
+
+class SandboxDetailSerializer(ListedSandboxSerializer):
+    """Model ``SandboxDetail``: ListedSandbox plus token, domain, network and lifecycle."""
+
+    envdAccessToken = serializers.CharField(source="envd_access_token", required=False)
+    domain = serializers.SerializerMethodField()
+    allowInternetAccess = serializers.BooleanField(source="allow_internet_access", allow_null=True)
+    network = serializers.JSONField(allow_null=True)
+    lifecycle = LifecycleSerializer(source="*")
+    # Not in E2B 2.63's SandboxDetail (only its Sandbox model, the create / connect answer,
+    # carries it; the SDK keeps unknown detail fields aside): aenv also shows it here, next
+    # to envdAccessToken, so a client that only has the id can reach a private sandbox.
+    trafficAccessToken = serializers.SerializerMethodField()
+
+    class Meta(ListedSandboxSerializer.Meta):
+        fields = ListedSandboxSerializer.Meta.fields + [
+            "envdAccessToken", "domain", "allowInternetAccess", "network", "lifecycle", "trafficAccessToken"]
+
+    def get_domain(self, obj) -> str | None:
+        return _domain()
+
+    def get_trafficAccessToken(self, obj) -> str | None:  # noqa: N802 - wire name
+        return traffic_access_token(obj)
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        if not instance.secure:
+            data.pop("envdAccessToken", None)
+        if data.get("network") is None:
+            data.pop("network", None)  # optional object: omit rather than send null
+        return data
+
+
+class ErrorSerializer(serializers.Serializer):
+    """Every non-2xx answer."""
+
+    code = serializers.IntegerField()
+    message = serializers.CharField()
+    error_code = serializers.CharField(required=False)
+

@@ -1,0 +1,18 @@
+"""drf-spectacular glue: tells the OpenAPI schema how the API authenticates."""
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+
+
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    target_class = "api.auth.ApiKeyAuthentication"
+    name = "ApiKeyAuth"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "apiKey", "in": "header", "name": "X-API-Key"}
+
+
+class AdminTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "api.auth.AdminTokenAuthentication"
+    name = "AdminTokenAuth"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "apiKey", "in": "header", "name": "X-Admin-Token"}

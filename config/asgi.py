@@ -1,0 +1,31 @@
+"""ASGI entry for daphne: HTTP goes to Django (API, dashboard, admin); WebSockets
+go to Channels consumers. Request bodies reach Django whole whatever their framing
+(config.request_body: chunked bodies, one size limit). The sandbox data plane is a separate app
+(config.dataplane_asgi) served by uvicorn, because daphne buffers request bodies; AgentENV's
+``/proxy`` (and header-routed paths the API has no route for) reach the same data plane
+app here too, with that buffering (dataplane.mount)."""
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+django_asgi_app = get_asgi_application()
+
+from config.request_body import BoundedRequestBody  # noqa: E402
+
+http_app = BoundedRequestBody(django_asgi_app)
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+
+from dashboard.origin import SameOriginValidator  # noqa: E402
+from dashboard.routing import websocket_urlpatterns  # noqa: E402
+
+from dataplane.mount import ApiProxyMount  # noqa: E402
+from dataplane.proxy import EnvdProxy  # noqa: E402
+
+# Dashboard sockets: same-origin only (CSRF-safe), then the Django session and user.
+application = ApiProxyMount(ProtocolTypeRouter({
+    "http": http_app,
+    "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+}), EnvdProxy())

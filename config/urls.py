@@ -1,0 +1,31 @@
+"""Top-level routes: the E2B-compatible API lives at the root (the SDK appends its
+paths to E2B_API_URL as-is); admin and schema under their own prefixes."""
+from django.contrib import admin
+from django.urls import include, path
+from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView
+
+from api.sandboxes import metrics as metrics_api
+
+from config.prometheus import metrics_view
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("dashboard/", include("dashboard.urls")),
+    path("", RedirectView.as_view(url="/dashboard/", permanent=False)),
+    # Prometheus, unauthenticated (aggregates only: config.prometheus).
+    path("metrics", metrics_view, name="metrics"),
+    # E2B's sandbox metrics; before api.sandboxes.urls, whose sandboxes/<id> would take "metrics".
+    path("sandboxes/metrics", metrics_api.SandboxesMetricsView.as_view(), name="sandboxes-metrics"),
+    path("sandboxes/<str:sandbox_id>/metrics", metrics_api.SandboxMetricsView.as_view(), name="sandbox-metrics"),
+    path("", include("api.nodes.urls")),
+    path("", include("api.sandboxes.urls")),
+    path("", include("api.snapshots.urls")),
+    # Template builds, tags, uploads, and /templates/{id} (a template, or a snapshot by id or name).
+    path("", include("api.templates.urls")),
+]
+
+# Unknown URLs and crashes answer JSON {code, message} like the rest of the API.
+handler404 = "api.errors.json_not_found"
+handler500 = "api.errors.json_server_error"

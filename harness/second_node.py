@@ -1,0 +1,68 @@
+"""A second node worker beside a test stack's own: its own AENV_HOME, images dir (the base
+image hard-linked in: every node builds the same base itself) and network instance, the
+same database and broker — another "machine" for cross-node tests."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from vmm.images import find_image
+
+from harness.stack import PY, ROOT, shared_images_dir
+
+
+class SecondNode:
+    """Node B of the stack: a node worker with a home, images dir and network instance of
+    its own (the base image hard-linked in: every node builds the same base itself)."""
+
+    def __init__(self, stack, root):
+        self.stack, self.id = stack, f"b-{uuid.uuid4().hex[:6]}"
+        self.home, self.images = root / "home-b", root / "images-b"
+        self.home.mkdir(parents=True)
+        self.images.mkdir(parents=True)
+        base = find_image(shared_images_dir(), "base")
+        build = base.kernel.parent
+        subprocess.run(["cp", "-al", str(build), str(self.images / build.name)], check=True)
+        (self.images / "base").symlink_to(build.name)
+        for name in ("accel.json",):
+            if (shared_images_dir() / name).exists():
+                shutil.copy(shared_images_dir() / name, self.images / name)
+        first, second = stack.net_pool.split(".")[:2]
+        third = int(stack.net_pool.split(".")[2]) + 8  # the upper half of the stack's /20
+        self.env = {**stack.env, "AENV_HOME": str(self.home), "AENV_IMAGES_DIR": str(self.images),
+                    "AENV_NODE_ID": self.id, "AENV_NET_PREFIX": f"{stack.net_prefix}b",
+                    "AENV_NET_POOL": f"{first}.{second}.{third}.0/21",
+                    "DATABASE_URL": f"sqlite:///{stack.home / 'db.sqlite3'}"}
+        self.log = open(self.home / "node.log", "ab")
+        self.proc = subprocess.Popen([PY, "manage.py", "run_node"], cwd=ROOT, env=self.env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while "ready." not in (self.home / "node.log").read_text(errors="replace"):
+            assert self.proc.poll() is None and time.monotonic() < deadline, (self.home / "node.log").read_text()
+            time.sleep(0.5)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            self.proc.wait(timeout=30)
+        subprocess.run(["pkill", "-9", "-f", str(self.home)], check=False)
+        from vmm.net import slots  # noqa: PLC0415
+
+        if slots.netns_supported():
+            from vmm.net.netns import remove_instance  # noqa: PLC0415
+
+            remove_instance(self.env["AENV_NET_PREFIX"], self.env["AENV_NET_POOL"], self.home)
+
+
+@pytest.fixture
+def short_root():
+    """Unix socket paths (QMP) must stay under 108 bytes: not pytest's deep tmp dirs."""
+    root = ROOT / "var" / "test-runs" / f"xn-{uuid.uuid4().hex[:6]}"
+    root.mkdir(parents=True)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

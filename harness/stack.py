@@ -1,0 +1,263 @@
+"""Starts a real aenv stack for end-to-end tests: daphne (API), uvicorn (data plane)
+and optionally a node worker booting real QEMU VMs, each in its own process group,
+sharing a fresh AENV_HOME (SQLite) and the cached guest images."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+
+import httpx
+
+from cluster.processes import qemu_pids
+
+from harness.networld import EXT_A, EXT_B
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+# The stacks' operators' token (AENV_ADMIN_TOKEN): what GET /nodes needs to show every figure.
+ADMIN_TOKEN = "test-operators-" + uuid.uuid4().hex
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shared_images_dir() -> Path:
+    return Path(os.environ.get("AENV_IMAGES_DIR") or ROOT / "var" / "images").resolve()
+
+
+_NET_INSTANCES = count(1)
+
+
+@dataclass
+class Stack:
+    home: Path
+    with_node: bool = True
+    with_lifecycle: bool = True
+    extra_env: dict = field(default_factory=dict)
+    procs: dict = field(default_factory=dict)
+    log_offsets: dict = field(default_factory=dict)
+    api_url: str = ""
+    sandbox_url: str = ""
+    api_key: str = ""
+    node_id: str = ""
+
+    net_instance: int = field(default_factory=lambda: next(_NET_INSTANCES))
+
+    @property
+    def net_prefix(self) -> str:
+        """Each stack is a network instance of its own (slots, table, resolver, addresses),
+        inside the test session's (tests/conftest.py)."""
+        return f"{os.environ.get('AENV_NET_PREFIX', 'aenvt')}s{self.net_instance}"
+
+    @property
+    def net_pool(self) -> str:
+        """A /20 of the session's /16 after the session's own first /20 (15 stacks)."""
+        first, second = os.environ.get("AENV_NET_POOL", "10.13.0.0/20").split(".")[:2]
+        return f"{first}.{second}.{16 * (1 + (self.net_instance - 1) % 15)}.0/20"
+
+    def shutdown(self) -> None:
+        """Everything the stack started, gone: its processes, VMs left running, and its network
+        instance (slots, nftables table, resolver). Its home stays (callers decide)."""
+        self.stop()
+        self.kill_vm_leftovers()
+        self.remove_network()
+
+    def remove_network(self) -> None:
+        """Once its VMs are gone: the stack's slots, nftables table and resolver."""
+        from vmm.net import slots  # noqa: PLC0415
+
+        if slots.netns_supported():
+            from vmm.net.netns import remove_instance  # noqa: PLC0415
+
+            remove_instance(self.net_prefix, self.net_pool, self.home)
+
+    @property
+    def env(self) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_") and k != "DATABASE_URL"}
+        env.update(
+            AENV_HOME=str(self.home),
+            AENV_IMAGES_DIR=str(shared_images_dir()),
+            AENV_NODE_ID=self.node_id,
+            AENV_NET_PREFIX=self.net_prefix,
+            AENV_NET_POOL=self.net_pool,
+            AENV_PRIVATE_REGISTRIES="127.0.0.1",  # the tests' own registries (harness/oci_registry.py)
+            # the test world's external hosts sit in TEST-NET-2, always denied: opened as an
+            # operator opens a mirror (networld.py)
+            AENV_NET_ALLOW_EXTRA=f"{EXT_A}/32,{EXT_B}/32",
+            AENV_ADMIN_TOKEN=ADMIN_TOKEN,
+            DJANGO_SETTINGS_MODULE="config.settings",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.extra_env)
+        return env
+
+    def manage(self, *args: str, timeout: float = 600) -> str:
+        out = subprocess.run(
+            [PY, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
+        return out.stdout
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        path = self.home / f"{name}.log"
+        self.log_offsets[name] = path.stat().st_size if path.exists() else 0
+        log = open(self.home / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(
+            argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def new_log(self, name: str) -> str:
+        """What the current process of ``name`` has logged (after its latest start)."""
+        path = self.home / f"{name}.log"
+        if not path.exists():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(self.log_offsets.get(name, 0))
+            return f.read().decode(errors="replace")
+
+    def log(self, name: str) -> str:
+        path = self.home / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def start(self) -> "Stack":
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.node_id = self.node_id or f"test-{uuid.uuid4().hex[:8]}"
+        if self.with_node:
+            subprocess.run(
+                [PY, "-m", "vmm.images", "build", "--name", "base", "--images-dir", str(shared_images_dir())],
+                cwd=ROOT, env=self.env, check=True, timeout=1800,
+            )
+        self.manage("migrate", "--noinput", "-v", "0")
+        out = self.manage("bootstrap")
+        match = re.search(r"AENV_API_KEY=(e2b_[0-9a-f]+)", out)
+        self.api_key = match.group(1) if match else (self.home / "api_key").read_text().strip()
+        api_port, sandbox_port = free_port(), free_port()
+        self.api_url = f"http://127.0.0.1:{api_port}"
+        self.sandbox_url = f"http://127.0.0.1:{sandbox_port}"
+        if self.with_node:
+            self.start_node(wait=False)
+        if self.with_lifecycle:
+            self._spawn("lifecycle", [PY, "manage.py", "run_lifecycle"])
+        self._spawn("api", [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(api_port), "config.asgi:application"])
+        self._spawn("dataplane", [
+            PY, "-m", "uvicorn", "config.dataplane_asgi:application", "--host", "127.0.0.1",
+            "--port", str(sandbox_port), "--no-access-log", "--timeout-keep-alive", "300",
+        ])
+        self._wait_http(f"{self.api_url}/health", "api")
+        self._wait_port(sandbox_port, "dataplane")
+        if self.with_node:
+            self._wait_node()
+        return self
+
+    def start_node(self, wait: bool = True) -> None:
+        """(Re)starts the node worker, e.g. after a test killed it."""
+        self._spawn("node", [PY, "manage.py", "run_node"])
+        if wait:
+            self._wait_node(fresh=True)
+
+    def kill_node(self) -> None:
+        """SIGKILLs the node worker's process group, as a crash would (its VMs run on)."""
+        proc = self.procs.pop("node", None)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def _wait_http(self, url: str, name: str, deadline: float = 60) -> None:
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            try:
+                if httpx.get(url, timeout=2).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                pass
+            self._check_alive(name)
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} did not answer {url}:\n{self.log(name)}")
+
+    def _wait_port(self, port: int, name: str, deadline: float = 60) -> None:
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            self._check_alive(name)
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} did not listen on {port}:\n{self.log(name)}")
+
+    def _wait_node(self, deadline: float = 120, fresh: bool = False) -> None:
+        """Until the node is alive; ``fresh``: until this worker (not a killed one, whose
+        last heartbeat may still count) has registered and started consuming."""
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            self._check_alive("node")
+            out = subprocess.run([PY, "manage.py", "node_status", "--quiet"], cwd=ROOT, env=self.env)
+            if out.returncode == 0 and (not fresh or " ready." in self.new_log("node")):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"node worker did not register:\n{self.log('node')}")
+
+    def _check_alive(self, name: str) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
+
+    def stop(self, name: str | None = None, timeout: float = 15) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` s (a node worker pauses its sandboxes first)."""
+        names = [name] if name else list(self.procs)
+        for n in names:
+            proc = self.procs.pop(n, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+    def headers(self) -> dict:
+        return {"X-API-Key": self.api_key}
+
+    @property
+    def admin_token(self) -> str:
+        return ADMIN_TOKEN
+
+    def admin_headers(self) -> dict:
+        """The operators' view (``GET /nodes`` with every figure): the key and the stack's
+        ``AENV_ADMIN_TOKEN``."""
+        return {**self.headers(), "X-Admin-Token": self.admin_token}
+
+    def vm_leftovers(self) -> dict:
+        """QEMU processes, sandbox state dirs and RAM files that belong to this stack's home."""
+        procs = qemu_pids(str(self.home))
+        sandboxes_dir = self.home / "sandboxes"
+        dirs = sorted(p.name for p in sandboxes_dir.iterdir()) if sandboxes_dir.exists() else []
+        return {"processes": procs, "state_dirs": dirs}
+
+    def kill_vm_leftovers(self) -> None:
+        for pid in self.vm_leftovers()["processes"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def db(self, code: str) -> str:
+        """Runs Python in `manage.py shell` against this stack's database; returns stdout."""
+        return self.manage("shell", "-v", "0", "-c", code, timeout=120)
+
+    def qemu_pids(self, sandbox_id: str) -> list[int]:
+        """This stack's QEMU processes of one sandbox."""
+        return qemu_pids(str(self.home), sandbox_id)

@@ -1,0 +1,128 @@
+"""What a template reference names (spec §5.5): the one resolver behind a create's
+``templateID``, a build's ``fromTemplate`` and ``Template.exists``.
+
+A reference may be a snapshot of the team (id or name, as before templates had builds),
+a template id, an alias, ``alias:tag``, ``namespace/alias[:tag]`` or ``alias:<buildID>``.
+Order: a snapshot of the team first (so existing snapshot names keep meaning what they
+meant), then the template: with a namespace only that team's alias; a bare alias in the
+caller's namespace, then among global aliases (``base``), then as a template id. The
+build is the newest assignment of the tag (``default`` when none is given) whose build
+is **ready**, so a failed rebuild leaves the previous build in service. A global template
+without builds (``base``, made by ``manage.py bootstrap``) boots its vmm image."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db.models import Q
+
+from sandboxes.errors import Failed, Invalid, NotFound
+from sandboxes.models import Team, Template
+from lifecycle import sources
+
+from template_builds.models import BuildStatus as B, TemplateBuild, TemplateTag
+from template_builds.names import DEFAULT_TAG, InvalidName, Name, is_uuid, parse
+
+
+@dataclass
+class Source:
+    """What a sandbox starts from: restore ``snapshot`` if set, else boot ``image``; with
+    the shape and envd version that come with it."""
+
+    template: Template
+    build: TemplateBuild | None = None
+    snapshot: object | None = None  # snapshots.models.Snapshot
+    image: str = ""
+    cpu_count: int = 2
+    memory_mb: int = 512
+    disk_size_mb: int = 2048
+    envd_version: str = "0.6.4"
+
+
+def _live():
+    return Template.objects.select_related("team").filter(deleted_at__isnull=True)
+
+
+async def find_template(team: Team, name: Name) -> Template | None:
+    """The (not deleted) template ``name`` names, whoever owns it; None if none."""
+    if name.namespace:
+        return await _live().filter(team__slug=name.namespace, alias=name.alias).afirst()
+    for lookup in (Q(team=team, alias=name.alias), Q(team__isnull=True, alias=name.alias), Q(pk=name.alias)):
+        template = await _live().filter(lookup).afirst()
+        if template is not None:
+            return template
+    return None
+
+
+def visible(team: Team, template: Template) -> bool:
+    return template.team_id == team.pk or template.public
+
+
+async def ready_build(template: Template, tag: str | None) -> TemplateBuild | None:
+    """The build ``tag`` (None: ``default``; or a build id) picks: the newest assignment of
+    the tag whose build is ready. None if none is."""
+    builds = TemplateBuild.objects.select_related("snapshot", "snapshot__node", "snapshot__template")
+    if tag and is_uuid(tag):
+        return await builds.filter(pk=tag, template=template, status=B.READY).afirst()
+    assignment = await (TemplateTag.objects.filter(template=template, tag=tag or DEFAULT_TAG, build__status=B.READY)
+                        .order_by("-created_at", "-id").values_list("build_id", flat=True).afirst())
+    return await builds.filter(pk=assignment).afirst() if assignment else None
+
+
+async def pick_build(template: Template, tag: str | None, ref: str) -> TemplateBuild | None:
+    """``ready_build`` or NotFound saying why; None only for a template without builds
+    asked for no tag (it boots its image)."""
+    build = await ready_build(template, tag)
+    if build is not None:
+        return build
+    if tag is None and not await TemplateBuild.objects.filter(template=template).aexists():
+        return None
+    if tag and is_uuid(tag):
+        raise NotFound(f"build '{tag}' of template '{ref}' does not exist or is not ready")
+    tag = tag or DEFAULT_TAG
+    pending = await TemplateTag.objects.filter(template=template, tag=tag,
+                                               build__status__in=[B.WAITING, B.BUILDING]).aexists()
+    if pending:
+        raise NotFound(f"tag '{tag}' of template '{ref}' has no ready build yet (it is being built)")
+    raise NotFound(f"tag '{tag}' does not exist for template '{ref}'")
+
+
+def source_of(template: Template, build: TemplateBuild | None) -> Source:
+    """What a sandbox of ``template`` (its ``build``, if it has builds) starts from."""
+    if build is None:
+        return Source(template=template, image=template.image, cpu_count=template.cpu_count,
+                      memory_mb=template.memory_mb, disk_size_mb=template.disk_size_mb,
+                      envd_version=template.envd_version)
+    if build.snapshot is None and not build.image:
+        raise Failed(f"build {build.pk} of template {template.pk} has no result to start from any more",
+                     code="template_build_without_result")
+    return Source(template=template, build=build, snapshot=build.snapshot, image=build.image or template.image,
+                  cpu_count=build.cpu_count, memory_mb=build.memory_mb, disk_size_mb=build.disk_size_mb,
+                  envd_version=build.envd_version)
+
+
+async def resolve_template(team: Team, ref: str) -> Source:
+    """A template reference (no snapshots) → its Source. A name outside the grammar, or a
+    template the team cannot see: Invalid (the request names nothing that exists); a
+    known template without a ready build for the tag: NotFound."""
+    try:
+        name = parse(ref)
+    except InvalidName as exc:
+        raise Invalid(f"Invalid template reference: {ref}: {exc}") from None
+    template = await find_template(team, name)
+    if template is None or not visible(team, template):
+        raise Invalid(f'template "{ref}" not found')
+    return source_of(template, await pick_build(template, name.tag, ref))
+
+
+async def resolve_source(team: Team, ref: str) -> Source:
+    """What ``templateID`` (create) or ``fromTemplate`` (a build) names: a snapshot of the
+    team (restored), else a template (§5.5). A snapshot still being captured: Conflict."""
+    ref = (ref or "").strip()
+    if not ref:
+        raise Invalid("templateID is required")
+    snapshot = await sources.resolve_snapshot(team, ref)
+    if snapshot is not None:
+        return Source(template=snapshot.template, snapshot=snapshot, cpu_count=snapshot.cpu_count,
+                      memory_mb=snapshot.memory_mb, disk_size_mb=snapshot.disk_size_mb,
+                      envd_version=snapshot.envd_version)
+    return await resolve_template(team, ref)

@@ -1,0 +1,144 @@
+"""Snapshot: a running sandbox is captured (``running → snapshotting → running``, a pause
+of tens of ms) into its node's snapshot store; it keeps its id and expiry."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from lifecycle.sandboxes import core
+from lifecycle.sandboxes.core import S
+from sandboxes.errors import Unavailable
+from sandboxes.models import Sandbox, Team
+from sandboxes.transitions import transition_sync
+
+from snapshots.models import Snapshot, SnapshotState as SS
+from lifecycle.snapshots.common import delete_files_quietly, fail_capture
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Taken:
+    """A finished snapshot and the phases (ms) of taking it."""
+
+    snapshot: Snapshot
+    phases: dict = field(default_factory=dict)
+
+
+async def create_snapshot(team: Team, sandbox_id: str, *, name: str | None = None, memory: bool | None = True,
+                          actor: str = "") -> Taken:
+    """Snapshots a running sandbox, which keeps running with the same id and expiry.
+
+    ``memory=False`` is E2B's filesystem-only snapshot: the guest syncs, only the disk
+    is kept, and sandboxes started from it cold-boot (files, no processes).
+    Not running: Conflict; unknown or another team's: NotFound; full store: StorageFull."""
+    name = name or ""
+    sandbox = await core.visible(team, sandbox_id)
+    if sandbox.state != S.RUNNING:
+        raise core.not_running(sandbox_id, sandbox.state)
+    node = await core.node_of(sandbox)
+    snapshot = await _begin_snapshot(sandbox, node, name, memory, actor)
+    if snapshot is None:  # another request changed the sandbox meanwhile
+        sandbox = await core.visible(team, sandbox_id)
+        raise core.not_running(sandbox_id, sandbox.state)
+    return await core.shielded(_snapshot_on_node(sandbox, snapshot, node, memory, actor))
+
+
+def _mode(memory) -> str:
+    return "filesystem" if memory is False else "memory"
+
+
+@sync_to_async
+def _begin_snapshot(sandbox: Sandbox, node, name: str, memory, actor: str) -> Snapshot | None:
+    with transaction.atomic():
+        snapshot = Snapshot(
+            team_id=sandbox.team_id, name=name, source_sandbox=sandbox, template_id=sandbox.template_id,
+            node=node, memory=memory is not False, state=SS.CREATING, cpu_count=sandbox.cpu_count,
+            memory_mb=sandbox.memory_mb, disk_size_mb=sandbox.disk_size_mb, envd_version=sandbox.envd_version,
+            envd_access_token=sandbox.envd_access_token,
+        )
+        event = core.event(sandbox.pk, "snapshot", outcome="started", from_state=S.RUNNING, actor=actor,
+                           details={"snapshot": snapshot.id, "name": name, "memory": memory, "mode": _mode(memory)})
+        if not transition_sync(sandbox.pk, [S.RUNNING], S.SNAPSHOTTING, event):
+            return None
+        snapshot.save(force_insert=True)
+    return snapshot
+
+
+async def _snapshot_on_node(sandbox: Sandbox, snapshot: Snapshot, node, memory, actor: str) -> Taken:
+    client, _ = core.node_api()
+    deadline = settings.AENV_SNAPSHOT_DEADLINE
+    t0, started = time.monotonic(), timezone.now()
+    details = {"node": node.id, "snapshot": snapshot.id, "memory": memory, "mode": _mode(memory)}
+    try:
+        # A kill meanwhile still needs the node's answer (the capture is kept); any other
+        # move is a restarted node's reconcile, answered at once.
+        result = await core.await_node(asyncio.wait_for(
+            client.snapshot_sandbox(node, sandbox_id=sandbox.id, snapshot_id=snapshot.id, memory=memory is not False,
+                                    deadline=deadline),
+            timeout=deadline + 15,
+        ), sandbox.id, S.SNAPSHOTTING, tolerate=(S.KILLING, S.KILLED))
+    except core.Moved as moved:
+        reason = f"snapshot of sandbox {sandbox.id} was interrupted (node restarted); the sandbox is {moved.state}"
+        await core.record(core.event(sandbox.id, "snapshot", outcome="aborted", from_state=S.SNAPSHOTTING,
+                                     started_at=started, duration_ms=core.ms(t0), actor=actor, message=reason,
+                                     details=details))
+        await Snapshot.objects.filter(pk=snapshot.pk, state=SS.CREATING).aupdate(
+            state=SS.ERROR, error_reason=reason, updated_at=timezone.now())
+        raise Unavailable(reason) from None
+    except Exception as exc:  # mapped below, never a bare 500
+        # The node answered: the driver continued the VM and removed the partial capture.
+        # No answer: the VM's state is unknown, so it is removed like after a failed pause.
+        error, vm_runs, moved = await fail_capture(client, exc, node, sandbox.id, "snapshot", S.SNAPSHOTTING,
+                                                   details=details, started=started, t0=t0, actor=actor,
+                                                   deadline=deadline)
+        reason = error.message
+        if moved and not vm_runs:
+            # Only the winner of the transition removes the VM: a restarted node worker may
+            # have continued it and set the sandbox running again meanwhile.
+            cleanup = await core.kill_on_node(node, sandbox.id, core.CLEANUP_DEADLINE)
+            await core.record(core.event(sandbox.id, "snapshot", outcome="cleanup", from_state=S.ERROR,
+                                         to_state=S.ERROR, actor=actor, details={**details, "cleanup": cleanup}))
+        if not vm_runs:
+            await delete_files_quietly(node, snapshot.id)
+        await Snapshot.objects.filter(pk=snapshot.pk).aupdate(state=SS.ERROR, error_reason=reason,
+                                                              updated_at=timezone.now())
+        raise error from exc
+
+    timings = (result or {}).get("timings") or {}
+    phases = core.op_phases(t0, timings.get("task_ms"))
+    event = core.event(sandbox.id, "snapshot", from_state=S.SNAPSHOTTING, started_at=started,
+                       duration_ms=core.ms(t0), actor=actor,
+                       details={**details, "size_bytes": result.get("size_bytes"), "timings": timings,
+                                "phases": phases})
+    running = await _finish_snapshot(snapshot, result, event)
+    if not running:
+        log.info("sandbox %s was killed while snapshotting; snapshot %s is kept", sandbox.id, snapshot.id)
+    return Taken(await Snapshot.objects.aget(pk=snapshot.pk), phases)
+
+
+@sync_to_async
+def _finish_snapshot(snapshot: Snapshot, result: dict, event) -> bool:
+    """Snapshot ``ready`` (a name moves here from an older snapshot of the team) and the
+    sandbox back to ``running``, in one transaction. False if the sandbox was killed
+    meanwhile (the snapshot is complete and kept all the same)."""
+    with transaction.atomic():
+        if snapshot.name:
+            Snapshot.objects.filter(team_id=snapshot.team_id, name=snapshot.name).exclude(pk=snapshot.pk).update(
+                name="", updated_at=timezone.now())
+        Snapshot.objects.filter(pk=snapshot.pk).update(
+            state=SS.READY, manifest=result.get("manifest") or {}, size_bytes=int(result.get("size_bytes") or 0),
+            updated_at=timezone.now())
+        moved = transition_sync(event.sandbox_id, [S.SNAPSHOTTING], S.RUNNING, event)
+        if not moved:
+            event.outcome, event.message = "aborted", "sandbox was killed while snapshotting; the snapshot is kept"
+            event.to_state = ""
+            event.save()
+    return moved
