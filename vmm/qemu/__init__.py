@@ -20,11 +20,12 @@ File ownership:
   home/forks/<id>-<x>/    a fork capture: the driver's; deleted when its last child is killed
 
 Modules: driver (QemuDriver: construction, fingerprint, boot, kill, queries), lifecycle (pause /
-resume, to disk and back), snapshots (snapshot / restore / fork, fork captures), host (inspect,
-leftovers, files in use, adopting a downloaded snapshot for reconcile and the stores), process (spawn
-and health plumbing), cmdline (the pure command-line builder), qmp, state (vm.json), ramfile,
-accel (KVM probe). Only this package knows QEMU's files and tools; the rest of aenv uses the
-VMDriver verbs.
+resume, to disk and back), ram_moves (a saved VM's RAM to disk in the background; its disk
+copy deleted on resume), snapshots (snapshot / restore / fork, fork captures), host (inspect,
+leftovers, files in use, adopting a downloaded snapshot for reconcile and the stores), process
+(spawn and health plumbing), cmdline (the pure command-line builder), qmp, state (vm.json; its
+status moves by vmm.vm_status's table), ramfile, accel (KVM probe). Only this package knows
+QEMU's files and tools; the rest of aenv uses the VMDriver verbs.
 """
 
 from vmm.qemu.driver import QemuDriver

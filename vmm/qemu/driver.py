@@ -1,7 +1,8 @@
 """QEMU driver core: construction, accelerator and fingerprint, cold boot, kill, queries.
 
-The lifecycle verbs (vmm.qemu.lifecycle) and snapshot / restore / fork (vmm.qemu.snapshots)
-are mixed into QemuDriver from their own modules; see the package docstring for the why.
+The lifecycle verbs (vmm.qemu.lifecycle), a paused VM's memory moving to disk and back
+(vmm.qemu.ram_moves) and snapshot / restore / fork (vmm.qemu.snapshots) are mixed into
+QemuDriver from their own modules; see the package docstring for the why.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vmm.qemu.lifecycle import LifecycleMixin
 from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, BootAttemptFailed, attempts_error, cmdline_digest,
                               console_tail, envd_healthy, qemu_version, run, virtual_size_mb)
 from vmm.qemu.qmp import QMP, QMPError, prepare_migration
+from vmm.qemu.ram_moves import RamMovesMixin
 from vmm.qemu.snapshots import SnapshotMixin
 from vmm.qemu.tops import create_top
 from vmm.qemu.warm_ram import WarmRamCopies
@@ -45,7 +47,7 @@ DEFAULT_WARM_RAM_COPIES = 1  # ready RAM files per recently used booted template
 log = logging.getLogger(__name__)
 
 
-class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
+class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriver):
     name = "qemu"
 
     def __init__(self, home: Path, images_dir: Path, host_address: str = "127.0.0.1",
@@ -75,7 +77,7 @@ class QemuDriver(LifecycleMixin, SnapshotMixin, HostMixin, VMDriver):
         # RAM files made ahead for the next restore of a booted template (vmm.qemu.warm_ram)
         self.warm_ram = WarmRamCopies(self.shm_dir, tag=hashlib.sha256(str(self.home).encode()).hexdigest()[:8],
                                       per_source=warm_ram_copies, headroom_mb=self.shm_headroom_mb)
-        self._spill_mutex = threading.Lock()  # paused VMs' RAM moving to disk (lifecycle._spill_later)
+        self._spill_mutex = threading.Lock()  # paused VMs' RAM moving to disk (ram_moves._spill_later)
         self._spill_pool = None
         self._spills: list = []
         # The VMs' network (vmm.net.choose_backend): a netns slot per VM where the node can
