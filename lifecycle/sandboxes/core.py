@@ -17,6 +17,8 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from nodes import client as node_client, placement
+from nodes.models import Node
 from sandboxes.models import Sandbox, SandboxEvent, Team
 from sandboxes.states import LIVE, SETTLING, SandboxState
 from sandboxes.transitions import transition  # noqa: F401 - the one writer, re-exported for the operations
@@ -43,12 +45,9 @@ class Result:
 
 
 def node_api():
-    """The node gateway and placement, imported late so the lifecycle loads (and can be
-    mocked) independently of the node side."""
-    from nodes import client  # noqa: PLC0415
-    from nodes import placement  # noqa: PLC0415
-
-    return client, placement
+    """The node gateway and placement: one function the operations call, so a test can
+    stand a fake node side in for both."""
+    return node_client, placement
 
 
 def ms(since: float) -> float:
@@ -103,8 +102,6 @@ async def settle(team: Team, sandbox_id: str) -> Sandbox:
 
 
 async def node_of(sandbox: Sandbox):
-    from nodes.models import Node  # noqa: PLC0415
-
     node = await Node.objects.filter(pk=sandbox.node_id).afirst() if sandbox.node_id else None
     if node is None:
         raise Unavailable(f'sandbox "{sandbox.id}" has no node (node {sandbox.node_id} is gone)')

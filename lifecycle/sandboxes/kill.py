@@ -12,6 +12,7 @@ import time
 from django.conf import settings
 from django.utils import timezone
 
+from nodes.models import Node
 from sandboxes.models import Sandbox, Team
 from sandboxes.states import KILLABLE
 from lifecycle.sandboxes import core
@@ -44,8 +45,6 @@ async def kill_sandbox(team: Team, sandbox_id: str, actor: str = "", *, from_sta
     if node_id is None:
         outcome = {"ok": True, "killed": False, "note": "no node: nothing was running"}
     else:
-        from nodes.models import Node  # noqa: PLC0415
-
         node = await Node.objects.filter(pk=node_id).afirst()
         outcome = (await core.kill_on_node(node, sandbox_id, settings.AENV_KILL_DEADLINE) if node is not None
                    else {"ok": False, "error": f"node {node_id} no longer exists"})

@@ -14,6 +14,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from lifecycle.sandboxes import core
+from nodes.models import Node
 from sandboxes.errors import Conflict, NotFound
 from sandboxes.models import Sandbox, Team, Template
 from sandboxes.states import LIVE
@@ -69,8 +70,6 @@ async def _deleting_node(snapshot: Snapshot):
     """The node that deletes the files: the snapshot's own — or, with the s3 backend
     (the bucket is the truth, any node can reach it), any alive node when that one is
     gone. Copies cached on other nodes leave by eviction."""
-    from nodes.models import Node  # noqa: PLC0415
-
     own = snapshot.node
     if settings.AENV_SNAPSHOT_BACKEND != "s3" or own.is_alive():
         return own
