@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.vmm.test_qemu_vm import (IMAGES_DIR, Endpoint, assert_no_slot, endpoint, fresh_sdk_connections,
-                                    live_qemu_processes, url)
+                                    live_qemu_processes, start_vm, url)
 from vmm.driver import BootSpec, SnapshotManifest, get_driver
 from vmm.images import ensure_image
 from vmm.qemu import envd_healthy
@@ -110,18 +110,6 @@ def real_driver(home: Path):
     finally:
         for vm in d.list():
             d.kill(vm.sandbox_id)
-
-
-def start_vm(driver, spec: BootSpec):
-    """What the node's create does (agent.tasks._start_vm) with the shared images' booted
-    templates: a restore of the template of this shape if there is one, else a cold boot."""
-    from unittest import mock
-
-    from agent import tasks
-    from vmm.templates import TemplateCache
-
-    with mock.patch.object(tasks, "get_templates", lambda: TemplateCache(IMAGES_DIR)):
-        return tasks._start_vm(driver, spec)
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def fresh_sdk_connections() -> None:
     guest for good: a slot address goes to the next VM once its VM is killed or paused to
     disk, and a cold-booted resume is a new guest at it; a connection pooled before would
     carry the request to a guest that never had it (reset by peer). The data plane keeps its
-    upstream pools per sandbox and VM generation for the same reason (sandboxes.proxy_pools).
+    upstream pools per sandbox and VM generation for the same reason (dataplane.pools).
     Private SDK state: if it moves, this fails loudly (AttributeError) rather than silently."""
     from e2b.api import client_sync  # noqa: PLC0415
 
@@ -111,9 +111,19 @@ def run_in_guest(vm, monkeypatch, cmd: str, user: str = "user") -> tuple[int, st
     return result.exit_code, result.stdout
 
 
-def test_boot_exec_kill(driver, monkeypatch):
-    from tests.vmm.test_lifecycle_vm import start_vm  # noqa: PLC0415 - that module imports this one
+def start_vm(driver, spec: BootSpec):
+    """What the node's create does (agent.tasks._start_vm) with the shared images' booted
+    templates: a restore of the template of this shape if there is one, else a cold boot."""
+    from unittest import mock
 
+    from agent import tasks
+    from vmm.templates import TemplateCache
+
+    with mock.patch.object(tasks, "get_templates", lambda: TemplateCache(IMAGES_DIR)):
+        return tasks._start_vm(driver, spec)
+
+
+def test_boot_exec_kill(driver, monkeypatch):
     info = start_vm(driver, BootSpec("vmtest-1", cpu_count=2, memory_mb=512))  # the template shape
     try:
         assert info.accel == driver.accel in ("tcg", "kvm")
