@@ -5,7 +5,8 @@
 #      interpreter's server with its SDKs, the CLI, deploy files), in parallel workers;
 #   2. the tests with real QEMU VMs on SQLite: drivers, the end-to-end server + node worker
 #      + VMs driven by the E2B SDKs, networks, the cluster, the browser;
-#   3. the unit tests that use the database again, on PostgreSQL.
+#   3. the unit tests that use the database again, on PostgreSQL;
+# before them, the docs site (mkdocs build --strict: a broken link fails the run).
 # Extra arguments go to both SQLite runs (e.g. a file or `-k name`) and narrow them: a narrowed
 # run may select no tests of a pass (pytest's exit status 5). Without arguments every pass must
 # run tests, and every tier of tests/tiers.py (VMs, network, PostgreSQL, browser, TS SDK, ...) must
@@ -74,6 +75,13 @@ main() {
   [ "${AENV_TEST_SLOW:-0}" = 1 ] && slow="slow or not slow"
   # Arguments narrow the SQLite passes: they may then select nothing and skip tiers.
   if [ $# -gt 0 ]; then narrowed=1; strict=(); fi
+
+  # The docs site first (seconds): mkdocs --strict fails on a broken link, a missing page or
+  # anchor. A narrowed run is about its tests; tests/unit/test_docs_site.py builds it too.
+  if [ "$narrowed" = 0 ]; then
+    echo "==> the docs site (mkdocs build --strict into var/site)"
+    run_pass "docs site" 0 env NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir var/site
+  fi
 
   # Tests without VMs wait more than they compute (servers, subprocesses, timeouts): three
   # pytest-xdist workers; the VM tests share two emulated cores, so they run one at a time.
