@@ -14,7 +14,7 @@ from rest_framework.response import Response
 
 from api.auth import AdminTokenAuthentication, ApiKeyAuthentication
 from api.errors import ApiError
-from api.sandboxes.serializers import ErrorSerializer
+from api.fields import ErrorSerializer
 
 from nodes import summary
 from nodes.models import Node

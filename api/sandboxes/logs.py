@@ -15,7 +15,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 
 from lifecycle.sandboxes import logs
-from api.sandboxes.serializers import ErrorSerializer
+from api.fields import ErrorSerializer
 
 ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404)}
 MAX_V1_LIMIT = 10000  # E2B sets none; a sandbox keeps at most AENV_SANDBOX_LOG_MAX_LINES anyway

@@ -15,7 +15,7 @@ from rest_framework.response import Response
 
 from lifecycle.sandboxes import metrics
 from api.errors import ApiError
-from api.sandboxes.serializers import ErrorSerializer
+from api.fields import ErrorSerializer
 
 ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404)}
 MAX_SANDBOX_IDS = 100

@@ -16,7 +16,6 @@ from api.requests import actor_of, body_of, server_timing, team_of, valid
 from lifecycle.sandboxes import create, kill, network, pause, queries, ttl
 from api.sandboxes.serializers import (
     ConnectV2Serializer,
-    ErrorSerializer,
     ListedSandboxSerializer,
     ListQuerySerializer,
     NetworkUpdateSerializer,
@@ -29,6 +28,7 @@ from api.sandboxes.serializers import (
     SandboxSerializer,
     TimeoutSerializer,
 )
+from api.fields import ErrorSerializer
 
 ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404, 409, 500, 503, 504)}
 NO_CONTENT = {204: OpenApiResponse(description="done"), **ERRORS}

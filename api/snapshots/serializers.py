@@ -1,8 +1,8 @@
 """Wire models of the snapshot and fork endpoints (E2B names, strict JSON types)."""
 from rest_framework import serializers
 
-from api.sandboxes.serializers import (SandboxSerializer, StrictBooleanField, StrictCharField, StrictIntegerField,
-                                   TimeoutField)
+from api.sandboxes.serializers import SandboxSerializer
+from api.fields import StrictBooleanField, StrictCharField, StrictIntegerField, TimeoutField
 
 from lifecycle.snapshots.fork import MAX_FORK_COUNT, fork_max_per_node
 from snapshots.models import NAME_RE, Snapshot

@@ -5,7 +5,8 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import status
 from rest_framework.response import Response
 
-from api.sandboxes.serializers import ErrorSerializer, SandboxSerializer
+from api.sandboxes.serializers import SandboxSerializer
+from api.fields import ErrorSerializer
 from api.errors import status_of
 from api.requests import actor_of, body_of, server_timing, team_of, valid
 

@@ -5,7 +5,7 @@ some, e.g. ``resolveSymlinks`` / ``gzip`` on COPY steps)."""
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from api.sandboxes.serializers import JsonObjectField, StrictBooleanField, StrictCharField, StrictIntegerField
+from api.fields import JsonObjectField, StrictBooleanField, StrictCharField, StrictIntegerField
 
 from template_builds.models import BuildStatus, LogLevel
 

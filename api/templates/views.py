@@ -16,8 +16,8 @@ from rest_framework.response import Response
 
 from api.errors import status_of
 from sandboxes.errors import LifecycleError
-from api.sandboxes.serializers import ErrorSerializer
-from api.requests import actor_of, body_of, server_timing, team_of, valid
+from api.fields import ErrorSerializer
+from api.requests import actor_of, body_of, team_of, valid
 
 from lifecycle.templates import manage, queries, register, start, tags, uploads
 from api.templates.serializers import (
