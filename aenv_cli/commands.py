@@ -380,7 +380,7 @@ def _templates(sub, out, act) -> None:
 
     p = _command(tsub, "pull", "templates:cmd_pull", "make a template of an OCI image as it is",
                  description="Makes a template of an OCI image as it is (no steps) and prints its build log\n"
-                             "live. Public images need nothing; see the README for private registries.")
+                             "live. Public images need nothing; see docs/templates.md for private registries.")
     _pull_flags(p)
     _command(tsub, "ls", "templates:cmd_ls", "list the team's templates", aliases=["list"], parents=[out])
 

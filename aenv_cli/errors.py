@@ -1,5 +1,5 @@
 """Why a command failed and what ``aenv`` exits with: the one table of exit statuses
-(README, ``## CLI``) and the mapping of API answers, envd errors and transport failures
+(docs/cli.md) and the mapping of API answers, envd errors and transport failures
 onto it, so every command reports the same failure the same way.
 
 Imports nothing heavy: ``describe`` recognises httpx and envd errors only if their

@@ -17,7 +17,7 @@ def _d(d: dict, key: str, unit: str = " ms") -> str:
 
 
 def headline(r: dict) -> list[str]:
-    """The numbers the README shows: one row per question of the issue's benchmark."""
+    """The numbers docs/benchmarks.md shows: one row per question of the issue's benchmark."""
     rows = []
     cap = r.get("capacity")
     if cap:

@@ -35,7 +35,7 @@ usage: deploy/install-node.sh [options]
   --net-pool CIDR        AENV_NET_POOL, the sandbox address pool (give every node its own)
   --network auto|netns|slirp  AENV_NETWORK (default auto: a netns slot per sandbox as root); with the
                          data plane on another machine, netns needs --net-ingress-from and a
-                         route to this node's pool there, else slirp (see README "Deploying")
+                         route to this node's pool there, else slirp (see docs/deployment.md)
   --net-ingress-from CIDR[,CIDR]  AENV_NET_INGRESS_FROM: the data plane's / dashboard's addresses,
                          which may open connections into this node's sandboxes (nothing else may)
   --store posix_fs|s3    AENV_SNAPSHOT_BACKEND (s3 for many nodes: any node restores any snapshot)

@@ -56,7 +56,7 @@ def fork_child_charge(cpu_count: int, memory_mb: int) -> tuple[int, int]:
     parent while it shares the parent's memory copy-on-write: ``AENV_FORK_CHILD_MEMORY_MB``
     (at most its shape) and its vCPUs over ``AENV_FORK_VCPU_OVERCOMMIT``, rounded up. Why
     not the whole shape: a child's guest RAM is the parent's pages until it writes them
-    (measured: README, lifecycle table), so N children cost far less than N new VMs. Its
+    (measured: docs/benchmarks.md, lifecycle table), so N children cost far less than N new VMs. Its
     first resume reserves the whole shape again (its memory is then its own)."""
     vcpus = max(1, math.ceil(cpu_count / float(settings.AENV_FORK_VCPU_OVERCOMMIT)))
     return min(cpu_count, vcpus), min(memory_mb, int(settings.AENV_FORK_CHILD_MEMORY_MB))

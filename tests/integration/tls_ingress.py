@@ -1,4 +1,4 @@
-"""A stand-in for the TLS terminator in front of the data plane with host routing (README:
+"""A stand-in for the TLS terminator in front of the data plane with host routing (docs/networks.md:
 a wildcard DNS record and certificate for ``*.AENV_SANDBOX_DOMAIN``), so the unchanged SDKs
 can be run without ``E2B_SANDBOX_URL``: they then reach ``https://49983-<id>.<domain>``.
 
