@@ -8,6 +8,7 @@ from django.db import models
 from django.utils import timezone
 
 from sandboxes.models import SANDBOX_ID_ALPHABET
+from snapshots.states import SnapshotState  # noqa: F401 - the field's choices, re-exported
 
 # Names are one path segment and safe in URLs: letters, digits, "_", "-" and ".".
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -17,13 +18,6 @@ def new_snapshot_id() -> str:
     """Like sandbox ids (lowercase, DNS-label safe) but starting with "s", so an id
     alone tells a snapshot from a sandbox in logs and in ``templateID``."""
     return "s" + "".join(secrets.choice(SANDBOX_ID_ALPHABET) for _ in range(19))
-
-
-class SnapshotState(models.TextChoices):
-    CREATING = "creating"
-    READY = "ready"
-    ERROR = "error"
-    DELETING = "deleting"
 
 
 class Snapshot(models.Model):
@@ -67,3 +61,23 @@ class Snapshot(models.Model):
     @property
     def names(self) -> list[str]:
         return [self.name] if self.name else []
+
+
+class SnapshotEvent(models.Model):
+    """One change of a snapshot's state, written with it (``snapshots.transitions``) before
+    anyone is answered; deleted with the snapshot, like a sandbox's events."""
+
+    snapshot = models.ForeignKey(Snapshot, on_delete=models.CASCADE, related_name="events")
+    operation = models.CharField(max_length=32)
+    from_state = models.CharField(max_length=16)
+    to_state = models.CharField(max_length=16)
+    at = models.DateTimeField(default=timezone.now)
+    message = models.TextField(blank=True, default="")
+    details = models.JSONField(default=dict, blank=True)
+    actor = models.CharField(max_length=128, blank=True, default="")
+
+    class Meta:
+        ordering = ["-at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.snapshot_id} {self.operation} {self.from_state} → {self.to_state}"
