@@ -20,12 +20,11 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
-from django.utils import timezone
-
 from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.states import TRANSITIONS, SandboxState
 
 from snapshots.models import Snapshot, SnapshotState
+from snapshots.transitions import transition_sync
 
 from agent.settle import continue_vm, move
 from agent.stores import get_store
@@ -77,8 +76,8 @@ def _settle_sandbox(driver, row: Sandbox, actor: str) -> str:
 def _fail_snapshot(snap: Snapshot) -> str:
     removed = get_store().delete(snap.pk)
     reason = "the node worker stopped while capturing; nothing was kept"
-    Snapshot.objects.filter(pk=snap.pk, state=SnapshotState.CREATING, updated_at=snap.updated_at).update(
-        state=SnapshotState.ERROR, error_reason=reason, updated_at=timezone.now())
+    transition_sync(snap.pk, "reconcile", where={"updated_at": snap.updated_at}, actor=f"node:{snap.node_id}",
+                    message=reason, details={"files_removed": removed}, error_reason=reason)
     if snap.source_sandbox_id:
         SandboxEvent.objects.create(sandbox_id=snap.source_sandbox_id, operation="reconcile",
                                     message=f"snapshot {snap.pk} abandoned: {reason}",

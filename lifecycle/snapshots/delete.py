@@ -9,9 +9,7 @@ import time
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import transaction
 from django.db.models import Q
-from django.utils import timezone
 
 from lifecycle.sandboxes import core
 from nodes.models import Node
@@ -21,6 +19,8 @@ from sandboxes.states import LIVE
 
 from lifecycle import sources
 from snapshots.models import Snapshot, SnapshotState as SS
+from snapshots.states import KEEP
+from snapshots.transitions import transition, transition_sync
 from lifecycle.snapshots.common import delete_files_quietly, node_error
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ async def delete_snapshot(team: Team, snapshot_id: str, actor: str = "", build_r
         raise NotFound(f'snapshot "{snapshot_id}" not found{note}')
     if snapshot.state == SS.CREATING:
         raise Conflict(f'snapshot "{snapshot.id}" is still being created')
-    previous = await _begin_delete(snapshot)
+    previous = await _begin_delete(snapshot, actor)
     # Shielded: a client that goes away must not leave the snapshot stuck in "deleting".
     await core.shielded(_delete_on_node(snapshot, previous, actor))
 
@@ -59,8 +59,8 @@ async def _delete_on_node(snapshot: Snapshot, previous: str, actor: str) -> None
                 timeout=DELETE_DEADLINE + 15)
         except Exception as exc:  # the files are still there: the snapshot stays usable
             error = node_error(client, exc, deleter, "snapshot deletion", DELETE_DEADLINE)
-            await Snapshot.objects.filter(pk=snapshot.pk, state=SS.DELETING).aupdate(
-                state=previous, updated_at=timezone.now())
+            await transition(snapshot.pk, KEEP[previous], actor=actor, message=f"files not deleted: {error.message}",
+                             details={"node": deleter.pk})
             raise error from exc
         log.info("snapshot %s deleted by %s (files: %s, %.0f ms)", snapshot.id, actor, result, core.ms(t0))
     await Snapshot.objects.filter(pk=snapshot.pk).adelete()
@@ -80,19 +80,17 @@ async def _deleting_node(snapshot: Snapshot):
 
 
 @sync_to_async
-def _begin_delete(snapshot: Snapshot) -> str:
+def _begin_delete(snapshot: Snapshot, actor: str) -> str:
     """``→ deleting``, then looks for live dependents; with any, back to the previous
     state and 409. Marking first closes the race with a concurrent restore, which
     re-checks the snapshot after inserting its sandbox."""
-    with transaction.atomic():
-        if not Snapshot.objects.filter(pk=snapshot.pk, state=snapshot.state).update(
-                state=SS.DELETING, updated_at=timezone.now()):
-            raise NotFound(f'template or snapshot "{snapshot.id}" not found (being deleted)')
+    if not transition_sync(snapshot.pk, "delete", from_states=[snapshot.state], actor=actor):
+        raise NotFound(f'template or snapshot "{snapshot.id}" not found (being deleted)')
     users = list(Sandbox.objects.filter(source_snapshot_id=snapshot.pk, state__in=LIVE)
                  .order_by("created_at").values_list("id", flat=True)[:6])
     if users:
-        Snapshot.objects.filter(pk=snapshot.pk, state=SS.DELETING).update(state=snapshot.state,
-                                                                          updated_at=timezone.now())
+        transition_sync(snapshot.pk, KEEP[snapshot.state], actor=actor, message="still used by live sandboxes",
+                        details={"sandboxes": users[:5]})
         shown = ", ".join(users[:5]) + (", …" if len(users) > 5 else "")
         raise Conflict(f'snapshot "{snapshot.id}" is still used by live sandboxes restored from it '
                        f"({shown}); kill them before deleting it")

@@ -1,5 +1,6 @@
 """Snapshot: a running sandbox is captured (``running → snapshotting → running``, a pause
-of tens of ms) into its node's snapshot store; it keeps its id and expiry."""
+of tens of ms) into its node's snapshot store; it keeps its id and expiry. The snapshot
+itself goes ``creating → ready`` (or ``error``) through ``snapshots.transitions``."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ from sandboxes.errors import Unavailable
 from sandboxes.models import Sandbox, Team
 from sandboxes.transitions import transition_sync
 
+from snapshots import transitions as snapshot_transitions
 from snapshots.models import Snapshot, SnapshotState as SS
 from lifecycle.snapshots.common import delete_files_quietly, fail_capture
 
@@ -90,8 +92,8 @@ async def _snapshot_on_node(sandbox: Sandbox, snapshot: Snapshot, node, memory, 
         await core.record(core.event(sandbox.id, "snapshot", outcome="aborted", from_state=S.SNAPSHOTTING,
                                      started_at=started, duration_ms=core.ms(t0), actor=actor, message=reason,
                                      details=details))
-        await Snapshot.objects.filter(pk=snapshot.pk, state=SS.CREATING).aupdate(
-            state=SS.ERROR, error_reason=reason, updated_at=timezone.now())
+        await snapshot_transitions.transition(snapshot.pk, "fail", actor=actor, message=reason,
+                                              details=details, error_reason=reason)
         raise Unavailable(reason) from None
     except Exception as exc:  # mapped below, never a bare 500
         # The node answered: the driver continued the VM and removed the partial capture.
@@ -108,8 +110,8 @@ async def _snapshot_on_node(sandbox: Sandbox, snapshot: Snapshot, node, memory, 
                                          to_state=S.ERROR, actor=actor, details={**details, "cleanup": cleanup}))
         if not vm_runs:
             await delete_files_quietly(node, snapshot.id)
-        await Snapshot.objects.filter(pk=snapshot.pk).aupdate(state=SS.ERROR, error_reason=reason,
-                                                              updated_at=timezone.now())
+        await snapshot_transitions.transition(snapshot.pk, "fail", actor=actor, message=reason,
+                                              details=details, error_reason=reason)
         raise error from exc
 
     timings = (result or {}).get("timings") or {}
@@ -127,15 +129,19 @@ async def _snapshot_on_node(sandbox: Sandbox, snapshot: Snapshot, node, memory, 
 @sync_to_async
 def _finish_snapshot(snapshot: Snapshot, result: dict, event) -> bool:
     """Snapshot ``ready`` (a name moves here from an older snapshot of the team) and the
-    sandbox back to ``running``, in one transaction. False if the sandbox was killed
-    meanwhile (the snapshot is complete and kept all the same)."""
+    sandbox back to ``running``, in one transaction (a snapshot the node's reconcile failed
+    meanwhile stays failed). False if the sandbox was killed meanwhile (the snapshot is
+    complete and kept all the same)."""
     with transaction.atomic():
-        if snapshot.name:
+        size = int(result.get("size_bytes") or 0)
+        if not snapshot_transitions.transition_sync(snapshot.pk, "complete", actor=event.actor,
+                                                    details={"sandbox": event.sandbox_id, "size_bytes": size},
+                                                    manifest=result.get("manifest") or {}, size_bytes=size):
+            # only a restarted node's reconcile moves a capture in progress: it removed the files
+            log.warning("snapshot %s was abandoned by its node before its capture was recorded", snapshot.pk)
+        elif snapshot.name:
             Snapshot.objects.filter(team_id=snapshot.team_id, name=snapshot.name).exclude(pk=snapshot.pk).update(
                 name="", updated_at=timezone.now())
-        Snapshot.objects.filter(pk=snapshot.pk).update(
-            state=SS.READY, manifest=result.get("manifest") or {}, size_bytes=int(result.get("size_bytes") or 0),
-            updated_at=timezone.now())
         moved = transition_sync(event.sandbox_id, [S.SNAPSHOTTING], S.RUNNING, event)
         if not moved:
             event.outcome, event.message = "aborted", "sandbox was killed while snapshotting; the snapshot is kept"
