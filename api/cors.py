@@ -9,7 +9,7 @@ would not cover ``Authorization``); every response may be read, headers included
 
 Used twice: ``ApiCorsMiddleware`` for the E2B API paths of the Django app (not the
 dashboard or the admin, which keep their same-origin session and CSRF rules), and the
-data plane (``dataplane.routes``) for envd's port and its own answers.
+data plane (``dataplane.headers``) for envd's port and its own answers.
 """
 import re
 

@@ -25,7 +25,7 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 
 from config.prometheus import InstrumentedDataPlane  # noqa: E402
 from dataplane.proxy import EnvdProxy, UpstreamBroken  # noqa: E402
-from dataplane.routes import parse_target  # noqa: E402
+from dataplane.addressing import parse_target  # noqa: E402
 
 
 class _QuietUpstreamBroken(logging.Filter):

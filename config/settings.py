@@ -71,7 +71,7 @@ AENV_NET_DNS_BURST = _env_int("AENV_NET_DNS_BURST", DNSLimits.burst)
 AENV_NET_DNS_TCP_CONNECTIONS = _env_int("AENV_NET_DNS_TCP_CONNECTIONS", DNSLimits.tcp)
 AENV_NET_DNS_FORWARD_MAX = _env_int("AENV_NET_DNS_FORWARD_MAX", DNSLimits.forward_max)
 AENV_SANDBOX_DOMAIN = _env("AENV_SANDBOX_DOMAIN", "localhost")
-# Signed file URLs (E2B's download_url / upload_url; dataplane.routes.SignedFile):
+# Signed file URLs (E2B's download_url / upload_url; dataplane.access.SignedFile):
 # refuse those without signature_expiration (off: E2B's SDK signs without one unless asked),
 # and those expiring more than this many seconds ahead (0: any). The data plane enforces both.
 AENV_SIGNED_URL_REQUIRE_EXPIRATION = _env_bool("AENV_SIGNED_URL_REQUIRE_EXPIRATION", False)

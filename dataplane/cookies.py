@@ -16,7 +16,7 @@ The rule, for HTTP responses and WebSocket handshake answers alike:
   it is host-only (the browser returns it to that exact host and no other);
 - any other request: the guest's ``Set-Cookie`` (and the obsolete ``Set-Cookie2``) are dropped.
 """
-from dataplane import routes as answers
+from dataplane import addressing
 
 SET_COOKIE = b"set-cookie"
 DROPPED = frozenset({SET_COOKIE, b"set-cookie2"})
@@ -25,11 +25,11 @@ DROPPED = frozenset({SET_COOKIE, b"set-cookie2"})
 def own_host(scope) -> bool:
     """Whether the request came through the host of the sandbox and port it is routed to
     (and not through the API's ``/proxy`` mount, which is the API's host)."""
-    if scope.get(answers.API_MOUNT):
+    if scope.get(addressing.API_MOUNT):
         return False
-    target = scope.get(answers.TARGET)
+    target = scope.get(addressing.TARGET)
     host = next((v for n, v in scope.get("headers") or () if n.lower() == b"host"), b"")
-    m = answers.HOST_RE.match(host.decode("latin-1").strip().lower())
+    m = addressing.HOST_RE.match(host.decode("latin-1").strip().lower())
     return bool(target is not None and target.sandbox_id and m
                 and m.group("id") == target.sandbox_id.lower() and int(m.group("port")) == target.port)
 

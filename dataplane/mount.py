@@ -3,7 +3,7 @@
 carries a sandbox routing header (``x-agentenv-sandbox-id`` or ``e2b-sandbox-id``: AgentENV's
 ``aenv`` sends envd's calls to the API's URL that way). Both go to the very data plane app
 of the data plane's port (``dataplane.proxy.EnvdProxy``), marked so that they are answered
-in AgentENV's dialect (``dataplane.routes``); real API routes win (``/health`` is the
+in AgentENV's dialect (``dataplane.answers``); real API routes win (``/health`` is the
 API's: reach a guest's with ``/proxy/health``).
 
 Limitations, from daphne (which serves this port): it reads a request's whole body
@@ -16,7 +16,7 @@ daphne's 403 rather than the refusal's own status.
 """
 from django.urls import Resolver404, resolve
 
-from dataplane.routes import API_MOUNT, has_proxy_prefix, names_a_sandbox
+from dataplane.addressing import API_MOUNT, has_proxy_prefix, names_a_sandbox
 
 
 def _api_has_route(path: str) -> bool:

@@ -12,8 +12,9 @@ for services that start listening a moment late. Bodies stream in both direction
 open for minutes), which is why this is a raw ASGI app under uvicorn and not a Django
 view under daphne. WebSocket upgrades are bridged by ``dataplane.websockets`` (uvicorn
 needs a WebSocket implementation: the ``websockets`` package, picked by its default
-``--ws auto``). What is answered here, and the headers sent upstream, live in
-``dataplane.routes``.
+``--ws auto``). What a request addresses is ``dataplane.addressing``; whether it may
+pass, ``dataplane.access``; what is answered here, ``dataplane.answers``; the headers sent
+upstream, ``dataplane.headers``; a sandbox's route, ``dataplane.routes``.
 
 Routes are read from the database on every request, never from a cache: a pause,
 resume or kill changes the VM process behind a sandbox, and a route (or a pooled
@@ -36,10 +37,12 @@ from asgiref.sync import sync_to_async
 
 from envd import ENVD_PORT
 
+from dataplane import access, addressing, answers
 from dataplane import cookies as proxy_cookies
-from dataplane import routes as answers
+from dataplane.answers import ResumeFailed, Refused, Why
+from dataplane.headers import API_KEY_HEADER, response_headers, upstream_headers, with_cors
 from dataplane.pools import UpstreamPools
-from dataplane.routes import ResumeFailed, Refused, Route, RouteTable, Why, close_unusable
+from dataplane.routes import Route, RouteTable, close_unusable
 from dataplane.signers import SignerLookup
 from dataplane.watch import RouteWatch
 from dataplane.websockets import WebSocketBridge
@@ -98,8 +101,8 @@ class EnvdProxy:
 
     async def handle_http(self, scope, receive, send):
         headers = {n.lower(): v for n, v in scope["headers"]}
-        scope = answers.addressed(scope, headers)
-        target = scope[answers.TARGET]
+        scope = addressing.addressed(scope, headers)
+        target = scope[addressing.TARGET]
         if answers.is_preflight(scope, headers):
             # Browsers send no custom header (so no E2b-Sandbox-Id) on a preflight; envd's
             # are answered here as E2B's envd would, a user port's go to the guest.
@@ -113,16 +116,16 @@ class EnvdProxy:
 
     async def admit(self, scope, headers: dict[bytes, bytes]) -> tuple[Route, int]:
         """The route and port a request (HTTP or WebSocket; its scope from
-        ``proxy_routes.addressed``) goes to, after every check, auto-resuming a paused
+        ``addressing.addressed``) goes to, after every check, auto-resuming a paused
         sandbox that asked for it. Raises Refused otherwise. A platform API key in the
         request is dropped from ``scope["headers"]`` (never forwarded to the guest)."""
-        target = scope[answers.TARGET]
+        target = scope[addressing.TARGET]
         if target.error is not None:
             raise Refused(target.error)
         sandbox_id, port = (target.sandbox_id, target.port) if target.sandbox_id else await self.signed_target(scope)
-        if not answers.valid_port(port):
+        if not addressing.valid_port(port):
             raise Refused(Why.BAD_PORT, sandbox_id, port)
-        if port == ENVD_PORT and answers.is_node_only(scope["path"]):
+        if port == ENVD_PORT and access.is_node_only(scope["path"]):
             raise Refused(Why.NODE_ONLY, sandbox_id)
         route = await self.routes.get(sandbox_id)
         if route is not None and not await self._same_team(route, scope, headers):
@@ -131,10 +134,10 @@ class EnvdProxy:
             self.pools.forget(sandbox_id)
             raise answers.unavailable(sandbox_id, route)
         # Checked before a resume: traffic without its token wakes nothing.
-        refusal = (answers.access_token_refusal(route, scope["path"], scope.get("query_string", b""), headers)
-                   if port == ENVD_PORT else answers.traffic_token_refusal(route, headers))
+        refusal = (access.access_token_refusal(route, scope["path"], scope.get("query_string", b""), headers)
+                   if port == ENVD_PORT else access.traffic_token_refusal(route, headers))
         if refusal is None and port == ENVD_PORT:
-            refusal = answers.wake_refusal(route, scope, headers)
+            refusal = access.wake_refusal(route, scope, headers)
         if refusal is not None:
             raise refusal
         route = await self.current_route(sandbox_id, route)
@@ -149,13 +152,13 @@ class EnvdProxy:
         sandbox's (answered as an unknown sandbox: nothing leaks). A platform key is the
         team's credential, not the guest's: it is taken out of the forwarded headers.
         Values that are none of our keys belong to the guest's app and pass."""
-        raw_key = headers.get(answers.API_KEY_HEADER)
+        raw_key = headers.get(API_KEY_HEADER)
         if raw_key is None:
             return True
         team_id = await self.routes.key_team(raw_key)
         if team_id is None:
             return True
-        scope["headers"] = [(n, v) for n, v in scope["headers"] if n.lower() != answers.API_KEY_HEADER]
+        scope["headers"] = [(n, v) for n, v in scope["headers"] if n.lower() != API_KEY_HEADER]
         return team_id == route.team_id
 
     async def signed_target(self, scope) -> tuple[str, int]:
@@ -165,7 +168,7 @@ class EnvdProxy:
         signed it: envd's 401 "invalid signature"; signed but past its expiration: 401
         "signature is already expired" (nothing is resumed for it); the signer lookup's
         budget spent: 429 (``dataplane.signers``). Anything else: 400."""
-        signed = answers.signed_file(scope)
+        signed = access.signed_file(scope)
         if signed is None:
             raise Refused(Why.NO_TARGET)
         sandbox_id = await self.signers.signer(signed)
@@ -295,7 +298,7 @@ class EnvdProxy:
                     url = httpx.URL(scheme="http", host=host, port=upstream_port, raw_path=target)
                     async with self.pools.use(route.sandbox_id, route.upstream) as client:
                         request = httpx.Request(
-                            scope["method"], url, headers=answers.upstream_headers(scope["headers"], route, port),
+                            scope["method"], url, headers=upstream_headers(scope["headers"], route, port),
                             content=body() if _has_body(headers) else None,
                             extensions={"timeout": client.timeout.as_dict()},
                         )
@@ -312,7 +315,7 @@ class EnvdProxy:
                         with self.watch.moved(route) as moved:
                             return await _relay(send, upstream, route, moved, cors=port == ENVD_PORT, scope=scope)
         except Refused as refused:
-            return await _send_simple(send, *refused.answer_in(answers.dialect_of(scope)))
+            return await _send_simple(send, *refused.answer_in(addressing.dialect_of(scope)))
 
     async def _gone(self, route: Route, port: int) -> Refused:
         """The upstream failed after (part of) the request may have reached it: no
@@ -348,9 +351,9 @@ async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Ev
     chunks = upstream.aiter_raw()
     read = None
     try:
-        headers = proxy_cookies.confine(answers.response_headers(upstream.headers.raw), scope)
+        headers = proxy_cookies.confine(response_headers(upstream.headers.raw), scope)
         await send({"type": "http.response.start", "status": upstream.status_code,
-                    "headers": answers.with_cors(headers) if cors else headers})
+                    "headers": with_cors(headers) if cors else headers})
         while True:
             read = asyncio.ensure_future(anext(chunks, None))
             await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -28,7 +28,9 @@ from collections import OrderedDict
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from dataplane.routes import Refused, RouteTable, SignedFile, close_unusable, json_response
+from dataplane.access import SignedFile
+from dataplane.answers import Refused, json_response
+from dataplane.routes import RouteTable, close_unusable
 from sandboxes.states import RESUMABLE, ROUTABLE
 
 # Sandboxes a signed file URL without a sandbox id may reach.

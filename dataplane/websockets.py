@@ -26,9 +26,11 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.frames import CloseCode
 from websockets.uri import WebSocketURI
 
+from dataplane import addressing, answers
 from dataplane import cookies as proxy_cookies
-from dataplane import routes as answers
-from dataplane.routes import Refused, Route, Why
+from dataplane.answers import Refused, Why
+from dataplane.headers import response_headers, upstream_headers
+from dataplane.routes import Route
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +81,12 @@ class WebSocketBridge:
         if (await receive())["type"] != "websocket.connect":
             return
         headers = {n.lower(): v for n, v in scope["headers"]}
-        scope = answers.addressed(scope, headers)
+        scope = addressing.addressed(scope, headers)
         try:
             route, port = await self.proxy.admit(scope, headers)
             upstream = await self._open(scope, route, port)
         except Refused as refused:
-            return await _deny(scope, send, *refused.answer_in(answers.dialect_of(scope)))
+            return await _deny(scope, send, *refused.answer_in(addressing.dialect_of(scope)))
         try:
             await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol,
                         "headers": _accept_headers(upstream.response.headers.raw_items(), scope)})
@@ -111,7 +113,7 @@ async def _connect(scope, route: Route, port: int) -> ClientConnection:
     target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
     uri = WebSocketURI(secure=False, host=host, port=upstream_port, path=target,
                        query=scope.get("query_string", b"").decode("latin-1"))
-    protocol = _Handshake(uri, answers.upstream_headers(scope["headers"], route, port, drop=HANDSHAKE_HEADERS),
+    protocol = _Handshake(uri, upstream_headers(scope["headers"], route, port, drop=HANDSHAKE_HEADERS),
                           subprotocols=list(scope.get("subprotocols") or ()) or None, max_size=MAX_MESSAGE,
                           logger=log)
     connection = ClientConnection(protocol)
@@ -144,7 +146,7 @@ def _relayed(response, scope):
     confined: ``dataplane.cookies``)."""
     body = bytes(response.body or b"")
     headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in response.headers.raw_items()]
-    headers = [(n, v) for n, v in answers.response_headers(headers) if n.lower() not in HANDSHAKE_HEADERS]
+    headers = [(n, v) for n, v in response_headers(headers) if n.lower() not in HANDSHAKE_HEADERS]
     return response.status_code, proxy_cookies.confine(headers, scope), body
 
 
@@ -153,7 +155,7 @@ def _accept_headers(raw_items, scope) -> list[tuple[bytes, bytes]]:
     sandbox's own host, ``dataplane.cookies``)."""
     headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in raw_items]
     return proxy_cookies.confine(
-        [(n, v) for n, v in answers.response_headers(headers) if n.lower() not in HANDSHAKE_HEADERS], scope)
+        [(n, v) for n, v in response_headers(headers) if n.lower() not in HANDSHAKE_HEADERS], scope)
 
 
 async def _deny(scope, send, status: int, headers, body: bytes):

@@ -97,7 +97,7 @@ class _Guest:
 
 def _dataplane(guest):
     from config.prometheus import InstrumentedDataPlane  # noqa: PLC0415
-    from dataplane.routes import parse_target  # noqa: PLC0415
+    from dataplane.addressing import parse_target  # noqa: PLC0415
 
     return InstrumentedDataPlane(guest, parse_target)
 

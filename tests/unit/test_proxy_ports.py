@@ -198,7 +198,7 @@ async def raw_request(port: int, head: bytes, close: bool = True) -> tuple[int, 
 
 
 def test_parse_port_takes_ascii_digits_from_1_to_65535_only():
-    from dataplane.routes import parse_port
+    from dataplane.addressing import parse_port
 
     assert [parse_port(p) for p in (b"1", b"80", "080", b"49983", "65535")] == [1, 80, 80, 49983, 65535]
     for bad in (*BAD_PORTS, "²", "\u0668\u0660", " 80", "80 ", "\t80", "1e3", "８０"):

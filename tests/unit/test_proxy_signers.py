@@ -10,7 +10,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db.backends import utils as db_utils
 
-from dataplane import routes as proxy_routes
+from dataplane import access as proxy_access
 from tests.unit import test_proxy
 from tests.unit.test_proxy import _make_sandbox, _signed_url
 
@@ -29,7 +29,7 @@ def counters(monkeypatch):
     database queries made from here on."""
     seen = {"loop_hashes": 0, "thread_hashes": 0, "queries": 0}
     loop_thread = threading.main_thread()
-    real_sign, real_execute = proxy_routes.make_signature, db_utils.CursorWrapper._execute
+    real_sign, real_execute = proxy_access.make_signature, db_utils.CursorWrapper._execute
 
     def make_signature(*args, **kwargs):
         seen["loop_hashes" if threading.current_thread() is loop_thread else "thread_hashes"] += 1
@@ -39,7 +39,7 @@ def counters(monkeypatch):
         seen["queries"] += 1
         return real_execute(self, *args, **kwargs)
 
-    monkeypatch.setattr(proxy_routes, "make_signature", make_signature)
+    monkeypatch.setattr(proxy_access, "make_signature", make_signature)
     monkeypatch.setattr(db_utils.CursorWrapper, "_execute", execute)
     return seen
 
