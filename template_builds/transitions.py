@@ -5,7 +5,16 @@ legal (the table below), must win against concurrent writers (a conditional ``UP
 WHERE status IN expected``: a builder finishing a build that a delete just cancelled
 loses) and must be on disk, with the log entries that explain it, before anyone can
 read it. The API, the node's builder (``progress``) and the staleness checks all write
-through here.
+through here; a build row is inserted ``waiting`` (not a transition).
+
+The record of each change (what ``SandboxEvent`` is for a sandbox) is the build's own
+log: every status change the code makes comes with a log entry saying why ("Build
+started on node …", "could not hand the build to node …", "Build failed: …", "Build
+finished, took …"), appended in the same transaction, so the log the SDK streams is
+also the build's history. No separate event table: it would say the same thing twice.
+``tests/unit/test_build_states.py`` checks that every caller passes one (test fixtures
+may move a build without). An operation that does not start from the build's status is
+refused like a lost race: False, nothing written.
 
 Log entries get consecutive indices (the SDK's ``logsOffset`` counts them): an append
 first bumps the build's ``log_count`` (which takes the row's write lock, on SQLite the
@@ -36,14 +45,21 @@ TRANSITIONS: dict[str, tuple[frozenset[str], str]] = {
     # superseded it, its template was deleted, or its node went away
     "fail": (frozenset({B.WAITING, B.BUILDING}), B.ERROR),
 }
-ACTIVE = frozenset({B.WAITING, B.BUILDING})
-FINISHED = frozenset({B.READY, B.ERROR})
+# Derived from the table: moving on (some operation starts from them), or done.
+ACTIVE = frozenset().union(*(start for start, _ in TRANSITIONS.values()))
+FINISHED = frozenset(B) - ACTIVE
 MAX_MESSAGE = 64 * 1024
 MAX_STEP = 32
 
 
 class IllegalTransition(Exception):
     """An operation the table does not know: a bug in the caller."""
+
+
+def is_legal(operation: str, status: str) -> bool:
+    """Whether ``operation`` may move a build whose status is ``status``."""
+    start, _ = TRANSITIONS.get(operation, (frozenset(), ""))
+    return status in start
 
 
 @dataclass(frozen=True)
@@ -84,8 +100,9 @@ def _append(build_id, logs: list[Log], only_if=None) -> bool:
 
 def transition_sync(build_id, operation: str, *, logs=(), where: dict | None = None, **fields) -> bool:
     """Moves the build along ``operation`` if its status allows it (and it matches the
-    extra lookups in ``where``), setting ``fields`` and appending ``logs`` in the same
-    transaction. False if another writer won (or the build is gone)."""
+    extra lookups in ``where``), setting ``fields`` and appending ``logs`` (the change's
+    record) in the same transaction. False if another writer won, the status is not one
+    the operation starts from, or the build is gone."""
     if operation not in TRANSITIONS:
         raise IllegalTransition(f"unknown build operation {operation!r}")
     start, to = TRANSITIONS[operation]
