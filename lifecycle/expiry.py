@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -157,14 +158,18 @@ class Sweeper:
         if self.running:
             await asyncio.wait(list(self.running.values()), timeout=timeout)
 
-    async def run(self, period: float, stop: asyncio.Event) -> None:
+    async def run(self, period: float, stop: asyncio.Event, heartbeat: Callable[[], None] | None = None) -> None:
         """Ticks every ``period`` seconds until ``stop`` is set; a failing tick (database
-        briefly unreachable) is logged and retried on the next one."""
+        briefly unreachable) is logged and retried on the next one. ``heartbeat`` is called
+        after each tick that went through (run_lifecycle --heartbeat: a liveness file)."""
         while not stop.is_set():
             try:
                 await self.tick()
             except Exception:  # noqa: BLE001
                 log.exception("lifecycle sweep failed")
+            else:
+                if heartbeat is not None:
+                    heartbeat()
             finally:
                 # A long-lived loop has no request cycle: drop a broken connection here.
                 await sync_to_async(close_old_connections)()

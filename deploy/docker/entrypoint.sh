@@ -6,11 +6,20 @@
 #                               (printed once in this container's log)
 #   node                        the node worker (Dockerfile.node, privileged): builds the guest
 #                               images into AENV_IMAGES_DIR on its first start, then serves
-#   health api|dataplane|node   the container's health check
+#   health api|dataplane|sweeper|node   the container's health check
+#   node-pool DIR               this node's slot pool from a directory with one file per node
+#                               name (Kubernetes: the aenv-node-pools ConfigMap), checked
+#                               against every other node's; the node command does this itself
+#                               when AENV_K8S_NODE_POOLS is set
 # Anything else is run as given. Settings are environment variables (config/settings.py).
 set -euo pipefail
-cd /opt/aenv
-PY=/opt/aenv/.venv/bin/python
+# The checkout the image holds (/opt/aenv), found from this file.
+cd "$(dirname "$(readlink -f "$0")")/../.."
+PY=$PWD/.venv/bin/python
+# The sweeper touches this after every sweep that reached the database (run_lifecycle
+# --heartbeat); its health check wants it younger than SWEEPER_STALE seconds.
+SWEEPER_HEARTBEAT=/tmp/aenv-sweeper.alive
+SWEEPER_STALE=120
 
 die() { echo "entrypoint: $*" >&2; exit 1; }
 
@@ -19,25 +28,62 @@ health() {
     api) exec "$PY" -c 'import sys, urllib.request
 sys.exit(0 if urllib.request.urlopen("http://127.0.0.1:3000/health", timeout=5).status == 204 else 1)' ;;
     dataplane) exec "$PY" -c 'import socket; socket.create_connection(("127.0.0.1", 3001), timeout=5).close()' ;;
+    sweeper)
+      [ -f "$SWEEPER_HEARTBEAT" ] || die "health: the sweeper has not swept yet ($SWEEPER_HEARTBEAT)"
+      local age=$(( $(date +%s) - $(stat -c %Y "$SWEEPER_HEARTBEAT") ))
+      [ "$age" -lt "$SWEEPER_STALE" ] || die "health: the sweeper's last sweep was ${age} s ago" ;;
     node) exec "$PY" manage.py shell -c 'import sys
 from django.conf import settings
 from nodes.models import Node
 node = Node.objects.filter(pk=settings.AENV_NODE_ID).first()
 sys.exit(0 if node is not None and node.is_alive() else 1)' ;;
-    *) die "health: api, dataplane or node" ;;
+    *) die "health: api, dataplane, sweeper or node" ;;
   esac
+}
+
+# Prints the pool of node AENV_NODE_ID from DIR (a file per node name holding its CIDR;
+# ConfigMap volumes add ..data entries, which are skipped). Refuses a node with no pool, a
+# value that is not an IPv4 network, and a pool that overlaps another node's: two nodes with
+# one pool would give two guests the same address.
+node_pool() {
+  local dir=${1:?node-pool: a directory}
+  [ -n "${AENV_NODE_ID:-}" ] || die "node-pool: AENV_NODE_ID is not set"
+  [ -f "$dir/$AENV_NODE_ID" ] ||
+    die "no slot pool for node $AENV_NODE_ID in $dir: add the key $AENV_NODE_ID to the aenv-node-pools ConfigMap"
+  "$PY" - "$dir" "$AENV_NODE_ID" <<'EOF'
+import ipaddress, pathlib, sys
+folder, me = pathlib.Path(sys.argv[1]), sys.argv[2]
+pools = {}
+for path in sorted(folder.iterdir()):
+    if path.name.startswith(".") or not path.is_file():
+        continue
+    text = path.read_text().strip()
+    try:
+        pools[path.name] = ipaddress.IPv4Network(text)
+    except ValueError as exc:
+        sys.exit(f"entrypoint: the pool of node {path.name} ({text!r}) is not an IPv4 network: {exc}")
+for name, pool in pools.items():
+    if name != me and pool.overlaps(pools[me]):
+        sys.exit(f"entrypoint: node {me}'s pool {pools[me]} overlaps node {name}'s {pool}: give each node its own")
+print(pools[me])
+EOF
 }
 
 case "${1:-}" in
   api) exec .venv/bin/daphne --bind 0.0.0.0 --port 3000 config.asgi:application ;;
   dataplane) exec .venv/bin/uvicorn config.dataplane_asgi:application --host 0.0.0.0 --port 3001 \
                --no-access-log --timeout-keep-alive 300 ;;
-  sweeper) exec "$PY" manage.py run_lifecycle ;;
+  sweeper) exec "$PY" manage.py run_lifecycle --heartbeat "$SWEEPER_HEARTBEAT" ;;
   migrate) "$PY" manage.py migrate --noinput; exec "$PY" manage.py bootstrap ;;
   node)
     command -v qemu-system-x86_64 >/dev/null || die "the node worker runs from the node image (Dockerfile.node)"
     # Network namespaces and nftables need CAP_SYS_ADMIN and CAP_NET_ADMIN: a privileged container.
     unshare --net true 2>/dev/null || die "the node container must run privileged (network namespaces, nftables, /dev/kvm)"
+    if [ -n "${AENV_K8S_NODE_POOLS:-}" ]; then
+      AENV_NET_POOL=$(node_pool "$AENV_K8S_NODE_POOLS") || die "no slot pool for this node"
+      export AENV_NET_POOL
+      echo "entrypoint: node $AENV_NODE_ID: slot pool $AENV_NET_POOL" >&2
+    fi
     [ -e /dev/kvm ] || echo "entrypoint: no /dev/kvm: guests run under QEMU TCG (software emulation)" >&2
     # debootstrap needs the privileges the image build does not have, so the images are made
     # here, once per volume (cached; rebuilt only when a recipe changes).
@@ -46,6 +92,7 @@ case "${1:-}" in
     setup_guest_images
     exec "$PY" manage.py run_node ;;
   health) shift; health "$@" ;;
-  "") die "a command: api, dataplane, sweeper, migrate, node or health" ;;
+  node-pool) shift; node_pool "$@" ;;
+  "") die "a command: api, dataplane, sweeper, migrate, node, node-pool or health" ;;
   *) exec "$@" ;;
 esac
