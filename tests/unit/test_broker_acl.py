@@ -335,3 +335,27 @@ def test_the_control_plane_user_runs_the_channel_layer(broker):
     assert acl_denials(broker) == []
     with pytest.raises(redis.exceptions.NoPermissionError):
         asyncio.run(exchange(NODE))
+
+
+# ---------------------------------------------------------------- the shipped configurations
+
+def test_compose_gives_every_process_its_redis_user_and_redis_the_acl():
+    import yaml  # noqa: PLC0415
+
+    services = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())["services"]
+    redis_service = services["redis"]
+    assert "--aclfile" in " ".join(redis_service["command"]) and "render-acl.sh" in " ".join(redis_service["command"])
+    assert "./redis:/aenv-redis:ro" in redis_service["volumes"]
+    assert "--user aenv-node" in " ".join(redis_service["healthcheck"]["test"])
+    aenv = {name: s for name, s in services.items() if s["image"].startswith("aenv-")}
+    assert len([n for n in aenv if n.startswith("node-")]) == 3
+    for name, s in aenv.items():
+        env = s["environment"]
+        urls = [env[k] for k in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "AENV_CHANNEL_LAYER_URL") if env.get(k)]
+        assert urls, name
+        user = NODE if name.startswith("node-") else CONTROL
+        secret = "REDIS_NODE_PASSWORD" if user == NODE else "REDIS_CONTROL_PASSWORD"
+        for url in urls:
+            assert url.startswith(f"redis://{user}:${{{secret}") and "@redis:6379/" in url, (name, url)
+        if user == NODE:  # a node never holds the control plane's password
+            assert not any("REDIS_CONTROL_PASSWORD" in str(v) for v in env.values()), name

@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "compose.yaml"
+# What `docker compose` needs set: the secret key and the two Redis users' passwords.
+COMPOSE_ENV = {"DJANGO_SECRET_KEY": "test-key", "REDIS_CONTROL_PASSWORD": "c" * 64, "REDIS_NODE_PASSWORD": "n" * 64}
 UNITS = DEPLOY / "systemd"
 INSTALL = DEPLOY / "install-node.sh"
 VENV_BIN = Path(sys.executable).parent
@@ -112,7 +114,7 @@ def settings_env_names() -> set[str]:
 
 
 JOIN_FLAGS = ("--database-url", "postgres://aenv:pw@db.example:5432/aenv", "--broker-url",
-              "redis://broker.example:6379/0", "--node-id", "node-2", "--node-address", "10.0.0.12",
+              "redis://aenv-node:pw@broker.example:6379/0", "--node-id", "node-2", "--node-address", "10.0.0.12",
               "--store", "s3", "--s3-bucket", "snaps", "--s3-endpoint", "http://s3.example:9000")
 
 
@@ -179,7 +181,7 @@ def test_compose_file_passes_the_compose_cli():
     """`docker compose config` parses, interpolates and validates the file (schema and
     references) without an engine."""
     done = subprocess.run([str(compose_cli()), "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "DJANGO_SECRET_KEY": "test-key"})
+                          text=True, timeout=60, env={**os.environ, **COMPOSE_ENV})
     assert done.returncode == 0, done.stderr
 
 
@@ -189,7 +191,7 @@ def test_compose_cli_refuses_a_broken_file(tmp_path):
     (tmp_path / "compose.yaml").write_text(yaml.safe_dump(broken))
     done = subprocess.run([str(compose_cli()), "-f", str(tmp_path / "compose.yaml"), "config", "--quiet"],
                           capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "DJANGO_SECRET_KEY": "test-key"})
+                          env={**os.environ, **COMPOSE_ENV})
     assert done.returncode != 0 and "privilegd" in done.stderr
 
 
@@ -315,8 +317,8 @@ def test_install_dry_run_prints_the_env_file_and_the_node_unit():
     assert env_file_values(files["/etc/aenv/aenv.env"]) == {
         "AENV_HOME": "/var/lib/aenv", "AENV_NODE_ID": "node-2", "AENV_NODE_ADDRESS": "10.0.0.12",
         "DATABASE_URL": "postgres://aenv:pw@db.example:5432/aenv",
-        "CELERY_BROKER_URL": "redis://broker.example:6379/0", "CELERY_RESULT_BACKEND": "redis://broker.example:6379/1",
-        "AENV_CHANNEL_LAYER_URL": "redis://broker.example:6379/2", "AENV_SNAPSHOT_BACKEND": "s3",
+        "CELERY_BROKER_URL": "redis://aenv-node:pw@broker.example:6379/0", "CELERY_RESULT_BACKEND": "redis://aenv-node:pw@broker.example:6379/1",
+        "AENV_CHANNEL_LAYER_URL": "redis://aenv-node:pw@broker.example:6379/2", "AENV_SNAPSHOT_BACKEND": "s3",
         "AENV_S3_BUCKET": "snaps", "AENV_S3_ENDPOINT": "http://s3.example:9000",
         "AWS_ACCESS_KEY_ID": "AKID", "AWS_SECRET_ACCESS_KEY": "s3cr3t/+x",
     }
@@ -379,6 +381,18 @@ def test_install_takes_settings_from_the_environment():
     assert values["DATABASE_URL"] == "postgresql://a@db:5432/aenv" and values["AENV_NODE_ID"] == "env-node"
 
 
+def test_install_takes_a_tls_broker_with_its_ca():
+    """rediss:// with the options redis-py and Celery need: the result backend and the
+    channel layer get the same user, host and TLS options (databases 1 and 2)."""
+    url = "rediss://aenv-node:pw@broker.example:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/aenv/broker-ca.pem"
+    done = run_install("--dry-run", *JOIN_FLAGS[:2], "--broker-url", url, *JOIN_FLAGS[4:])
+    assert done.returncode == 0, done.stderr
+    values = env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])
+    assert values["CELERY_BROKER_URL"] == url
+    assert values["CELERY_RESULT_BACKEND"] == url.replace(":6380/0?", ":6380/1?")
+    assert values["AENV_CHANNEL_LAYER_URL"] == url.replace(":6380/0?", ":6380/2?")
+
+
 @pytest.mark.parametrize("args,message", [
     (("--node-address", "10.0.0.1"), "needs --database-url"),
     (("--database-url", "postgres://db/aenv"), "needs --node-address"),
@@ -391,6 +405,8 @@ def test_install_takes_settings_from_the_environment():
     (("--control-plane", "--network", "slirp", "--net-ingress-from", "10.0.0.2"), "for the netns network"),
     (("--control-plane", "--node-id", "Bad Id"), "--node-id"),
     (("--control-plane", "--broker-url", "amqp://rabbit//"), "--result-url and --channel-layer-url"),
+    (("--control-plane", "--broker-url", "redis://broker.example:6379/0"), "needs a user and password"),
+    (("--control-plane", "--broker-url", "rediss://broker.example:6380/0?ssl_cert_reqs=required"), "user and password"),
     (("--control-plane", "--sandbox-domain", "it's"), "single quote"),
     (("--control-plane", "--frobnicate"), "unknown option --frobnicate"),
     (("--control-plane", "--node-id"), "needs a value"),
