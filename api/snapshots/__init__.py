@@ -1,1 +1,1 @@
-"""TODO docstring"""
+"""``/sandboxes/{id}/snapshots``, ``/snapshots`` and fork: the snapshot endpoints."""
