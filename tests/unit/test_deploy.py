@@ -7,11 +7,10 @@ file to the Compose CLI and the compose-spec schema it embeds, the systemd units
 `systemd-analyze verify` (the shell scripts to shellcheck: test_shell_scripts.py), install-node.sh
 to what its dry run says it would write; and every environment variable the files set must be one that aenv (or
 Django, Celery, boto3, Python, apt) reads, so a misspelt knob fails here instead of being
-silently ignored in production.
+silently ignored in production. The Kubernetes manifests' own checks are in test_deploy_k8s.py.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -21,23 +20,19 @@ import sys
 from pathlib import Path
 
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 
-from config.secret_key import PUBLIC_DEFAULT_KEY
+from tests.unit import k8s_manifests as k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "compose.yaml"
 # What `docker compose` needs set: the secret key and the two Redis users' passwords.
 COMPOSE_ENV = {"DJANGO_SECRET_KEY": "test-key", "REDIS_CONTROL_PASSWORD": "c" * 64, "REDIS_NODE_PASSWORD": "n" * 64}
 UNITS = DEPLOY / "systemd"
 INSTALL = DEPLOY / "install-node.sh"
 VENV_BIN = Path(sys.executable).parent
-# A Kubernetes version kubernetes-validate ships schemas for (it bundles 1.25 on).
-K8S_VERSION = "1.32.0"
 # Variables the deploy files may set that config/settings.py does not read: who reads them.
 EXTERNAL_ENV = {
     "AWS_ACCESS_KEY_ID": "boto3 (the S3 snapshot store)",
@@ -45,20 +40,13 @@ EXTERNAL_ENV = {
     "PYTHONUNBUFFERED": "Python",
     "PYTHONDONTWRITEBYTECODE": "Python",
     "DEBIAN_FRONTEND": "apt (image builds)",
+    "REDIS_PASSWORD": "Kubernetes: $(REDIS_PASSWORD) in each container's Redis URLs (deploy/k8s)",
+    "AENV_K8S_REDIS_ADDRESS": "Kubernetes: $(AENV_K8S_REDIS_ADDRESS) in each container's Redis URLs (deploy/k8s)",
+    "AENV_K8S_NODE_POOLS": "deploy/docker/entrypoint.sh: the node's AENV_NET_POOL by node name (deploy/k8s)",
 }
 SERVICE_UNITS = ("aenv-api.service", "aenv-dataplane.service", "aenv-sweeper.service", "aenv-node.service")
 
 # ---------------------------------------------------------------- helpers
-
-def k8s_documents() -> list[tuple[str, dict]]:
-    docs = []
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        docs += [(f"{path.name}:{doc['kind']}/{doc['metadata']['name']}", doc)
-                 for doc in yaml.safe_load_all(path.read_text()) if doc]
-    return docs
-
 
 def compose_doc() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
@@ -116,63 +104,6 @@ def settings_env_names() -> set[str]:
 JOIN_FLAGS = ("--database-url", "postgres://aenv:pw@db.example:5432/aenv", "--broker-url",
               "redis://aenv-node:pw@broker.example:6379/0", "--node-id", "node-2", "--node-address", "10.0.0.12",
               "--store", "s3", "--s3-bucket", "snaps", "--s3-endpoint", "http://s3.example:9000")
-
-
-# ---------------------------------------------------------------- Kubernetes
-
-@pytest.mark.parametrize("name,doc", k8s_documents(), ids=[n for n, _ in k8s_documents()])
-def test_kubernetes_manifest_validates_against_the_schema(name, doc):
-    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-
-
-def test_kubernetes_validation_rejects_a_misspelt_field_and_a_wrong_type():
-    """The check above has teeth: strict schemas refuse unknown fields and wrong types."""
-    daemonset = next(doc for _, doc in k8s_documents() if doc["kind"] == "DaemonSet")
-    misspelt = copy.deepcopy(daemonset)
-    misspelt["spec"]["template"]["spec"]["hostNetwrk"] = True
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(misspelt, K8S_VERSION, strict=True)
-    wrong_type = copy.deepcopy(daemonset)
-    wrong_type["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "360"
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(wrong_type, K8S_VERSION, strict=True)
-
-
-def test_kustomization_lists_every_manifest():
-    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
-    on_disk = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-    assert sorted(listed) == on_disk
-
-
-def test_kubernetes_shape():
-    """What the manifests must get right beyond the schema: the node DaemonSet is privileged,
-    on the host's network, with its node id and address from the node it runs on, AENV_HOME on
-    the host and a memory /dev/shm; one sweeper; every Deployment and Service selects its own
-    pods; the placeholder signing key is the one aenv refuses to start with."""
-    docs = {name.split(":", 1)[1]: doc for name, doc in k8s_documents()}
-    node = docs["DaemonSet/aenv-node"]["spec"]["template"]["spec"]
-    container = node["containers"][0]
-    assert node["hostNetwork"] is True and node["dnsPolicy"] == "ClusterFirstWithHostNet"
-    assert container["securityContext"]["privileged"] is True
-    assert "livenessProbe" not in container  # a restart would end every VM on the node
-    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
-    assert env == {"AENV_NODE_ID": "spec.nodeName", "AENV_NODE_ADDRESS": "status.hostIP"}
-    volumes = {v["name"]: v for v in node["volumes"]}
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    config = docs["ConfigMap/aenv-config"]["data"]
-    assert volumes[mounts[config["AENV_HOME"]]]["hostPath"]["path"] == config["AENV_HOME"]
-    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-    assert node["terminationGracePeriodSeconds"] >= 330  # AENV_NODE_TASK_DEADLINE's default
-    assert docs["Deployment/aenv-sweeper"]["spec"]["replicas"] == 1
-    for key, doc in docs.items():
-        if doc["kind"] in ("Deployment", "DaemonSet"):
-            assert doc["spec"]["selector"]["matchLabels"].items() <= doc["spec"]["template"]["metadata"]["labels"].items()
-        if doc["kind"] == "Service":
-            target = docs[f"Deployment/{doc['metadata']['name']}"]["spec"]["template"]["metadata"]["labels"]
-            assert doc["spec"]["selector"].items() <= target.items(), key
-    assert docs["Secret/aenv-secrets"]["stringData"]["DJANGO_SECRET_KEY"] == PUBLIC_DEFAULT_KEY
-    rules = docs["Ingress/aenv"]["spec"]["rules"]
-    assert f"*.{config['AENV_SANDBOX_DOMAIN']}" in {r["host"] for r in rules}
 
 
 # ---------------------------------------------------------------- Compose
@@ -434,14 +365,15 @@ def env_names_set_by_deploy_files() -> dict[str, set[str]]:
         for name in names:
             found.setdefault(name, set()).add(where)
 
-    for name, doc in k8s_documents():
-        if doc["kind"] == "ConfigMap":
+    for name, doc in k8s.documents():
+        # aenv's own settings: the in-cluster data services' (overlays/trial) are theirs.
+        if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "aenv-config":
             add(doc["data"], name)
-        if doc["kind"] == "Secret":
+        if doc["kind"] == "Secret" and doc["metadata"]["name"] == "aenv-secrets":
             add(doc["stringData"], name)
-        pod = doc.get("spec", {}).get("template", {}).get("spec", {})
-        for container in pod.get("containers", []):
-            add((e["name"] for e in container.get("env", [])), name)
+        for container in k8s.containers(doc):
+            if container["image"].startswith("aenv-"):
+                add((e["name"] for e in container.get("env", [])), name)
     for service, spec in compose_doc()["services"].items():
         if spec["image"].startswith("aenv-"):
             add(spec.get("environment", {}), f"compose:{service}")
@@ -473,7 +405,8 @@ def test_every_env_var_the_deploy_files_set_is_read_by_aenv():
     assert not unknown, f"set by the deploy files but read by nothing: {unknown}"
     # Every source was read (an empty scan would pass vacuously).
     wheres = set().union(*found.values())
-    for source in ("config.yaml:ConfigMap/aenv-config", "compose:node-1", "Dockerfile.node", "install-node.sh"):
+    for source in ("trial:ConfigMap/aenv-config", "external:Secret/aenv-secrets", "external:DaemonSet/aenv-node",
+                   "compose:node-1", "Dockerfile.node", "install-node.sh"):
         assert source in wheres, source
 
 
@@ -516,8 +449,10 @@ def test_images_and_their_commands_fit_together():
         if service["image"].startswith("aenv-"):
             used.append(service["command"])
             used.append(service.get("healthcheck", {}).get("test", [])[1:])
-    for _, doc in k8s_documents():
-        for container in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+    for _, doc in k8s.documents():
+        for container in k8s.containers(doc):
+            if not container["image"].startswith("aenv-"):
+                continue  # the trial overlay's PostgreSQL, Redis and MinIO
             used.append(container["args"])
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if "exec" in container.get(probe, {}):

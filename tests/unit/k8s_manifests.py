@@ -1,0 +1,359 @@
+"""The Kubernetes manifests (deploy/k8s) rendered per overlay, and what they must get right
+beyond the schemas, as functions that list the problems of a set of documents.
+
+Why a renderer here: kustomize (or kubectl, which embeds it) is no package of the registries
+the build machines reach, so the overlays use only what this renders itself: resources (files
+and directories with a kustomization.yaml), strategic-merge patches by kind and name, and image
+tags. A kustomization using anything else fails to render here instead of being half-applied.
+Where a kubectl with kustomize is on PATH, test_deploy.py compares the two renderings.
+
+Why checks that return problems: each test feeds them the real rendering (no problems) and a
+doctored one (the problem it must find), so no check passes vacuously."""
+from __future__ import annotations
+
+import copy
+import ipaddress
+import re
+from pathlib import Path
+
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+K8S = DEPLOY / "k8s"
+# A Kubernetes version kubernetes-validate ships schemas for (it bundles 1.25 on).
+K8S_VERSION = "1.32.0"
+OVERLAYS = ("external", "trial")
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches", "images"}
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+# Strategic merge: lists of objects merged by these keys (the ones the overlays could touch).
+MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
+              "volumeMounts": "mountPath", "ports": "containerPort", "envFrom": None}
+CONTROL_PLANE = ("api", "dataplane", "sweeper", "migrate")
+DATA_SERVICES = {"redis": 6379, "postgres": 5432}
+NETWORK_ANNOTATIONS = ("aenv.dev/host-network", "aenv.dev/pod-network", "aenv.dev/service-network")
+REDIS_URL = re.compile(r"rediss?://[^\s\"']*")
+
+
+# ---------------------------------------------------------------- rendering
+
+def _merge(base, patch):
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            if isinstance(key, str) and key.startswith("$"):
+                raise ValueError(f"strategic-merge directive {key} is not rendered here")
+            out[key] = _merge_list(key, base[key], value) if key in base and isinstance(value, list) else (
+                _merge(base[key], value) if key in base else copy.deepcopy(value))
+        return out
+    return copy.deepcopy(patch)
+
+
+def _merge_list(field: str, base: list, patch: list) -> list:
+    key = MERGE_KEYS.get(field)
+    if key is None or not all(isinstance(i, dict) and key in i for i in base + patch):
+        return copy.deepcopy(patch)  # a plain list: replaced, as strategic merge does
+    out = [copy.deepcopy(i) for i in base]
+    for item in patch:
+        at = next((n for n, i in enumerate(out) if i[key] == item[key]), None)
+        if at is None:
+            out.append(copy.deepcopy(item))
+        else:
+            out[at] = _merge(out[at], item)
+    return out
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return spec.get("initContainers", []) + spec.get("containers", [])
+
+
+def render(directory: Path) -> list[dict]:
+    """The documents `kubectl kustomize directory` gives, for the features listed above."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - KUSTOMIZATION_KEYS
+    if unknown:
+        raise ValueError(f"{directory}: kustomization fields not rendered here: {sorted(unknown)}")
+    docs: list[dict] = []
+    for resource in kustomization.get("resources", []):
+        path = (directory / resource).resolve()
+        docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in kustomization.get("patches", []):
+        if set(patch) != {"path"}:
+            raise ValueError(f"{directory}: only strategic-merge patches by path are rendered here: {patch}")
+        for body in yaml.safe_load_all((directory / patch["path"]).read_text()):
+            at = [n for n, d in enumerate(docs) if (d["kind"], d["metadata"]["name"]) ==
+                  (body["kind"], body["metadata"]["name"])]
+            if len(at) != 1:
+                raise ValueError(f"{directory}/{patch['path']}: {len(at)} targets for {body['kind']}/{body['metadata']['name']}")
+            docs[at[0]] = _merge(docs[at[0]], body)
+    for image in kustomization.get("images", []):
+        for doc in docs:
+            for container in containers(doc):
+                name, _, _ = container["image"].partition(":")
+                if name == image["name"]:
+                    container["image"] = f"{image.get('newName', name)}:{image['newTag']}"
+    return docs
+
+
+def overlay(name: str) -> list[dict]:
+    return render(K8S / "overlays" / name)
+
+
+def documents() -> list[tuple[str, dict]]:
+    """Every document of every overlay as rendered: ("overlay:Kind/name", document)."""
+    return [(f"{name}:{doc['kind']}/{doc['metadata']['name']}", doc) for name in OVERLAYS for doc in overlay(name)]
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict | None:
+    return next((d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name), None)
+
+
+def pod_labels(doc: dict) -> dict:
+    return doc["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def component(docs: list[dict], name: str) -> list[dict]:
+    return [d for d in docs if d["kind"] in WORKLOADS and
+            pod_labels(d).get("app.kubernetes.io/component") == name]
+
+
+# ---------------------------------------------------------------- checks
+
+def cluster_networks(docs: list[dict]) -> dict[str, ipaddress.IPv4Network]:
+    annotations = find(docs, "ConfigMap", "aenv-node-pools")["metadata"].get("annotations", {})
+    return {key: ipaddress.IPv4Network(annotations[key]) for key in NETWORK_ANNOTATIONS if key in annotations}
+
+
+def pool_problems(docs: list[dict]) -> list[str]:
+    """Every node's slot pool (aenv-node-pools) is an IPv4 network of its own: no two overlap,
+    none overlaps the cluster's host, pod or service network, and the slots admit the pod
+    network (AENV_NET_INGRESS_FROM), where the data plane and the API run."""
+    pools_map = find(docs, "ConfigMap", "aenv-node-pools")
+    if pools_map is None:
+        return ["no ConfigMap aenv-node-pools"]
+    problems = []
+    networks = cluster_networks(docs)
+    problems += [f"the cluster network {key} is not documented" for key in NETWORK_ANNOTATIONS if key not in networks]
+    pools = {}
+    for node, text in (pools_map.get("data") or {}).items():
+        try:
+            pools[node] = ipaddress.IPv4Network(text)
+        except ValueError as exc:
+            problems.append(f"node {node}: pool {text!r}: {exc}")
+    if len(pools) < 2:
+        problems.append(f"{len(pools)} node pools: an example needs several")
+    names = sorted(pools)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if pools[a].overlaps(pools[b]):
+                problems.append(f"the pools of {a} ({pools[a]}) and {b} ({pools[b]}) overlap")
+        for key, network in networks.items():
+            if pools[a].overlaps(network):
+                problems.append(f"the pool of {a} ({pools[a]}) overlaps {key} {network}")
+    config = find(docs, "ConfigMap", "aenv-config")["data"]
+    pod_network = networks.get("aenv.dev/pod-network")
+    if pod_network is not None and config.get("AENV_NET_INGRESS_FROM") != str(pod_network):
+        problems.append(f"AENV_NET_INGRESS_FROM {config.get('AENV_NET_INGRESS_FROM')!r} is not the pod network {pod_network}")
+    return problems
+
+
+def network_problems(docs: list[dict]) -> list[str]:
+    """The nodes use netns, each with the pool named after its node: nothing sets one pool or
+    another network for all of them."""
+    problems = []
+    config = find(docs, "ConfigMap", "aenv-config")["data"]
+    if config.get("AENV_NETWORK") != "netns":
+        problems.append(f"AENV_NETWORK is {config.get('AENV_NETWORK')!r}, not netns")
+    if "AENV_NET_POOL" in config:
+        problems.append("aenv-config sets one AENV_NET_POOL for every node")
+    node = find(docs, "DaemonSet", "aenv-node")
+    container = containers(node)[0]
+    env = {e["name"]: e for e in container.get("env", [])}
+    for name in ("AENV_NET_POOL", "AENV_NETWORK"):
+        if name in env:
+            problems.append(f"the node DaemonSet sets {name}")
+    if env.get("AENV_NODE_ID", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "spec.nodeName":
+        problems.append("AENV_NODE_ID is not the node's name (spec.nodeName): the pools are keyed by it")
+    pools_dir = env.get("AENV_K8S_NODE_POOLS", {}).get("value")
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in node["spec"]["template"]["spec"].get("volumes", [])}
+    mounted = volumes.get(mounts.get(pools_dir, ""), {}).get("configMap", {}).get("name")
+    if mounted != "aenv-node-pools":
+        problems.append(f"AENV_K8S_NODE_POOLS ({pools_dir}) is not the aenv-node-pools ConfigMap mounted")
+    return problems
+
+
+def _quantity(text) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "m": 1e-3, "": 1}
+    number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(text)).groups()
+    return float(number) * units[unit]
+
+
+def container_problems(docs: list[dict]) -> list[str]:
+    """Every container has CPU and memory requests and limits; every long-running one a
+    readiness and a liveness probe (Jobs run to completion: none); every /dev/shm is a memory
+    emptyDir with a size that fits in its container's memory limit."""
+    problems = []
+    for doc in docs:
+        if doc["kind"] not in WORKLOADS:
+            continue
+        where = f"{doc['kind']}/{doc['metadata']['name']}"
+        volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"].get("volumes", [])}
+        for c in containers(doc):
+            resources = c.get("resources", {})
+            for kind in ("requests", "limits"):
+                for what in ("cpu", "memory"):
+                    if what not in resources.get(kind, {}):
+                        problems.append(f"{where} {c['name']}: no {what} {kind[:-1]}")
+            if doc["kind"] != "Job":
+                for probe in ("readinessProbe", "livenessProbe"):
+                    if probe not in c:
+                        problems.append(f"{where} {c['name']}: no {probe}")
+            for mount in c.get("volumeMounts", []):
+                if mount["mountPath"] != "/dev/shm":
+                    continue
+                shm = volumes.get(mount["name"], {}).get("emptyDir", {})
+                limit = resources.get("limits", {}).get("memory")
+                if shm.get("medium") != "Memory" or "sizeLimit" not in shm:
+                    problems.append(f"{where} {c['name']}: /dev/shm is not a sized memory emptyDir")
+                elif limit is not None and _quantity(shm["sizeLimit"]) >= _quantity(limit):
+                    problems.append(f"{where} {c['name']}: /dev/shm {shm['sizeLimit']} leaves nothing of the "
+                                    f"memory limit {limit} for QEMU")
+    return problems
+
+
+def _string_values(docs: list[dict]):
+    """(where, text) of every string a process may be given: ConfigMap and Secret values,
+    container env values, commands and args."""
+    for doc in docs:
+        where = f"{doc['kind']}/{doc['metadata']['name']}"
+        for field in ("data", "stringData"):
+            for key, value in (doc.get(field) or {}).items():
+                yield f"{where} {key}", str(value)
+        for c in containers(doc):
+            for e in c.get("env", []):
+                if "value" in e:
+                    yield f"{where} {c['name']} {e['name']}", str(e["value"])
+            for arg in c.get("command", []) + c.get("args", []):
+                yield f"{where} {c['name']}", str(arg)
+
+
+def _defined(docs: list[dict], container: dict) -> dict[str, str]:
+    """What a container's $(VAR) references can resolve to: its envFrom sources, then its env."""
+    defined = {}
+    for source in container.get("envFrom", []):
+        ref = source.get("configMapRef") or source.get("secretRef")
+        kind = "ConfigMap" if "configMapRef" in source else "Secret"
+        doc = find(docs, kind, ref["name"]) or {}
+        defined.update({k: str(v) for k, v in (doc.get("data") or doc.get("stringData") or {}).items()})
+    for e in container.get("env", []):
+        defined[e["name"]] = str(e.get("value", "<from a reference>"))
+    return defined
+
+
+def redis_problems(docs: list[dict]) -> list[str]:
+    """No Redis URL anywhere lacks credentials; each URL's $(VAR)s resolve to non-empty
+    values; every aenv container has the three Redis URLs; a Redis the overlay runs requires a
+    password (requirepass from a Secret, or an ACL file)."""
+    problems = []
+    for where, text in _string_values(docs):
+        for url in REDIS_URL.findall(text):
+            userinfo = url.split("://", 1)[1].partition("@")
+            if not userinfo[1] or ":" not in userinfo[0] or not userinfo[0].split(":", 1)[1]:
+                problems.append(f"{where}: Redis URL without a password: {url}")
+    for doc in docs:
+        for c in containers(doc):
+            where = f"{doc['kind']}/{doc['metadata']['name']} {c['name']}"
+            defined = _defined(docs, c)
+            for e in c.get("env", []):
+                for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(e.get("value", ""))):
+                    if not defined.get(ref):
+                        problems.append(f"{where} {e['name']}: $({ref}) is not defined before it")
+            if c["image"].startswith("aenv-"):
+                for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "AENV_CHANNEL_LAYER_URL"):
+                    if not REDIS_URL.match(defined.get(name, "")):
+                        problems.append(f"{where}: no Redis URL {name}")
+    for redis in component(docs, "redis"):
+        for c in containers(redis):
+            argv = c.get("command", []) + c.get("args", [])
+            if "--aclfile" in argv:
+                continue
+            password = argv[argv.index("--requirepass") + 1] if "--requirepass" in argv[:-1] else ""
+            ref = re.fullmatch(r"\$\((\w+)\)", password)
+            source = {e["name"]: e for e in c.get("env", [])}.get(ref.group(1) if ref else "", {})
+            if "secretKeyRef" not in source.get("valueFrom", {}):
+                problems.append(f"StatefulSet/Deployment {redis['metadata']['name']}: Redis without a password "
+                                f"from a Secret (--requirepass $(VAR) or --aclfile)")
+    return problems
+
+
+def policy_problems(docs: list[dict]) -> list[str]:
+    """A NetworkPolicy selects Redis and PostgreSQL and admits, on their ports, only the
+    control plane's pods and the nodes' host network (the documented aenv.dev/host-network):
+    not the other pods of the namespace, not every address."""
+    problems = []
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    host_network = cluster_networks(docs).get("aenv.dev/host-network")
+    plane = {name: pod_labels(d) for name in CONTROL_PLANE for d in component(docs, name)}
+    for service, port in DATA_SERVICES.items():
+        ran = component(docs, service)
+        labels = [pod_labels(d) for d in ran] or [{"app.kubernetes.io/part-of": "aenv",
+                                                    "app.kubernetes.io/component": service}]
+        for pod in labels:
+            chosen = [p for p in policies if selects(p["spec"]["podSelector"], pod)
+                      and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+            if not chosen:
+                problems.append(f"no NetworkPolicy selects {service} ({pod})")
+            for policy in chosen:
+                for rule in policy["spec"].get("ingress", []):
+                    if port not in [p.get("port") for p in rule.get("ports", [])]:
+                        continue
+                    if not rule.get("from"):
+                        problems.append(f"{policy['metadata']['name']}: {service} open to everyone")
+                    for peer in rule.get("from", []):
+                        if "ipBlock" in peer:
+                            if host_network is None or ipaddress.IPv4Network(peer["ipBlock"]["cidr"]) != host_network:
+                                problems.append(f"{policy['metadata']['name']}: ipBlock {peer['ipBlock']['cidr']} is not "
+                                                f"the nodes' network {host_network}")
+                        elif "podSelector" in peer:
+                            others = {"app.kubernetes.io/part-of": "aenv", "app.kubernetes.io/component": "anything"}
+                            if selects(peer["podSelector"], others):
+                                problems.append(f"{policy['metadata']['name']}: {service} open to any aenv pod")
+                            for name, pod_l in plane.items():
+                                if name in ("api", "dataplane", "sweeper") and not selects(peer["podSelector"], pod_l):
+                                    problems.append(f"{policy['metadata']['name']}: {name} cannot reach {service}")
+                        else:
+                            problems.append(f"{policy['metadata']['name']}: {service} open to {peer}")
+                    if not any("ipBlock" in peer for peer in rule.get("from", [])):
+                        problems.append(f"{policy['metadata']['name']}: the nodes (hostNetwork) cannot reach {service}")
+    return problems
+
+
+def disruption_problems(docs: list[dict]) -> list[str]:
+    """Each control-plane Deployment with more than one replica has a PodDisruptionBudget that
+    selects its pods and lets a drain evict one of them."""
+    problems = []
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    for name in ("api", "dataplane"):
+        for deployment in component(docs, name):
+            replicas = deployment["spec"].get("replicas", 1)
+            chosen = [b for b in budgets if selects(b["spec"]["selector"], pod_labels(deployment))]
+            if replicas < 2 or not chosen:
+                problems.append(f"{name}: {replicas} replica(s), {len(chosen)} PodDisruptionBudget(s)")
+            for b in chosen:
+                if b["spec"].get("minAvailable", 0) >= replicas:
+                    problems.append(f"{b['metadata']['name']}: minAvailable {b['spec']['minAvailable']} blocks every drain")
+    return problems

@@ -1,0 +1,288 @@
+"""The Kubernetes manifests (deploy/k8s: a base and two kustomize overlays), rendered and
+checked without a cluster (the other deploy files: test_deploy.py).
+
+Why these checks: no cluster runs on the build machines, so each overlay is rendered here
+(tests/unit/k8s_manifests.py; compared with kustomize where one is installed), every document
+is held to the Kubernetes schemas (kubernetes-validate, strict), and what the schemas cannot
+see is checked: every node has a slot pool of its own, clear of the cluster's networks, and
+uses netns; every container has resources and probes; no Redis URL or Redis lacks a password;
+a NetworkPolicy keeps Redis and PostgreSQL to the control plane and the nodes; the API and the
+data plane have disruption budgets. Each check is also fed a doctored rendering it must fault.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from config.secret_key import PUBLIC_DEFAULT_KEY
+from tests.unit import k8s_manifests as k8s
+DEPLOY, K8S, K8S_VERSION = k8s.DEPLOY, k8s.K8S, k8s.K8S_VERSION
+
+
+def k8s_documents() -> list[tuple[str, dict]]:
+    return k8s.documents()
+
+
+@pytest.mark.parametrize("name,doc", k8s_documents(), ids=[n for n, _ in k8s_documents()])
+def test_kubernetes_manifest_validates_against_the_schema(name, doc):
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validation_rejects_a_misspelt_field_and_a_wrong_type():
+    """The check above has teeth: strict schemas refuse unknown fields and wrong types."""
+    daemonset = next(doc for _, doc in k8s_documents() if doc["kind"] == "DaemonSet")
+    misspelt = copy.deepcopy(daemonset)
+    misspelt["spec"]["template"]["spec"]["hostNetwrk"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(misspelt, K8S_VERSION, strict=True)
+    wrong_type = copy.deepcopy(daemonset)
+    wrong_type["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "360"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong_type, K8S_VERSION, strict=True)
+
+
+def test_kustomizations_use_every_manifest():
+    """Every YAML file of the base and of each overlay is a resource or a patch of its
+    kustomization, and the overlays are the two documented ones."""
+    assert sorted(p.name for p in (K8S / "overlays").iterdir()) == sorted(k8s.OVERLAYS)
+    assert sorted(p.name for p in K8S.iterdir()) == ["base", "overlays"]
+    for directory in [K8S / "base", *(K8S / "overlays" / o for o in k8s.OVERLAYS)]:
+        kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        used = [r for r in kustomization.get("resources", []) if r.endswith(".yaml")]
+        used += [p["path"] for p in kustomization.get("patches", [])]
+        on_disk = [p.name for p in directory.glob("*.yaml") if p.name != "kustomization.yaml"]
+        assert sorted(used) == sorted(on_disk), directory
+
+
+def test_renderer_refuses_what_it_cannot_render(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["../base"], "namePrefix": "x-"}))
+    with pytest.raises(ValueError, match="namePrefix"):
+        k8s.render(tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
+        {"resources": [str(K8S / "base")], "patches": [{"path": "p.yaml", "target": {"kind": "Secret"}}]}))
+    with pytest.raises(ValueError, match="strategic-merge"):
+        k8s.render(tmp_path)
+
+
+@pytest.mark.parametrize("name", k8s.OVERLAYS)
+def test_renderer_agrees_with_kustomize(name):
+    """Where a kubectl with kustomize is installed (not on the build machines' registries),
+    it renders each overlay exactly as the test's renderer does."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl (kustomize) on PATH")
+    done = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / name)], capture_output=True, text=True,
+                          timeout=120)
+    if done.returncode != 0 and "unknown command" in done.stderr:
+        pytest.skip("this kubectl has no kustomize")
+    assert done.returncode == 0, done.stderr
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(k8s.overlay(name), key=key) == sorted((d for d in yaml.safe_load_all(done.stdout) if d), key=key)
+
+
+@pytest.mark.parametrize("name", k8s.OVERLAYS)
+def test_overlay_passes_every_check(name):
+    docs = k8s.overlay(name)
+    for check in (k8s.pool_problems, k8s.network_problems, k8s.container_problems, k8s.redis_problems,
+                  k8s.policy_problems, k8s.disruption_problems):
+        assert check(docs) == [], check.__name__
+
+
+def _doctored(name: str, change) -> list[dict]:
+    docs = k8s.overlay(name)
+    change(docs)
+    return docs
+
+
+def _pools(docs) -> dict:
+    return k8s.find(docs, "ConfigMap", "aenv-node-pools")
+
+
+def _node(docs) -> dict:
+    return k8s.containers(k8s.find(docs, "DaemonSet", "aenv-node"))[0]
+
+
+def test_node_pool_check_finds_overlaps_and_clashes():
+    def overlapping(docs):
+        _pools(docs)["data"]["aenv-node-b"] = _pools(docs)["data"]["aenv-node-a"].replace("/20", "/21")
+    assert any("overlap" in p for p in k8s.pool_problems(_doctored("external", overlapping)))
+    def in_services(docs):
+        _pools(docs)["data"]["aenv-node-c"] = "10.96.16.0/20"
+    assert any("service-network" in p for p in k8s.pool_problems(_doctored("trial", in_services)))
+    def in_hosts(docs):
+        _pools(docs)["metadata"]["annotations"]["aenv.dev/host-network"] = "10.212.0.0/16"
+    assert any("host-network" in p for p in k8s.pool_problems(_doctored("trial", in_hosts)))
+    def ingress(docs):
+        k8s.find(docs, "ConfigMap", "aenv-config")["data"]["AENV_NET_INGRESS_FROM"] = "0.0.0.0/0"
+    assert any("AENV_NET_INGRESS_FROM" in p for p in k8s.pool_problems(_doctored("trial", ingress)))
+    def one_pool(docs):
+        _pools(docs)["data"] = {"aenv-node-a": "10.212.0.0/20"}
+    assert k8s.pool_problems(_doctored("trial", one_pool))
+
+
+def test_network_check_finds_slirp_and_a_shared_pool():
+    def slirp(docs):
+        k8s.find(docs, "ConfigMap", "aenv-config")["data"]["AENV_NETWORK"] = "slirp"
+    assert k8s.network_problems(_doctored("external", slirp))
+    def shared(docs):
+        _node(docs)["env"].append({"name": "AENV_NET_POOL", "value": "10.212.0.0/16"})
+    assert k8s.network_problems(_doctored("external", shared))
+    def unmounted(docs):
+        _node(docs)["volumeMounts"] = [m for m in _node(docs)["volumeMounts"] if m["name"] != "pools"]
+    assert k8s.network_problems(_doctored("trial", unmounted))
+
+
+def test_container_check_finds_missing_limits_probes_and_an_unsized_shm():
+    def no_limit(docs):
+        del k8s.containers(k8s.find(docs, "Deployment", "aenv-api"))[0]["resources"]["limits"]
+    assert any("aenv-api" in p and "limit" in p for p in k8s.container_problems(_doctored("external", no_limit)))
+    def no_probe(docs):
+        del k8s.containers(k8s.find(docs, "Deployment", "aenv-sweeper"))[0]["livenessProbe"]
+    assert any("livenessProbe" in p for p in k8s.container_problems(_doctored("external", no_probe)))
+    def redis_unprobed(docs):
+        del k8s.containers(k8s.find(docs, "Deployment", "redis"))[0]["readinessProbe"]
+    assert any("redis" in p for p in k8s.container_problems(_doctored("trial", redis_unprobed)))
+    def unsized(docs):
+        volumes = k8s.find(docs, "DaemonSet", "aenv-node")["spec"]["template"]["spec"]["volumes"]
+        next(v for v in volumes if v["name"] == "shm")["emptyDir"] = {"medium": "Memory"}
+    assert any("/dev/shm" in p for p in k8s.container_problems(_doctored("external", unsized)))
+    def too_big(docs):
+        volumes = k8s.find(docs, "DaemonSet", "aenv-node")["spec"]["template"]["spec"]["volumes"]
+        next(v for v in volumes if v["name"] == "shm")["emptyDir"]["sizeLimit"] = "64Gi"
+    assert any("/dev/shm" in p for p in k8s.container_problems(_doctored("external", too_big)))
+
+
+def test_redis_check_finds_a_url_without_credentials_and_an_open_broker():
+    def bare(docs):
+        env = k8s.containers(k8s.find(docs, "Deployment", "aenv-dataplane"))[0]["env"]
+        next(e for e in env if e["name"] == "CELERY_BROKER_URL")["value"] = "redis://$(AENV_K8S_REDIS_ADDRESS)/0"
+    assert any("without a password" in p for p in k8s.redis_problems(_doctored("external", bare)))
+    def empty_password(docs):
+        k8s.find(docs, "Secret", "aenv-secrets")["stringData"]["REDIS_PASSWORD"] = ""
+    assert any("REDIS_PASSWORD" in p for p in k8s.redis_problems(_doctored("trial", empty_password)))
+    def in_config(docs):
+        k8s.find(docs, "ConfigMap", "aenv-config")["data"]["CELERY_BROKER_URL"] = "redis://redis:6379/0"
+    assert k8s.redis_problems(_doctored("external", in_config))
+    def open_broker(docs):
+        redis = k8s.containers(k8s.find(docs, "Deployment", "redis"))[0]
+        redis["args"] = ["redis-server", "--save", ""]
+    assert any("Redis without a password" in p for p in k8s.redis_problems(_doctored("trial", open_broker)))
+    def literal_password(docs):
+        redis = k8s.containers(k8s.find(docs, "Deployment", "redis"))[0]
+        redis["args"][redis["args"].index("--requirepass") + 1] = "hunter2"
+    assert k8s.redis_problems(_doctored("trial", literal_password))
+
+
+def test_policy_check_finds_a_missing_or_open_policy():
+    def dropped(docs):
+        docs[:] = [d for d in docs if d["kind"] != "NetworkPolicy"]
+    for name in k8s.OVERLAYS:
+        problems = k8s.policy_problems(_doctored(name, dropped))
+        assert any("redis" in p for p in problems) and any("postgres" in p for p in problems)
+    def everyone(docs):
+        rule = k8s.find(docs, "NetworkPolicy", "aenv-data-services")["spec"]["ingress"][0]
+        rule["from"][1]["ipBlock"]["cidr"] = "0.0.0.0/0"
+    assert any("ipBlock" in p for p in k8s.policy_problems(_doctored("trial", everyone)))
+    def any_pod(docs):
+        rule = k8s.find(docs, "NetworkPolicy", "aenv-data-services")["spec"]["ingress"][0]
+        del rule["from"][0]["podSelector"]["matchExpressions"]
+    assert any("any aenv pod" in p for p in k8s.policy_problems(_doctored("trial", any_pod)))
+    def no_nodes(docs):
+        rule = k8s.find(docs, "NetworkPolicy", "aenv-data-services")["spec"]["ingress"][0]
+        rule["from"] = rule["from"][:1]
+    assert any("nodes" in p for p in k8s.policy_problems(_doctored("trial", no_nodes)))
+
+
+def test_disruption_check_finds_a_missing_or_blocking_budget():
+    def dropped(docs):
+        docs[:] = [d for d in docs if (d["kind"], d["metadata"]["name"]) != ("PodDisruptionBudget", "aenv-api")]
+    assert any("api" in p for p in k8s.disruption_problems(_doctored("external", dropped)))
+    def blocking(docs):
+        k8s.find(docs, "PodDisruptionBudget", "aenv-dataplane")["spec"]["minAvailable"] = 2
+    assert any("blocks" in p for p in k8s.disruption_problems(_doctored("external", blocking)))
+
+
+def test_trial_data_services_share_their_passwords_with_aenv():
+    """The in-cluster PostgreSQL's and MinIO's credentials are the ones aenv's URLs and keys
+    carry, and the external overlay runs no data service at all."""
+    docs = k8s.overlay("trial")
+    secrets = k8s.find(docs, "Secret", "aenv-secrets")["stringData"]
+    data = k8s.find(docs, "Secret", "aenv-trial-data")["stringData"]
+    database = re.fullmatch(r"postgres://aenv:([^@]+)@postgres\.aenv\.svc\.cluster\.local:5432/aenv",
+                            secrets["DATABASE_URL"])
+    assert database and database.group(1) == data["POSTGRES_PASSWORD"]
+    assert (secrets["AWS_ACCESS_KEY_ID"], secrets["AWS_SECRET_ACCESS_KEY"]) == (data["MINIO_ROOT_USER"],
+                                                                                data["MINIO_ROOT_PASSWORD"])
+    config = k8s.find(docs, "ConfigMap", "aenv-config")["data"]
+    bucket_job = " ".join(k8s.containers(k8s.find(docs, "Job", "aenv-s3-bucket"))[0]["args"])
+    assert f"store/{config['AENV_S3_BUCKET']}" in bucket_job
+    external = k8s.overlay("external")
+    assert not [d for d in external if d["kind"] in k8s.WORKLOADS and k8s.pod_labels(d).get(
+        "app.kubernetes.io/component") in ("redis", "postgres", "s3")]
+    assert "postgres.aenv.svc" not in k8s.find(external, "Secret", "aenv-secrets")["stringData"]["DATABASE_URL"]
+
+
+def test_entrypoint_gives_each_node_its_own_pool(tmp_path):
+    """entrypoint.sh node-pool, the node's start in Kubernetes: the pool named after the node,
+    from the ConfigMap's files (its ..data links skipped); a node with no pool or one
+    overlapping another's does not start."""
+    pools = tmp_path / "node-pools"
+    (pools / "..2026_12_03").mkdir(parents=True)
+    (pools / "..data").symlink_to("..2026_12_03")
+    for node, pool in _pools(k8s.overlay("trial"))["data"].items():
+        (pools / node).write_text(pool)
+
+    def node_pool(node_id):
+        return subprocess.run(["bash", str(DEPLOY / "docker" / "entrypoint.sh"), "node-pool", str(pools)],
+                              capture_output=True, text=True, timeout=60,
+                              env={"PATH": os.environ["PATH"], "AENV_NODE_ID": node_id})
+    done = node_pool("aenv-node-b")
+    assert done.returncode == 0 and done.stdout.strip() == "10.212.16.0/20", done.stderr
+    missing = node_pool("aenv-node-z")
+    assert missing.returncode != 0 and "add the key aenv-node-z" in missing.stderr
+    (pools / "aenv-node-d").write_text("10.212.20.0/22")
+    clash = node_pool("aenv-node-b")
+    assert clash.returncode != 0 and "overlaps node aenv-node-d" in clash.stderr
+    (pools / "aenv-node-d").write_text("not-a-network")
+    assert "not an IPv4 network" in node_pool("aenv-node-a").stderr
+
+
+def test_kubernetes_shape():
+    """What the manifests must get right beyond the checks above: the node DaemonSet is
+    privileged, on the host's network, with its node id and address from the node it runs
+    on, AENV_HOME on the host; its liveness probe never asks the database (a restart would
+    end every VM on the node); one sweeper; every workload and Service selects its own pods;
+    the placeholder signing key is the one aenv refuses to start with."""
+    for overlay in k8s.OVERLAYS:
+        docs = {f"{d['kind']}/{d['metadata']['name']}": d for d in k8s.overlay(overlay)}
+        node = docs["DaemonSet/aenv-node"]["spec"]["template"]["spec"]
+        container = node["containers"][0]
+        assert node["hostNetwork"] is True and node["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert container["securityContext"]["privileged"] is True
+        assert "exec" not in container["livenessProbe"] and container["livenessProbe"]["tcpSocket"]["port"] == "metrics"
+        assert {"name": "metrics", "containerPort": 9464} in container["ports"]  # AENV_NODE_METRICS_PORT
+        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e}
+        assert env == {"AENV_NODE_ID": "spec.nodeName", "AENV_NODE_ADDRESS": "status.hostIP"}
+        volumes = {v["name"]: v for v in node["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        config = docs["ConfigMap/aenv-config"]["data"]
+        assert volumes[mounts[config["AENV_HOME"]]]["hostPath"]["path"] == config["AENV_HOME"]
+        assert node["terminationGracePeriodSeconds"] >= 330  # AENV_NODE_TASK_DEADLINE's default
+        assert docs["Deployment/aenv-sweeper"]["spec"]["replicas"] == 1
+        workloads = [d for d in docs.values() if d["kind"] in k8s.WORKLOADS and d["kind"] != "Job"]
+        for key, doc in docs.items():
+            if doc in workloads:
+                assert k8s.selects(doc["spec"]["selector"], k8s.pod_labels(doc)), key
+            if doc["kind"] == "Service":
+                targets = [w for w in workloads if k8s.selects({"matchLabels": doc["spec"]["selector"]}, k8s.pod_labels(w))]
+                assert [t["metadata"]["name"] for t in targets] == [doc["metadata"]["name"]], key
+        assert docs["Secret/aenv-secrets"]["stringData"]["DJANGO_SECRET_KEY"] == PUBLIC_DEFAULT_KEY
+        rules = docs["Ingress/aenv"]["spec"]["rules"]
+        assert f"*.{config['AENV_SANDBOX_DOMAIN']}" in {r["host"] for r in rules}
