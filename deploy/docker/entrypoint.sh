@@ -6,7 +6,8 @@
 #                               (printed once in this container's log)
 #   node                        the node worker (Dockerfile.node, privileged): builds the guest
 #                               images into AENV_IMAGES_DIR on its first start, then serves
-#   health api|dataplane|sweeper|node   the container's health check
+#   health api|dataplane|sweeper|node|worker   the container's health check (worker: the
+#                               node worker's liveness, which never asks the database)
 #   node-pool DIR               this node's slot pool from a directory with one file per node
 #                               name (Kubernetes: the aenv-node-pools ConfigMap), checked
 #                               against every other node's; the node command does this itself
@@ -32,12 +33,26 @@ sys.exit(0 if urllib.request.urlopen("http://127.0.0.1:3000/health", timeout=5).
       [ -f "$SWEEPER_HEARTBEAT" ] || die "health: the sweeper has not swept yet ($SWEEPER_HEARTBEAT)"
       local age=$(( $(date +%s) - $(stat -c %Y "$SWEEPER_HEARTBEAT") ))
       [ "$age" -lt "$SWEEPER_STALE" ] || die "health: the sweeper's last sweep was ${age} s ago" ;;
+    # The node worker still serves its metrics port (AENV_NODE_METRICS_PORT: on 127.0.0.1
+    # without AENV_METRICS_TOKEN, on AENV_NODE_ADDRESS with one). Never the database or the
+    # broker: a liveness restart ends every VM of the node. Metrics off (0): nothing to ask.
+    worker) exec "$PY" -c 'import os, socket, sys
+port = int(os.environ.get("AENV_NODE_METRICS_PORT") or 9464)
+if not port:
+    sys.exit(0)
+for host in ("127.0.0.1", os.environ.get("AENV_NODE_ADDRESS") or "127.0.0.1"):
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        sys.exit(0)
+    except OSError:
+        pass
+sys.exit(f"health: the node worker serves nothing on its metrics port {port}")' ;;
     node) exec "$PY" manage.py shell -c 'import sys
 from django.conf import settings
 from nodes.models import Node
 node = Node.objects.filter(pk=settings.AENV_NODE_ID).first()
 sys.exit(0 if node is not None and node.is_alive() else 1)' ;;
-    *) die "health: api, dataplane, sweeper or node" ;;
+    *) die "health: api, dataplane, sweeper, node or worker" ;;
   esac
 }
 

@@ -15,6 +15,7 @@ import copy
 import os
 import re
 import shutil
+import socket
 import subprocess
 
 import kubernetes_validate
@@ -266,8 +267,7 @@ def test_kubernetes_shape():
         container = node["containers"][0]
         assert node["hostNetwork"] is True and node["dnsPolicy"] == "ClusterFirstWithHostNet"
         assert container["securityContext"]["privileged"] is True
-        assert "exec" not in container["livenessProbe"] and container["livenessProbe"]["tcpSocket"]["port"] == "metrics"
-        assert {"name": "metrics", "containerPort": 9464} in container["ports"]  # AENV_NODE_METRICS_PORT
+        assert container["livenessProbe"]["exec"]["command"][-2:] == ["health", "worker"]
         env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e}
         assert env == {"AENV_NODE_ID": "spec.nodeName", "AENV_NODE_ADDRESS": "status.hostIP"}
         volumes = {v["name"]: v for v in node["volumes"]}
@@ -286,3 +286,20 @@ def test_kubernetes_shape():
         assert docs["Secret/aenv-secrets"]["stringData"]["DJANGO_SECRET_KEY"] == PUBLIC_DEFAULT_KEY
         rules = docs["Ingress/aenv"]["spec"]["rules"]
         assert f"*.{config['AENV_SANDBOX_DOMAIN']}" in {r["host"] for r in rules}
+
+
+def test_node_liveness_asks_only_the_worker(tmp_path):
+    """entrypoint.sh health worker (the node's liveness probe) passes while something serves
+    the metrics port on loopback, fails when nothing does, and passes with metrics off."""
+    def health(port):
+        env = {"PATH": os.environ["PATH"], "AENV_NODE_METRICS_PORT": str(port), "AENV_NODE_ADDRESS": "127.0.0.1"}
+        return subprocess.run(["bash", str(DEPLOY / "docker" / "entrypoint.sh"), "health", "worker"],
+                              capture_output=True, text=True, timeout=60, env=env)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert health(port).returncode == 0
+    down = health(port)
+    assert down.returncode != 0 and f"metrics port {port}" in down.stderr
+    assert health(0).returncode == 0
