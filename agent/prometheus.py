@@ -1,5 +1,8 @@
-"""The node worker's Prometheus ``/metrics`` (``prometheus-client``), unauthenticated like
-AgentENV's node metrics, on ``AENV_NODE_ADDRESS:AENV_NODE_METRICS_PORT``.
+"""The node worker's Prometheus ``/metrics`` (``prometheus-client``). With
+``AENV_METRICS_TOKEN`` it is served on ``AENV_NODE_ADDRESS:AENV_NODE_METRICS_PORT`` to
+requests that carry ``Authorization: Bearer <token>`` only (401 otherwise); without a token
+on ``127.0.0.1`` only, so nobody off the host reads it (AgentENV's are open to anyone who can
+reach the node: the figures tell an attacker how busy and how big each node is).
 
 What it holds: how long each VM operation took on this node (every node task, timed from
 Celery's task signals, so ``agent.tasks`` stays as it is), template builds by outcome, the
@@ -9,12 +12,15 @@ here is the control plane's to say: the API's ``/metrics`` has it per node.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from celery import signals
-from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -125,19 +131,57 @@ class NodeCollector:
         yield total
 
 
-def start_exporter(address: str, port: int, collector: NodeCollector, registry=REGISTRY) -> int | None:
-    """Registers ``collector``, connects the task timer and serves ``/metrics`` on
-    ``address:port`` in a thread; returns the port, or None if it is off (0) or taken (a
-    node never fails to start over its metrics: the reason is logged)."""
+LOOPBACK = "127.0.0.1"
+
+
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """``Authorization: Bearer <token>``, compared in constant time."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def guarded(app, token: str):
+    """The WSGI ``app`` behind the bearer ``token`` (none: open, which only the loopback
+    bind makes acceptable)."""
+    def serve(environ, start_response):
+        if token and not bearer_matches(environ.get("HTTP_AUTHORIZATION"), token):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                                ("WWW-Authenticate", 'Bearer realm="aenv metrics"')])
+            return [b"metrics need Authorization: Bearer <AENV_METRICS_TOKEN>\n"]
+        return app(environ, start_response)
+    return serve
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - every scrape would be a log line
+        pass
+
+
+def start_exporter(address: str, port: int, collector: NodeCollector, registry=REGISTRY,
+                   token: str = "") -> int | None:
+    """Registers ``collector``, connects the task timer and serves ``/metrics`` in a thread:
+    on ``address:port`` behind the bearer ``token``, or on ``127.0.0.1:port`` without one.
+    Returns the port, or None if it is off (0) or taken (a node never fails to start over
+    its metrics: the reason is logged)."""
     registry.register(collector)
     TaskTimer().connect()
     if not port:
         return None
+    bind = address if token else LOOPBACK
     try:
-        start_http_server(port, addr=address, registry=registry)
+        server = make_server(bind, port, guarded(make_wsgi_app(registry), token), _Server, _QuietHandler)
     except OSError as exc:
         log.warning("node metrics: cannot listen on %s:%d (%s); no Prometheus endpoint on this node",
-                    address, port, exc)
+                    bind, port, exc)
         return None
-    log.info("node metrics: Prometheus /metrics on http://%s:%d/metrics", address, port)
+    threading.Thread(target=server.serve_forever, name="node-metrics", daemon=True).start()
+    if token:
+        log.info("node metrics: Prometheus /metrics on http://%s:%d/metrics (bearer token)", bind, port)
+    else:
+        log.info("node metrics: Prometheus /metrics on http://%s:%d/metrics only (no AENV_METRICS_TOKEN)",
+                 bind, port)
     return port

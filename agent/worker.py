@@ -58,7 +58,8 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     heartbeat = Heartbeat(node_id, settings.AENV_NODE_HEARTBEAT_INTERVAL, count_running, host_sampler=host_sampler,
                           history=settings.AENV_NODE_HOST_HISTORY, local_snapshots=lambda: get_store().local_ids())
     metrics_port = start_exporter(settings.AENV_NODE_ADDRESS, settings.AENV_NODE_METRICS_PORT,
-                                  NodeCollector(node_id, count_running, lambda: heartbeat.last_host, (vcpus, memory_mb)))
+                                  NodeCollector(node_id, count_running, lambda: heartbeat.last_host, (vcpus, memory_mb)),
+                                  token=settings.AENV_METRICS_TOKEN)
     if metrics_port:
         host_sampler.extra["metricsPort"] = metrics_port
     heartbeat.last_host = host_sampler.sample()

@@ -2,15 +2,19 @@
 requests counted and timed by route and status on the API (a Django middleware) and on
 the data plane (an ASGI wrapper), and the exposition of both.
 
-Unauthenticated, like AgentENV's: the API's holds cluster-wide aggregates only (counts by
-state and outcome, per-node figures, ``config.cluster_metrics``), never a team, a
-sandbox id or a path; routes are the URL patterns (``sandboxes/<str:sandbox_id>``), so
+With ``AENV_METRICS_TOKEN`` set (read per request) both answer ``/metrics`` only to
+``Authorization: Bearer <token>`` (401 otherwise, compared in constant time); without it
+they are open like AgentENV's. Either way the API's holds cluster-wide aggregates only
+(counts by state and outcome, per-node figures, ``config.cluster_metrics``), never a team,
+a sandbox id or a path; routes are the URL patterns (``sandboxes/<str:sandbox_id>``), so
 ids never become label values.
 """
 from __future__ import annotations
 
+import hmac
 import time
 
+from django.conf import settings
 from django.http import HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 
@@ -41,11 +45,28 @@ def exposition(registry=REGISTRY) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
+UNAUTHORIZED = b"metrics need Authorization: Bearer <AENV_METRICS_TOKEN>\n"
+CHALLENGE = 'Bearer realm="aenv metrics"'
+
+
+def authorized(authorization: str | None) -> bool:
+    """No ``AENV_METRICS_TOKEN``: anyone; else ``Authorization: Bearer <token>`` only."""
+    token = settings.AENV_METRICS_TOKEN
+    if not token:
+        return True
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
 def metrics_view(request):
-    """``GET /metrics`` of the API (no authentication): the process's metrics, then the
-    cluster's read from the database (``config.cluster_metrics``)."""
+    """``GET /metrics`` of the API (behind ``AENV_METRICS_TOKEN`` when set): the process's
+    metrics, then the cluster's read from the database (``config.cluster_metrics``)."""
     from config.cluster_metrics import CLUSTER  # noqa: PLC0415 - reads the database: only the API imports it
 
+    if not authorized(request.headers.get("Authorization")):
+        response = HttpResponse(UNAUTHORIZED, status=401, content_type="text/plain; charset=utf-8")
+        response["WWW-Authenticate"] = CHALLENGE
+        return response
     body, content_type = exposition()
     return HttpResponse(body + generate_latest(CLUSTER), content_type=content_type)
 
@@ -113,6 +134,16 @@ class InstrumentedDataPlane:
                 DATAPLANE_REQUESTS.labels(route, method, "none").inc()
 
     async def _expose(self, scope, send):
+        authorization = next((v.decode("latin-1") for n, v in scope.get("headers", ()) if n.lower() == b"authorization"),
+                             None)
+        if not authorized(authorization):
+            body = UNAUTHORIZED
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                                    (b"www-authenticate", CHALLENGE.encode()),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+            return
         body, content_type = exposition(self.registry)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]})

@@ -96,8 +96,14 @@ AENV_NODE_LOST_AFTER = _env_int("AENV_NODE_LOST_AFTER", 120)
 AENV_NODE_HEARTBEAT_INTERVAL = _env_int("AENV_NODE_HEARTBEAT_INTERVAL", 5)
 # How many recent host samples (one per heartbeat) a node keeps for the dashboard's chart.
 AENV_NODE_HOST_HISTORY = _env_int("AENV_NODE_HOST_HISTORY", 120)
-# The node worker's Prometheus /metrics, on AENV_NODE_ADDRESS (0: none).
+# The node worker's Prometheus /metrics, on AENV_NODE_ADDRESS with AENV_METRICS_TOKEN, else on
+# 127.0.0.1 only (0: none).
 AENV_NODE_METRICS_PORT = _env_int("AENV_NODE_METRICS_PORT", 9464)
+# Every Prometheus /metrics (the API's, the data plane's, each node's) answers only requests
+# with "Authorization: Bearer <this>" when it is set (401 otherwise). Read per request.
+AENV_METRICS_TOKEN = _env("AENV_METRICS_TOKEN", "")
+if AENV_METRICS_TOKEN and len(AENV_METRICS_TOKEN) < 32:
+    raise ImproperlyConfigured("AENV_METRICS_TOKEN must be at least 32 characters (openssl rand -hex 32)")
 # Sandbox metrics (E2B's GET /sandboxes/{id}/metrics): each node asks every running
 # sandbox's envd for its CPU, memory and disk this often (s), and samples are kept this long (s).
 AENV_SANDBOX_METRICS_INTERVAL = float(_env("AENV_SANDBOX_METRICS_INTERVAL", "5"))

@@ -14,7 +14,7 @@ urlpatterns = [
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("dashboard/", include("dashboard.urls")),
     path("", RedirectView.as_view(url="/dashboard/", permanent=False)),
-    # Prometheus, unauthenticated (aggregates only: config.prometheus).
+    # Prometheus (aggregates only; behind AENV_METRICS_TOKEN when set: config.prometheus).
     path("metrics", metrics_view, name="metrics"),
     # E2B's sandbox metrics; before api.sandboxes.urls, whose sandboxes/<id> would take "metrics".
     path("sandboxes/metrics", metrics_api.SandboxesMetricsView.as_view(), name="sandboxes-metrics"),

@@ -57,7 +57,9 @@ def cluster():
                            state_dir=ROOT / "var" / "test-runs" / "cluster-aect",  # fixed: a crashed run's is found
                            images_dir=shared_images_dir(), database="aenv_cluster_test",
                            redis_db=10, api_port=free_port(), dataplane_port=free_port(),
-                           extra_env={"AENV_NODE_VCPU_OVERCOMMIT": str(OVERCOMMIT)})
+                           # with a token each node's metrics listen on its own address (else 127.0.0.1)
+                           extra_env={"AENV_NODE_VCPU_OVERCOMMIT": str(OVERCOMMIT),
+                                      "AENV_METRICS_TOKEN": "cluster-test-metrics-" + "0" * 32})
     c = Cluster(layout, progress=lambda m: print(f"[cluster] {m}", flush=True))
     c.down(purge=True, node_timeout=60)  # what a crashed run of this test may have left
     try:
@@ -240,7 +242,7 @@ def test_a_guest_reaches_no_gateway_node_or_other_nodes_guest(sdk):
         where = placement(cluster, [s.sandbox_id for s in sandboxes])
         guest = next(s for s in sandboxes if where[s.sandbox_id][0] == one.node_id)
         other_guest_host = next(h for s in sandboxes for n, h in [where[s.sandbox_id]] if n == two.node_id)
-        metrics = 9464  # each node's Prometheus port, on its own address
+        metrics = 9464  # each node's Prometheus port, on its own address (the cluster sets AENV_METRICS_TOKEN)
         root_ips = [a.split("/")[0] for a in hostnet.root_addresses()]
         targets = [(one.gateway_ip, layout.pg_port), (one.gateway_ip, layout.redis_port),
                    (one.gateway_ip, service.port), (two.gateway_ip, service.port),

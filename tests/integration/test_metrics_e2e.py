@@ -2,7 +2,8 @@
 ``sandbox.get_metrics()`` reads the guest's CPU, memory and disk that the node sampled from
 its envd; ``GET /nodes`` shows the node with the sandbox's reservation and its host; the
 Prometheus endpoints of the API, the data plane and the node parse, and a create, a command,
-a pause and a kill move their counters. A pause stops the sandbox's sampling."""
+a pause and a kill move their counters; all three want the stack's AENV_METRICS_TOKEN (401
+without it). A pause stops the sandbox's sampling."""
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -17,13 +18,15 @@ from harness.stack import free_port
 pytestmark = pytest.mark.vm
 
 MIB = 2**20
+METRICS_TOKEN = "metrics-e2e-" + "0" * 32
 
 
 @pytest.fixture(scope="module")
 def metrics_stack():
     port = free_port()
     with running_stack("metrics", extra_env={"AENV_NODE_METRICS_PORT": str(port),
-                                             "AENV_SANDBOX_METRICS_INTERVAL": "1"}) as s:
+                                             "AENV_SANDBOX_METRICS_INTERVAL": "1",
+                                             "AENV_METRICS_TOKEN": METRICS_TOKEN}) as s:
         s.node_metrics_url = f"http://127.0.0.1:{port}/metrics"
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("E2B_API_URL", s.api_url)
@@ -34,7 +37,8 @@ def metrics_stack():
 
 
 def scrape(url: str) -> dict:
-    resp = httpx.get(url, timeout=10)
+    assert httpx.get(url, timeout=10).status_code == 401  # no token, no metrics
+    resp = httpx.get(url, headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, timeout=10)
     assert resp.status_code == 200, resp.text
     out = {}
     for family in text_string_to_metric_families(resp.text):
