@@ -74,6 +74,7 @@ read_env_file() {  # $1: a file this script wrote (KEY=value or KEY='value' line
 }
 
 ENV_FILE="$UNIT_ENV_FILE" HOME_DIR="" SYSTEMD_DIR="/etc/systemd/system"
+REDIS_ACL_FILE="/etc/redis/aenv-users.acl" REDIS_NODE_PASSWORD_FILE="/etc/aenv/redis-node-password"
 CONTROL_PLANE=0 DRY_RUN=0 IMAGES=1
 declare -A FLAG=()
 # Flags → settings names (the env file holds nothing else).
@@ -126,6 +127,19 @@ if [ -n "${SET[DATABASE_URL]:-}" ] && [[ ! "${SET[DATABASE_URL]}" =~ ^postgres(q
   die "--database-url must be a PostgreSQL URL (postgres://user:password@host:5432/db); SQLite is only for one machine (omit it with --control-plane)"
 fi
 : "${SET[CELERY_BROKER_URL]:=redis://127.0.0.1:6379/0}"
+LOCAL_REDIS_ACL=0
+if [ "$CONTROL_PLANE" = 1 ] && [[ "${SET[CELERY_BROKER_URL]}" =~ ^redis://(127\.0\.0\.1|localhost)(:6379)?(/0)?$ ]]; then
+  # This machine's Redis (Debian's system service) gets the ACL users too (no password-less
+  # user): the processes here connect as aenv-control; the node password is kept in
+  # $REDIS_NODE_PASSWORD_FILE for nodes that join later.
+  LOCAL_REDIS_ACL=1
+  REDIS_CONTROL_PASSWORD="$(python3 -c 'import secrets; print(secrets.token_hex(32))')"
+  REDIS_NODE_PASSWORD="$(python3 -c 'import secrets; print(secrets.token_hex(32))')"
+  for key in CELERY_BROKER_URL CELERY_RESULT_BACKEND AENV_CHANNEL_LAYER_URL; do
+    if [[ "${SET[$key]:-}" =~ ^redis://(127\.0\.0\.1|localhost)(:6379)?(/[0-9]*)?$ ]]; then unset "SET[$key]"; fi
+  done
+  SET[CELERY_BROKER_URL]="redis://aenv-control:$REDIS_CONTROL_PASSWORD@127.0.0.1:6379/0"
+fi
 if [[ "${SET[CELERY_BROKER_URL]}" =~ ^(rediss?://[^/?]*)(/[0-9]*)?(\?.*)?$ ]]; then
   redis_base="${BASH_REMATCH[1]}" redis_query="${BASH_REMATCH[3]}"
   : "${SET[CELERY_RESULT_BACKEND]:=$redis_base/1$redis_query}"
@@ -191,6 +205,10 @@ run() {  # a command, or in a dry run its line
   if [ "$DRY_RUN" = 1 ]; then printf '+'; printf ' %q' "$@"; echo; else "$@"; fi
 }
 
+put_file_append() {  # path: stdin appended to path (shown in a dry run)
+  if [ "$DRY_RUN" = 1 ]; then echo "=== $1 (append) ==="; cat; echo "=== end $1 ==="; else cat >> "$1"; fi
+}
+
 put_file() {  # path mode: stdin into path (shown whole in a dry run)
   if [ "$DRY_RUN" = 1 ]; then
     echo "=== $1 (mode $2) ==="
@@ -218,10 +236,20 @@ run setup_python_env
 if [ "$CONTROL_PLANE" = 1 ]; then
   run "$ROOT/deploy/dashboard-assets.sh"
   run "$ROOT/.venv/bin/python" "$ROOT/manage.py" collectstatic --noinput -v 0
-  if [[ "${SET[CELERY_BROKER_URL]}" =~ ^redis://(127\.0\.0\.1|localhost)[:/] ]]; then
+  if [[ "${SET[CELERY_BROKER_URL]}" =~ ^redis://([^@/]*@)?(127\.0\.0\.1|localhost)[:/] ]]; then
     # A local broker is a system service here, not setup.sh's background redis-server.
     dpkg-query -W -f='${Status}' redis-server 2>/dev/null | grep -q "install ok installed" \
       || run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
+  fi
+  if [ "$LOCAL_REDIS_ACL" = 1 ]; then
+    REDIS_CONTROL_PASSWORD="$REDIS_CONTROL_PASSWORD" REDIS_NODE_PASSWORD="$REDIS_NODE_PASSWORD" \
+      sh "$ROOT/deploy/redis/render-acl.sh" | put_file "$REDIS_ACL_FILE" 640
+    printf '%s\n' "$REDIS_NODE_PASSWORD" | put_file "$REDIS_NODE_PASSWORD_FILE" 600
+    run chown redis:redis "$REDIS_ACL_FILE"
+    if [ "$DRY_RUN" = 1 ] || ! grep -qx "aclfile $REDIS_ACL_FILE" /etc/redis/redis.conf; then
+      echo "aclfile $REDIS_ACL_FILE" | put_file_append /etc/redis/redis.conf
+    fi
+    run systemctl restart redis-server
   fi
 fi
 

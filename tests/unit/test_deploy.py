@@ -271,7 +271,15 @@ def test_install_dry_run_control_plane_adds_the_units_user_and_schema():
     assert values["AENV_HOME"] == "/srv/aenv" and values["AENV_NODE_ADDRESS"] == "127.0.0.1"
     assert "DATABASE_URL" not in values  # SQLite in AENV_HOME, one machine
     assert values["DJANGO_SECRET_KEY"] == "<generated>"
-    assert values["CELERY_BROKER_URL"] == "redis://127.0.0.1:6379/0"
+    # the local Redis gets the ACL users: the processes here connect as aenv-control
+    control = re.fullmatch(r"redis://aenv-control:([0-9a-f]{64})@127\.0\.0\.1:6379/0", values["CELERY_BROKER_URL"])
+    assert control, values["CELERY_BROKER_URL"]
+    assert values["CELERY_RESULT_BACKEND"] == values["CELERY_BROKER_URL"][:-1] + "1"
+    assert values["AENV_CHANNEL_LAYER_URL"] == values["CELERY_BROKER_URL"][:-1] + "2"
+    acl = files["/etc/redis/aenv-users.acl"]
+    assert "user default off" in acl and "user aenv-node on" in acl and control.group(1) not in acl
+    assert re.fullmatch(r"[0-9a-f]{64}\n", files["/etc/aenv/redis-node-password"])
+    assert "aclfile /etc/redis/aenv-users.acl" in done.stdout and "+ systemctl restart redis-server" in done.stdout
     api = files["/etc/systemd/system/aenv-api.service"]
     assert "ReadWritePaths=/srv/aenv" in api and "/var/lib/aenv" not in api
     assert {Path(p).name for p in files} >= set(SERVICE_UNITS)
@@ -310,6 +318,19 @@ def test_install_takes_settings_from_the_environment():
     assert done.returncode == 0, done.stderr
     values = env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])
     assert values["DATABASE_URL"] == "postgresql://a@db:5432/aenv" and values["AENV_NODE_ID"] == "env-node"
+
+
+def test_install_keeps_the_local_brokers_password(tmp_path):
+    """A second --control-plane run keeps the aenv-control URL it wrote (and leaves Redis's
+    ACL alone)."""
+    url = "redis://aenv-control:" + "a" * 64 + "@127.0.0.1:6379/0"
+    env_file = tmp_path / "aenv.env"
+    env_file.write_text(f"CELERY_BROKER_URL={url}\n")
+    done = run_install("--dry-run", "--control-plane", "--env-file", str(env_file), "--no-images")
+    assert done.returncode == 0, done.stderr
+    values = env_file_values(written_files(done.stdout)[str(env_file)])
+    assert values["CELERY_BROKER_URL"] == url and values["CELERY_RESULT_BACKEND"] == url[:-1] + "1"
+    assert "aenv-users.acl" not in done.stdout
 
 
 def test_install_takes_a_tls_broker_with_its_ca():
