@@ -10,8 +10,8 @@
 set -eu
 template="${1:-$(dirname "$0")/users.acl.template}"
 
-hash_of() {  # $1: variable name
-  eval "value=\${$1:-}"
+hash_of() {  # $1: the variable's name, $2: its value
+  value="$2"
   case "$value" in
     *[!A-Za-z0-9_-]*) echo "render-acl: $1 may hold only A-Z a-z 0-9 _ -" >&2; exit 2 ;;
   esac
@@ -21,7 +21,7 @@ hash_of() {  # $1: variable name
   printf '%s' "$value" | sha256sum | cut -d' ' -f1
 }
 
-control=$(hash_of REDIS_CONTROL_PASSWORD)
-node=$(hash_of REDIS_NODE_PASSWORD)
+control=$(hash_of REDIS_CONTROL_PASSWORD "${REDIS_CONTROL_PASSWORD:-}")
+node=$(hash_of REDIS_NODE_PASSWORD "${REDIS_NODE_PASSWORD:-}")
 sed -e '/^#/d' -e '/^[[:space:]]*$/d' \
     -e "s/{{CONTROL_PASSWORD_SHA256}}/$control/" -e "s/{{NODE_PASSWORD_SHA256}}/$node/" "$template"
