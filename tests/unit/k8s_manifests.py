@@ -32,6 +32,12 @@ CONTROL_PLANE = ("api", "dataplane", "sweeper", "migrate")
 DATA_SERVICES = {"redis": 6379, "postgres": 5432}
 NETWORK_ANNOTATIONS = ("aenv.dev/host-network", "aenv.dev/pod-network", "aenv.dev/service-network")
 REDIS_URL = re.compile(r"rediss?://[^\s\"']*")
+# The Redis ACL users (deploy/redis/users.acl.template) by role, with the variable holding the
+# password (base/secret.yaml: one Secret each), and the database of each URL (0: the broker,
+# which the ACL's literal /0.celery.pidbox channel needs; a node has no channel layer).
+REDIS_USERS = {"control": ("aenv-control", "REDIS_CONTROL_PASSWORD"), "node": ("aenv-node", "REDIS_NODE_PASSWORD")}
+REDIS_DATABASES = {"CELERY_BROKER_URL": 0, "CELERY_RESULT_BACKEND": 1, "AENV_CHANNEL_LAYER_URL": 2}
+ROLE_URL = re.compile(r"rediss?://([^:@/]+):\$\((\w+)\)@\$\(AENV_K8S_REDIS_ADDRESS\)/(\d+)")
 
 
 # ---------------------------------------------------------------- rendering
@@ -264,16 +270,89 @@ def _defined(docs: list[dict], container: dict) -> dict[str, str]:
     return defined
 
 
-def redis_problems(docs: list[dict]) -> list[str]:
-    """No Redis URL anywhere lacks credentials; each URL's $(VAR)s resolve to non-empty
-    values; every aenv container has the three Redis URLs; a Redis the overlay runs requires a
-    password (requirepass from a Secret, or an ACL file)."""
+def _redis_url_problems(docs: list[dict]) -> list[str]:
+    """Every Redis URL anywhere names a user (not default) and a password $(VAR)."""
     problems = []
     for where, text in _string_values(docs):
         for url in REDIS_URL.findall(text):
-            userinfo = url.split("://", 1)[1].partition("@")
-            if not userinfo[1] or ":" not in userinfo[0] or not userinfo[0].split(":", 1)[1]:
+            userinfo, at, _ = url.split("://", 1)[1].partition("@")
+            user, colon, password = userinfo.partition(":")
+            if not at or not colon or not password:
                 problems.append(f"{where}: Redis URL without a password: {url}")
+            elif user in ("", "default"):
+                problems.append(f"{where}: Redis URL without an ACL user: {url}")
+            elif not re.fullmatch(r"\$\(\w+\)", password):
+                problems.append(f"{where}: Redis URL with a literal password, not a $(VAR) from a Secret: {url}")
+    return problems
+
+
+def _role_problems(docs: list[dict], doc: dict, c: dict) -> list[str]:
+    """An aenv container's Redis URLs are its role's user, password variable and database;
+    a node's pod names neither the control password (nor a Secret holding it) nor the
+    channel layer."""
+    where = f"{doc['kind']}/{doc['metadata']['name']} {c['name']}"
+    role = pod_labels(doc).get("app.kubernetes.io/component")
+    if role != "node" and role not in CONTROL_PLANE:
+        return [f"{where}: an aenv container of no known role ({role})"]
+    user, variable = REDIS_USERS["node" if role == "node" else "control"]
+    defined, problems = _defined(docs, c), []
+    names = [n for n in REDIS_DATABASES if role != "node" or n != "AENV_CHANNEL_LAYER_URL"]
+    for name in names:
+        url = ROLE_URL.fullmatch(defined.get(name, ""))
+        if url is None:
+            problems.append(f"{where}: no Redis URL {name} of the form redis://USER:$(VAR)@$(AENV_K8S_REDIS_ADDRESS)/DB")
+        elif (url[1], url[2], int(url[3])) != (user, variable, REDIS_DATABASES[name]):
+            problems.append(f"{where}: {name} is {url[0]}, not {user} with $({variable}) on "
+                            f"database {REDIS_DATABASES[name]}")
+    if any(e["name"] == variable and "value" in e for e in c.get("env", [])):
+        problems.append(f"{where}: {variable} written into the manifest, not from a Secret")
+    if role == "node":
+        control_secrets = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"
+                           and "REDIS_CONTROL_PASSWORD" in (d.get("data") or d.get("stringData") or {})]
+        pod = yaml.safe_dump(doc["spec"]["template"])
+        for forbidden in ("REDIS_CONTROL_PASSWORD", "AENV_CHANNEL_LAYER_URL", *control_secrets):
+            if forbidden in defined or re.search(rf"\b{re.escape(forbidden)}\b", pod):
+                problems.append(f"{where}: the node's pod names {forbidden}")
+    return problems
+
+
+def _redis_server_problems(redis: dict) -> list[str]:
+    """A Redis the overlay runs loads the ACL users from a Secret (--aclfile, never one
+    --requirepass password for every role) and its probes log in as an aenv user."""
+    spec, problems = redis["spec"]["template"]["spec"], []
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for c in spec["containers"]:
+        where = f"{redis['kind']}/{redis['metadata']['name']} {c['name']}"
+        argv = c.get("command", []) + c.get("args", [])
+        if any("requirepass" in str(a) for a in argv):
+            problems.append(f"{where}: Redis with --requirepass (one password for every role), not --aclfile")
+        path = argv[argv.index("--aclfile") + 1] if "--aclfile" in argv[:-1] else ""
+        mounts = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        if not path:
+            problems.append(f"{where}: Redis without --aclfile (the users of deploy/redis/users.acl.template)")
+        elif not mounts or "secret" not in volumes.get(mounts[0]["name"], {}):
+            problems.append(f"{where}: --aclfile {path} is not a file of a mounted Secret")
+        env = {e["name"]: e for e in c.get("env", [])}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            command = " ".join(c.get(probe, {}).get("exec", {}).get("command", []))
+            if "redis-cli" not in command:
+                continue
+            user = re.search(r"--user\s+(\S+)", command)
+            auth = re.search(r"REDISCLI_AUTH=\W*\$\{?(\w+)", command)
+            if not user or user[1] not in {u for u, _ in REDIS_USERS.values()}:
+                problems.append(f"{where} {probe}: redis-cli does not log in as aenv-control or aenv-node")
+            if not auth or "secretKeyRef" not in env.get(auth[1], {}).get("valueFrom", {}):
+                problems.append(f"{where} {probe}: redis-cli's password (REDISCLI_AUTH) is not from a Secret")
+    return problems
+
+
+def redis_problems(docs: list[dict]) -> list[str]:
+    """The Redis ACL users everywhere (deploy/redis/users.acl.template): every Redis URL names
+    a user and a password $(VAR), each $(VAR) resolves to a non-empty value, control-plane pods
+    connect as aenv-control on databases 0, 1, 2 and node pods as aenv-node on 0, 1 without
+    any sight of the control password or the channel layer, and a Redis the overlay runs
+    takes its users from a Secret (--aclfile) with probes logging in as one of them."""
+    problems = _redis_url_problems(docs)
     for doc in docs:
         for c in containers(doc):
             where = f"{doc['kind']}/{doc['metadata']['name']} {c['name']}"
@@ -283,20 +362,9 @@ def redis_problems(docs: list[dict]) -> list[str]:
                     if not defined.get(ref):
                         problems.append(f"{where} {e['name']}: $({ref}) is not defined before it")
             if c["image"].startswith("aenv-"):
-                for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "AENV_CHANNEL_LAYER_URL"):
-                    if not REDIS_URL.match(defined.get(name, "")):
-                        problems.append(f"{where}: no Redis URL {name}")
+                problems += _role_problems(docs, doc, c)
     for redis in component(docs, "redis"):
-        for c in containers(redis):
-            argv = c.get("command", []) + c.get("args", [])
-            if "--aclfile" in argv:
-                continue
-            password = argv[argv.index("--requirepass") + 1] if "--requirepass" in argv[:-1] else ""
-            ref = re.fullmatch(r"\$\((\w+)\)", password)
-            source = {e["name"]: e for e in c.get("env", [])}.get(ref.group(1) if ref else "", {})
-            if "secretKeyRef" not in source.get("valueFrom", {}):
-                problems.append(f"StatefulSet/Deployment {redis['metadata']['name']}: Redis without a password "
-                                f"from a Secret (--requirepass $(VAR) or --aclfile)")
+        problems += _redis_server_problems(redis)
     return problems
 
 

@@ -40,7 +40,8 @@ EXTERNAL_ENV = {
     "PYTHONUNBUFFERED": "Python",
     "PYTHONDONTWRITEBYTECODE": "Python",
     "DEBIAN_FRONTEND": "apt (image builds)",
-    "REDIS_PASSWORD": "Kubernetes: $(REDIS_PASSWORD) in each container's Redis URLs (deploy/k8s)",
+    "REDIS_CONTROL_PASSWORD": "Kubernetes: $(REDIS_CONTROL_PASSWORD) in the control plane's Redis URLs (deploy/k8s)",
+    "REDIS_NODE_PASSWORD": "Kubernetes: $(REDIS_NODE_PASSWORD) in the nodes' Redis URLs (deploy/k8s)",
     "AENV_K8S_REDIS_ADDRESS": "Kubernetes: $(AENV_K8S_REDIS_ADDRESS) in each container's Redis URLs (deploy/k8s)",
     "AENV_K8S_NODE_POOLS": "deploy/docker/entrypoint.sh: the node's AENV_NET_POOL by node name (deploy/k8s)",
 }

@@ -5,9 +5,10 @@ Why these checks: no cluster runs on the build machines, so each overlay is rend
 (tests/unit/k8s_manifests.py; compared with kustomize where one is installed), every document
 is held to the Kubernetes schemas (kubernetes-validate, strict), and what the schemas cannot
 see is checked: every node has a slot pool of its own, clear of the cluster's networks, and
-uses netns; every container has resources and probes; no Redis URL or Redis lacks a password;
-a NetworkPolicy keeps Redis and PostgreSQL to the control plane and the nodes; the API and the
-data plane have disruption budgets. Each check is also fed a doctored rendering it must fault.
+uses netns; every container has resources and probes; every Redis URL is its role's ACL user
+(aenv-control, aenv-node; a node never sees the control password) and the trial Redis loads
+the users from a Secret; a NetworkPolicy keeps Redis and PostgreSQL to the control plane and
+the nodes; the API and the data plane have disruption budgets. Each check is also fed a doctored rendering it must fault.
 """
 from __future__ import annotations
 
@@ -160,25 +161,127 @@ def test_container_check_finds_missing_limits_probes_and_an_unsized_shm():
     assert any("/dev/shm" in p for p in k8s.container_problems(_doctored("external", too_big)))
 
 
-def test_redis_check_finds_a_url_without_credentials_and_an_open_broker():
+def _env(docs, kind: str, name: str) -> list[dict]:
+    return k8s.containers(k8s.find(docs, kind, name))[0]["env"]
+
+
+def _set_url(docs, kind: str, name: str, variable: str, url: str) -> None:
+    next(e for e in _env(docs, kind, name) if e["name"] == variable)["value"] = url
+
+
+def test_redis_check_finds_urls_without_a_user_or_a_password():
+    address = "@$(AENV_K8S_REDIS_ADDRESS)/0"
     def bare(docs):
-        env = k8s.containers(k8s.find(docs, "Deployment", "aenv-dataplane"))[0]["env"]
-        next(e for e in env if e["name"] == "CELERY_BROKER_URL")["value"] = "redis://$(AENV_K8S_REDIS_ADDRESS)/0"
+        _set_url(docs, "Deployment", "aenv-dataplane", "CELERY_BROKER_URL", "redis://$(AENV_K8S_REDIS_ADDRESS)/0")
     assert any("without a password" in p for p in k8s.redis_problems(_doctored("external", bare)))
+    def no_user(docs):
+        _set_url(docs, "Deployment", "aenv-api", "CELERY_BROKER_URL", "redis://:$(REDIS_CONTROL_PASSWORD)" + address)
+    assert any("without an ACL user" in p for p in k8s.redis_problems(_doctored("trial", no_user)))
+    def default_user(docs):
+        _set_url(docs, "DaemonSet", "aenv-node", "CELERY_BROKER_URL", "redis://default:$(REDIS_NODE_PASSWORD)" + address)
+    assert any("without an ACL user" in p for p in k8s.redis_problems(_doctored("external", default_user)))
+    def literal(docs):
+        _set_url(docs, "Deployment", "aenv-sweeper", "CELERY_BROKER_URL", "redis://aenv-control:hunter2" + address)
+    assert any("literal password" in p for p in k8s.redis_problems(_doctored("trial", literal)))
     def empty_password(docs):
-        k8s.find(docs, "Secret", "aenv-secrets")["stringData"]["REDIS_PASSWORD"] = ""
-    assert any("REDIS_PASSWORD" in p for p in k8s.redis_problems(_doctored("trial", empty_password)))
+        k8s.find(docs, "Secret", "aenv-redis-node")["stringData"]["REDIS_NODE_PASSWORD"] = ""
+    assert any("REDIS_NODE_PASSWORD" in p for p in k8s.redis_problems(_doctored("trial", empty_password)))
     def in_config(docs):
         k8s.find(docs, "ConfigMap", "aenv-config")["data"]["CELERY_BROKER_URL"] = "redis://redis:6379/0"
     assert k8s.redis_problems(_doctored("external", in_config))
+
+
+def test_redis_check_holds_each_role_to_its_user():
+    """Control-plane pods as aenv-control on 0, 1, 2; node pods as aenv-node on 0, 1, never
+    naming the control password (directly, through a Secret, or shared in aenv-secrets) nor
+    the channel layer."""
+    def as_node(docs):
+        _set_url(docs, "Job", "aenv-migrate", "CELERY_RESULT_BACKEND",
+                 "redis://aenv-node:$(REDIS_NODE_PASSWORD)@$(AENV_K8S_REDIS_ADDRESS)/1")
+    assert any("aenv-migrate" in p and "not aenv-control" in p
+               for p in k8s.redis_problems(_doctored("external", as_node)))
+    def other_database(docs):
+        _set_url(docs, "Deployment", "aenv-api", "CELERY_BROKER_URL",
+                 "redis://aenv-control:$(REDIS_CONTROL_PASSWORD)@$(AENV_K8S_REDIS_ADDRESS)/3")
+    assert any("database 0" in p for p in k8s.redis_problems(_doctored("trial", other_database)))
+    def node_as_control(docs):
+        _set_url(docs, "DaemonSet", "aenv-node", "CELERY_BROKER_URL",
+                 "redis://aenv-control:$(REDIS_NODE_PASSWORD)@$(AENV_K8S_REDIS_ADDRESS)/0")
+    assert any("not aenv-node" in p for p in k8s.redis_problems(_doctored("external", node_as_control)))
+    def node_channel_layer(docs):
+        _env(docs, "DaemonSet", "aenv-node").append(
+            {"name": "AENV_CHANNEL_LAYER_URL", "value": "redis://aenv-node:$(REDIS_NODE_PASSWORD)@$(AENV_K8S_REDIS_ADDRESS)/2"})
+    assert any("AENV_CHANNEL_LAYER_URL" in p for p in k8s.redis_problems(_doctored("trial", node_channel_layer)))
+    def node_control_secret(docs):
+        _node(docs)["envFrom"].append({"secretRef": {"name": "aenv-redis-control"}})
+    assert any("REDIS_CONTROL_PASSWORD" in p for p in k8s.redis_problems(_doctored("external", node_control_secret)))
+    def node_key_ref(docs):
+        _env(docs, "DaemonSet", "aenv-node").append({"name": "SPARE", "valueFrom": {
+            "secretKeyRef": {"name": "aenv-redis-control", "key": "REDIS_CONTROL_PASSWORD"}}})
+    assert any("aenv-node" in p and "CONTROL" in p for p in k8s.redis_problems(_doctored("trial", node_key_ref)))
+    def shared(docs):
+        k8s.find(docs, "Secret", "aenv-secrets")["stringData"]["REDIS_CONTROL_PASSWORD"] = "x" * 64
+    assert any("node's pod names REDIS_CONTROL_PASSWORD" in p for p in k8s.redis_problems(_doctored("trial", shared)))
+    def written_in(docs):
+        _env(docs, "Deployment", "aenv-api").insert(0, {"name": "REDIS_CONTROL_PASSWORD", "value": "x" * 64})
+    assert any("not from a Secret" in p for p in k8s.redis_problems(_doctored("external", written_in)))
+
+
+def test_redis_check_wants_the_trial_redis_on_an_acl_file_from_a_secret():
+    def redis(docs):
+        return k8s.containers(k8s.find(docs, "Deployment", "redis"))[0]
+    def requirepass(docs):
+        redis(docs)["args"] = ["redis-server", "--requirepass", "$(REDIS_NODE_PASSWORD)", "--save", ""]
+    problems = k8s.redis_problems(_doctored("trial", requirepass))
+    assert any("--requirepass" in p for p in problems) and any("without --aclfile" in p for p in problems)
+    def both(docs):
+        redis(docs)["args"] += ["--requirepass", "$(REDIS_NODE_PASSWORD)"]
+    assert any("--requirepass" in p for p in k8s.redis_problems(_doctored("trial", both)))
     def open_broker(docs):
-        redis = k8s.containers(k8s.find(docs, "Deployment", "redis"))[0]
-        redis["args"] = ["redis-server", "--save", ""]
-    assert any("Redis without a password" in p for p in k8s.redis_problems(_doctored("trial", open_broker)))
-    def literal_password(docs):
-        redis = k8s.containers(k8s.find(docs, "Deployment", "redis"))[0]
-        redis["args"][redis["args"].index("--requirepass") + 1] = "hunter2"
-    assert k8s.redis_problems(_doctored("trial", literal_password))
+        redis(docs)["args"] = ["redis-server", "--save", ""]
+    assert any("without --aclfile" in p for p in k8s.redis_problems(_doctored("trial", open_broker)))
+    def not_a_secret(docs):
+        volumes = k8s.find(docs, "Deployment", "redis")["spec"]["template"]["spec"]["volumes"]
+        acl = next(v for v in volumes if v["name"] == "acl")
+        del acl["secret"]
+        acl["emptyDir"] = {}
+    assert any("not a file of a mounted Secret" in p for p in k8s.redis_problems(_doctored("trial", not_a_secret)))
+    def default_probe(docs):
+        command = redis(docs)["readinessProbe"]["exec"]["command"]
+        command[-1] = command[-1].replace(" --user aenv-node", "")
+    assert any("readinessProbe" in p for p in k8s.redis_problems(_doctored("trial", default_probe)))
+    def literal_probe(docs):
+        command = redis(docs)["livenessProbe"]["exec"]["command"]
+        command[-1] = 'REDISCLI_AUTH=hunter2 redis-cli --user aenv-node ping | grep -q PONG'
+    assert any("livenessProbe" in p for p in k8s.redis_problems(_doctored("trial", literal_probe)))
+
+
+def test_trial_redis_acl_secret_is_the_documented_rendering():
+    """The one command that makes the trial Redis's ACL Secret (redis.yaml's comment and
+    docs/deployment.md) names the Secret and key the Redis pod mounts and loads; render-acl.sh
+    renders a file for it, and refuses base/secret.yaml's placeholders."""
+    text = (K8S / "overlays" / "trial" / "redis.yaml").read_text()
+    command = re.compile(r"deploy/redis/render-acl\.sh \\?\s*(?:#\s*)?\| kubectl -n aenv create secret generic "
+                         r"(\S+) --from-file=([\w.]+)=/dev/stdin")
+    found = command.search(text)
+    assert found, "redis.yaml does not show the command that makes the ACL Secret"
+    docs_command = command.search((DEPLOY.parent / "docs" / "deployment.md").read_text())
+    assert docs_command and docs_command.groups() == found.groups()
+    docs = k8s.overlay("trial")
+    spec = k8s.find(docs, "Deployment", "redis")["spec"]["template"]["spec"]
+    argv = spec["containers"][0]["args"]
+    aclfile = argv[argv.index("--aclfile") + 1]
+    mount = next(m for m in spec["containers"][0]["volumeMounts"] if aclfile.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert (volume["secret"]["secretName"], aclfile.rsplit("/", 1)[1]) == found.groups()
+    render = DEPLOY / "redis" / "render-acl.sh"
+    env = {"PATH": os.environ["PATH"], "REDIS_CONTROL_PASSWORD": "c" * 64, "REDIS_NODE_PASSWORD": "n" * 64}
+    done = subprocess.run(["sh", str(render)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and "user aenv-node on" in done.stdout, done.stderr
+    env.update(k8s.find(docs, "Secret", "aenv-redis-control")["stringData"])
+    env.update(k8s.find(docs, "Secret", "aenv-redis-node")["stringData"])
+    placeholders = subprocess.run(["sh", str(render)], capture_output=True, text=True, timeout=60, env=env)
+    assert placeholders.returncode != 0 and not placeholders.stdout
 
 
 def test_policy_check_finds_a_missing_or_open_policy():
