@@ -60,11 +60,13 @@ TIERS: dict[str, Tier] = {
     "oci": Tier("root, skopeo, umoci and docker-registry (scripts/setup.sh)",
                 paths=("tests/vmm/test_oci_images.py", "tests/unit/test_oci_prepare.py")),
     "host-tools": Tier("root and the host tools scripts/setup.sh and the test extra install (patchelf, readelf, "
-                       "resize2fs, qemu-img, busybox-static, docker-compose, systemd-analyze, shellcheck, unshare) "
+                       "resize2fs, qemu-img, busybox-static, docker-compose, systemd-analyze, shellcheck, unshare, "
+                       "redis-server) "
                        "and the base image's root file system stage",
                        paths=("tests/unit/test_toolsdrive.py", "tests/unit/test_vmm_ready_made.py",
                               "tests/unit/test_deploy.py", "tests/unit/test_builder_scripts.py",
-                              "tests/unit/test_shell_scripts.py", "tests/unit/test_host_venv.py")),
+                              "tests/unit/test_shell_scripts.py", "tests/unit/test_host_venv.py",
+                              "tests/unit/test_broker_acl.py")),
 }
 
 # Skips that say something about the machine no setup script changes, not about a missing
