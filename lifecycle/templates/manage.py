@@ -20,7 +20,8 @@ from sandboxes.errors import Conflict, LifecycleError, NotFound
 from sandboxes.models import Sandbox, Team, Template
 from sandboxes.states import LIVE
 from lifecycle.snapshots import delete as snapshot_delete
-from snapshots.models import Snapshot, SnapshotState
+from snapshots import states as snapshot_states
+from snapshots.models import Snapshot
 
 from lifecycle import resolve
 from template_builds.models import TemplateBuild
@@ -75,7 +76,7 @@ def _delete_template(template: Template) -> list[str]:
                            f"({shown}); kill them before deleting it")
         results = set(TemplateBuild.objects.filter(template=template, snapshot__isnull=False)
                       .values_list("snapshot_id", flat=True))
-        taken = list(Snapshot.objects.filter(template=template, state__in=[SnapshotState.READY, SnapshotState.CREATING])
+        taken = list(Snapshot.objects.filter(template=template, state__in=snapshot_states.LIVE)
                      .exclude(pk__in=results).values_list("id", flat=True)[:6])
         if taken:
             raise Conflict(f"template '{template.alias or template.pk}' is still used by snapshots "
