@@ -5,7 +5,7 @@
 # but restarts the units (VMs survive a node restart: see aenv-node.service).
 #
 #   deploy/install-node.sh --database-url postgres://aenv:pw@db:5432/aenv \
-#       --broker-url redis://aenv-node:PASSWORD@broker:6379/0 --node-id node-2 --node-address 10.0.0.12 \
+#       --broker-url redis://aenv-node-node-2:PASSWORD@broker:6379/0 --node-id node-2 --node-address 10.0.0.12 \
 #       --store s3 --s3-bucket aenv-snapshots --s3-endpoint http://s3:9000
 #   deploy/install-node.sh --control-plane            # everything on one machine (SQLite, local Redis)
 #
@@ -28,8 +28,10 @@ usage: deploy/install-node.sh [options]
   --broker-url URL       Celery broker (CELERY_BROKER_URL, default redis://127.0.0.1:6379/0); with
                          Redis the result backend and the channel layer use its databases 1 and 2.
                          A Redis on another host needs its ACL user (deploy/redis/users.acl.template):
-                         redis://aenv-node:PASSWORD@broker:6379/0 for a node (aenv-control for the
-                         control plane), over TLS rediss://aenv-node:PASSWORD@broker:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/aenv/broker-ca.pem
+                         a node its own, redis://aenv-node-<ID>:PASSWORD@broker:6379/0 (rendered with
+                         NODE_IDS; only its queue node.<ID>), or the shared role user aenv-node where
+                         per-node users are not rendered (aenv-control for the control plane); over
+                         TLS rediss://aenv-node-<ID>:PASSWORD@broker:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/aenv/broker-ca.pem
   --result-url URL       CELERY_RESULT_BACKEND (needed when the broker is not Redis)
   --channel-layer-url URL  AENV_CHANNEL_LAYER_URL (a Redis; needed when the broker is not Redis)
   --node-id ID           AENV_NODE_ID (default: the short host name); queue node.<ID>
@@ -146,7 +148,11 @@ if [[ "${SET[CELERY_BROKER_URL]}" =~ ^(rediss?://[^/?]*)(/[0-9]*)?(\?.*)?$ ]]; t
   : "${SET[AENV_CHANNEL_LAYER_URL]:=$redis_base/2$redis_query}"
   # Redis on another host: never without its ACL user (deploy/redis/users.acl.template).
   if [[ ! "$redis_base" =~ ^redis://(127\.0\.0\.1|localhost)(:[0-9]+)?$ ]] && [[ ! "$redis_base" =~ ^rediss?://[^@/]+:[^@/]+@ ]]; then
-    die "--broker-url: a Redis on another host needs a user and password (redis://aenv-node:PASSWORD@host:6379/0, or rediss://... with ?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem; see docs/security.md)"
+    die "--broker-url: a Redis on another host needs a user and password (redis://aenv-node-${SET[AENV_NODE_ID]}:PASSWORD@host:6379/0, or rediss://... with ?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem; see docs/security.md)"
+  fi
+  # A per-node user may consume only its own queue: it must be this node's.
+  if [[ "$redis_base" =~ ^rediss?://aenv-node-([^:@/]+): ]] && [ "${BASH_REMATCH[1]}" != "${SET[AENV_NODE_ID]}" ]; then
+    die "--broker-url: Redis user aenv-node-${BASH_REMATCH[1]} is another node's (queue node.${BASH_REMATCH[1]}); this node is ${SET[AENV_NODE_ID]}: use aenv-node-${SET[AENV_NODE_ID]}"
   fi
 else
   if [ -z "${SET[CELERY_RESULT_BACKEND]:-}" ] || [ -z "${SET[AENV_CHANNEL_LAYER_URL]:-}" ]; then

@@ -5,7 +5,9 @@ with wrong ones; a real Celery round trip with the control-plane user sending to
 and a real worker process, as the node user, answering — with nothing denied on the way
 (``ACL LOG`` stays empty, so the ACL holds everything kombu uses); what the node user must
 not do is refused; and the same over TLS (``rediss://`` with ``ssl_cert_reqs=required`` and
-the CA), where a plaintext connection gets nothing."""
+the CA), where a plaintext connection gets nothing. Per-node users (``aenv-node-a``): a worker
+consumes ``node.a`` with nothing refused, and ``node.b`` is out of its reach (the role user, the
+contrast, reaches it)."""
 from __future__ import annotations
 
 import datetime
@@ -29,6 +31,7 @@ from harness.stack import free_port
 ROOT = Path(__file__).resolve().parents[2]
 RENDER = ROOT / "deploy" / "redis" / "render-acl.sh"
 CONTROL, NODE = "aenv-control", "aenv-node"
+NODE_A, NODE_B = "aenv-node-a", "aenv-node-b"  # per-node users (NODE_IDS="a b"): queues node.a, node.b
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (scripts/setup.sh)")
 
@@ -68,8 +71,9 @@ class Broker:
 
 
 def render_acl(path: Path) -> dict:
-    passwords = {CONTROL: secrets.token_hex(32), NODE: secrets.token_hex(32)}
-    env = {**os.environ, "REDIS_CONTROL_PASSWORD": passwords[CONTROL], "REDIS_NODE_PASSWORD": passwords[NODE]}
+    passwords = {user: secrets.token_hex(32) for user in (CONTROL, NODE, NODE_A, NODE_B)}
+    env = {**os.environ, "REDIS_CONTROL_PASSWORD": passwords[CONTROL], "REDIS_NODE_PASSWORD": passwords[NODE],
+           "NODE_IDS": "a b", "REDIS_NODE_PASSWORD_A": passwords[NODE_A], "REDIS_NODE_PASSWORD_B": passwords[NODE_B]}
     out = subprocess.run(["sh", str(RENDER)], env=env, check=True, capture_output=True, text=True).stdout
     path.write_text(out)
     return passwords
@@ -173,11 +177,11 @@ def tls_broker(tmp_path_factory):
         stop(proc)
 
 
-def round_trip(broker: Broker, tmp_path: Path, queue: str = "node.x") -> dict:
+def round_trip(broker: Broker, tmp_path: Path, queue: str = "node.x", user: str = NODE) -> dict:
     """The control-plane user sends ``nodes.echo`` to ``queue``; a real worker process (the
-    node's flags: agent.worker.worker_argv) as the node user runs it; the sender reads the result."""
+    node's flags: agent.worker.worker_argv) as ``user`` runs it; the sender reads the result."""
     (tmp_path / "acl_worker_app.py").write_text(WORKER_APP)
-    env = {**os.environ, "BROKER": broker.url(NODE, 0), "BACKEND": broker.url(NODE, 1),
+    env = {**os.environ, "BROKER": broker.url(user, 0), "BACKEND": broker.url(user, 1),
            "PYTHONPATH": str(tmp_path)}
     env.pop("DJANGO_SETTINGS_MODULE", None)  # a plain Celery app: no Django fixup in the worker
     argv = worker_argv(queue.removeprefix("node."), 2, "WARNING")
@@ -255,7 +259,70 @@ def test_celery_round_trip_with_the_acl_users(broker, tmp_path):
     assert acl_denials(broker) == []  # nothing kombu or the worker did was refused
 
 
+def test_celery_round_trip_as_a_per_node_user(broker, tmp_path):
+    """aenv-node-a, whose keys are node.a's (and the shared kombu/result keys), runs a worker
+    on node.a: a real round trip, nothing refused."""
+    broker.client(ADMIN).acl_log_reset()
+    round_trip(broker, tmp_path, queue="node.a", user=NODE_A)
+    assert acl_denials(broker) == []
+
+
 # ---------------------------------------------------------------- (c) least rights of the node user
+
+def _refused(call) -> bool:
+    try:
+        call()
+    except redis.exceptions.NoPermissionError:
+        return True
+    return False
+
+
+def test_a_per_node_user_cannot_push_to_or_read_another_nodes_queue(broker):
+    """As aenv-node-a: node.b (and its priority lists and bindings) is out of reach; the shared
+    role user aenv-node (or, for LRANGE, the control plane) does the same calls, and
+    aenv-node-a does them on its own node.a, so each refusal is the per-node user's."""
+    def calls(queue):
+        return {
+            "LPUSH": lambda c: c.lpush(queue, "x"), "RPUSH": lambda c: c.rpush(queue, "x"),
+            "LPUSH priority": lambda c: c.lpush(f"{queue}\x06\x163", "x"),
+            "BRPOP": lambda c: c.brpop([queue], timeout=0.1), "LLEN": lambda c: c.llen(queue),
+            "SADD binding": lambda c: c.sadd(f"_kombu.binding.{queue}", f"{queue}\x06\x16\x06\x16node.a"),
+            "DEL": lambda c: c.delete(f"_kombu.binding.{queue}-nothing", queue + "-nothing"),
+        }
+    node_a, role, control = broker.client(NODE_A), broker.client(NODE), broker.client(CONTROL)
+    for name, call in calls("node.b").items():
+        assert _refused(lambda: call(node_a)), f"{NODE_A} may {name} node.b"
+        assert not _refused(lambda: call(role)), f"the role user may not {name} node.b: no contrast"
+    for name, call in calls("node.a").items():
+        if name != "DEL":  # node.a-nothing is no key of node a's
+            assert not _refused(lambda: call(node_a)), f"{NODE_A} may not {name} its own node.a"
+    assert _refused(lambda: node_a.lrange("node.b", 0, -1)) and _refused(lambda: node_a.lrange("node.a", 0, -1))
+    assert control.lrange("node.b", 0, -1)  # the role user pushed there above; the control plane reads it
+    with pytest.raises(redis.exceptions.NoPermissionError):  # nor another node's remote-control mailbox
+        node_a.lpush("b@host.celery.pidbox", "x")
+    node_a.lpush("a@host.celery.pidbox", "x")
+    control.delete("node.a", "node.b", "node.a\x06\x163", "node.b\x06\x163", "a@host.celery.pidbox")
+    control.srem("_kombu.binding.node.a", "node.a\x06\x16\x06\x16node.a")
+    control.srem("_kombu.binding.node.b", "node.b\x06\x16\x06\x16node.a")
+
+
+def test_per_node_users_are_rendered_from_node_ids_and_the_role_user_is_off_without_its_password(tmp_path):
+    base = {**os.environ, "REDIS_CONTROL_PASSWORD": "c" * 64}
+    base.pop("REDIS_NODE_PASSWORD", None)
+    done = subprocess.run(["sh", str(RENDER), str(RENDER.parent / "users.acl.template"), "node-1", "n.2"],
+                          env={**base, "REDIS_NODE_PASSWORD_NODE_1": "1" * 64, "REDIS_NODE_PASSWORD_N_2": "2" * 64},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    users = {line.split()[1]: line for line in done.stdout.splitlines()}
+    assert set(users) == {"default", CONTROL, NODE, "aenv-node-node-1", "aenv-node-n.2"}
+    assert users[NODE].startswith("user aenv-node off resetpass resetkeys")  # no password: no login
+    assert " ~node.node-1 " in users["aenv-node-node-1"] and "~node.*" not in users["aenv-node-node-1"]
+    assert "1" * 64 not in done.stdout and "{{" not in done.stdout
+    missing = subprocess.run(["sh", str(RENDER)], env={**base, "NODE_IDS": "node-1"}, capture_output=True, text=True)
+    assert missing.returncode == 2 and "REDIS_NODE_PASSWORD_NODE_1" in missing.stderr and not missing.stdout
+    bad = subprocess.run(["sh", str(RENDER)], env={**base, "NODE_IDS": "Node*", "REDIS_NODE_PASSWORD_NODE*": "x" * 64},
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "node id" in bad.stderr
 
 @pytest.mark.parametrize("command", [
     ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"), ("CONFIG", "SET", "appendonly", "yes"), ("KEYS", "*"),
@@ -346,16 +413,26 @@ def test_compose_gives_every_process_its_redis_user_and_redis_the_acl():
     redis_service = services["redis"]
     assert "--aclfile" in " ".join(redis_service["command"]) and "render-acl.sh" in " ".join(redis_service["command"])
     assert "./redis:/aenv-redis:ro" in redis_service["volumes"]
-    assert "--user aenv-node" in " ".join(redis_service["healthcheck"]["test"])
+    assert "--user aenv-node-node-1" in " ".join(redis_service["healthcheck"]["test"])
     aenv = {name: s for name, s in services.items() if s["image"].startswith("aenv-")}
-    assert len([n for n in aenv if n.startswith("node-")]) == 3
+    nodes = sorted(n for n in aenv if n.startswith("node-"))
+    assert len(nodes) == 3
+    # one Redis user per node service, each rendered from its own password; the role user is off
+    assert redis_service["environment"]["NODE_IDS"].split() == nodes
+    assert "REDIS_NODE_PASSWORD" not in redis_service["environment"]
     for name, s in aenv.items():
         env = s["environment"]
         urls = [env[k] for k in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "AENV_CHANNEL_LAYER_URL") if env.get(k)]
         assert urls, name
-        user = NODE if name.startswith("node-") else CONTROL
-        secret = "REDIS_NODE_PASSWORD" if user == NODE else "REDIS_CONTROL_PASSWORD"
+        node = name.startswith("node-")
+        if node:
+            assert env["AENV_NODE_ID"] == name
+            user, secret = f"aenv-node-{name}", "REDIS_NODE_PASSWORD_" + name.upper().replace("-", "_")
+            assert secret in redis_service["environment"], name
+        else:
+            user, secret = CONTROL, "REDIS_CONTROL_PASSWORD"
         for url in urls:
-            assert url.startswith(f"redis://{user}:${{{secret}") and "@redis:6379/" in url, (name, url)
-        if user == NODE:  # a node never holds the control plane's password
-            assert not any("REDIS_CONTROL_PASSWORD" in str(v) for v in env.values()), name
+            assert url.startswith(f"redis://{user}:${{{secret}" + ("}" if node else "")) and "@redis:6379/" in url, (name, url)
+        if node:  # a node never holds the control plane's password, nor another node's
+            others = [n.upper().replace("-", "_") for n in nodes if n != name]
+            assert not any("REDIS_CONTROL_PASSWORD" in str(v) or any(o in str(v) for o in others) for v in env.values()), name

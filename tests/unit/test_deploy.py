@@ -28,8 +28,9 @@ from tests.unit import k8s_manifests as k8s
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
-# What `docker compose` needs set: the secret key and the two Redis users' passwords.
-COMPOSE_ENV = {"DJANGO_SECRET_KEY": "test-key", "REDIS_CONTROL_PASSWORD": "c" * 64, "REDIS_NODE_PASSWORD": "n" * 64}
+# What `docker compose` needs set: the secret key and the Redis users' passwords (one per node).
+COMPOSE_ENV = {"DJANGO_SECRET_KEY": "test-key", "REDIS_CONTROL_PASSWORD": "c" * 64,
+               **{f"REDIS_NODE_PASSWORD_NODE_{n}": str(n) * 64 for n in (1, 2, 3)}}
 UNITS = DEPLOY / "systemd"
 INSTALL = DEPLOY / "install-node.sh"
 VENV_BIN = Path(sys.executable).parent
@@ -42,6 +43,9 @@ EXTERNAL_ENV = {
     "DEBIAN_FRONTEND": "apt (image builds)",
     "REDIS_CONTROL_PASSWORD": "Kubernetes: $(REDIS_CONTROL_PASSWORD) in the control plane's Redis URLs (deploy/k8s)",
     "REDIS_NODE_PASSWORD": "Kubernetes: $(REDIS_NODE_PASSWORD) in the nodes' Redis URLs (deploy/k8s)",
+    **{f"REDIS_NODE_PASSWORD_NODE_{n}": f"deploy/redis/render-acl.sh: aenv-node-node-{n}'s password (compose's redis)"
+       for n in (1, 2, 3)},
+    "NODE_IDS": "deploy/redis/render-acl.sh: one Redis user per node (compose's redis)",
     "AENV_K8S_REDIS_ADDRESS": "Kubernetes: $(AENV_K8S_REDIS_ADDRESS) in each container's Redis URLs (deploy/k8s)",
     "AENV_K8S_NODE_POOLS": "deploy/docker/entrypoint.sh: the node's AENV_NET_POOL by node name (deploy/k8s)",
 }
@@ -344,6 +348,19 @@ def test_install_takes_a_tls_broker_with_its_ca():
     assert values["CELERY_BROKER_URL"] == url
     assert values["CELERY_RESULT_BACKEND"] == url.replace(":6380/0?", ":6380/1?")
     assert values["AENV_CHANNEL_LAYER_URL"] == url.replace(":6380/0?", ":6380/2?")
+
+
+def test_install_takes_the_nodes_own_redis_user_and_refuses_another_nodes():
+    """A node host gets its own user's credentials (aenv-node-<id>: only queue node.<id>);
+    another node's user would make its worker's BRPOP on node.<id> refused, so it stops here."""
+    own = "redis://aenv-node-node-2:pw@broker.example:6379/0"
+    done = run_install("--dry-run", *JOIN_FLAGS[:2], "--broker-url", own, *JOIN_FLAGS[4:])
+    assert done.returncode == 0, done.stderr
+    values = env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])
+    assert values["CELERY_BROKER_URL"] == own and values["CELERY_RESULT_BACKEND"] == own[:-1] + "1"
+    other = run_install("--dry-run", *JOIN_FLAGS[:2], "--broker-url", own.replace("node-node-2", "node-node-3"),
+                        *JOIN_FLAGS[4:])
+    assert other.returncode != 0 and "aenv-node-node-3 is another node's" in other.stderr, other.stderr
 
 
 @pytest.mark.parametrize("args,message", [
