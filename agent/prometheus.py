@@ -12,7 +12,6 @@ here is the control plane's to say: the API's ``/metrics`` has it per node.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -22,6 +21,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from celery import signals
 from prometheus_client import REGISTRY, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+
+from nodes.metrics_auth import CHALLENGE, UNAUTHORIZED, bearer_matches
 
 log = logging.getLogger(__name__)
 
@@ -134,20 +135,14 @@ class NodeCollector:
 LOOPBACK = "127.0.0.1"
 
 
-def bearer_matches(authorization: str | None, token: str) -> bool:
-    """``Authorization: Bearer <token>``, compared in constant time."""
-    scheme, _, given = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
-
-
 def guarded(app, token: str):
     """The WSGI ``app`` behind the bearer ``token`` (none: open, which only the loopback
     bind makes acceptable)."""
     def serve(environ, start_response):
         if token and not bearer_matches(environ.get("HTTP_AUTHORIZATION"), token):
             start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
-                                                ("WWW-Authenticate", 'Bearer realm="aenv metrics"')])
-            return [b"metrics need Authorization: Bearer <AENV_METRICS_TOKEN>\n"]
+                                                ("WWW-Authenticate", CHALLENGE)])
+            return [UNAUTHORIZED]
         return app(environ, start_response)
     return serve
 

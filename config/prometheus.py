@@ -11,13 +11,13 @@ ids never become label values.
 """
 from __future__ import annotations
 
-import hmac
 import time
 
 from django.conf import settings
 from django.http import HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 
+from nodes.metrics_auth import CHALLENGE, UNAUTHORIZED, bearer_matches
 from envd import ENVD_PORT
 
 from api.middleware_base import AroundMiddleware
@@ -45,17 +45,10 @@ def exposition(registry=REGISTRY) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-UNAUTHORIZED = b"metrics need Authorization: Bearer <AENV_METRICS_TOKEN>\n"
-CHALLENGE = 'Bearer realm="aenv metrics"'
-
-
 def authorized(authorization: str | None) -> bool:
     """No ``AENV_METRICS_TOKEN``: anyone; else ``Authorization: Bearer <token>`` only."""
     token = settings.AENV_METRICS_TOKEN
-    if not token:
-        return True
-    scheme, _, given = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    return not token or bearer_matches(authorization, token)
 
 
 def metrics_view(request):
