@@ -44,7 +44,7 @@ TIERS: dict[str, Tier] = {
                     paths=("tests/unit/test_vmm_slot_pool.py", "tests/unit/test_vmm_host_table.py",
                            "tests/unit/test_vmm_slots.py", "tests/unit/test_vmm_net_ingress.py",
                            "tests/unit/test_vmm_net_policy.py", "tests/unit/test_vmm_net_conntrack.py",
-                           "tests/unit/test_cluster_layout.py",
+                           "tests/unit/test_cluster_layout.py", "tests/unit/test_pool_routes.py",
                            "tests/unit/test_vmm_net_dns.py",
                            "tests/integration/test_network_e2e.py", "tests/integration/test_network_faults.py",
                            "tests/integration/test_cluster.py")),

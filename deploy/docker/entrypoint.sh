@@ -6,8 +6,10 @@
 #                               (printed once in this container's log)
 #   node                        the node worker (Dockerfile.node, privileged): builds the guest
 #                               images into AENV_IMAGES_DIR on its first start, then serves
-#   health api|dataplane|sweeper|node|worker   the container's health check (worker: the
+#   health api|dataplane|sweeper|routes|node|worker   the container's health check (worker: the
 #                               node worker's liveness, which never asks the database)
+#   routes                      keeps this machine's routes to every node's slot pool
+#                               (manage.py sync_pool_routes; Kubernetes: the aenv-routes DaemonSet)
 #   node-pool DIR               this node's slot pool from a directory with one file per node
 #                               name (Kubernetes: the aenv-node-pools ConfigMap), checked
 #                               against every other node's; the node command does this itself
@@ -21,18 +23,26 @@ PY=$PWD/.venv/bin/python
 # --heartbeat); its health check wants it younger than SWEEPER_STALE seconds.
 SWEEPER_HEARTBEAT=/tmp/aenv-sweeper.alive
 SWEEPER_STALE=120
+# The same for the route syncer (sync_pool_routes --heartbeat, a pass every 30 s).
+ROUTES_HEARTBEAT=/tmp/aenv-routes.alive
+ROUTES_STALE=150
 
 die() { echo "entrypoint: $*" >&2; exit 1; }
+
+# FILE STALE WHAT: fails unless FILE exists and was touched less than STALE seconds ago.
+fresh() {
+  [ -f "$1" ] || die "health: $3 has not happened yet ($1)"
+  local age=$(( $(date +%s) - $(stat -c %Y "$1") ))
+  [ "$age" -lt "$2" ] || die "health: $3 was ${age} s ago"
+}
 
 health() {
   case "${1:-}" in
     api) exec "$PY" -c 'import sys, urllib.request
 sys.exit(0 if urllib.request.urlopen("http://127.0.0.1:3000/health", timeout=5).status == 204 else 1)' ;;
     dataplane) exec "$PY" -c 'import socket; socket.create_connection(("127.0.0.1", 3001), timeout=5).close()' ;;
-    sweeper)
-      [ -f "$SWEEPER_HEARTBEAT" ] || die "health: the sweeper has not swept yet ($SWEEPER_HEARTBEAT)"
-      local age=$(( $(date +%s) - $(stat -c %Y "$SWEEPER_HEARTBEAT") ))
-      [ "$age" -lt "$SWEEPER_STALE" ] || die "health: the sweeper's last sweep was ${age} s ago" ;;
+    sweeper) fresh "$SWEEPER_HEARTBEAT" "$SWEEPER_STALE" "the sweeper's last sweep" ;;
+    routes) fresh "$ROUTES_HEARTBEAT" "$ROUTES_STALE" "the route syncer's last pass" ;;
     # The node worker still serves its metrics port (AENV_NODE_METRICS_PORT: on 127.0.0.1
     # without AENV_METRICS_TOKEN, on AENV_NODE_ADDRESS with one). Never the database or the
     # broker: a liveness restart ends every VM of the node. Metrics off (0): nothing to ask.
@@ -52,36 +62,18 @@ from django.conf import settings
 from nodes.models import Node
 node = Node.objects.filter(pk=settings.AENV_NODE_ID).first()
 sys.exit(0 if node is not None and node.is_alive() else 1)' ;;
-    *) die "health: api, dataplane, sweeper, node or worker" ;;
+    *) die "health: api, dataplane, sweeper, routes, node or worker" ;;
   esac
 }
 
 # Prints the pool of node AENV_NODE_ID from DIR (a file per node name holding its CIDR;
-# ConfigMap volumes add ..data entries, which are skipped). Refuses a node with no pool, a
-# value that is not an IPv4 network, and a pool that overlaps another node's: two nodes with
-# one pool would give two guests the same address.
+# nodes/pools.py reads it: ConfigMap volumes add ..data entries, which are skipped). Refuses a
+# node with no pool, a value that is not an IPv4 network, and a pool that overlaps another
+# node's: two nodes with one pool would give two guests the same address.
 node_pool() {
   local dir=${1:?node-pool: a directory}
   [ -n "${AENV_NODE_ID:-}" ] || die "node-pool: AENV_NODE_ID is not set"
-  [ -f "$dir/$AENV_NODE_ID" ] ||
-    die "no slot pool for node $AENV_NODE_ID in $dir: add the key $AENV_NODE_ID to the aenv-node-pools ConfigMap"
-  "$PY" - "$dir" "$AENV_NODE_ID" <<'EOF'
-import ipaddress, pathlib, sys
-folder, me = pathlib.Path(sys.argv[1]), sys.argv[2]
-pools = {}
-for path in sorted(folder.iterdir()):
-    if path.name.startswith(".") or not path.is_file():
-        continue
-    text = path.read_text().strip()
-    try:
-        pools[path.name] = ipaddress.IPv4Network(text)
-    except ValueError as exc:
-        sys.exit(f"entrypoint: the pool of node {path.name} ({text!r}) is not an IPv4 network: {exc}")
-for name, pool in pools.items():
-    if name != me and pool.overlaps(pools[me]):
-        sys.exit(f"entrypoint: node {me}'s pool {pools[me]} overlaps node {name}'s {pool}: give each node its own")
-print(pools[me])
-EOF
+  "$PY" -m nodes.pools "$dir" "$AENV_NODE_ID"
 }
 
 case "${1:-}" in
@@ -108,6 +100,8 @@ case "${1:-}" in
     exec "$PY" manage.py run_node ;;
   health) shift; health "$@" ;;
   node-pool) shift; node_pool "$@" ;;
-  "") die "a command: api, dataplane, sweeper, migrate, node, node-pool or health" ;;
+  routes) exec "$PY" manage.py sync_pool_routes --pools "${AENV_K8S_NODE_POOLS:?routes: set AENV_K8S_NODE_POOLS to the pools folder}" \
+            --heartbeat "$ROUTES_HEARTBEAT" ;;
+  "") die "a command: api, dataplane, sweeper, migrate, node, node-pool, routes or health" ;;
   *) exec "$@" ;;
 esac

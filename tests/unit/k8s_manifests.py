@@ -292,6 +292,12 @@ def _role_problems(docs: list[dict], doc: dict, c: dict) -> list[str]:
     channel layer."""
     where = f"{doc['kind']}/{doc['metadata']['name']} {c['name']}"
     role = pod_labels(doc).get("app.kubernetes.io/component")
+    if role == "routes":
+        # The route syncer reads the database only: no broker, no Redis password at all.
+        defined = _defined(docs, c)
+        return [f"{where}: the route syncer names {name}" for name in
+                (*REDIS_DATABASES, *(v for _, v in REDIS_USERS.values()), "REDIS_CONTROL_PASSWORD")
+                if name in defined]
     if role != "node" and role not in CONTROL_PLANE:
         return [f"{where}: an aenv container of no known role ({role})"]
     user, variable = REDIS_USERS["node" if role == "node" else "control"]

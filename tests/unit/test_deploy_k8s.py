@@ -406,3 +406,24 @@ def test_node_liveness_asks_only_the_worker(tmp_path):
     down = health(port)
     assert down.returncode != 0 and f"metrics port {port}" in down.stderr
     assert health(0).returncode == 0
+
+
+def test_every_host_routes_the_pools_with_net_admin_only():
+    """aenv-routes (nodes.pool_routes): on every host (no node selector), on the host's
+    network, reading the same aenv-node-pools ConfigMap the nodes take their pools from, with
+    CAP_NET_ADMIN alone (not privileged), probed by its last pass."""
+    for overlay in k8s.OVERLAYS:
+        docs = k8s.overlay(overlay)
+        routes = k8s.find(docs, "DaemonSet", "aenv-routes")
+        pod = routes["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["args"] == ["routes"]
+        assert pod["hostNetwork"] is True and "nodeSelector" not in pod and "affinity" not in pod
+        security = container["securityContext"]
+        assert not security.get("privileged") and security["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts[env["AENV_K8S_NODE_POOLS"]]]["configMap"]["name"] == "aenv-node-pools"
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["exec"]["command"][-2:] == ["health", "routes"]
