@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
 # What `docker compose` needs set: the secret key and the Redis users' passwords (one per node).
-COMPOSE_ENV = {"DJANGO_SECRET_KEY": "test-key", "REDIS_CONTROL_PASSWORD": "c" * 64,
+COMPOSE_ENV = {"DJANGO_SECRET_KEY": "test-key", "REDIS_CONTROL_PASSWORD": "c" * 64, "POSTGRES_PASSWORD": "p" * 64,
                **{f"REDIS_NODE_PASSWORD_NODE_{n}": str(n) * 64 for n in (1, 2, 3)}}
 UNITS = DEPLOY / "systemd"
 INSTALL = DEPLOY / "install-node.sh"
@@ -162,7 +162,32 @@ def test_compose_cluster_shape():
             if cond["condition"] == "service_healthy":
                 assert "healthcheck" in services[target], (name, target)
     images = {s["image"].split(":")[0] for s in services.values()}
-    assert images == {"postgres", "redis", "minio/minio", "minio/mc", "aenv-control-plane", "aenv-node"}
+    assert images == {"aenv-postgres", "aenv-redis", "minio/minio", "minio/mc", "aenv-control-plane", "aenv-node"}
+    # every image built here starts from the local Debian root unless BASE_IMAGE says otherwise
+    for name, s in services.items():
+        if "build" in s:
+            assert s["build"]["args"]["BASE_IMAGE"] == "${BASE_IMAGE:-aenv-debian:bookworm}", name
+    for dockerfile in (DEPLOY / "docker").glob("Dockerfile.*"):
+        froms = re.findall(r"^FROM (\S+)", dockerfile.read_text(), re.M)
+        assert froms and set(froms) == {"${BASE_IMAGE}"}, (dockerfile.name, froms)
+        assert "ARG BASE_IMAGE=aenv-debian:bookworm" in dockerfile.read_text(), dockerfile.name
+
+
+def test_compose_ci_override_runs_two_nodes_on_moto():
+    """deploy/compose.ci.yaml (tests/compose/): moto instead of MinIO (no registry), two nodes by
+    default, each seeded from the host's images at the same path; and `config` accepts the pair."""
+    env = {**os.environ, **COMPOSE_ENV, "AENV_CI_IMAGES": "/srv/images"}
+    done = subprocess.run([str(compose_cli()), "-f", str(COMPOSE), "-f", str(DEPLOY / "compose.ci.yaml"), "config",
+                           "--format", "json"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    services = json.loads(done.stdout)["services"]
+    assert "node-3" not in services and {"node-1", "node-2"} <= set(services)
+    assert services["s3"]["image"] == "aenv-s3:dev" and services["s3-init"]["image"] == "aenv-s3:dev"
+    assert not any(s["image"].startswith("minio/") for s in services.values())
+    for node in ("node-1", "node-2"):
+        assert services[node]["environment"]["AENV_IMAGES_DIR"] == "/srv/images"
+        targets = {v["target"]: v for v in services[node]["volumes"]}
+        assert targets["/seed/images"]["read_only"] and targets["/srv/images"]["type"] == "volume"
 
 
 # ---------------------------------------------------------------- systemd
@@ -414,7 +439,7 @@ def env_names_set_by_deploy_files() -> dict[str, set[str]]:
             if container["image"].startswith("aenv-"):
                 add((e["name"] for e in container.get("env", [])), name)
     for service, spec in compose_doc()["services"].items():
-        if spec["image"].startswith("aenv-"):
+        if spec["image"].split(":")[0] in ("aenv-control-plane", "aenv-node"):
             add(spec.get("environment", {}), f"compose:{service}")
     for dockerfile in (DEPLOY / "docker").glob("Dockerfile.*"):
         for line in re.findall(r"^ENV (.+)$", dockerfile.read_text(), re.M):
@@ -485,7 +510,7 @@ def test_images_and_their_commands_fit_together():
     assert {"api", "dataplane", "sweeper", "migrate", "node", "health"} <= commands
     used = []
     for service in compose_doc()["services"].values():
-        if service["image"].startswith("aenv-"):
+        if service["image"].split(":")[0] in ("aenv-control-plane", "aenv-node"):
             used.append(service["command"])
             used.append(service.get("healthcheck", {}).get("test", [])[1:])
     for _, doc in k8s.documents():
