@@ -9,15 +9,33 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from functools import partial
+
 from celery import shared_task
+from django.conf import settings
 
 from nodes import protocol
+from nodes.sealed import open_fields
+from nodes.signing import ClaimedTask
 
 from agent import console_logs, moves
 from agent.driver import get_driver, get_templates
 from agent.guest import EnvdInitFailed, GuestUnresponsive, guest_responds, handoff_token, init_envd
 
 log = logging.getLogger(__name__)
+
+
+class NodeTask(ClaimedTask):
+    """A node task: run only as signed and claimed (``nodes.signing``), its secrets opened
+    (``nodes.sealed``: sealed by the control plane with the shared DJANGO_SECRET_KEY)."""
+
+    abstract = True
+
+    def open_kwargs(self, kwargs: dict) -> dict:
+        return open_fields(kwargs, settings.SECRET_KEY)
+
+
+node_task = partial(shared_task, base=NodeTask)
 
 def _round(timings: dict | None) -> dict:
     return {k: round(float(v), 2) for k, v in (timings or {}).items()}
@@ -80,7 +98,7 @@ def _start_vm(driver, spec):
     return info
 
 
-@shared_task(name=protocol.BOOT_SANDBOX)
+@node_task(name=protocol.BOOT_SANDBOX)
 def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int, disk_size_mb: int,
                  env_vars: dict, access_token: str | None, network: dict | None = None) -> dict:
     from vmm.driver import BootSpec
@@ -96,7 +114,7 @@ def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int,
     return _envd_result(info, timings)
 
 
-@shared_task(name=protocol.KILL_SANDBOX)
+@node_task(name=protocol.KILL_SANDBOX)
 def kill_sandbox(*, sandbox_id: str) -> dict:
     driver = get_driver()
     console_logs.flush(driver, sandbox_id, gone=True)  # the console goes with the VM
@@ -106,7 +124,7 @@ def kill_sandbox(*, sandbox_id: str) -> dict:
     return {"killed": killed}
 
 
-@shared_task(name=protocol.PAUSE_SANDBOX)
+@node_task(name=protocol.PAUSE_SANDBOX)
 def pause_sandbox(*, sandbox_id: str, to_disk: bool = True, memory: bool = True,
                   require_healthy_guest: bool = False) -> dict:
     """Pauses the VM: to disk (device state saved, QEMU process stopped, RAM file kept)
@@ -149,7 +167,7 @@ def _guest_unresponsive(driver, sandbox_id: str) -> bool:
     return not guest_responds(info.envd_host, info.envd_port)
 
 
-@shared_task(name=protocol.RESUME_SANDBOX)
+@node_task(name=protocol.RESUME_SANDBOX)
 def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, memory: bool = True,
                    network: dict | None = None) -> dict:
     """Resumes a paused VM, then re-inits envd (fresh timestamp: the guest clock stood
@@ -215,7 +233,7 @@ def _store():
     return get_store()
 
 
-@shared_task(name=protocol.SNAPSHOT_SANDBOX)
+@node_task(name=protocol.SNAPSHOT_SANDBOX)
 def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) -> dict:
     """Captures the running VM into the snapshot store (the VM pauses briefly, then
     continues). ``memory=False``: the guest syncs first and only the disk layers are
@@ -245,7 +263,7 @@ def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) 
             "memory": bool(memory), "timings": timings}
 
 
-@shared_task(name=protocol.RESTORE_SANDBOX)
+@node_task(name=protocol.RESTORE_SANDBOX)
 def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access_token: str | None,
                     source_token: str | None = None, network: dict | None = None, template: bool = False) -> dict:
     """Starts a new VM from a snapshot (copy-on-write memory and disk), then gives its
@@ -276,7 +294,7 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
 FORK_INIT_THREADS = 16
 
 
-@shared_task(name=protocol.FORK_SANDBOX)
+@node_task(name=protocol.FORK_SANDBOX)
 def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, children: list[dict]) -> dict:
     """One capture of the running parent, then a child per entry of ``children``
     ({"sandbox_id", "env_vars", "access_token", "network"?}), each taking over its envd with
@@ -328,7 +346,7 @@ def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, c
     return {"parent": parent, "children": out, "timings": timings}
 
 
-@shared_task(name=protocol.UPDATE_NETWORK)
+@node_task(name=protocol.UPDATE_NETWORK)
 def update_network(*, sandbox_id: str, network: dict) -> dict:
     """Replaces the VM's egress policy (E2B's PUT /sandboxes/{id}/network) with ``network``
     (NetworkSpec JSON): at once for a running VM, recorded for one saved to disk. Raises
@@ -338,13 +356,13 @@ def update_network(*, sandbox_id: str, network: dict) -> dict:
     return {"timings": {"total_ms": round((time.perf_counter() - started) * 1000, 2)}}
 
 
-@shared_task(name=protocol.DELETE_SNAPSHOT_FILES)
+@node_task(name=protocol.DELETE_SNAPSHOT_FILES)
 def delete_snapshot_files(*, snapshot_id: str) -> dict:
     """Removes a snapshot's files from this node's store; {"deleted": False} if none."""
     return {"deleted": bool(_store().delete(snapshot_id))}
 
 
-@shared_task(name=protocol.BUILD_TEMPLATE, ignore_result=True)
+@node_task(name=protocol.BUILD_TEMPLATE, ignore_result=True)
 def build_template(*, build_id: str, template_id: str, spec: dict, cpu_count: int, memory_mb: int,
                    disk_size_mb: int) -> dict:
     """Builds template build ``build_id`` of ``template_id`` on this node (E2B's template

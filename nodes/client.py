@@ -16,11 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 from celery import states
+from celery.utils import uuid
 from django.conf import settings
 
 from nodes.celery_app import app as celery_app
 from nodes import protocol
 from nodes.models import Node
+from nodes import signing
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,11 @@ _RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "i
 
 
 def _publish(task: str, queue: str, kwargs: dict, expires: float) -> str:
-    result = celery_app.send_task(task, kwargs=kwargs, queue=queue, expires=expires, retry=True,
+    # Secrets sealed (nodes.sealed); the claims bind the signed body to this task, queue, id
+    # and expiry, so the node can tell a replayed or re-aimed message (nodes.signing).
+    task_id = uuid()
+    body = signing.outgoing(task, queue, task_id, kwargs, expires, settings.SECRET_KEY)
+    result = celery_app.send_task(task, kwargs=body, queue=queue, task_id=task_id, expires=expires, retry=True,
                                   retry_policy=_RETRY_POLICY)
     return result.id
 

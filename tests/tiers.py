@@ -66,7 +66,7 @@ TIERS: dict[str, Tier] = {
                        paths=("tests/unit/test_toolsdrive.py", "tests/unit/test_vmm_ready_made.py",
                               "tests/unit/test_deploy.py", "tests/unit/test_builder_scripts.py",
                               "tests/unit/test_shell_scripts.py", "tests/unit/test_host_venv.py",
-                              "tests/unit/test_broker_acl.py")),
+                              "tests/unit/test_broker_acl.py", "tests/unit/test_task_signing.py")),
 }
 
 # Skips that say something about the machine no setup script changes, not about a missing

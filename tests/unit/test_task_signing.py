@@ -1,0 +1,337 @@
+"""Signed node tasks (``nodes.signing``) and sealed secrets (``nodes.sealed``) against a real
+``redis-server`` of our own (free loopback port, tmp dir; never the machine's :6379) and a
+real Celery worker process set up as a node (``signing.configure`` with the certificate
+only, tasks on ``signing.ClaimedTask``): what an attacker with the broker password pushes
+straight into ``node.x`` (plain JSON, or signed by a key of their own) is refused, logged
+and never run; a message of the control plane read off the broker cannot be replayed or
+re-aimed at another node; a properly signed task runs and gets its sealed token back in
+clear; the raw bytes in Redis (message and result) never hold a secret."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+from celery.exceptions import ImproperlyConfigured
+
+from harness.stack import free_port
+from nodes import sealed, signing
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "test-django-secret-key-" + "x" * 40
+TOKEN = "envd-token-" + uuid.uuid4().hex
+PASSWORD = "registry-password-" + uuid.uuid4().hex
+
+# A node as the agent is one (agent.tasks.NodeTask), without Django: accepts signed tasks only.
+WORKER_APP = '''
+import os
+from celery import Celery
+from nodes import signing
+from nodes.sealed import open_fields
+
+app = Celery("signtest", broker=os.environ["BROKER"], backend=os.environ["BACKEND"])
+app.conf.update(task_acks_late=False, worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True)
+MODE = signing.configure(app, key=None, cert=os.environ["CERT"])
+assert MODE == "verify", MODE
+
+
+class NodeTask(signing.ClaimedTask):
+    abstract = True
+
+    def open_kwargs(self, kwargs):
+        return open_fields(kwargs, os.environ["SECRET"])
+
+
+@app.task(name="nodes.echo", base=NodeTask)
+def echo(value, access_token=None, spec=None):
+    with open(os.environ["RAN"], "a") as f:
+        f.write(value + "\\n")
+    password = ((spec or {}).get("from_image_registry") or {}).get("password", "")
+    return {"echo": value, "token_ok": access_token == os.environ["TOKEN"],
+            "password_ok": password == os.environ["PASSWORD"]}
+'''
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (scripts/setup.sh)")
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    trusted = tmp_path_factory.mktemp("trusted")
+    other = tmp_path_factory.mktemp("other")
+    signing.write_keys(trusted)
+    signing.write_keys(other)  # the same common name: only the key tells them apart
+    return {"trusted": trusted, "other": other}
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    home = tmp_path_factory.mktemp("sign-redis")
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--dir", str(home)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(host="127.0.0.1", port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def node(broker, keys, tmp_path_factory):
+    """A worker process consuming ``node.x`` that trusts only the trusted certificate."""
+    home = tmp_path_factory.mktemp("sign-node")
+    (home / "sign_worker_app.py").write_text(WORKER_APP)
+    ran, log = home / "ran", home / "worker.log"
+    ran.touch()
+    env = {**os.environ, "BROKER": f"redis://127.0.0.1:{broker}/0", "BACKEND": f"redis://127.0.0.1:{broker}/1",
+           "CERT": str(keys["trusted"] / signing.CERT_FILE), "SECRET": SECRET, "RAN": str(ran),
+           "TOKEN": TOKEN, "PASSWORD": PASSWORD, "PYTHONPATH": f"{home}:{ROOT}"}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    with log.open("w") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "sign_worker_app", "worker", "-Q", "node.x",
+                                   "-P", "threads", "-c", "2", "--without-gossip", "--without-mingle",
+                                   "-n", "x@%h", "-l", "INFO"], cwd=home, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while "ready." not in log.read_text():
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield type("Node", (), {"ran": ran, "log": log, "port": broker, "worker": worker})
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def control(broker, keys):
+    """The control plane's app: signs with the trusted key."""
+    app = Celery("signtest-control", broker=f"redis://127.0.0.1:{broker}/0", backend=f"redis://127.0.0.1:{broker}/1")
+    app.conf.broker_connection_retry_on_startup = True
+    assert signing.configure(app, key=str(keys["trusted"] / signing.KEY_FILE),
+                             cert=str(keys["trusted"] / signing.CERT_FILE)) == "sign"
+    yield app
+    app.close()
+
+
+def send(app, queue: str, value: str, expires: float = 60, signed_for: str | None = None):
+    """The control plane's send (as nodes.client._publish); ``signed_for``: the queue the
+    claims name when it is not ``queue`` (a message parked where nobody consumes it)."""
+    task_id = str(uuid.uuid4())
+    kwargs = signing.outgoing("nodes.echo", signed_for or queue, task_id,
+                              {"value": value, "access_token": TOKEN,
+                               "spec": {"from_image_registry": {"type": "registry", "username": "u",
+                                                                "password": PASSWORD}}},
+                              expires, SECRET)
+    return app.send_task("nodes.echo", kwargs=kwargs, queue=queue, task_id=task_id, expires=expires)
+
+
+def wait_log(node, text: str, timeout: float = 20) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        log = node.log.read_text()
+        if text in log:
+            return log
+        assert time.monotonic() < deadline, f"{text!r} not logged:\n{log[-3000:]}"
+        time.sleep(0.1)
+
+
+def raw_message(task_id: str, body: bytes | str, content_type: str, queue: str = "node.x") -> bytes:
+    """A task message (Celery protocol 2) as kombu's Redis transport stores it."""
+    return json.dumps({
+        "body": base64.b64encode(body if isinstance(body, bytes) else body.encode()).decode(), "content-encoding": "utf-8", "content-type": content_type,
+        "headers": {"lang": "py", "task": "nodes.echo", "id": task_id, "root_id": task_id, "parent_id": None,
+                    "group": None, "retries": 0, "eta": None, "expires": None, "origin": "attacker"},
+        "properties": {"correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
+                       "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0,
+                       "body_encoding": "base64", "delivery_tag": str(uuid.uuid4())},
+    }).encode()
+
+
+def task_body(value: str, task_id: str, queue: str = "node.x") -> list:
+    return [[], {"value": value, signing.CLAIMS: signing.claims("nodes.echo", queue, task_id, 60)},
+            {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
+
+
+def results(port: int) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=port, db=1)
+
+
+# ------------------------------------------------------------------ refused
+
+def test_an_unsigned_task_pushed_into_redis_is_refused_logged_and_not_run(node):
+    task_id = str(uuid.uuid4())
+    value = f"unsigned-{task_id}"
+    redis.Redis(host="127.0.0.1", port=node.port).lpush(
+        "node.x", raw_message(task_id, json.dumps(task_body(value, task_id)).encode(), "application/json"))
+    log = wait_log(node, f"REFUSED task message {task_id} (task nodes.echo) on queue node.x: not signed")
+    time.sleep(1)
+    assert value not in node.ran.read_text()
+    assert results(node.port).get(f"celery-task-meta-{task_id}") is None
+    assert node.worker.poll() is None, log  # the worker goes on
+
+
+def test_a_task_signed_by_an_untrusted_key_is_refused(node, keys):
+    from celery.security.certificate import Certificate  # noqa: PLC0415
+    from celery.security.key import PrivateKey  # noqa: PLC0415
+    from celery.security.serialization import SecureSerializer  # noqa: PLC0415
+
+    other = SecureSerializer(PrivateKey((keys["other"] / signing.KEY_FILE).read_text()),
+                             Certificate((keys["other"] / signing.CERT_FILE).read_text()), None, "sha256")
+    task_id = str(uuid.uuid4())
+    value = f"untrusted-{task_id}"
+    redis.Redis(host="127.0.0.1", port=node.port).lpush(
+        "node.x", raw_message(task_id, other.serialize(task_body(value, task_id)), "application/data"))
+    wait_log(node, f"REFUSED task message {task_id} (task nodes.echo) on queue node.x: signature not valid")
+
+    # A certificate of the attacker's own that names the trusted one (issuer and serial, what
+    # the message's "signer" says): found in the store, but the trusted key did not sign.
+    forged = SecureSerializer(PrivateKey((keys["other"] / signing.KEY_FILE).read_text()),
+                              Certificate((keys["trusted"] / signing.CERT_FILE).read_text()), None, "sha256")
+    forged_id = str(uuid.uuid4())
+    redis.Redis(host="127.0.0.1", port=node.port).lpush(
+        "node.x", raw_message(forged_id, forged.serialize(task_body(f"forged-{forged_id}", forged_id)),
+                              "application/data"))
+    log = wait_log(node, f"REFUSED task message {forged_id} (task nodes.echo) on queue node.x: signature not valid")
+    assert "Bad signature" in log
+    time.sleep(1)
+    assert value not in node.ran.read_text() and "forged-" not in node.ran.read_text()
+    assert results(node.port).get(f"celery-task-meta-{task_id}") is None
+
+
+# ------------------------------------------------------------------ accepted
+
+def test_a_signed_task_runs_with_its_secrets_opened_and_the_result_holds_none(node, control):
+    answer = send(control, "node.x", "signed").get(timeout=30)
+    assert answer == {"echo": "signed", "token_ok": True, "password_ok": True}
+    assert "signed\n" in node.ran.read_text()
+    stored = b"".join(results(node.port).get(k) or b"" for k in results(node.port).keys("celery-task-meta-*"))
+    assert stored and TOKEN.encode() not in stored and PASSWORD.encode() not in stored
+
+
+def queued(port: int, queue: str) -> bytes:
+    return redis.Redis(host="127.0.0.1", port=port).lrange(queue, 0, -1)[0]
+
+
+def inner_kwargs(raw: bytes) -> dict:
+    """Every layer of a signed message undone: kombu's JSON, its base64 body, the auth
+    serializer's base64 fields, the signed JSON body."""
+    message = json.loads(raw)
+    assert message["content-type"] == "application/data"  # the auth serializer's
+    fields = base64.b64decode(base64.b64decode(message["body"])).split(b"\x00\x01", 4)
+    return json.loads(fields[4])[1]
+
+
+def test_secrets_are_not_in_the_raw_message_in_redis(node, control):
+    send(control, "node.idle", "parked")  # nobody consumes node.idle
+    raw = queued(node.port, "node.idle")
+    layers = [raw, base64.b64decode(json.loads(raw)["body"]),
+              base64.b64decode(base64.b64decode(json.loads(raw)["body"]))]
+    for layer in layers:
+        assert TOKEN.encode() not in layer and PASSWORD.encode() not in layer
+    kwargs = inner_kwargs(raw)
+    assert kwargs["value"] == "parked"  # only the named fields are sealed
+    assert sealed.is_sealed(kwargs["access_token"]) and sealed.is_sealed(kwargs["spec"]["from_image_registry"])
+    assert sealed.unseal(kwargs["access_token"], "access_token", SECRET) == TOKEN
+
+
+def test_a_signed_message_replayed_or_moved_to_another_node_is_refused(node, control):
+    redis_ = redis.Redis(host="127.0.0.1", port=node.port)
+    redis_.delete("node.idle")
+    send(control, "node.y", "for-node-y")  # signed for another node: an attacker moves it to node.x
+    moved = redis_.rpop("node.y")
+    redis_.lpush("node.x", moved)
+    moved_id = json.loads(moved)["headers"]["id"]
+    wait_log(node, f"REFUSED task {moved_id} (nodes.echo) was signed for queue node.y")
+    assert "for-node-y" not in node.ran.read_text()
+
+    send(control, "node.idle", "once", signed_for="node.x")  # read off the broker, then delivered twice
+    raw = redis_.rpop("node.idle")
+    redis_.lpush("node.x", raw)
+    redis_.lpush("node.x", raw)
+    replay_id = json.loads(raw)["headers"]["id"]
+    wait_log(node, f"REFUSED task {replay_id} (nodes.echo) was already run here")
+    assert node.ran.read_text().count("once\n") == 1
+
+
+def test_a_message_whose_claims_expired_is_refused(node, control):
+    result = send(control, "node.idle", "late", expires=1, signed_for="node.x")
+    raw = redis.Redis(host="127.0.0.1", port=node.port).rpop("node.idle")
+    message = json.loads(raw)
+    message["headers"]["expires"] = None  # the header is not signed; the claims are
+    time.sleep(1.5)
+    redis.Redis(host="127.0.0.1", port=node.port).lpush("node.x", json.dumps(message).encode())
+    wait_log(node, f"REFUSED task {result.id} (nodes.echo) expired before it started")
+    assert "late\n" not in node.ran.read_text()
+
+
+# ------------------------------------------------------------------ sealing
+
+def test_seal_and_open_round_trip_nested():
+    kwargs = {"sandbox_id": "s", "access_token": "t0k", "source_token": None, "env_vars": {"K": "v"},
+              "children": [{"sandbox_id": "c", "access_token": "c-t0k", "env_vars": {}}]}
+    out = sealed.seal_fields(kwargs, SECRET)
+    assert "t0k" not in json.dumps(out) and out["sandbox_id"] == "s" and out["source_token"] is None
+    assert sealed.is_sealed(out["children"][0]["access_token"]) and sealed.is_sealed(out["env_vars"])
+    assert sealed.open_fields(out, SECRET) == kwargs
+    assert sealed.open_fields(kwargs, SECRET) == kwargs  # a direct call (nothing sealed) passes through
+
+
+def test_a_tampered_moved_or_foreign_sealed_value_does_not_open():
+    box = sealed.seal("t0k", "access_token", SECRET)
+    raw = bytearray(base64.urlsafe_b64decode(box[sealed.MARK].split(".", 1)[1]))
+    raw[-1] ^= 1
+    tampered = {sealed.MARK: "v1." + base64.urlsafe_b64encode(bytes(raw)).decode()}
+    with pytest.raises(sealed.SealError, match="does not open"):
+        sealed.unseal(tampered, "access_token", SECRET)
+    with pytest.raises(sealed.SealError, match="does not open"):  # bound to its field
+        sealed.unseal(box, "source_token", SECRET)
+    with pytest.raises(sealed.SealError, match="does not open"):
+        sealed.unseal(box, "access_token", "another-secret-key")
+    with pytest.raises(sealed.SealError, match="version"):
+        sealed.unseal({sealed.MARK: "v0.AAAA"}, "access_token", SECRET)
+    assert sealed.unseal(box, "access_token", SECRET) == "t0k"
+
+
+# ------------------------------------------------------------------ keys and settings
+
+def test_write_keys_is_idempotent_and_the_key_is_owner_only(tmp_path):
+    key, cert, created = signing.write_keys(tmp_path / "ts")
+    assert created and stat.S_IMODE(key.stat().st_mode) == 0o600
+    before = key.read_bytes(), cert.read_bytes()
+    assert signing.write_keys(tmp_path / "ts")[2] is False
+    assert (key.read_bytes(), cert.read_bytes()) == before
+    cert.unlink()
+    with pytest.raises(ImproperlyConfigured, match="only one of"):
+        signing.write_keys(tmp_path / "ts")
+
+
+def test_resolve_uses_the_default_files_only_when_they_exist_and_refuses_a_missing_path(tmp_path):
+    assert signing.resolve("", "", tmp_path / "none") == (None, None)
+    key, cert, _ = signing.write_keys(tmp_path / "ts")
+    assert signing.resolve("", "", tmp_path / "ts") == (str(key), str(cert))
+    with pytest.raises(ImproperlyConfigured, match="does not exist"):
+        signing.resolve("", str(tmp_path / "typo.pem"), tmp_path / "ts")
+    with pytest.raises(ImproperlyConfigured, match="without its certificate"):
+        signing.resolve(str(key), "", tmp_path / "none")
+    app = Celery("resolve-test")
+    assert signing.configure(app, key=None, cert=None) == "off" and list(app.conf.accept_content) == ["json"]
