@@ -6,6 +6,7 @@ from collections import deque
 
 from django.utils import timezone
 
+from nodes.join import NodeRevoked
 from nodes.models import Node
 
 from agent.host_usage import history_point
@@ -18,7 +19,11 @@ def register_node(*, node_id: str, address: str, driver_name: str, accel: str,
                   vcpu_capacity: int, memory_mb_capacity: int, sandboxes_running: int = 0,
                   version: str = "", host: dict | None = None, snapshots_here: list[str] | None = None) -> Node:
     """Create or refresh this node's row; `draining` is the operator's and kept as is
-    (so is the host history: a restart does not blank the dashboard's chart)."""
+    (so is the host history: a restart does not blank the dashboard's chart). A revoked
+    node is refused (NodeRevoked): only a new join token issued for it re-admits it."""
+    revoked = Node.objects.filter(pk=node_id, revoked_at__isnull=False).first()
+    if revoked is not None:
+        raise NodeRevoked(revoked)
     now = timezone.now()
     defaults = dict(address=address, driver=driver_name, accel=accel, vcpu_capacity=vcpu_capacity,
                     memory_mb_capacity=memory_mb_capacity, sandboxes_running=sandboxes_running,
@@ -34,7 +39,8 @@ def register_node(*, node_id: str, address: str, driver_name: str, accel: str,
 def beat(node_id: str, count_running, host: dict | None = None, history: list | None = None,
          snapshots_here: list[str] | None = None) -> None:
     """One heartbeat: a fresh timestamp, the current number of running VMs and, when
-    given, the host's figures and their recent history and the snapshots it has."""
+    given, the host's figures and their recent history and the snapshots it has. A
+    revoked node's beat changes nothing and raises NodeRevoked."""
     fields = {"last_heartbeat_at": timezone.now(), "sandboxes_running": count_running()}
     if host is not None:
         fields["host"] = host
@@ -42,7 +48,10 @@ def beat(node_id: str, count_running, host: dict | None = None, history: list | 
         fields["host_history"] = history
     if snapshots_here is not None:
         fields["snapshots_here"] = snapshots_here
-    Node.objects.filter(pk=node_id).update(**fields)
+    if not Node.objects.filter(pk=node_id, revoked_at__isnull=True).update(**fields):
+        revoked = Node.objects.filter(pk=node_id, revoked_at__isnull=False).first()
+        if revoked is not None:
+            raise NodeRevoked(revoked)
 
 
 class Heartbeat(Periodic):
@@ -50,15 +59,18 @@ class Heartbeat(Periodic):
     With a ``host_sampler`` (agent.host_usage.HostSampler) each beat carries the host's
     figures, and the last ``history`` of them as chart points; ``last_host`` is the newest
     sample (the node's Prometheus exporter reads it). ``local_snapshots`` (the store's
-    ``local_ids``) says which snapshots' files the node has, for placement's locality."""
+    ``local_ids``) says which snapshots' files the node has, for placement's locality.
+    When the node is found revoked, the beats stop and ``on_revoked(error)`` is called
+    (the worker stops itself: agent.worker)."""
 
     def __init__(self, node_id: str, interval: float, count_running, host_sampler=None, history: int = 0,
-                 local_snapshots=None):
+                 local_snapshots=None, on_revoked=None):
         super().__init__(f"heartbeat-{node_id}", interval)
         self.node_id = node_id
         self.count_running = count_running
         self.host_sampler = host_sampler
         self.local_snapshots = local_snapshots
+        self.on_revoked = on_revoked
         self.last_host: dict = {}
         self._history = deque(maxlen=max(history, 1)) if history else None
 
@@ -86,4 +98,10 @@ class Heartbeat(Periodic):
         beat(self.node_id, self.count_running, host, history, here)
 
     def round(self) -> None:
-        self.beat_once()
+        try:
+            self.beat_once()
+        except NodeRevoked as exc:
+            log.error("%s; stopping", exc.message)
+            self.stop()
+            if self.on_revoked is not None:
+                self.on_revoked(exc)

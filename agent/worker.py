@@ -3,6 +3,8 @@ metrics sampler and the Prometheus exporter, consume ``node.<id>`` with a thread
 operations are mostly waits on subprocesses and sockets, so many boots run in parallel on
 few cores)."""
 import logging
+import os
+import signal
 
 from django.conf import settings
 from django.utils import timezone
@@ -12,6 +14,7 @@ from agent import tasks  # noqa: F401 - registers the node tasks with the Celery
 from agent.console_logs import ConsoleCollector
 from agent.driver import get_driver, get_templates
 from agent.heartbeat import Heartbeat, register_node
+from agent.join import ensure_joined
 from agent.host_usage import HostSampler
 from agent.metrics import MetricsSampler
 from agent.prometheus import NodeCollector, count_round, start_exporter
@@ -45,9 +48,12 @@ def worker_argv(node_id: str, concurrency: int, loglevel: str = "INFO") -> list[
 
 def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, memory_overcommit: float,
              loglevel: str = "INFO") -> None:
-    """Blocks running the Celery worker; VMs it started keep running after it exits."""
-    driver = get_driver()
+    """Blocks running the Celery worker; VMs it started keep running after it exits. Joins
+    first where it must (agent.join: NodeNotAdmitted when it may not), and stops when the
+    control plane revokes it (register_node and the heartbeat raise NodeRevoked)."""
     node_id = settings.AENV_NODE_ID
+    ensure_joined(node_id)
+    driver = get_driver()
     vcpus, memory_mb = node_capacity(driver, vcpu_overcommit, memory_overcommit)
     network = start_network(driver)
 
@@ -56,7 +62,8 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
 
     host_sampler = HostSampler(["/", str(settings.AENV_HOME), str(settings.AENV_IMAGES_DIR), "/dev/shm"])
     heartbeat = Heartbeat(node_id, settings.AENV_NODE_HEARTBEAT_INTERVAL, count_running, host_sampler=host_sampler,
-                          history=settings.AENV_NODE_HOST_HISTORY, local_snapshots=lambda: get_store().local_ids())
+                          history=settings.AENV_NODE_HOST_HISTORY, local_snapshots=lambda: get_store().local_ids(),
+                          on_revoked=_stop_revoked)
     metrics_port = start_exporter(settings.AENV_NODE_ADDRESS, settings.AENV_NODE_METRICS_PORT,
                                   NodeCollector(node_id, count_running, lambda: heartbeat.last_host, (vcpus, memory_mb)),
                                   token=settings.AENV_METRICS_TOKEN)
@@ -94,6 +101,12 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
             except Exception:  # noqa: BLE001 - the VMs keep running; the next start reattaches them
                 log.exception("stopping: pausing the sandboxes of node %s failed", node_id)
         heartbeat.stop()
+
+
+def _stop_revoked(error) -> None:
+    """The heartbeat found this node revoked: the worker's warm shutdown (as on SIGTERM)."""
+    log.error("node revoked by the control plane, shutting down: %s", error.message)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def prepare_default_template(driver) -> None:

@@ -4,7 +4,7 @@ import hmac
 
 from django.conf import settings
 from django.utils import timezone
-from rest_framework import authentication, exceptions
+from rest_framework import authentication, exceptions, permissions
 
 from sandboxes.models import ApiKey, hash_api_key
 
@@ -82,3 +82,44 @@ class AdminTokenAuthentication(authentication.BaseAuthentication):
 
     def authenticate_header(self, request):
         return "X-Admin-Token"
+
+
+class IsOperator(permissions.BasePermission):
+    """Operator-only routes (managing join tokens, revoking nodes): a team's key is refused
+    (403); what a tenant's key can do must never add machines to the shared fleet."""
+
+    message = "only operators (X-Admin-Token) may do this"
+
+    def has_permission(self, request, view):
+        return bool(getattr(request.user, "is_operator", False))
+
+
+class NodeSecret:
+    """What ``request.user`` is on the nodes' own routes: the bearer secret, unchecked; the
+    view hands it to ``nodes.join`` (a join token, or a node's credential)."""
+
+    is_authenticated = True
+    is_anonymous = False
+    is_operator = False
+    team = None
+    team_id = None
+
+    def __init__(self, secret: str):
+        self.secret = secret
+
+    def __str__(self) -> str:
+        return "node"
+
+
+class NodeBearerAuthentication(authentication.BaseAuthentication):
+    """``Authorization: Bearer <secret>`` on ``POST /nodes/join`` and ``/nodes/check-in``;
+    none: 401."""
+
+    def authenticate(self, request):
+        scheme, _, secret = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise exceptions.NotAuthenticated("missing Authorization: Bearer header")
+        return NodeSecret(secret.strip()), None
+
+    def authenticate_header(self, request):
+        return 'Bearer realm="aenv-node"'

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 STATUS = {
     domain.Invalid: 400,
+    domain.Unauthenticated: 401,
     domain.Forbidden: 403,
     domain.NotFound: 404,
     domain.Conflict: 409,

@@ -16,3 +16,11 @@ class AdminTokenScheme(OpenApiAuthenticationExtension):
 
     def get_security_definition(self, auto_schema):
         return {"type": "apiKey", "in": "header", "name": "X-Admin-Token"}
+
+
+class NodeBearerScheme(OpenApiAuthenticationExtension):
+    target_class = "api.auth.NodeBearerAuthentication"
+    name = "NodeBearerAuth"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer"}

@@ -207,6 +207,16 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = AENV_API_MAX_BODY_BYTES
 AENV_ADMIN_TOKEN = os.environ.get("AENV_ADMIN_TOKEN", "").strip()
 if AENV_ADMIN_TOKEN and len(AENV_ADMIN_TOKEN) < 32:
     raise ImproperlyConfigured("AENV_ADMIN_TOKEN must be at least 32 characters (or empty: no operator token)")
+# Joining (nodes.join): a node given AENV_CONTROL_PLANE_URL (the API's base URL) joins there
+# with the one-time AENV_NODE_JOIN_TOKEN on its first start and keeps the credential it gets in
+# AENV_HOME/node_credential. AENV_NODE_JOIN_REQUIRED (default: on when AENV_CONTROL_PLANE_URL is
+# set, i.e. the node is not the single-machine default sharing this machine's control plane):
+# on a node, it does not start without having joined; on the control plane, placement and
+# nodes.client leave nodes that never joined alone. Join tokens live AENV_NODE_JOIN_TOKEN_TTL s.
+AENV_CONTROL_PLANE_URL = _env("AENV_CONTROL_PLANE_URL", "").rstrip("/")
+AENV_NODE_JOIN_TOKEN = os.environ.get("AENV_NODE_JOIN_TOKEN", "").strip()
+AENV_NODE_JOIN_REQUIRED = _env_bool("AENV_NODE_JOIN_REQUIRED", bool(AENV_CONTROL_PLANE_URL))
+AENV_NODE_JOIN_TOKEN_TTL = _env_int("AENV_NODE_JOIN_TOKEN_TTL", 24 * 3600)
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 # Template builds (template_builds): the shape a build may ask for (E2B's checks: CPUs 1 or

@@ -2,7 +2,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import actions, template_pages, views
+from dashboard import actions, node_tokens, template_pages, views
 
 app_name = "dashboard"
 
@@ -30,6 +30,9 @@ urlpatterns = [
     path("templates/<str:template_id>/", template_pages.template_detail, name="template"),
     path("templates/<str:template_id>/builds/<uuid:build_id>/", template_pages.build_detail, name="build"),
     path("nodes/", views.node_list, name="nodes"),
+    path("nodes/join-tokens/create", node_tokens.token_create, name="node-token-create"),
+    path("nodes/join-tokens/<str:prefix>/revoke", node_tokens.token_revoke, name="node-token-revoke"),
+    path("nodes/<str:node_id>/revoke", node_tokens.node_revoke, name="node-revoke"),
     path("api-keys/", views.api_key_list, name="api-keys"),
     path("api-keys/create", views.api_key_create, name="api-key-create"),
     path("api-keys/<int:key_id>/revoke", views.api_key_revoke, name="api-key-revoke"),

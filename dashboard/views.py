@@ -17,7 +17,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from nodes import summary
+from nodes import join, summary
 from nodes.models import Node
 from sandboxes.models import ApiKey, Sandbox, SandboxEvent, Template
 from sandboxes.states import LIVE, SandboxState, can_start
@@ -29,6 +29,8 @@ from dashboard.terminal import FINAL_CLOSE_CODES, TERMINAL_STATES, gone_reason
 
 LIST_LIMIT = 200
 TIMEOUT_CHOICES = [(300, "5 minutes"), (900, "15 minutes"), (3600, "1 hour"), (4 * 3600, "4 hours")]
+JOIN_TOKEN_TTLS = [("1h", "1 hour"), ("24h", "24 hours"), ("7d", "7 days")]
+JOIN_TOKEN_LIMIT = 100
 
 
 def team_page(view):
@@ -337,7 +339,10 @@ def node_list(request):
     for row in nodes:  # the host's history: an operator's figure
         row.chart = (_host_chart(row.node.host_history or [], int(row.host.get("memoryTotalBytes") or 0))
                      if is_operator(request.user) else None)
-    return render(request, "dashboard/nodes.html", _base_context(request, "nodes", nodes=nodes))
+    extra = {}
+    if is_operator(request.user):  # the operators' section: join tokens (its actions: dashboard.node_tokens)
+        extra = {"join_tokens": join.listed_tokens(JOIN_TOKEN_LIMIT), "ttl_choices": JOIN_TOKEN_TTLS}
+    return render(request, "dashboard/nodes.html", _base_context(request, "nodes", nodes=nodes, **extra))
 
 
 # --------------------------------------------------------------------------- API keys

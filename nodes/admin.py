@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from sandboxes.states import LIVE
 
-from nodes.models import Node
+from nodes.models import Node, NodeJoinToken
 
 
 class AliveFilter(admin.SimpleListFilter):
@@ -39,7 +39,9 @@ class NodeAdmin(admin.ModelAdmin):
     search_fields = ["id", "address", "version"]
     list_editable = ["draining"]
     readonly_fields = ["id", "address", "driver", "accel", "vcpu_capacity", "memory_mb_capacity",
-                       "sandboxes_running", "version", "started_at", "last_heartbeat_at", "host", "host_history"]
+                       "sandboxes_running", "version", "started_at", "last_heartbeat_at", "host", "host_history",
+                       "joined_via", "revoked_at"]
+    exclude = ["credential_hash"]  # joining and revoking: nodes.join (manage.py, the API, the dashboard)
     actions = ["drain", "undrain"]
 
     def get_queryset(self, request):
@@ -64,3 +66,24 @@ class NodeAdmin(admin.ModelAdmin):
     @admin.action(description="Stop draining selected nodes")
     def undrain(self, request, queryset):
         self.message_user(request, f"{queryset.update(draining=False)} node(s) take new sandboxes again")
+
+
+@admin.register(NodeJoinToken)
+class NodeJoinTokenAdmin(admin.ModelAdmin):
+    """Read-only: a token is made where its value can be shown once (``manage.py
+    node_tokens``, ``POST /nodes/join-tokens``, the dashboard's nodes page), never its hash."""
+
+    list_display = ["prefix", "node_id", "created_by", "created_at", "expires_at", "used_by", "state"]
+    search_fields = ["prefix", "node_id", "used_by", "created_by"]
+    exclude = ["token_hash"]
+    readonly_fields = ["prefix", "node_id", "created_by", "created_at", "expires_at", "used_at", "used_by", "revoked_at"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    @admin.display(description="state")
+    def state(self, obj) -> str:
+        return obj.state()

@@ -20,7 +20,7 @@ from celery.utils import uuid
 from django.conf import settings
 
 from nodes.celery_app import app as celery_app
-from nodes import protocol
+from nodes import join, protocol
 from nodes.models import Node
 from nodes import signing
 
@@ -38,6 +38,11 @@ class NodeError(Exception):
 
 class NodeUnavailable(NodeError):
     """The node is not alive, or the broker / result store cannot be reached."""
+
+
+class NodeRefused(NodeUnavailable):
+    """The control plane sends this node nothing: revoked, or never joined where joining is
+    required (``nodes.join.refusal``)."""
 
 
 class NodeTimeout(NodeError):
@@ -172,14 +177,24 @@ def _raise_failure(node: Node, meta: dict, what: str):
 
 async def _call(node: Node, task: str, kwargs: dict, deadline: float | None, what: str):
     deadline = float(deadline if deadline is not None else settings.AENV_NODE_TASK_DEADLINE)
-    fresh = await Node.objects.filter(pk=node.pk).afirst()
-    if fresh is None or not fresh.is_alive():
-        raise NodeUnavailable(f"node {node.pk} is not alive (no recent heartbeat)")
+    fresh = await _sendable(node)
     task_id = await _send(task, fresh, kwargs, deadline)
     meta = await _wait(fresh, task_id, deadline, what)
     if meta["status"] != states.SUCCESS:
         _raise_failure(fresh, meta, what)
     return meta["result"]
+
+
+async def _sendable(node: Node) -> Node:
+    """The node's fresh row if a task may be sent to it: not revoked (nor unjoined where
+    joining is required: NodeRefused), and alive (else NodeUnavailable)."""
+    fresh = await Node.objects.filter(pk=node.pk).afirst()
+    reason = join.refusal(fresh) if fresh is not None else None
+    if reason:
+        raise NodeRefused(f"{reason}: no task is sent to it")
+    if fresh is None or not fresh.is_alive():
+        raise NodeUnavailable(f"node {node.pk} is not alive (no recent heartbeat)")
+    return fresh
 
 
 # --- public API ------------------------------------------------------------
@@ -297,9 +312,7 @@ async def build_template(node: Node, *, build_id: str, template_id: str, spec: d
     Returns the task id; raises NodeUnavailable when the node is not alive or the broker
     cannot be reached."""
     expires = float(pickup_timeout if pickup_timeout is not None else settings.AENV_TEMPLATE_PICKUP_TIMEOUT)
-    fresh = await Node.objects.filter(pk=node.pk).afirst()
-    if fresh is None or not fresh.is_alive():
-        raise NodeUnavailable(f"node {node.pk} is not alive (no recent heartbeat)")
+    fresh = await _sendable(node)
     kwargs = dict(build_id=str(build_id), template_id=template_id, spec=dict(spec), cpu_count=int(cpu_count),
                   memory_mb=int(memory_mb), disk_size_mb=int(disk_size_mb))
     return await _send(protocol.BUILD_TEMPLATE, fresh, kwargs, expires)

@@ -32,6 +32,13 @@ class Node(models.Model):
     # heartbeat, own or cached (agent.stores ``local_ids``): placement prefers these nodes
     # for a restore, which then needs no download.
     snapshots_here = models.JSONField(default=list, blank=True)
+    # Joining (nodes.join): the token the node joined with, the SHA-256 of the long-lived
+    # credential it was given then (empty: it never joined), and when an operator revoked it
+    # (placement and nodes.client then leave it alone; its own heartbeats do not revive it).
+    joined_via = models.ForeignKey("NodeJoinToken", null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="nodes")
+    credential_hash = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["id"]
@@ -48,3 +55,40 @@ class Node(models.Model):
             return False
         now = now or timezone.now()
         return now - self.last_heartbeat_at <= timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
+
+
+JOIN_TOKEN_STATES = ("active", "used", "expired", "revoked")
+
+
+class NodeJoinToken(models.Model):
+    """A one-time secret a new node presents to ``POST /nodes/join`` (nodes.join). Only its
+    SHA-256 is stored; ``prefix`` (the first characters) names it in lists and revocations.
+    Single use: the token travels through install commands, shell history and cloud-init,
+    so once a node has joined with it, it is worth nothing to whoever finds it."""
+
+    prefix = models.CharField(max_length=32, unique=True)
+    token_hash = models.CharField(max_length=64, unique=True)
+    node_id = models.CharField(max_length=64, blank=True, default="",
+                               help_text="the only node id that may join with it; empty: any new node id")
+    created_by = models.CharField(max_length=150, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True)
+    used_by = models.CharField(max_length=64, blank=True, default="", help_text="the node id that joined with it")
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}…"
+
+    def state(self, now=None) -> str:
+        """``revoked``, ``used``, ``expired`` or ``active``, in that order of precedence."""
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.used_at is not None:
+            return "used"
+        if (now or timezone.now()) >= self.expires_at:
+            return "expired"
+        return "active"

@@ -21,13 +21,14 @@ from django.db.models import F, IntegerField, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from nodes import join
 from nodes.models import Node
 from sandboxes.states import RESERVING
 from template_builds.models import BuildStatus, TemplateBuild
 
 
 class NoNodeAvailable(Exception):
-    """No alive, non-draining node has room for the requested resources."""
+    """No alive, non-draining, non-revoked node has room for the requested resources."""
 
 
 def _building(field: str) -> Subquery:
@@ -64,7 +65,7 @@ def fork_child_charge(cpu_count: int, memory_mb: int) -> tuple[int, int]:
 
 def _alive():
     cutoff = timezone.now() - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
-    return Node.objects.filter(draining=False, last_heartbeat_at__gte=cutoff)
+    return join.usable(Node.objects.filter(draining=False, last_heartbeat_at__gte=cutoff))
 
 
 def _candidates():
@@ -94,7 +95,7 @@ def place_sync(cpu_count: int, memory_mb: int, on_id: str | None = None, prefer_
         if on_id is not None:
             node = nodes.get(on_id)
             if node is None:
-                raise NoNodeAvailable(f"node {on_id} is not available (not alive, or draining)")
+                raise NoNodeAvailable(f"node {on_id} is not available (not alive, draining or revoked)")
             if not _fits(node, cpu_count, memory_mb):
                 raise NoNodeAvailable(f"node {on_id} has no room for {cpu_count} vCPU / {memory_mb} MiB")
         else:

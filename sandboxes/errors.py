@@ -22,6 +22,10 @@ class NotFound(LifecycleError):
     """No such sandbox or snapshot for this team (or it is gone)."""
 
 
+class Unauthenticated(LifecycleError):
+    """The caller's credential is unknown (e.g. a node's join token or credential, nodes.join)."""
+
+
 class Forbidden(LifecycleError):
     """The thing exists but belongs to another team (where E2B says so rather than hiding it)."""
 

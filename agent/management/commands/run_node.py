@@ -1,8 +1,10 @@
 """`manage.py run_node`: this machine's node worker (see agent.worker)."""
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
+from agent.join import NodeNotAdmitted
 from agent.worker import run_node
+from nodes.join import NodeRevoked
 
 
 class Command(BaseCommand):
@@ -21,5 +23,10 @@ class Command(BaseCommand):
         parser.add_argument("--loglevel", default="INFO")
 
     def handle(self, *args, **opts):
-        run_node(concurrency=opts["concurrency"], vcpu_overcommit=opts["vcpu_overcommit"],
-                 memory_overcommit=opts["memory_overcommit"], loglevel=opts["loglevel"])
+        try:
+            run_node(concurrency=opts["concurrency"], vcpu_overcommit=opts["vcpu_overcommit"],
+                     memory_overcommit=opts["memory_overcommit"], loglevel=opts["loglevel"])
+        except NodeNotAdmitted as exc:  # never joined, or refused by the control plane
+            raise CommandError(f"node {settings.AENV_NODE_ID} not started: {exc}") from exc
+        except NodeRevoked as exc:
+            raise CommandError(f"node {settings.AENV_NODE_ID} not started: {exc.message}") from exc
