@@ -37,7 +37,9 @@ class SecondNode:
         self.env = {**stack.env, "AENV_HOME": str(self.home), "AENV_IMAGES_DIR": str(self.images),
                     "AENV_NODE_ID": self.id, "AENV_NET_PREFIX": f"{stack.net_prefix}b",
                     "AENV_NET_POOL": f"{first}.{second}.{third}.0/21",
-                    "DATABASE_URL": f"sqlite:///{stack.home / 'db.sqlite3'}"}
+                    "DATABASE_URL": f"sqlite:///{stack.home / 'db.sqlite3'}",
+                    # one DJANGO_SECRET_KEY per deployment: it opens the task secrets the stack seals
+                    "DJANGO_SECRET_KEY": (stack.home / "secret_key").read_text().strip()}
         self.log = open(self.home / "node.log", "ab")
         self.proc = subprocess.Popen([PY, "manage.py", "run_node"], cwd=ROOT, env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)

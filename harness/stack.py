@@ -97,6 +97,9 @@ class Stack:
             # operator opens a mirror (networld.py)
             AENV_NET_ALLOW_EXTRA=f"{EXT_A}/32,{EXT_B}/32",
             AENV_ADMIN_TOKEN=ADMIN_TOKEN,
+            # signed node tasks (nodes.signing): the stack's key pair, made at start; a second
+            # node (harness.second_node) inherits it as another machine is given the certificate
+            AENV_TASK_SIGNING_DIR=str(self.home / "task-signing"),
             DJANGO_SETTINGS_MODULE="config.settings",
             PYTHONUNBUFFERED="1",
         )
@@ -141,6 +144,7 @@ class Stack:
                 cwd=ROOT, env=self.env, check=True, timeout=1800,
             )
         self.manage("migrate", "--noinput", "-v", "0")
+        self.manage("task_signing_keys")  # every test stack runs signed, as the single-machine default does
         out = self.manage("bootstrap")
         match = re.search(r"AENV_API_KEY=(e2b_[0-9a-f]+)", out)
         self.api_key = match.group(1) if match else (self.home / "api_key").read_text().strip()

@@ -70,6 +70,7 @@ setup_database() (  # the schema, the default team, the base template and an API
   cd "$ROOT"
   echo "==> database schema"
   .venv/bin/python manage.py migrate --noinput -v 0
+  .venv/bin/python manage.py task_signing_keys  # AENV_HOME/task-signing: this machine's nodes run only signed tasks
   .venv/bin/python manage.py bootstrap
 )
 
