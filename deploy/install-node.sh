@@ -5,8 +5,9 @@
 # but restarts the units (VMs survive a node restart: see aenv-node.service).
 #
 #   deploy/install-node.sh --database-url postgres://aenv:pw@db:5432/aenv \
-#       --broker-url redis://aenv-node-node-2:PASSWORD@broker:6379/0 --node-id node-2 --node-address 10.0.0.12 \
-#       --store s3 --s3-bucket aenv-snapshots --s3-endpoint http://s3:9000
+#       --broker-url rediss://aenv-node-node-2:PASSWORD@broker:6380/0 --broker-ca /etc/aenv/broker-ca.pem \
+#       --node-id node-2 --node-address 10.0.0.12 --store s3 --s3-bucket aenv-snapshots --s3-endpoint http://s3:9000 \
+#       --control-plane-url https://api.example:3000 --join-token aenv_join_...   # manage.py node_tokens create
 #   deploy/install-node.sh --control-plane            # everything on one machine (SQLite, local Redis)
 #
 # What it does: the node's packages and the venv (scripts/setup.sh's steps), the settings in
@@ -32,9 +33,16 @@ usage: deploy/install-node.sh [options]
                          NODE_IDS; only its queue node.<ID>), or the shared role user aenv-node where
                          per-node users are not rendered (aenv-control for the control plane); over
                          TLS rediss://aenv-node-<ID>:PASSWORD@broker:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/aenv/broker-ca.pem
+  --broker-ca PATH       the CA that signed the broker's TLS certificate: a rediss:// broker URL gets
+                         ?ssl_cert_reqs=required&ssl_ca_certs=PATH (so do the result and channel URLs)
   --result-url URL       CELERY_RESULT_BACKEND (needed when the broker is not Redis)
   --channel-layer-url URL  AENV_CHANNEL_LAYER_URL (a Redis; needed when the broker is not Redis)
   --node-id ID           AENV_NODE_ID (default: the short host name); queue node.<ID>
+  --control-plane-url URL  AENV_CONTROL_PLANE_URL: the API this node joins at (required unless
+                         --control-plane)
+  --join-token TOKEN     AENV_NODE_JOIN_TOKEN: the one-time token the node joins with on its first
+                         start (manage.py node_tokens create [--node-id ID], or the dashboard's nodes
+                         page); it then keeps its own credential in AENV_HOME/node_credential
   --node-address ADDR    AENV_NODE_ADDRESS: where the control plane reaches this node (required
                          unless --control-plane, where it defaults to 127.0.0.1)
   --net-pool CIDR        AENV_NET_POOL, the sandbox address pool (give every node its own)
@@ -77,7 +85,7 @@ read_env_file() {  # $1: a file this script wrote (KEY=value or KEY='value' line
 
 ENV_FILE="$UNIT_ENV_FILE" HOME_DIR="" SYSTEMD_DIR="/etc/systemd/system"
 REDIS_ACL_FILE="/etc/redis/aenv-users.acl" REDIS_NODE_PASSWORD_FILE="/etc/aenv/redis-node-password"
-CONTROL_PLANE=0 DRY_RUN=0 IMAGES=1
+CONTROL_PLANE=0 DRY_RUN=0 IMAGES=1 BROKER_CA=""
 declare -A FLAG=()
 # Flags → settings names (the env file holds nothing else).
 declare -A FLAG_KEY=(
@@ -87,6 +95,7 @@ declare -A FLAG_KEY=(
   [--s3-endpoint]=AENV_S3_ENDPOINT [--s3-region]=AENV_S3_REGION [--s3-prefix]=AENV_S3_PREFIX
   [--s3-access-key]=AWS_ACCESS_KEY_ID [--s3-secret-key]=AWS_SECRET_ACCESS_KEY [--secret-key]=DJANGO_SECRET_KEY
   [--sandbox-domain]=AENV_SANDBOX_DOMAIN [--api-url]=AENV_API_PUBLIC_URL [--sandbox-url]=AENV_SANDBOX_PUBLIC_URL
+  [--control-plane-url]=AENV_CONTROL_PLANE_URL [--join-token]=AENV_NODE_JOIN_TOKEN
 )
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -94,9 +103,10 @@ while [ $# -gt 0 ]; do
     --control-plane) CONTROL_PLANE=1 ;;
     --dry-run) DRY_RUN=1 ;;
     --no-images) IMAGES=0 ;;
-    --home|--env-file|--systemd-dir)
+    --home|--env-file|--systemd-dir|--broker-ca)
       [ $# -ge 2 ] || die "$1 needs a value"
-      case "$1" in --home) HOME_DIR="$2" ;; --env-file) ENV_FILE="$2" ;; --systemd-dir) SYSTEMD_DIR="$2" ;; esac
+      case "$1" in --home) HOME_DIR="$2" ;; --env-file) ENV_FILE="$2" ;; --systemd-dir) SYSTEMD_DIR="$2" ;;
+                   --broker-ca) BROKER_CA="$2" ;; esac
       shift ;;
     --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}"; continue ;;
     *)
@@ -125,8 +135,20 @@ else
   [ -n "${SET[DATABASE_URL]:-}" ] || die "a node joining a cluster needs --database-url (the cluster's PostgreSQL); --control-plane alone installs a one-machine aenv on SQLite"
   [ -n "${SET[AENV_NODE_ADDRESS]:-}" ] || die "a node joining a cluster needs --node-address (the address the control plane reaches it at)"
 fi
+if [ -n "${SET[AENV_NODE_JOIN_TOKEN]:-}" ]; then
+  [[ "${SET[AENV_NODE_JOIN_TOKEN]}" =~ ^aenv_join_[0-9a-f]{48}$ ]] || die "--join-token: not a join token (aenv_join_ and 48 hex digits, as manage.py node_tokens create prints it)"
+  [ -n "${SET[AENV_CONTROL_PLANE_URL]:-}" ] || die "--join-token needs --control-plane-url (where the node joins)"
+fi
+if [ -n "${SET[AENV_CONTROL_PLANE_URL]:-}" ] && [[ ! "${SET[AENV_CONTROL_PLANE_URL]}" =~ ^https?://[^/?#]+/?$ ]]; then
+  die "--control-plane-url: the API's base URL (https://host:port), not '${SET[AENV_CONTROL_PLANE_URL]}'"
+fi
 if [ -n "${SET[DATABASE_URL]:-}" ] && [[ ! "${SET[DATABASE_URL]}" =~ ^postgres(ql)?:// ]]; then
   die "--database-url must be a PostgreSQL URL (postgres://user:password@host:5432/db); SQLite is only for one machine (omit it with --control-plane)"
+fi
+if [ "$CONTROL_PLANE" = 0 ]; then
+  # It joins with an operator's token (nodes.join): the control plane gives unknown machines no work.
+  [ -n "${SET[AENV_CONTROL_PLANE_URL]:-}" ] || die "a node joining a cluster needs --control-plane-url (the API it joins at, e.g. https://api.example:3000)"
+  [ -n "${SET[AENV_NODE_JOIN_TOKEN]:-}" ] || die "a node joining a cluster needs --join-token (manage.py node_tokens create --node-id ${SET[AENV_NODE_ID]} on the control plane, or its dashboard's nodes page)"
 fi
 : "${SET[CELERY_BROKER_URL]:=redis://127.0.0.1:6379/0}"
 LOCAL_REDIS_ACL=0
@@ -142,6 +164,15 @@ if [ "$CONTROL_PLANE" = 1 ] && [[ "${SET[CELERY_BROKER_URL]}" =~ ^redis://(127\.
   done
   SET[CELERY_BROKER_URL]="redis://aenv-control:$REDIS_CONTROL_PASSWORD@127.0.0.1:6379/0"
 fi
+if [ -n "$BROKER_CA" ]; then
+  # TLS to the broker, verified against this CA (docs/security.md, The broker).
+  [[ "${SET[CELERY_BROKER_URL]}" =~ ^rediss:// ]] || die "--broker-ca is for a TLS broker: give a rediss:// --broker-url"
+  [[ "$BROKER_CA" = /* ]] || die "--broker-ca: an absolute path (the units do not run in this directory)"
+  [ "$DRY_RUN" = 1 ] || [ -r "$BROKER_CA" ] || die "--broker-ca: cannot read $BROKER_CA"
+  [[ "${SET[CELERY_BROKER_URL]}" != *ssl_ca_certs=* ]] || die "--broker-ca: the --broker-url names a CA already (ssl_ca_certs)"
+  case "${SET[CELERY_BROKER_URL]}" in *\?*) sep="&" ;; *) sep="?" ;; esac
+  SET[CELERY_BROKER_URL]="${SET[CELERY_BROKER_URL]}${sep}ssl_cert_reqs=required&ssl_ca_certs=$BROKER_CA"
+fi
 if [[ "${SET[CELERY_BROKER_URL]}" =~ ^(rediss?://[^/?]*)(/[0-9]*)?(\?.*)?$ ]]; then
   redis_base="${BASH_REMATCH[1]}" redis_query="${BASH_REMATCH[3]}"
   : "${SET[CELERY_RESULT_BACKEND]:=$redis_base/1$redis_query}"
@@ -149,6 +180,10 @@ if [[ "${SET[CELERY_BROKER_URL]}" =~ ^(rediss?://[^/?]*)(/[0-9]*)?(\?.*)?$ ]]; t
   # Redis on another host: never without its ACL user (deploy/redis/users.acl.template).
   if [[ ! "$redis_base" =~ ^redis://(127\.0\.0\.1|localhost)(:[0-9]+)?$ ]] && [[ ! "$redis_base" =~ ^rediss?://[^@/]+:[^@/]+@ ]]; then
     die "--broker-url: a Redis on another host needs a user and password (redis://aenv-node-${SET[AENV_NODE_ID]}:PASSWORD@host:6379/0, or rediss://... with ?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem; see docs/security.md)"
+  fi
+  # Celery refuses a rediss:// result backend that does not say how to verify the broker.
+  if [[ "$redis_base" =~ ^rediss:// ]] && [[ "$redis_query" != *ssl_cert_reqs=* ]]; then
+    die "--broker-url: a rediss:// broker needs --broker-ca PATH (or ?ssl_cert_reqs=required&ssl_ca_certs=PATH)"
   fi
   # A per-node user may consume only its own queue: it must be this node's.
   if [[ "$redis_base" =~ ^rediss?://aenv-node-([^:@/]+): ]] && [ "${BASH_REMATCH[1]}" != "${SET[AENV_NODE_ID]}" ]; then
@@ -187,7 +222,7 @@ for key in "${!SET[@]}"; do
 done
 
 env_file_text() {  # the settings, one KEY=value a line, quoted where systemd or a shell would split
-  local order=(AENV_HOME AENV_NODE_ID AENV_NODE_ADDRESS DATABASE_URL CELERY_BROKER_URL CELERY_RESULT_BACKEND
+  local order=(AENV_HOME AENV_NODE_ID AENV_NODE_ADDRESS AENV_CONTROL_PLANE_URL AENV_NODE_JOIN_TOKEN DATABASE_URL CELERY_BROKER_URL CELERY_RESULT_BACKEND
                AENV_CHANNEL_LAYER_URL AENV_NETWORK AENV_NET_POOL AENV_NET_INGRESS_FROM AENV_SNAPSHOT_BACKEND AENV_S3_BUCKET AENV_S3_ENDPOINT
                AENV_S3_REGION AENV_S3_PREFIX AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY DJANGO_SECRET_KEY
                AENV_SANDBOX_DOMAIN AENV_API_PUBLIC_URL AENV_SANDBOX_PUBLIC_URL)

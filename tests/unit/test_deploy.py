@@ -106,9 +106,11 @@ def settings_env_names() -> set[str]:
     return names
 
 
+JOIN_TOKEN = "aenv_join_" + "ab12" * 12
 JOIN_FLAGS = ("--database-url", "postgres://aenv:pw@db.example:5432/aenv", "--broker-url",
               "redis://aenv-node:pw@broker.example:6379/0", "--node-id", "node-2", "--node-address", "10.0.0.12",
-              "--store", "s3", "--s3-bucket", "snaps", "--s3-endpoint", "http://s3.example:9000")
+              "--store", "s3", "--s3-bucket", "snaps", "--s3-endpoint", "http://s3.example:9000",
+              "--control-plane-url", "https://api.example:3000", "--join-token", JOIN_TOKEN)
 
 
 # ---------------------------------------------------------------- Compose
@@ -277,6 +279,7 @@ def test_install_dry_run_prints_the_env_file_and_the_node_unit():
                              "/etc/systemd/system/aenv.target"]
     assert env_file_values(files["/etc/aenv/aenv.env"]) == {
         "AENV_HOME": "/var/lib/aenv", "AENV_NODE_ID": "node-2", "AENV_NODE_ADDRESS": "10.0.0.12",
+        "AENV_CONTROL_PLANE_URL": "https://api.example:3000", "AENV_NODE_JOIN_TOKEN": JOIN_TOKEN,
         "DATABASE_URL": "postgres://aenv:pw@db.example:5432/aenv",
         "CELERY_BROKER_URL": "redis://aenv-node:pw@broker.example:6379/0", "CELERY_RESULT_BACKEND": "redis://aenv-node:pw@broker.example:6379/1",
         "AENV_CHANNEL_LAYER_URL": "redis://aenv-node:pw@broker.example:6379/2", "AENV_SNAPSHOT_BACKEND": "s3",
@@ -344,7 +347,8 @@ def test_install_writes_the_ingress_sources():
 
 def test_install_takes_settings_from_the_environment():
     done = run_install("--dry-run", "--node-address", "10.0.0.5",
-                       env={"DATABASE_URL": "postgresql://a@db:5432/aenv", "AENV_NODE_ID": "env-node"})
+                       env={"DATABASE_URL": "postgresql://a@db:5432/aenv", "AENV_NODE_ID": "env-node",
+                            "AENV_CONTROL_PLANE_URL": "http://api:3000", "AENV_NODE_JOIN_TOKEN": JOIN_TOKEN})
     assert done.returncode == 0, done.stderr
     values = env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])
     assert values["DATABASE_URL"] == "postgresql://a@db:5432/aenv" and values["AENV_NODE_ID"] == "env-node"
@@ -373,6 +377,39 @@ def test_install_takes_a_tls_broker_with_its_ca():
     assert values["CELERY_BROKER_URL"] == url
     assert values["CELERY_RESULT_BACKEND"] == url.replace(":6380/0?", ":6380/1?")
     assert values["AENV_CHANNEL_LAYER_URL"] == url.replace(":6380/0?", ":6380/2?")
+
+
+def test_install_joins_with_a_token_over_tls_to_the_broker():
+    """issue 23, item 4: --join-token and --control-plane-url land in the settings the node
+    unit reads (run_node joins with them on its first start); --broker-ca turns the rediss://
+    URLs into verified TLS (the result backend and the channel layer too)."""
+    done = run_install("--dry-run", *JOIN_FLAGS[:2], "--broker-url", "rediss://aenv-node-node-2:pw@broker.example:6380/0",
+                       "--broker-ca", "/etc/aenv/broker-ca.pem", *JOIN_FLAGS[4:])
+    assert done.returncode == 0, done.stderr
+    values = env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])
+    tls = "?ssl_cert_reqs=required&ssl_ca_certs=/etc/aenv/broker-ca.pem"
+    assert values["CELERY_BROKER_URL"] == "rediss://aenv-node-node-2:pw@broker.example:6380/0" + tls
+    assert values["CELERY_RESULT_BACKEND"] == "rediss://aenv-node-node-2:pw@broker.example:6380/1" + tls
+    assert values["AENV_CHANNEL_LAYER_URL"] == "rediss://aenv-node-node-2:pw@broker.example:6380/2" + tls
+    assert values["AENV_NODE_JOIN_TOKEN"] == JOIN_TOKEN and values["AENV_CONTROL_PLANE_URL"] == "https://api.example:3000"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"--join-token": None}, "needs --join-token"),
+    ({"--control-plane-url": None, "--join-token": None}, "needs --control-plane-url"),
+    ({"--join-token": "e2b_" + "0" * 40}, "not a join token"),
+    ({"--control-plane-url": "api.example:3000"}, "the API's base URL"),
+    ({"--broker-url": "rediss://aenv-node-node-2:pw@broker.example:6380/0"}, "needs --broker-ca"),
+    ({"--broker-ca": "/etc/aenv/ca.pem"}, "give a rediss:// --broker-url"),
+    ({"--broker-url": "rediss://aenv-node-node-2:pw@broker.example:6380/0", "--broker-ca": "ca.pem"}, "absolute path"),
+])
+def test_install_refuses_a_node_that_cannot_join(change, message):
+    flags = dict(zip(JOIN_FLAGS[::2], JOIN_FLAGS[1::2]))
+    flags.update(change)
+    args = [part for flag, value in flags.items() if value is not None for part in (flag, value)]
+    done = run_install("--dry-run", *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "===" not in done.stdout
 
 
 def test_install_takes_the_nodes_own_redis_user_and_refuses_another_nodes():
