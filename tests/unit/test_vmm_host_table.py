@@ -11,7 +11,7 @@ import uuid
 import pytest
 from pyroute2 import IPRoute
 
-from vmm.net import host_table, slots
+from vmm.net import host_firewall, host_table, slots
 
 pytestmark = pytest.mark.skipif(not slots.netns_supported(),
                                 reason="needs root, nft (Debian nftables) and nsenter to make network namespaces")
@@ -32,6 +32,7 @@ def two_slots():
         # the node routes for its slots (IPv4 forwarding is decided per incoming interface,
         # so this host's global ip_forward stays as it is)
         subprocess.run(["sysctl", "-q", "-w", f"net.ipv4.conf.{slot.host_veth}.forwarding=1"], check=True)
+    host_firewall.ensure(prefix, POOL)  # past a host FORWARD drop (Docker's): the node's table alone decides
     yield prefix, a, b
     host_table.remove(prefix)
     for slot in (a, b):

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from vmm.net import host_table, slots
+from vmm.net import host_firewall, host_table, slots
 from vmm.net.netns import NetnsBackend
 
 # One xdist group: every test here puts the same addresses (POOL's slot 1, NODE_SIDE) on the
@@ -45,6 +45,7 @@ def world():
                     ("ip", "addr", "add", f"{UNLISTED}/29", "dev", "gpeer"), ("ip", "link", "set", "gpeer", "up"),
                     ("ip", "route", "add", POOL, "via", NODE_SIDE)):
             _sh("ip", "netns", "exec", gateway, *cmd)
+        host_firewall.ensure(prefix, POOL)  # past a host FORWARD drop (Docker's): the node's table alone decides
         yield prefix, slot, gateway
     finally:
         host_table.remove(prefix)

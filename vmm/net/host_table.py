@@ -7,7 +7,9 @@ local address), drops slot-to-slot traffic and new connections into a slot that 
 did not open, masquerades the slot pool toward the uplink (guests' egress leaves from the
 node's uplink address) and gives the guests' TCP flows shorter conntrack timeouts, so the
 slot's flow limit bounds what a guest holds in the node's table (vmm.net.conntrack). Drops in base chains are
-final whatever other tables accept. Rebuilt whole in one transaction at node start; slots
+final whatever other tables accept — and so are other tables' drops: where the host's firewall
+drops forwarded traffic (Docker), the table comes with the slots' accepts there
+(vmm.net.host_firewall). Rebuilt whole in one transaction at node start; slots
 join and leave its ``veths`` set. Design: ``../shared/research/networking.md`` §2.3.
 
 Ingress sources (``AENV_NET_INGRESS_FROM``): where the data plane or the dashboard runs on
@@ -19,10 +21,13 @@ guests' link-local side: a guest must not become a gateway. Empty: only the node
 from __future__ import annotations
 
 import ipaddress
+import logging
 import subprocess
 
-from . import conntrack
+from . import conntrack, host_firewall
 from .cidrs import checked_ipv4
+
+log = logging.getLogger(__name__)
 
 
 class HostTableError(Exception):
@@ -93,8 +98,13 @@ def _nft(script: str) -> None:
 
 def install(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None,
             ingress: tuple[str, ...] = ()) -> None:
-    """(Re)builds the instance's table with the given slot veths, atomically."""
+    """(Re)builds the instance's table with the given slot veths, atomically, and puts the
+    slots' accepts into the host's firewall where it drops forwarded traffic."""
     _nft(ruleset(prefix, pool, veths, dns_ip, ingress))
+    try:
+        host_firewall.ensure(prefix, pool)
+    except host_firewall.HostFirewallError as exc:  # the slot pool checks again (vmm.net.slot_pool)
+        log.warning("could not put the slots' accepts into the host firewall: %s", exc)
 
 
 def exists(prefix: str) -> bool:
@@ -119,7 +129,12 @@ def remove_veth(prefix: str, veth: str) -> None:
 
 
 def remove(prefix: str) -> bool:
-    """Drops the instance's table; False if there was none."""
+    """Drops the instance's table and its accepts in the host's firewall (best effort: they
+    match no slot any more); False if there was no table."""
+    try:
+        host_firewall.remove(prefix)
+    except host_firewall.HostFirewallError as exc:
+        log.warning("could not remove the slots' accepts from the host firewall: %s", exc)
     done = subprocess.run(["nft", "delete", "table", "inet", table_name(prefix)], capture_output=True, text=True,
                           timeout=30)
     return done.returncode == 0

@@ -8,7 +8,9 @@ hands a slot to that thread to destroy (a slot is never reused: a fresh netns ca
 conntrack state or rules of a previous sandbox; the node's conntrack entries of its address
 go with it). At node start ``adopt`` keeps the slots its VMs still use and removes the
 rest, with what a crash left half-made. Every slot joins the node's table (``host_table``)
-and gets IPv4 forwarding on its host veth only."""
+and gets IPv4 forwarding on its host veth only. Where the host's own firewall drops forwarded
+traffic (Docker), the slots' accepts are kept in it (``host_firewall``): with the table at
+start, for each slot made and every ``host_firewall.RECHECK`` seconds."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +18,7 @@ import subprocess
 import threading
 import time
 
-from . import conntrack, host_table, slots
+from . import conntrack, host_firewall, host_table, slots
 from .conntrack import GuestLimits
 from .dns import DNSLimits
 from .slots import Slot, SlotError
@@ -43,6 +45,7 @@ class SlotPool:
         self._thread: threading.Thread | None = None
         self._table_ready = False
         self._cursor = 1  # where the search for the next free index starts
+        self._firewall_checked = 0.0  # monotonic time of the last host_firewall check
 
     # -- node start -------------------------------------------------------------------------------
 
@@ -58,8 +61,9 @@ class SlotPool:
         for name in slots.stray_veths(self.prefix):
             slots.remove_link(name)
         kept = tuple(Slot(self.prefix, i, self.pool).host_veth for i in sorted(in_use))
-        host_table.install(self.prefix, self.pool, kept, self.dns_ip, self.ingress)
+        host_table.install(self.prefix, self.pool, kept, self.dns_ip, self.ingress)  # with the accepts
         self._table_ready = True
+        self._firewall_checked = time.monotonic()
         with self._lock:
             self._in_use = set(in_use)
             self._ready = []
@@ -74,7 +78,7 @@ class SlotPool:
 
     def close(self) -> None:
         """Stops the refill and removes the warm and released slots (slots in use stay with
-        their VMs)."""
+        their VMs, and so do the host firewall's accepts while there are any)."""
         self._stop.set()
         self._refill.set()
         if self._thread is not None:
@@ -83,6 +87,11 @@ class SlotPool:
             gone, self._ready, self._dying = self._ready + self._dying, [], []
         for slot in gone:
             self._destroy(slot)
+        if not self.in_use():
+            try:
+                host_firewall.remove(self.prefix)
+            except host_firewall.HostFirewallError as exc:  # best effort: the next start puts them right
+                log.warning("could not remove the slots' accepts from the host firewall: %s", exc)
 
     # -- handing slots out ------------------------------------------------------------------------
 
@@ -167,8 +176,19 @@ class SlotPool:
             except BaseException:
                 slots.destroy(slot)
                 raise
+            self._host_firewall()
             return slot
         raise SlotError(f"no free slot left in {self.pool}")
+
+    def _host_firewall(self) -> None:
+        """The slots' accepts where the host's firewall would drop their forwarded traffic
+        (vmm.net.host_firewall). A failure is logged, not raised: a host without that
+        firewall needs nothing, and the next check tries again."""
+        self._firewall_checked = time.monotonic()
+        try:
+            host_firewall.ensure(self.prefix, self.pool)
+        except host_firewall.HostFirewallError as exc:
+            log.warning("could not keep the slots' accepts in the host firewall: %s", exc)
 
     def _destroy(self, slot: Slot) -> None:
         try:
@@ -180,8 +200,10 @@ class SlotPool:
 
     def _refill_loop(self) -> None:
         while not self._stop.is_set():
-            self._refill.wait()
+            self._refill.wait(timeout=host_firewall.RECHECK)
             self._refill.clear()
+            if not self._stop.is_set() and time.monotonic() - self._firewall_checked >= host_firewall.RECHECK:
+                self._host_firewall()  # Docker recreates its chains when it restarts
             while not self._stop.is_set():
                 with self._lock:
                     slot = self._dying[0] if self._dying else None
