@@ -40,6 +40,9 @@ usage: deploy/install-node.sh [options]
   --node-id ID           AENV_NODE_ID (default: the short host name); queue node.<ID>
   --control-plane-url URL  AENV_CONTROL_PLANE_URL: the API this node joins at (required unless
                          --control-plane)
+  --task-cert PATH       AENV_TASK_SIGNING_CERT: the control plane's task-signing certificate (its
+                         /etc/aenv/task-signing/cert.pem, copied here); the node runs only tasks signed
+                         by its key. Required unless --control-plane (which makes the key pair)
   --join-token TOKEN     AENV_NODE_JOIN_TOKEN: the one-time token the node joins with on its first
                          start (manage.py node_tokens create [--node-id ID], or the dashboard's nodes
                          page); it then keeps its own credential in AENV_HOME/node_credential
@@ -95,7 +98,7 @@ declare -A FLAG_KEY=(
   [--s3-endpoint]=AENV_S3_ENDPOINT [--s3-region]=AENV_S3_REGION [--s3-prefix]=AENV_S3_PREFIX
   [--s3-access-key]=AWS_ACCESS_KEY_ID [--s3-secret-key]=AWS_SECRET_ACCESS_KEY [--secret-key]=DJANGO_SECRET_KEY
   [--sandbox-domain]=AENV_SANDBOX_DOMAIN [--api-url]=AENV_API_PUBLIC_URL [--sandbox-url]=AENV_SANDBOX_PUBLIC_URL
-  [--control-plane-url]=AENV_CONTROL_PLANE_URL [--join-token]=AENV_NODE_JOIN_TOKEN
+  [--control-plane-url]=AENV_CONTROL_PLANE_URL [--join-token]=AENV_NODE_JOIN_TOKEN [--task-cert]=AENV_TASK_SIGNING_CERT
 )
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -210,6 +213,17 @@ case "${SET[AENV_SNAPSHOT_BACKEND]}" in
   s3) [ -n "${SET[AENV_S3_BUCKET]:-}" ] || die "--store s3 needs --s3-bucket" ;;
   *) die "--store must be posix_fs or s3, not '${SET[AENV_SNAPSHOT_BACKEND]}'" ;;
 esac
+# Signed node tasks (nodes.signing): the control plane makes its key pair in TASK_SIGNING_DIR
+# (step 4); a node is given the certificate only.
+TASK_SIGNING_DIR=/etc/aenv/task-signing
+if [ "$CONTROL_PLANE" = 1 ]; then
+  : "${SET[AENV_TASK_SIGNING_KEY]:=$TASK_SIGNING_DIR/key.pem}" "${SET[AENV_TASK_SIGNING_CERT]:=$TASK_SIGNING_DIR/cert.pem}"
+else
+  [ -n "${SET[AENV_TASK_SIGNING_CERT]:-}" ] || die "a node joining a cluster needs --task-cert (a copy of the control plane's $TASK_SIGNING_DIR/cert.pem): it runs only tasks signed with that certificate's key"
+  [[ "${SET[AENV_TASK_SIGNING_CERT]}" = /* ]] || die "--task-cert: an absolute path (the units do not run in this directory)"
+  { [ "$DRY_RUN" = 1 ] && [ ! -e "${SET[AENV_TASK_SIGNING_CERT]}" ]; } \
+    || grep -q "BEGIN CERTIFICATE" "${SET[AENV_TASK_SIGNING_CERT]}" 2>/dev/null || die "--task-cert: ${SET[AENV_TASK_SIGNING_CERT]} is not a readable PEM certificate"
+fi
 SECRET_GENERATED=0
 if [ "$CONTROL_PLANE" = 1 ] && [ -z "${SET[DJANGO_SECRET_KEY]:-}" ]; then
   # The API, data plane and sweeper run as user aenv and must share one key (a key file the
@@ -225,6 +239,7 @@ env_file_text() {  # the settings, one KEY=value a line, quoted where systemd or
   local order=(AENV_HOME AENV_NODE_ID AENV_NODE_ADDRESS AENV_CONTROL_PLANE_URL AENV_NODE_JOIN_TOKEN DATABASE_URL CELERY_BROKER_URL CELERY_RESULT_BACKEND
                AENV_CHANNEL_LAYER_URL AENV_NETWORK AENV_NET_POOL AENV_NET_INGRESS_FROM AENV_SNAPSHOT_BACKEND AENV_S3_BUCKET AENV_S3_ENDPOINT
                AENV_S3_REGION AENV_S3_PREFIX AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY DJANGO_SECRET_KEY
+               AENV_TASK_SIGNING_KEY AENV_TASK_SIGNING_CERT
                AENV_SANDBOX_DOMAIN AENV_API_PUBLIC_URL AENV_SANDBOX_PUBLIC_URL)
   local key value
   echo "# aenv settings (config/settings.py), written by deploy/install-node.sh; read by the aenv-* units."
@@ -316,6 +331,14 @@ if [ "$CONTROL_PLANE" = 1 ]; then
   # shellcheck disable=SC2016  # the settings file is sourced by the inner shell, as user aenv
   as_aenv() { run runuser -u aenv -- env "AENV_ENV_FILE=$ENV_FILE" bash -c \
     'set -a; . "$AENV_ENV_FILE"; set +a; exec "$@"' aenv "$@"; }
+  # The task-signing pair, unless it exists: the key readable by group aenv (the API, data
+  # plane and sweeper sign), nobody else. Made before any process reads the settings naming it.
+  run env -u AENV_TASK_SIGNING_KEY -u AENV_TASK_SIGNING_CERT "$ROOT/.venv/bin/python" "$ROOT/manage.py" \
+    task_signing_keys --dir "$TASK_SIGNING_DIR"
+  run chgrp -R aenv "$TASK_SIGNING_DIR"
+  run chmod 750 "$TASK_SIGNING_DIR"
+  run chmod 640 "$TASK_SIGNING_DIR/key.pem"
+  echo "==> nodes on other hosts: copy $TASK_SIGNING_DIR/cert.pem (never key.pem) there and pass --task-cert"
   as_aenv "$ROOT/.venv/bin/python" "$ROOT/manage.py" migrate --noinput -v 0
   as_aenv "$ROOT/.venv/bin/python" "$ROOT/manage.py" bootstrap
 fi

@@ -13,11 +13,13 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 # control plane only sends them by name (nodes.protocol) and never imports the agent.
 
 
-@app.on_after_configure.connect
-def _signed_tasks(sender, **kwargs):
-    """Signed tasks (nodes.signing) as the settings say, before anything is sent or consumed."""
-    from django.conf import settings  # noqa: PLC0415 - loaded by now: the configuration came from it
+def setup_signing() -> str:
+    """Signed tasks (nodes.signing) as the settings say. Called by the nodes app's ready(),
+    so every Django process has it before it sends or consumes a task, and a key or
+    certificate that is missing or not valid stops the process (a Celery signal handler's
+    error would only be logged, leaving it unsigned)."""
+    from django.conf import settings  # noqa: PLC0415
 
     key, cert = signing.resolve(settings.AENV_TASK_SIGNING_KEY, settings.AENV_TASK_SIGNING_CERT,
                                 settings.AENV_TASK_SIGNING_DIR)
-    signing.configure(sender, key=key, cert=cert)
+    return signing.configure(app, key=key, cert=cert)

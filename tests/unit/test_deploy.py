@@ -110,7 +110,8 @@ JOIN_TOKEN = "aenv_join_" + "ab12" * 12
 JOIN_FLAGS = ("--database-url", "postgres://aenv:pw@db.example:5432/aenv", "--broker-url",
               "redis://aenv-node:pw@broker.example:6379/0", "--node-id", "node-2", "--node-address", "10.0.0.12",
               "--store", "s3", "--s3-bucket", "snaps", "--s3-endpoint", "http://s3.example:9000",
-              "--control-plane-url", "https://api.example:3000", "--join-token", JOIN_TOKEN)
+              "--control-plane-url", "https://api.example:3000", "--join-token", JOIN_TOKEN,
+              "--task-cert", "/etc/aenv/task-signing.pem")
 
 
 # ---------------------------------------------------------------- Compose
@@ -285,6 +286,7 @@ def test_install_dry_run_prints_the_env_file_and_the_node_unit():
         "AENV_CHANNEL_LAYER_URL": "redis://aenv-node:pw@broker.example:6379/2", "AENV_SNAPSHOT_BACKEND": "s3",
         "AENV_S3_BUCKET": "snaps", "AENV_S3_ENDPOINT": "http://s3.example:9000",
         "AWS_ACCESS_KEY_ID": "AKID", "AWS_SECRET_ACCESS_KEY": "s3cr3t/+x",
+        "AENV_TASK_SIGNING_CERT": "/etc/aenv/task-signing.pem",
     }
     node_unit = files["/etc/systemd/system/aenv-node.service"]
     assert f"ExecStart={ROOT}/.venv/bin/python manage.py run_node" in node_unit
@@ -348,10 +350,34 @@ def test_install_writes_the_ingress_sources():
 def test_install_takes_settings_from_the_environment():
     done = run_install("--dry-run", "--node-address", "10.0.0.5",
                        env={"DATABASE_URL": "postgresql://a@db:5432/aenv", "AENV_NODE_ID": "env-node",
-                            "AENV_CONTROL_PLANE_URL": "http://api:3000", "AENV_NODE_JOIN_TOKEN": JOIN_TOKEN})
+                            "AENV_CONTROL_PLANE_URL": "http://api:3000", "AENV_NODE_JOIN_TOKEN": JOIN_TOKEN,
+                            "AENV_TASK_SIGNING_CERT": "/etc/aenv/cp.pem"})
     assert done.returncode == 0, done.stderr
     values = env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])
     assert values["DATABASE_URL"] == "postgresql://a@db:5432/aenv" and values["AENV_NODE_ID"] == "env-node"
+    assert values["AENV_TASK_SIGNING_CERT"] == "/etc/aenv/cp.pem" and "AENV_TASK_SIGNING_KEY" not in values
+
+
+def test_install_gives_a_node_the_task_certificate_and_the_control_plane_the_key_pair(tmp_path):
+    """Signed node tasks: a node without --task-cert (or with one that is not a certificate)
+    is refused; --control-plane makes the pair in /etc/aenv/task-signing before anything
+    reads the settings, the key readable by group aenv only, and names both files."""
+    flags = [f for f in JOIN_FLAGS]
+    at = flags.index("--task-cert")
+    done = run_install("--dry-run", *(flags[:at] + flags[at + 2:]))
+    assert done.returncode == 2 and "needs --task-cert" in done.stderr
+    done = run_install("--dry-run", *(flags[:at] + flags[at + 2:]), "--task-cert", "cert.pem")
+    assert done.returncode == 2 and "absolute path" in done.stderr
+    (tmp_path / "not-a-cert.pem").write_text("hello\n")
+    done = run_install("--dry-run", *(flags[:at] + flags[at + 2:]), "--task-cert", str(tmp_path / "not-a-cert.pem"))
+    assert done.returncode == 2 and "not a readable PEM certificate" in done.stderr
+    done = run_install("--dry-run", "--control-plane")
+    assert done.returncode == 0, done.stderr
+    values = env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])
+    assert values["AENV_TASK_SIGNING_KEY"] == "/etc/aenv/task-signing/key.pem"
+    assert values["AENV_TASK_SIGNING_CERT"] == "/etc/aenv/task-signing/cert.pem"
+    keys = done.stdout.index("task_signing_keys --dir /etc/aenv/task-signing")
+    assert keys < done.stdout.index("manage.py migrate") and "chmod 640 /etc/aenv/task-signing/key.pem" in done.stdout
 
 
 def test_install_keeps_the_local_brokers_password(tmp_path):

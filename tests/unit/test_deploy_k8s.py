@@ -427,3 +427,30 @@ def test_every_host_routes_the_pools_with_net_admin_only():
         assert volumes[mounts[env["AENV_K8S_NODE_POOLS"]]]["configMap"]["name"] == "aenv-node-pools"
         for probe in ("readinessProbe", "livenessProbe"):
             assert container[probe]["exec"]["command"][-2:] == ["health", "routes"]
+
+
+def test_the_task_signing_key_reaches_the_control_plane_only():
+    """Signed node tasks (nodes.signing): the API, data plane and sweeper get the key and the
+    certificate from the Secret aenv-task-signing at the paths their settings name; the node
+    DaemonSet mounts only cert.pem and names no key, so a node (or whoever takes one over)
+    cannot sign a task."""
+    for overlay in k8s.OVERLAYS:
+        docs = k8s.overlay(overlay)
+        for kind, name, files in (("Deployment", "aenv-api", {"key.pem", "cert.pem"}),
+                                  ("Deployment", "aenv-dataplane", {"key.pem", "cert.pem"}),
+                                  ("Deployment", "aenv-sweeper", {"key.pem", "cert.pem"}),
+                                  ("DaemonSet", "aenv-node", {"cert.pem"})):
+            doc = k8s.find(docs, kind, name)
+            pod = doc["spec"]["template"]["spec"]
+            container = k8s.containers(doc)[0]
+            volume = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "aenv-task-signing")
+            mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+            items = volume["secret"].get("items")
+            mounted = {i["path"] for i in items} if items else {"key.pem", "cert.pem"}
+            assert mounted == files and mount.get("readOnly") is True, (overlay, name)
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["AENV_TASK_SIGNING_CERT"] == f"{mount['mountPath']}/cert.pem", (overlay, name)
+            if "key.pem" in files:
+                assert env["AENV_TASK_SIGNING_KEY"] == f"{mount['mountPath']}/key.pem", (overlay, name)
+            else:
+                assert "AENV_TASK_SIGNING_KEY" not in env, (overlay, name)
