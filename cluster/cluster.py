@@ -123,7 +123,7 @@ class Cluster:
         for node in layout.all_nodes:
             node.home.mkdir(parents=True, exist_ok=True)
             self.procs.start(Spec(self._node_proc(node), (self.python, "manage.py", "run_node"),
-                                  self._env(node.env(key, deny)), netns=node.netns))
+                                  self._env(node.env(key, deny, self._join_token(node))), netns=node.netns))
         control = self._env({**layout.control_env(key), "AENV_ADMIN_TOKEN": self.admin_token})
         self.procs.start(Spec("sweeper", (self.python, "manage.py", "run_lifecycle"), control))
         self.procs.start(Spec("api", (self.python, "-m", "daphne", "-b", "127.0.0.1", "-p", str(layout.api_port),
@@ -133,6 +133,12 @@ class Cluster:
                                             "--no-access-log", "--timeout-keep-alive", "300"), control))
         self._wait_ready(wait)
         return self.status()
+
+    def _join_token(self, node: NodeLayout) -> str:
+        """A fresh single-use token for the node's id, as an operator would issue it: spent if
+        the node has no credential yet (or one the database no longer knows), else unused
+        until it expires within the hour."""
+        return self.manage("node_tokens", "create", "--node-id", node.node_id, "--ttl", "1h").strip()
 
     def _env(self, settings: dict) -> dict:
         """The process environment: the caller's, without what the cluster decides itself."""

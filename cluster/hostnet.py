@@ -62,7 +62,8 @@ def ruleset(layout: ClusterLayout, uplink_dev: str | None) -> str:
     """The root namespace's table for the cluster (one transaction, replacing any earlier)."""
     links = ", ".join(f'"{n.link}"' for n in layout.all_nodes)
     gateways = ", ".join(n.gateway_ip for n in layout.all_nodes)
-    ports = f"{{ {layout.pg_port}, {layout.redis_port} }}"
+    # PostgreSQL and Redis, and the API: each node joins there with its join token (nodes.join).
+    ports = f"{{ {layout.pg_port}, {layout.redis_port}, {layout.api_port} }}"
     guard = (f'        iifname "{uplink_dev}" ct state established,related accept\n'
              f'        iifname "{uplink_dev}" drop\n') if uplink_dev else ""
     return f"""

@@ -69,14 +69,17 @@ class NodeLayout:
     def home(self) -> Path:
         return self.cluster.state_dir / f"node-{self.index}"
 
-    def env(self, secret_key: str, deny_extra: tuple[str, ...] = ()) -> dict[str, str]:
+    def env(self, secret_key: str, deny_extra: tuple[str, ...] = (), join_token: str = "") -> dict[str, str]:
         """The node worker's settings: its own id, home, address and network instance; the
-        shared database and broker through its gateway; only its gateway may open
-        connections into its slots; guests reach none of ``deny_extra`` (the root namespace's
-        addresses) nor any cluster address."""
+        shared database and broker through its gateway; the API there to join at with
+        ``join_token`` (its first start; later it checks in with the credential it keeps in
+        its home); only its gateway may open connections into its slots; guests reach none of
+        ``deny_extra`` (the root namespace's addresses) nor any cluster address."""
         c = self.cluster
         return {
             **c.shared_env(secret_key, self.gateway_ip),
+            "AENV_CONTROL_PLANE_URL": f"http://{self.gateway_ip}:{c.api_port}",
+            "AENV_NODE_JOIN_TOKEN": join_token,
             "AENV_HOME": str(self.home),
             "AENV_NODE_ID": self.node_id,
             "AENV_NODE_ADDRESS": self.address,
@@ -164,4 +167,5 @@ class ClusterLayout:
         }
 
     def control_env(self, secret_key: str) -> dict[str, str]:
-        return {**self.shared_env(secret_key), "AENV_HOME": str(self.control_home)}
+        """The control plane's settings: its nodes all join (placement skips any that did not)."""
+        return {**self.shared_env(secret_key), "AENV_HOME": str(self.control_home), "AENV_NODE_JOIN_REQUIRED": "1"}

@@ -36,7 +36,11 @@ def test_a_node_reaches_the_services_through_its_gateway_and_only_it_opens_slots
     assert env["AENV_NODE_ADDRESS"] == "10.210.2.2" and env["AENV_NODE_ID"] == "aenvh-2"
     assert env["AENV_NET_INGRESS_FROM"] == "10.210.2.1/32" and env["AENV_NETWORK"] == "netns"
     assert env["AENV_NET_DENY_EXTRA"].split(",") == ["192.0.2.2/32", "10.210.0.0/16", "10.211.0.0/16"]
+    # it joins at the API through its gateway with the token it is given (nodes.join)
+    assert env["AENV_CONTROL_PLANE_URL"] == "http://10.210.2.1:3010" and env["AENV_NODE_JOIN_TOKEN"] == ""
+    assert layout.node(2).env("k", join_token="aenv_join_x")["AENV_NODE_JOIN_TOKEN"] == "aenv_join_x"
     control = layout.control_env("k")
+    assert control["AENV_NODE_JOIN_REQUIRED"] == "1"  # placement leaves a node that did not join alone
     assert control["DATABASE_URL"] == "postgres://postgres@127.0.0.1:5432/cluster"
     assert control["DJANGO_SECRET_KEY"] == env["DJANGO_SECRET_KEY"] == "k"
     assert control["AENV_HOME"] != env["AENV_HOME"]
@@ -57,7 +61,8 @@ def test_the_root_table_opens_exactly_the_service_ports_to_the_nodes():
     layout = ClusterLayout(nodes=2, pg_port=5433, redis_port=6380)
     text = ruleset(layout, "eth0")
     assert 'elements = { "aenvh1", "aenvh2" }' in text and "elements = { 10.210.1.1, 10.210.2.1 }" in text
-    assert text.count("{ 5433, 6380 }") == 3  # DNAT, source rewrite, input accept: nothing else
+    # PostgreSQL, Redis and the API (where nodes join): DNAT, source rewrite, input accept; nothing else
+    assert text.count("{ 5433, 6380, 3010 }") == 3
     assert "iifname @links oifname @links drop" in text and "iifname @links drop" in text
     assert 'iifname "eth0" drop' in text and 'iifname "eth0"' not in ruleset(layout, None)
 
