@@ -95,6 +95,8 @@ class NodeSerializer(TenantNodeSerializer):
     accel = serializers.CharField(source="node.accel")
     startedAt = serializers.DateTimeField(source="node.started_at")
     lastHeartbeatAt = serializers.DateTimeField(source="node.last_heartbeat_at", allow_null=True)
+    # aenv's: when an operator revoked the node (nodes.join); null while it may work
+    revokedAt = serializers.DateTimeField(source="node.revoked_at", allow_null=True)
     machineInfo = serializers.SerializerMethodField()
     createSuccesses = serializers.IntegerField(source="create_successes")
     createFails = serializers.IntegerField(source="create_failures")

@@ -290,8 +290,9 @@ async def test_operator_api_creates_lists_and_revokes(admin, assert_error):
     revoked = await admin.post("/nodes/node-3b/revoke")
     assert revoked.status_code == 200 and revoked.json()["nodeId"] == "node-3b" and revoked.json()["revokedAt"]
     assert_error(await admin.post("/nodes/nope/revoke"), 404, "not found")
-    # GET /nodes/{id} still answers (the joining routes are matched before it)
-    assert (await admin.get("/nodes/node-3b")).status_code == 200
+    # GET /nodes/{id} still answers (the joining routes are matched before it), saying so
+    detail = await admin.get("/nodes/node-3b")
+    assert detail.status_code == 200 and detail.json()["revokedAt"] == revoked.json()["revokedAt"]
 
 
 async def test_a_tenant_key_cannot_manage_tokens_or_revoke(api, anon, node, assert_error):
