@@ -18,7 +18,8 @@ NODE_APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-stat
 # Only the tests use these: docker-registry + apache2-utils (htpasswd) are the local registry the tests push their
 # own images to (harness/oci_registry.py); bash-static is the shell of the tests' image without glibc (harness/oci_images.py);
 # The shellcheck package checks every shell script of the repository (tests/unit/test_shell_scripts.py, beside the test extra's).
-TEST_APT_PACKAGES=(docker-registry apache2-utils bash-static shellcheck)
+# docker.io is the Docker engine tests/compose/ starts deploy/compose.yaml on (the Compose CLI is the test extra's).
+TEST_APT_PACKAGES=(docker-registry apache2-utils bash-static shellcheck docker.io)
 
 setup_system_packages() {  # --node: only what a node runs; --all: also the tests' registry, shells and shellcheck
   local packages=("${NODE_APT_PACKAGES[@]}") missing=() p
@@ -49,6 +50,17 @@ setup_redis() {  # Redis is the Celery broker/result backend and the channel lay
     $SUDO redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
     for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null && break; sleep 0.1; done
   fi
+}
+
+setup_docker_engine() {  # Debian's dockerd for tests/compose/, started when no engine answers (no systemd here)
+  command -v dockerd >/dev/null || return 0
+  docker info >/dev/null 2>&1 && return 0
+  echo "==> starting dockerd (log: $AENV_HOME/docker/dockerd.log)"
+  mkdir -p "$AENV_HOME/docker"
+  $SUDO setsid dockerd >>"$AENV_HOME/docker/dockerd.log" 2>&1 < /dev/null &
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && return 0; sleep 1; done
+  echo "dockerd did not answer within 60 s: see $AENV_HOME/docker/dockerd.log" >&2
+  return 1
 }
 
 setup_python_env() (  # the venv in .venv, re-installed only when pyproject.toml changes
@@ -105,6 +117,7 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   export AENV_HOME="${AENV_HOME:-$ROOT/var}"
   mkdir -p "$AENV_HOME" "$ROOT/.cache"
   setup_system_packages --all
+  setup_docker_engine
   setup_redis
   setup_python_env
   setup_database

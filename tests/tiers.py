@@ -60,6 +60,8 @@ TIERS: dict[str, Tier] = {
     "envd": Tier("root and a 'user' account (envd runs commands as both)", paths=("tests/envd/",)),
     "oci": Tier("root, skopeo, umoci and docker-registry (scripts/setup.sh)",
                 paths=("tests/vmm/test_oci_images.py", "tests/unit/test_oci_prepare.py")),
+    "compose": Tier("Docker's engine (Debian's docker.io, which scripts/setup.sh installs and starts) and "
+                    "debootstrap: deploy/compose.yaml started for real", paths=("tests/compose/",)),
     "host-tools": Tier("root and the host tools scripts/setup.sh and the test extra install (patchelf, readelf, "
                        "resize2fs, qemu-img, busybox-static, docker-compose, systemd-analyze, shellcheck, unshare, "
                        "redis-server) "

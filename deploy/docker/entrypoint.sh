@@ -93,13 +93,14 @@ case "${1:-}" in
     fi
     [ -e /dev/kvm ] || echo "entrypoint: no /dev/kvm: guests run under QEMU TCG (software emulation)" >&2
     # A seed (AENV_IMAGES_SEED: another machine's images directory, mounted read-only, e.g. the
-    # test host's in deploy/compose.ci.yaml) fills the images directory first: its finished
-    # images and template snapshots, not the stages, which only a rebuild reads.
+    # test host's in deploy/compose.ci.yaml) fills the images directory first (what is missing):
+    # its stages too, since the tools drive's recipe names the Python and packages it is frozen
+    # from, so a node image rebuilds that stage but takes debootstrap's and the system's as built.
     if [ -n "${AENV_IMAGES_SEED:-}" ]; then
       images="${AENV_IMAGES_DIR:-$AENV_HOME/images}"
       mkdir -p "$images"
       echo "entrypoint: seeding $images from $AENV_IMAGES_SEED" >&2
-      find "$AENV_IMAGES_SEED" -mindepth 1 -maxdepth 1 ! -name stages ! -name '.*' -exec cp -a -n -t "$images" {} +
+      cp -a -n "$AENV_IMAGES_SEED/." "$images/"
     fi
     # debootstrap needs the privileges the image build does not have, so the images are made
     # here, once per volume (cached; rebuilt only when a recipe changes).
