@@ -31,8 +31,9 @@ _HEADER = re.compile(rf"(?i)(?P<name>\b(?:{_HEADERS}))(?P<sep>['\"]?\s*[:=,]\s*(
                      r"(?P<value>(?:(?:bearer|basic|token|digest)\s+)?[^\s'\",;&)}\]]+)")
 # Cookies carry session ids; their value runs to the end of the header.
 _COOKIE = re.compile(r"(?i)(?P<name>\b(?:set-)?cookie)(?P<sep>['\"]?\s*[:=,]\s*(?:b?['\"])?)(?P<value>[^'\"\r\n]+)")
-# A platform API key anywhere (sandboxes.models.ApiKey: "e2b_" + 40 hex digits).
-_API_KEY = re.compile(r"\be2b_[0-9a-f]{40}\b")
+# A platform API key anywhere (sandboxes.models.ApiKey: "e2b_" + 40 hex digits), a node's join
+# token or its credential (nodes.join: "aenv_join_" + 48, "aenv_node_" + 64 hex digits).
+_API_KEY = re.compile(r"\b(?:e2b_[0-9a-f]{40}|aenv_join_[0-9a-f]{48}|aenv_node_[0-9a-f]{64})\b")
 
 
 def redact(text: str) -> str:

@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from agent import join as node_side
 from agent.heartbeat import Heartbeat, beat, register_node
+from config.log_redaction import redact
 from nodes import client, join
 from nodes.models import Node, NodeJoinToken
 from nodes.placement import NoNodeAvailable, place
@@ -77,6 +78,13 @@ def test_token_is_stored_hashed_with_a_visible_prefix(db, settings):
     for bad in ("soon", "10", "31d", "-5m"):
         with pytest.raises(join.Invalid):
             join.parse_ttl(bad)
+
+
+def test_join_secrets_never_reach_a_log(db):
+    _, raw = join.create_token()
+    credential = join.CREDENTIAL_MARK + "0f" * 32
+    text = redact(f"joining with {raw} then {credential}.")
+    assert raw not in text and credential not in text and text.count("[redacted]") == 2
 
 
 def test_node_joins_through_the_api_and_stores_its_credential_0600(control_plane, http):
