@@ -172,9 +172,12 @@ if [ -n "$BROKER_CA" ]; then
   [[ "${SET[CELERY_BROKER_URL]}" =~ ^rediss:// ]] || die "--broker-ca is for a TLS broker: give a rediss:// --broker-url"
   [[ "$BROKER_CA" = /* ]] || die "--broker-ca: an absolute path (the units do not run in this directory)"
   [ "$DRY_RUN" = 1 ] || [ -r "$BROKER_CA" ] || die "--broker-ca: cannot read $BROKER_CA"
-  [[ "${SET[CELERY_BROKER_URL]}" != *ssl_ca_certs=* ]] || die "--broker-ca: the --broker-url names a CA already (ssl_ca_certs)"
-  case "${SET[CELERY_BROKER_URL]}" in *\?*) sep="&" ;; *) sep="?" ;; esac
-  SET[CELERY_BROKER_URL]="${SET[CELERY_BROKER_URL]}${sep}ssl_cert_reqs=required&ssl_ca_certs=$BROKER_CA"
+  tls_query="ssl_cert_reqs=required&ssl_ca_certs=$BROKER_CA"
+  if [[ "${SET[CELERY_BROKER_URL]}" != *"$tls_query"* ]]; then  # a second run finds it there already
+    [[ "${SET[CELERY_BROKER_URL]}" != *ssl_ca_certs=* ]] || die "--broker-ca: the --broker-url names another CA already (ssl_ca_certs)"
+    case "${SET[CELERY_BROKER_URL]}" in *\?*) sep="&" ;; *) sep="?" ;; esac
+    SET[CELERY_BROKER_URL]="${SET[CELERY_BROKER_URL]}${sep}$tls_query"
+  fi
 fi
 if [[ "${SET[CELERY_BROKER_URL]}" =~ ^(rediss?://[^/?]*)(/[0-9]*)?(\?.*)?$ ]]; then
   redis_base="${BASH_REMATCH[1]}" redis_query="${BASH_REMATCH[3]}"

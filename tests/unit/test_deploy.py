@@ -405,7 +405,7 @@ def test_install_takes_a_tls_broker_with_its_ca():
     assert values["AENV_CHANNEL_LAYER_URL"] == url.replace(":6380/0?", ":6380/2?")
 
 
-def test_install_joins_with_a_token_over_tls_to_the_broker():
+def test_install_joins_with_a_token_over_tls_to_the_broker(tmp_path):
     """issue 23, item 4: --join-token and --control-plane-url land in the settings the node
     unit reads (run_node joins with them on its first start); --broker-ca turns the rediss://
     URLs into verified TLS (the result backend and the channel layer too)."""
@@ -418,6 +418,14 @@ def test_install_joins_with_a_token_over_tls_to_the_broker():
     assert values["CELERY_RESULT_BACKEND"] == "rediss://aenv-node-node-2:pw@broker.example:6380/1" + tls
     assert values["AENV_CHANNEL_LAYER_URL"] == "rediss://aenv-node-node-2:pw@broker.example:6380/2" + tls
     assert values["AENV_NODE_JOIN_TOKEN"] == JOIN_TOKEN and values["AENV_CONTROL_PLANE_URL"] == "https://api.example:3000"
+    # a second run with the same flags over the file the first wrote changes nothing
+    env_file = tmp_path / "aenv.env"
+    env_file.write_text(written_files(done.stdout)["/etc/aenv/aenv.env"])
+    again = run_install("--dry-run", "--env-file", str(env_file), "--broker-ca", "/etc/aenv/broker-ca.pem")
+    assert again.returncode == 0, again.stderr
+    assert env_file_values(written_files(again.stdout)[str(env_file)]) == values
+    other = run_install("--dry-run", "--env-file", str(env_file), "--broker-ca", "/etc/aenv/other-ca.pem")
+    assert other.returncode == 2 and "names another CA already" in other.stderr
 
 
 @pytest.mark.parametrize("change,message", [
