@@ -100,6 +100,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
                 pause_all(node_id, driver, float(settings.AENV_NODE_STOP_TIMEOUT))
             except Exception:  # noqa: BLE001 - the VMs keep running; the next start reattaches them
                 log.exception("stopping: pausing the sandboxes of node %s failed", node_id)
+        stop_network(driver)
         heartbeat.stop()
 
 
@@ -135,6 +136,19 @@ def start_network(driver) -> dict:
     report = start() if start is not None else {"network": getattr(getattr(driver, "net", None), "name", "none")}
     log.info("network backend: %s", ", ".join(f"{k}={v}" for k, v in report.items()))
     return report
+
+
+def stop_network(driver) -> None:
+    """After the last task: the network backend's warm slots go, and so do its accepts in the
+    host's firewall (Docker's) if no sandbox runs any more (best effort: the next start puts
+    everything right)."""
+    stop = getattr(driver, "stop_network", None)
+    if stop is None:
+        return
+    try:
+        stop()
+    except Exception:  # noqa: BLE001 - the worker exits either way
+        log.exception("stopping: the network backend did not stop cleanly")
 
 
 def reattach(node_id: str, queue: str, driver) -> list:

@@ -66,8 +66,6 @@ def test_egress_and_isolation_with_docker_running(stack, sdk_env, world):
         neighbour.commands.run("cd /tmp && python3 -m http.server 8080 >/dev/null 2>&1", background=True)
         near = stack.db("from sandboxes.models import Sandbox; "
                         f"print(Sandbox.objects.get(pk='{neighbour.sandbox_id}').envd_host)").strip().splitlines()[-1]
-        # the node's accepts are in Docker's user chain, once
-        assert len(_ours(stack.net_prefix)) == 2, _iptables("-S", "DOCKER-USER")
         forbidden = [(address, port) for address in node_addresses()  # docker0's 172.17.0.1 among them
                      for port in (service.port, 6379, 22)]
         forbidden += [(near, 49983), (near, 8080), ("172.17.0.2", 80), ("10.0.2.2", 6379), ("169.254.169.254", 80)]
@@ -77,6 +75,8 @@ def test_egress_and_isolation_with_docker_running(stack, sdk_env, world):
         assert not reached.pop((EXT_B, 80)), "the egress policy does not hold next to Docker"
         assert [t for t, ok in reached.items() if ok] == []
         assert service.accepted == before
+        # the node's accepts are in Docker's user chain, once
+        assert len(_ours(stack.net_prefix)) == 2, _iptables("-S", "DOCKER-USER")
         # the neighbour's egress (open policy) works too
         assert probe(neighbour, [(EXT_B, 80)]) == {(EXT_B, 80): True}
 
@@ -97,3 +97,18 @@ def test_egress_and_isolation_with_docker_running(stack, sdk_env, world):
                 s.kill()
             except Exception:  # noqa: BLE001 - best effort cleanup
                 pass
+
+
+def test_a_stopped_node_takes_its_accepts_out_and_a_started_one_puts_them_back(stack, sdk_env, world):
+    """The node's stop (SIGTERM: its running sandboxes are paused to disk, so no slot is in
+    use) removes the accepts from Docker's chain; its next start writes them again."""
+    assert len(_ours(stack.net_prefix)) == 2
+    stack.stop("node", timeout=120)
+    assert _ours(stack.net_prefix) == [], stack.log("node")
+    stack.start_node()
+    assert len(_ours(stack.net_prefix)) == 2
+    box = Sandbox.create(timeout=600)
+    try:
+        assert probe(box, [(EXT_A, 80)]) == {(EXT_A, 80): True}
+    finally:
+        box.kill()

@@ -429,6 +429,12 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
         removed = self.net.start(in_use)
         return {"network": self.net.name, "slots_kept": len(in_use), "slots_removed": len(removed)}
 
+    def stop_network(self) -> None:
+        """At node stop: the netns backend removes its warm slots and, once no VM keeps a
+        slot, its accepts in the host's firewall (vmm.net.host_firewall); slirp needs nothing."""
+        if self.net.name == "netns":
+            self.net.close()
+
     def _wait_health(self, state: VMState, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not envd_healthy(state.host_address, state.host_port):
