@@ -210,3 +210,14 @@ def test_the_slot_pool_keeps_them_and_removes_them_at_stop(host, monkeypatch):
             pool.close()
         assert ours("iptables-nft", prefix) == []
         host_table.remove(prefix)
+
+
+def test_a_native_nftables_filter_table_is_reported_not_misread(host):
+    """An ``ip filter`` table of nftables' own (not iptables'): iptables-nft lists it as
+    policy ACCEPT; the node says it cannot help there instead of believing that."""
+    name, prefix = host
+    with inside(name):
+        subprocess.run(["nft", "-f", "-"], check=True, text=True, input=(
+            "table ip filter {\n chain forward { type filter hook forward priority 0; policy drop; }\n}\n"))
+        with pytest.raises(host_firewall.HostFirewallError, match="nftables' own"):
+            host_firewall.ensure(prefix, POOL)

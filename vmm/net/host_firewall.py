@@ -83,7 +83,14 @@ def _pairs(args: list[str]) -> frozenset:
 
 def _state(tool: str, prefix: str) -> tuple[str | None, list[list[str]]]:
     """(the chain our accepts belong in, or None; our rules now, as ``-A <chain> ...`` argv)."""
-    lines = [shlex.split(line) for line in _run(tool, "-S").splitlines() if line.strip()]
+    listed = _run(tool, "-S").splitlines()
+    if any(line.startswith("#") and "incompatible" in line for line in listed):
+        raise HostFirewallError(f"{tool}: the filter table is nftables' own, not iptables' (accept the slot pool "
+                                "in its forward chain yourself)")
+    try:
+        lines = [shlex.split(line) for line in listed if line.strip() and not line.startswith("#")]
+    except ValueError as exc:
+        raise HostFirewallError(f"{tool} -S: {exc}") from None
     chains = {line[1] for line in lines if line[:1] == ["-N"]}
     forward_drop = ["-P", "FORWARD", "DROP"] in lines
     target = DOCKER_CHAIN if DOCKER_CHAIN in chains else "FORWARD" if forward_drop else None
@@ -97,18 +104,24 @@ def ensure(prefix: str, pool: str) -> dict[str, str | None]:
     {tool: the chain they are in, or None}."""
     wanted = rules(prefix, pool)
     where: dict[str, str | None] = {}
+    errors = []
     with _lock:
         for tool in backends():
-            target, ours = _state(tool, prefix)
-            right = (target is not None and len(ours) == len(wanted)
-                     and all(line[1] == target for line in ours)
-                     and {_pairs(line[2:]) for line in ours} == {_pairs(rule) for rule in wanted})
-            if not right:
-                for line in ours:
-                    _run(tool, "-D", *line[1:])
-                for rule in reversed(wanted) if target else ():
-                    _run(tool, "-I", target, "1", *rule)
-            where[tool] = target
+            try:
+                target, ours = _state(tool, prefix)
+                right = (target is not None and len(ours) == len(wanted)
+                         and all(line[1] == target for line in ours)
+                         and {_pairs(line[2:]) for line in ours} == {_pairs(rule) for rule in wanted})
+                if not right:
+                    for line in ours:
+                        _run(tool, "-D", *line[1:])
+                    for rule in reversed(wanted) if target else ():
+                        _run(tool, "-I", target, "1", *rule)
+                where[tool] = target
+            except HostFirewallError as exc:  # the other backend is still put right
+                errors.append(str(exc))
+    if errors:
+        raise HostFirewallError("; ".join(errors))
     return where
 
 

@@ -46,6 +46,7 @@ class SlotPool:
         self._table_ready = False
         self._cursor = 1  # where the search for the next free index starts
         self._firewall_checked = 0.0  # monotonic time of the last host_firewall check
+        self._firewall_error = ""  # its last error (logged once)
 
     # -- node start -------------------------------------------------------------------------------
 
@@ -187,8 +188,11 @@ class SlotPool:
         self._firewall_checked = time.monotonic()
         try:
             host_firewall.ensure(self.prefix, self.pool)
+            self._firewall_error = ""
         except host_firewall.HostFirewallError as exc:
-            log.warning("could not keep the slots' accepts in the host firewall: %s", exc)
+            if str(exc) != self._firewall_error:  # once per new error, not every check
+                log.warning("could not keep the slots' accepts in the host firewall: %s", exc)
+            self._firewall_error = str(exc)
 
     def _destroy(self, slot: Slot) -> None:
         try:
