@@ -1,6 +1,7 @@
 """A second node worker beside a test stack's own: its own AENV_HOME, images dir (the base
 image hard-linked in: every node builds the same base itself) and network instance, the
-same database and broker — another "machine" for cross-node tests."""
+same database and broker, joined with a join token at the stack's API — another "machine"
+for cross-node tests."""
 from __future__ import annotations
 
 import os
@@ -39,7 +40,11 @@ class SecondNode:
                     "AENV_NET_POOL": f"{first}.{second}.{third}.0/21",
                     "DATABASE_URL": f"sqlite:///{stack.home / 'db.sqlite3'}",
                     # one DJANGO_SECRET_KEY per deployment: it opens the task secrets the stack seals
-                    "DJANGO_SECRET_KEY": (stack.home / "secret_key").read_text().strip()}
+                    "DJANGO_SECRET_KEY": (stack.home / "secret_key").read_text().strip(),
+                    # another machine joins with an operator's token for its id (nodes.join)
+                    "AENV_CONTROL_PLANE_URL": stack.api_url,
+                    "AENV_NODE_JOIN_TOKEN": stack.manage("node_tokens", "create", "--node-id", self.id,
+                                                         "--ttl", "1h").strip()}
         self.log = open(self.home / "node.log", "ab")
         self.proc = subprocess.Popen([PY, "manage.py", "run_node"], cwd=ROOT, env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
