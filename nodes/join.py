@@ -67,7 +67,13 @@ def parse_ttl(text: str | int) -> int:
     return seconds
 
 
+# Names of the API's own /nodes/... routes (api.nodes.urls): GET /nodes/{id} could not show them.
+RESERVED_IDS = frozenset({"join", "check-in", "join-tokens"})
+
+
 def check_node_id(node_id: str) -> str:
+    if node_id in RESERVED_IDS:
+        raise Invalid(f"node id {node_id!r} is reserved (it names an API route)")
     if not NODE_ID.fullmatch(node_id or ""):
         raise Invalid(f"node id {node_id!r}: 1-64 lower-case letters, digits, '.', '_' or '-', starting with a letter or digit")
     return node_id

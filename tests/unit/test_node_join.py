@@ -158,6 +158,7 @@ def test_join_answers(control_plane, http, assert_error):
     assert assert_error(post(bound), 403, "is for node node-9")["error_code"] == "join_token_other_node"
     _, any_id = join.create_token()
     assert_error(post(any_id, node_id="Bad Id"), 400, "node id")
+    assert_error(post(any_id, node_id="join-tokens"), 400, "reserved")
     assert_error(http.post("/nodes/join", json={}, headers={"Authorization": f"Bearer {any_id}"}), 400, "node id")
     ok = post(bound, node_id="")  # the id the token is for
     assert ok.status_code == 200 and ok.json()["nodeId"] == "node-9" and ok.headers["Cache-Control"] == "no-store"
