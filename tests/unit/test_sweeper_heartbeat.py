@@ -3,6 +3,7 @@ reached the database and never after one that failed, so the Kubernetes liveness
 (deploy/docker/entrypoint.sh health sweeper) restarts a sweeper that no longer sweeps."""
 import asyncio
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -36,23 +37,26 @@ async def test_heartbeat_follows_sweeps_that_went_through(monkeypatch):
     assert len(beats) == seen
 
 
-def _health(tmp_path: Path) -> subprocess.CompletedProcess:
-    """entrypoint.sh health sweeper against a heartbeat file in tmp_path (a copy of the script
-    whose SWEEPER_HEARTBEAT points there; the check needs nothing of the checkout)."""
+def _health(tmp_path: Path, what: str = "sweeper") -> subprocess.CompletedProcess:
+    """entrypoint.sh health sweeper|routes against a heartbeat file in tmp_path (a copy of the
+    script whose SWEEPER_/ROUTES_HEARTBEAT points there; the check needs nothing of the checkout)."""
+    variable = {"sweeper": "SWEEPER_HEARTBEAT=/tmp/aenv-sweeper.alive", "routes": "ROUTES_HEARTBEAT=/tmp/aenv-routes.alive"}[what]
     script = ENTRYPOINT.read_text()
-    assert script.count("SWEEPER_HEARTBEAT=/tmp/aenv-sweeper.alive\n") == 1
+    assert script.count(variable + "\n") == 1
     copy = tmp_path / "deploy" / "docker" / "entrypoint.sh"
     copy.parent.mkdir(parents=True, exist_ok=True)
-    copy.write_text(script.replace("SWEEPER_HEARTBEAT=/tmp/aenv-sweeper.alive", f"SWEEPER_HEARTBEAT={tmp_path}/alive"))
-    return subprocess.run(["bash", str(copy), "health", "sweeper"], capture_output=True, text=True, timeout=30)
+    copy.write_text(script.replace(variable, f"{variable.split('=')[0]}={tmp_path}/alive"))
+    return subprocess.run(["bash", str(copy), "health", what], capture_output=True, text=True, timeout=30)
 
 
-def test_health_sweeper_wants_a_fresh_heartbeat(tmp_path):
-    assert "has not swept yet" in _health(tmp_path).stderr
+@pytest.mark.parametrize("what, done", [("sweeper", "the sweeper's last sweep"),
+                                        ("routes", "the route syncer's last pass")])
+def test_health_wants_a_fresh_heartbeat(tmp_path, what, done):
+    assert f"{done} has not happened yet" in _health(tmp_path, what).stderr
     alive = tmp_path / "alive"
     alive.touch()
-    assert _health(tmp_path).returncode == 0
+    assert _health(tmp_path, what).returncode == 0
     old = time.time() - 600
     os.utime(alive, (old, old))
-    stale = _health(tmp_path)
-    assert stale.returncode != 0 and "last sweep was" in stale.stderr
+    stale = _health(tmp_path, what)
+    assert stale.returncode != 0 and re.search(rf"{re.escape(done)} was 6[0-9][0-9] s ago", stale.stderr)
