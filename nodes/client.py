@@ -80,8 +80,10 @@ def _publish(task: str, queue: str, kwargs: dict, expires: float) -> str:
     # and expiry, so the node can tell a replayed or re-aimed message (nodes.signing).
     task_id = uuid()
     body = signing.outgoing(task, queue, task_id, kwargs, expires, settings.SECRET_KEY)
+    # The serializer named: the configuration's (``auth`` when signing), never one a task class
+    # registered in this process captured before signing was set up.
     result = celery_app.send_task(task, kwargs=body, queue=queue, task_id=task_id, expires=expires, retry=True,
-                                  retry_policy=_RETRY_POLICY)
+                                  retry_policy=_RETRY_POLICY, serializer=celery_app.conf.task_serializer)
     return result.id
 
 

@@ -26,6 +26,8 @@ from celery.exceptions import ImproperlyConfigured
 
 from harness.stack import free_port
 from nodes import sealed, signing
+# The real node tasks on a worker thread with a stub VM driver (the last test here).
+from tests.unit.test_nodes_client import BOOT, EnvdStub, alive_node, envd_stub, node_worker  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "test-django-secret-key-" + "x" * 40
@@ -211,8 +213,8 @@ def test_a_task_signed_by_an_untrusted_key_is_refused(node, keys):
     redis.Redis(host="127.0.0.1", port=node.port).lpush(
         "node.x", raw_message(forged_id, forged.serialize(task_body(f"forged-{forged_id}", forged_id)),
                               "application/data"))
-    log = wait_log(node, f"REFUSED task message {forged_id} (task nodes.echo) on queue node.x: signature not valid")
-    assert "Bad signature" in log
+    wait_log(node, f"REFUSED task message {forged_id} (task nodes.echo) on queue node.x: signature not valid")
+    wait_log(node, "Bad signature")  # the store found the certificate; the key did not sign
     time.sleep(1)
     assert value not in node.ran.read_text() and "forged-" not in node.ran.read_text()
     assert results(node.port).get(f"celery-task-meta-{task_id}") is None
@@ -335,3 +337,62 @@ def test_resolve_uses_the_default_files_only_when_they_exist_and_refuses_a_missi
         signing.resolve(str(key), "", tmp_path / "none")
     app = Celery("resolve-test")
     assert signing.configure(app, key=None, cert=None) == "off" and list(app.conf.accept_content) == ["json"]
+
+
+# ------------------------------------------------------------------ the real client and node tasks
+
+SIGNING_CONF = ("accept_content", "result_serializer", "result_accept_content", "task_serializer", "worker_consumer")
+
+
+@pytest.fixture(scope="module")
+def signed_app(tmp_path_factory):
+    """The Django process's Celery app (nodes.celery_app) signing as the control plane, for
+    this module only (the previous configuration comes back after)."""
+    from nodes.celery_app import app  # noqa: PLC0415
+
+    before = {k: app.conf[k] for k in SIGNING_CONF}
+    key, cert, _ = signing.write_keys(tmp_path_factory.mktemp("cp-signing"))
+    assert signing.configure(app, key=str(key), cert=str(cert)) == "sign"
+    yield app
+    app.conf.update(before)
+
+
+@pytest.fixture(scope="module")
+def signed_node(signed_app, node_worker):
+    """test_nodes_client's worker thread (the real agent tasks, a stub VM driver), started
+    after the app signs and verifies."""
+    return node_worker
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_real_client_and_node_tasks_keep_secrets_out_of_the_broker(signed_node, monkeypatch):
+    """nodes.client.boot_sandbox → agent.tasks.boot_sandbox, signed: envd gets the token and
+    the env vars in clear; the bytes pushed into Redis and the result read back hold neither."""
+    import asyncio  # noqa: PLC0415
+
+    from kombu.transport import redis as kombu_redis  # noqa: PLC0415
+
+    from nodes import client  # noqa: PLC0415
+
+    pushed, stored = [], []
+    real_put, real_ready = kombu_redis.Channel._put, client._ready_meta
+    monkeypatch.setattr(kombu_redis.Channel, "_put",
+                        lambda self, queue, message, **kw: pushed.append(json.dumps(message).encode())
+                        or real_put(self, queue, message, **kw))
+    monkeypatch.setattr(client, "_ready_meta", lambda raw: stored.append(raw) or real_ready(raw))
+    node = alive_node(signed_node.node_id)
+    EnvdStub.bodies.clear()
+    out = asyncio.run(client.boot_sandbox(node, sandbox_id="sealed1", env_vars={"API_KEY": PASSWORD},
+                                          access_token=TOKEN, deadline=30, **BOOT))
+    assert out["pid"] == 4242
+    path, body = EnvdStub.bodies[-1]
+    assert path == "/init" and body["accessToken"] == TOKEN and body["envVars"] == {"API_KEY": PASSWORD}
+    assert len(pushed) == 1 and json.loads(pushed[0])["content-type"] == "application/data"  # signed
+    kwargs = inner_kwargs(pushed[0])
+    assert sealed.is_sealed(kwargs["access_token"]) and sealed.is_sealed(kwargs["env_vars"])
+    assert kwargs[signing.CLAIMS]["queue"] == node.queue
+    for raw in [*pushed, base64.b64decode(json.loads(pushed[0])["body"]), json.dumps(kwargs).encode(), *stored]:
+        raw = raw if isinstance(raw, bytes) else str(raw).encode()
+        assert TOKEN.encode() not in raw and PASSWORD.encode() not in raw
+    assert stored
+
