@@ -21,6 +21,7 @@ from agent.prometheus import NodeCollector, count_round, start_exporter
 from agent.reconcile import Reconciler, purge_queue, reconcile_node
 from agent.shutdown import pause_all
 from agent.stores import get_store
+from nodes import signing
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,12 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     )
     log.info("node %s registered: accel=%s network=%s capacity=%d vCPU / %d MiB, queue %s",
              node.id, node.accel, network.get("network", "?"), vcpus, memory_mb, node.queue)
+    if signing.SERIALIZER in celery_app.conf.accept_content:
+        log.info("node %s runs only tasks signed by the control plane (certificate %s)", node.id,
+                 settings.AENV_TASK_SIGNING_CERT or settings.AENV_TASK_SIGNING_DIR / signing.CERT_FILE)
+    else:
+        log.warning("node %s runs UNSIGNED tasks: no task-signing certificate (AENV_TASK_SIGNING_CERT); "
+                    "whoever can write to the broker can make it run anything", node.id)
     heartbeat.start()
     reconciler = Reconciler(node_id, driver, settings.AENV_RECONCILE_INTERVAL, settings.AENV_RECONCILE_STALE)
     sampler = MetricsSampler(node_id, settings.AENV_SANDBOX_METRICS_INTERVAL, settings.AENV_SANDBOX_METRICS_RETENTION,
