@@ -286,6 +286,21 @@ def test_a_message_whose_claims_expired_is_refused(node, control):
     assert "late\n" not in node.ran.read_text()
 
 
+def test_unsigned_remote_control_is_ignored(node, control):
+    """The worker's remote control (pidbox) takes only signed content too: a broker password
+    alone cannot ping, let alone shut down, a node."""
+    plain = Celery("attacker", broker=f"redis://127.0.0.1:{node.port}/0")
+    plain.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+    try:
+        assert plain.control.ping(timeout=2) == []
+        plain.control.broadcast("shutdown")
+        time.sleep(2)
+    finally:
+        plain.close()
+    assert node.worker.poll() is None, node.log.read_text()[-3000:]
+    assert send(control, "node.x", "after-shutdown").get(timeout=30)["echo"] == "after-shutdown"
+
+
 # ------------------------------------------------------------------ sealing
 
 def test_seal_and_open_round_trip_nested():
