@@ -93,7 +93,7 @@ class ComposeStack:
 
     def manage(self, code: str) -> str:
         """Python in Django's shell inside the API's container (its database)."""
-        return self.compose("exec", "-T", "api", ".venv/bin/python", "manage.py", "shell", "-c", code).stdout
+        return self.compose("exec", "-T", "api", ".venv/bin/python", "manage.py", "shell", "--no-imports", "-c", code).stdout
 
     def exec(self, service: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
         return self.compose("exec", "-T", service, *argv, check=check)
