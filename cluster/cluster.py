@@ -26,6 +26,7 @@ import httpx
 from cluster import hostnet
 from cluster.layout import ROOT, ClusterLayout, NodeLayout
 from cluster.processes import Processes, Spec, qemu_pids
+from nodes.signing import write_keys
 
 CONTROL = ("sweeper", "api", "dataplane")
 
@@ -64,6 +65,8 @@ class Cluster:
         return path.read_text().strip()
 
     def _secret_key(self) -> str:
+        # The task-signing pair too (made once): every process's settings name it (layout).
+        write_keys(self.layout.signing_dir)
         return self._state_secret("secret_key")
 
     @property

@@ -134,6 +134,11 @@ class ClusterLayout:
         return f"aenvcluster_{self.name}"
 
     @property
+    def signing_dir(self) -> Path:
+        """The control plane's task-signing key pair (manage.py task_signing_keys' files)."""
+        return self.state_dir / "task-signing"
+
+    @property
     def control_home(self) -> Path:
         """AENV_HOME of the API, the data plane and the sweeper (the API key file)."""
         return self.state_dir / "control"
@@ -159,6 +164,9 @@ class ClusterLayout:
             "CELERY_RESULT_BACKEND": f"{redis}/{self.redis_db + 1}",
             "AENV_CHANNEL_LAYER_URL": f"{redis}/{self.redis_db + 2}",
             "DJANGO_SECRET_KEY": secret_key,
+            # Signed node tasks (nodes.signing): every process has the certificate, so each
+            # node runs only what the control plane signed; the key is control_env's alone.
+            "AENV_TASK_SIGNING_CERT": str(self.signing_dir / "cert.pem"),
             "DJANGO_SETTINGS_MODULE": "config.settings",
             "AENV_IMAGES_DIR": str(self.images_dir),
             "AENV_API_PUBLIC_URL": self.api_url,
@@ -168,4 +176,5 @@ class ClusterLayout:
 
     def control_env(self, secret_key: str) -> dict[str, str]:
         """The control plane's settings: its nodes all join (placement skips any that did not)."""
-        return {**self.shared_env(secret_key), "AENV_HOME": str(self.control_home), "AENV_NODE_JOIN_REQUIRED": "1"}
+        return {**self.shared_env(secret_key), "AENV_HOME": str(self.control_home), "AENV_NODE_JOIN_REQUIRED": "1",
+                "AENV_TASK_SIGNING_KEY": str(self.signing_dir / "key.pem")}

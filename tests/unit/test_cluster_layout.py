@@ -44,6 +44,10 @@ def test_a_node_reaches_the_services_through_its_gateway_and_only_it_opens_slots
     assert control["DATABASE_URL"] == "postgres://postgres@127.0.0.1:5432/cluster"
     assert control["DJANGO_SECRET_KEY"] == env["DJANGO_SECRET_KEY"] == "k"
     assert control["AENV_HOME"] != env["AENV_HOME"]
+    # signed node tasks: every process trusts the cluster's certificate; only the control plane signs
+    assert control["AENV_TASK_SIGNING_CERT"] == env["AENV_TASK_SIGNING_CERT"] == str(layout.signing_dir / "cert.pem")
+    assert control["AENV_TASK_SIGNING_KEY"] == str(layout.signing_dir / "key.pem")
+    assert "AENV_TASK_SIGNING_KEY" not in env
 
 
 @pytest.mark.parametrize("kwargs, words", [
