@@ -14,6 +14,7 @@ import pytest
 from django.conf import settings
 from e2b import Sandbox
 
+from envd import ENVD_PORT
 from harness.compose_stack import NODES, Unavailable, compose_stack
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(3600)]
@@ -87,6 +88,7 @@ def test_two_nodes_a_move_through_s3_and_a_guest_reaches_nothing(sdk):
                     "dataplane": (stack.address("dataplane"), 3001)}
         placed = {node: row(stack, s.sandbox_id) for s, node in ((one, "node-1"), (two, "node-2"))}
         for guest, node, other in ((one, "node-1", "node-2"), (two, "node-2", "node-1")):
+            assert not closed_from(guest, "127.0.0.1", ENVD_PORT)  # the probe can say OPEN: its own envd
             targets = {**services, f"{other}'s guest": (placed[other]["envd_host"], placed[other]["envd_port"])}
             for name, (host, port) in targets.items():
                 probe = stack.exec(node, "bash", "-c", f"timeout 5 bash -c 'echo > /dev/tcp/{host}/{port}'", check=False)

@@ -176,6 +176,20 @@ def test_compose_cluster_shape():
         assert "ARG BASE_IMAGE=aenv-debian:bookworm" in dockerfile.read_text(), dockerfile.name
 
 
+def test_node_image_installs_no_test_extra():
+    """The node image: aenv's dependencies and PyInstaller (what freezes envd), not the test
+    extra (Playwright, moto, pandas, ...)."""
+    text = (DEPLOY / "docker" / "Dockerfile.node").read_text()
+    assert "[test]" not in text and "setup_python_env" not in text
+    assert "pin.py --dependencies" in text and "pin.py pyinstaller" in text
+    done = subprocess.run([sys.executable, str(DEPLOY / "docker" / "pin.py"), "pyinstaller"], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.startswith("pyinstaller"), done.stderr
+    missing = subprocess.run([sys.executable, str(DEPLOY / "docker" / "pin.py"), "no-such-package"],
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode != 0 and "no no-such-package" in missing.stderr
+
+
 def test_compose_ci_override_runs_two_nodes_on_moto():
     """deploy/compose.ci.yaml (tests/compose/): moto instead of MinIO (no registry), two nodes by
     default, each seeded from the host's images at the same path; and `config` accepts the pair."""
