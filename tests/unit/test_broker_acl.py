@@ -414,7 +414,9 @@ def test_compose_gives_every_process_its_redis_user_and_redis_the_acl():
     assert "--aclfile" in " ".join(redis_service["command"]) and "render-acl.sh" in " ".join(redis_service["command"])
     assert "./redis:/aenv-redis:ro" in redis_service["volumes"]
     assert "--user aenv-node-node-1" in " ".join(redis_service["healthcheck"]["test"])
-    aenv = {name: s for name, s in services.items() if s["image"].startswith("aenv-")}
+    # aenv's own processes (the data services' images are aenv-postgres, aenv-redis, ...)
+    aenv = {name: s for name, s in services.items()
+            if s.get("image", "").split(":")[0] in ("aenv-control-plane", "aenv-node")}
     nodes = sorted(n for n in aenv if n.startswith("node-"))
     assert len(nodes) == 3
     # one Redis user per node service, each rendered from its own password; the role user is off
