@@ -24,11 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 FILES = (DEPLOY / "compose.yaml", DEPLOY / "compose.ci.yaml")
 PROJECT = "aenv-ci"
-BASE_IMAGE = "aenv-debian:bookworm"
-# image tag -> its Dockerfile under deploy/docker (the tags compose.yaml and compose.ci.yaml name)
-IMAGES = {"aenv-postgres:dev": "Dockerfile.postgres", "aenv-redis:dev": "Dockerfile.redis",
-          "aenv-s3:dev": "Dockerfile.s3", "aenv-control-plane:dev": "Dockerfile.control-plane",
-          "aenv-node:dev": "Dockerfile.node"}
 NODES = ("node-1", "node-2")
 
 
@@ -61,15 +56,12 @@ def ensure_engine() -> None:
         raise Unavailable(f"the Docker engine does not start: {done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
-def build_images() -> float:
-    """The base image, then every image of the stack (the legacy builder: Debian's engine has
-    no buildx); returns the seconds it took."""
+def build_images(stack: "ComposeStack") -> float:
+    """The base image, then ``compose build`` of every image the two files name (the classic
+    builder: Debian's engine has no buildx); returns the seconds it took."""
     t0 = time.monotonic()
     _run([str(DEPLOY / "docker" / "base-image.sh")], timeout=1200)
-    env = {**os.environ, "DOCKER_BUILDKIT": "0"}
-    for tag, dockerfile in IMAGES.items():
-        _run(["docker", "build", "-q", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-f",
-              str(DEPLOY / "docker" / dockerfile), "-t", tag, str(ROOT)], timeout=1800, env=env)
+    stack.compose("build", timeout=3600)
     return time.monotonic() - t0
 
 
@@ -114,7 +106,6 @@ def compose_stack(images_dir: Path) -> Iterator[ComposeStack]:
     ends with ``down -v`` (its volumes too). ``images_dir``: the host's built guest images, which
     seed each node's (deploy/compose.ci.yaml)."""
     ensure_engine()
-    build_s = build_images()
     api_port, sandbox_port = _free_port(), _free_port()
     api_url, sandbox_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{sandbox_port}"
     env = {**os.environ, "DOCKER_BUILDKIT": "0",
@@ -125,7 +116,8 @@ def compose_stack(images_dir: Path) -> Iterator[ComposeStack]:
            "AENV_API_PUBLIC_URL": api_url, "AENV_SANDBOX_PUBLIC_URL": sandbox_url,
            "AENV_CI_IMAGES": str(Path(images_dir).resolve()),
            "AENV_CI_KVM": "/dev/kvm" if Path("/dev/kvm").exists() else "/dev/zero:/dev/aenv-no-kvm"}
-    stack = ComposeStack(env, api_url, sandbox_url, timings={"build_s": build_s})
+    stack = ComposeStack(env, api_url, sandbox_url)
+    stack.timings["build_s"] = build_images(stack)
     stack.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300, check=False)  # a crashed run's
     try:
         t0 = time.monotonic()
