@@ -117,7 +117,9 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   export AENV_HOME="${AENV_HOME:-$ROOT/var}"
   mkdir -p "$AENV_HOME" "$ROOT/.cache"
   setup_system_packages --all
-  setup_docker_engine
+  # Only tests/compose/ needs the engine: a machine where it cannot start still gets the rest
+  # (and that tier fails there, saying why).
+  setup_docker_engine || echo "==> warning: no Docker engine: tests/compose/ cannot run here" >&2
   setup_redis
   setup_python_env
   setup_database
