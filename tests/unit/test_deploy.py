@@ -176,6 +176,28 @@ def test_compose_cluster_shape():
         assert "ARG BASE_IMAGE=aenv-debian:bookworm" in dockerfile.read_text(), dockerfile.name
 
 
+def test_compose_signs_node_tasks_and_nodes_hold_only_the_certificate():
+    """The control plane's processes sign with the key pair of the task-signing volume; the
+    nodes see only the certificate (volume task-cert): a node that holds no key cannot sign a
+    task for another, and every aenv process waits for the pair to exist."""
+    services = compose_doc()["services"]
+    maker = services["task-signing"]
+    assert "task_signing_keys" in " ".join(maker["entrypoint"])
+    for name, s in services.items():
+        if s.get("image", "").split(":")[0] not in ("aenv-control-plane", "aenv-node") or name == "task-signing":
+            continue
+        env, volumes = s["environment"], " ".join(s.get("volumes", []))
+        if name.startswith("node-"):
+            assert "AENV_TASK_SIGNING_KEY" not in env and "task-signing:" not in volumes, name
+            assert env["AENV_TASK_SIGNING_CERT"].startswith("/etc/aenv/task-cert/"), name
+            assert "task-cert:/etc/aenv/task-cert:ro" in volumes, name
+            assert s["depends_on"]["task-signing"]["condition"] == "service_completed_successfully", name
+        elif name != "migrate":
+            assert env["AENV_TASK_SIGNING_KEY"].startswith("/etc/aenv/task-signing/"), name
+            assert "task-signing:/etc/aenv/task-signing:ro" in volumes, name
+            assert s["depends_on"]["task-signing"]["condition"] == "service_completed_successfully", name
+
+
 def test_node_image_installs_no_test_extra():
     """The node image: aenv's dependencies and PyInstaller (what freezes envd), not the test
     extra (Playwright, moto, pandas, ...)."""
