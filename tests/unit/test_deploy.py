@@ -11,6 +11,7 @@ silently ignored in production. The Kubernetes manifests' own checks are in test
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -151,7 +152,7 @@ def test_compose_cluster_shape():
     services = compose_doc()["services"]
     nodes = {name: s for name, s in services.items() if name.startswith("node-")}
     assert sorted(nodes) == ["node-1", "node-2", "node-3"]
-    for field in ("AENV_NODE_ID", "AENV_NODE_ADDRESS", "AENV_NET_POOL"):
+    for field in ("AENV_NODE_ID", "AENV_NODE_ADDRESS"):
         assert len({s["environment"][field] for s in nodes.values()}) == 3, field
     homes = [next(v for v in s["volumes"] if v.endswith(":/var/lib/aenv")) for s in nodes.values()]
     assert len(set(homes)) == 3
@@ -176,6 +177,34 @@ def test_compose_cluster_shape():
         assert "ARG BASE_IMAGE=aenv-debian:bookworm" in dockerfile.read_text(), dockerfile.name
 
 
+def test_compose_sandbox_networks_are_netns_with_routes_to_every_pool():
+    """netns by default: every node's pool is a file of deploy/compose-pools/ (disjoint, read by
+    the node itself); each node admits the stack's subnet into its slots; the data plane's and
+    the API's network namespaces get their routes to those pools from a sidecar that has
+    NET_ADMIN there (the services themselves run unprivileged), from the same folder."""
+    doc = compose_doc()
+    services = doc["services"]
+    assert "AENV_NETWORK: ${AENV_NETWORK:-netns}" in COMPOSE.read_text()
+    subnet = doc["networks"]["aenv"]["ipam"]["config"][0]["subnet"]
+    pools_dir = DEPLOY / "compose-pools"
+    nodes = {name: s for name, s in services.items() if name.startswith("node-")}
+    assert sorted(p.name for p in pools_dir.iterdir()) == sorted(nodes)
+    pools = [ipaddress.ip_network(p.read_text().strip()) for p in pools_dir.iterdir()]
+    assert not any(a.overlaps(b) for i, a in enumerate(pools) for b in pools[i + 1:])
+    for name, s in nodes.items():
+        env = s["environment"]
+        assert "AENV_NET_POOL" not in env and env["AENV_K8S_NODE_POOLS"] == "/etc/aenv/pools", name
+        assert f"./compose-pools:{env['AENV_K8S_NODE_POOLS']}:ro" in s["volumes"], name
+        assert env["AENV_NET_INGRESS_FROM"] == subnet, name
+        assert str(s["sysctls"]["net.ipv4.ip_forward"]) == "1", name
+    for served in ("dataplane", "api"):
+        sidecar = services[f"{served}-routes"]
+        assert sidecar["network_mode"] == f"service:{served}" and sidecar["cap_add"] == ["NET_ADMIN"]
+        assert sidecar["user"] == "0:0" and sidecar["command"] == ["routes"]
+        assert f"./compose-pools:{sidecar['environment']['AENV_K8S_NODE_POOLS']}:ro" in sidecar["volumes"]
+        assert "user" not in services[served] and "cap_add" not in services[served]
+
+
 def test_compose_signs_node_tasks_and_nodes_hold_only_the_certificate():
     """The control plane's processes sign with the key pair of the task-signing volume; the
     nodes see only the certificate (volume task-cert): a node that holds no key cannot sign a
@@ -192,6 +221,8 @@ def test_compose_signs_node_tasks_and_nodes_hold_only_the_certificate():
             assert env["AENV_TASK_SIGNING_CERT"].startswith("/etc/aenv/task-cert/"), name
             assert "task-cert:/etc/aenv/task-cert:ro" in volumes, name
             assert s["depends_on"]["task-signing"]["condition"] == "service_completed_successfully", name
+        elif name.endswith("-routes"):  # routes only: no key
+            assert "AENV_TASK_SIGNING_KEY" not in env and "task-signing:" not in volumes, name
         elif name != "migrate":
             assert env["AENV_TASK_SIGNING_KEY"].startswith("/etc/aenv/task-signing/"), name
             assert "task-signing:/etc/aenv/task-signing:ro" in volumes, name
@@ -227,6 +258,11 @@ def test_compose_ci_override_runs_two_nodes_on_moto():
         assert services[node]["environment"]["AENV_IMAGES_DIR"] == "/srv/images"
         targets = {v["target"]: v for v in services[node]["volumes"]}
         assert targets["/seed/images"]["read_only"] and targets["/srv/images"]["type"] == "volume"
+        # what netns needs without privileged: NET_ADMIN, SYS_ADMIN, the TUN device
+        assert {"NET_ADMIN", "SYS_ADMIN"} <= set(services[node]["cap_add"]), node
+        assert any(d["source"] == "/dev/net/tun" for d in services[node]["devices"]), node
+        assert services[node]["environment"]["AENV_NETWORK"] == "netns", node
+    assert services["dataplane-routes"]["network_mode"] == "service:dataplane"
 
 
 # ---------------------------------------------------------------- systemd
@@ -617,8 +653,8 @@ def test_images_and_their_commands_fit_together():
     assert {"api", "dataplane", "sweeper", "migrate", "node", "health"} <= commands
     used = []
     for service in compose_doc()["services"].values():
-        if service["image"].split(":")[0] in ("aenv-control-plane", "aenv-node"):
-            used.append(service["command"])
+        if service["image"].split(":")[0] in ("aenv-control-plane", "aenv-node") and "command" in service:
+            used.append(service["command"])   # (a one-shot with an entrypoint of its own has none)
             used.append(service.get("healthcheck", {}).get("test", [])[1:])
     for _, doc in k8s.documents():
         for container in k8s.containers(doc):
