@@ -41,25 +41,25 @@ def token_create(request):
     return response
 
 
-@require_POST
-@operator_page
-def token_revoke(request, prefix):
+def _act(request, do, said):
+    """Run one operator action; its outcome (or the refusal's message) is the next page's notice."""
     try:
-        token = join.revoke_token(prefix)
+        done = do()
     except LifecycleError as exc:
         messages.error(request, exc.message)
     else:
-        messages.success(request, f"Join token {token.prefix}… revoked.")
+        messages.success(request, said(done))
     return redirect("dashboard:nodes")
+
+
+@require_POST
+@operator_page
+def token_revoke(request, prefix):
+    return _act(request, lambda: join.revoke_token(prefix), lambda token: f"Join token {token.prefix}… revoked.")
 
 
 @require_POST
 @operator_page
 def node_revoke(request, node_id):
-    try:
-        node = join.revoke_node(node_id)
-    except LifecycleError as exc:
-        messages.error(request, exc.message)
-    else:
-        messages.success(request, f"Node {node.pk} revoked: it gets no new work and its heartbeats are ignored.")
-    return redirect("dashboard:nodes")
+    return _act(request, lambda: join.revoke_node(node_id),
+                lambda node: f"Node {node.pk} revoked: it gets no new work and its heartbeats are ignored.")
