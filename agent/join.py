@@ -2,12 +2,18 @@
 ``AENV_CONTROL_PLANE_URL`` spends ``AENV_NODE_JOIN_TOKEN`` at ``POST /nodes/join`` and keeps
 the credential it gets in ``AENV_HOME/node_credential`` (0600); at every later start it
 presents that credential to ``POST /nodes/check-in``. The control plane's refusal (unknown:
-401, revoked: 403) stops the node with its message: ``NodeNotAdmitted``."""
+401, revoked: 403) stops the node with its message: ``NodeNotAdmitted``.
+
+Where the control plane hands out per-node database roles (``nodes.db_roles``), the join's
+answer also carries ``databaseUrl``: it is kept in ``AENV_NODE_DATABASE_URL_FILE`` (0600)
+and the process then re-executes itself, so that its settings load the role from their
+start (``config.node_database``) and no connection, pool or thread keeps the old user."""
 from __future__ import annotations
 
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -44,15 +50,30 @@ def stored_credential(node_id: str) -> str | None:
     return saved.get("credential") or None
 
 
-def store_credential(node_id: str, credential: str) -> None:
+def _write_secret(path: Path, text: str) -> None:
     """Written 0600 from the start (never readable by others, not even for a moment)."""
-    path = credential_path()
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"nodeId": node_id, "credential": credential}, f)
+        f.write(text)
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
+
+
+def store_credential(node_id: str, credential: str) -> None:
+    _write_secret(credential_path(), json.dumps({"nodeId": node_id, "credential": credential}))
+
+
+def store_database_url(url: str) -> Path:
+    path = Path(settings.AENV_NODE_DATABASE_URL_FILE)
+    _write_secret(path, url + "\n")
+    return path
+
+
+def restart_process() -> None:
+    """Run this same command again (same interpreter, arguments and environment)."""
+    logging.shutdown()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def _post(path: str, bearer: str, body: dict, wait: float, http: httpx.Client | None) -> dict:
@@ -83,10 +104,13 @@ def _post(path: str, bearer: str, body: dict, wait: float, http: httpx.Client | 
     return data
 
 
-def ensure_joined(node_id: str, wait: float = CONNECT_WAIT, http: httpx.Client | None = None) -> str | None:
-    """Before registering: this node's credential, joining first if it has none; None when
-    joining is neither required nor asked for (the single-machine default). Raises
-    NodeNotAdmitted saying what to do. ``http``: the client to use (tests: on the app itself)."""
+def ensure_joined(node_id: str, wait: float = CONNECT_WAIT, http: httpx.Client | None = None,
+                  restart=restart_process) -> str | None:
+    """Before registering (and before any use of the database): this node's credential,
+    joining first if it has none; None when joining is neither required nor asked for (the
+    single-machine default). Raises NodeNotAdmitted saying what to do. ``http``: the client to
+    use (tests: on the app itself); ``restart``: called after a join that gave a database
+    role (the default re-executes the process)."""
     token = settings.AENV_NODE_JOIN_TOKEN
     if not settings.AENV_NODE_JOIN_REQUIRED and not token:
         return None
@@ -111,4 +135,8 @@ def ensure_joined(node_id: str, wait: float = CONNECT_WAIT, http: httpx.Client |
         raise NodeNotAdmitted(f"the control plane answered the join of {node_id} with {sorted(answer)}")
     store_credential(node_id, answer["credential"])
     log.info("node %s joined; its credential is in %s", node_id, credential_path())
+    if answer.get("databaseUrl"):
+        path = store_database_url(answer["databaseUrl"])
+        log.info("node %s has a database role of its own (%s): restarting to use it", node_id, path)
+        restart()
     return answer["credential"]

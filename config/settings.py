@@ -9,6 +9,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from config import log_redaction
+from config.node_database import database_url as node_database_url
 from config.secret_key import load_secret_key
 from vmm.net.conntrack import DEFAULT_MAX_FLOWS, DEFAULT_NEW_BURST, DEFAULT_NEW_RATE
 from vmm.net.dns import DNSLimits
@@ -217,6 +218,12 @@ AENV_CONTROL_PLANE_URL = _env("AENV_CONTROL_PLANE_URL", "").rstrip("/")
 AENV_NODE_JOIN_TOKEN = os.environ.get("AENV_NODE_JOIN_TOKEN", "").strip()
 AENV_NODE_JOIN_REQUIRED = _env_bool("AENV_NODE_JOIN_REQUIRED", bool(AENV_CONTROL_PLANE_URL))
 AENV_NODE_JOIN_TOKEN_TTL = _env_int("AENV_NODE_JOIN_TOKEN_TTL", 24 * 3600)
+# Per-node PostgreSQL roles (nodes.db_roles): on the control plane, each node that joins gets
+# a role of its own with only the node worker's tables, cut off at its revocation (the
+# database user needs CREATEROLE). On a node of a cluster, the role's URL from the join is
+# kept in AENV_NODE_DATABASE_URL_FILE and used for DATABASES (config.node_database).
+AENV_NODE_DATABASE_ROLES = _env_bool("AENV_NODE_DATABASE_ROLES", False)
+AENV_NODE_DATABASE_URL_FILE = Path(_env("AENV_NODE_DATABASE_URL_FILE", str(AENV_HOME / "node_database_url")))
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 # Template builds (template_builds): the shape a build may ask for (E2B's checks: CPUs 1 or
@@ -335,7 +342,8 @@ TEMPLATES = [
 
 DATABASES = {
     "default": dj_database_url.parse(
-        _env("DATABASE_URL", f"sqlite:///{AENV_HOME / 'db.sqlite3'}"), conn_max_age=0
+        node_database_url(_env("DATABASE_URL", f"sqlite:///{AENV_HOME / 'db.sqlite3'}"), AENV_CONTROL_PLANE_URL,
+                          AENV_NODE_DATABASE_URL_FILE), conn_max_age=0
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":

@@ -23,6 +23,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from nodes import db_roles
 from nodes.models import Node, NodeJoinToken
 from sandboxes.errors import Forbidden, Invalid, NotFound, Unauthenticated
 
@@ -131,7 +132,11 @@ def join(raw_token: str, node_id: str = "") -> tuple[Node, str]:
 
     Unknown token: Unauthenticated (401). Revoked, used or expired token, a token bound to
     another id, a revoked node without a token issued for it after the revocation, or a
-    joined node claimed by an unbound token: JoinRefused (403)."""
+    joined node claimed by an unbound token: JoinRefused (403).
+
+    With per-node database roles (``nodes.db_roles``) the node's row carries
+    ``database_url`` (its role's URL, for the join's answer only; else None); a control plane
+    that cannot make the role: Unavailable (503), and the token stays unspent."""
     raw_token = (raw_token or "").strip()
     node_id = (node_id or "").strip()
     with transaction.atomic():
@@ -162,6 +167,7 @@ def join(raw_token: str, node_id: str = "") -> tuple[Node, str]:
             Node.objects.filter(pk=node_id).update(**fields)
             node.refresh_from_db()
         NodeJoinToken.objects.filter(pk=token.pk).update(used_at=timezone.now(), used_by=node_id)
+        node.database_url = db_roles.issue(node_id) if db_roles.enabled() else None
     return node, credential
 
 
@@ -180,8 +186,8 @@ def authenticate(raw_credential: str) -> Node:
 
 def revoke_node(node_id: str) -> Node:
     """Revoke node ``node_id``: revoked and draining (no placement, no task sent), its
-    unspent tokens revoked with it. Idempotent. Its VMs keep running until someone stops
-    them on the host: the control plane no longer talks to it."""
+    unspent tokens revoked with it, its database role (if any) cut off. Idempotent. Its VMs
+    keep running until someone stops them on the host: the control plane no longer talks to it."""
     now = timezone.now()
     with transaction.atomic():
         node = Node.objects.select_for_update().filter(pk=node_id).first()
@@ -191,6 +197,7 @@ def revoke_node(node_id: str) -> Node:
             Node.objects.filter(pk=node_id).update(revoked_at=now, draining=True)
         NodeJoinToken.objects.filter(node_id=node_id, used_at__isnull=True, revoked_at__isnull=True).update(
             revoked_at=now)
+    db_roles.cut(node_id)
     node.refresh_from_db()
     return node
 

@@ -17,7 +17,7 @@ from api.errors import ApiError
 from api.fields import ErrorSerializer
 from api.requests import body_of, valid
 
-from nodes import join
+from nodes import db_roles, join
 from nodes.models import JOIN_TOKEN_STATES, NodeJoinToken
 
 
@@ -56,6 +56,8 @@ class JoinRequest(serializers.Serializer):
 class JoinedSerializer(serializers.Serializer):
     nodeId = serializers.CharField()
     credential = serializers.CharField(required=False, help_text="the node's own secret: shown only at its join")
+    databaseUrl = serializers.CharField(required=False, help_text="the node's own database role "
+                                        "(AENV_NODE_DATABASE_ROLES): shown only at its join")
 
 
 class RevokedNodeSerializer(serializers.Serializer):
@@ -114,7 +116,10 @@ class JoinView(_NodeView):
     async def post(self, request):
         body = valid(JoinRequest, body_of(request)).validated_data
         node, credential = await sync_to_async(join.join)(request.user.secret, body["nodeId"])
-        return Response({"nodeId": node.pk, "credential": credential}, headers={"Cache-Control": "no-store"})
+        answer = {"nodeId": node.pk, "credential": credential}
+        if node.database_url:
+            answer["databaseUrl"] = node.database_url
+        return Response(answer, headers={"Cache-Control": "no-store"})
 
 
 class CheckInView(_NodeView):
@@ -125,4 +130,5 @@ class CheckInView(_NodeView):
         node = await sync_to_async(join.authenticate)(request.user.secret)
         if body["nodeId"] and body["nodeId"] != node.pk:
             raise ApiError(403, f"this credential is node {node.pk}'s, not {body['nodeId']}'s", "node_other_id")
+        await sync_to_async(db_roles.refresh)(node.pk)
         return Response({"nodeId": node.pk})
