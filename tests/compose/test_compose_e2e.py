@@ -1,12 +1,16 @@
 """deploy/compose.yaml (+ compose.ci.yaml) started for real on the Docker engine: PostgreSQL,
 Redis, an S3 server, the control plane and two node containers, all built from Debian/PyPI
 packages on a local Debian root. The unchanged E2B SDK creates a sandbox on each node (the
-other one drained), runs a command in each; each guest reaches no service of the stack, no API
-port and not the other node's guest, while its node container reaches them all (so the addresses
-are right); then one is paused and resumed on the other node from the S3 store, with its file.
+other one drained), runs a command in each. Sandbox networks are netns (a namespace and slot per
+guest, the data plane routed to each node's pool by its routes sidecar): each guest reaches no
+service of the stack, no API port and not the other node's guest, while its node container
+reaches the services and the data plane's container the other guest (so the addresses are
+right); a guest with internet access sends out through its node's uplink, one without does not.
+Then one is paused and resumed on the other node from the S3 store, with its file.
 ``docker compose down -v`` afterwards. The timings go to the output (docs/deployment.md)."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 
@@ -51,13 +55,13 @@ def row(stack, sandbox_id: str) -> dict:
         "'envd_host': s.envd_host, 'envd_port': s.envd_port, 'exported': s.pause_image_at is not None}))"))
 
 
-def create_on(stack, node: str) -> Sandbox:
+def create_on(stack, node: str, **options) -> Sandbox:
     """A sandbox on ``node``: every other node drains while it is placed."""
     others = [n for n in NODES if n != node]
     for other in others:
         drain(stack, other, True)
     try:
-        sandbox = Sandbox.create(timeout=900)
+        sandbox = Sandbox.create(timeout=900, **options)
     finally:
         for other in others:
             drain(stack, other, False)
@@ -72,17 +76,53 @@ def closed_from(sandbox: Sandbox, host: str, port: int) -> bool:
     return done.stdout.strip().endswith("CLOSED")
 
 
+PUBLIC = "192.0.43.8"  # a public address (IANA's): no private range, so a guest's policy decides on it
+POOLS = {"node-1": "10.21.0.0/16", "node-2": "10.22.0.0/16"}  # deploy/compose-pools/
+
+
+def routed_pools(stack, service: str) -> set[str]:
+    """The networks routed in ``service``'s network namespace (its /proc/net/route)."""
+    table = stack.exec(service, "cat", "/proc/net/route").stdout.splitlines()[1:]
+    return {str(ipaddress.IPv4Network((int(dst, 16).to_bytes(4, "little"), bin(int(mask, 16)).count("1"))))
+            for _, dst, _, _, _, _, _, mask, *_ in (line.split() for line in table)}
+
+
+def wait_routes(stack) -> None:
+    """The routes sidecars' first pass after the nodes registered (every 30 s)."""
+    deadline = time.monotonic() + 120
+    for service in ("dataplane", "api"):
+        while not set(POOLS.values()) <= routed_pools(stack, service):
+            assert time.monotonic() < deadline, (routed_pools(stack, service), stack.logs(f"{service}-routes"))
+            time.sleep(2)
+
+
+def egress_packets(stack, node: str, guest: Sandbox) -> int:
+    """How many packets the guest's connection attempts to PUBLIC:80 sent out of its node's
+    container (a counter in a table of the test's own in that container's forward hook)."""
+    table = "aenv_ci_egress"
+    stack.exec(node, "bash", "-c", f"nft delete table ip {table} 2>/dev/null; nft 'add table ip {table}' && "
+               f"nft 'add chain ip {table} out {{ type filter hook forward priority -300; }}' && "
+               f"nft 'add rule ip {table} out ip daddr {PUBLIC} tcp dport 80 oifname \"eth0\" counter'")
+    guest.commands.run(f"timeout 3 bash -c 'echo > /dev/tcp/{PUBLIC}/80' || true", timeout=30)
+    listed = json.loads(stack.exec(node, "nft", "-j", "list", "table", "ip", table).stdout)
+    stack.exec(node, "nft", "delete", "table", "ip", table, check=False)
+    return sum(item["rule"]["expr"][-1]["counter"]["packets"] for item in listed["nftables"] if "rule" in item)
+
+
 def test_two_nodes_a_move_through_s3_and_a_guest_reaches_nothing(sdk):
     stack = sdk
     t0 = time.monotonic()
-    one, two = create_on(stack, "node-1"), create_on(stack, "node-2")
+    wait_routes(stack)
+    one = create_on(stack, "node-1", allow_internet_access=True)
+    two = create_on(stack, "node-2", allow_internet_access=False)
     try:
         for sandbox, node in ((one, "node-1"), (two, "node-2")):
             done = sandbox.commands.run("echo hello from $(hostname)")
             assert done.exit_code == 0 and done.stdout.startswith("hello from"), done
 
         # what a guest must not reach: the stack's services, the API's ports, the other node's guest
-        # (its envd port, forwarded on that node's address) — while a node container does reach them
+        # (its envd at its slot address) — while its node container reaches the services and the
+        # data plane's container (routed to every pool by its sidecar) the other guest
         services = {"postgres": (stack.address("postgres"), 5432), "redis": (stack.address("redis"), 6379),
                     "s3": (stack.address("s3"), 9000), "api": (stack.address("api"), 3000),
                     "dataplane": (stack.address("dataplane"), 3001)}
@@ -91,9 +131,17 @@ def test_two_nodes_a_move_through_s3_and_a_guest_reaches_nothing(sdk):
             assert not closed_from(guest, "127.0.0.1", ENVD_PORT)  # the probe can say OPEN: its own envd
             targets = {**services, f"{other}'s guest": (placed[other]["envd_host"], placed[other]["envd_port"])}
             for name, (host, port) in targets.items():
-                probe = stack.exec(node, "bash", "-c", f"timeout 5 bash -c 'echo > /dev/tcp/{host}/{port}'", check=False)
-                assert probe.returncode == 0, f"{node} does not reach {name} at {host}:{port}: the probe proves nothing"
+                prober = "dataplane" if name.endswith("guest") else node
+                probe = stack.exec(prober, "bash", "-c", f"timeout 5 bash -c 'echo > /dev/tcp/{host}/{port}'", check=False)
+                assert probe.returncode == 0, f"{prober} does not reach {name} at {host}:{port}: the probe proves nothing"
                 assert closed_from(guest, host, port), f"the guest on {node} reaches {name} at {host}:{port}"
+
+        # egress: a public address (offline it answers nothing, so what counts is the packet leaving
+        # the node's container toward its uplink, counted there): node-1's guest has internet
+        # access, node-2's has none and its packets never leave its slot
+        for guest, node, allowed in ((one, "node-1", True), (two, "node-2", False)):
+            sent = egress_packets(stack, node, guest)
+            assert (sent > 0) == allowed, f"the guest on {node} (internet access {allowed}) sent {sent} packets out"
 
         # node-1's sandbox paused (exported to S3), then resumed where only the store has it
         one.files.write("/home/user/moved.txt", "across nodes")
