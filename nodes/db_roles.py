@@ -19,7 +19,7 @@ import secrets
 from urllib.parse import quote
 
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
 from psycopg import sql
 
 from sandboxes.errors import Unavailable
@@ -27,6 +27,9 @@ from sandboxes.errors import Unavailable
 log = logging.getLogger(__name__)
 
 ROLE_MARK = "aenv_node_"
+# Concurrent GRANTs on one table fail in PostgreSQL ("tuple concurrently updated"): nodes
+# joining or checking in at once take turns on this transaction-level advisory lock.
+_LOCK = 0x61656E76  # "aenv"
 # What the node worker (agent/) reads and writes, table by table. Everything not listed
 # (sandboxes_apikey, sandboxes_team*, auth_*, django_session, django_admin_log,
 # nodes_nodejointoken, ...) it cannot even read. Foreign keys are checked by PostgreSQL as
@@ -84,7 +87,8 @@ def _exists(cursor, role: str) -> bool:
 
 def grant(cursor, role: str) -> None:
     """The role's rights, exactly GRANTS (re-run at each join and check-in: tables a
-    migration added since are granted at the node's next start)."""
+    migration added since are granted at the node's next start). Inside a transaction."""
+    cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_LOCK])
     ident = sql.Identifier(role)
     cursor.execute("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")
     present = {name for (name,) in cursor.fetchall()}
@@ -112,7 +116,7 @@ def issue(node_id: str) -> str:
     the join's transaction: a failure leaves no half-made role."""
     role = role_name(node_id)
     password = secrets.token_urlsafe(32)
-    with connection.cursor() as cursor:
+    with transaction.atomic(), connection.cursor() as cursor:
         _check_createrole(cursor)
         verb = "ALTER" if _exists(cursor, role) else "CREATE"
         _run(cursor, sql.SQL(verb + " ROLE {} LOGIN NOINHERIT NOCREATEDB NOCREATEROLE PASSWORD {}").format(
@@ -128,7 +132,7 @@ def refresh(node_id: str) -> None:
     if not enabled():
         return
     role = role_name(node_id)
-    with connection.cursor() as cursor:
+    with transaction.atomic(), connection.cursor() as cursor:
         if _exists(cursor, role):
             grant(cursor, role)
 

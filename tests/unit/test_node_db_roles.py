@@ -5,13 +5,14 @@ database (the PostgreSQL pass of scripts/test.sh); the node's side of the URL
 (``config.node_database``) is checked everywhere."""
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpx
 import psycopg
 import pytest
 from django.core.wsgi import get_wsgi_application
-from django.db import connection
+from django.db import connection, connections
 from django.utils import timezone
 
 from agent import join as node_side
@@ -65,7 +66,10 @@ def node_id(db):
     yield node
     if connection.vendor != "postgresql":
         return
-    role = db_roles.role_name(node)
+    _drop_role(db_roles.role_name(node))
+
+
+def _drop_role(role: str) -> None:
     with connection.cursor() as cursor:
         cursor.execute("SELECT pid FROM pg_stat_activity WHERE usename = %s", [role])
         for (pid,) in cursor.fetchall():
@@ -183,3 +187,27 @@ def test_only_postgresql_with_roles_on_answers_a_database_url(node_id, settings,
         answer = http.post("/nodes/join", headers={"Authorization": f"Bearer {raw}"}, json={"nodeId": node_id})
     assert answer.status_code == 200
     assert ("databaseUrl" in answer.json()) == (roles and connection.vendor == "postgresql")
+
+
+def test_nodes_joining_at_once_all_get_their_roles(postgres, node_id, settings):
+    """Concurrent GRANTs on one table fail in PostgreSQL ("tuple concurrently updated"): a
+    cluster's nodes start together, so their joins (and check-ins) take turns."""
+    settings.AENV_NODE_DATABASE_ROLES = True
+    ids = [f"{node_id}-{i}" for i in range(4)]
+    raws = [join.create_token(node_id=i)[1] for i in ids]
+
+    def join_one(args):
+        try:
+            node, _ = join.join(*args)
+            db_roles.refresh(node.pk)
+            return node.database_url
+        finally:
+            connections.close_all()
+
+    try:
+        with ThreadPoolExecutor(len(ids)) as pool:
+            urls = list(pool.map(join_one, zip(raws, ids)))
+        assert len(set(urls)) == len(ids) and all(urls)
+    finally:
+        for i in ids:
+            _drop_role(db_roles.role_name(i))
