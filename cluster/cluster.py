@@ -290,8 +290,12 @@ class Cluster:
     def _purge(self) -> None:
         import redis  # noqa: PLC0415
 
+        from nodes.db_roles import role_name  # noqa: PLC0415
+
         with self._pg() as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.layout.database}" WITH (FORCE)')
+            for node in self.layout.all_nodes:  # the nodes' roles (their rights went with the database)
+                conn.execute(f'DROP ROLE IF EXISTS "{role_name(node.node_id)}"')
         for db in range(self.layout.redis_db, self.layout.redis_db + 3):
             redis.Redis(host="127.0.0.1", port=self.layout.redis_port, db=db).flushdb()
         shutil.rmtree(self.layout.state_dir, ignore_errors=True)

@@ -175,6 +175,7 @@ class ClusterLayout:
         }
 
     def control_env(self, secret_key: str) -> dict[str, str]:
-        """The control plane's settings: its nodes all join (placement skips any that did not)."""
+        """The control plane's settings: its nodes all join (placement skips any that did not),
+        each getting a database role of its own (nodes.db_roles)."""
         return {**self.shared_env(secret_key), "AENV_HOME": str(self.control_home), "AENV_NODE_JOIN_REQUIRED": "1",
-                "AENV_TASK_SIGNING_KEY": str(self.signing_dir / "key.pem")}
+                "AENV_NODE_DATABASE_ROLES": "1", "AENV_TASK_SIGNING_KEY": str(self.signing_dir / "key.pem")}

@@ -122,7 +122,7 @@ def issue(node_id: str) -> str:
         _run(cursor, sql.SQL(verb + " ROLE {} LOGIN NOINHERIT NOCREATEDB NOCREATEROLE PASSWORD {}").format(
             sql.Identifier(role), sql.Literal(password)))
         grant(cursor, role)
-    db = settings.DATABASES["default"]
+    db = connection.settings_dict
     port = f":{db['PORT']}" if db.get("PORT") else ""
     return f"postgresql://{quote(role, safe='')}:{quote(password, safe='')}@{db.get('HOST') or ''}{port}/{db['NAME']}"
 
@@ -132,9 +132,12 @@ def refresh(node_id: str) -> None:
     if not enabled():
         return
     role = role_name(node_id)
-    with transaction.atomic(), connection.cursor() as cursor:
-        if _exists(cursor, role):
-            grant(cursor, role)
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            if _exists(cursor, role):
+                grant(cursor, role)
+    except DatabaseError:  # the node keeps the rights it had: its check-in still goes through
+        log.exception("node %s: granting its database role %s this version's tables failed", node_id, role)
 
 
 def cut(node_id: str) -> None:
@@ -145,7 +148,12 @@ def cut(node_id: str) -> None:
     with connection.cursor() as cursor:
         if not _exists(cursor, role):
             return
-        _run(cursor, sql.SQL("ALTER ROLE {} NOLOGIN").format(sql.Identifier(role)))
+        try:
+            _run(cursor, sql.SQL("ALTER ROLE {} NOLOGIN").format(sql.Identifier(role)))
+        except DatabaseError:  # the revocation itself is recorded: the control plane gives it no work
+            log.exception("node %s revoked, but its database role %s could not be cut off (the control plane's "
+                          "database user needs CREATEROLE): ALTER ROLE %s NOLOGIN by hand", node_id, role, role)
+            return
         cursor.execute("SELECT pid FROM pg_stat_activity WHERE usename = %s", [role])
         for (pid,) in cursor.fetchall():
             try:

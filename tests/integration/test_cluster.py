@@ -294,3 +294,22 @@ def test_a_restore_goes_to_the_node_that_has_its_snapshot(sdk):
         if snapshot_id:
             httpx.delete(f"{cluster.layout.api_url}/templates/{snapshot_id}", headers={"X-API-Key": cluster.api_key},
                          timeout=120)
+
+
+def test_each_node_works_as_its_own_database_role(cluster):
+    """Per-node database roles (nodes.db_roles, on in the cluster): each node worker is
+    connected as aenv_node_<id>, which cannot read the teams' API keys."""
+    import psycopg  # noqa: PLC0415
+
+    from nodes.db_roles import role_name  # noqa: PLC0415
+
+    roles = {role_name(n.node_id) for n in cluster.layout.all_nodes}
+    with psycopg.connect(host="127.0.0.1", port=cluster.layout.pg_port, user=cluster.layout.pg_user,
+                         dbname=cluster.layout.database, autocommit=True) as conn:
+        users = {u for (u,) in conn.execute("SELECT DISTINCT usename FROM pg_stat_activity WHERE datname = %s",
+                                            [cluster.layout.database]).fetchall()}
+        assert roles <= users, users
+        for role in roles:
+            assert conn.execute("SELECT has_table_privilege(%s, 'sandboxes_apikey', 'SELECT')", [role]).fetchone() == \
+                (False,)
+            assert conn.execute("SELECT has_table_privilege(%s, 'nodes_node', 'UPDATE')", [role]).fetchone() == (True,)

@@ -41,6 +41,7 @@ def test_a_node_reaches_the_services_through_its_gateway_and_only_it_opens_slots
     assert layout.node(2).env("k", join_token="aenv_join_x")["AENV_NODE_JOIN_TOKEN"] == "aenv_join_x"
     control = layout.control_env("k")
     assert control["AENV_NODE_JOIN_REQUIRED"] == "1"  # placement leaves a node that did not join alone
+    assert control["AENV_NODE_DATABASE_ROLES"] == "1" and "AENV_NODE_DATABASE_ROLES" not in env  # own roles
     assert control["DATABASE_URL"] == "postgres://postgres@127.0.0.1:5432/cluster"
     assert control["DJANGO_SECRET_KEY"] == env["DJANGO_SECRET_KEY"] == "k"
     assert control["AENV_HOME"] != env["AENV_HOME"]
