@@ -62,6 +62,10 @@ usage: deploy/install-node.sh [options]
   --sandbox-domain NAME  AENV_SANDBOX_DOMAIN (wildcard host names of sandbox ports)
   --api-url URL  --sandbox-url URL   AENV_API_PUBLIC_URL / AENV_SANDBOX_PUBLIC_URL
   --control-plane        also install the API, data plane and sweeper units; migrates the database
+  --node-database-roles  with --control-plane on PostgreSQL: AENV_NODE_DATABASE_ROLES=1, each node that
+                         joins gets a PostgreSQL role of its own with only the node worker's tables,
+                         cut off when it is revoked (the control plane's database user needs CREATEROLE);
+                         a node's --database-url then needs no user or password (postgres://db:5432/aenv)
   --home DIR             AENV_HOME (default /var/lib/aenv)
   --env-file PATH        the settings file (default /etc/aenv/aenv.env)
   --systemd-dir DIR      where units go (default /etc/systemd/system)
@@ -104,6 +108,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --control-plane) CONTROL_PLANE=1 ;;
+    --node-database-roles) FLAG[AENV_NODE_DATABASE_ROLES]=1 ;;
     --dry-run) DRY_RUN=1 ;;
     --no-images) IMAGES=0 ;;
     --home|--env-file|--systemd-dir|--broker-ca)
@@ -147,6 +152,10 @@ if [ -n "${SET[AENV_CONTROL_PLANE_URL]:-}" ] && [[ ! "${SET[AENV_CONTROL_PLANE_U
 fi
 if [ -n "${SET[DATABASE_URL]:-}" ] && [[ ! "${SET[DATABASE_URL]}" =~ ^postgres(ql)?:// ]]; then
   die "--database-url must be a PostgreSQL URL (postgres://user:password@host:5432/db); SQLite is only for one machine (omit it with --control-plane)"
+fi
+if [ "${SET[AENV_NODE_DATABASE_ROLES]:-0}" = 1 ]; then
+  [ "$CONTROL_PLANE" = 1 ] || die "--node-database-roles is the control plane's setting (with --control-plane); a node gets its role when it joins"
+  [[ "${SET[DATABASE_URL]:-}" =~ ^postgres(ql)?:// ]] || die "--node-database-roles needs --database-url (PostgreSQL): SQLite has no roles"
 fi
 if [ "$CONTROL_PLANE" = 0 ]; then
   # It joins with an operator's token (nodes.join): the control plane gives unknown machines no work.
@@ -242,7 +251,7 @@ env_file_text() {  # the settings, one KEY=value a line, quoted where systemd or
   local order=(AENV_HOME AENV_NODE_ID AENV_NODE_ADDRESS AENV_CONTROL_PLANE_URL AENV_NODE_JOIN_TOKEN DATABASE_URL CELERY_BROKER_URL CELERY_RESULT_BACKEND
                AENV_CHANNEL_LAYER_URL AENV_NETWORK AENV_NET_POOL AENV_NET_INGRESS_FROM AENV_SNAPSHOT_BACKEND AENV_S3_BUCKET AENV_S3_ENDPOINT
                AENV_S3_REGION AENV_S3_PREFIX AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY DJANGO_SECRET_KEY
-               AENV_TASK_SIGNING_KEY AENV_TASK_SIGNING_CERT
+               AENV_TASK_SIGNING_KEY AENV_TASK_SIGNING_CERT AENV_NODE_DATABASE_ROLES
                AENV_SANDBOX_DOMAIN AENV_API_PUBLIC_URL AENV_SANDBOX_PUBLIC_URL)
   local key value
   echo "# aenv settings (config/settings.py), written by deploy/install-node.sh; read by the aenv-* units."

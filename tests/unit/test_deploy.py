@@ -452,6 +452,21 @@ def test_install_gives_a_node_the_task_certificate_and_the_control_plane_the_key
     assert keys < done.stdout.index("manage.py migrate") and "chmod 640 /etc/aenv/task-signing/key.pem" in done.stdout
 
 
+def test_install_turns_per_node_database_roles_on_only_for_a_postgresql_control_plane():
+    """--node-database-roles: the control plane's setting (nodes get their roles at join), on
+    PostgreSQL only; a node with it, or a SQLite control plane, is refused before anything."""
+    done = run_install("--dry-run", "--control-plane", "--node-database-roles",
+                       "--database-url", "postgres://aenv:pw@127.0.0.1:5432/aenv")
+    assert done.returncode == 0, done.stderr
+    assert env_file_values(written_files(done.stdout)["/etc/aenv/aenv.env"])["AENV_NODE_DATABASE_ROLES"] == "1"
+    sqlite = run_install("--dry-run", "--control-plane", "--node-database-roles")
+    assert sqlite.returncode == 2 and "SQLite has no roles" in sqlite.stderr
+    node = run_install("--dry-run", *JOIN_FLAGS, "--node-database-roles")
+    assert node.returncode == 2 and "is the control plane's setting" in node.stderr
+    plain = run_install("--dry-run", "--control-plane")
+    assert "AENV_NODE_DATABASE_ROLES" not in written_files(plain.stdout)["/etc/aenv/aenv.env"]
+
+
 def test_install_keeps_the_local_brokers_password(tmp_path):
     """A second --control-plane run keeps the aenv-control URL it wrote (and leaves Redis's
     ACL alone)."""
