@@ -179,7 +179,9 @@ class ClaimedTask(Task):
 
     def __call__(self, *args, **kwargs):
         found = kwargs.pop(CLAIMS, None)
-        if not self.request.called_directly:
+        # Called as a function or applied eagerly (``apply()``), the task runs in this process:
+        # nothing came through the broker, so there is no message whose claims could lie.
+        if not self.request.called_directly and not self.request.is_eager:
             try:
                 check_claims(found, task=self.name, task_id=self.request.id,
                              queues=self.app.amqp.queues.consume_from.keys(),
