@@ -51,11 +51,14 @@ def _host_set(prefix: str) -> set[str]:
 
 
 def _settled(stack, expect_slots: int, deadline: float = 60) -> list:
-    """The instance's slots once the pool's refill is done (exactly ``expect_slots``)."""
+    """The instance's slots once the pool's refill is done (exactly ``expect_slots``, each in the
+    node's veths set: a warm slot's namespace exists a moment before its veth joins the set)."""
     end = time.monotonic() + deadline
     while True:
         found = slots.list_slots(stack.net_prefix, stack.net_pool)
-        if len(found) == expect_slots or time.monotonic() > end:
+        if len(found) == expect_slots and {s.host_veth for s in found} <= _host_set(stack.net_prefix):
+            return found
+        if time.monotonic() > end:
             return found
         time.sleep(0.2)
 
