@@ -83,9 +83,11 @@ class ComposeStack:
         return _run([*compose_cli(), "-p", PROJECT, *(a for f in FILES for a in ("-f", str(f))), *args],
                     timeout=timeout, env=self.env, check=check)
 
-    def manage(self, code: str) -> str:
-        """Python in Django's shell inside the API's container (its database)."""
-        return self.compose("exec", "-T", "api", ".venv/bin/python", "manage.py", "shell", "--no-imports", "-c", code).stdout
+    def manage(self, code: str, service: str = "api") -> str:
+        """Python in Django's shell inside a service's container (the API's: the control plane's
+        database user; a node's: the role it joined with)."""
+        return self.compose("exec", "-T", service, ".venv/bin/python", "manage.py", "shell", "--no-imports", "-c",
+                            code).stdout
 
     def exec(self, service: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
         return self.compose("exec", "-T", service, *argv, check=check)

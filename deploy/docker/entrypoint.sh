@@ -5,7 +5,11 @@
 #   migrate                     the schema, then the default team, base template and an API key
 #                               (printed once in this container's log)
 #   node                        the node worker (Dockerfile.node, privileged): builds the guest
-#                               images into AENV_IMAGES_DIR on its first start, then serves
+#                               images into AENV_IMAGES_DIR on its first start, then serves;
+#                               AENV_NODE_JOIN_TOKEN_FILE: a file holding its join token (read
+#                               when AENV_NODE_JOIN_TOKEN is unset; compose's join-tokens writes it)
+#   join-tokens DIR ID...       a join token bound to each node id that has not joined yet, in
+#                               DIR/<id>/token (0600); a joined (or revoked) node's is removed
 #   health api|dataplane|sweeper|routes|node|worker   the container's health check (worker: the
 #                               node worker's liveness, which never asks the database)
 #   routes                      keeps this machine's routes to every node's slot pool
@@ -70,6 +74,35 @@ sys.exit(0 if node is not None and node.is_alive() else 1)' ;;
 # nodes/pools.py reads it: ConfigMap volumes add ..data entries, which are skipped). Refuses a
 # node with no pool, a value that is not an IPv4 network, and a pool that overlaps another
 # node's: two nodes with one pool would give two guests the same address.
+# DIR ID...: one token per node id that never joined (its row has no credential; a revoked node
+# keeps its credential, so it stays out until an operator issues it a token), replacing (revoking)
+# the unspent one an earlier run made; a joined node's token file goes. Unused tokens expire
+# (AENV_NODE_JOIN_TOKEN_TTL).
+join_tokens() {
+  local dir=${1:?join-tokens: a directory}; shift
+  [ "$#" -gt 0 ] || die "join-tokens: the node ids"
+  JOIN_DIR=$dir JOIN_NODE_IDS="$*" "$PY" manage.py shell --no-imports -c 'import os
+from pathlib import Path
+from nodes import join
+from nodes.models import Node, NodeJoinToken
+MAKER = "compose join-tokens"
+for node_id in os.environ["JOIN_NODE_IDS"].split():
+    path = Path(os.environ["JOIN_DIR"], node_id, "token")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if Node.objects.filter(pk=node_id).exclude(credential_hash="").exists():
+        path.unlink(missing_ok=True)
+        print(f"join-tokens: {node_id} has joined: no token", flush=True)
+        continue
+    for old in NodeJoinToken.objects.filter(node_id=node_id, created_by=MAKER, used_at=None, revoked_at=None):
+        join.revoke_token(old.prefix)
+    token, raw = join.create_token(node_id=node_id, created_by=MAKER)
+    tmp = path.with_suffix(".tmp")
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(raw + "\n")
+    os.replace(tmp, path)
+    print(f"join-tokens: {node_id}: token {token.prefix}... until {token.expires_at:%Y-%m-%d %H:%M} UTC", flush=True)'
+}
+
 node_pool() {
   local dir=${1:?node-pool: a directory}
   [ -n "${AENV_NODE_ID:-}" ] || die "node-pool: AENV_NODE_ID is not set"
@@ -91,6 +124,10 @@ case "${1:-}" in
       export AENV_NET_POOL
       echo "entrypoint: node $AENV_NODE_ID: slot pool $AENV_NET_POOL" >&2
     fi
+    if [ -z "${AENV_NODE_JOIN_TOKEN:-}" ] && [ -s "${AENV_NODE_JOIN_TOKEN_FILE:-}" ]; then
+      AENV_NODE_JOIN_TOKEN=$(cat "$AENV_NODE_JOIN_TOKEN_FILE")
+      export AENV_NODE_JOIN_TOKEN
+    fi
     [ -e /dev/kvm ] || echo "entrypoint: no /dev/kvm: guests run under QEMU TCG (software emulation)" >&2
     # A seed (AENV_IMAGES_SEED: another machine's images directory, mounted read-only, e.g. the
     # test host's in deploy/compose.ci.yaml) fills the images directory first (what is missing):
@@ -110,8 +147,9 @@ case "${1:-}" in
     exec "$PY" manage.py run_node ;;
   health) shift; health "$@" ;;
   node-pool) shift; node_pool "$@" ;;
+  join-tokens) shift; join_tokens "$@" ;;
   routes) exec "$PY" manage.py sync_pool_routes --pools "${AENV_K8S_NODE_POOLS:?routes: set AENV_K8S_NODE_POOLS to the pools folder}" \
             --heartbeat "$ROUTES_HEARTBEAT" ;;
-  "") die "a command: api, dataplane, sweeper, migrate, node, node-pool, routes or health" ;;
+  "") die "a command: api, dataplane, sweeper, migrate, node, node-pool, join-tokens, routes or health" ;;
   *) exec "$@" ;;
 esac

@@ -6,7 +6,9 @@ guest, the data plane routed to each node's pool by its routes sidecar): each gu
 service of the stack, no API port and not the other node's guest, while its node container
 reaches the services and the data plane's container the other guest (so the addresses are
 right); a guest with internet access sends out through its node's uplink, one without does not.
-Then one is paused and resumed on the other node from the S3 store, with its file.
+Then one is paused and resumed on the other node from the S3 store, with its file. Before that:
+each node joined with the token the one-shot join-tokens left it, and works as a PostgreSQL role
+of its own that cannot read API keys (it never had the control plane's database password).
 ``docker compose down -v`` afterwards. The timings go to the output (docs/deployment.md)."""
 from __future__ import annotations
 
@@ -107,6 +109,46 @@ def egress_packets(stack, node: str, guest: Sandbox) -> int:
     listed = json.loads(stack.exec(node, "nft", "-j", "list", "table", "ip", table).stdout)
     stack.exec(node, "nft", "delete", "table", "ip", table, check=False)
     return sum(item["rule"]["expr"][-1]["counter"]["packets"] for item in listed["nftables"] if "rule" in item)
+
+
+def test_nodes_joined_with_tokens_and_work_as_their_own_database_roles(stack):
+    """Both nodes joined (a credential, the token bound to their id, spent); every database
+    session from a node's address is its role's, as is a new process's in its container (the
+    health check's way: the stored role URL); that role cannot read the API keys."""
+    joined = json.loads(stack.manage(
+        "import json; from nodes.models import Node; from nodes.db_roles import role_name; print(json.dumps({"
+        "n.pk: {'credential': bool(n.credential_hash), 'token_node': n.joined_via and n.joined_via.node_id, "
+        "'token_used': bool(n.joined_via and n.joined_via.used_at), 'revoked': n.revoked_at is not None, "
+        f"'role': role_name(n.pk)}} for n in Node.objects.filter(pk__in={list(NODES)!r})}}))"))
+    assert sorted(joined) == sorted(NODES), joined
+    for node, state in joined.items():
+        assert state["credential"] and state["token_node"] == node and state["token_used"], (node, state)
+        assert not state["revoked"], (node, state)
+    for node in NODES:
+        role = joined[node]["role"]
+        env = stack.exec(node, "printenv", "DATABASE_URL").stdout
+        assert ":" not in env.split("@")[0].removeprefix("postgres://"), f"{node}'s DATABASE_URL has a password"
+        whoami = stack.manage("from django.db import connection\n"
+                              "with connection.cursor() as c:\n    c.execute('select current_user')\n"
+                              "    print(c.fetchone()[0])", service=node).split()[-1]
+        assert whoami == role, (node, whoami)
+        keys = stack.manage("from django.db import connection, ProgrammingError\n"
+                            "try:\n    with connection.cursor() as c:\n"
+                            "        c.execute('select count(*) from sandboxes_apikey')\n"
+                            "        print('READ', c.fetchone())\n"
+                            "except ProgrammingError as exc:\n    print('DENIED', exc)", service=node)
+        assert "DENIED" in keys and "permission denied" in keys and "READ" not in keys, (node, keys)
+        # the worker's own sessions (heartbeats, tasks): from the node's address, as its role only
+        address = stack.address(node)
+        deadline = time.monotonic() + 60
+        while True:
+            users = set(stack.exec("postgres", "psql", "-U", "aenv", "-d", "aenv", "-Atc",
+                                   f"select usename from pg_stat_activity where client_addr = '{address}'"
+                                   ).stdout.split())
+            if users or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert users == {role}, (node, address, users)
 
 
 def test_two_nodes_a_move_through_s3_and_a_guest_reaches_nothing(sdk):

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
@@ -49,6 +50,7 @@ EXTERNAL_ENV = {
     "NODE_IDS": "deploy/redis/render-acl.sh: one Redis user per node (compose's redis)",
     "AENV_K8S_REDIS_ADDRESS": "Kubernetes: $(AENV_K8S_REDIS_ADDRESS) in each container's Redis URLs (deploy/k8s)",
     "AENV_K8S_NODE_POOLS": "deploy/docker/entrypoint.sh: the node's AENV_NET_POOL by node name (deploy/k8s)",
+    "AENV_NODE_JOIN_TOKEN_FILE": "deploy/docker/entrypoint.sh: the node's AENV_NODE_JOIN_TOKEN from a file (compose)",
 }
 SERVICE_UNITS = ("aenv-api.service", "aenv-dataplane.service", "aenv-sweeper.service", "aenv-node.service")
 
@@ -223,10 +225,43 @@ def test_compose_signs_node_tasks_and_nodes_hold_only_the_certificate():
             assert s["depends_on"]["task-signing"]["condition"] == "service_completed_successfully", name
         elif name.endswith("-routes"):  # routes only: no key
             assert "AENV_TASK_SIGNING_KEY" not in env and "task-signing:" not in volumes, name
-        elif name != "migrate":
+        elif name not in ("migrate", "join-tokens"):  # the one-shots send no task
             assert env["AENV_TASK_SIGNING_KEY"].startswith("/etc/aenv/task-signing/"), name
             assert "task-signing:/etc/aenv/task-signing:ro" in volumes, name
             assert s["depends_on"]["task-signing"]["condition"] == "service_completed_successfully", name
+
+
+def test_compose_nodes_join_with_tokens_and_hold_no_control_plane_password():
+    """Each node joins the API with the token join-tokens left in a volume only it mounts, and
+    reaches PostgreSQL without the aenv user's password (its own role comes with the join); the
+    control plane requires joins and hands out the roles; the one-shot runs after migrate and
+    before any node."""
+    services = compose_doc()["services"]
+    maker = services["join-tokens"]
+    assert maker["image"].startswith("aenv-control-plane:") and maker["command"][0] == "join-tokens"
+    assert maker["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    nodes = {name: s for name, s in services.items() if name.startswith("node-")}
+    assert maker["command"][2:] == sorted(nodes)
+    assert sorted(maker["volumes"]) == [f"join-{n}:{maker['command'][1]}/{n}" for n in sorted(nodes)]
+    for name, s in nodes.items():
+        env = s["environment"]
+        url = urlsplit(env["DATABASE_URL"])
+        assert url.password is None and "POSTGRES_PASSWORD" not in env["DATABASE_URL"], name
+        assert url.hostname == "postgres" and url.path == "/aenv", name
+        assert env["AENV_CONTROL_PLANE_URL"] == "http://api:3000" and "AENV_NODE_JOIN_TOKEN" not in env, name
+        token_dir = str(Path(env["AENV_NODE_JOIN_TOKEN_FILE"]).parent)
+        joins = [v for v in s["volumes"] if v.startswith("join-")]
+        assert joins == [f"join-{name}:{token_dir}:ro"], (name, joins)  # its own token volume only
+        assert s["depends_on"]["join-tokens"]["condition"] == "service_completed_successfully", name
+        assert s["depends_on"]["api"]["condition"] == "service_healthy", name
+    for name in ("api", "dataplane", "sweeper"):
+        env = services[name]["environment"]
+        assert env["AENV_NODE_JOIN_REQUIRED"] == "1" and env["AENV_NODE_DATABASE_ROLES"] == "1", name
+        assert "${POSTGRES_PASSWORD" in env["DATABASE_URL"], name
+    # no other service mounts a node's token volume
+    for name, s in services.items():
+        if name not in nodes and name != "join-tokens":
+            assert not any(v.startswith("join-") for v in s.get("volumes", [])), name
 
 
 def test_node_image_installs_no_test_extra():
@@ -663,7 +698,7 @@ def test_images_and_their_commands_fit_together():
             assert (ROOT / src).exists(), (dockerfile.name, src)
             assert src == "." or src.split("/")[0] not in ignored, (dockerfile.name, src)
     entrypoint = (DEPLOY / "docker" / "entrypoint.sh").read_text()
-    commands = set(re.findall(r"^  ([a-z]+)\)", entrypoint, re.M))
+    commands = set(re.findall(r"^  ([a-z-]+)\)", entrypoint, re.M))
     roles = set(re.findall(r"^    ([a-z]+)\)", entrypoint, re.M))
     assert {"api", "dataplane", "sweeper", "migrate", "node", "health"} <= commands
     used = []
