@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 from django.conf import settings
+from nodes.signing import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +51,13 @@ def stored_credential(node_id: str) -> str | None:
     return saved.get("credential") or None
 
 
-def _write_secret(path: Path, text: str) -> None:
-    """Written 0600 from the start (never readable by others, not even for a moment)."""
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-
-
 def store_credential(node_id: str, credential: str) -> None:
-    _write_secret(credential_path(), json.dumps({"nodeId": node_id, "credential": credential}))
+    write_atomically(credential_path(), json.dumps({"nodeId": node_id, "credential": credential}).encode(), 0o600)
 
 
 def store_database_url(url: str) -> Path:
     path = Path(settings.AENV_NODE_DATABASE_URL_FILE)
-    _write_secret(path, url + "\n")
+    write_atomically(path, (url + "\n").encode(), 0o600)
     return path
 
 

@@ -222,14 +222,16 @@ def write_keys(directory: Path, common_name: str = "aenv control plane") -> tupl
         key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())
         # The certificate goes in last: a process that sees it (resolve) also sees the key.
-        _write_new(key_path, key_pem, 0o600)
-        _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        write_atomically(key_path, key_pem, 0o600)
+        write_atomically(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     finally:
         os.close(lock)
     return key_path, cert_path, True
 
 
-def _write_new(path: Path, data: bytes, mode: int) -> None:
+def write_atomically(path: Path, data: bytes, mode: int) -> None:
+    """``data`` at ``path`` with ``mode`` from its first byte (a secret is never readable by
+    others, not even for a moment), and whole or not at all (written aside, then renamed)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, mode)
