@@ -14,7 +14,6 @@ the dashboard and the node worker only call it.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
 from datetime import timedelta
@@ -26,6 +25,7 @@ from django.utils import timezone
 from nodes import db_roles
 from nodes.models import Node, NodeJoinToken
 from sandboxes.errors import Forbidden, Invalid, NotFound, Unauthenticated
+from sandboxes.models import hash_api_key
 
 TOKEN_MARK = "aenv_join_"
 CREDENTIAL_MARK = "aenv_node_"
@@ -53,8 +53,8 @@ class NodeRevoked(JoinRefused):
                          "it may join again only with a new join token issued for it", "node_revoked")
 
 
-def hash_secret(raw: str) -> str:
-    return hashlib.sha256(raw.encode()).hexdigest()
+# Join tokens and node credentials are kept as API keys are: only their SHA-256.
+hash_secret = hash_api_key
 
 
 def parse_ttl(text: str | int) -> int:
