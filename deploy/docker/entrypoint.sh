@@ -85,6 +85,7 @@ join_tokens() {
 from pathlib import Path
 from nodes import join
 from nodes.models import Node, NodeJoinToken
+from nodes.signing import write_atomically
 MAKER = "compose join-tokens"
 for node_id in os.environ["JOIN_NODE_IDS"].split():
     path = Path(os.environ["JOIN_DIR"], node_id, "token")
@@ -96,10 +97,7 @@ for node_id in os.environ["JOIN_NODE_IDS"].split():
     for old in NodeJoinToken.objects.filter(node_id=node_id, created_by=MAKER, used_at=None, revoked_at=None):
         join.revoke_token(old.prefix)
     token, raw = join.create_token(node_id=node_id, created_by=MAKER)
-    tmp = path.with_suffix(".tmp")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(raw + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, (raw + "\n").encode(), 0o600)
     print(f"join-tokens: {node_id}: token {token.prefix}... until {token.expires_at:%Y-%m-%d %H:%M} UTC", flush=True)'
 }
 
