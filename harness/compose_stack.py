@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from harness.docker_daemon import DockerUnavailable, ensure_dockerd
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -46,14 +47,12 @@ def compose_cli() -> list[str]:
 
 
 def ensure_engine() -> None:
-    """A Docker engine that answers: scripts/setup.sh's setup_docker_engine (Debian's dockerd,
-    started when none answers; an answering engine is left as it is)."""
-    if shutil.which("docker") is None or shutil.which("dockerd") is None:
-        raise Unavailable("no docker CLI or dockerd (scripts/setup.sh installs Debian's docker.io)")
-    done = subprocess.run(["bash", "-c", 'source scripts/setup.sh && setup_docker_engine'], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "AENV_HOME": str(ROOT / "var")})
-    if done.returncode != 0:
-        raise Unavailable(f"the Docker engine does not start: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    """A Docker engine that answers (harness.docker_daemon: Debian's dockerd, started when none
+    answers; an answering engine is left as it is)."""
+    try:
+        ensure_dockerd()
+    except DockerUnavailable as exc:
+        raise Unavailable(f"no Docker engine: {exc} (scripts/setup.sh installs Debian's docker.io)") from exc
 
 
 def build_images(stack: "ComposeStack") -> float:
