@@ -161,7 +161,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("snapshots",),
     ("sandboxes",),  # Team, ApiKey, Template, Sandbox; the sandbox states and their writer
     ("code_interpreter", "aenv_cli"),
-    ("vmm",),
+    ("vmm", "chunkfs"),  # chunkfs: lazily filled files over the node's chunk cache (no Django)
     ("envd_client",),
     ("envd",),
 ]

@@ -1,0 +1,1 @@
+"""Lazily filled files over a bounded node-local chunk cache (issue 24)."""
