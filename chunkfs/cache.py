@@ -69,7 +69,7 @@ Fetch = Callable[[str, int], bytes]  # a ChunkSource's fetch(sha, length)
 class _Entry:
     size: int
     hot: bool  # in Am (else A1in)
-    mark: int  # A1in bytes inserted before this chunk entered it
+    mark: int  # A1in bytes inserted up to and including this chunk
     verified: bool  # digest checked since this process started
 
 
@@ -280,23 +280,22 @@ class ChunkCache:
                 f.write(data)
             os.rename(tmp, path)
         except BaseException:
+            tmp.unlink(missing_ok=True)  # first, so the disk never holds more than is reserved
             with self._lock:
                 self._size -= size
-            tmp.unlink(missing_ok=True)
             raise
         with self._lock:
             ghost = self._a1out.pop(sha, None)
             hot = ghost is not None
             if hot:
                 self._a1out_bytes -= ghost
-            entry = _Entry(size=size, hot=hot, mark=self._inserted, verified=True)
-            self._entries[sha] = entry
             if hot:
                 self._am[sha] = None
             else:
                 self._a1in[sha] = None
                 self._a1in_bytes += size
                 self._inserted += size
+            self._entries[sha] = _Entry(size=size, hot=hot, mark=self._inserted, verified=True)
             self._dirty = True
 
     def _make_room(self, size: int) -> None:
@@ -513,13 +512,13 @@ class ChunkCache:
                 log.warning("chunk %s on disk has %d bytes, not %d: dropped", sha, on_disk[sha][0], size)
                 self._path(sha).unlink(missing_ok=True)
                 continue
-            self._entries[sha] = _Entry(size=size, hot=hot, mark=self._inserted, verified=False)
             if hot:
                 self._am[sha] = None
             else:
                 self._a1in[sha] = None
                 self._a1in_bytes += size
                 self._inserted += size
+            self._entries[sha] = _Entry(size=size, hot=hot, mark=self._inserted, verified=False)
             self._size += size
         for sha, size in state.get("a1out", []):
             if sha not in self._entries and SHA.match(sha):

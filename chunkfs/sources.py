@@ -1,0 +1,122 @@
+"""Where the chunk cache fetches chunks from: the snapshot store's chunk objects.
+
+A source gives a chunk's bytes by name (``fetch(sha, length)``) or raises
+``ChunkUnavailable``, and never hangs: a FUSE read waits on it, and behind that read a guest
+vCPU. It does not verify the bytes (the cache does, and fetches again); ``FallbackSource``
+does, to move on to the next source. The object names are the S3 store's
+(agent/stores/s3_objects.py: ``<prefix>chunks/<sha>``); this package does not import it."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from .digests import check_sha, digest
+from .errors import ChunkUnavailable
+
+CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 20.0
+ATTEMPTS = 3
+
+
+@runtime_checkable
+class ChunkSource(Protocol):
+    name: str
+
+    def fetch(self, sha: str, length: int) -> bytes:
+        """The chunk's bytes (unverified), or ``ChunkUnavailable`` within a bounded time."""
+        ...
+
+
+def s3_client(endpoint: str = "", region: str = "", *, connect_timeout: float = CONNECT_TIMEOUT,
+              read_timeout: float = READ_TIMEOUT, attempts: int = ATTEMPTS, pool: int = 16, **credentials):
+    """A boto3 S3 client whose every request gives up: ``connect_timeout`` to connect,
+    ``read_timeout`` between bytes of an answer, ``attempts`` tries in all (botocore's own
+    default is 60 s per read and retries on top). Credentials: the standard AWS sources, or
+    ``aws_access_key_id=…, aws_secret_access_key=…``."""
+    import boto3  # noqa: PLC0415 - only S3 sources need it
+    from botocore.config import Config  # noqa: PLC0415
+
+    config = Config(connect_timeout=connect_timeout, read_timeout=read_timeout,
+                    retries={"max_attempts": max(1, int(attempts)), "mode": "standard"},
+                    max_pool_connections=pool, s3={"addressing_style": "path"} if endpoint else None)
+    return boto3.client("s3", endpoint_url=endpoint or None, region_name=region or None, config=config,
+                        **credentials)
+
+
+def _error_code(exc: Exception) -> str:
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", "")) or type(exc).__name__
+
+
+class S3ChunkSource:
+    """``<prefix>chunks/<sha>`` in a bucket, as the S3 snapshot store writes them. Give it a
+    client from ``s3_client`` (bounded timeouts)."""
+
+    def __init__(self, client, bucket: str, prefix: str = ""):
+        if not bucket:
+            raise ValueError("an S3 chunk source needs a bucket")
+        self.client = client
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""  # as S3Objects normalizes it
+        self.name = f"s3://{bucket}/{self.prefix}"
+
+    def key(self, sha: str) -> str:
+        return f"{self.prefix}chunks/{check_sha(sha)}"
+
+    def fetch(self, sha: str, length: int) -> bytes:
+        key = self.key(sha)
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            try:
+                return body.read(int(length) + 1)  # more than asked is wrong anyway: not all of it
+            finally:
+                body.close()
+        except Exception as exc:  # missing, denied, unreachable, timed out: all the same to a reader
+            raise ChunkUnavailable(f"chunk {sha} from {self.name}: {_error_code(exc)}: {exc}") from exc
+
+
+class DirChunkSource:
+    """``<root>/chunks/<sha>`` files: a chunk store on shared storage (NFS and the like)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.name = f"dir:{self.root}"
+
+    def fetch(self, sha: str, length: int) -> bytes:
+        path = self.root / "chunks" / check_sha(sha)
+        try:
+            with open(path, "rb") as f:
+                return f.read(int(length) + 1)
+        except OSError as exc:
+            raise ChunkUnavailable(f"chunk {sha} from {self.name}: {exc.strerror or exc}") from exc
+
+
+class FallbackSource:
+    """The first of ``sources`` that has the chunk (a peer, then the store). A source whose
+    bytes are not the chunk counts as not having it; if none has the right bytes but one gave
+    wrong ones, those are returned, so the cache sees (and counts) a corrupt chunk rather than
+    a missing one."""
+
+    def __init__(self, sources: Iterable[ChunkSource]):
+        self.sources = list(sources)
+        if not self.sources:
+            raise ValueError("a fallback source needs at least one source")
+        self.name = " | ".join(s.name for s in self.sources)
+
+    def fetch(self, sha: str, length: int) -> bytes:
+        wrong: bytes | None = None
+        reasons = []
+        for source in self.sources:
+            try:
+                data = source.fetch(sha, length)
+            except ChunkUnavailable as exc:
+                reasons.append(str(exc))
+                continue
+            if len(data) == length and digest(data) == sha:
+                return data
+            reasons.append(f"{source.name}: wrong bytes")
+            if wrong is None:
+                wrong = data
+        if wrong is not None:
+            return wrong
+        raise ChunkUnavailable(f"chunk {sha} is in none of the sources: " + "; ".join(reasons))
