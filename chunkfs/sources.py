@@ -45,7 +45,9 @@ def s3_client(endpoint: str = "", region: str = "", *, connect_timeout: float = 
 
 
 def _error_code(exc: Exception) -> str:
-    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", "")) or type(exc).__name__
+    response = getattr(exc, "response", None)  # botocore's ClientError has one; its ReadTimeoutError None
+    code = response.get("Error", {}).get("Code", "") if isinstance(response, dict) else ""
+    return str(code) or type(exc).__name__
 
 
 class S3ChunkSource:

@@ -198,6 +198,9 @@ AENV_S3_REGION = _env("AENV_S3_REGION", "")
 AENV_S3_PREFIX = _env("AENV_S3_PREFIX", "")  # key prefix, e.g. one per deployment sharing a bucket
 AENV_S3_CONCURRENCY = _env_int("AENV_S3_CONCURRENCY", 8)  # parallel chunk transfers
 AENV_SNAPSHOT_CACHE_MB = _env_int("AENV_SNAPSHOT_CACHE_MB", 20 * 1024)
+# The node's chunk cache (chunkfs.cache, under AENV_HOME/cache/chunks): the chunks of images and
+# snapshots that lazily filled files read, kept hot/cold (2Q) and never above this bound.
+AENV_CHUNK_CACHE_MB = _env_int("AENV_CHUNK_CACHE_MB", 20 * 1024)
 # The largest request body the API and the dashboard take, chunked or with a length
 # (config.request_body answers 413 past it); Django's own form limit follows it.
 AENV_API_MAX_BODY_BYTES = _env_int("AENV_API_MAX_BODY_BYTES", 2621440)

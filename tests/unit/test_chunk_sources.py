@@ -1,0 +1,139 @@
+"""Where the chunk cache fetches from (chunkfs.sources): the S3 store's own chunk objects
+(a snapshot committed by agent.stores.s3.S3Store to a real moto S3 server, read back chunk by
+chunk through the cache), a chunk directory, the fallback between sources, and a store that is
+down or silent giving ChunkUnavailable within the client's timeouts instead of a hang."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+
+import pytest
+
+from agent.stores.s3 import S3Store
+from chunkfs.cache import ChunkCache
+from chunkfs.errors import ChunkCorrupt, ChunkUnavailable
+from chunkfs.sources import ChunkSource, DirChunkSource, FallbackSource, S3ChunkSource, s3_client
+from harness.moto_s3 import CREDENTIALS, REGION, moto_server
+
+BUCKET = "aenv-chunks"
+CHUNK = 64 << 10
+KEYS = {"aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"]}
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    for name, value in CREDENTIALS.items():
+        os.environ.setdefault(name, value)
+    with moto_server(BUCKET) as url:
+        yield url
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_s3_source_reads_what_the_s3_store_committed(s3_endpoint, tmp_path):
+    """A snapshot uploaded by the store, read back on "another node" chunk by chunk through
+    the cache: every byte equal, holes absent from the manifest, nothing fetched twice."""
+    client = s3_client(s3_endpoint, REGION, **KEYS)
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    home = tmp_path / "node-a"
+    store = S3Store(home=home, images_dir=tmp_path / "images", bucket=BUCKET, client=client, prefix=prefix,
+                    chunk_size=CHUNK, concurrency=2)
+    snap = store.prepare("snap-1")
+    ram = bytearray(8 * CHUNK)
+    for i in (0, 3, 7):
+        ram[i * CHUNK + 5: i * CHUNK + 5 + 1000] = os.urandom(1000)
+    (snap / "memory.ram").write_bytes(bytes(ram))
+    (snap / "device.state").write_bytes(b"QEVM" + os.urandom(3000))
+    (snap / "manifest.json").write_text(json.dumps({"dir": str(snap)}))
+    store.commit("snap-1")
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/snap-1/manifest.json")["Body"].read())
+
+    source = S3ChunkSource(client, BUCKET, prefix)
+    assert isinstance(source, ChunkSource) and source.name == f"s3://{BUCKET}/{prefix}/"
+    with ChunkCache(tmp_path / "node-b-cache", 64 * CHUNK) as cache:
+        for name, entry in doc["files"].items():
+            rebuilt = bytearray(entry["size"])
+            for offset, length, name_sha in entry["chunks"]:
+                rebuilt[offset:offset + length] = cache.get(name_sha, length, source.fetch)
+            assert bytes(rebuilt) == (snap / name).read_bytes(), name
+        assert [c[0] for c in doc["files"]["memory.ram"]["chunks"]] == [0, 3 * CHUNK, 7 * CHUNK]
+        assert cache.stats()["misses"] == cache.stats()["entries"] == 4
+    with pytest.raises(ChunkUnavailable, match="NoSuchKey|404"):
+        source.fetch(sha(b"never stored"), 12)
+    with pytest.raises(ChunkUnavailable, match="NoSuchBucket|404"):
+        S3ChunkSource(client, "no-such-bucket", prefix).fetch(doc["files"]["memory.ram"]["chunks"][0][2], CHUNK)
+
+
+def test_s3_source_gives_up_on_a_closed_port_quickly():
+    client = s3_client(f"http://127.0.0.1:{_free_port()}", REGION, connect_timeout=1, read_timeout=1, attempts=2,
+                       **KEYS)
+    start = time.monotonic()
+    with pytest.raises(ChunkUnavailable):
+        S3ChunkSource(client, BUCKET).fetch(sha(b"x"), 1)
+    assert time.monotonic() - start < 5
+
+
+def test_s3_source_gives_up_on_a_store_that_never_answers():
+    """Connected, then silence (a hung store, a black-holed route): the read timeout ends it."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # never accepted, never answered
+        client = s3_client(f"http://127.0.0.1:{silent.getsockname()[1]}", REGION, connect_timeout=1,
+                           read_timeout=1, attempts=2, **KEYS)
+        start = time.monotonic()
+        with pytest.raises(ChunkUnavailable):
+            S3ChunkSource(client, BUCKET).fetch(sha(b"x"), 1)
+        assert 0.9 < time.monotonic() - start < 8
+
+
+def test_dir_source_reads_chunk_files(tmp_path):
+    data = os.urandom(5000)
+    (tmp_path / "chunks").mkdir()
+    (tmp_path / "chunks" / sha(data)).write_bytes(data)
+    source = DirChunkSource(tmp_path)
+    assert source.fetch(sha(data), 5000) == data
+    with pytest.raises(ChunkUnavailable, match="No such file"):
+        source.fetch(sha(b"absent"), 6)
+    with pytest.raises(ValueError):  # a name is never a path
+        source.fetch("../chunks/" + sha(data), 5000)
+
+
+class Fixed:
+    def __init__(self, name, chunks=None, wrong=False):
+        self.name, self.chunks, self.wrong, self.calls = name, chunks or {}, wrong, 0
+
+    def fetch(self, name, length):
+        self.calls += 1
+        if self.wrong:
+            return b"\0" * length
+        if name not in self.chunks:
+            raise ChunkUnavailable(f"{self.name}: no {name}")
+        return self.chunks[name]
+
+
+def test_fallback_takes_the_first_source_with_the_right_bytes(tmp_path):
+    data = os.urandom(3000)
+    name = sha(data)
+    empty, liar, good = Fixed("peer"), Fixed("bad-peer", wrong=True), Fixed("store", {name: data})
+    assert FallbackSource([empty, liar, good]).fetch(name, 3000) == data
+    assert (empty.calls, liar.calls, good.calls) == (1, 1, 1)
+    assert FallbackSource([good, empty]).fetch(name, 3000) == data and empty.calls == 1
+    with pytest.raises(ChunkUnavailable, match="peer: no .*store: no"):
+        FallbackSource([Fixed("peer"), Fixed("store")]).fetch(name, 3000)
+    # only wrong bytes anywhere: the cache sees them, refetches, and refuses
+    with ChunkCache(tmp_path / "cache", 1 << 20) as cache, pytest.raises(ChunkCorrupt):
+        cache.get(name, 3000, FallbackSource([Fixed("peer"), liar]).fetch)
+    assert cache.stats()["corrupt"] == 3
