@@ -524,6 +524,8 @@ class ChunkCache:
             if sha not in self._entries and SHA.match(sha):
                 self._a1out[sha] = int(size)
                 self._a1out_bytes += int(size)
+        while self._a1out_bytes > self.kout and self._a1out:  # the bound may have been lowered
+            self._a1out_bytes -= self._a1out.popitem(last=False)[1]
         for owner, shas in (state.get("pins") or {}).items():
             self._pins[owner] = {sha for sha in shas if SHA.match(sha)}
             for sha in self._pins[owner]:

@@ -7,6 +7,7 @@ does, to move on to the next source. The object names are the S3 store's
 (agent/stores/s3_objects.py: ``<prefix>chunks/<sha>``); this package does not import it."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -14,8 +15,10 @@ from typing import Protocol, runtime_checkable
 from .digests import check_sha, digest
 from .errors import ChunkUnavailable
 
-CONNECT_TIMEOUT = 5.0
-READ_TIMEOUT = 20.0
+# A GET of a 4 MiB chunk takes tens of milliseconds at 1 Gbit/s: 8 s without a byte is a dead
+# store. Three attempts (S3 answers 503 SlowDown under load) bound a fetch to about 30 s.
+CONNECT_TIMEOUT = 2.0
+READ_TIMEOUT = 8.0
 ATTEMPTS = 3
 
 
@@ -61,6 +64,7 @@ class S3ChunkSource:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""  # as S3Objects normalizes it
         self.name = f"s3://{bucket}/{self.prefix}"
+        self.spec = {"kind": "s3", "bucket": bucket, "prefix": prefix}
 
     def key(self, sha: str) -> str:
         return f"{self.prefix}chunks/{check_sha(sha)}"
@@ -83,6 +87,7 @@ class DirChunkSource:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.name = f"dir:{self.root}"
+        self.spec = {"kind": "dir", "root": str(self.root)}
 
     def fetch(self, sha: str, length: int) -> bytes:
         path = self.root / "chunks" / check_sha(sha)
@@ -104,6 +109,7 @@ class FallbackSource:
         if not self.sources:
             raise ValueError("a fallback source needs at least one source")
         self.name = " | ".join(s.name for s in self.sources)
+        self.spec = {"kind": "fallback", "sources": [getattr(s, "spec", {"name": s.name}) for s in self.sources]}
 
     def fetch(self, sha: str, length: int) -> bytes:
         wrong: bytes | None = None
@@ -122,3 +128,34 @@ class FallbackSource:
         if wrong is not None:
             return wrong
         raise ChunkUnavailable(f"chunk {sha} is in none of the sources: " + "; ".join(reasons))
+
+
+_clients: dict[tuple, object] = {}
+_clients_lock = threading.Lock()
+
+
+def source_from_spec(spec: dict) -> ChunkSource:
+    """A source from its JSON description (what the agent sends the chunkfs daemon with a
+    mount): ``{"kind": "s3", "bucket", "prefix"?, "endpoint"?, "region"?, "connect_timeout"?,
+    "read_timeout"?, "attempts"?}`` (credentials: the daemon's standard AWS sources; one
+    client per endpoint and timeouts, shared by every mount), ``{"kind": "dir", "root"}``, or
+    ``{"kind": "fallback", "sources": [spec, ...]}``."""
+    kind = spec.get("kind")
+    if kind == "s3":
+        options = (spec.get("endpoint") or "", spec.get("region") or "",
+                   float(spec.get("connect_timeout", CONNECT_TIMEOUT)), float(spec.get("read_timeout", READ_TIMEOUT)),
+                   int(spec.get("attempts", ATTEMPTS)))
+        with _clients_lock:
+            client = _clients.get(options)
+            if client is None:
+                endpoint, region, connect, read, attempts = options
+                client = _clients[options] = s3_client(endpoint, region, connect_timeout=connect,
+                                                       read_timeout=read, attempts=attempts)
+        source = S3ChunkSource(client, spec["bucket"], spec.get("prefix") or "")
+        source.spec = dict(spec)
+        return source
+    if kind == "dir":
+        return DirChunkSource(Path(spec["root"]))
+    if kind == "fallback":
+        return FallbackSource([source_from_spec(s) for s in spec.get("sources") or []])
+    raise ValueError(f"unknown chunk source {spec!r}")

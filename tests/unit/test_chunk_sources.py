@@ -16,7 +16,8 @@ import pytest
 from agent.stores.s3 import S3Store
 from chunkfs.cache import ChunkCache
 from chunkfs.errors import ChunkCorrupt, ChunkUnavailable
-from chunkfs.sources import ChunkSource, DirChunkSource, FallbackSource, S3ChunkSource, s3_client
+from chunkfs.sources import (ChunkSource, DirChunkSource, FallbackSource, S3ChunkSource, s3_client,
+                             source_from_spec)
 from harness.moto_s3 import CREDENTIALS, REGION, moto_server
 
 BUCKET = "aenv-chunks"
@@ -137,3 +138,21 @@ def test_fallback_takes_the_first_source_with_the_right_bytes(tmp_path):
     with ChunkCache(tmp_path / "cache", 1 << 20) as cache, pytest.raises(ChunkCorrupt):
         cache.get(name, 3000, FallbackSource([Fixed("peer"), liar]).fetch)
     assert cache.stats()["corrupt"] == 3
+
+
+def test_sources_from_their_json_description(s3_endpoint, tmp_path):
+    """What the agent sends the chunkfs daemon with a mount; S3 mounts share one client."""
+    data, other = os.urandom(2000), os.urandom(3000)
+    client = s3_client(s3_endpoint, REGION, **KEYS)
+    client.put_object(Bucket=BUCKET, Key=f"spec/chunks/{sha(data)}", Body=data)
+    (tmp_path / "chunks").mkdir()
+    (tmp_path / "chunks" / sha(other)).write_bytes(other)
+    s3_spec = {"kind": "s3", "endpoint": s3_endpoint, "region": REGION, "bucket": BUCKET, "prefix": "spec/",
+               "read_timeout": 2}
+    both = source_from_spec({"kind": "fallback", "sources": [{"kind": "dir", "root": str(tmp_path)}, s3_spec]})
+    assert both.fetch(sha(data), 2000) == data and both.fetch(sha(other), 3000) == other
+    assert both.spec["sources"][1] == s3_spec
+    assert source_from_spec(s3_spec).client is source_from_spec(dict(s3_spec)).client
+    assert source_from_spec({**s3_spec, "read_timeout": 3}).client is not source_from_spec(s3_spec).client
+    with pytest.raises(ValueError):
+        source_from_spec({"kind": "ftp"})
