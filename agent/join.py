@@ -4,6 +4,11 @@ the credential it gets in ``AENV_HOME/node_credential`` (0600); at every later s
 presents that credential to ``POST /nodes/check-in``. The control plane's refusal (unknown:
 401, revoked: 403) stops the node with its message: ``NodeNotAdmitted``.
 
+A Kubernetes DaemonSet pod has no join token: given ``AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE``
+(its projected service-account token, which the kubelet rotates, so it is read at each join)
+it posts that file's token as ``kubernetesToken`` instead, and the control plane checks it
+with the cluster (``nodes.join.kubernetes_identity``).
+
 Where the control plane hands out per-node database roles (``nodes.db_roles``), the join's
 answer also carries ``databaseUrl``: it is kept in ``AENV_NODE_DATABASE_URL_FILE`` (0600)
 and the process then re-executes itself, so that its settings load the role from their
@@ -67,7 +72,23 @@ def restart_process() -> None:
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
-def _post(path: str, bearer: str, body: dict, wait: float, http: httpx.Client | None) -> dict:
+def kubernetes_token() -> str | None:
+    """The pod's projected service-account token (AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE), or
+    None where none is configured; a configured file that cannot be read: NodeNotAdmitted."""
+    path = settings.AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise NodeNotAdmitted(f"the Kubernetes token AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE={path} cannot be read "
+                              f"({exc.strerror or exc}): is the projected token volume mounted?") from exc
+    if not token:
+        raise NodeNotAdmitted(f"the Kubernetes token file {path} is empty")
+    return token
+
+
+def _post(path: str, bearer: str | None, body: dict, wait: float, http: httpx.Client | None) -> dict:
     """POST to the control plane, retrying while it cannot be reached (for ``wait`` s);
     a 401/403 (or any other refusal) is NodeNotAdmitted with the control plane's message."""
     url = settings.AENV_CONTROL_PLANE_URL + path
@@ -75,7 +96,8 @@ def _post(path: str, bearer: str, body: dict, wait: float, http: httpx.Client | 
     delay = 1.0
     while True:
         try:
-            answer = (http or httpx).post(url, json=body, headers={"Authorization": f"Bearer {bearer}"}, timeout=15)
+            headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+            answer = (http or httpx).post(url, json=body, headers=headers, timeout=15)
             break
         except httpx.HTTPError as exc:
             if time.monotonic() + delay > deadline:
@@ -103,7 +125,8 @@ def ensure_joined(node_id: str, wait: float = CONNECT_WAIT, http: httpx.Client |
     use (tests: on the app itself); ``restart``: called after a join that gave a database
     role (the default re-executes the process)."""
     token = settings.AENV_NODE_JOIN_TOKEN
-    if not settings.AENV_NODE_JOIN_REQUIRED and not token:
+    kubernetes = bool(settings.AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE)
+    if not settings.AENV_NODE_JOIN_REQUIRED and not token and not kubernetes:
         return None
     if not settings.AENV_CONTROL_PLANE_URL:
         raise NodeNotAdmitted("joining needs AENV_CONTROL_PLANE_URL (the API's base URL, e.g. https://api.example:3000)")
@@ -112,16 +135,20 @@ def ensure_joined(node_id: str, wait: float = CONNECT_WAIT, http: httpx.Client |
         try:
             _post("/nodes/check-in", credential, {"nodeId": node_id}, wait, http)
         except Refused as exc:
-            if not token:  # e.g. revoked: only a new token issued for this node re-admits it
+            if not token and not kubernetes:  # e.g. revoked: only a new token issued for this node re-admits it
                 raise
-            log.warning("%s; joining again with AENV_NODE_JOIN_TOKEN", exc)
+            log.warning("%s; joining again with %s", exc,
+                        "AENV_NODE_JOIN_TOKEN" if token else "the Kubernetes token")
         else:
             log.info("node %s checked in with its credential (%s)", node_id, credential_path())
             return credential
-    if not token:
+    if token:
+        answer = _post("/nodes/join", token, {"nodeId": node_id}, wait, http)
+    elif kubernetes:
+        answer = _post("/nodes/join", None, {"nodeId": node_id, "kubernetesToken": kubernetes_token()}, wait, http)
+    else:
         raise NodeNotAdmitted(f"node {node_id} has not joined: set AENV_NODE_JOIN_TOKEN to a join token "
                               "(manage.py node_tokens create --node-id ID on the control plane)")
-    answer = _post("/nodes/join", token, {"nodeId": node_id}, wait, http)
     if answer.get("nodeId") != node_id or not answer.get("credential"):
         raise NodeNotAdmitted(f"the control plane answered the join of {node_id} with {sorted(answer)}")
     store_credential(node_id, answer["credential"])

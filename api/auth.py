@@ -123,3 +123,13 @@ class NodeBearerAuthentication(authentication.BaseAuthentication):
 
     def authenticate_header(self, request):
         return 'Bearer realm="aenv-node"'
+
+
+class OptionalNodeBearerAuthentication(NodeBearerAuthentication):
+    """The same header, but optional: ``POST /nodes/join`` may carry a Kubernetes pod's
+    token in its body instead (the view asks for one or the other)."""
+
+    def authenticate(self, request):
+        if not request.META.get("HTTP_AUTHORIZATION", "").strip():
+            return None
+        return super().authenticate(request)

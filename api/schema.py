@@ -24,3 +24,15 @@ class NodeBearerScheme(OpenApiAuthenticationExtension):
 
     def get_security_definition(self, auto_schema):
         return {"type": "http", "scheme": "bearer"}
+
+
+class OptionalNodeBearerScheme(OpenApiAuthenticationExtension):
+    """POST /nodes/join: a join token as Bearer, or none (a Kubernetes token in the body)."""
+    target_class = "api.auth.OptionalNodeBearerAuthentication"
+    name = "NodeJoinBearerAuth"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer"}
+
+    def get_security_requirement(self, auto_schema):
+        return [{self.name: []}, {}]

@@ -34,6 +34,9 @@ _COOKIE = re.compile(r"(?i)(?P<name>\b(?:set-)?cookie)(?P<sep>['\"]?\s*[:=,]\s*(
 # A platform API key anywhere (sandboxes.models.ApiKey: "e2b_" + 40 hex digits), a node's join
 # token or its credential (nodes.join: "aenv_join_" + 48, "aenv_node_" + 64 hex digits).
 _API_KEY = re.compile(r"\b(?:e2b_[0-9a-f]{40}|aenv_join_[0-9a-f]{48}|aenv_node_[0-9a-f]{64})\b")
+# A JWT anywhere (a Kubernetes service-account token a node joins with, nodes.join): a JSON
+# header and payload, base64url, then the signature.
+_JWT = re.compile(r"\beyJ[\w-]+\.eyJ[\w-]+\.[\w-]+")
 
 
 def redact(text: str) -> str:
@@ -43,7 +46,7 @@ def redact(text: str) -> str:
     text = _QUERY.sub(lambda m: f"{m['lead']}{m['name']}={REDACTED}", text)
     text = _HEADER.sub(lambda m: f"{m['name']}{m['sep']}{REDACTED}", text)
     text = _COOKIE.sub(lambda m: f"{m['name']}{m['sep']}{REDACTED}", text)
-    return _API_KEY.sub(REDACTED, text)
+    return _JWT.sub(REDACTED, _API_KEY.sub(REDACTED, text))
 
 
 def _redact_arg(value):

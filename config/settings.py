@@ -2,6 +2,7 @@
 one node on this machine with no configuration (SQLite under AENV_HOME, Redis on
 127.0.0.1:6379)."""
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -221,6 +222,25 @@ AENV_CONTROL_PLANE_URL = _env("AENV_CONTROL_PLANE_URL", "").rstrip("/")
 AENV_NODE_JOIN_TOKEN = os.environ.get("AENV_NODE_JOIN_TOKEN", "").strip()
 AENV_NODE_JOIN_REQUIRED = _env_bool("AENV_NODE_JOIN_REQUIRED", bool(AENV_CONTROL_PLANE_URL))
 AENV_NODE_JOIN_TOKEN_TTL = _env_int("AENV_NODE_JOIN_TOKEN_TTL", 24 * 3600)
+# Kubernetes joins (nodes.join.kubernetes_identity): a DaemonSet pod presents its projected
+# service-account token (audience AENV_NODE_JOIN_KUBERNETES_AUDIENCE) instead of a join token;
+# the control plane checks it with the cluster's TokenReview API (nodes.token_review) as
+# AENV_KUBERNETES_API_URL (empty: in-cluster, from KUBERNETES_SERVICE_HOST/PORT) with its own
+# service-account token and CA (the standard files) and admits it as node <its pod's node name>
+# when it is AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT ("namespace:name"). Off by default.
+# On the node, AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE is that projected token (read at each join).
+AENV_NODE_JOIN_KUBERNETES = _env_bool("AENV_NODE_JOIN_KUBERNETES", False)
+AENV_NODE_JOIN_KUBERNETES_AUDIENCE = _env("AENV_NODE_JOIN_KUBERNETES_AUDIENCE", "aenv-join")
+AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT = _env("AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT", "aenv:aenv-node")
+if AENV_NODE_JOIN_KUBERNETES and not re.fullmatch(r"[a-z0-9][a-z0-9.-]*:[a-z0-9][a-z0-9.-]*",
+                                                  AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT):
+    raise ImproperlyConfigured("AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT: namespace:name of the nodes' "
+                               f"service account, not {AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT!r}")
+AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE = _env("AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE", "")
+AENV_KUBERNETES_API_URL = _env("AENV_KUBERNETES_API_URL", "").rstrip("/")
+AENV_KUBERNETES_TOKEN_FILE = _env("AENV_KUBERNETES_TOKEN_FILE", "/var/run/secrets/kubernetes.io/serviceaccount/token")
+AENV_KUBERNETES_CA_FILE = _env("AENV_KUBERNETES_CA_FILE", "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+AENV_KUBERNETES_TIMEOUT = _env_int("AENV_KUBERNETES_TIMEOUT", 10)
 # Per-node PostgreSQL roles (nodes.db_roles): on the control plane, each node that joins gets
 # a role of its own with only the node worker's tables, cut off at its revocation (the
 # database user needs CREATEROLE). On a node of a cluster, the role's URL from the join is

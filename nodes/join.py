@@ -9,6 +9,11 @@ marks it revoked and draining: placement never picks it, ``nodes.client`` sends 
 its own heartbeats do not revive it, and it can join again only with a new token issued for
 its id after the revocation (an unbound token lying around must not resurrect it).
 
+In Kubernetes the nodes are a DaemonSet's pods, which no operator hands a token: where
+AENV_NODE_JOIN_KUBERNETES is on, a pod presents its projected service-account token instead
+(``kubernetes_identity``: checked with the cluster's TokenReview, bound to the pod's node),
+and is admitted by the same rules (``join_kubernetes``, ``_admit``).
+
 Every decision about tokens, credentials and revoked nodes is here; the API, the commands,
 the dashboard and the node worker only call it.
 """
@@ -22,7 +27,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from nodes import db_roles
+from nodes import db_roles, token_review
 from nodes.models import Node, NodeJoinToken
 from sandboxes.errors import Forbidden, Invalid, NotFound, Unauthenticated
 from sandboxes.models import hash_api_key
@@ -150,25 +155,101 @@ def join(raw_token: str, node_id: str = "") -> tuple[Node, str]:
             raise JoinRefused(f"join token {token.prefix}… is for node {token.node_id}, not {node_id}",
                               "join_token_other_node")
         node_id = check_node_id(node_id or token.node_id)
-        node = Node.objects.select_for_update().filter(pk=node_id).first()
-        if node is not None and node.revoked_at is not None:
-            if token.node_id != node_id or token.created_at <= node.revoked_at:
-                raise NodeRevoked(node)
-        elif node is not None and node.credential_hash and token.node_id != node_id:
-            raise JoinRefused(f"node {node_id} has joined already; a new credential for it needs a join token "
-                              "issued for that node id", "node_already_joined")
-        credential = CREDENTIAL_MARK + secrets.token_hex(32)
-        fields = dict(credential_hash=hash_secret(credential), joined_via=token, revoked_at=None)
-        if node is None:
-            node = Node.objects.create(pk=node_id, **fields)
-        else:
-            if node.revoked_at is not None:
-                fields["draining"] = False  # the revocation drained it; the operator's new token re-admits it
-            Node.objects.filter(pk=node_id).update(**fields)
-            node.refresh_from_db()
+        return _admit(node_id, token, bound=token.node_id == node_id)
+
+
+def _admit(node_id: str, token: NodeJoinToken | None, *, bound: bool) -> tuple[Node, str]:
+    """The rules every way of joining shares, inside the caller's transaction: a revoked node
+    comes back only with ``token`` issued for its id after the revocation; a node that has
+    joined gets a new credential only from a join ``bound`` to its id (a token issued for it,
+    or its Kubernetes node's own token); then the new credential, ``token`` spent, and the
+    node's database role."""
+    node = Node.objects.select_for_update().filter(pk=node_id).first()
+    if node is not None and node.revoked_at is not None:
+        if token is None or token.node_id != node_id or token.created_at <= node.revoked_at:
+            raise NodeRevoked(node)
+    elif node is not None and node.credential_hash and not bound:
+        raise JoinRefused(f"node {node_id} has joined already; a new credential for it needs a join token "
+                          "issued for that node id", "node_already_joined")
+    credential = CREDENTIAL_MARK + secrets.token_hex(32)
+    fields = dict(credential_hash=hash_secret(credential), joined_via=token, revoked_at=None)
+    if node is None:
+        node = Node.objects.create(pk=node_id, **fields)
+    else:
+        if node.revoked_at is not None:
+            fields["draining"] = False  # the revocation drained it; the operator's new token re-admits it
+        Node.objects.filter(pk=node_id).update(**fields)
+        node.refresh_from_db()
+    if token is not None:
         NodeJoinToken.objects.filter(pk=token.pk).update(used_at=timezone.now(), used_by=node_id)
-        node.database_url = db_roles.issue(node_id) if db_roles.enabled() else None
+    node.database_url = db_roles.issue(node_id) if db_roles.enabled() else None
     return node, credential
+
+
+# --- Kubernetes: the pod's service-account token instead of a join token ------------------
+
+SERVICE_ACCOUNT_USER = "system:serviceaccount:"
+
+
+def kubernetes_identity(raw_token: str, node_id: str = "") -> str:
+    """The node id a Kubernetes DaemonSet pod may join as, from its projected service-account
+    token (no database: call it off the request's database thread, it waits on the cluster).
+
+    The cluster's TokenReview (``nodes.token_review``) must find the token authentic, for
+    the audience AENV_NODE_JOIN_KUBERNETES_AUDIENCE, of the service account
+    AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT, and bound to a pod on a node: that node's name
+    is the node id (the DaemonSet's AENV_NODE_ID is ``spec.nodeName``), and ``node_id``, when
+    given, must be it. Kubernetes joins off, or a token that is not authentic: Unauthenticated
+    (401) or JoinRefused (403); the review impossible: Unavailable (503)."""
+    if not settings.AENV_NODE_JOIN_KUBERNETES:
+        raise JoinRefused("this control plane does not take Kubernetes tokens (AENV_NODE_JOIN_KUBERNETES is off); "
+                          "join with a join token", "kubernetes_join_off")
+    raw_token = (raw_token or "").strip()
+    if not raw_token:
+        raise Unauthenticated("empty Kubernetes token", code="kubernetes_token_invalid", retry=False)
+    audience = settings.AENV_NODE_JOIN_KUBERNETES_AUDIENCE
+    status = token_review.review(raw_token, audience)
+    if status.get("authenticated") is not True:
+        why = str(status.get("error") or "not authenticated")[:300]
+        raise Unauthenticated(f"the Kubernetes token was not accepted by the cluster: {why}",
+                              code="kubernetes_token_invalid", retry=False)
+    # An authenticator that ignored the review's audiences answers none: the token may be one
+    # for the API server itself (any pod's), which must not let a pod in.
+    if audience not in (status.get("audiences") or []):
+        raise JoinRefused(f"the Kubernetes token is not for the audience {audience!r} "
+                          "(a projected token with that audience is needed)", "kubernetes_token_audience")
+    user = status.get("user") if isinstance(status.get("user"), dict) else {}
+    expected = SERVICE_ACCOUNT_USER + settings.AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT
+    if user.get("username") != expected:
+        raise JoinRefused(f"the Kubernetes token is {user.get('username') or 'nobody'}'s, not the nodes' service "
+                          f"account {settings.AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT}",
+                          "kubernetes_token_service_account")
+    extra = user.get("extra") if isinstance(user.get("extra"), dict) else {}
+    names = extra.get(token_review.NODE_NAME) or []
+    if not isinstance(names, list) or len(names) != 1 or not isinstance(names[0], str) or not names[0]:
+        raise JoinRefused("the Kubernetes token names no node (a token projected into a pod is needed, "
+                          "on Kubernetes 1.30 or later)", "kubernetes_token_no_node")
+    node_name = names[0]
+    node_id = (node_id or "").strip()
+    if node_id and node_id != node_name:
+        raise JoinRefused(f"the Kubernetes token is from a pod on node {node_name}, not {node_id}",
+                          "kubernetes_token_other_node")
+    return check_node_id(node_name)
+
+
+def join_kubernetes(node_id: str) -> tuple[Node, str]:
+    """Admit node ``node_id`` that ``kubernetes_identity`` vouched for, as a join token bound to
+    it would: a new credential (its database role too), even where it had one (the pod lost its
+    host's AENV_HOME, or runs again after a reinstall). A revoked node comes back only when an
+    operator has issued a join token for its id since the revocation: this join spends it."""
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(pk=node_id).first()
+        token = None
+        if node is not None and node.revoked_at is not None:
+            token = NodeJoinToken.objects.select_for_update().filter(
+                node_id=node_id, used_at__isnull=True, revoked_at__isnull=True, expires_at__gt=timezone.now(),
+                created_at__gt=node.revoked_at).order_by("created_at").first()
+        return _admit(node_id, token, bound=True)
 
 
 def authenticate(raw_credential: str) -> Node:

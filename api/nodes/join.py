@@ -5,14 +5,18 @@
   /nodes/join-tokens/{prefix}``, ``POST /nodes/{id}/revoke``;
 - nodes (``Authorization: Bearer``): ``POST /nodes/join`` with a join token -> the node's
   id and its credential (once); ``POST /nodes/check-in`` with that credential at each start.
-  Unknown secret: 401; revoked, used or expired token, revoked node, token for another id: 403."""
+  Unknown secret: 401; revoked, used or expired token, revoked node, token for another id: 403.
+- Kubernetes DaemonSet pods: ``POST /nodes/join`` with ``{"kubernetesToken": <the pod's
+  projected service-account token>}`` and no Authorization header (AENV_NODE_JOIN_KUBERNETES):
+  401/403 as above, 503 when the cluster's TokenReview cannot be asked."""
 from adrf.views import APIView
 from asgiref.sync import sync_to_async
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import serializers
+from rest_framework import exceptions, serializers
 from rest_framework.response import Response
 
-from api.auth import AdminTokenAuthentication, ApiKeyAuthentication, IsOperator, NodeBearerAuthentication
+from api.auth import (AdminTokenAuthentication, ApiKeyAuthentication, IsOperator, NodeBearerAuthentication,
+                      NodeSecret, OptionalNodeBearerAuthentication)
 from api.errors import ApiError
 from api.fields import ErrorSerializer
 from api.requests import body_of, valid
@@ -51,6 +55,13 @@ class JoinTokenRequest(serializers.Serializer):
 class JoinRequest(serializers.Serializer):
     nodeId = serializers.CharField(required=False, allow_blank=True, default="", max_length=64,
                                    help_text="the joining node's id (default: the one the token is for)")
+
+
+class KubernetesJoinRequest(JoinRequest):
+    kubernetesToken = serializers.CharField(
+        required=False, allow_blank=True, default="", max_length=16384,
+        help_text="instead of a join token (Authorization: Bearer): a Kubernetes DaemonSet pod's projected "
+                  "service-account token (AENV_NODE_JOIN_KUBERNETES); the node id is its pod's node name")
 
 
 class JoinedSerializer(serializers.Serializer):
@@ -111,11 +122,27 @@ class _NodeView(APIView):
 
 
 class JoinView(_NodeView):
-    @extend_schema(operation_id="node_join", request=JoinRequest,
-                   responses={200: JoinedSerializer, **_errors(400, 401, 403)})
+    authentication_classes = [OptionalNodeBearerAuthentication]
+    permission_classes = []  # a join token (Bearer) or a Kubernetes token (body): the view asks for one
+
+    @extend_schema(operation_id="node_join", request=KubernetesJoinRequest,
+                   responses={200: JoinedSerializer, **_errors(400, 401, 403, 503)})
     async def post(self, request):
-        body = valid(JoinRequest, body_of(request)).validated_data
-        node, credential = await sync_to_async(join.join)(request.user.secret, body["nodeId"])
+        body = valid(KubernetesJoinRequest, body_of(request)).validated_data
+        bearer = request.user.secret if isinstance(request.user, NodeSecret) else None
+        if body["kubernetesToken"]:
+            if bearer is not None:
+                raise ApiError(400, "a join token (Authorization: Bearer) or a kubernetesToken, not both",
+                               "join_two_secrets")
+            # The review waits on the cluster (up to AENV_KUBERNETES_TIMEOUT): off the database thread.
+            node_id = await sync_to_async(join.kubernetes_identity, thread_sensitive=False)(
+                body["kubernetesToken"], body["nodeId"])
+            node, credential = await sync_to_async(join.join_kubernetes)(node_id)
+        elif bearer is None:
+            raise exceptions.NotAuthenticated("missing Authorization: Bearer header (a join token), "
+                                              "or kubernetesToken in the body")
+        else:
+            node, credential = await sync_to_async(join.join)(bearer, body["nodeId"])
         answer = {"nodeId": node.pk, "credential": credential}
         if node.database_url:
             answer["databaseUrl"] = node.database_url

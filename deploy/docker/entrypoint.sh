@@ -7,7 +7,9 @@
 #   node                        the node worker (Dockerfile.node, privileged): builds the guest
 #                               images into AENV_IMAGES_DIR on its first start, then serves;
 #                               AENV_NODE_JOIN_TOKEN_FILE: a file holding its join token (read
-#                               when AENV_NODE_JOIN_TOKEN is unset; compose's join-tokens writes it)
+#                               when AENV_NODE_JOIN_TOKEN is unset; compose's join-tokens writes it);
+#                               AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE: the pod's projected
+#                               service-account token (Kubernetes), which it presents instead
 #   join-tokens DIR ID...       a join token bound to each node id that has not joined yet, in
 #                               DIR/<id>/token (0600); a joined (or revoked) node's is removed
 #   health api|dataplane|sweeper|routes|node|worker   the container's health check (worker: the
@@ -125,6 +127,12 @@ case "${1:-}" in
     if [ -z "${AENV_NODE_JOIN_TOKEN:-}" ] && [ -s "${AENV_NODE_JOIN_TOKEN_FILE:-}" ]; then
       AENV_NODE_JOIN_TOKEN=$(cat "$AENV_NODE_JOIN_TOKEN_FILE")
       export AENV_NODE_JOIN_TOKEN
+    fi
+    # Kubernetes: no join token, the kubelet's projected token (audience aenv-join, rotated);
+    # agent.join reads the file itself at each join, so only its presence is checked here.
+    if [ -z "${AENV_NODE_JOIN_TOKEN:-}" ] && [ -n "${AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE:-}" ]; then
+      [ -s "$AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE" ] || die "no Kubernetes token at $AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE (AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE): mount the projected service-account token there"
+      echo "entrypoint: node ${AENV_NODE_ID:-} joins with its pod's Kubernetes token" >&2
     fi
     [ -e /dev/kvm ] || echo "entrypoint: no /dev/kvm: guests run under QEMU TCG (software emulation)" >&2
     # A seed (AENV_IMAGES_SEED: another machine's images directory, mounted read-only, e.g. the

@@ -431,3 +431,86 @@ def disruption_problems(docs: list[dict]) -> list[str]:
                 if b["spec"].get("minAvailable", 0) >= replicas:
                     problems.append(f"{b['metadata']['name']}: minAvailable {b['spec']['minAvailable']} blocks every drain")
     return problems
+
+
+TRUE = ("1", "true", "yes", "on")
+TOKEN_REVIEWER = "system:auth-delegator"
+# The shortest life Kubernetes gives a projected token, and the longest one aenv wants a token
+# that admits a node to live (a copied token admits its node for that long).
+JOIN_TOKEN_SECONDS = (600, 3600)
+SERVICE_URL = re.compile(r"https?://([a-z0-9-]+)\.([a-z0-9-]+)\.svc(?:\.cluster\.local)?:(\d+)/?")
+
+
+def _bound_to(docs: list[dict], namespace: str, account: str, cluster_role: str) -> bool:
+    return any(d["kind"] == "ClusterRoleBinding" and d["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role} and
+        {"kind": "ServiceAccount", "name": account, "namespace": namespace} in d.get("subjects", []) for d in docs)
+
+
+def join_problems(docs: list[dict]) -> list[str]:
+    """Nodes join with their pods' Kubernetes tokens (nodes.join.kubernetes_identity): joining
+    is required and Kubernetes joins are on; the DaemonSet runs as the service account the
+    control plane expects, mounts no API token, only a projected token for the join audience
+    (short-lived) at the file the node reads, and joins at a Service whose pods' service account
+    may create TokenReviews (system:auth-delegator); the nodes' account is bound to nothing."""
+    problems = []
+    config = find(docs, "ConfigMap", "aenv-config")["data"]
+    for key in ("AENV_NODE_JOIN_REQUIRED", "AENV_NODE_JOIN_KUBERNETES"):
+        if str(config.get(key, "")).lower() not in TRUE:
+            problems.append(f"aenv-config: {key} is not on")
+    audience = config.get("AENV_NODE_JOIN_KUBERNETES_AUDIENCE", "aenv-join")
+    namespace, _, account = config.get("AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT", "aenv:aenv-node").partition(":")
+    node = find(docs, "DaemonSet", "aenv-node")
+    pod = node["spec"]["template"]["spec"]
+    if (node["metadata"].get("namespace"), pod.get("serviceAccountName")) != (namespace, account):
+        problems.append(f"aenv-node runs as {node['metadata'].get('namespace')}:{pod.get('serviceAccountName')}, "
+                        f"not the AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT {namespace}:{account}")
+    sa = find(docs, "ServiceAccount", account)
+    if sa is None or sa["metadata"].get("namespace") != namespace:
+        problems.append(f"no ServiceAccount {namespace}:{account}")
+    # The pod's own setting wins over its account's; neither: mounted.
+    mounted = pod.get("automountServiceAccountToken", (sa or {}).get("automountServiceAccountToken", True))
+    if mounted is not False:
+        problems.append("aenv-node: its pods get an API token (automountServiceAccountToken is not false)")
+    for binding in docs:
+        if binding["kind"] in ("ClusterRoleBinding", "RoleBinding") and any(
+                s.get("kind") == "ServiceAccount" and s.get("name") == account for s in binding.get("subjects", [])):
+            problems.append(f"{binding['kind']} {binding['metadata']['name']} gives the nodes' account rights")
+    container = next(c for c in pod["containers"] if c["name"] == "node")
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    token_file = env.get("AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE") or ""
+    folder, _, file_name = token_file.rpartition("/")
+    mount = next((m for m in container.get("volumeMounts", []) if m["mountPath"] == folder), None)
+    volume = next((v for v in pod.get("volumes", []) if mount and v["name"] == mount["name"]), None)
+    sources = [s["serviceAccountToken"] for s in (volume or {}).get("projected", {}).get("sources", [])
+               if "serviceAccountToken" in s and s["serviceAccountToken"].get("path") == file_name]
+    if not sources:
+        problems.append(f"aenv-node: AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE {token_file!r} is no projected "
+                        "service-account token the pod mounts")
+    for source in sources:
+        if source.get("audience") != audience:
+            problems.append(f"aenv-node: its join token is for the audience {source.get('audience')!r}, "
+                            f"not AENV_NODE_JOIN_KUBERNETES_AUDIENCE {audience!r}")
+        seconds = source.get("expirationSeconds", 3600)
+        if not JOIN_TOKEN_SECONDS[0] <= seconds <= JOIN_TOKEN_SECONDS[1]:
+            problems.append(f"aenv-node: its join token lives {seconds} s, not {JOIN_TOKEN_SECONDS[0]} to "
+                            f"{JOIN_TOKEN_SECONDS[1]}")
+    url = SERVICE_URL.fullmatch(env.get("AENV_CONTROL_PLANE_URL") or "")
+    service = find(docs, "Service", url.group(1)) if url else None
+    if service is None or service["metadata"].get("namespace") != url.group(2) or int(url.group(3)) not in [
+            p["port"] for p in service["spec"]["ports"]]:
+        problems.append(f"aenv-node: AENV_CONTROL_PLANE_URL {env.get('AENV_CONTROL_PLANE_URL')!r} is not a "
+                        "Service of the control plane")
+        return problems
+    servers = [d for d in docs if d["kind"] == "Deployment" and selects(
+        {"matchLabels": service["spec"]["selector"]}, pod_labels(d))]
+    for server in servers:
+        server_pod = server["spec"]["template"]["spec"]
+        server_account = server_pod.get("serviceAccountName", "default")
+        if server_account in ("default", account) or server_pod.get("automountServiceAccountToken") is False or \
+                not _bound_to(docs, server["metadata"]["namespace"], server_account, TOKEN_REVIEWER):
+            problems.append(f"{server['metadata']['name']} (where nodes join) cannot create TokenReviews: its "
+                            f"service account {server_account} needs {TOKEN_REVIEWER} and its token mounted")
+    if not servers:
+        problems.append(f"the Service {service['metadata']['name']} the nodes join at selects no Deployment")
+    return problems

@@ -8,7 +8,9 @@ see is checked: every node has a slot pool of its own, clear of the cluster's ne
 uses netns; every container has resources and probes; every Redis URL is its role's ACL user
 (aenv-control, aenv-node; a node never sees the control password) and the trial Redis loads
 the users from a Secret; a NetworkPolicy keeps Redis and PostgreSQL to the control plane and
-the nodes; the API and the data plane have disruption budgets. Each check is also fed a doctored rendering it must fault.
+the nodes; the API and the data plane have disruption budgets; the nodes join with projected
+service-account tokens the API may review (system:auth-delegator). Each check is also fed a
+doctored rendering it must fault.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ def test_renderer_agrees_with_kustomize(name):
 def test_overlay_passes_every_check(name):
     docs = k8s.overlay(name)
     for check in (k8s.pool_problems, k8s.network_problems, k8s.container_problems, k8s.redis_problems,
-                  k8s.policy_problems, k8s.disruption_problems):
+                  k8s.policy_problems, k8s.disruption_problems, k8s.join_problems):
         assert check(docs) == [], check.__name__
 
 
@@ -454,3 +456,77 @@ def test_the_task_signing_key_reaches_the_control_plane_only():
                 assert env["AENV_TASK_SIGNING_KEY"] == f"{mount['mountPath']}/key.pem", (overlay, name)
             else:
                 assert "AENV_TASK_SIGNING_KEY" not in env, (overlay, name)
+
+
+def _node_pod(docs) -> dict:
+    return k8s.find(docs, "DaemonSet", "aenv-node")["spec"]["template"]["spec"]
+
+
+def _join_volume(docs) -> dict:
+    return next(v for v in _node_pod(docs)["volumes"] if v["name"] == "join-token")
+
+
+def test_nodes_join_with_a_projected_token_the_api_may_review():
+    """Kubernetes joins (nodes.join.kubernetes_identity) as shipped: joining required and
+    Kubernetes joins on in both overlays; the DaemonSet runs as aenv-node (the account the
+    control plane expects), mounts no API token, only a 10-minute token for aenv-join at the
+    file the node reads, and joins at aenv-api, whose account aenv-control-plane is bound to
+    system:auth-delegator (TokenReview) and nothing binds the nodes' account."""
+    for overlay in k8s.OVERLAYS:
+        docs = k8s.overlay(overlay)
+        config = k8s.find(docs, "ConfigMap", "aenv-config")["data"]
+        assert (config["AENV_NODE_JOIN_REQUIRED"], config["AENV_NODE_JOIN_KUBERNETES"]) == ("1", "1")
+        assert config["AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT"] == "aenv:aenv-node"
+        pod = _node_pod(docs)
+        assert pod["serviceAccountName"] == "aenv-node" and pod["automountServiceAccountToken"] is False
+        source = _join_volume(docs)["projected"]["sources"][0]["serviceAccountToken"]
+        assert source == {"audience": config["AENV_NODE_JOIN_KUBERNETES_AUDIENCE"], "expirationSeconds": 600,
+                          "path": "token"}
+        env = {e["name"]: e.get("value") for e in _node(docs)["env"]}
+        assert env["AENV_NODE_JOIN_KUBERNETES_TOKEN_FILE"] == "/var/run/secrets/aenv/join/token"
+        assert env["AENV_CONTROL_PLANE_URL"] == "http://aenv-api.aenv.svc.cluster.local:3000"
+        api = k8s.find(docs, "Deployment", "aenv-api")["spec"]["template"]["spec"]
+        assert api["serviceAccountName"] == "aenv-control-plane"
+        binding = k8s.find(docs, "ClusterRoleBinding", "aenv-control-plane-token-review")
+        assert binding["roleRef"]["name"] == "system:auth-delegator"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "aenv-control-plane", "namespace": "aenv"}]
+        assert "AENV_CONTROL_PLANE_URL" not in config  # the control plane must not read itself as a node
+
+
+def test_join_check_finds_what_would_break_kubernetes_joins():
+    def off(docs):
+        k8s.find(docs, "ConfigMap", "aenv-config")["data"]["AENV_NODE_JOIN_REQUIRED"] = "0"
+    assert any("AENV_NODE_JOIN_REQUIRED" in p for p in k8s.join_problems(_doctored("external", off)))
+    def kubernetes_off(docs):
+        del k8s.find(docs, "ConfigMap", "aenv-config")["data"]["AENV_NODE_JOIN_KUBERNETES"]
+    assert any("AENV_NODE_JOIN_KUBERNETES is not on" in p for p in k8s.join_problems(_doctored("trial", kubernetes_off)))
+    def other_account(docs):
+        _node_pod(docs)["serviceAccountName"] = "default"
+    assert any("not the AENV_NODE_JOIN_KUBERNETES_SERVICE_ACCOUNT" in p
+               for p in k8s.join_problems(_doctored("external", other_account)))
+    def api_token(docs):
+        del _node_pod(docs)["automountServiceAccountToken"]
+        k8s.find(docs, "ServiceAccount", "aenv-node")["automountServiceAccountToken"] = True
+    assert any("API token" in p for p in k8s.join_problems(_doctored("trial", api_token)))
+    def wrong_audience(docs):
+        _join_volume(docs)["projected"]["sources"][0]["serviceAccountToken"]["audience"] = "https://kubernetes.default.svc"
+    assert any("audience" in p for p in k8s.join_problems(_doctored("external", wrong_audience)))
+    def long_lived(docs):
+        _join_volume(docs)["projected"]["sources"][0]["serviceAccountToken"]["expirationSeconds"] = 86400
+    assert any("lives 86400 s" in p for p in k8s.join_problems(_doctored("trial", long_lived)))
+    def unmounted(docs):
+        _node(docs)["volumeMounts"] = [m for m in _node(docs)["volumeMounts"] if m["name"] != "join-token"]
+    assert any("no projected" in p for p in k8s.join_problems(_doctored("external", unmounted)))
+    def elsewhere(docs):
+        _set_url(docs, "DaemonSet", "aenv-node", "AENV_CONTROL_PLANE_URL", "http://aenv-dataplane.aenv.svc:3000")
+    assert any("AENV_CONTROL_PLANE_URL" in p for p in k8s.join_problems(_doctored("trial", elsewhere)))
+    def api_cannot_review(docs):
+        k8s.find(docs, "Deployment", "aenv-api")["spec"]["template"]["spec"]["serviceAccountName"] = "default"
+    assert any("cannot create TokenReviews" in p for p in k8s.join_problems(_doctored("external", api_cannot_review)))
+    def unbound(docs):
+        k8s.find(docs, "ClusterRoleBinding", "aenv-control-plane-token-review")["roleRef"]["name"] = "view"
+    assert any("cannot create TokenReviews" in p for p in k8s.join_problems(_doctored("trial", unbound)))
+    def node_rights(docs):
+        binding = k8s.find(docs, "ClusterRoleBinding", "aenv-control-plane-token-review")
+        binding["subjects"].append({"kind": "ServiceAccount", "name": "aenv-node", "namespace": "aenv"})
+    assert any("gives the nodes' account rights" in p for p in k8s.join_problems(_doctored("external", node_rights)))

@@ -159,6 +159,8 @@ OUTSIDE_THE_TIERS = {
     "tests/unit/test_api_concurrency.py": "a PostgreSQL-only test: skips on SQLite, in the postgres tier on PostgreSQL",
     "tests/unit/test_node_db_roles.py": "PostgreSQL roles: its role tests skip on SQLite and run in the postgres tier "
                                         "(the PostgreSQL pass)",
+    "tests/unit/test_node_join_kubernetes.py": "its one skip is the Kubernetes join with a PostgreSQL role: it "
+                                               "runs in the postgres tier (the PostgreSQL pass)",
     "tests/unit/test_deploy_k8s.py": "its one skip compares the test's kustomize renderer with kubectl's, which no "
                                      "Debian or PyPI package provides; every check of the manifests always runs",
 }
