@@ -226,7 +226,10 @@ class ChunkCache:
                     self._drop(sha, corrupt=True)
         data = self._fetch_verified(sha, length, fetch)
         flight.fetched = True
-        self._insert(sha, data)
+        try:
+            self._insert(sha, data)
+        except OSError as exc:  # the cache's disk failed (full, read-only): still serve the verified bytes
+            log.warning("chunk %s not kept in the cache: %s", sha, exc)
         return data
 
     def _verified_file(self, sha: str, entry: _Entry, length: int) -> bytes | None:
@@ -280,7 +283,10 @@ class ChunkCache:
                 f.write(data)
             os.rename(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)  # first, so the disk never holds more than is reserved
+            try:
+                tmp.unlink(missing_ok=True)  # first, so the disk never holds more than is reserved
+            except OSError:
+                pass
             with self._lock:
                 self._size -= size
             raise
@@ -345,7 +351,10 @@ class ChunkCache:
             self._a1in_bytes -= entry.size
         self._size -= entry.size
         # under the lock: a re-insert of the same chunk cannot rename its file into place first
-        self._path(sha).unlink(missing_ok=True)
+        try:
+            self._path(sha).unlink(missing_ok=True)
+        except OSError as exc:  # the books stay right; the next start counts the file again (as cold)
+            log.warning("could not remove chunk file %s: %s", self._path(sha), exc)
         self._dirty = True
         return entry
 
