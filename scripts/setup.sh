@@ -12,9 +12,10 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 # skopeo + umoci pull and unpack OCI images (vmm/oci). patchelf + binutils (readelf) relocate envd and resize2fs
-# onto the tools drive's loader (vmm/toolsdrive.py).
+# onto the tools drive's loader (vmm/toolsdrive.py). fuse3 (fusermount3, libfuse3) serves chunkfs's lazy files
+# (python -m chunkfs serve: mfusepy loads libfuse3 with ctypes, so no libfuse3-dev).
 NODE_APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static curl ca-certificates redis-tools
-                   nftables iproute2 util-linux dnsmasq-base skopeo umoci patchelf binutils)
+                   nftables iproute2 util-linux dnsmasq-base skopeo umoci patchelf binutils fuse3)
 # Only the tests use these: docker-registry + apache2-utils (htpasswd) are the local registry the tests push their
 # own images to (harness/oci_registry.py); bash-static is the shell of the tests' image without glibc (harness/oci_images.py);
 # The shellcheck package checks every shell script of the repository (tests/unit/test_shell_scripts.py, beside the test extra's).

@@ -1,0 +1,442 @@
+"""The node's chunkfs daemon: one per node, outliving node-worker restarts.
+
+    python -m chunkfs serve --mountpoint DIR --cache DIR --limit-mb N --control SOCK
+                            [--dir-source DIR] [--read-deadline S] [--readahead K] ...
+
+It serves the FUSE file system (``fs.ChunkFS``) on ``--mountpoint`` over one ``ChunkCache``
+in ``--cache`` bounded by ``--limit-mb`` (default ``AENV_CHUNK_CACHE_MB``), fetching from
+``--dir-source`` (``<dir>/chunks/<sha>``, a posix_fs store on shared storage) or else the
+S3 store the node already uses (``AENV_S3_BUCKET``, ``AENV_S3_ENDPOINT``, ``AENV_S3_REGION``,
+``AENV_S3_PREFIX``; credentials from the standard AWS sources).
+
+Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
+
+- ``{"op": "mount", "mount_id", "chunk_size", "files": {name: {"size", "chunks"}},
+  "prefetch": [[name, chunk_index], ...], "record": bool, "writable": bool}`` ->
+  ``{"ok": true, "path": "<mountpoint>/<mount_id>"}``. Chunks as in a snapshot manifest
+  (``[[offset, length, sha], ...]``, holes absent). The prefetch list is fetched in the
+  background, in order.
+- ``{"op": "unmount", "mount_id"}`` (the files vanish; a writable mount's overlays are deleted),
+  ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats and, per mount, reads, bytes
+  fetched, prefetch progress and the recorded first-touch order), ``{"op": "ping"}``.
+
+Every failure is ``{"ok": false, "error": {"code", "message"}}``; the daemon stays up.
+
+Start: one daemon per pidfile (``--pidfile``, default ``<control>.pid``, held with flock);
+a stale FUSE mount on the mountpoint (a daemon that died) is lazily unmounted first; the
+control socket answers only once the file system is mounted. SIGTERM/SIGINT: the FUSE loop
+ends and unmounts, every mount is closed (overlays deleted), the cache state is saved."""
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socketserver
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .cache import ChunkCache
+from .digests import check_sha
+from .errors import ChunkError
+from .fs import ChunkFS, Mount, run, set_read_ahead
+from .lazyfile import DEFAULT_READ_DEADLINE, DEFAULT_READAHEAD, Counters, LazyFile, Pools, Recorder, _blocking_signals
+
+log = logging.getLogger("chunkfs.daemon")
+
+MOUNT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+FILE_NAME = MOUNT_ID  # as the snapshot manifests name files
+MAX_LINE = 64 << 20
+DEFAULT_LIMIT_MB = 10240
+PREFETCH_PARALLEL = 4
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError("bad_request", message)
+
+
+def _int(value, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(f"{what} must be an integer >= {minimum}")
+    return value
+
+
+class Daemon:
+    """The control requests over a ``ChunkFS``, a cache and a source."""
+
+    def __init__(self, fs: ChunkFS, cache, source, *, mountpoint: Path, overlay_dir: Path,
+                 pools: Pools | None = None, read_deadline: float = DEFAULT_READ_DEADLINE,
+                 readahead: int = DEFAULT_READAHEAD):
+        self.fs = fs
+        self.cache = cache
+        self.source = source
+        self.mountpoint = Path(mountpoint)
+        self.overlay_dir = Path(overlay_dir)
+        self.pools = pools or Pools()
+        self.read_deadline = read_deadline
+        self.readahead = readahead
+        self.started = time.time()
+        self._mount_lock = threading.Lock()
+
+    def handle_line(self, line: bytes) -> dict:
+        try:
+            request = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return {"ok": False, "error": {"code": "bad_json", "message": f"not a JSON object: {exc}"}}
+        try:
+            if not isinstance(request, dict):
+                raise RequestError("bad_json", "a request is a JSON object")
+            op = request.get("op")
+            handler = {"mount": self.mount, "unmount": self.unmount, "list": self.list, "stats": self.stats,
+                       "ping": self.ping}.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise RequestError("unknown_op", f"unknown op {op!r} (mount, unmount, list, stats, ping)")
+            return {"ok": True, **handler(request)}
+        except RequestError as exc:
+            return {"ok": False, "error": {"code": exc.code, "message": exc.message}}
+        except Exception as exc:  # a bug: the caller gets an error object, the daemon stays up
+            log.exception("control request failed")
+            return {"ok": False, "error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
+
+    # ------------------------------------------------------------------ requests
+
+    def ping(self, request: dict) -> dict:
+        return {"pid": os.getpid(), "mountpoint": str(self.mountpoint), "source": self.source.name,
+                "uptime": round(time.time() - self.started, 3)}
+
+    def _mount_id(self, request: dict) -> str:
+        mount_id = request.get("mount_id")
+        if not isinstance(mount_id, str) or not MOUNT_ID.match(mount_id):
+            raise _bad("mount_id must be a name of letters, digits, '.', '_' or '-' (at most 128)")
+        return mount_id
+
+    def mount(self, request: dict) -> dict:
+        mount_id = self._mount_id(request)
+        chunk_size = _int(request.get("chunk_size"), "chunk_size", 1)
+        files = request.get("files")
+        if not isinstance(files, dict) or not files:
+            raise _bad("files must be an object {name: {size, chunks}} with at least one file")
+        record = request.get("record", False)
+        writable = request.get("writable", False)
+        if not isinstance(record, bool) or not isinstance(writable, bool):
+            raise _bad("record and writable are booleans")
+        prefetch = request.get("prefetch", [])
+        if not isinstance(prefetch, list) or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and not isinstance(p[1], bool)
+                and isinstance(p[1], int) and p[1] >= 0 for p in prefetch):
+            raise _bad("prefetch must be a list of [name, chunk_index]")
+        with self._mount_lock:
+            if self.fs.get(mount_id) is not None:
+                raise RequestError("exists", f"mount {mount_id} exists")
+            recorder = Recorder() if record else None
+            counters = Counters()
+            lazy: dict[str, LazyFile] = {}
+            try:
+                for name, spec in files.items():
+                    if not FILE_NAME.match(name):
+                        raise _bad(f"bad file name {name!r}")
+                    if not isinstance(spec, dict):
+                        raise _bad(f"file {name}: an object {{size, chunks}}")
+                    size = _int(spec.get("size"), f"file {name}: size")
+                    chunks = spec.get("chunks", [])
+                    if not isinstance(chunks, list) or not all(
+                            isinstance(c, list) and len(c) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                       for x in c[:2]) for c in chunks):
+                        raise _bad(f"file {name}: chunks must be [[offset, length, sha], ...]")
+                    try:
+                        for c in chunks:
+                            check_sha(c[2])
+                        lazy[name] = LazyFile(size, chunk_size, chunks, self.cache, self.source, name=name,
+                                              pools=self.pools, readahead=self.readahead,
+                                              read_deadline=self.read_deadline, recorder=recorder,
+                                              counters=counters,
+                                              overlay=self.overlay_dir / mount_id / name if writable else None)
+                    except ValueError as exc:
+                        raise _bad(f"file {name}: {exc}") from None
+                for name, _ in prefetch:
+                    if name not in lazy:
+                        raise _bad(f"prefetch names a file not in the mount: {name!r}")
+            except BaseException:
+                for f in lazy.values():
+                    f.close()
+                raise
+            mount = Mount(mount_id, lazy, writable=writable, recorder=recorder, counters=counters,
+                          chunk_size=chunk_size)
+            self.fs.add(mount)
+        if prefetch:
+            mount.prefetch_state.update(queued=len(prefetch), finished=False)
+            threading.Thread(target=self._prefetch, args=(mount, prefetch), name=f"prefetch-{mount_id}",
+                             daemon=True).start()
+        log.info("mounted %s: %d files%s%s, %d chunks to prefetch", mount_id, len(lazy),
+                 ", writable" if writable else "", ", recording" if record else "", len(prefetch))
+        return {"path": str(self.mountpoint / mount_id)}
+
+    def _prefetch(self, mount: Mount, items: list) -> None:
+        """The mount's prefetch list, in order, ``PREFETCH_PARALLEL`` chunks at a time."""
+        _blocking_signals()
+        state = mount.prefetch_state
+        slots = threading.Semaphore(PREFETCH_PARALLEL)
+        lock = threading.Lock()
+
+        def one(name: str, index: int) -> None:
+            try:
+                if not mount.closed.is_set():
+                    mount.files[name].ensure(index)
+                ok = True
+            except ChunkError as exc:
+                log.info("prefetch of %s/%s chunk %d failed: %s", mount.id, name, index, exc)
+                ok = False
+            finally:
+                slots.release()
+            with lock:
+                state["done" if ok else "failed"] += 1
+
+        with ThreadPoolExecutor(PREFETCH_PARALLEL, thread_name_prefix="chunkfs-list",
+                                initializer=_blocking_signals) as pool:
+            for name, index in items:
+                slots.acquire()
+                if mount.closed.is_set():
+                    slots.release()
+                    break
+                pool.submit(one, name, index)
+        state["finished"] = True
+
+    def unmount(self, request: dict) -> dict:
+        mount_id = self._mount_id(request)
+        mount = self.fs.remove(mount_id)
+        if mount is None:
+            raise RequestError("not_found", f"no mount {mount_id}")
+        shutil.rmtree(self.overlay_dir / mount_id, ignore_errors=True)
+        log.info("unmounted %s", mount_id)
+        return {"mount_id": mount_id, "stats": mount.stats()}
+
+    def list(self, request: dict) -> dict:
+        return {"mounts": [{**m.describe(), "path": str(self.mountpoint / m.id)}
+                           for _, m in sorted(self.fs.mounts().items())]}
+
+    def stats(self, request: dict) -> dict:
+        mounts = self.fs.mounts()
+        if "mount_id" in request:
+            mount_id = self._mount_id(request)
+            if mount_id not in mounts:
+                raise RequestError("not_found", f"no mount {mount_id}")
+            mounts = {mount_id: mounts[mount_id]}
+        return {"cache": self.cache.stats(), "mounts": {k: m.stats() for k, m in sorted(mounts.items())}}
+
+    def close(self) -> None:
+        for mount_id in list(self.fs.mounts()):
+            self.fs.remove(mount_id)
+        self.pools.shutdown()
+        shutil.rmtree(self.overlay_dir, ignore_errors=True)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self):
+        daemon: Daemon = self.server.daemon_ref
+        while True:
+            line = self.rfile.readline(MAX_LINE + 1)
+            if not line:
+                return
+            if len(line) > MAX_LINE:
+                reply = {"ok": False, "error": {"code": "too_large", "message": f"a request is at most {MAX_LINE} bytes"}}
+                self.wfile.write(json.dumps(reply).encode() + b"\n")
+                return
+            if not line.strip():
+                continue
+            reply = daemon.handle_line(line)
+            self.wfile.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+            self.wfile.flush()
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def server_bind(self):
+        old = os.umask(0o177)  # 0600 from the first moment
+        try:
+            super().server_bind()
+        finally:
+            os.umask(old)
+        os.chmod(self.server_address, 0o600)
+
+
+def _serve_control(daemon: Daemon, control: Path, ready: threading.Event, failed: list) -> None:
+    _blocking_signals()
+    try:
+        deadline = time.monotonic() + 60
+        while not _is_mounted(daemon.mountpoint):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{daemon.mountpoint} was not mounted within 60 s")
+            time.sleep(0.02)
+        set_read_ahead(str(daemon.mountpoint))
+        control.unlink(missing_ok=True)
+        server = _Server(str(control), _Handler)
+        server.daemon_ref = daemon
+        daemon.server = server
+        ready.set()
+        log.info("chunkfs serving %s (control %s, source %s)", daemon.mountpoint, control, daemon.source.name)
+        server.serve_forever(poll_interval=0.2)
+    except Exception as exc:
+        failed.append(exc)
+        log.exception("control socket failed")
+        os.kill(os.getpid(), signal.SIGTERM)  # ends the FUSE loop: the daemon is useless without control
+
+
+def _mountinfo_has(path: Path) -> bool:
+    target = str(path)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and fields[4].encode().decode("unicode_escape") == target:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def _is_mounted(path: Path) -> bool:
+    try:
+        return os.path.ismount(path)
+    except OSError:
+        return False
+
+
+def unmount_stale(mountpoint: Path) -> bool:
+    """Lazily unmounts whatever is mounted on ``mountpoint`` (a dead daemon's FUSE mount
+    answers ENOTCONN). True if something was."""
+    stale = _mountinfo_has(mountpoint)
+    if not stale:
+        try:
+            os.stat(mountpoint)
+        except OSError as exc:
+            stale = exc.errno == errno.ENOTCONN
+    if not stale:
+        return False
+    log.warning("unmounting a stale mount on %s", mountpoint)
+    for cmd in (["fusermount3", "-u", "-z", str(mountpoint)], ["umount", "-l", str(mountpoint)]):
+        try:
+            if subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0:
+                return True
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    raise RuntimeError(f"could not unmount the stale mount on {mountpoint}")
+
+
+def lock_pidfile(path: Path):
+    """The open, flocked pidfile (held for the process's life), or None if another holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def make_source(dir_source: str | None):
+    """``--dir-source``, else the S3 store of the node's environment (AENV_S3_*)."""
+    from .sources import DirChunkSource, S3ChunkSource, s3_client  # noqa: PLC0415
+
+    if dir_source:
+        return DirChunkSource(Path(dir_source))
+    bucket = os.environ.get("AENV_S3_BUCKET", "")
+    if not bucket:
+        raise SystemExit("chunkfs: no source: give --dir-source or set AENV_S3_BUCKET (and AENV_S3_ENDPOINT, "
+                         "AENV_S3_REGION, AENV_S3_PREFIX)")
+    client = s3_client(os.environ.get("AENV_S3_ENDPOINT", ""), os.environ.get("AENV_S3_REGION", ""))
+    return S3ChunkSource(client, bucket, os.environ.get("AENV_S3_PREFIX", ""))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m chunkfs", description="lazily filled files over a chunk cache (FUSE)")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="mount the file system and serve the control socket")
+    s.add_argument("--mountpoint", required=True, type=Path)
+    s.add_argument("--cache", required=True, type=Path, help="the chunk cache's directory")
+    s.add_argument("--limit-mb", type=int, default=None,
+                   help=f"the cache's bound (default AENV_CHUNK_CACHE_MB, else {DEFAULT_LIMIT_MB})")
+    s.add_argument("--control", required=True, type=Path, help="the control socket's path")
+    s.add_argument("--pidfile", type=Path, default=None, help="default <control>.pid")
+    s.add_argument("--dir-source", default=None, help="fetch <dir>/chunks/<sha> instead of S3")
+    s.add_argument("--overlay-dir", type=Path, default=None, help="writable mounts' overlays (default <cache>-overlays)")
+    s.add_argument("--read-deadline", type=float, default=DEFAULT_READ_DEADLINE,
+                   help="seconds a read may wait for its chunks before EIO")
+    s.add_argument("--readahead", type=int, default=DEFAULT_READAHEAD, help="chunks prefetched ahead of a sequential reader")
+    s.add_argument("--fetch-workers", type=int, default=16)
+    s.add_argument("--log-level", default="INFO")
+    return p
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mountpoint = args.mountpoint.absolute()
+    control = args.control.absolute()
+    pidfile = (args.pidfile or Path(str(control) + ".pid")).absolute()
+    lock = lock_pidfile(pidfile)
+    if lock is None:
+        print(f"chunkfs: already running (pidfile {pidfile} is locked)", file=sys.stderr)
+        return 3
+    unmount_stale(mountpoint)
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    limit_mb = args.limit_mb if args.limit_mb is not None else int(os.environ.get("AENV_CHUNK_CACHE_MB") or DEFAULT_LIMIT_MB)
+    overlay_dir = (args.overlay_dir or Path(str(args.cache.absolute()) + "-overlays")).absolute()
+    shutil.rmtree(overlay_dir, ignore_errors=True)  # overlays never outlive their mounts
+    source = make_source(args.dir_source)
+    cache = ChunkCache(args.cache.absolute(), limit_mb << 20)
+    fs = ChunkFS()
+    daemon = Daemon(fs, cache, source, mountpoint=mountpoint, overlay_dir=overlay_dir,
+                    pools=Pools(fetch_workers=args.fetch_workers), read_deadline=args.read_deadline,
+                    readahead=args.readahead)
+    daemon.server = None
+    ready, failed = threading.Event(), []
+    control_thread = threading.Thread(target=_serve_control, args=(daemon, control, ready, failed),
+                                      name="chunkfs-control", daemon=True)
+    control_thread.start()
+    code = 0
+    try:
+        run(fs, str(mountpoint))  # until SIGTERM/SIGINT/SIGHUP or an external unmount
+    except RuntimeError as exc:
+        if str(exc) != "8":  # libfuse's fuse_main: 8 = the loop ended by a signal (SIGTERM...)
+            log.error("FUSE ended with an error: %s", exc)
+            code = 1
+    finally:
+        log.info("stopping")
+        if daemon.server is not None:
+            daemon.server.shutdown()
+            daemon.server.server_close()
+        control.unlink(missing_ok=True)
+        daemon.close()
+        cache.close()
+        if _is_mounted(mountpoint) or _mountinfo_has(mountpoint):
+            unmount_stale(mountpoint)
+        os.close(lock)
+    return 1 if failed else code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+

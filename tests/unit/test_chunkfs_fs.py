@@ -1,0 +1,436 @@
+"""The chunkfs daemon (``python -m chunkfs serve``) on real FUSE mounts in tmp dirs, over a
+directory of chunk files the tests cut: reads through the kernel equal the original bytes,
+mmap MAP_PRIVATE works and its writes stay private, writable mounts copy on write, read-ahead
+and recording, EIO (not a hang, not wrong bytes) when the source fails, hangs or lies, a
+restart on a warm cache fetches nothing, the control socket refuses malformed requests, one
+daemon per pidfile, a dead daemon's stale mount is cleaned up, QEMU reads a qcow2 on a lazy
+mount."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import mmap
+import os
+import random
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chunkfs.client import ChunkfsClient, ChunkfsError, ensure_daemon
+
+ROOT = Path(__file__).resolve().parents[2]
+CS = 256 * 1024
+
+pytestmark = pytest.mark.xdist_group("chunkfs")
+
+
+def cut(data: bytes, store: Path, chunk_size: int = CS) -> dict:
+    """Writes ``data``'s chunks into ``store/chunks`` and returns its manifest entry."""
+    (store / "chunks").mkdir(parents=True, exist_ok=True)
+    chunks = []
+    for off in range(0, len(data), chunk_size):
+        piece = data[off:off + chunk_size]
+        if not piece.strip(b"\0"):
+            continue
+        sha = hashlib.sha256(piece).hexdigest()
+        (store / "chunks" / sha).write_bytes(piece)
+        chunks.append([off, len(piece), sha])
+    return {"size": len(data), "chunks": chunks}
+
+
+def sample(size: int, seed: int = 1) -> bytes:
+    r = random.Random(seed)
+    data = bytearray(r.randbytes(size))
+    data[CS:2 * CS] = bytes(CS)  # a whole-chunk hole
+    data[5 * CS + 10:5 * CS + 9000] = bytes(8990)  # zeros inside a chunk
+    return bytes(data)
+
+
+class Node:
+    """A daemon's directories under tmp_path, and starting/stopping it."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.mnt = tmp / "mnt"
+        self.cache = tmp / "cache"
+        self.control = tmp / "chunkfs.sock"
+        self.store = tmp / "store"
+        self.log = tmp / "chunkfs.log"
+        self.store.mkdir(exist_ok=True)
+
+    def start(self, *extra: str, env: dict | None = None, dir_source: bool = True) -> ChunkfsClient:
+        return ensure_daemon(self.control, mountpoint=self.mnt, cache_dir=self.cache, limit_mb=64,
+                             log_path=self.log, dir_source=self.store if dir_source else None,
+                             extra_args=list(extra), env=env, timeout=30)
+
+    def pid(self) -> int:
+        return int((Path(str(self.control) + ".pid")).read_text())
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        try:
+            pid = self.pid()
+            os.kill(pid, sig)
+        except (OSError, ValueError):
+            return
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            if Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"the daemon {pid} did not stop:\n{self.log.read_text()[-2000:]}")
+
+
+def _mounted(path: Path) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(path) for line in f)
+
+
+@pytest.fixture
+def node(tmp_path):
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        pytest.fail("chunkfs needs /dev/fuse and fusermount3 (the fuse3 package; scripts/setup.sh)")
+    n = Node(tmp_path)
+    yield n
+    n.stop()
+    if _mounted(n.mnt):
+        subprocess.run(["fusermount3", "-u", "-z", str(n.mnt)], check=False)
+
+
+def test_reads_through_fuse_equal_the_original_bytes(node):
+    data = sample(9 * CS + 4321)
+    spec = cut(data, node.store)
+    c = node.start()
+    path = c.mount("snap-1", CS, {"disk.raw": spec, "small": cut(b"hello", node.store)})
+    assert path == node.mnt / "snap-1"
+    assert sorted(os.listdir(node.mnt)) == ["snap-1"]
+    assert sorted(os.listdir(path)) == ["disk.raw", "small"]
+    st = os.stat(path / "disk.raw")
+    assert st.st_size == len(data) and stat.S_IMODE(st.st_mode) == 0o444
+    assert (path / "small").read_bytes() == b"hello"
+    r = random.Random(11)
+    fd = os.open(path / "disk.raw", os.O_RDONLY)
+    try:
+        for _ in range(200):
+            off = r.randrange(len(data) + 10)
+            n = r.choice([1, 4096, CS - 7, CS, 3 * CS + 5])
+            assert os.pread(fd, n, off) == data[off:off + n], (off, n)
+    finally:
+        os.close(fd)
+    assert (path / "disk.raw").read_bytes() == data
+    stats = c.stats("snap-1")["mounts"]["snap-1"]
+    assert stats["fetched_chunks"] == len(spec["chunks"]) + 1 and stats["errors"] == 0  # each chunk once
+
+
+def test_mmap_private_reads_the_file_and_keeps_its_writes(node):
+    data = sample(4 * CS, seed=2)
+    spec = cut(data, node.store)
+    before = {p.name: p.read_bytes() for p in (node.store / "chunks").iterdir()}
+    c = node.start()
+    path = c.mount("ram", CS, {"memory": spec}) / "memory"
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), len(data), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        assert m[:] == data
+        m[CS - 2:CS + 2] = b"WXYZ"  # into the hole's first page too
+        m[3 * CS:3 * CS + 5] = b"guest"
+        assert m[3 * CS:3 * CS + 5] == b"guest"
+    finally:
+        m.close()
+    assert path.read_bytes() == data
+    assert {p.name: p.read_bytes() for p in (node.store / "chunks").iterdir()} == before
+
+
+def test_read_only_mount_refuses_writes(node):
+    c = node.start()
+    path = c.mount("ro", CS, {"disk": cut(sample(2 * CS), node.store)}) / "disk"
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDWR | os.O_TRUNC):
+        with pytest.raises(OSError) as exc:
+            os.open(path, flags)
+        assert exc.value.errno == errno.EROFS
+    with pytest.raises(OSError) as exc:
+        os.truncate(path, 0)
+    assert exc.value.errno in (errno.EROFS, errno.EACCES)
+    with pytest.raises(OSError):
+        (path.parent / "new").write_bytes(b"x")
+
+
+def test_writable_mount_copies_on_write_and_drops_the_overlay_on_unmount(node):
+    data = sample(6 * CS, seed=3)
+    spec = cut(data, node.store)
+    before = {p.name: p.read_bytes() for p in (node.store / "chunks").iterdir()}
+    c = node.start()
+    path = c.mount("rw", CS, {"top.qcow2": spec}, writable=True) / "top.qcow2"
+    model = bytearray(data)
+    with open(path, "r+b") as f:
+        for off, blob in [(0, b"QFI\xfb-header"), (CS - 3, b"across-a-border"), (CS + 100, b"in-the-hole"),
+                          (len(data) + 1000, b"grown")]:
+            f.seek(off)
+            f.write(blob)
+            if off > len(model):
+                model += bytes(off - len(model))
+            model[off:off + len(blob)] = blob
+    assert path.stat().st_size == len(model)
+    assert path.read_bytes() == bytes(model)
+    os.truncate(path, 3 * CS)
+    assert path.read_bytes() == bytes(model[:3 * CS])
+    overlays = node.tmp / "cache-overlays"
+    assert (overlays / "rw" / "top.qcow2").exists()
+    assert c.stats("rw")["mounts"]["rw"]["written_bytes"] > 0
+    c.unmount("rw")
+    assert not (overlays / "rw").exists()
+    assert {p.name: p.read_bytes() for p in (node.store / "chunks").iterdir()} == before
+    again = c.mount("rw2", CS, {"top.qcow2": spec}, writable=True) / "top.qcow2"
+    assert again.read_bytes() == data
+
+
+def test_sequential_read_fetches_ahead_and_recording_keeps_first_touch_order(node):
+    data = os.urandom(16 * CS)
+    spec = cut(data, node.store)
+    c = node.start("--readahead", "3")
+    path = c.mount("seq", CS, {"a": spec, "b": spec}, record=True)
+    fd = os.open(path / "a", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no kernel read-ahead: only ours
+        for off in range(0, CS, 64 * 1024):  # chunk 0, sequentially
+            assert os.pread(fd, 64 * 1024, off) == data[off:off + 64 * 1024]
+        deadline = time.monotonic() + 10
+        while c.stats("seq")["mounts"]["seq"]["fetched_chunks"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # chunk 0 read, chunks 1-3 fetched ahead of the reader, but not read (not recorded)
+        assert c.stats("seq")["mounts"]["seq"]["fetched_chunks"] == 4
+        os.pread(fd, 10, 9 * CS)
+    finally:
+        os.close(fd)
+    fd = os.open(path / "b", os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    os.pread(fd, 10, 5 * CS + 1)
+    os.close(fd)
+    assert c.stats("seq")["mounts"]["seq"]["recorded"] == [["a", 0], ["a", 9], ["b", 5]]
+    # the recorded order replayed as a prefetch list, on a fresh cache of another daemon
+    order = c.unmount("seq")["recorded"]
+    assert order == [["a", 0], ["a", 9], ["b", 5]]
+
+
+def test_prefetch_list_runs_in_the_background(node):
+    data = os.urandom(8 * CS)
+    spec = cut(data, node.store)
+    c = node.start()
+    c.mount("warm", CS, {"mem": spec}, prefetch=[["mem", 7], ["mem", 2], ["mem", 1]])
+    deadline = time.monotonic() + 10
+    while not c.stats("warm")["mounts"]["warm"]["prefetch"]["finished"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = c.stats("warm")
+    assert s["mounts"]["warm"]["prefetch"] == {"queued": 3, "done": 3, "failed": 0, "finished": True}
+    assert s["mounts"]["warm"]["fetched_chunks"] == 3
+    assert s["cache"]["hits"] == 0 and s["cache"]["misses"] == 0  # prefetches are no reads
+    fd = os.open(node.mnt / "warm" / "mem", os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    assert os.pread(fd, 100, 7 * CS) == data[7 * CS:7 * CS + 100]
+    os.close(fd)
+    assert c.stats("warm")["mounts"]["warm"]["fetched_chunks"] == 3  # served from the prefetched chunk
+
+
+def test_missing_chunk_gives_eio_and_the_daemon_stays_up(node):
+    data = os.urandom(4 * CS)
+    spec = cut(data, node.store)
+    (node.store / "chunks" / spec["chunks"][2][2]).unlink()
+    c = node.start()
+    path = c.mount("broken", CS, {"disk": spec}) / "disk"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 100, 0) == data[:100]
+        t = time.monotonic()
+        with pytest.raises(OSError) as exc:
+            os.pread(fd, 100, 2 * CS + 5)
+        assert exc.value.errno == errno.EIO and time.monotonic() - t < 5
+    finally:
+        os.close(fd)
+    assert c.ping()["pid"] == node.pid()
+    assert c.stats("broken")["mounts"]["broken"]["errors"] >= 1
+
+
+def test_a_source_that_never_answers_gives_eio_within_the_read_deadline(node):
+    with socket.socket() as silent:  # an S3 endpoint that accepts connections and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        env = {**os.environ, "AENV_S3_BUCKET": "aenv", "AENV_S3_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}",
+               "AENV_S3_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+        data = os.urandom(2 * CS)
+        spec = cut(data, node.store)
+        c = node.start("--read-deadline", "2", env=env, dir_source=False)
+        assert c.ping()["source"].startswith("s3://aenv/")
+        path = c.mount("silent", CS, {"disk": spec}) / "disk"
+        t = time.monotonic()
+        with pytest.raises(OSError) as exc:
+            with open(path, "rb") as f:
+                f.read(100)
+        took = time.monotonic() - t
+        assert exc.value.errno == errno.EIO
+        assert 1.5 < took < 8, took
+        assert c.ping()["pid"] == node.pid()
+        t = time.monotonic()
+        node.stop()  # fetches still hang in the source: the daemon still stops promptly
+        assert time.monotonic() - t < 10
+        assert not _mounted(node.mnt)
+
+
+def test_a_corrupt_chunk_in_the_store_is_never_returned(node):
+    data = os.urandom(3 * CS)
+    spec = cut(data, node.store)
+    bad = node.store / "chunks" / spec["chunks"][1][2]
+    bad.write_bytes(bytes(CS))  # same length, wrong bytes
+    c = node.start()
+    path = c.mount("corrupt", CS, {"disk": spec}) / "disk"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        with pytest.raises(OSError) as exc:
+            os.pread(fd, 4096, CS)
+        assert exc.value.errno == errno.EIO
+        assert os.pread(fd, 4096, 0) == data[:4096]
+    finally:
+        os.close(fd)
+    assert c.stats()["cache"]["corrupt"] >= 1
+
+
+def test_restart_with_a_warm_cache_fetches_nothing(node):
+    data = sample(6 * CS, seed=4)
+    spec = cut(data, node.store)
+    c = node.start()
+    first = node.pid()
+    assert (c.mount("warm", CS, {"disk": spec}) / "disk").read_bytes() == data
+    node.stop()
+    assert not _mounted(node.mnt) and not node.control.exists()
+    shutil.rmtree(node.store / "chunks")  # nothing left to fetch from
+    c = node.start()
+    assert node.pid() != first
+    assert c.list() == []  # mounts do not outlive the daemon
+    assert (c.mount("warm", CS, {"disk": spec}) / "disk").read_bytes() == data
+    s = c.stats()
+    assert s["mounts"]["warm"]["fetched_chunks"] == 0 and s["cache"]["misses"] == 0
+
+
+def _raw(control: Path, payload: bytes) -> dict:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(control))
+        s.sendall(payload)
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            assert chunk, "the daemon closed the connection without an answer"
+            buf += chunk
+    return json.loads(buf)
+
+
+def test_control_socket_refuses_malformed_requests_with_an_error_object(node):
+    c = node.start()
+    assert stat.S_IMODE(os.stat(node.control).st_mode) == 0o600
+    good = cut(os.urandom(CS), node.store)
+    cases = [
+        (b"not json\n", "bad_json"),
+        (b"[1, 2]\n", "bad_json"),
+        (b'{"op": "format-disk"}\n', "unknown_op"),
+        (b'{"no": "op"}\n', "unknown_op"),
+        (json.dumps({"op": "mount", "mount_id": "../etc", "chunk_size": CS, "files": {"d": good}}).encode() + b"\n",
+         "bad_request"),
+        (json.dumps({"op": "mount", "mount_id": "m", "chunk_size": CS, "files": {}}).encode() + b"\n", "bad_request"),
+        (json.dumps({"op": "mount", "mount_id": "m", "chunk_size": 0, "files": {"d": good}}).encode() + b"\n",
+         "bad_request"),
+        (json.dumps({"op": "mount", "mount_id": "m", "chunk_size": CS,
+                     "files": {"d": {"size": 10, "chunks": [[0, 10, "../../x"]]}}}).encode() + b"\n", "bad_request"),
+        (json.dumps({"op": "mount", "mount_id": "m", "chunk_size": CS,
+                     "files": {"d": {"size": 10, "chunks": [[0, CS, good["chunks"][0][2]]]}}}).encode() + b"\n",
+         "bad_request"),
+        (json.dumps({"op": "mount", "mount_id": "m", "chunk_size": CS, "files": {"a/b": good}}).encode() + b"\n",
+         "bad_request"),
+        (json.dumps({"op": "mount", "mount_id": "m", "chunk_size": CS, "files": {"d": good},
+                     "prefetch": [["other", 0]]}).encode() + b"\n", "bad_request"),
+        (json.dumps({"op": "mount", "mount_id": "m", "chunk_size": CS, "files": {"d": good},
+                     "writable": "yes"}).encode() + b"\n", "bad_request"),
+        (b'{"op": "unmount", "mount_id": "nothing"}\n', "not_found"),
+        (b'{"op": "stats", "mount_id": "nothing"}\n', "not_found"),
+    ]
+    for payload, code in cases:
+        reply = _raw(node.control, payload)
+        assert reply["ok"] is False and reply["error"]["code"] == code, (payload, reply)
+        assert reply["error"]["message"]
+    assert c.list() == []  # no refused mount left anything behind
+    c.mount("m", CS, {"d": good})
+    with pytest.raises(ChunkfsError) as exc:
+        c.mount("m", CS, {"d": good})
+    assert exc.value.code == "exists"
+    assert c.ping()["pid"] == node.pid()
+
+
+def test_mounts_are_gone_after_unmount(node):
+    first = os.urandom(CS)
+    spec = cut(first, node.store)
+    c = node.start()
+    c.mount("a", CS, {"f": spec})
+    c.mount("b", CS, {"f": spec})
+    held = os.open(node.mnt / "a" / "f", os.O_RDONLY)  # keeps the inode (and its cached pages) alive
+    assert os.pread(held, CS, 0) == first
+    assert sorted(os.listdir(node.mnt)) == ["a", "b"]
+    assert [m["mount_id"] for m in c.list()] == ["a", "b"]
+    c.unmount("a")
+    assert sorted(os.listdir(node.mnt)) == ["b"]
+    assert not (node.mnt / "a" / "f").exists()
+    assert [m["mount_id"] for m in c.list()] == ["b"]
+    with pytest.raises(ChunkfsError) as exc:
+        c.unmount("a")
+    assert exc.value.code == "not_found"
+    # the same id mounted again with other bytes, the old inode still open: no stale page cache
+    other = os.urandom(CS)
+    c.mount("a", CS, {"f": cut(other, node.store)})
+    assert (node.mnt / "a" / "f").read_bytes() == other
+    os.close(held)
+
+
+def test_one_daemon_per_pidfile_and_a_dead_daemons_mount_is_cleaned_up(node):
+    node.start()
+    first = node.pid()
+    second = subprocess.run([sys.executable, "-m", "chunkfs", "serve", "--mountpoint", str(node.mnt), "--cache",
+                             str(node.tmp / "cache2"), "--control", str(node.control), "--dir-source", str(node.store)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert second.returncode == 3 and "already running" in second.stderr
+    assert ChunkfsClient(node.control).ping()["pid"] == first
+    node.stop(signal.SIGKILL)  # no cleanup: a stale FUSE mount is left behind
+    assert _mounted(node.mnt)
+    with pytest.raises(OSError) as exc:
+        os.listdir(node.mnt)
+    assert exc.value.errno == errno.ENOTCONN
+    c = node.start()  # ensure_daemon: the socket does not answer, so a new daemon starts
+    assert node.pid() != first
+    assert os.listdir(node.mnt) == [] and c.list() == []
+
+
+@pytest.mark.skipif(shutil.which("qemu-img") is None or shutil.which("qemu-io") is None,
+                    reason="qemu-utils not installed")
+def test_qemu_reads_a_qcow2_on_a_lazy_mount(node, tmp_path):
+    image = tmp_path / "disk.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(image), "64M"], check=True)
+    subprocess.run(["qemu-io", "-c", "write -P 0x5a 1M 3M", "-c", "write -P 0xa5 40M 64k", str(image)],
+                   check=True, capture_output=True)
+    spec = cut(image.read_bytes(), node.store)
+    c = node.start()
+    lazy = c.mount("qcow", CS, {"disk.qcow2": spec}) / "disk.qcow2"
+    info = json.loads(subprocess.run(["qemu-img", "info", "--output=json", str(lazy)], check=True,
+                                     capture_output=True, text=True).stdout)
+    assert info["format"] == "qcow2" and info["virtual-size"] == 64 << 20
+    out = subprocess.run(["qemu-io", "-r", "-c", "read -P 0x5a 1M 3M", "-c", "read -P 0xa5 40M 64k",
+                          "-c", "read -P 0 10M 1M", str(lazy)], check=True, capture_output=True, text=True)
+    assert "Pattern verification failed" not in out.stdout + out.stderr
+    subprocess.run(["qemu-img", "compare", "-q", str(image), str(lazy)], check=True)
