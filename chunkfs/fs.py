@@ -29,6 +29,10 @@ library, the ``fuse3`` package, is needed at run time; no compiler, no libfuse3-
 Requests are up to 1 MiB (libfuse3 negotiates 256 pages); with the default
 ``read_ahead_kb`` of 128 a sequential reader got 183 MiB/s, hence the larger window.
 
+Concurrency: up to ``MAX_THREADS`` libfuse workers and ``MAX_BACKGROUND`` kernel background
+(read-ahead) requests, instead of libfuse's 10 and the kernel's 12: a read waiting on a
+slow fetch holds one of each, and must not queue reads of cached chunks behind it.
+
 Page cache: every open sets ``keep_cache`` unless the path now names a different lazy file
 than the last time it was opened (a mount id unmounted and mounted again): then the
 kernel drops the inode's cached pages, so old bytes are never served for a new file."""
@@ -49,6 +53,8 @@ from .lazyfile import Counters, Handle, LazyFile, Recorder
 log = logging.getLogger(__name__)
 
 READ_AHEAD_KB = 4096
+MAX_THREADS = 64  # libfuse's workers: each read waiting for a fetch holds one
+MAX_BACKGROUND = 48
 
 
 class Mount:
@@ -98,6 +104,13 @@ class ChunkFS(mfusepy.Operations):
         self._last_opened: dict[str, int] = {}  # path -> id() of the LazyFile opened last time
         self._uid, self._gid = os.getuid(), os.getgid()
         self._started_ns = time.time_ns()
+
+    def init_with_config(self, conn, config):
+        """More requests in flight than the kernel's default 12 background (read-ahead)
+        requests: a chunk being fetched must not hold up reads of chunks already cached."""
+        if conn is not None:
+            conn.max_background = MAX_BACKGROUND
+            conn.congestion_threshold = MAX_BACKGROUND * 3 // 4
 
     # ------------------------------------------------------------------ mounts
 
@@ -265,7 +278,7 @@ class ChunkFS(mfusepy.Operations):
         raise mfusepy.FuseOSError(errno.EROFS)
 
 
-def fuse_options(*, allow_other: bool | None = None, max_threads: int = 64) -> dict:
+def fuse_options(*, allow_other: bool | None = None, max_threads: int = MAX_THREADS) -> dict:
     """The mount options: multithreaded (libfuse's workers), short entry and attribute
     timeouts (mounts come and go; sizes of writable files change), page cache kept per open
     (``keep_cache`` in ``open``), other users (QEMU as another user) allowed when root mounts."""

@@ -19,6 +19,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -284,6 +285,47 @@ def test_a_source_that_never_answers_gives_eio_within_the_read_deadline(node):
         node.stop()  # fetches still hang in the source: the daemon still stops promptly
         assert time.monotonic() - t < 10
         assert not _mounted(node.mnt)
+
+
+def test_reads_hanging_on_the_source_do_not_hold_up_other_reads(node):
+    """30 readers wait for a silent store; a read that needs no fetch (a hole) is still
+    answered at once (libfuse's 10 default workers and the kernel's 12 background requests
+    would have queued it behind them)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(128)
+        env = {**os.environ, "AENV_S3_BUCKET": "aenv", "AENV_S3_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}",
+               "AENV_S3_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+        c = node.start("--read-deadline", "6", "--fetch-workers", "40", env=env, dir_source=False)
+        n = 30
+        chunks = [[i * CS, CS, hashlib.sha256(b"%d" % i).hexdigest()] for i in range(n)]
+        path = c.mount("busy", CS, {"f": {"size": (n + 4) * CS, "chunks": chunks}}) / "f"
+        errors = []
+
+        def read(i):
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            try:
+                os.pread(fd, 10, i * CS)
+            except OSError as exc:
+                errors.append(exc.errno)
+            finally:
+                os.close(fd)
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        time.sleep(1)
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        t0 = time.monotonic()
+        assert os.pread(fd, 10, (n + 2) * CS) == bytes(10)
+        took = time.monotonic() - t0
+        os.close(fd)
+        for t in threads:
+            t.join(30)
+        assert took < 1.0, took
+        assert errors == [errno.EIO] * n
 
 
 def test_a_corrupt_chunk_in_the_store_is_never_returned(node):
