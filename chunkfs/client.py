@@ -56,11 +56,15 @@ class ChunkfsClient:
         return self.request({"op": "ping"})
 
     def mount(self, mount_id: str, chunk_size: int, files: dict, *, prefetch: list | None = None,
-              record: bool = False, writable: bool = False) -> Path:
+              record: bool = False, writable: bool = False, local: dict | None = None) -> Path:
         """Mounts ``files`` ({name: {size, chunks}}, as in a snapshot manifest); returns the
-        directory that holds them."""
-        reply = self.request({"op": "mount", "mount_id": mount_id, "chunk_size": chunk_size, "files": files,
-                              "prefetch": prefetch or [], "record": record, "writable": writable})
+        directory that holds them. ``local``: {sha: [path, offset]} of chunks this node's own
+        files hold, read from there (verified) before the store."""
+        payload = {"op": "mount", "mount_id": mount_id, "chunk_size": chunk_size, "files": files,
+                   "prefetch": prefetch or [], "record": record, "writable": writable}
+        if local:
+            payload["local"] = local
+        reply = self.request(payload)
         return Path(reply["path"])
 
     def unmount(self, mount_id: str) -> dict:

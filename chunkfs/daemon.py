@@ -12,10 +12,12 @@ S3 store the node already uses (``AENV_S3_BUCKET``, ``AENV_S3_ENDPOINT``, ``AENV
 Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
 
 - ``{"op": "mount", "mount_id", "chunk_size", "files": {name: {"size", "chunks"}},
-  "prefetch": [[name, chunk_index], ...], "record": bool, "writable": bool}`` ->
+  "prefetch": [[name, chunk_index], ...], "record": bool, "writable": bool, "local"?: {sha: [path,
+  offset]}}`` ->
   ``{"ok": true, "path": "<mountpoint>/<mount_id>"}``. Chunks as in a snapshot manifest
   (``[[offset, length, sha], ...]``, holes absent). The prefetch list is fetched in the
-  background, in order.
+  background, in order. ``local``: chunks the node has inside its own files, read from there
+  (verified) before the source is asked.
 - ``{"op": "unmount", "mount_id"}`` (the files vanish; a writable mount's overlays are deleted),
   ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats and, per mount, reads, bytes
   fetched, prefetch progress and the recorded first-touch order), ``{"op": "ping"}``.
@@ -50,6 +52,7 @@ from .digests import check_sha
 from .errors import ChunkError
 from .fs import ChunkFS, Mount, run, set_read_ahead
 from .lazyfile import DEFAULT_READ_DEADLINE, DEFAULT_READAHEAD, Counters, LazyFile, Pools, Recorder, _blocking_signals
+from .sources import FallbackSource, LocalFileSource
 
 log = logging.getLogger("chunkfs.daemon")
 
@@ -141,6 +144,7 @@ class Daemon:
                 isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and not isinstance(p[1], bool)
                 and isinstance(p[1], int) and p[1] >= 0 for p in prefetch):
             raise _bad("prefetch must be a list of [name, chunk_index]")
+        source = self._mount_source(request.get("local"))
         with self._mount_lock:
             if self.fs.get(mount_id) is not None:
                 raise RequestError("exists", f"mount {mount_id} exists")
@@ -162,7 +166,7 @@ class Daemon:
                     try:
                         for c in chunks:
                             check_sha(c[2])
-                        lazy[name] = LazyFile(size, chunk_size, chunks, self.cache, self.source, name=name,
+                        lazy[name] = LazyFile(size, chunk_size, chunks, self.cache, source, name=name,
                                               pools=self.pools, readahead=self.readahead,
                                               read_deadline=self.read_deadline, recorder=recorder,
                                               counters=counters,
@@ -186,6 +190,20 @@ class Daemon:
         log.info("mounted %s: %d files%s%s, %d chunks to prefetch", mount_id, len(lazy),
                  ", writable" if writable else "", ", recording" if record else "", len(prefetch))
         return {"path": str(self.mountpoint / mount_id)}
+
+    def _mount_source(self, local) -> object:
+        """The daemon's source, or with ``local`` ({sha: [path, offset]}: chunks inside this
+        node's own files) those first, each checked by its digest before it counts."""
+        if local is None or local == {}:
+            return self.source
+        if not isinstance(local, dict) or not all(
+                isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and v[0].startswith("/")
+                and isinstance(v[1], int) and not isinstance(v[1], bool) and v[1] >= 0 for v in local.values()):
+            raise _bad("local must be an object {sha: [absolute path, offset]}")
+        try:
+            return FallbackSource([LocalFileSource(local), self.source])
+        except ValueError as exc:
+            raise _bad(f"local: {exc}") from None
 
     def _prefetch(self, mount: Mount, items: list) -> None:
         """The mount's prefetch list, in order, ``PREFETCH_PARALLEL`` chunks at a time."""
