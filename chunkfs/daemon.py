@@ -344,7 +344,7 @@ def unmount_stale(mountpoint: Path) -> bool:
         try:
             os.stat(mountpoint)
         except OSError as exc:
-            stale = exc.errno == errno.ENOTCONN
+            stale = exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
     if not stale:
         return False
     log.warning("unmounting a stale mount on %s", mountpoint)

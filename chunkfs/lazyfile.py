@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .digests import check_sha
@@ -211,6 +211,7 @@ class LazyFile:
                 raise ValueError(f"chunk {entry!r} does not fit a file of {self.size} bytes in {self.chunk_size}-byte chunks")
             self._chunks[offset // self.chunk_size] = (length, sha)
         self._prefetching: set[int] = set()
+        self._timed_out: dict[int, Future] = {}  # chunk index -> its fetch that outlived a read's deadline
         self._lock = threading.Lock()
         self._closed = False
         # COW overlay
@@ -255,11 +256,21 @@ class LazyFile:
             if self.pools is None:
                 data = self.cache.read(sha, length, offset, want, self._fetch)
             else:
+                hung = self._timed_out.get(index)
+                if hung is not None:
+                    if not hung.done():
+                        raise ReadTimedOut(f"chunk {index} of {self.name or 'a lazy file'}: its fetch is still "
+                                           f"hanging after a read's deadline")
+                    self._timed_out.pop(index, None)
                 future = self.pools.fetch.submit(self.cache.read, sha, length, offset, want, self._fetch)
                 try:
                     data = future.result(timeout=max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
-                    future.cancel()
+                    # the kernel retries a failed read-ahead page by page: while this fetch still
+                    # hangs, those retries (and other readers of the chunk) fail at once rather
+                    # than after another deadline each
+                    if not future.cancel():
+                        self._timed_out[index] = future
                     raise ReadTimedOut(f"chunk {index} of {self.name or 'a lazy file'} did not arrive within "
                                        f"{self.read_deadline:g} s") from None
         return data if len(data) == size else data + bytes(size - len(data))

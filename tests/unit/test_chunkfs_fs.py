@@ -279,7 +279,7 @@ def test_a_source_that_never_answers_gives_eio_within_the_read_deadline(node):
                 f.read(100)
         took = time.monotonic() - t
         assert exc.value.errno == errno.EIO
-        assert 1.5 < took < 8, took
+        assert 1.5 < took < 4, took  # one deadline: the kernel's retries of the same chunk fail at once
         assert c.ping()["pid"] == node.pid()
         t = time.monotonic()
         node.stop()  # fetches still hang in the source: the daemon still stops promptly
@@ -453,14 +453,12 @@ def test_one_daemon_per_pidfile_and_a_dead_daemons_mount_is_cleaned_up(node):
     assert _mounted(node.mnt)
     with pytest.raises(OSError) as exc:
         os.listdir(node.mnt)
-    assert exc.value.errno == errno.ENOTCONN
+    assert exc.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
     c = node.start()  # ensure_daemon: the socket does not answer, so a new daemon starts
     assert node.pid() != first
     assert os.listdir(node.mnt) == [] and c.list() == []
 
 
-@pytest.mark.skipif(shutil.which("qemu-img") is None or shutil.which("qemu-io") is None,
-                    reason="qemu-utils not installed")
 def test_qemu_reads_a_qcow2_on_a_lazy_mount(node, tmp_path):
     image = tmp_path / "disk.qcow2"
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(image), "64M"], check=True)
@@ -476,3 +474,18 @@ def test_qemu_reads_a_qcow2_on_a_lazy_mount(node, tmp_path):
                           "-c", "read -P 0 10M 1M", str(lazy)], check=True, capture_output=True, text=True)
     assert "Pattern verification failed" not in out.stdout + out.stderr
     subprocess.run(["qemu-img", "compare", "-q", str(image), str(lazy)], check=True)
+    # writable: QEMU rewrites the header (a new backing file) and writes guest data, into the overlay
+    base = tmp_path / "base.raw"
+    base.write_bytes(bytes(64 << 20))
+    rw = c.mount("qcow-rw", CS, {"disk.qcow2": spec}, writable=True) / "disk.qcow2"
+    subprocess.run(["qemu-img", "rebase", "-u", "-b", str(base), "-F", "raw", str(rw)], check=True)
+    subprocess.run(["qemu-io", "-c", "write -P 0x11 8M 1M", str(rw)], check=True, capture_output=True)
+    info = json.loads(subprocess.run(["qemu-img", "info", "--output=json", str(rw)], check=True,
+                                     capture_output=True, text=True).stdout)
+    assert info["backing-filename"] == str(base)
+    out = subprocess.run(["qemu-io", "-r", "-c", "read -P 0x11 8M 1M", "-c", "read -P 0x5a 1M 3M", str(rw)],
+                         check=True, capture_output=True, text=True)
+    assert "Pattern verification failed" not in out.stdout + out.stderr
+    subprocess.run(["qemu-img", "check", "-q", str(rw)], check=True)
+    c.unmount("qcow-rw")
+    subprocess.run(["qemu-img", "compare", "-q", str(image), str(lazy)], check=True)  # the chunks are untouched
