@@ -274,7 +274,8 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
     from vmm.driver import BootSpec, SnapshotManifest
 
     driver = get_driver()
-    manifest = SnapshotManifest.load(_store().local_dir(snapshot_id))
+    store = _store()
+    manifest = SnapshotManifest.load(store.local_dir(snapshot_id))
     if manifest.memory_file:
         info = driver.restore(manifest, BootSpec(sandbox_id=sandbox_id, network=_network(network)),
                               template=template)
@@ -288,6 +289,10 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
     _take_over_envd(info, env_vars, access_token, source_token, undo=driver.kill, what="killing its VM")
     timings = _round(info.timings)
     timings["init"] = round((time.perf_counter() - started) * 1000, 2)
+    try:
+        store.restored(snapshot_id)  # a lazy restore's first-read chunks become its prefetch list
+    except Exception:  # noqa: BLE001 - the sandbox runs; only later restores' speed depends on it
+        log.exception("snapshot %s: after-restore bookkeeping failed", snapshot_id)
     return _envd_result(info, timings)
 
 

@@ -202,6 +202,10 @@ AENV_SNAPSHOT_CACHE_MB = _env_int("AENV_SNAPSHOT_CACHE_MB", 20 * 1024)
 # The node's chunk cache (chunkfs.cache, under AENV_HOME/cache/chunks): the chunks of images and
 # snapshots that lazily filled files read, kept hot/cold (2Q) and never above this bound.
 AENV_CHUNK_CACHE_MB = _env_int("AENV_CHUNK_CACHE_MB", 20 * 1024)
+# Lazy restores (agent.stores.lazy): a node restores an S3 snapshot it lacks from lazily filled
+# files (its chunkfs daemon) instead of downloading it whole. "auto": on where FUSE works
+# (/dev/fuse and fusermount3), "1"/"0": on/off.
+AENV_LAZY_RESTORE = _env("AENV_LAZY_RESTORE", "auto")
 # The largest request body the API and the dashboard take, chunked or with a length
 # (config.request_body answers 413 past it); Django's own form limit follows it.
 AENV_API_MAX_BODY_BYTES = _env_int("AENV_API_MAX_BODY_BYTES", 2621440)

@@ -3,7 +3,8 @@ node that did not take one gets it.
 
 - ``posix_fs`` (``base.PosixFsStore``): under AENV_HOME/snapshots, only on this node;
 - ``s3`` (``s3.S3Store``): also uploaded as content-addressed chunks (``chunks``), so any
-  node can restore it, downloading into a bounded cache (``cache``).
+  node can restore it, downloading into a bounded cache (``cache``) or mounting it from
+  lazily filled files (``lazy``, the node's chunkfs daemon).
 ``get_store()`` is the one the node's settings choose."""
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ def get_store() -> SnapshotStore:
     if kind == "posix_fs":
         return PosixFsStore(Path(settings.AENV_HOME) / "snapshots")
     if kind == "s3":
+        from agent.stores.lazy import lazy_enabled  # noqa: PLC0415
         from agent.stores.s3 import S3Store  # noqa: PLC0415  (boto3 only when used)
 
         config = dict(home=Path(settings.AENV_HOME), images_dir=Path(settings.AENV_IMAGES_DIR),
                       bucket=settings.AENV_S3_BUCKET, endpoint=settings.AENV_S3_ENDPOINT,
                       region=settings.AENV_S3_REGION, prefix=settings.AENV_S3_PREFIX,
                       concurrency=settings.AENV_S3_CONCURRENCY,
-                      cache_limit_bytes=settings.AENV_SNAPSHOT_CACHE_MB << 20)
+                      cache_limit_bytes=settings.AENV_SNAPSHOT_CACHE_MB << 20,
+                      lazy=lazy_enabled(settings.AENV_LAZY_RESTORE), chunk_cache_mb=settings.AENV_CHUNK_CACHE_MB)
         key = tuple(sorted((k, str(v)) for k, v in config.items()))
         if key not in _S3_STORES:  # a boto3 client is slow to make and thread-safe to share
             _S3_STORES[key] = S3Store(**config)

@@ -75,6 +75,10 @@ class SnapshotStore(abc.ABC):
         """Frees this node's copy of a committed snapshot that other nodes fetch from a
         shared store (nothing to do where the node's copy is the only one)."""
 
+    def restored(self, snapshot_id: str) -> None:
+        """Called once a VM restored from the snapshot answers (a lazily restored one
+        then records which chunks a restore reads first: agent.stores.lazy)."""
+
 
 class PosixFsStore(SnapshotStore):
     """Snapshots as plain directories on the node's filesystem."""

@@ -102,6 +102,20 @@ class LocalChunks:
         with self._lock:
             self._where = None
 
+    def locate(self, chunks) -> dict[str, list]:
+        """``{sha: [path, offset]}`` of those of ``chunks`` (``[offset, length, sha]`` entries)
+        that a local file holds, unverified: for a reader that checks digests itself (chunkfs)."""
+        with self._lock:
+            if self._where is None:
+                self._where = self._build()
+            where = self._where
+        found = {}
+        for _, length, sha in chunks:
+            hit = where.get(sha)
+            if hit is not None and hit[2] == length:
+                found[sha] = [str(hit[0]), int(hit[1])]
+        return found
+
     def read(self, sha: str, length: int) -> bytes | None:
         """The chunk's bytes from a local file, verified, or None when no local file has it."""
         with self._lock:

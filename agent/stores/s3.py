@@ -34,6 +34,9 @@ as posix_fs). Other nodes download into ``AENV_HOME/cache/snapshots/<id>`` (see
 storage_cache), rewrite the paths to theirs and let the VM driver adopt the files
 (``adopt_snapshot``: QEMU re-points each layer's backing file); the driver also says
 beforehand whether this node can restore it at all (``check_snapshot``: the image build).
+With lazy restores on (``AENV_LAZY_RESTORE``, ``lazy.py``) the files are not downloaded but
+mounted from lazily filled files (``AENV_HOME/lazy/snapshots/<id>``); the download stays the
+fallback.
 
 This module is the upload and download logic; the bucket's object names and the
 release half of the scheme are ``s3_objects``, the manifest's path rewriting ``s3_paths``."""
@@ -52,6 +55,7 @@ from vmm.driver import SnapshotManifest, VMError
 from .base import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked, complete_ids
 from .cache import CacheFull, SnapshotCache
 from .chunks import CHUNK_SIZE, Chunk, allocated_bytes, chunk_spans, digest, read_chunk
+from .lazy import LazyMountFailed, LazyRestores
 from .local_chunks import LocalChunks
 from .s3_objects import S3Objects
 from .s3_paths import image_files, localize, relativize, replace_path, unique_paths
@@ -62,6 +66,8 @@ FORMAT = "aenv-snapshot/1"
 FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SHA = re.compile(r"^[0-9a-f]{64}$")
 SKIP_FILES = {"manifest.json", ".last_used"}
+PREFETCH_FORMAT = "aenv-prefetch/1"
+PREFETCH_SETTLE = 2.0  # seconds after a lazy restore answered that still count as its start
 
 
 class S3Store(S3Objects, SnapshotStore):
@@ -72,13 +78,17 @@ class S3Store(S3Objects, SnapshotStore):
 
     def __init__(self, *, home: Path, images_dir: Path, bucket: str, client=None, endpoint: str = "",
                  region: str = "", prefix: str = "", concurrency: int = 8, cache_limit_bytes: int = 20 << 30,
-                 pin_seconds: float = 600.0, chunk_size: int = CHUNK_SIZE, driver=None):
+                 pin_seconds: float = 600.0, chunk_size: int = CHUNK_SIZE, driver=None, lazy: bool = False,
+                 chunk_cache_mb: int = 20 * 1024):
         """``driver``: the node's VM driver (vmm.driver.VMDriver), which adopts downloads and
         says which cached files its VMs use; default the node's own (agent.driver), made on
-        first use, since only downloads and eviction need it."""
+        first use, since only downloads and eviction need it. ``lazy``: restore snapshots
+        from lazily filled files (agent.stores.lazy, the node's chunkfs daemon with a chunk
+        cache of ``chunk_cache_mb``) instead of downloading them whole."""
         super().__init__(bucket=bucket, client=client, endpoint=endpoint, region=region, prefix=prefix,
                          concurrency=concurrency)
         home = Path(home).absolute()
+        self.endpoint, self.region, self.raw_prefix = endpoint, region, prefix
         self.local = PosixFsStore(home / "snapshots")
         self._driver = driver
         self.cache = SnapshotCache(home / "cache" / "snapshots", lambda: self.driver.files_in_use(),
@@ -89,6 +99,11 @@ class S3Store(S3Objects, SnapshotStore):
         # snapshots and earlier downloads
         self.on_disk = LocalChunks([self.images_dir, self.cache.root], home / "cache" / "chunk-index",
                                    self.chunk_size)
+        self.lazy = LazyRestores(home, limit_mb=chunk_cache_mb, files_in_use=lambda: self.driver.files_in_use(),
+                                 daemon_env={"AENV_S3_BUCKET": bucket, "AENV_S3_ENDPOINT": endpoint,
+                                             "AENV_S3_REGION": region, "AENV_S3_PREFIX": prefix}) if lazy else None
+        self._recording: set[str] = set()  # lazily mounted with recording on, not yet restored
+        self.prefetch_settle = PREFETCH_SETTLE
 
     @property
     def driver(self):
@@ -246,6 +261,10 @@ class S3Store(S3Objects, SnapshotStore):
         found = self.cache.lookup(snapshot_id)
         if found is not None:
             return found
+        if self.lazy is not None:
+            found = self._lazy_dir(snapshot_id)
+            if found is not None:
+                return found
         with self.cache.entry_lock(snapshot_id):
             found = self.cache.lookup(snapshot_id)  # another restore fetched it meanwhile
             if found is not None:
@@ -262,14 +281,108 @@ class S3Store(S3Objects, SnapshotStore):
                                          f"{exc}") from exc
 
     def local_ids(self) -> list[str]:
-        return sorted(set(self.local.local_ids()) | set(complete_ids(self.cache.root)))
+        lazy = self.lazy.ids() if self.lazy is not None else []
+        return sorted(set(self.local.local_ids()) | set(complete_ids(self.cache.root)) | set(lazy))
 
-    def _download(self, snapshot_id: str) -> Path:
+    # ------------------------------------------------------------------ lazy restores
+
+    def _lazy_dir(self, snapshot_id: str) -> Path | None:
+        """The snapshot mounted from lazily filled files (agent.stores.lazy), or None when
+        that cannot be had (logged: the caller downloads it whole instead)."""
+        found = self.lazy.lookup(snapshot_id)
+        if found is not None:
+            return found
+        try:
+            with self.lazy.lock(snapshot_id):
+                found = self.lazy.lookup(snapshot_id)  # another restore mounted it meanwhile
+                if found is not None:
+                    return found
+                return self._mount_lazily(snapshot_id)
+        except LazyMountFailed as exc:
+            log.warning("snapshot %s: no lazy restore (%s); downloading it whole", snapshot_id, exc)
+            return None
+        except SnapshotStoreError:
+            raise
+        except Exception as exc:
+            raise SnapshotStoreError(f"lazy restore of snapshot {snapshot_id} from {self._where()} failed: "
+                                     f"{exc}") from exc
+
+    def _mount_lazily(self, snapshot_id: str) -> Path:
+        doc = self._snapshot_doc(snapshot_id)
+        final = self.lazy.path(snapshot_id)
+        manifest = localize(doc["manifest"], final, self.images_dir)
+        manifest["dir"] = str(final)
+        files = {name: (int(info["size"]), info["chunks"]) for name, info in doc["files"].items()}
+        shipped = self._ship_image_files(doc, final, manifest, files)
+        if not shipped:  # else the files it lacks come with it: checked by adopt
+            self._check_base(snapshot_id, manifest)
+        for name, (size, chunks) in files.items():
+            if not FILE_NAME.match(name):
+                raise SnapshotStoreError(f"bad file name {name!r} in the manifest of {snapshot_id}")
+            for offset, length, sha in chunks:
+                if not SHA.match(sha) or offset < 0 or offset + length > size:
+                    raise SnapshotStoreError(f"bad chunk entry for {name} in {snapshot_id}")
+        self.on_disk.refresh()  # files came and went since the last restore
+        local = self.on_disk.locate([c for _, chunks in files.values() for c in chunks])
+        known = self._get_json(self.prefetch_key(snapshot_id))
+        order = known.get("order") if isinstance(known, dict) and isinstance(known.get("order"), list) else None
+
+        def adopt(staging: Path) -> None:
+            try:
+                self.driver.adopt_snapshot(staging)  # e.g. each layer's backing file -> this node's
+            except VMError as exc:
+                raise SnapshotStoreError(f"snapshot {snapshot_id} cannot be used here: {exc}") from exc
+
+        path = self.lazy.install(snapshot_id, chunk_size=int(doc.get("chunk_size") or self.chunk_size),
+                                 files={n: {"size": size, "chunks": chunks} for n, (size, chunks) in files.items()},
+                                 manifest=manifest, adopt=adopt, local=local, prefetch=order, record=order is None)
+        if order is None:
+            self._recording.add(snapshot_id)
+        return path
+
+    def restored(self, snapshot_id: str) -> threading.Timer | None:
+        """A VM restored from a lazily mounted snapshot answers: the first such restore's
+        chunk order (recorded by the mount), after ``prefetch_settle`` seconds, becomes the
+        snapshot's ``prefetch.json`` (unless one exists), which later lazy mounts replay."""
+        if self.lazy is None or snapshot_id not in self._recording:
+            return None
+        self._recording.discard(snapshot_id)
+        timer = threading.Timer(self.prefetch_settle, self._save_prefetch, args=(snapshot_id,))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _save_prefetch(self, snapshot_id: str) -> bool:
+        try:
+            stats = self.lazy.mount_stats(snapshot_id) or {}
+            order = stats.get("recorded") or []
+            if not order or self._exists(self.prefetch_key(snapshot_id)):
+                return False
+            if not self._exists(self.manifest_key(snapshot_id)):  # deleted meanwhile
+                return False
+            self._put_json(self.prefetch_key(snapshot_id), {"format": PREFETCH_FORMAT, "snapshot_id": snapshot_id,
+                                                            "order": order})
+            log.info("snapshot %s: the %d chunks its first lazy restore read first are its prefetch list",
+                     snapshot_id, len(order))
+            return True
+        except Exception:  # noqa: BLE001 - only later restores' speed depends on it
+            log.exception("snapshot %s: storing its prefetch list failed", snapshot_id)
+            return False
+
+    def lazy_stats(self) -> dict | None:
+        """The node's chunk cache figures (the chunkfs daemon's, when it runs)."""
+        return self.lazy.cache_stats() if self.lazy is not None else None
+
+    def _snapshot_doc(self, snapshot_id: str) -> dict:
         doc = self._get_json(self.manifest_key(snapshot_id))
         if doc is None:
             raise SnapshotStoreError(f"snapshot {snapshot_id} is neither on this node nor in {self._where()}")
         if doc.get("format") != FORMAT:
             raise SnapshotStoreError(f"snapshot {snapshot_id} has an unknown format {doc.get('format')!r}")
+        return doc
+
+    def _download(self, snapshot_id: str) -> Path:
+        doc = self._snapshot_doc(snapshot_id)
         final = self.cache.path(snapshot_id)
         manifest = localize(doc["manifest"], final, self.images_dir)
         manifest["dir"] = str(final)
@@ -370,6 +483,8 @@ class S3Store(S3Objects, SnapshotStore):
         snapshot_id = _checked(snapshot_id)
         self.local.delete(snapshot_id)
         self.cache.remove(snapshot_id)
+        if self.lazy is not None:
+            self.lazy.remove(snapshot_id)
 
     def delete(self, snapshot_id: str) -> bool:
         """Removes the manifest, this node's copies and the chunks no other snapshot
@@ -377,6 +492,9 @@ class S3Store(S3Objects, SnapshotStore):
         snapshot_id = _checked(snapshot_id)
         removed = self.local.delete(snapshot_id)
         removed = self.cache.remove(snapshot_id) or removed
+        if self.lazy is not None:
+            self._recording.discard(snapshot_id)
+            removed = self.lazy.remove(snapshot_id) or removed
         try:
             return self._delete_remote(snapshot_id) or removed
         except SnapshotStoreError:

@@ -46,6 +46,10 @@ class S3Objects:
     def manifest_key(self, snapshot_id: str) -> str:
         return f"{self.prefix}snapshots/{snapshot_id}/manifest.json"
 
+    def prefetch_key(self, snapshot_id: str) -> str:
+        """The chunks a lazy restore of the snapshot read first, in order (agent.stores.lazy)."""
+        return f"{self.prefix}snapshots/{snapshot_id}/prefetch.json"
+
     def chunk_key(self, sha: str) -> str:
         return f"{self.prefix}chunks/{sha}"
 
@@ -104,6 +108,7 @@ class S3Objects:
             doc = self._get_json(self.trash_key(snapshot_id))  # an interrupted delete
             if doc is None:
                 return False
+        self.s3.delete_object(Bucket=self.bucket, Key=self.prefetch_key(snapshot_id))  # absent: no error
         shas = sorted({c[2] for f in doc.get("files", {}).values() for c in f.get("chunks", [])})
         with self._pool() as pool:
             list(pool.map(lambda sha: self._release(sha, snapshot_id), shas))

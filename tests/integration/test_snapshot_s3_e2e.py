@@ -33,7 +33,8 @@ def moto_s3():
 def s3_stack(moto_s3):
     url, _ = moto_s3
     env = {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_S3_ENDPOINT": url, "AENV_S3_BUCKET": BUCKET,
-           "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": f"e2e-{uuid.uuid4().hex[:6]}", **CREDENTIALS}
+           "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": f"e2e-{uuid.uuid4().hex[:6]}", **CREDENTIALS,
+           "AENV_LAZY_RESTORE": "0"}  # the whole download (lazy restores: tests/vmm/test_lazy_restore_vm.py)
     with running_stack("s3", extra_env=env) as s:
         yield s
 

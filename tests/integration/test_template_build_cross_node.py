@@ -67,7 +67,10 @@ def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_stack, app_im
             assert "http.server" in sbx.commands.run("ps -eo args").stdout
             # node B never pulled the image: the snapshot carried its disk
             assert not (node_b.images / "oci").exists()
-            assert list((node_b.home / "cache" / "snapshots").iterdir())
+            # ...nor downloaded the snapshot: it runs from lazily filled files (AENV_LAZY_RESTORE)
+            assert list((node_b.home / "lazy" / "snapshots").glob("*/manifest.json"))
+            assert not (node_b.home / "cache" / "snapshots").exists() or not list(
+                (node_b.home / "cache" / "snapshots").glob("*/manifest.json"))
             # ...and its heartbeat now tells placement that it has the template snapshot too
             snap = stack.db(f"from template_builds.models import TemplateBuild as B; "
                             f"print(B.objects.get(template__alias='{name}', status='ready').snapshot_id)").strip()

@@ -1,0 +1,231 @@
+"""Lazy restores: a snapshot of the S3 store restored from lazily filled files instead of
+downloaded whole (issue 24).
+
+Why: a node that lacks a snapshot used to fetch every byte of it (disk layers, RAM, the
+image files it ships) before the restore could start. Here its files are mounted through
+the node's chunkfs daemon (``chunkfs``: FUSE files over one bounded chunk cache), and the
+VM reads only the chunks it touches. Every existing code path keeps opening *paths*:
+
+- ``AENV_HOME/lazy/snapshots/<id>/``: the snapshot as the driver sees it: ``manifest.json``
+  (paths localized to this dir) and one symlink per file into the mount
+  (``AENV_HOME/chunkfs/mnt/<id>/<name>``). ``SnapshotManifest.load`` and the driver's
+  ``adopt_snapshot`` work on it as on a download; the mount is writable (a copy-on-write
+  overlay in the daemon), so QEMU's ``qemu-img rebase -u`` header rewrite lands there and the
+  store's chunks are never written.
+- The daemon is started by the node on first need (``ensure_daemon``; it outlives worker
+  restarts). A mount that vanished (the daemon restarted) is mounted and adopted again on
+  the next lookup.
+- Chunks this node's own files already hold (``LocalChunks``: image builds, downloads) are
+  handed to the mount as ``local`` and read from those files (verified) before the store.
+- Prefetch: the first lazy restore of a snapshot records the order its chunks were first
+  touched; once the VM answered (plus a short settle) ``S3Store.restored`` stores it as
+  ``snapshots/<id>/prefetch.json``, and later mounts fetch those chunks in the background
+  in that order.
+
+``AENV_LAZY_RESTORE`` (docs/operations.md) turns it on or off; default on where FUSE works.
+Whole-file download stays the fallback (off, or a mount that fails: logged)."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from chunkfs.client import ChunkfsClient, ChunkfsError, ensure_daemon
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+def fuse_available() -> bool:
+    """FUSE mounts can be made here: the device and libfuse3's mount helper exist."""
+    return os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+
+
+def lazy_enabled(value: str | bool | None) -> bool:
+    """``AENV_LAZY_RESTORE``: on/off, or ``auto`` (the default): on where FUSE works."""
+    if isinstance(value, bool):
+        return value
+    v = (value or "auto").strip().lower()
+    if v in ("1", "on", "true", "yes"):
+        return True
+    if v in ("0", "off", "false", "no"):
+        return False
+    return fuse_available()
+
+
+class LazyMountFailed(Exception):
+    """The snapshot could not be mounted lazily (the caller downloads it instead)."""
+
+
+class LazyRestores:
+    """The node's lazily restored snapshots and its chunkfs daemon."""
+
+    def __init__(self, home: Path, *, limit_mb: int, daemon_env: dict, files_in_use: Callable[[], Iterable[str]]):
+        """``daemon_env``: what the daemon's environment adds to this process's (the S3
+        store's ``AENV_S3_*``); ``files_in_use``: the VM driver's (paths its VMs read)."""
+        home = Path(home).absolute()
+        self.root = home / "lazy" / "snapshots"
+        self.run_dir = home / "chunkfs"
+        self.control = self.run_dir / "control.sock"
+        self.mountpoint = self.run_dir / "mnt"
+        self.cache_dir = home / "cache" / "chunks"
+        self.log_path = self.run_dir / "daemon.log"
+        self.limit_mb = int(limit_mb)
+        self.daemon_env = {k: str(v) for k, v in daemon_env.items()}
+        self.files_in_use = files_in_use
+
+    # ------------------------------------------------------------------ the daemon
+
+    def client(self) -> ChunkfsClient:
+        """The node's daemon, started now if it does not answer."""
+        return ensure_daemon(self.control, mountpoint=self.mountpoint, cache_dir=self.cache_dir,
+                             limit_mb=self.limit_mb, log_path=self.log_path,
+                             env={**os.environ, **self.daemon_env, "AENV_CHUNK_CACHE_MB": str(self.limit_mb)})
+
+    def running_client(self) -> ChunkfsClient | None:
+        """The daemon if it runs (never starts one: for figures)."""
+        if not self.control.exists():
+            return None
+        client = ChunkfsClient(self.control, timeout=2.0)
+        try:
+            client.ping()
+        except ChunkfsError:
+            return None
+        return client
+
+    def cache_stats(self) -> dict | None:
+        """The chunk cache's stats from the running daemon, or None."""
+        client = self.running_client()
+        if client is None:
+            return None
+        try:
+            return client.stats().get("cache")
+        except ChunkfsError:
+            return None
+
+    def mount_stats(self, snapshot_id: str) -> dict | None:
+        client = self.running_client()
+        if client is None:
+            return None
+        try:
+            return client.stats(snapshot_id)["mounts"].get(snapshot_id)
+        except ChunkfsError:
+            return None
+
+    # ------------------------------------------------------------------ entries
+
+    def path(self, snapshot_id: str) -> Path:
+        return self.root / snapshot_id
+
+    @contextlib.contextmanager
+    def lock(self, snapshot_id: str):
+        """Held while one snapshot is mounted or removed."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f".lock-{snapshot_id}", "a") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def lookup(self, snapshot_id: str) -> Path | None:
+        """The complete entry whose mount is alive, or None (absent, or its daemon restarted:
+        its links point into nothing)."""
+        final = self.path(snapshot_id)
+        if not (final / MANIFEST).is_file():
+            return None
+        try:
+            for link in final.iterdir():
+                if link.is_symlink() and not os.path.exists(link):
+                    return None
+        except OSError:
+            return None
+        return final
+
+    def ids(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir()
+                      if not p.name.startswith(".") and (p / MANIFEST).is_file())
+
+    def install(self, snapshot_id: str, *, chunk_size: int, files: dict, manifest: dict, adopt: Callable,
+                local: dict | None = None, prefetch: list | None = None, record: bool = False) -> Path:
+        """Mounts ``files`` ({name: {size, chunks}}) writable, makes the entry (links +
+        ``manifest``, whose paths already name ``path(snapshot_id)``), lets ``adopt(dir)``
+        (the driver's adopt_snapshot) rewrite what it must, and installs it by one rename.
+        Call with ``lock(snapshot_id)`` held. Raises LazyMountFailed when the daemon cannot
+        be had or refuses the mount; ``adopt``'s own errors pass through."""
+        final = self.path(snapshot_id)
+        names = set(files)
+        prefetch = [p for p in prefetch or [] if isinstance(p, list) and len(p) == 2 and p[0] in names]
+        try:
+            client = self.client()
+            try:
+                client.unmount(snapshot_id)  # a previous incarnation's (this entry was not complete)
+            except ChunkfsError as exc:
+                if exc.code != "not_found":
+                    raise
+            where = client.mount(snapshot_id, chunk_size, files, prefetch=prefetch, record=record,
+                                 writable=True, local=local)
+        except ChunkfsError as exc:
+            raise LazyMountFailed(str(exc)) from exc
+        staging = self.root / f".tmp-{snapshot_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            staging.mkdir(parents=True)
+            for name in files:
+                (staging / name).symlink_to(where / name)
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            adopt(staging)
+            self._discard(final)
+            os.rename(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            self._unmount(snapshot_id)
+            raise
+        log.info("snapshot %s mounted lazily at %s (%d files, %d chunks local, %d to prefetch%s)", snapshot_id,
+                 where, len(files), len(local or {}), len(prefetch), ", recording" if record else "")
+        return final
+
+    def in_use(self, snapshot_id: str) -> bool:
+        inside = f"{self.path(snapshot_id)}/"
+        return any(str(p).startswith(inside) for p in self.files_in_use())
+
+    def remove(self, snapshot_id: str, force: bool = False) -> bool:
+        """Unmounts the snapshot and removes its entry, unless a VM on this node still uses
+        it (``force``: even then). True if something was removed."""
+        final = self.path(snapshot_id)
+        with self.lock(snapshot_id):
+            if not force and final.exists() and self.in_use(snapshot_id):
+                log.warning("lazy snapshot %s is still used by a VM on this node; kept", snapshot_id)
+                return False
+            existed = self._discard(final)
+            self._unmount(snapshot_id)
+        with contextlib.suppress(OSError):
+            (self.root / f".lock-{snapshot_id}").unlink()
+        return existed
+
+    def _discard(self, final: Path) -> bool:
+        if not final.exists():
+            return False
+        doomed = final.with_name(f".tmp-rm-{final.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return True
+
+    def _unmount(self, snapshot_id: str) -> dict | None:
+        client = self.running_client()
+        if client is None:
+            return None
+        try:
+            return client.unmount(snapshot_id)
+        except ChunkfsError as exc:
+            if exc.code != "not_found":
+                log.warning("unmounting lazy snapshot %s: %s", snapshot_id, exc)
+            return None

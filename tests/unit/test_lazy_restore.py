@@ -1,0 +1,210 @@
+"""Lazy restores (agent.stores.lazy) with a real chunkfs daemon on a real FUSE mount and a
+real S3 API (moto_server), no VM: a node that lacks a snapshot gets a small dir of links
+into a writable mount (its layers re-pointed in the mount's overlay, the store untouched),
+reads fetch only what they touch, chunks the node's own files hold never come from the
+store, the first restore's chunk order becomes prefetch.json and later mounts replay it, a
+restarted daemon's vanished mount is mounted again, a delete unmounts and removes it, and
+a daemon that cannot be had falls back to the whole download."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from agent.stores.s3 import S3Store
+from chunkfs.client import ChunkfsClient, ChunkfsError
+from harness.moto_s3 import REGION
+from tests.unit.test_snapshot_store_s3 import BUCKET, CHUNK, _backing, _capture, _images, _keys, s3, s3_endpoint  # noqa: F401
+from vmm.qemu import QemuDriver
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.xdist_group("chunkfs")
+
+
+@pytest.fixture
+def short_tmp():
+    """Unix socket paths stay under 108 bytes: not pytest's deep tmp dirs."""
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        pytest.fail("lazy restores need /dev/fuse and fusermount3 (the fuse3 package; scripts/setup.sh)")
+    root = ROOT / "var" / "test-runs" / f"lz-{uuid.uuid4().hex[:6]}"
+    root.mkdir(parents=True)
+    yield root
+    for control in root.glob("*/chunkfs/control.sock"):
+        _stop_daemon(control)
+    for mnt in root.glob("*/chunkfs/mnt"):
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, capture_output=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _stop_daemon(control: Path) -> None:
+    try:
+        pid = ChunkfsClient(control, timeout=2).ping()["pid"]
+    except ChunkfsError:
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":  # ended; we started it (unreaped)
+                return
+        except (ProcessLookupError, FileNotFoundError):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the chunkfs daemon {pid} did not stop")
+
+
+def _store(s3, home: Path, images: Path, **kw) -> S3Store:
+    client, prefix = s3
+    driver = QemuDriver(home=home, images_dir=images, accel="tcg", network="slirp")
+    kw.setdefault("lazy", True)
+    return S3Store(home=home, images_dir=images, bucket=BUCKET, client=client, prefix=prefix, chunk_size=CHUNK,
+                   concurrency=4, driver=driver, endpoint=client.meta.endpoint_url, region=REGION,
+                   chunk_cache_mb=64, **kw)
+
+
+def _committed(s3, tmp: Path, sid: str, ram: bytes) -> tuple[Path, Path]:
+    """Node 1 takes and commits a snapshot; returns (its images dir, its capture dir)."""
+    images = _images(tmp)
+    n1 = tmp / "n1"
+    src = _capture(n1, images, sid, ram)
+    _store(s3, n1, images, lazy=False).commit(sid)
+    return images, src
+
+
+def _ram(seed: int = 7, chunks: int = 16) -> bytes:
+    import random
+
+    return random.Random(seed).randbytes(chunks * CHUNK)
+
+
+def test_a_node_lacking_the_snapshot_mounts_it_lazily_and_reads_only_what_it_touches(s3, short_tmp):
+    ram = _ram(chunks=96)
+    images, src = _committed(s3, short_tmp, "lz-a", ram)
+    n2 = short_tmp / "n2"
+    store = _store(s3, n2, images)
+    path = store.local_dir("lz-a")
+    assert path == n2 / "lazy" / "snapshots" / "lz-a"
+    assert not (n2 / "cache" / "snapshots" / "lz-a").exists(), "it was downloaded, not mounted"
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["dir"] == str(path) and manifest["memory_file"] == str(path / "memory.ram")
+    for name in ("layer-0.qcow2", "layer-1.qcow2", "memory.ram", "device.state"):
+        assert (path / name).is_symlink() and os.readlink(path / name).startswith(str(n2 / "chunkfs" / "mnt"))
+    # adopt_snapshot re-pointed the layer chain at this node's paths, in the mount's overlay only
+    assert _backing(path / "layer-1.qcow2") == str(path / "layer-0.qcow2")
+    assert _backing(src / "layer-1.qcow2") == str(src / "layer-0.qcow2")  # node 1's file is as it was
+    stats = store.lazy.mount_stats("lz-a")
+    before = stats["fetched_bytes"]
+    with open(path / "memory.ram", "rb") as f:
+        f.seek(50 * CHUNK + 100)
+        assert f.read(1000) == ram[50 * CHUNK + 100:50 * CHUNK + 1100]
+    stats = store.lazy.mount_stats("lz-a")
+    total = sum(f["size"] for f in json.loads(
+        s3[0].get_object(Bucket=BUCKET, Key=f"{s3[1]}/snapshots/lz-a/manifest.json")["Body"].read())["files"].values())
+    print(f"\nfetched {stats['fetched_bytes']} of {total} bytes (before the read: {before})")
+    # the chunk and what the kernel's and chunkfs's read-ahead add (64 KiB chunks here: 4 MiB in use)
+    assert 0 < stats["fetched_bytes"] - before <= 24 * CHUNK
+    assert stats["fetched_bytes"] < total / 3
+    assert (path / "memory.ram").read_bytes() == ram  # and everything reads right
+    assert "lz-a" in store.local_ids()
+    assert store.local_dir("lz-a") == path  # the live mount is used again
+    cache = store.lazy_stats()
+    assert cache["limit_bytes"] == 64 << 20 and cache["size_bytes"] > 0
+
+
+def test_chunks_the_node_already_has_are_read_from_its_files_not_the_store(s3, short_tmp):
+    ram = _ram(11)
+    images, _ = _committed(s3, short_tmp, "lz-b", ram)
+    (images / "base-abc" / "old.img").write_bytes(ram)  # e.g. an earlier download or build
+    client, prefix = s3
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/lz-b/manifest.json")["Body"].read())
+    for _, _, sha in doc["files"]["memory.ram"]["chunks"]:  # the store lost them: only the node has them
+        client.delete_object(Bucket=BUCKET, Key=f"{prefix}/chunks/{sha}")
+    store = _store(s3, short_tmp / "n2", images)
+    path = store.local_dir("lz-b")
+    assert (path / "memory.ram").read_bytes() == ram
+
+
+def test_first_restore_records_prefetch_later_mounts_replay_it_delete_removes_all(s3, short_tmp):
+    ram = _ram(13)
+    images, _ = _committed(s3, short_tmp, "lz-c", ram)
+    client, prefix = s3
+    a = _store(s3, short_tmp / "n2", images)
+    a.prefetch_settle = 0.0
+    path = a.local_dir("lz-c")
+    with open(path / "memory.ram", "rb") as f:
+        for index in (9, 3):
+            f.seek(index * CHUNK)
+            f.read(100)
+    timer = a.restored("lz-c")
+    assert timer is not None
+    timer.join(10)
+    assert a.restored("lz-c") is None  # once
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/lz-c/prefetch.json")["Body"].read())
+    ram_order = [i for name, i in doc["order"] if name == "memory.ram"]
+    assert ram_order[0] == 9 and 3 in ram_order, doc["order"]  # (the kernel's read-ahead adds 10, ...)
+
+    b = _store(s3, short_tmp / "n3", images)
+    b.local_dir("lz-c")
+    assert b.restored("lz-c") is None  # it replays a list; it records none
+    deadline = time.monotonic() + 20
+    while not (stats := b.lazy.mount_stats("lz-c"))["prefetch"]["finished"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    assert stats["prefetch"]["queued"] == len(doc["order"]) and stats["prefetch"]["done"] == len(doc["order"])
+    assert stats["recorded"] is None
+
+    assert b.delete("lz-c") is True
+    assert not (short_tmp / "n3" / "lazy" / "snapshots" / "lz-c").exists()
+    assert b.lazy.mount_stats("lz-c") is None, "the mount stayed"
+    assert _keys(client, prefix, "snapshots/") == []
+    a.drop_local("lz-c")
+    assert not (short_tmp / "n2" / "lazy" / "snapshots" / "lz-c").exists()
+
+
+def test_a_restarted_daemons_vanished_mount_is_mounted_again(s3, short_tmp):
+    ram = _ram(17)
+    images, _ = _committed(s3, short_tmp, "lz-d", ram)
+    n2 = short_tmp / "n2"
+    store = _store(s3, n2, images)
+    path = store.local_dir("lz-d")
+    _stop_daemon(n2 / "chunkfs" / "control.sock")
+    assert store.lazy.lookup("lz-d") is None
+    again = store.local_dir("lz-d")
+    assert again == path
+    assert (path / "memory.ram").read_bytes() == ram
+    assert _backing(path / "layer-1.qcow2") == str(path / "layer-0.qcow2")
+
+
+def test_a_snapshot_a_vm_uses_keeps_its_mount_on_delete(s3, short_tmp):
+    images, _ = _committed(s3, short_tmp, "lz-e", _ram(19))
+    store = _store(s3, short_tmp / "n2", images)
+    path = store.local_dir("lz-e")
+    with mock.patch.object(store.driver, "files_in_use", return_value={str(path / "memory.ram")}):
+        store.drop_local("lz-e")
+    assert store.lazy.lookup("lz-e") == path
+    store.drop_local("lz-e")
+    assert not path.exists()
+
+
+def test_without_a_daemon_the_snapshot_is_downloaded_whole(s3, short_tmp):
+    ram = _ram(23)
+    images, _ = _committed(s3, short_tmp, "lz-f", ram)
+    n2 = short_tmp / "n2"
+    store = _store(s3, n2, images)
+    with mock.patch("agent.stores.lazy.ensure_daemon", side_effect=ChunkfsError("not_started", "no FUSE here")):
+        path = store.local_dir("lz-f")
+    assert path == n2 / "cache" / "snapshots" / "lz-f"
+    assert (path / "memory.ram").read_bytes() == ram
+    assert not (n2 / "lazy" / "snapshots" / "lz-f").exists()
+    off = _store(s3, short_tmp / "n3", images, lazy=False)
+    assert off.lazy is None and off.local_dir("lz-f") == short_tmp / "n3" / "cache" / "snapshots" / "lz-f"
