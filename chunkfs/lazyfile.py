@@ -360,13 +360,14 @@ class LazyFile:
     # ------------------------------------------------------------------ COW overlay
 
     def _merge_overlay(self, data: bytes, offset: int, size: int) -> bytes:
-        parts = self._written.overlapping(offset, offset + size)
-        if not parts:
-            return data
-        out = bytearray(data)
-        for start, end in parts:
-            got = os.pread(self._overlay_fd, end - start, start)
-            out[start - offset:start - offset + len(got)] = got  # a short pread: a hole that reads as zeros
+        with self._lock:  # a concurrent write changes the map and the overlay together
+            parts = self._written.overlapping(offset, offset + size)
+            if not parts:
+                return data
+            out = bytearray(data)
+            for start, end in parts:
+                got = os.pread(self._overlay_fd, end - start, start)
+                out[start - offset:start - offset + len(got)] = got  # short: a hole that reads as zeros
         return bytes(out)
 
     def write(self, offset: int, data: bytes) -> int:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from chunkfs.cache import ChunkCache
-from chunkfs.errors import ChunkCorrupt, ChunkUnavailable
+from chunkfs.errors import CacheFull, ChunkCorrupt, ChunkUnavailable
 from chunkfs.lazyfile import Extents, Handle, LazyFile, Pools, ReadTimedOut, Recorder
 
 CS = 64 * 1024
@@ -228,3 +228,20 @@ def test_wrong_bytes_are_never_returned(cache, pools):
         f.read(0, 100)
     source.wrong = False
     assert f.read(0, 100) == data[:100]
+
+
+def test_a_cache_full_of_pinned_chunks_refuses_the_read(tmp_path, pools):
+    data = os.urandom(3 * CS)
+    chunks, store = cut(data)
+    cache = ChunkCache(tmp_path / "small", 2 * CS, state_interval=0)
+    try:
+        f = LazyFile(len(data), CS, chunks, cache, DictSource(store), pools=pools)
+        assert f.read(0, 2 * CS) == data[:2 * CS]
+        cache.pin("sandbox-1", [chunks[0][2], chunks[1][2]])
+        with pytest.raises(CacheFull):
+            f.read(2 * CS, 10)
+        assert f.read(10, 10) == data[10:20]  # what is cached still reads
+        cache.unpin("sandbox-1")
+        assert f.read(2 * CS, 10) == data[2 * CS:2 * CS + 10]
+    finally:
+        cache.close()
