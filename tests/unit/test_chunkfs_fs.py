@@ -134,6 +134,41 @@ def test_reads_through_fuse_equal_the_original_bytes(node):
     assert stats["fetched_chunks"] == len(spec["chunks"]) + 1 and stats["errors"] == 0  # each chunk once
 
 
+def test_many_readers_of_a_file_bigger_than_the_cache(node):
+    """16 threads read random ranges of a 6 MiB file through a 2 MiB cache: every byte is
+    right, chunks are evicted and fetched again, and the cache never passes its bound."""
+    data = sample(24 * CS, seed=9)
+    spec = cut(data, node.store)
+    c = node.start("--limit-mb", "2")
+    path = c.mount("big", CS, {"disk": spec}) / "disk"
+    wrong = []
+
+    def reader(seed):
+        r = random.Random(seed)
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        try:
+            for _ in range(60):
+                off = r.randrange(len(data))
+                n = r.choice([4096, 65536, CS + 3])
+                if os.pread(fd, n, off) != data[off:off + n]:
+                    wrong.append((off, n))
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next read asks the daemon again
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not wrong
+    s = c.stats()["cache"]
+    assert s["limit_bytes"] == 2 << 20 and s["size_bytes"] <= s["limit_bytes"]
+    assert s["evictions"] > 0 and s["corrupt"] == 0
+    assert c.stats("big")["mounts"]["big"]["errors"] == 0
+
+
 def test_mmap_private_reads_the_file_and_keeps_its_writes(node):
     data = sample(4 * CS, seed=2)
     spec = cut(data, node.store)
