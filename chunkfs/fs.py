@@ -12,22 +12,21 @@ was chosen over ``pyfuse3`` (Cython, trio) by a micro-benchmark on the 2-vCPU de
 machine, one file system serving a file from a page-cached local file, kernel page cache on
 (``keep_cache``), the mount's ``read_ahead_kb`` at 4096, each run on a fresh mount:
 
-    ================================================  =========  =========
-    cold reads through FUSE                             mfusepy    pyfuse3
-    ================================================  =========  =========
-    sequential 1 GiB, 4 MiB reads, 1 thread            1128 MiB/s  727 MiB/s
-    sequential 1 GiB, 4 MiB reads, 4 threads           1367 MiB/s  520 MiB/s
-    the same again (page cache hits), 4 threads        5537 MiB/s 2263 MiB/s
-    random 4 KiB reads, 1 / 8 / 32 threads (reads/s)   20.5k/14.0k/25.6k  5.5k/5.9k/5.3k
-    ================================================  =========  =========
+    cold reads through FUSE                          mfusepy            pyfuse3
+    -----------------------------------------------  -----------------  ---------------
+    sequential 1 GiB, 4 MiB reads, 1 thread          1128 MiB/s         727 MiB/s
+    sequential 1 GiB, 4 MiB reads, 4 threads         1367 MiB/s         520 MiB/s
+    the same again (page cache hits), 4 threads      5537 MiB/s         2263 MiB/s
+    random 4 KiB reads/s, 1 / 8 / 32 threads         20.5k/14.0k/25.6k  5.5k/5.9k/5.3k
 
 pyfuse3 serves requests from one trio thread and must hand every blocking cache read to a
 worker thread (``trio.to_thread``), which costs more than the GIL does for ctypes
 callbacks; mfusepy's callbacks run on libfuse's own threads and call the (thread-safe,
 blocking) chunk cache directly. mfusepy is also pure Python (only the libfuse3 shared
 library, the ``fuse3`` package, is needed at run time; no compiler, no libfuse3-dev).
-Requests are up to 1 MiB (libfuse3 negotiates 256 pages); with the default
-``read_ahead_kb`` of 128 a sequential reader got 183 MiB/s, hence the larger window.
+Requests are up to 1 MiB (libfuse3 negotiates 256 pages); with the kernel's default
+``read_ahead_kb`` of 128 sequential reads stayed near 200 MiB/s with either binding (a
+first run, with a serving function that also copied its data), hence the larger window.
 
 Concurrency: up to ``MAX_THREADS`` libfuse workers and ``MAX_BACKGROUND`` kernel background
 (read-ahead) requests, instead of libfuse's 10 and the kernel's 12: a read waiting on a
