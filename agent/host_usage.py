@@ -8,6 +8,7 @@ baseline between beats is this module's job.
 """
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import time
@@ -15,6 +16,8 @@ import time
 from django.utils import timezone
 
 from envd.usage import CpuMeter, disks, read_memory
+
+log = logging.getLogger(__name__)
 
 CPUINFO = "/proc/cpuinfo"
 
@@ -53,6 +56,8 @@ class HostSampler:
         self._cpu_count = cpu_count
         self._machine = read_machine_info()
         self.extra: dict = {}  # e.g. {"metricsPort": 9464} once the node's exporter listens
+        # figures read at each sample, e.g. {"chunkCache": store.chunk_cache_figures}; None: left out
+        self.probes: dict = {}
 
     def sample(self) -> dict:
         if self.cpu_meter.needs_window():
@@ -60,6 +65,15 @@ class HostSampler:
             time.sleep(self.cpu_meter.window)
         cpu = self.cpu_meter.percent()
         memory = read_memory()
+        probed = {}
+        for key, probe in self.probes.items():
+            try:
+                value = probe()
+            except Exception:  # noqa: BLE001 - the host's own figures still go out
+                log.exception("host figure %s could not be read", key)
+                continue
+            if value is not None:
+                probed[key] = value
         return {
             "cpuPercent": cpu,
             "cpuCount": self._cpu_count or os.cpu_count() or 1,
@@ -70,6 +84,7 @@ class HostSampler:
             "machineInfo": self._machine,
             "sampledAt": timezone.now().isoformat(),
             **self.extra,
+            **probed,
         }
 
 

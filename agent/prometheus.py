@@ -6,8 +6,9 @@ reach the node: the figures tell an attacker how busy and how big each node is).
 
 What it holds: how long each VM operation took on this node (every node task, timed from
 Celery's task signals, so ``agent.tasks`` stays as it is), template builds by outcome, the
-sandbox metrics sampler's rounds, and gauges read at scrape time: VMs running here and the
-host's CPU, memory and disks from the newest heartbeat sample. What placement reserves
+sandbox metrics sampler's rounds, and gauges read at scrape time: VMs running here, the
+host's CPU, memory and disks from the newest heartbeat sample, and the chunk cache's figures
+(lazy restores) from the node's chunkfs daemon while it runs. What placement reserves
 here is the control plane's to say: the API's ``/metrics`` has it per node.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from celery import signals
 from prometheus_client import REGISTRY, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nodes.metrics_auth import CHALLENGE, UNAUTHORIZED, bearer_matches
 
@@ -90,11 +91,14 @@ class NodeCollector:
     """Gauges read at scrape time: ``count_vms()`` and ``host()`` (the newest heartbeat
     sample, ``Node.host``'s shape), labelled with the node id."""
 
-    def __init__(self, node_id: str, count_vms, host, capacity: tuple[int, int] = (0, 0)):
+    def __init__(self, node_id: str, count_vms, host, capacity: tuple[int, int] = (0, 0), chunk_cache=None):
+        """``chunk_cache``: the node's chunk cache figures now (``host.chunkCache``'s shape, from
+        the chunkfs daemon's ``stats``; None while it does not run)."""
         self.node_id = node_id
         self.count_vms = count_vms
         self.host = host
         self.capacity = capacity
+        self.chunk_cache = chunk_cache
 
     def describe(self):
         return []  # collected at scrape time only: nothing to check at registration
@@ -111,6 +115,7 @@ class NodeCollector:
             yield gauge("aenv_node_vms", "VMs the node's driver runs (paused in memory included)", self.count_vms())
         except Exception:  # noqa: BLE001 - a scrape never fails on one figure
             log.exception("counting VMs for /metrics failed")
+        yield from self._chunk_cache()
         yield gauge("aenv_node_capacity_vcpus", "vCPUs placement may reserve here", self.capacity[0])
         yield gauge("aenv_node_capacity_memory_bytes", "Memory placement may reserve here", self.capacity[1] * 2**20)
         host = self.host() or {}
@@ -131,6 +136,43 @@ class NodeCollector:
         yield used
         yield total
 
+
+    def _chunk_cache(self):
+        """The chunk cache (lazy restores: chunkfs) as its daemon counts it now."""
+        if self.chunk_cache is None:
+            return
+        try:
+            figures = self.chunk_cache()
+        except Exception:  # noqa: BLE001 - a scrape never fails on one figure
+            log.exception("reading the chunk cache's figures for /metrics failed")
+            return
+        if not figures:
+            return
+        for key, name, doc in CHUNK_CACHE_GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=["node"])
+            g.add_metric([self.node_id], figures.get(key, 0))
+            yield g
+        for key, name, doc in CHUNK_CACHE_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["node"])
+            c.add_metric([self.node_id], figures.get(key, 0))
+            yield c
+
+
+# host.chunkCache key, metric name, help (counters restart from 0 with the chunkfs daemon)
+CHUNK_CACHE_GAUGES = (
+    ("hitRatio", "aenv_node_chunk_cache_hit_ratio", "Chunk cache reads served without a fetch, of all (since the daemon started)"),
+    ("sizeBytes", "aenv_node_chunk_cache_size_bytes", "Bytes of chunks the node's chunk cache holds"),
+    ("limitBytes", "aenv_node_chunk_cache_limit_bytes", "The chunk cache's bound (AENV_CHUNK_CACHE_MB)"),
+    ("entries", "aenv_node_chunk_cache_entries", "Chunks the chunk cache holds"),
+    ("pinnedBytes", "aenv_node_chunk_cache_pinned_bytes", "Bytes of chunks pinned (never evicted)"),
+)
+CHUNK_CACHE_COUNTERS = (
+    ("hits", "aenv_node_chunk_cache_hits", "Chunk reads found in the cache"),
+    ("misses", "aenv_node_chunk_cache_misses", "Chunk reads that had to fetch"),
+    ("evictions", "aenv_node_chunk_cache_evictions", "Chunks evicted to stay under the bound"),
+    ("fetchedBytes", "aenv_node_chunk_cache_fetched_bytes", "Bytes fetched from the store (or the node's own files)"),
+    ("corrupt", "aenv_node_chunk_cache_corrupt", "Chunks that came with wrong bytes (refetched or refused)"),
+)
 
 LOOPBACK = "127.0.0.1"
 

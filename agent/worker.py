@@ -62,11 +62,13 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
         return len(driver.list())
 
     host_sampler = HostSampler(["/", str(settings.AENV_HOME), str(settings.AENV_IMAGES_DIR), "/dev/shm"])
+    host_sampler.probes["chunkCache"] = lambda: get_store().chunk_cache_figures()  # lazy restores
     heartbeat = Heartbeat(node_id, settings.AENV_NODE_HEARTBEAT_INTERVAL, count_running, host_sampler=host_sampler,
                           history=settings.AENV_NODE_HOST_HISTORY, local_snapshots=lambda: get_store().local_ids(),
                           on_revoked=_stop_revoked)
     metrics_port = start_exporter(settings.AENV_NODE_ADDRESS, settings.AENV_NODE_METRICS_PORT,
-                                  NodeCollector(node_id, count_running, lambda: heartbeat.last_host, (vcpus, memory_mb)),
+                                  NodeCollector(node_id, count_running, lambda: heartbeat.last_host, (vcpus, memory_mb),
+                                                chunk_cache=lambda: get_store().chunk_cache_figures()),
                                   token=settings.AENV_METRICS_TOKEN)
     if metrics_port:
         host_sampler.extra["metricsPort"] = metrics_port

@@ -112,6 +112,21 @@ def _host_chart(history: list, memory_total: int, width: int = 640, height: int 
             "start": datetime.fromtimestamp(t0, tz=dt_timezone.utc), "end": datetime.fromtimestamp(t1, tz=dt_timezone.utc)}
 
 
+def _chunk_cache(host: dict) -> dict | None:
+    """The node's chunk cache (lazy restores) from its last heartbeat, with the fill as a
+    percentage of the bound; None when the node reported none (no chunkfs daemon runs)."""
+    figures = host.get("chunkCache")
+    if not isinstance(figures, dict) or not figures:
+        return None
+    limit = int(figures.get("limitBytes") or 0)
+    size = int(figures.get("sizeBytes") or 0)
+    return {"hit_percent": round(100.0 * float(figures.get("hitRatio") or 0.0), 1), "size_bytes": size,
+            "limit_bytes": limit, "fill_percent": round(100.0 * size / limit) if limit else 0,
+            "entries": int(figures.get("entries") or 0), "evictions": int(figures.get("evictions") or 0),
+            "fetched_bytes": int(figures.get("fetchedBytes") or 0), "corrupt": int(figures.get("corrupt") or 0),
+            "hits": int(figures.get("hits") or 0), "misses": int(figures.get("misses") or 0)}
+
+
 def _chart(team, hours: int = 24, width: int = 640, height: int = 160) -> dict:
     """Live sandboxes of the team at the end of each hour over the last ``hours``,
     as SVG coordinates (no library)."""
@@ -336,9 +351,10 @@ def snapshot_list(request):
 @team_page
 def node_list(request):
     nodes = _node_rows(request)
-    for row in nodes:  # the host's history: an operator's figure
+    for row in nodes:  # the host's history and chunk cache: an operator's figures
         row.chart = (_host_chart(row.node.host_history or [], int(row.host.get("memoryTotalBytes") or 0))
                      if is_operator(request.user) else None)
+        row.chunk_cache = _chunk_cache(row.host) if is_operator(request.user) else None
     extra = {}
     if is_operator(request.user):  # the operators' section: join tokens (its actions: dashboard.node_tokens)
         extra = {"join_tokens": join.listed_tokens(JOIN_TOKEN_LIMIT), "ttl_choices": JOIN_TOKEN_TTLS}

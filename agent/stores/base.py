@@ -75,6 +75,10 @@ class SnapshotStore(abc.ABC):
         """Frees this node's copy of a committed snapshot that other nodes fetch from a
         shared store (nothing to do where the node's copy is the only one)."""
 
+    def chunk_cache_figures(self) -> dict | None:
+        """The node's chunk cache figures for the heartbeat and /metrics (lazy restores only)."""
+        return None
+
     def restored(self, snapshot_id: str) -> None:
         """Called once a VM restored from the snapshot answers (a lazily restored one
         then records which chunks a restore reads first: agent.stores.lazy)."""

@@ -60,6 +60,19 @@ def lazy_enabled(value: str | bool | None) -> bool:
     return fuse_available()
 
 
+CACHE_FIGURES = {"hits": "hits", "misses": "misses", "hit_ratio": "hitRatio", "size_bytes": "sizeBytes",
+                 "limit_bytes": "limitBytes", "entries": "entries", "evictions": "evictions",
+                 "fetched_bytes": "fetchedBytes", "corrupt": "corrupt", "pinned_bytes": "pinnedBytes"}
+
+
+def cache_figures(stats: dict | None) -> dict | None:
+    """The chunk cache's stats (``ChunkCache.stats``) as the heartbeat's ``host.chunkCache``
+    (camelCase, numbers only), or None."""
+    if not isinstance(stats, dict):
+        return None
+    return {key: stats[name] for name, key in CACHE_FIGURES.items() if isinstance(stats.get(name), (int, float))}
+
+
 class LazyMountFailed(Exception):
     """The snapshot could not be mounted lazily (the caller downloads it instead)."""
 

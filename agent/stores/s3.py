@@ -55,7 +55,7 @@ from vmm.driver import SnapshotManifest, VMError
 from .base import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked, complete_ids
 from .cache import CacheFull, SnapshotCache
 from .chunks import CHUNK_SIZE, Chunk, allocated_bytes, chunk_spans, digest, read_chunk
-from .lazy import LazyMountFailed, LazyRestores
+from .lazy import LazyMountFailed, LazyRestores, cache_figures
 from .local_chunks import LocalChunks
 from .s3_objects import S3Objects
 from .s3_paths import image_files, localize, relativize, replace_path, unique_paths
@@ -369,9 +369,9 @@ class S3Store(S3Objects, SnapshotStore):
             log.exception("snapshot %s: storing its prefetch list failed", snapshot_id)
             return False
 
-    def lazy_stats(self) -> dict | None:
-        """The node's chunk cache figures (the chunkfs daemon's, when it runs)."""
-        return self.lazy.cache_stats() if self.lazy is not None else None
+    def chunk_cache_figures(self) -> dict | None:
+        """The node's chunk cache figures (``lazy.cache_figures``) while its chunkfs daemon runs."""
+        return cache_figures(self.lazy.cache_stats()) if self.lazy is not None else None
 
     def _snapshot_doc(self, snapshot_id: str) -> dict:
         doc = self._get_json(self.manifest_key(snapshot_id))

@@ -183,3 +183,20 @@ def test_templates_and_nodes_pages(dash, user, team, other_team, base_template, 
     user.save()
     html = dash.get("/dashboard/nodes/").content.decode()
     assert node.id in html and "2 / 64" in html and "512 / 65536 MiB" in html
+
+
+def test_nodes_page_shows_the_chunk_cache_to_operators(dash, user, node):
+    """The heartbeat's host.chunkCache (lazy restores: agent.stores.lazy) is an operator's figure."""
+    node.host = {"cpuPercent": 5.0, "cpuCount": 2, "memoryUsedBytes": 1 << 30, "memoryTotalBytes": 4 << 30, "disks": [],
+                 "chunkCache": {"hits": 30, "misses": 10, "hitRatio": 0.75, "sizeBytes": 512 << 20,
+                                                     "limitBytes": 2048 << 20, "entries": 128, "evictions": 7,
+                                                     "fetchedBytes": 600 << 20, "corrupt": 1}}
+    node.save()
+    html = dash.get("/dashboard/nodes/").content.decode()
+    assert "chunk cache" not in html  # a team member sees no node figures
+    user.is_staff = True
+    user.save()
+    html = dash.get("/dashboard/nodes/").content.decode()
+    section = html[html.index(f"chunk-cache-{node.id}"):].replace("\xa0", " ")  # filesizeformat's spaces
+    assert "75.0 %" in section and "512.0 MB (25 %)" in section
+    assert "2.0 GB" in section and ">7<" in section and "600.0 MB" in section

@@ -117,8 +117,21 @@ def test_a_node_lacking_the_snapshot_mounts_it_lazily_and_reads_only_what_it_tou
     assert (path / "memory.ram").read_bytes() == ram  # and everything reads right
     assert "lz-a" in store.local_ids()
     assert store.local_dir("lz-a") == path  # the live mount is used again
-    cache = store.lazy_stats()
-    assert cache["limit_bytes"] == 64 << 20 and cache["size_bytes"] > 0
+    figures = store.chunk_cache_figures()  # the daemon's stats op, for the heartbeat and /metrics
+    assert figures["limitBytes"] == 64 << 20 and figures["sizeBytes"] > 0 and figures["fetchedBytes"] > 0
+    assert 0 <= figures["hitRatio"] <= 1 and figures["corrupt"] == 0
+
+    from agent.host_usage import HostSampler
+    from agent.prometheus import NodeCollector
+
+    sampler = HostSampler(["/"])
+    sampler.probes["chunkCache"] = store.chunk_cache_figures
+    assert sampler.sample()["chunkCache"]["limitBytes"] == 64 << 20
+    scraped = {m.name: m.samples[0].value for m in NodeCollector("n2", lambda: 0, dict,
+                                                                 chunk_cache=store.chunk_cache_figures).collect()}
+    assert scraped["aenv_node_chunk_cache_limit_bytes"] == 64 << 20
+    assert scraped["aenv_node_chunk_cache_fetched_bytes"] >= stats["fetched_bytes"]
+    assert 0 <= scraped["aenv_node_chunk_cache_hit_ratio"] <= 1 and "aenv_node_chunk_cache_evictions" in scraped
 
 
 def test_chunks_the_node_already_has_are_read_from_its_files_not_the_store(s3, short_tmp):
