@@ -67,6 +67,10 @@ class ChunkfsClient:
         reply = self.request(payload)
         return Path(reply["path"])
 
+    def pin(self, mount_id: str, timeout: float = 600.0) -> dict:
+        """Fetches every chunk of the mount and pins them until its unmount (waits up to ``timeout``)."""
+        return ChunkfsClient(self.control_path, timeout=timeout).request({"op": "pin", "mount_id": mount_id})
+
     def unmount(self, mount_id: str) -> dict:
         """Returns the mount's last stats (reads, bytes fetched, recorded order)."""
         return self.request({"op": "unmount", "mount_id": mount_id})["stats"]

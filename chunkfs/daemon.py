@@ -18,6 +18,9 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
   (``[[offset, length, sha], ...]``, holes absent). The prefetch list is fetched in the
   background, in order. ``local``: chunks the node has inside its own files, read from there
   (verified) before the source is asked.
+- ``{"op": "pin", "mount_id"}``: every chunk of the mount fetched now and pinned in the cache
+  until the mount's ``unmount`` (also one after a restart: pins outlive mounts), for files whose
+  chunks the store is about to lose.
 - ``{"op": "unmount", "mount_id"}`` (the files vanish; a writable mount's overlays are deleted),
   ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats and, per mount, reads, bytes
   fetched, prefetch progress and the recorded first-touch order), ``{"op": "ping"}``.
@@ -61,6 +64,11 @@ FILE_NAME = MOUNT_ID  # as the snapshot manifests name files
 MAX_LINE = 64 << 20
 DEFAULT_LIMIT_MB = 10240
 PREFETCH_PARALLEL = 4
+
+
+def pin_owner(mount_id: str) -> str:
+    """The cache's pin owner for a mount's ``pin`` request."""
+    return f"mount:{mount_id}"
 
 
 class RequestError(Exception):
@@ -107,9 +115,9 @@ class Daemon:
                 raise RequestError("bad_json", "a request is a JSON object")
             op = request.get("op")
             handler = {"mount": self.mount, "unmount": self.unmount, "list": self.list, "stats": self.stats,
-                       "ping": self.ping}.get(op) if isinstance(op, str) else None
+                       "ping": self.ping, "pin": self.pin}.get(op) if isinstance(op, str) else None
             if handler is None:
-                raise RequestError("unknown_op", f"unknown op {op!r} (mount, unmount, list, stats, ping)")
+                raise RequestError("unknown_op", f"unknown op {op!r} (mount, unmount, list, stats, ping, pin)")
             return {"ok": True, **handler(request)}
         except RequestError as exc:
             return {"ok": False, "error": {"code": exc.code, "message": exc.message}}
@@ -235,8 +243,36 @@ class Daemon:
                 pool.submit(one, name, index)
         state["finished"] = True
 
+    def pin(self, request: dict) -> dict:
+        """Every chunk of the mount fetched now and pinned until its unmount: for a mount whose
+        chunks the store is about to lose (its snapshot deleted while a VM still reads it)."""
+        mount_id = self._mount_id(request)
+        mount = self.fs.get(mount_id)
+        if mount is None:
+            raise RequestError("not_found", f"no mount {mount_id}")
+        shas = {sha for f in mount.files.values() for sha in f.shas()}
+        self.cache.pin(pin_owner(mount_id), shas)  # first: a chunk fetched below is never evicted
+        jobs = [(f, index) for f in mount.files.values() for index in range(f.chunk_count)]
+
+        def one(job) -> str | None:
+            f, index = job
+            try:
+                f.ensure(index)
+                return None
+            except ChunkError as exc:
+                return f"{f.name} chunk {index}: {exc}"
+
+        with ThreadPoolExecutor(PREFETCH_PARALLEL, thread_name_prefix="chunkfs-pin",
+                                initializer=_blocking_signals) as pool:
+            failed = [r for r in pool.map(one, jobs) if r]
+        if failed:
+            raise RequestError("unavailable", f"{len(failed)} chunks of {mount_id} could not be had: {failed[0]}")
+        log.info("pinned %s: %d chunks", mount_id, len(shas))
+        return {"mount_id": mount_id, "pinned": len(shas)}
+
     def unmount(self, request: dict) -> dict:
         mount_id = self._mount_id(request)
+        self.cache.unpin(pin_owner(mount_id))  # also when the mount went with a restart: pins outlive it
         mount = self.fs.remove(mount_id)
         if mount is None:
             raise RequestError("not_found", f"no mount {mount_id}")
