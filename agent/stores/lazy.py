@@ -206,6 +206,18 @@ class LazyRestores:
                  where, len(files), len(local or {}), len(prefetch), ", recording" if record else "")
         return final
 
+    def pin(self, snapshot_id: str) -> int:
+        """Fetches every chunk of the snapshot's mount into the cache and pins them until its
+        unmount: a VM here still reads the files, and the store is about to lose the chunks
+        (the snapshot is deleted). Returns the chunks pinned; LazyMountFailed if not all could be."""
+        client = self.running_client()
+        if client is None:
+            raise LazyMountFailed(f"the chunkfs daemon does not run: snapshot {snapshot_id}'s chunks cannot be kept")
+        try:
+            return int(client.pin(snapshot_id)["pinned"])
+        except ChunkfsError as exc:
+            raise LazyMountFailed(str(exc)) from exc
+
     def in_use(self, snapshot_id: str) -> bool:
         inside = f"{self.path(snapshot_id)}/"
         return any(str(p).startswith(inside) for p in self.files_in_use())

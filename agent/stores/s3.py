@@ -495,6 +495,12 @@ class S3Store(S3Objects, SnapshotStore):
         if self.lazy is not None:
             self._recording.discard(snapshot_id)
             removed = self.lazy.remove(snapshot_id) or removed
+            if self.lazy.lookup(snapshot_id) is not None:  # kept: a VM here reads it, and the chunks go
+                try:
+                    self.lazy.pin(snapshot_id)
+                except LazyMountFailed as exc:
+                    raise SnapshotStoreError(f"snapshot {snapshot_id} is read lazily by a VM on this node and its "
+                                             f"chunks could not all be kept before the delete: {exc}") from exc
         try:
             return self._delete_remote(snapshot_id) or removed
         except SnapshotStoreError:

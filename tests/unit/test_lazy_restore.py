@@ -198,15 +198,24 @@ def test_a_restarted_daemons_vanished_mount_is_mounted_again(s3, short_tmp):
     assert _backing(path / "layer-1.qcow2") == str(path / "layer-0.qcow2")
 
 
-def test_a_snapshot_a_vm_uses_keeps_its_mount_on_delete(s3, short_tmp):
-    images, _ = _committed(s3, short_tmp, "lz-e", _ram(19))
+def test_a_snapshot_a_vm_uses_keeps_its_mount_and_chunks_on_delete(s3, short_tmp):
+    """E.g. a sandbox resumed here from another node's pause image, paused again: the new
+    export deletes the old image while the saved VM's disk still stacks on its files."""
+    ram = _ram(19)
+    images, _ = _committed(s3, short_tmp, "lz-e", ram)
+    client, prefix = s3
     store = _store(s3, short_tmp / "n2", images)
     path = store.local_dir("lz-e")
     with mock.patch.object(store.driver, "files_in_use", return_value={str(path / "memory.ram")}):
         store.drop_local("lz-e")
+        assert store.lazy.lookup("lz-e") == path
+        assert store.delete("lz-e") is True
+    assert _keys(client, prefix, "chunks/") == [], "the store still has the chunks"
     assert store.lazy.lookup("lz-e") == path
-    store.drop_local("lz-e")
-    assert not path.exists()
+    assert (path / "memory.ram").read_bytes() == ram  # every chunk was kept (pinned) before they went
+    assert store.lazy.cache_stats()["pinned_bytes"] > 0
+    store.drop_local("lz-e")  # the VM is gone: the mount and its pins go
+    assert not path.exists() and store.lazy.cache_stats()["pinned_bytes"] == 0
 
 
 def test_without_a_daemon_the_snapshot_is_downloaded_whole(s3, short_tmp):
