@@ -189,6 +189,8 @@ class LazyRestores:
                                  writable=True, local=local)
         except ChunkfsError as exc:
             raise LazyMountFailed(str(exc)) from exc
+        for leftover in self.root.glob(f".tmp-{snapshot_id}-*"):  # an install that crashed (we hold its lock)
+            shutil.rmtree(leftover, ignore_errors=True)
         staging = self.root / f".tmp-{snapshot_id}-{uuid.uuid4().hex[:8]}"
         try:
             staging.mkdir(parents=True)
