@@ -156,5 +156,10 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         assert stats["prefetch"]["queued"] == len(order)
         assert sh(endpoint(restored), "cat /home/user/state.txt").strip() == "from-node-a"
         c.kill(restored.sandbox_id)
+        # for comparison: the whole download (AENV_LAZY_RESTORE=0) of the same snapshot
+        store_d = _store(url, prefix, root / "d", c, lazy=False)
+        t0 = time.monotonic()
+        store_d.local_dir(sid)
+        print(f"whole download of the same snapshot: {time.monotonic() - t0:.2f} s before a restore could start")
         assert store_c.delete(sid) is True
         assert not (root / "c" / "lazy" / "snapshots" / sid).exists()
