@@ -14,7 +14,7 @@ import pytest
 
 from vmm.images import find_image
 
-from harness.stack import PY, ROOT, shared_images_dir
+from harness.stack import PY, ROOT, shared_images_dir, stop_chunkfs
 
 
 class SecondNode:
@@ -57,7 +57,8 @@ class SecondNode:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
             self.proc.wait(timeout=30)
-        subprocess.run(["pkill", "-9", "-f", str(self.home)], check=False)
+        subprocess.run(["pkill", "-9", "-f", str(self.home)], check=False)  # its chunkfs daemon too
+        stop_chunkfs(self.home)  # ... whose FUSE mount stays behind
         from vmm.net import slots  # noqa: PLC0415
 
         if slots.netns_supported():

@@ -72,6 +72,7 @@ class Stack:
         instance (slots, nftables table, resolver). Its home stays (callers decide)."""
         self.stop()
         self.kill_vm_leftovers()
+        stop_chunkfs(self.home)
         self.remove_network()
 
     def remove_network(self) -> None:
@@ -265,3 +266,33 @@ class Stack:
     def qemu_pids(self, sandbox_id: str) -> list[int]:
         """This stack's QEMU processes of one sandbox."""
         return qemu_pids(str(self.home), sandbox_id)
+
+
+def stop_chunkfs(home: Path, timeout: float = 15) -> None:
+    """A node home's chunkfs daemon (lazy restores, agent.stores.lazy: started in a session of
+    its own, so stopping the node leaves it running) stopped and its FUSE mount gone: call once
+    the home's VMs are, or its directory cannot be removed."""
+    run_dir = Path(home) / "chunkfs"
+    try:
+        pid = int((run_dir / "control.sock.pid").read_text().strip() or 0)
+    except (OSError, ValueError):
+        pid = 0
+    try:
+        ours = pid > 0 and str(run_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        ours = False  # gone already
+    if ours:
+        os.kill(pid, signal.SIGTERM)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text(errors="replace").split()[2:3] == ["Z"]:
+                    break  # ended (unreaped: it was started from this process)
+            except OSError:
+                break  # gone
+            time.sleep(0.05)
+    mnt = run_dir / "mnt"
+    with open("/proc/self/mountinfo") as f:
+        mounted = any(len(line.split()) > 4 and line.split()[4] == str(mnt) for line in f)
+    if mounted:
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, capture_output=True)
