@@ -234,9 +234,7 @@ class LazyRestores:
                 return False
             existed = self._discard(final)
             self._unmount(snapshot_id)
-        with contextlib.suppress(OSError):
-            (self.root / f".lock-{snapshot_id}").unlink()
-        return existed
+        return existed  # the lock file stays: unlinking it would let two holders lock different files
 
     def _discard(self, final: Path) -> bool:
         if not final.exists():
