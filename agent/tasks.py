@@ -292,7 +292,7 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
     try:
         store.restored(snapshot_id)  # a lazy restore's first-read chunks become its prefetch list
     except Exception:  # noqa: BLE001 - the sandbox runs; only later restores' speed depends on it
-        log.exception("snapshot %s: after-restore bookkeeping failed", snapshot_id)
+        log.warning("snapshot %s: after-restore bookkeeping failed", snapshot_id, exc_info=True)
     return _envd_result(info, timings)
 
 

@@ -171,3 +171,21 @@ def test_restore_gives_the_new_vm_the_requests_network(filtering, monkeypatch, t
     out = tasks.restore_sandbox(sandbox_id="rs1", snapshot_id="s1", env_vars={}, access_token=None,
                                 network=ONLY_9)
     assert _policy(filtering, "rs1") == ONLY_9 and out["guest_host"] == filtering.info("rs1").guest_host
+
+
+def test_restore_tells_the_store_once_the_vm_answers(filtering, monkeypatch, tmp_path):
+    """A lazily restored snapshot records its first-read chunks until then (agent.stores.lazy)."""
+    tasks.boot_sandbox(sandbox_id="src2", **BOOT)
+    manifest = filtering.snapshot("src2", tmp_path / "snap")
+    told = []
+
+    class Store:
+        def local_dir(self, snapshot_id):
+            return Path(manifest.dir)
+
+        def restored(self, snapshot_id):
+            told.append((snapshot_id, filtering.info("rs2") is not None))
+
+    monkeypatch.setattr(tasks, "_store", Store)
+    tasks.restore_sandbox(sandbox_id="rs2", snapshot_id="s2", env_vars={}, access_token=None)
+    assert told == [("s2", True)]
