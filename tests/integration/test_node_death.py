@@ -79,6 +79,10 @@ def test_a_dead_nodes_running_sandbox_is_lost_and_its_paused_one_moves(death_sta
 
         back = Sandbox.connect(paused.sandbox_id, timeout=300)
         assert _row(stack, paused.sandbox_id, "node_id") == node_b.id
+        # from lazily filled files (AENV_LAZY_RESTORE), not a whole download of its pause image
+        image = f"pause-{paused.sandbox_id}"[:64]
+        assert (node_b.home / "lazy" / "snapshots" / image / "manifest.json").is_file()
+        assert not (node_b.home / "cache" / "snapshots" / image).exists()
         assert back.files.read("/home/user/keep.txt") == "kept across nodes"
         now_pid, n1 = read_counter(back)
         assert now_pid == pid  # its memory came along: the same process
