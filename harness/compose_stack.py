@@ -1,12 +1,25 @@
 """deploy/compose.yaml started for real (tests/compose/): the Docker engine (Debian's docker.io,
 started here when nothing answers), aenv's images built from the local Debian root
-(deploy/docker/base-image.sh; Docker's layer cache makes a second build seconds), then
-``docker compose up --wait`` of compose.yaml + compose.ci.yaml with generated passwords, and
-``down -v`` afterwards whatever happened. Why a harness: the test drives the stack only from the
-outside (the E2B SDK on published ports), as a user of the file would."""
+(deploy/docker/base-image.sh), then ``docker compose up --wait`` of compose.yaml +
+compose.ci.yaml with generated passwords, and ``down -v`` afterwards whatever happened. Why a
+harness: the test drives the stack only from the outside (the E2B SDK on published ports), as a
+user of the file would.
+
+The images are keyed by a hash of what they are built from (the build context as
+.dockerignore leaves it, the host's extra certificate authorities, the base image's settings):
+each is also tagged ``ci-<key>``, and a run whose key's tags all exist builds nothing, it only
+points the ``:dev`` tags the files name at them. ``python -m harness.compose_stack build`` does
+that ahead of the test (scripts/test.sh runs it in the background during the passes before the
+VM pass); a file lock makes the test wait for a build in progress instead of starting a second.
+"""
 
 from __future__ import annotations
 
+import argparse
+import fcntl
+import fnmatch
+import hashlib
+import json
 import os
 import re
 import secrets
@@ -55,13 +68,104 @@ def ensure_engine() -> None:
         raise Unavailable(f"no Docker engine: {exc} (scripts/setup.sh installs Debian's docker.io)") from exc
 
 
-def build_images(stack: "ComposeStack") -> float:
-    """The base image, then ``compose build`` of every image the two files name (the classic
-    builder: Debian's engine has no buildx); returns the seconds it took."""
+IMAGES_LOCK = Path("/tmp/aenv-compose-images.lock")  # machine-wide: the engine and its tags are
+KEY_TAG = "ci-"
+KEY_ENV = ("BASE_IMAGE", "AENV_BASE_IMAGE", "AENV_DEBIAN_MIRROR")  # what base-image.sh and the files read
+
+
+def _ignore_patterns(root: Path) -> list[list[str]]:
+    """.dockerignore's patterns, split into path components (docker matches them from the
+    context's root; ``**`` is any number of components)."""
+    lines = (root / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip().strip("/") for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    # A re-included path ("!…") is not handled here: then nothing counts as ignored, so the key
+    # covers more files than the context (a needless build at worst, never a stale image).
+    return [] if any(p.startswith("!") for p in patterns) else [p.split("/") for p in patterns]
+
+
+def _matches(pattern: list[str], parts: list[str]) -> bool:
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_matches(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _matches(pattern[1:], parts[1:])
+
+
+def _ignored(parts: list[str], patterns: list[list[str]]) -> bool:
+    return any(_matches(p, parts) for p in patterns)
+
+
+def images_key(root: Path = ROOT) -> str:
+    """A hash of every input of the stack's images: each file of the build context (path, mode,
+    content), the host's extra certificate authorities (base-image.sh copies them in) and the
+    variables that choose the base image and its mirror."""
+    patterns = _ignore_patterns(root)
+    h = hashlib.sha256()
+    for top, dirs, files in os.walk(root):
+        rel = Path(top).relative_to(root).parts
+        dirs[:] = sorted(d for d in dirs if not _ignored([*rel, d], patterns))
+        for name in sorted(files):
+            if _ignored([*rel, name], patterns):
+                continue
+            path = Path(top) / name
+            h.update("/".join((*rel, name)).encode() + b"\0")
+            if path.is_symlink():
+                h.update(b"link:" + os.readlink(path).encode())
+            else:
+                h.update(oct(path.stat().st_mode & 0o111).encode() + path.read_bytes())
+            h.update(b"\0")
+    for cert in sorted(Path("/usr/local/share/ca-certificates").glob("*.crt")):
+        h.update(cert.name.encode() + cert.read_bytes())
+    h.update(json.dumps({k: os.environ.get(k) for k in KEY_ENV}, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def _image_id(ref: str) -> str | None:
+    done = _run(["docker", "image", "inspect", "-f", "{{.Id}}", ref], timeout=60, check=False)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def built_images(stack: "ComposeStack") -> list[str]:
+    """The images the two files build (``repo:dev``), from ``compose config``."""
+    config = json.loads(stack.compose("config", "--format", "json", timeout=60).stdout)
+    return sorted({svc["image"] for svc in config["services"].values() if svc.get("build") and svc.get("image")})
+
+
+def _keyed(image: str, key: str) -> str:
+    return f"{image.rpartition(':')[0]}:{KEY_TAG}{key}"
+
+
+@contextmanager
+def _images_lock() -> Iterator[None]:
+    with open(IMAGES_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def build_images(stack: "ComposeStack") -> dict:
+    """The stack's images, built only when their key's tags are missing: then the base image,
+    ``compose build`` of every image the two files name (the classic builder: Debian's engine
+    has no buildx; its layer cache keeps what did not change) and the key's tags, the older
+    keys' tags dropped. Returns the seconds it took and whether it built."""
     t0 = time.monotonic()
-    _run([str(DEPLOY / "docker" / "base-image.sh")], timeout=1200)
-    stack.compose("build", timeout=3600)
-    return time.monotonic() - t0
+    with _images_lock():
+        key, images = images_key(), built_images(stack)
+        if all(_image_id(_keyed(image, key)) for image in images):
+            for image in images:
+                if _image_id(image) != _image_id(_keyed(image, key)):
+                    _run(["docker", "tag", _keyed(image, key), image], timeout=60)
+            return {"build_s": time.monotonic() - t0, "built": False, "key": key}
+        _run([str(DEPLOY / "docker" / "base-image.sh")], timeout=1200)
+        stack.compose("build", timeout=3600)
+        if images_key() == key:  # else the tree changed during the build: the images fit neither key
+            for image in images:
+                _run(["docker", "tag", image, _keyed(image, key)], timeout=60)
+                repo = image.rpartition(":")[0]
+                for old in _run(["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", repo],
+                                timeout=60).stdout.split():
+                    if old.startswith(f"{repo}:{KEY_TAG}") and old != _keyed(image, key):
+                        _run(["docker", "rmi", old], timeout=120, check=False)
+    return {"build_s": time.monotonic() - t0, "built": True, "key": key}
 
 
 def _free_port() -> int:
@@ -101,6 +205,19 @@ class ComposeStack:
         return self.compose("logs", "--no-color", "--tail", "200", *services, check=False).stdout
 
 
+def stack_env(images_dir: Path, api_port: int, sandbox_port: int) -> dict:
+    """The files' variables: fresh passwords, the published ports, the host's images dir."""
+    api_url, sandbox_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{sandbox_port}"
+    return {**os.environ, "DOCKER_BUILDKIT": "0",
+            "DJANGO_SECRET_KEY": secrets.token_hex(32), "POSTGRES_PASSWORD": secrets.token_hex(32),
+            "REDIS_CONTROL_PASSWORD": secrets.token_hex(32), "S3_SECRET_KEY": secrets.token_hex(32),
+            **{f"REDIS_NODE_PASSWORD_NODE_{n}": secrets.token_hex(32) for n in (1, 2, 3)},
+            "AENV_API_PORT": f"127.0.0.1:{api_port}", "AENV_SANDBOX_PORT": f"127.0.0.1:{sandbox_port}",
+            "AENV_API_PUBLIC_URL": api_url, "AENV_SANDBOX_PUBLIC_URL": sandbox_url,
+            "AENV_CI_IMAGES": str(Path(images_dir).resolve()),
+            "AENV_CI_KVM": "/dev/kvm" if Path("/dev/kvm").exists() else "/dev/zero:/dev/aenv-no-kvm"}
+
+
 @contextmanager
 def compose_stack(images_dir: Path) -> Iterator[ComposeStack]:
     """Builds (cached) and starts the two-node stack; yields it healthy with its API key; always
@@ -109,16 +226,10 @@ def compose_stack(images_dir: Path) -> Iterator[ComposeStack]:
     ensure_engine()
     api_port, sandbox_port = _free_port(), _free_port()
     api_url, sandbox_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{sandbox_port}"
-    env = {**os.environ, "DOCKER_BUILDKIT": "0",
-           "DJANGO_SECRET_KEY": secrets.token_hex(32), "POSTGRES_PASSWORD": secrets.token_hex(32),
-           "REDIS_CONTROL_PASSWORD": secrets.token_hex(32), "S3_SECRET_KEY": secrets.token_hex(32),
-           **{f"REDIS_NODE_PASSWORD_NODE_{n}": secrets.token_hex(32) for n in (1, 2, 3)},
-           "AENV_API_PORT": f"127.0.0.1:{api_port}", "AENV_SANDBOX_PORT": f"127.0.0.1:{sandbox_port}",
-           "AENV_API_PUBLIC_URL": api_url, "AENV_SANDBOX_PUBLIC_URL": sandbox_url,
-           "AENV_CI_IMAGES": str(Path(images_dir).resolve()),
-           "AENV_CI_KVM": "/dev/kvm" if Path("/dev/kvm").exists() else "/dev/zero:/dev/aenv-no-kvm"}
+    env = stack_env(images_dir, api_port, sandbox_port)
     stack = ComposeStack(env, api_url, sandbox_url)
-    stack.timings["build_s"] = build_images(stack)
+    built = build_images(stack)
+    stack.timings.update(build_s=built["build_s"], built=built["built"])
     stack.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300, check=False)  # a crashed run's
     try:
         t0 = time.monotonic()
@@ -132,3 +243,25 @@ def compose_stack(images_dir: Path) -> Iterator[ComposeStack]:
         yield stack
     finally:
         stack.compose("down", "-v", "--remove-orphans", "-t", "30", timeout=600, check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m harness.compose_stack build``: the images ahead of the test (scripts/test.sh)."""
+    parser = argparse.ArgumentParser(prog="python -m harness.compose_stack")
+    parser.add_argument("command", choices=["build"])
+    parser.add_argument("--images-dir", type=Path,
+                        default=Path(os.environ.get("AENV_IMAGES_DIR") or ROOT / "var" / "images"))
+    args = parser.parse_args(argv)
+    try:
+        ensure_engine()
+    except Unavailable as exc:
+        print(f"compose images: {exc}", file=sys.stderr)
+        return 1
+    done = build_images(ComposeStack(stack_env(args.images_dir, 0, 0), "", ""))
+    print(f"compose images {'built' if done['built'] else 'cached'} (key {done['key']}) in {done['build_s']:.0f} s",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,20 +4,29 @@
 # pulled from an image registry (the machines aenv is built on reach only package mirrors). With
 # a registry, skip this and build with --build-arg BASE_IMAGE=debian:bookworm.
 #   deploy/docker/base-image.sh [--force]
-# Idempotent: the image is kept while it exists; the root's tarball is cached under
-# $AENV_HOME/docker (var/ by default), so re-importing it after `docker image rm` is seconds.
+# Idempotent, keyed by its recipe (this script, the mirror, the host's extra certificate
+# authorities): the image is also tagged aenv-debian:recipe-<hash>, and a run whose recipe's tag
+# exists only points $IMAGE at it (a changed recipe builds again instead of keeping a stale root).
+# The root's tarball is cached per recipe under the checkout's ignored .cache/docker (beside
+# .cache/packages), so importing it again after `docker image rm` is seconds, not a debootstrap.
 # The host's own certificate authorities (/usr/local/share/ca-certificates) go into the root, so
 # builds behind a TLS-intercepting proxy reach PyPI and npm as the host does.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 IMAGE="${AENV_BASE_IMAGE:-aenv-debian:bookworm}"
 MIRROR="${AENV_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-CACHE="${AENV_HOME:-$ROOT/var}/docker"
-TARBALL="$CACHE/debian-bookworm-minbase.tar"
+CACHE="$ROOT/.cache/docker"
+# The recipe's hash: this script without its comments, the mirror, the extra authorities.
+RECIPE="$({ grep -v '^[[:space:]]*#' "${BASH_SOURCE[0]}"; echo "$MIRROR"
+  cat /usr/local/share/ca-certificates/*.crt 2>/dev/null || true; } | sha256sum | cut -c1-16)"
+RECIPE_TAG="${IMAGE%:*}:recipe-$RECIPE"
+TARBALL="$CACHE/debian-bookworm-minbase-$RECIPE.tar"
 
 force=0
 [ "${1:-}" = "--force" ] && force=1
-if [ "$force" = 0 ] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
+if [ "$force" = 0 ] && docker image inspect "$RECIPE_TAG" >/dev/null 2>&1; then
+  [ "$(docker image inspect -f '{{.Id}}' "$RECIPE_TAG")" = "$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null)" ] \
+    || docker tag "$RECIPE_TAG" "$IMAGE"
   exit 0
 fi
 
@@ -46,6 +55,7 @@ EOF
   rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin "$rootfs"/var/log/*.log
   tar --numeric-owner -C "$rootfs" -cf "$TARBALL.tmp" .
   mv "$TARBALL.tmp" "$TARBALL"
+  find "$CACHE" -maxdepth 1 -name 'debian-bookworm-minbase-*.tar' ! -name "${TARBALL##*/}" -delete  # older recipes
 fi
 
 echo "==> docker import $TARBALL as $IMAGE"
@@ -53,3 +63,7 @@ docker import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8' \
   --change 'CMD ["bash"]' \
   "$TARBALL" "$IMAGE" >/dev/null
+docker tag "$IMAGE" "$RECIPE_TAG"
+# Older recipes' tags (their images go with them once no other tag or image uses them).
+docker image ls --format '{{.Repository}}:{{.Tag}}' "${IMAGE%:*}" | grep -F ":recipe-" | grep -vxF "$RECIPE_TAG" \
+  | xargs -r docker rmi >/dev/null 2>&1 || true
