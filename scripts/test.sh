@@ -6,7 +6,8 @@
 #   2. the tests with real QEMU VMs on SQLite: drivers, the end-to-end server + node worker
 #      + VMs driven by the E2B SDKs, networks, the cluster, the browser;
 #   3. the unit tests that use the database again, on PostgreSQL;
-# before them, the docs site (mkdocs build --strict: a broken link fails the run).
+# before them, the docs site (mkdocs build --strict: a broken link fails the run). The compose
+# tier's Docker images are built in the background meanwhile (start_compose_images below).
 # Extra arguments go to both SQLite runs (e.g. a file or `-k name`) and narrow them: a narrowed
 # run may select no tests of a pass (pytest's exit status 5). Without arguments every pass must
 # run tests, and every tier of tests/tiers.py (VMs, network, PostgreSQL, browser, TS SDK, ...) must
@@ -19,6 +20,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 install_test_dependencies() {
   "$ROOT/scripts/setup.sh"
+  start_compose_images  # Docker's engine and the venv are there now
   "$ROOT/scripts/setup_ts_sdk.sh"  # the TypeScript E2B SDK for tests/ts/ (tests/integration/test_ts_sdk.py)
   "$ROOT/scripts/setup_ts_code_interpreter.sh"  # npm @e2b/code-interpreter (tests/code_interpreter/test_js_sdk.py)
 
@@ -47,6 +49,32 @@ install_test_dependencies() {
   export AENV_OLD_SDK_PYTHON="$old_sdk_venv/bin/python"
 }
 
+# The compose tier's images (tests/compose/, harness/compose_stack.py) are built in the background
+# from setup.sh's end until the VM pass, beside the other installs, the docs and the pass without
+# VMs (an un-narrowed run only). They are keyed by a hash of their inputs: a machine that built
+# them for this tree builds nothing; a cold build (debootstrap, apt, pip, npm in containers) is
+# about five minutes that were the VM pass's. Niced: it mostly waits on downloads. The compose
+# test takes the same lock, so a build still running then is waited for, never repeated.
+COMPOSE_PREBUILD=0
+COMPOSE_IMAGES_PID=""
+start_compose_images() {
+  [ "$COMPOSE_PREBUILD" = 1 ] && command -v docker >/dev/null || return 0
+  mkdir -p "$AENV_HOME/docker"
+  echo "==> the compose tier's images, in the background (log: $AENV_HOME/docker/compose-images.log)"
+  nice -n 10 "$ROOT/.venv/bin/python" -m harness.compose_stack build >"$AENV_HOME/docker/compose-images.log" 2>&1 &
+  COMPOSE_IMAGES_PID=$!
+}
+wait_compose_images() {
+  [ -n "$COMPOSE_IMAGES_PID" ] || return 0
+  if wait "$COMPOSE_IMAGES_PID"; then
+    echo "==> $(tail -n 1 "$AENV_HOME/docker/compose-images.log")"
+  else
+    echo "==> the compose images' build failed (the compose test tries again and says why):" \
+      "$AENV_HOME/docker/compose-images.log" >&2
+  fi
+  COMPOSE_IMAGES_PID=""
+}
+
 status=0
 failed=()
 run_pass() {  # name, narrowed (1: the caller's arguments narrowed this pass), command...
@@ -67,6 +95,7 @@ main() {
   cd "$ROOT"
   export AENV_HOME="${AENV_HOME:-$ROOT/var}"
   export AENV_IMAGES_DIR="${AENV_IMAGES_DIR:-$AENV_HOME/images}"
+  [ $# -gt 0 ] || COMPOSE_PREBUILD=1
   install_test_dependencies
 
   # Long repeats of what the default run covers (200 pause cycles, a 400 MiB image, twelve cold
@@ -88,6 +117,7 @@ main() {
   echo "==> tests without VMs on SQLite (unit, envd, code interpreter, CLI, deploy files), 3 workers"
   run_pass "tests without VMs" "$narrowed" .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --dist loadgroup \
     --durations=15 "${strict[@]}" -m "not vm and ($slow)" "$@"
+  wait_compose_images  # before the VMs: they share the two cores
   echo "==> tests with real VMs on SQLite (drivers, the stack end to end with the SDKs, networks, cluster, browser)"
   run_pass "tests with VMs" "$narrowed" .venv/bin/pytest -p no:cacheprovider -q -rs --durations=40 "${strict[@]}" \
     -m "vm and ($slow)" "$@"
