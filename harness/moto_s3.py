@@ -1,5 +1,6 @@
 """A real S3 API for tests: a ``moto_server`` subprocess on a free port (shared by the
-S3 store's unit tests and its end-to-end test; nothing about boto3 is mocked)."""
+S3 store's unit tests and its end-to-end test; nothing about boto3 is mocked), on loopback
+or inside a namespace of the caller's behind a rate-limited link (bench/lazy.py)."""
 import contextlib
 import socket
 import subprocess
@@ -26,23 +27,35 @@ def client(url: str):
 
 
 @contextlib.contextmanager
-def moto_server(bucket: str):
-    """Starts moto_server, creates ``bucket`` and yields the endpoint URL; stops it after."""
-    port = _free_port()
+def moto_server(bucket: str, link=None):
+    """Starts moto_server, creates ``bucket`` and yields the endpoint URL; stops it after.
+    ``link`` (a ``harness.shaped_link.ShapedLink``): moto runs inside that link's namespace,
+    on its inside address, so its traffic crosses the link (and its rate limit); the link is
+    set up here and removed after."""
+    port = _free_port() if link is None else 9000
+    host = "127.0.0.1" if link is None else link.inside_ip
     exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    argv = [str(exe), "-H", host, "-p", str(port)]
+    if link is not None:
+        link.start()
+        argv = link.inside(*argv)
+    proc = None
+    url = f"http://{host}:{port}"
     try:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
+                s.settimeout(1)
+                if s.connect_ex((host, port)) == 0:
                     break
             assert proc.poll() is None, "moto_server exited"
             time.sleep(0.1)
         client(url).create_bucket(Bucket=bucket)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=10)
+        if link is not None:
+            link.stop()

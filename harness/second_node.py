@@ -19,25 +19,35 @@ from harness.stack import PY, ROOT, shared_images_dir, stop_chunkfs
 
 class SecondNode:
     """Node B of the stack: a node worker with a home, images dir and network instance of
-    its own (the base image hard-linked in: every node builds the same base itself)."""
+    its own (the base image hard-linked in: every node builds the same base itself).
 
-    def __init__(self, stack, root):
-        self.stack, self.id = stack, f"b-{uuid.uuid4().hex[:6]}"
-        self.home, self.images = root / "home-b", root / "images-b"
+    More nodes beside it (bench/lazy.py): ``name`` (``b``, ``c``, ...) names its id, dirs and
+    network prefix, ``net_pool`` a slot pool of the caller's (default: the upper half of the
+    stack's /20, node B's), ``extra_env`` adds settings, and ``base_disk=False`` leaves the
+    base build's root disk out of its images dir (kernel, initrd and tools drive stay): a node
+    that has never seen that disk, so a snapshot running on it brings it from the store."""
+
+    def __init__(self, stack, root, *, name: str = "b", net_pool: str | None = None,
+                 extra_env: dict | None = None, base_disk: bool = True):
+        self.stack, self.name, self.id = stack, name, f"{name}-{uuid.uuid4().hex[:6]}"
+        self.home, self.images = root / f"home-{name}", root / f"images-{name}"
         self.home.mkdir(parents=True)
         self.images.mkdir(parents=True)
         base = find_image(shared_images_dir(), "base")
         build = base.kernel.parent
         subprocess.run(["cp", "-al", str(build), str(self.images / build.name)], check=True)
+        if not base_disk:
+            (self.images / build.name / base.rootfs.name).unlink()  # a hard link: the shared one stays
         (self.images / "base").symlink_to(build.name)
-        for name in ("accel.json",):
-            if (shared_images_dir() / name).exists():
-                shutil.copy(shared_images_dir() / name, self.images / name)
+        for extra in ("accel.json",):
+            if (shared_images_dir() / extra).exists():
+                shutil.copy(shared_images_dir() / extra, self.images / extra)
         first, second = stack.net_pool.split(".")[:2]
         third = int(stack.net_pool.split(".")[2]) + 8  # the upper half of the stack's /20
-        self.env = {**stack.env, "AENV_HOME": str(self.home), "AENV_IMAGES_DIR": str(self.images),
-                    "AENV_NODE_ID": self.id, "AENV_NET_PREFIX": f"{stack.net_prefix}b",
-                    "AENV_NET_POOL": f"{first}.{second}.{third}.0/21",
+        self.env = {**stack.env, **(extra_env or {}), "AENV_HOME": str(self.home),
+                    "AENV_IMAGES_DIR": str(self.images), "AENV_NODE_ID": self.id,
+                    "AENV_NET_PREFIX": f"{stack.net_prefix}{self.name}",
+                    "AENV_NET_POOL": net_pool or f"{first}.{second}.{third}.0/21",
                     "DATABASE_URL": f"sqlite:///{stack.home / 'db.sqlite3'}",
                     # one DJANGO_SECRET_KEY per deployment: it opens the task secrets the stack seals
                     "DJANGO_SECRET_KEY": (stack.home / "secret_key").read_text().strip(),
