@@ -147,6 +147,31 @@ class ChunkCache:
         with self._lock:
             return sha in self._entries
 
+    def peek(self, sha: str) -> bytes | None:
+        """The chunk's bytes if the cache holds it (verified, as every read), else None:
+        never a fetch, and neither a hit nor a use (serving a peer, ``chunkfs.peer_server``,
+        must not make a chunk hot here). A chunk evicted meanwhile or damaged on disk is None."""
+        check_sha(sha)
+        with self._lock:
+            entry = self._entries.get(sha)
+            if entry is None:
+                return None
+            verified = entry.verified
+        try:
+            with open(self._path(sha), "rb") as f:
+                data = f.read(entry.size + 1)
+        except FileNotFoundError:
+            return None
+        if len(data) != entry.size:
+            return None
+        if not verified:  # first read since a restart: as _lead checks it (a reader's fetch drops a bad one)
+            if digest(data) != sha:
+                return None
+            with self._lock:
+                if self._entries.get(sha) is entry:
+                    entry.verified = True
+        return data
+
     def _serve(self, sha: str, length: int, offset: int, size: int, fetch: Fetch) -> bytes:
         check_sha(sha)
         length = int(length)

@@ -21,8 +21,13 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
 - ``{"op": "pin", "mount_id"}``: every chunk of the mount fetched now and pinned in the cache
   until the mount's ``unmount`` (also one after a restart: pins outlive mounts), for files whose
   chunks the store is about to lose.
+- ``{"op": "peers", "listen": "host:port" | "", "token", "peers": ["host:port", ...]}``: peer
+  fetch (``chunkfs.peer_source``, ``chunkfs.peer_server``): serve this cache to peers on
+  ``listen`` (port 0: any; "": not at all) with the bearer ``token``, and ask ``peers`` (same
+  token) for a missing chunk before the store. Repeated to refresh; -> ``{"listen", "peers"}``.
 - ``{"op": "unmount", "mount_id"}`` (the files vanish; a writable mount's overlays are deleted),
-  ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats and, per mount, reads, bytes
+  ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats, ``fetches``: chunks and bytes
+  from peers and from the store and what peers were served, and, per mount, reads, bytes
   fetched, prefetch progress and the recorded first-touch order), ``{"op": "ping"}``.
 
 Every failure is ``{"ok": false, "error": {"code", "message"}}``; the daemon stays up.
@@ -55,7 +60,10 @@ from .digests import check_sha
 from .errors import ChunkError
 from .fs import ChunkFS, Mount, run, set_read_ahead
 from .lazyfile import DEFAULT_READ_DEADLINE, DEFAULT_READAHEAD, Counters, LazyFile, Pools, Recorder, _blocking_signals
-from .sources import FallbackSource, LocalFileSource
+from .peer_server import COUNTS as PEER_SERVED
+from .peer_server import MIN_TOKEN, PeerServer
+from .peer_source import PeerChunkSource, parse_peer
+from .sources import CountingSource, FallbackSource, LocalFileSource
 
 log = logging.getLogger("chunkfs.daemon")
 
@@ -96,7 +104,11 @@ class Daemon:
                  readahead: int = DEFAULT_READAHEAD):
         self.fs = fs
         self.cache = cache
-        self.source = source
+        self.source = source if isinstance(source, CountingSource) else CountingSource(source)
+        self.peers = PeerChunkSource()  # no peers until the "peers" op: then asked before the store
+        self.fetch_source = FallbackSource([self.peers, self.source])
+        self.peer_server: PeerServer | None = None
+        self._peer_lock = threading.Lock()
         self.mountpoint = Path(mountpoint)
         self.overlay_dir = Path(overlay_dir)
         self.pools = pools or Pools()
@@ -115,9 +127,9 @@ class Daemon:
                 raise RequestError("bad_json", "a request is a JSON object")
             op = request.get("op")
             handler = {"mount": self.mount, "unmount": self.unmount, "list": self.list, "stats": self.stats,
-                       "ping": self.ping, "pin": self.pin}.get(op) if isinstance(op, str) else None
+                       "ping": self.ping, "pin": self.pin, "peers": self.set_peers}.get(op) if isinstance(op, str) else None
             if handler is None:
-                raise RequestError("unknown_op", f"unknown op {op!r} (mount, unmount, list, stats, ping, pin)")
+                raise RequestError("unknown_op", f"unknown op {op!r} (mount, unmount, list, stats, ping, pin, peers)")
             return {"ok": True, **handler(request)}
         except RequestError as exc:
             return {"ok": False, "error": {"code": exc.code, "message": exc.message}}
@@ -203,13 +215,13 @@ class Daemon:
         """The daemon's source, or with ``local`` ({sha: [path, offset]}: chunks inside this
         node's own files) those first, each checked by its digest before it counts."""
         if local is None or local == {}:
-            return self.source
+            return self.fetch_source
         if not isinstance(local, dict) or not all(
                 isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and v[0].startswith("/")
                 and isinstance(v[1], int) and not isinstance(v[1], bool) and v[1] >= 0 for v in local.values()):
             raise _bad("local must be an object {sha: [absolute path, offset]}")
         try:
-            return FallbackSource([LocalFileSource(local), self.source])
+            return FallbackSource([LocalFileSource(local), self.peers, self.source])
         except ValueError as exc:
             raise _bad(f"local: {exc}") from None
 
@@ -270,6 +282,43 @@ class Daemon:
         log.info("pinned %s: %d chunks", mount_id, len(shas))
         return {"mount_id": mount_id, "pinned": len(shas)}
 
+    def set_peers(self, request: dict) -> dict:
+        """Peer fetch on (or off: no ``listen``, no ``peers``); see the module's docstring."""
+        listen, token, peers = request.get("listen", ""), request.get("token", ""), request.get("peers", [])
+        if not isinstance(listen, str) or not isinstance(token, str):
+            raise _bad("listen and token are strings")
+        if not isinstance(peers, list) or len(peers) > 1024 or not all(isinstance(p, str) for p in peers):
+            raise _bad("peers must be a list of 'host:port' (at most 1024)")
+        try:
+            for peer in peers:
+                parse_peer(peer)
+            host, port = parse_peer(listen, any_port=True) if listen else ("", 0)
+        except ValueError as exc:
+            raise _bad(str(exc)) from None
+        if (listen or peers) and len(token) < MIN_TOKEN:
+            raise _bad(f"peer fetch needs a token of at least {MIN_TOKEN} characters")
+        with self._peer_lock:
+            server = self.peer_server
+            if server is not None and (not listen or (host, port) != (server.address, server.requested_port)):
+                server.close()
+                server = self.peer_server = None
+            if listen and server is None:
+                try:
+                    server = self.peer_server = PeerServer(self.cache, host, port, token)
+                except OSError as exc:
+                    raise RequestError("listen_failed", f"cannot serve chunks to peers on {listen}: {exc}") from None
+            if server is not None:
+                server.token = token
+            self.peers.configure(peers, token)
+        return {"listen": server.listen if server is not None else "", "peers": len(peers)}
+
+    def fetch_stats(self) -> dict:
+        """Where chunks came from (peers, the store) and what this node served its peers."""
+        server = self.peer_server
+        served = server.stats() if server is not None else dict.fromkeys(PEER_SERVED, 0)
+        return {**self.peers.stats(), "store_chunks": self.source.chunks, "store_bytes": self.source.bytes,
+                **served, "peer_listen": server.listen if server is not None else ""}
+
     def unmount(self, request: dict) -> dict:
         mount_id = self._mount_id(request)
         self.cache.unpin(pin_owner(mount_id))  # also when the mount went with a restart: pins outlive it
@@ -291,9 +340,12 @@ class Daemon:
             if mount_id not in mounts:
                 raise RequestError("not_found", f"no mount {mount_id}")
             mounts = {mount_id: mounts[mount_id]}
-        return {"cache": self.cache.stats(), "mounts": {k: m.stats() for k, m in sorted(mounts.items())}}
+        return {"cache": self.cache.stats(), "fetches": self.fetch_stats(),
+                "mounts": {k: m.stats() for k, m in sorted(mounts.items())}}
 
     def close(self) -> None:
+        if self.peer_server is not None:
+            self.peer_server.close()
         for mount_id in list(self.fs.mounts()):
             self.fs.remove(mount_id)
         self.pools.shutdown()
