@@ -1,7 +1,7 @@
-"""Running a node: register it, start the heartbeat (with the host's figures), the sandbox
-metrics sampler and the Prometheus exporter, consume ``node.<id>`` with a thread pool (VM
-operations are mostly waits on subprocesses and sockets, so many boots run in parallel on
-few cores)."""
+"""Running a node: register it, start the heartbeat (with the host's figures), the watch
+over its VMs (agent.vm_watch), the sandbox metrics sampler and the Prometheus exporter,
+consume ``node.<id>`` with a thread pool (VM operations are mostly waits on subprocesses and
+sockets, so many boots run in parallel on few cores)."""
 import logging
 import os
 import signal
@@ -21,6 +21,7 @@ from agent.prometheus import NodeCollector, count_round, start_exporter
 from agent.reconcile import Reconciler, purge_queue, reconcile_node
 from agent.shutdown import pause_all
 from agent.stores import get_store
+from agent.vm_watch import VmWatch
 from nodes import signing
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
                     "whoever can write to the broker can make it run anything", node.id)
     heartbeat.start()
     reconciler = Reconciler(node_id, driver, settings.AENV_RECONCILE_INTERVAL, settings.AENV_RECONCILE_STALE)
+    watch = VmWatch(node_id, driver, settings.AENV_VM_WATCH_INTERVAL, lazy=lambda: getattr(get_store(), "lazy", None))
     sampler = MetricsSampler(node_id, settings.AENV_SANDBOX_METRICS_INTERVAL, settings.AENV_SANDBOX_METRICS_RETENTION,
                              on_round=count_round)
     consoles = ConsoleCollector(node_id, driver, settings.AENV_SANDBOX_LOGS_INTERVAL,
@@ -97,12 +99,14 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
         reattach(node_id, node.queue, driver)
         prepare_default_template(driver)
         reconciler.start()
+        watch.start()
         sampler.start()
         consoles.start()
         celery_app.worker_main(worker_argv(node_id, concurrency, loglevel))
     finally:
         consoles.stop()
         sampler.stop()
+        watch.stop()
         reconciler.stop()
         if settings.AENV_NODE_STOP_PAUSE:  # the worker took its last task: nothing runs unattended
             try:

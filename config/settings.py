@@ -186,6 +186,10 @@ AENV_AUTO_RESUME_TIMEOUT = _env_int("AENV_AUTO_RESUME_TIMEOUT", 300)
 # abandoned (its caller gave up) and reconciles it to what the VM really is.
 AENV_RECONCILE_STALE = _env_int("AENV_RECONCILE_STALE", AENV_LIFECYCLE_DEADLINE + 60)
 AENV_RECONCILE_INTERVAL = _env_int("AENV_RECONCILE_INTERVAL", 30)
+# How often a node looks at its running sandboxes' VMs (agent.vm_watch): a VM whose process
+# died or whose disk reads failed (a lazily read snapshot whose store went away) makes its
+# sandbox "error" at the next look, not at the next worker start.
+AENV_VM_WATCH_INTERVAL = float(_env("AENV_VM_WATCH_INTERVAL", "5"))
 # Snapshot store (agent.stores): "posix_fs" keeps snapshot files on the node that
 # took them; "s3" also uploads them (chunked, content-addressed) to a bucket, so any node
 # can restore them, downloading into a bounded cache under AENV_HOME/cache/snapshots.
@@ -206,6 +210,9 @@ AENV_CHUNK_CACHE_MB = _env_int("AENV_CHUNK_CACHE_MB", 20 * 1024)
 # files (its chunkfs daemon) instead of downloading it whole. "auto": on where FUSE works
 # (/dev/fuse and fusermount3), "1"/"0": on/off.
 AENV_LAZY_RESTORE = _env("AENV_LAZY_RESTORE", "auto")
+# How long a read of a lazily filled file waits for a chunk the store does not deliver before
+# it fails with EIO (the chunkfs daemon's --read-deadline): the guest's disk read fails, never hangs.
+AENV_CHUNK_READ_DEADLINE = float(_env("AENV_CHUNK_READ_DEADLINE", "30"))
 # The largest request body the API and the dashboard take, chunked or with a length
 # (config.request_body answers 413 past it); Django's own form limit follows it.
 AENV_API_MAX_BODY_BYTES = _env_int("AENV_API_MAX_BODY_BYTES", 2621440)

@@ -249,10 +249,16 @@ class VMDriver(abc.ABC):
         return [left for left in self.stray(sandbox_id) if self.remove_leftover(left)]
 
     @abc.abstractmethod
-    def files_in_use(self) -> set[str]:
+    def files_in_use(self, sandbox_id: str | None = None) -> set[str]:
         """Absolute paths of host files the driver's VMs use, their own and others' (the
         disk layers and memory files of the snapshots they were restored from): a snapshot
-        cache must not delete those."""
+        cache must not delete those. ``sandbox_id``: that VM's only."""
+
+    def disk_errors(self, sandbox_id: str) -> int:
+        """How many of the VM's disk requests failed on the host since its process started:
+        the guest got an I/O error for each (a lazily read disk whose store went away, a
+        failing host disk). 0 when it has none, does not run, or does not answer now."""
+        return 0
 
     @abc.abstractmethod
     def adopt_snapshot(self, dir: Path) -> SnapshotManifest:

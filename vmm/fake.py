@@ -12,7 +12,7 @@ pause), snapshots as JSON files in the caller's dir (so the snapshot stores and 
 driver instance can restore them), fork children that are independent copies, host capacity (a boot past it is refused), the fingerprint, and the
 documented errors (VMNotFound for unknown ids, VMError for verbs the state does not allow).
 Test hooks: ``guest(id)`` for the dicts, ``leave_process(id)`` for a stray process, ``crash(id)``
-for a VM whose process died (STOPPED: only kill() helps).
+for a VM whose process died (STOPPED: only kill() helps), ``fail_disk(id)`` for failed disk requests.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class _VM(MovesByTable):
     guest: FakeGuest
     status: VmLifecycle = VmLifecycle.RUNNING  # changes only through move() (vmm.vm_status's table)
     crashed: bool = False  # crash(): its process died (STOPPED until killed), whatever its status
+    disk_errors: int = 0  # fail_disk(): guest disk requests that failed on the host
     uses: tuple[str, ...] = ()  # files of the snapshot it was restored from
     capture: str = ""  # the fork capture it was restored from
     stray_process: bool = False
@@ -124,6 +125,11 @@ class FakeDriver(VMDriver):
 
     def guest(self, sandbox_id: str) -> FakeGuest:
         return self._vm(sandbox_id).guest
+
+    def fail_disk(self, sandbox_id: str, requests: int = 1) -> None:
+        """``requests`` of its guest's disk requests failed on the host (the guest saw I/O errors)."""
+        with self._lock:
+            self._vm(sandbox_id).disk_errors += requests
 
     def crash(self, sandbox_id: str) -> None:
         """Its process died (or its boot was cut off): STOPPED until killed."""
@@ -246,9 +252,14 @@ class FakeDriver(VMDriver):
                 return True
             return False
 
-    def files_in_use(self) -> set[str]:
+    def files_in_use(self, sandbox_id: str | None = None) -> set[str]:
         with self._lock:
-            return {path for vm in self.vms.values() for path in vm.uses}
+            return {path for sid, vm in self.vms.items() if sandbox_id in (None, sid) for path in vm.uses}
+
+    def disk_errors(self, sandbox_id: str) -> int:
+        with self._lock:
+            vm = self.vms.get(sandbox_id)
+            return vm.disk_errors if vm is not None and not vm.crashed else 0
 
     # -- lifecycle --------------------------------------------------------------------------
 

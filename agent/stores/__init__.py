@@ -31,7 +31,8 @@ def get_store() -> SnapshotStore:
                       region=settings.AENV_S3_REGION, prefix=settings.AENV_S3_PREFIX,
                       concurrency=settings.AENV_S3_CONCURRENCY,
                       cache_limit_bytes=settings.AENV_SNAPSHOT_CACHE_MB << 20,
-                      lazy=lazy_enabled(settings.AENV_LAZY_RESTORE), chunk_cache_mb=settings.AENV_CHUNK_CACHE_MB)
+                      lazy=lazy_enabled(settings.AENV_LAZY_RESTORE), chunk_cache_mb=settings.AENV_CHUNK_CACHE_MB,
+                      chunk_read_deadline=settings.AENV_CHUNK_READ_DEADLINE)
         key = tuple(sorted((k, str(v)) for k, v in config.items()))
         if key not in _S3_STORES:  # a boto3 client is slow to make and thread-safe to share
             _S3_STORES[key] = S3Store(**config)

@@ -62,7 +62,11 @@ def lazy_enabled(value: str | bool | None) -> bool:
 
 CACHE_FIGURES = {"hits": "hits", "misses": "misses", "hit_ratio": "hitRatio", "size_bytes": "sizeBytes",
                  "limit_bytes": "limitBytes", "entries": "entries", "evictions": "evictions",
-                 "fetched_bytes": "fetchedBytes", "corrupt": "corrupt", "pinned_bytes": "pinnedBytes"}
+                 "fetched_bytes": "fetchedBytes", "corrupt": "corrupt", "pinned_bytes": "pinnedBytes",
+                 # peer fetch (agent.chunk_peers): where fetched chunks came from, what peers got here
+                 "store_chunks": "storeChunks", "store_bytes": "storeBytes", "peer_chunks": "peerChunks",
+                 "peer_bytes": "peerBytes", "peer_errors": "peerErrors", "peer_corrupt": "peerCorrupt",
+                 "served_chunks": "servedChunks", "served_bytes": "servedBytes", "served_refused": "servedRefused"}
 
 
 def cache_figures(stats: dict | None) -> dict | None:
@@ -80,9 +84,12 @@ class LazyMountFailed(Exception):
 class LazyRestores:
     """The node's lazily restored snapshots and its chunkfs daemon."""
 
-    def __init__(self, home: Path, *, limit_mb: int, daemon_env: dict, files_in_use: Callable[[], Iterable[str]]):
+    def __init__(self, home: Path, *, limit_mb: int, daemon_env: dict, files_in_use: Callable[[], Iterable[str]],
+                 read_deadline: float | None = None):
         """``daemon_env``: what the daemon's environment adds to this process's (the S3
-        store's ``AENV_S3_*``); ``files_in_use``: the VM driver's (paths its VMs read)."""
+        store's ``AENV_S3_*``); ``files_in_use``: the VM driver's (paths its VMs read);
+        ``read_deadline``: the daemon's ``--read-deadline`` (``AENV_CHUNK_READ_DEADLINE``;
+        None: its default), how long a read waits for a chunk before it fails with EIO."""
         home = Path(home).absolute()
         self.root = home / "lazy" / "snapshots"
         self.run_dir = home / "chunkfs"
@@ -93,13 +100,37 @@ class LazyRestores:
         self.limit_mb = int(limit_mb)
         self.daemon_env = {k: str(v) for k, v in daemon_env.items()}
         self.files_in_use = files_in_use
+        self.peer_config: dict | None = None  # the daemon's "peers" op (agent.chunk_peers); None: left as is
+        self.read_deadline = read_deadline
 
     # ------------------------------------------------------------------ the daemon
 
     def client(self) -> ChunkfsClient:
-        """The node's daemon, started now if it does not answer."""
+        """The node's daemon, started now if it does not answer (and told its peers)."""
+        client = self._daemon()
+        if self.peer_config is not None:
+            try:
+                client.request({"op": "peers", **self.peer_config})
+            except ChunkfsError as exc:  # restores go on from the store
+                log.warning("the chunkfs daemon refused its peers: %s", exc)
+        return client
+
+    def set_peers(self, listen: str, token: str, peers: list[str], *, start: bool = True) -> str:
+        """Peer fetch (chunkfs's ``peers`` op): serve the cache on ``listen`` ("": not at all)
+        and ask ``peers``; kept for daemons started later. ``start``: start the daemon if it
+        does not run (else only a running one is told). Returns where it listens ("": nowhere);
+        ChunkfsError if the daemon cannot be had or refuses."""
+        self.peer_config = {"listen": listen, "token": token, "peers": list(peers)}
+        client = self._daemon() if start else self.running_client()
+        if client is None:
+            return ""
+        return str(client.request({"op": "peers", **self.peer_config})["listen"])
+
+    def _daemon(self) -> ChunkfsClient:
         return ensure_daemon(self.control, mountpoint=self.mountpoint, cache_dir=self.cache_dir,
                              limit_mb=self.limit_mb, log_path=self.log_path,
+                             extra_args=None if self.read_deadline is None else
+                             ["--read-deadline", f"{float(self.read_deadline):g}"],
                              env={**os.environ, **self.daemon_env, "AENV_CHUNK_CACHE_MB": str(self.limit_mb)})
 
     def running_client(self) -> ChunkfsClient | None:
@@ -114,14 +145,17 @@ class LazyRestores:
         return client
 
     def cache_stats(self) -> dict | None:
-        """The chunk cache's stats from the running daemon, or None."""
+        """The chunk cache's stats from the running daemon, with where its chunks came from
+        (peers, the store) and what it served its peers, or None."""
         client = self.running_client()
         if client is None:
             return None
         try:
-            return client.stats().get("cache")
+            stats = client.stats()
         except ChunkfsError:
             return None
+        cache = stats.get("cache")
+        return {**stats.get("fetches", {}), **cache} if isinstance(cache, dict) else None
 
     def mount_stats(self, snapshot_id: str) -> dict | None:
         client = self.running_client()

@@ -79,12 +79,13 @@ class S3Store(S3Objects, SnapshotStore):
     def __init__(self, *, home: Path, images_dir: Path, bucket: str, client=None, endpoint: str = "",
                  region: str = "", prefix: str = "", concurrency: int = 8, cache_limit_bytes: int = 20 << 30,
                  pin_seconds: float = 600.0, chunk_size: int = CHUNK_SIZE, driver=None, lazy: bool = False,
-                 chunk_cache_mb: int = 20 * 1024):
+                 chunk_cache_mb: int = 20 * 1024, chunk_read_deadline: float | None = None):
         """``driver``: the node's VM driver (vmm.driver.VMDriver), which adopts downloads and
         says which cached files its VMs use; default the node's own (agent.driver), made on
         first use, since only downloads and eviction need it. ``lazy``: restore snapshots
         from lazily filled files (agent.stores.lazy, the node's chunkfs daemon with a chunk
-        cache of ``chunk_cache_mb``) instead of downloading them whole."""
+        cache of ``chunk_cache_mb``; a chunk the store does not deliver within
+        ``chunk_read_deadline`` seconds fails the read with EIO) instead of downloading them whole."""
         super().__init__(bucket=bucket, client=client, endpoint=endpoint, region=region, prefix=prefix,
                          concurrency=concurrency)
         home = Path(home).absolute()
@@ -100,6 +101,7 @@ class S3Store(S3Objects, SnapshotStore):
         self.on_disk = LocalChunks([self.images_dir, self.cache.root], home / "cache" / "chunk-index",
                                    self.chunk_size)
         self.lazy = LazyRestores(home, limit_mb=chunk_cache_mb, files_in_use=lambda: self.driver.files_in_use(),
+                                 read_deadline=chunk_read_deadline,
                                  daemon_env={"AENV_S3_BUCKET": bucket, "AENV_S3_ENDPOINT": endpoint,
                                              "AENV_S3_REGION": region, "AENV_S3_PREFIX": prefix}) if lazy else None
         self._recording: set[str] = set()  # lazily mounted with recording on, not yet restored

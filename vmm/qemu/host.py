@@ -1,5 +1,6 @@
 """QEMU driver, host half: the verbs reconcile and the snapshot stores use instead of reading
-QEMU's files themselves: inspect (vm.json + process liveness -> VMStatus), the ids with
+QEMU's files themselves: inspect (vm.json + process liveness -> VMStatus), failed disk
+requests (QMP, for the node's VM watch), the ids with
 anything on the host, leftovers (a QEMU process of a VM recorded as saved, a fork capture no
 child uses) and their removal, the files VMs use (for the snapshot cache), and adopting a
 snapshot downloaded from another host (re-pointing each disk layer's backing file).
@@ -19,10 +20,12 @@ from pathlib import Path
 
 from vmm.driver import Leftover, SnapshotManifest, SnapshotUnusable, VMInspection, VMStatus
 from vmm.qemu.process import run
+from vmm.qemu.qmp import QMP, QMPError
 from vmm.qemu.state import VMState, process_alive, read_pidfile, reap, valid_sandbox_id
 from vmm.vm_status import VmLifecycle
 
 STRAY_PROCESS, FORK_CAPTURE = "process", "fork capture"
+DISK_ERRORS_QMP_TIMEOUT = 2.0  # QMP takes one client: a verb holding it means "ask next time"
 
 
 class HostMixin:
@@ -72,11 +75,14 @@ class HostMixin:
             return not capture.exists()
         return False
 
-    def files_in_use(self) -> set[str]:
+    def files_in_use(self, sandbox_id: str | None = None) -> set[str]:
         """Every absolute path a vm.json names (disk chain, RAM file, fork capture, kernel...):
         read as plain JSON, so a partial record still protects its files."""
         paths: set[str] = set()
-        for record in self.sandboxes_dir.glob("*/vm.json") if self.sandboxes_dir.is_dir() else []:
+        if sandbox_id is not None and not valid_sandbox_id(sandbox_id):
+            return paths
+        pattern = f"{sandbox_id}/vm.json" if sandbox_id is not None else "*/vm.json"
+        for record in self.sandboxes_dir.glob(pattern) if self.sandboxes_dir.is_dir() else []:
             try:
                 data = json.loads(record.read_text(errors="replace"))
             except (OSError, ValueError):
@@ -87,6 +93,22 @@ class HostMixin:
                     if isinstance(item, str) and item.startswith("/"):
                         paths.add(item)
         return paths
+
+    def disk_errors(self, sandbox_id: str) -> int:
+        """QMP ``query-blockstats``: the failed reads, writes and flushes of all its drives (a
+        failed request is counted when QEMU reports it to the guest: rerror/werror=report)."""
+        if not valid_sandbox_id(sandbox_id):
+            return 0
+        state = VMState.load(self.sandboxes_dir / sandbox_id)
+        if state is None or state.status.offline or not process_alive(state.pid, state.qmp):
+            return 0
+        try:
+            with QMP(Path(state.qmp), timeout=DISK_ERRORS_QMP_TIMEOUT) as q:
+                devices = q.execute("query-blockstats") or []
+        except (QMPError, OSError, ValueError):  # busy with a verb's QMP, or going away: next time
+            return 0
+        return sum(int(d.get("stats", {}).get(f"failed_{kind}_operations", 0) or 0)
+                   for d in devices if isinstance(d, dict) for kind in ("rd", "wr", "flush"))
 
     def adopt_snapshot(self, dir: Path) -> SnapshotManifest:
         """Each disk layer above the image's base is one of the snapshot's own files; its
