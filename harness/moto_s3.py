@@ -2,6 +2,8 @@
 S3 store's unit tests and its end-to-end test; nothing about boto3 is mocked), on loopback
 or inside a namespace of the caller's behind a rate-limited link (bench/lazy.py)."""
 import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +26,21 @@ def client(url: str):
     return boto3.client("s3", endpoint_url=url, region_name=REGION,
                         aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
                         aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+
+
+_SERVERS: dict[str, subprocess.Popen] = {}  # url -> its moto_server, while it runs
+
+
+@contextlib.contextmanager
+def silenced(url: str):
+    """The moto_server at ``url`` stops answering until the block ends (SIGSTOP: the kernel
+    still accepts connections, nothing ever answers them): a store that went away mid-read."""
+    proc = _SERVERS[url]
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
 
 
 @contextlib.contextmanager
@@ -52,8 +69,10 @@ def moto_server(bucket: str, link=None):
             assert proc.poll() is None, "moto_server exited"
             time.sleep(0.1)
         client(url).create_bucket(Bucket=bucket)
+        _SERVERS[url] = proc
         yield url
     finally:
+        _SERVERS.pop(url, None)
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=10)
