@@ -158,7 +158,7 @@ async def sandbox_fork(request, sandbox_id):
         count = int(request.POST.get("count", "1"))
     except ValueError:
         count = 0
-    fork_max = fork_op.fork_max_per_node()
+    fork_max = fork_op.fork_max_count()
     if not 1 <= count <= fork_max:
         return _action_result(request, sandbox_id, "error", f"Fork count must be 1 to {fork_max}.", status=400)
     try:

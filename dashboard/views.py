@@ -271,7 +271,7 @@ def allowed_actions(sandbox: Sandbox) -> dict[str, bool]:
 
 def _actions_context(sandbox: Sandbox) -> dict:
     return {"actions": allowed_actions(sandbox), "timeout_choices": TIMEOUT_CHOICES,
-            "fork_max": fork_op.fork_max_per_node(), "live": sandbox.state in LIVE}
+            "fork_max": fork_op.fork_max_count(), "live": sandbox.state in LIVE}
 
 
 @require_GET
@@ -291,7 +291,7 @@ def sandbox_detail(request, sandbox_id):
         terminal_unavailable=gone_reason(sandbox.state),
         terminal_final_codes=" ".join(str(code) for code in sorted(FINAL_CLOSE_CODES)),
         forks=list(sandbox.forks.order_by("-created_at")[:50]),
-        snapshots=list(sandbox.snapshots.order_by("-created_at")[:50]),
+        snapshots=list(sandbox.snapshots.filter(fork_capture=False).order_by("-created_at")[:50]),
     ))
 
 
@@ -311,7 +311,7 @@ def sandbox_detail_json(request, sandbox_id):
 def _lineage(team) -> list[dict]:
     """Template → its snapshots → sandboxes restored from each; forks hang under
     their parent sandbox. Only what the team can see, newest first."""
-    snapshots = list(Snapshot.objects.filter(team=team, build_result=False)
+    snapshots = list(Snapshot.objects.filter(team=team, build_result=False, fork_capture=False)
                      .select_related("template", "source_sandbox", "node")
                      .order_by("-created_at", "-id")[:LIST_LIMIT])
     restored: dict[str, list] = {}
@@ -335,7 +335,7 @@ def _lineage(team) -> list[dict]:
 @require_GET
 @team_page
 def snapshot_list(request):
-    rows = (Snapshot.objects.filter(team=request.team, build_result=False)
+    rows = (Snapshot.objects.filter(team=request.team, build_result=False, fork_capture=False)
             .select_related("template", "source_sandbox", "node")
             .annotate(restored=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE)))
             .order_by("-created_at", "-id")[:LIST_LIMIT])

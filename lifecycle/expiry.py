@@ -10,7 +10,9 @@ Rules:
 - a running sandbox past ``end_at`` is paused (``auto_pause``; filesystem-only when
   ``auto_pause_memory`` is false) or killed (``autoPause: false``);
 - a sandbox paused for longer than AENV_PAUSED_RETENTION seconds is killed, which
-  deletes its files on the node (0 keeps paused sandboxes forever).
+  deletes its files on the node (0 keeps paused sandboxes forever);
+- a fork capture stored for children on other nodes is deleted once none of them is live
+  (``lifecycle.snapshots.captures``, every ``CAPTURE_SWEEP`` seconds).
 Every action is recorded by the service as SandboxEvents with actor ``lifecycle``."""
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from django.utils import timezone
 
 from lifecycle import lost
 from lifecycle.sandboxes import kill, pause
+from lifecycle.snapshots import captures
 from sandboxes.errors import Conflict, LifecycleError, NotFound
 from sandboxes.models import Sandbox, SandboxEvent, Team
 from sandboxes.states import SandboxState
@@ -111,6 +114,8 @@ class Sweeper:
     # After a failed action (node down) the sandbox is left alone this long, so a broken
     # node is not asked again every tick.
     BACKOFF = 30.0
+    # How often unused fork captures are looked for (a query; a release asks nodes).
+    CAPTURE_SWEEP = 10.0
 
     def __init__(self, concurrency: int | None = None, limit: int = 100):
         self.concurrency = concurrency or settings.AENV_LIFECYCLE_CONCURRENCY
@@ -118,12 +123,15 @@ class Sweeper:
         self.running: dict[str, asyncio.Task] = {}
         self.backoff: dict[str, float] = {}
         self.outcomes: list[tuple[str, str, str]] = []
+        self.releasing: asyncio.Task | None = None
+        self.released_at: float | None = None
 
     async def tick(self, now: datetime | None = None) -> list[Action]:
         """Declares the sandboxes of dead nodes lost (lifecycle.lost), then starts the
         actions due now (up to the free concurrency); returns them."""
         for sandbox_id, was, now_state in await lost.mark_lost(now):
             log.warning("lifecycle: sandbox %s (%s) lost with its node → %s", sandbox_id, was, now_state)
+        self._release_captures()
         free = self.concurrency - len(self.running)
         if free <= 0:
             return []
@@ -140,6 +148,23 @@ class Sweeper:
                 break
         return started
 
+    def _release_captures(self) -> None:
+        """Starts a release of unused fork captures in the background, at most every
+        ``CAPTURE_SWEEP`` seconds and one at a time (it waits for nodes)."""
+        mono = asyncio.get_running_loop().time()
+        if (self.releasing is not None and not self.releasing.done()) or \
+                (self.released_at is not None and mono - self.released_at < self.CAPTURE_SWEEP):
+            return
+        self.released_at = mono
+
+        async def release() -> None:
+            try:
+                for snapshot_id in await captures.release_unused(actor=ACTOR):
+                    self.outcomes.append((snapshot_id, "release_capture", "deleted"))
+            except Exception:  # noqa: BLE001 - a bug must not stop the sweeper
+                log.exception("lifecycle: releasing fork captures failed")
+        self.releasing = asyncio.create_task(release())
+
     async def _run(self, action: Action) -> None:
         try:
             outcome = await apply(action)
@@ -155,8 +180,9 @@ class Sweeper:
 
     async def drain(self, timeout: float | None = None) -> None:
         """Waits for the actions in flight (shutdown, tests)."""
-        if self.running:
-            await asyncio.wait(list(self.running.values()), timeout=timeout)
+        waiting = list(self.running.values()) + ([self.releasing] if self.releasing is not None else [])
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout)
 
     async def run(self, period: float, stop: asyncio.Event, heartbeat: Callable[[], None] | None = None) -> None:
         """Ticks every ``period`` seconds until ``stop`` is set; a failing tick (database

@@ -34,7 +34,8 @@ async def snapshot_of(team: Team, ref: str, states=None, build_result: bool = Fa
     ref = normalize_ref(team, ref)
     if not ref:
         return None
-    qs = Snapshot.objects.select_related("template", "node").filter(team=team, build_result=build_result)
+    qs = Snapshot.objects.select_related("template", "node").filter(team=team, build_result=build_result,
+                                                                       fork_capture=False)
     if states is not None:
         qs = qs.filter(state__in=list(states))
     found = await qs.filter(pk=ref).afirst()

@@ -113,8 +113,8 @@ def place_sync(cpu_count: int, memory_mb: int, on_id: str | None = None, prefer_
 async def place(cpu_count: int, memory_mb: int, *, on: Node | None = None, prefer: Iterable[str] = (),
                 claim: Callable[[Node], None] | None = None) -> Node:
     """The one placement decision, for anything that needs room on a node: a create or a
-    template build (the least loaded alive node that fits), a fork (``on`` its parent's node: that node or
-    nothing), a restore (``on`` the snapshot's node when only it has the files; ``prefer``
+    template build (the least loaded alive node that fits), a fork that fits on its parent's node
+    (``on`` it; ``place_fork`` spreads a larger one), a restore (``on`` the snapshot's node when only it has the files; ``prefer``
     the nodes that have them, own or cached, when any node can fetch them: locality first,
     then the policy among those), a resume (``on`` its node, else anywhere if it can move).
     ``claim(node)`` (sync, in the placement's transaction) writes the reservation;
@@ -122,6 +122,66 @@ async def place(cpu_count: int, memory_mb: int, *, on: Node | None = None, prefe
     ``claim`` raises propagates, and nothing of the placement stays."""
     return await sync_to_async(place_sync)(cpu_count, memory_mb, on.pk if on is not None else None,
                                            frozenset(prefer), claim)
+
+
+def _room(node: Node, cpu_count: int, memory_mb: int, per_node: int) -> int:
+    """How many more units of ``cpu_count`` / ``memory_mb`` fit on ``node``, at most ``per_node``."""
+    fits = [per_node]
+    if cpu_count > 0:
+        fits.append((node.vcpu_capacity - node.cpu_reserved) // cpu_count)
+    if memory_mb > 0:
+        fits.append((node.memory_mb_capacity - node.memory_reserved) // memory_mb)
+    return max(0, min(fits))
+
+
+def place_fork_sync(cpu_count: int, memory_mb: int, count: int, home_id: str, *, per_node: int,
+                    spill: bool = False, claim: Callable | None = None) -> list[tuple[Node, int]]:
+    """``count`` fork children of ``cpu_count`` / ``memory_mb`` each (a fork child's charge),
+    at most ``per_node`` on any node, in one claim like ``place_sync``'s. They go to the parent's
+    node ``home_id`` (no upload: they share its capture) as far as it has room; with ``spill``
+    the rest go one at a time to the other nodes in the policy's order (``spread``: each to the
+    least loaded that fits, so they even out; ``pack``: the most loaded first). Returns
+    ``[(node, n)]``, the parent's node first (``n`` may be 0 there). ``claim(allotment)`` writes
+    the reservation. Raises NoNodeAvailable when they do not all fit (nothing is reserved)."""
+    with transaction.atomic():
+        locked = list(_alive().select_for_update().order_by("pk").values_list("pk", flat=True))
+        nodes = {n.pk: n for n in with_reservations(Node.objects.filter(pk__in=locked))}
+        home = nodes.get(home_id)
+        if home is None:
+            raise NoNodeAvailable(f"node {home_id} is not available (not alive, draining or revoked)")
+        at_home = min(count, _room(home, cpu_count, memory_mb, per_node))
+        allotted = {home.pk: at_home}
+        left = count - at_home
+        if left and not spill:
+            raise NoNodeAvailable(f"node {home_id} has no room for {count} (room for {at_home}; at most {per_node} "
+                                  f"a node, {cpu_count} vCPU / {memory_mb} MiB each)")
+        others = [n for n in nodes.values() if n.pk != home.pk]
+        order = _order()
+        while left:
+            fitting = [n for n in others if allotted.get(n.pk, 0) < per_node and _fits(n, cpu_count, memory_mb)]
+            if not fitting:
+                placed = count - left
+                raise NoNodeAvailable(f"no room in the cluster for {count} (room for {placed}, {at_home} of them on "
+                                      f"node {home_id}; at most {per_node} a node, {cpu_count} vCPU / {memory_mb} "
+                                      "MiB each)")
+            node = min(fitting, key=order)
+            node.cpu_reserved += cpu_count
+            node.memory_reserved += memory_mb
+            allotted[node.pk] = allotted.get(node.pk, 0) + 1
+            left -= 1
+        allotment = [(home, at_home)] + [(n, allotted[n.pk]) for n in sorted(others, key=lambda n: n.pk)
+                                         if allotted.get(n.pk)]
+        Node.objects.filter(pk__in=[n.pk for n, k in allotment if k]).update(placements=F("placements") + 1)
+        if claim is not None:
+            claim(allotment)
+        return allotment
+
+
+async def place_fork(cpu_count: int, memory_mb: int, count: int, *, home: Node, per_node: int, spill: bool = False,
+                     claim: Callable[[list], None] | None = None) -> list[tuple[Node, int]]:
+    """``place_fork_sync`` for the async lifecycle: where a fork's children go."""
+    return await sync_to_async(place_fork_sync)(cpu_count, memory_mb, count, home.pk, per_node=per_node,
+                                                spill=spill, claim=claim)
 
 
 def _order():

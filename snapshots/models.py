@@ -36,6 +36,10 @@ class Snapshot(models.Model):
     # creates of that template restore. Not one of the team's snapshots: never listed, never
     # a templateID of its own, deleted with its template.
     build_result = models.BooleanField(default=False, db_index=True)
+    # A fork's capture whose children span nodes (lifecycle.snapshots.fork_spread): stored so the
+    # other nodes restore its children lazily. Not one of the team's snapshots either: never
+    # listed or named, deleted by the sweeper once no live sandbox restored from it is left.
+    fork_capture = models.BooleanField(default=False, db_index=True)
     state = models.CharField(max_length=16, choices=SnapshotState.choices, default=SnapshotState.CREATING,
                              db_index=True)
     error_reason = models.TextField(blank=True, default="")

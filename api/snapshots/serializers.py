@@ -4,7 +4,7 @@ from rest_framework import serializers
 from api.sandboxes.serializers import SandboxSerializer
 from api.fields import StrictBooleanField, StrictCharField, StrictIntegerField, TimeoutField
 
-from lifecycle.snapshots.fork import MAX_FORK_COUNT, fork_max_per_node
+from lifecycle.snapshots.fork import MAX_FORK_COUNT, fork_max_count, fork_max_per_node
 from snapshots.models import NAME_RE, Snapshot
 
 
@@ -46,8 +46,9 @@ class SnapshotListQuerySerializer(serializers.Serializer):
 
 
 class ForkRequestSerializer(serializers.Serializer):
-    """Body of ``POST /sandboxes/{id}/fork``: ``count`` (1..100, default 1) and
-    ``timeout`` (seconds for each child; default: the parent's timeout)."""
+    """Body of ``POST /sandboxes/{id}/fork``: ``count`` (1..100, default 1; without the S3
+    store at most ``AENV_FORK_MAX_PER_NODE``, as every child then starts on the parent's node)
+    and ``timeout`` (seconds for each child; default: the parent's timeout)."""
 
     count = StrictIntegerField(required=False, allow_null=True, default=None)
 
@@ -55,11 +56,10 @@ class ForkRequestSerializer(serializers.Serializer):
         count = 1 if count is None else count
         if not 1 <= count <= MAX_FORK_COUNT:
             raise serializers.ValidationError(f"count must be an integer between 1 and {MAX_FORK_COUNT}")
-        limit = fork_max_per_node()
-        if count > limit:
+        if count > fork_max_count():  # without the S3 store: the per-node limit
             raise serializers.ValidationError(
-                f"count {count} is over the per-node fork limit AENV_FORK_MAX_PER_NODE={limit} "
-                "(all children start on the parent's node)")
+                f"count {count} is over the per-node fork limit AENV_FORK_MAX_PER_NODE={fork_max_per_node()} "
+                "(without the S3 snapshot store all children start on the parent's node)")
         return count
     timeout = TimeoutField(required=False, allow_null=True, default=None)
 

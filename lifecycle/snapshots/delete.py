@@ -41,6 +41,12 @@ async def delete_snapshot(team: Team, snapshot_id: str, actor: str = "", build_r
         raise NotFound(f'snapshot "{snapshot_id}" not found{note}')
     if snapshot.state == SS.CREATING:
         raise Conflict(f'snapshot "{snapshot.id}" is still being created')
+    await delete_with_files(snapshot, actor)
+
+
+async def delete_with_files(snapshot: Snapshot, actor: str = "") -> None:
+    """``→ deleting`` (Conflict while live sandboxes restored from it remain), its files, then
+    its row: the delete of a snapshot already looked up (the API's, or a fork capture's release)."""
     previous = await _begin_delete(snapshot, actor)
     # Shielded: a client that goes away must not leave the snapshot stuck in "deleting".
     await core.shielded(_delete_on_node(snapshot, previous, actor))

@@ -1,48 +1,63 @@
-"""Fork: one capture of a running sandbox, then ``count`` children restored from it on the
-parent's node, each with the parent's memory, processes, files and settings."""
+"""Fork: one capture of a running sandbox, then ``count`` children with the parent's memory,
+processes, files and settings. Placement decides where the children go (``place_fork``): on
+the parent's node while it has room (the driver's fork: children share the capture's memory
+there); with the S3 store the rest go to other nodes, which restore them lazily from the
+stored capture (``fork_spread``). The API and the SDK see no difference."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
 from nodes import placement
 from lifecycle.sandboxes import core, network
 from lifecycle.sandboxes.core import S, Result
-from sandboxes.errors import Conflict, Failed, LifecycleError, Unavailable
-from lifecycle.sandboxes.options import SandboxOptions
-from sandboxes.models import Sandbox, Team, new_envd_access_token
-from sandboxes.transitions import insert_creating, transition_sync
+from sandboxes.errors import LifecycleError, Unavailable
+from sandboxes.models import Sandbox, Team
 
 from lifecycle.snapshots.common import fail_capture
+from lifecycle.snapshots.fork_children import begin_fork_sync, finish_child
+from lifecycle.snapshots.fork_spread import fork_across_nodes
 
 log = logging.getLogger(__name__)
 
-# The most children the API accepts in one request, whatever the per-node limit.
+# The most children the API accepts in one request, whatever the cluster.
 MAX_FORK_COUNT = 100
 
 
 def fork_max_per_node() -> int:
-    """``AENV_FORK_MAX_PER_NODE``: the most children one fork may start (all land on the
-    parent's node), read at call time."""
+    """``AENV_FORK_MAX_PER_NODE``: the most children of one fork that any one node starts,
+    read at call time."""
     return int(settings.AENV_FORK_MAX_PER_NODE)
+
+
+def fork_spills() -> bool:
+    """Whether a fork's children may go to other nodes than the parent's: only with the S3
+    store, from which any node restores the capture."""
+    return settings.AENV_SNAPSHOT_BACKEND == "s3"
+
+
+def fork_max_count() -> int:
+    """The most children one fork may ask for: ``MAX_FORK_COUNT`` where they may spread over
+    the cluster, else the per-node limit (all on the parent's node). The API and the
+    dashboard check it; placement then finds room for them or answers 503."""
+    return MAX_FORK_COUNT if fork_spills() else min(MAX_FORK_COUNT, fork_max_per_node())
 
 
 async def fork_sandbox(team: Team, sandbox_id: str, *, count: int | None = 1, timeout: int | None = None,
                        actor: str = "") -> list[Result | LifecycleError]:
-    """Forks a running sandbox into ``count`` children on its node (one capture; the
-    parent keeps its id and expiry). Each child expires ``timeout`` seconds after it
-    starts; without one it inherits the parent's timeout. Returns one entry per child:
-    its Result (running), or the LifecycleError that stopped it (siblings are unaffected).
+    """Forks a running sandbox into ``count`` children (one capture; the parent keeps its id
+    and expiry). Each child expires ``timeout`` seconds after it starts; without one it
+    inherits the parent's timeout. Returns one entry per child: its Result (running), or the
+    LifecycleError that stopped it (siblings are unaffected).
 
-    Not running: Conflict; unknown: NotFound; no room on the parent's node: Unavailable;
+    Not running: Conflict; unknown: NotFound; no room for them all (on the parent's node, or
+    with the S3 store in the cluster, at most ``AENV_FORK_MAX_PER_NODE`` a node): Unavailable;
     the capture itself failed: its error, and no child exists. (``count`` was checked
-    against ``fork_max_per_node()`` at the edge.)"""
+    against ``fork_max_count()`` at the edge.)"""
     count = 1 if count is None else count
     parent = await core.visible(team, sandbox_id)
     if parent.state != S.RUNNING:
@@ -52,20 +67,27 @@ async def fork_sandbox(team: Team, sandbox_id: str, *, count: int | None = 1, ti
         timeout = await _inherited_timeout(parent)
     made: list = []
 
-    def claim(placed) -> None:  # the children's rows are the reservation, made under the node's lock
-        made.append(_begin_fork_sync(parent, placed, count, timeout, actor))
+    def claim(allotment) -> None:  # the children's rows are the reservation, made under the nodes' locks
+        made.append(begin_fork_sync(parent, allotment, timeout, actor))
 
     vcpus, memory_mb = placement.fork_child_charge(parent.cpu_count, parent.memory_mb)
+    spill = fork_spills()
     try:
-        await placement.place(vcpus * count, memory_mb * count, on=node, claim=claim)
+        await placement.place_fork(vcpus, memory_mb, count, home=node, per_node=fork_max_per_node(), spill=spill,
+                                   claim=claim)
     except placement.NoNodeAvailable as exc:
+        where = ("on the parent's node first, the rest on other nodes" if spill
+                 else "forks start on their parent's node")
         raise Unavailable(f"{exc} ({count} fork child(ren) of a {parent.cpu_count} vCPU / {parent.memory_mb} MiB "
                           f"sandbox, each reserving {vcpus} vCPU / {memory_mb} MiB while it shares its parent's "
-                          "memory; forks start on their parent's node)", retry=False) from None
-    children = made[0] if made else None
-    if children is None:
+                          f"memory; {where})", retry=False) from None
+    begun = made[0] if made else None
+    if begun is None:
         parent = await core.visible(team, sandbox_id)
         raise core.not_running(sandbox_id, parent.state)
+    if begun.capture is not None:
+        return await core.shielded(fork_across_nodes(parent, begun, node, timeout, actor))
+    children = [child for child, _ in begun.children]
     return await core.shielded(_fork_on_node(parent, children, node, timeout, actor))
 
 
@@ -78,40 +100,6 @@ async def _inherited_timeout(parent: Sandbox) -> int:
             return value
     seconds = int(round((parent.end_at - parent.started_at).total_seconds()))
     return min(max(seconds, 1), settings.AENV_MAX_TIMEOUT)
-
-
-def _begin_fork_sync(parent: Sandbox, node, count: int, timeout: int, actor: str) -> list[Sandbox] | None:
-    """``running → forking`` and the ``creating`` child rows, in one transaction (so the
-    children reserve their node's capacity, a fork child's charge, before the node starts them). Each child copies
-    the parent's settings as the row holds them now (a network update may have landed since
-    ``parent`` was read) and gets its own envd and traffic access tokens."""
-    now = timezone.now()
-    reserved_vcpus, reserved_memory_mb = placement.fork_child_charge(parent.cpu_count, parent.memory_mb)
-    with transaction.atomic():
-        started = core.event(parent.pk, "fork", outcome="started", from_state=S.RUNNING, actor=actor,
-                             details={"count": count, "child_timeout": timeout})  # not "timeout": the parent's own
-        if not transition_sync(parent.pk, [S.RUNNING], S.FORKING, started):
-            return None
-        parent = Sandbox.objects.get(pk=parent.pk)
-        children = []
-        for _ in range(count):
-            child = insert_creating(
-                core.event("", "create", outcome="started", actor=actor,
-                           details={"template": parent.template_id, "forked_from": parent.pk, "node": node.id,
-                                    "timeout": timeout}),
-                team_id=parent.team_id, template_id=parent.template_id, node=node,
-                alias=parent.alias, client_id=parent.client_id, envd_version=parent.envd_version,
-                envd_access_token=new_envd_access_token() if parent.envd_access_token else "",
-                traffic_access_token=network.new_traffic_access_token() if parent.traffic_access_token else "",
-                cpu_count=parent.cpu_count, memory_mb=parent.memory_mb, disk_size_mb=parent.disk_size_mb,
-                reserved_vcpus=reserved_vcpus, reserved_memory_mb=reserved_memory_mb,
-                **SandboxOptions.of(parent).fields(), forked_from=parent, created_at=now, started_at=now,
-                end_at=now + timedelta(seconds=timeout),
-            )
-            children.append(child)
-        started.details["children"] = [c.id for c in children]
-        started.save(update_fields=["details"])
-    return children
 
 
 async def _fork_on_node(parent: Sandbox, children: list[Sandbox], node, timeout: int,
@@ -148,7 +136,7 @@ async def _fork_on_node(parent: Sandbox, children: list[Sandbox], node, timeout:
     if not await core.transition(parent.id, [S.FORKING], S.RUNNING, event):
         event.outcome, event.message = "aborted", "parent was killed while forking; its children are kept"
         await core.record(event)
-    out = await asyncio.gather(*(_finish_child(c, by_id.get(c.id), node, timeout, t0, started, actor)
+    out = await asyncio.gather(*(finish_child(c, by_id.get(c.id), node, timeout, t0, started, actor)
                                  for c in children))
     return [Result(child, phases) if isinstance(child, Sandbox) else child for child in out]
 
@@ -193,32 +181,3 @@ async def _fork_failed(client, exc, parent, children, node, t0, started, details
                                      from_state=S.ERROR, to_state=S.ERROR, actor=actor,
                                      details={**details, "cleanup": cleanup}))
     raise error from exc
-
-
-async def _finish_child(child: Sandbox, result: dict | None, node, timeout: int, t0, started,
-                        actor: str) -> Sandbox | LifecycleError:
-    base = {"forked_from": child.forked_from_id, "node": node.id}
-    if not result or not result.get("ok"):
-        kind = (result or {}).get("kind") or "MissingResult"
-        reason = (f"fork child {child.id} failed on node {node.id}: {kind}: {(result or {}).get('message', '')}"
-                  if result else f"node {node.id} returned no result for fork child {child.id}")
-        event = core.event(child.id, "create", outcome="error", from_state=S.CREATING, started_at=started,
-                           duration_ms=core.ms(t0), message=reason, actor=actor, details={**base, "kind": kind})
-        if not await core.transition(child.id, [S.CREATING], S.ERROR, event, error_reason=reason):
-            await core.record(event)
-        return Failed(reason, code=core.snake(kind))
-    now = timezone.now()
-    event = core.event(child.id, "create", from_state=S.CREATING, started_at=started, duration_ms=core.ms(t0),
-                       actor=actor, details={**base, "pid": result.get("pid"), "timings": result.get("timings")})
-    won = await core.transition(child.id, [S.CREATING], S.RUNNING, event, envd_host=result["envd_host"],
-                                envd_port=result["envd_port"], guest_host=result.get("guest_host") or "",
-                                started_at=now,
-                                end_at=now + timedelta(seconds=timeout))
-    if not won:  # killed while it was being forked: the kill found no VM yet
-        cleanup = await core.kill_on_node(node, child.id, core.CLEANUP_DEADLINE)
-        await core.record(core.event(child.id, "create", outcome="aborted", from_state=S.CREATING,
-                                     started_at=started, duration_ms=core.ms(t0), actor=actor,
-                                     message="sandbox was killed while it was being forked",
-                                     details={**base, "cleanup": cleanup}))
-        return Conflict(f'sandbox "{child.id}" was killed while it was being forked')
-    return await Sandbox.objects.select_related("template").aget(pk=child.pk)

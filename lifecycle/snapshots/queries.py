@@ -14,7 +14,7 @@ async def list_snapshots(team: Team, *, sandbox_id: str | None = None, name: str
                          limit: int = 100, next_token: str | None = None) -> Page:
     """The team's ready snapshots, newest first, keyset-paginated on (created_at, id)
     so pages never repeat or skip one while others are taken or deleted."""
-    qs = Snapshot.objects.filter(team=team, state=SS.READY, build_result=False)
+    qs = Snapshot.objects.filter(team=team, state=SS.READY, build_result=False, fork_capture=False)
     if sandbox_id:
         qs = qs.filter(source_sandbox_id=sandbox_id)
     if name:

@@ -76,7 +76,7 @@ def _delete_template(template: Template) -> list[str]:
                            f"({shown}); kill them before deleting it")
         results = set(TemplateBuild.objects.filter(template=template, snapshot__isnull=False)
                       .values_list("snapshot_id", flat=True))
-        taken = list(Snapshot.objects.filter(template=template, state__in=snapshot_states.LIVE)
+        taken = list(Snapshot.objects.filter(template=template, state__in=snapshot_states.LIVE, fork_capture=False)
                      .exclude(pk__in=results).values_list("id", flat=True)[:6])
         if taken:
             raise Conflict(f"template '{template.alias or template.pk}' is still used by snapshots "

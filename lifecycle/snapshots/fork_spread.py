@@ -1,0 +1,141 @@
+"""A fork whose children span nodes: the parent's node captures it once into the S3 store (a
+snapshot of its own, ``fork_capture``: hidden from the team, released once no live child is
+left, ``captures``), the parent continues, then every child is restored from that capture in
+parallel — on the parent's node from its local copy, on the others lazily from the store
+(``agent.stores.lazy``) — each with its own id, envd token, env vars and network policy, as
+a child of the driver's fork.
+
+Why a stored snapshot and restores, not the driver's fork: a node restores only what the
+store holds, and the one upload is what lets a rollout batch outgrow the parent's node; the
+answer comes when the last child runs, so the parent's own children lose nothing by waiting
+for the upload too."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from django.conf import settings
+from django.utils import timezone
+
+from lifecycle.sandboxes import core, network
+from lifecycle.sandboxes.core import S, Result
+from sandboxes.errors import LifecycleError, Unavailable
+from sandboxes.models import Sandbox
+from snapshots import transitions as snapshot_transitions
+
+from lifecycle.snapshots.captures import release_if_unused
+from lifecycle.snapshots.common import delete_files_quietly, fail_capture
+from lifecycle.snapshots.fork_children import Begun, finish_child
+
+log = logging.getLogger(__name__)
+
+
+async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
+                            actor: str) -> list[Result | LifecycleError]:
+    """Captures ``parent`` on ``home`` into ``begun.capture``, then restores each child of
+    ``begun`` on its node. A failed capture fails the fork (no child exists); a child whose
+    restore fails ends ``error`` alone, with its event."""
+    capture = begun.capture
+    children = [c for c, _ in begun.children]
+    t0, started = time.monotonic(), timezone.now()
+    nodes: dict[str, list[str]] = {}
+    for child, node in begun.children:
+        nodes.setdefault(node.id, []).append(child.id)
+    details = {"node": home.id, "count": len(children), "capture": capture.id, "nodes": nodes}
+    result = await _capture(parent, children, capture, home, t0, started, details, actor)
+    timings = (result or {}).get("timings") or {}
+    t_captured = time.monotonic()
+    event = core.event(parent.id, "fork", from_state=S.FORKING, started_at=started, duration_ms=core.ms(t0),
+                       actor=actor, details={**details, "size_bytes": result.get("size_bytes"), "timings": timings,
+                                             "phases": core.op_phases(t0, timings.get("task_ms"))})
+    if not await core.transition(parent.id, [S.FORKING], S.RUNNING, event):
+        event.outcome, event.message = "aborted", "parent was killed while forking; its children are kept"
+        await core.record(event)
+    out = await asyncio.gather(*(_child(child, node, capture, timeout, t0, started, actor)
+                                 for child, node in begun.children))
+    phases = {"capture": round((t_captured - t0) * 1000, 2), "total": round(core.ms(t0), 2)}
+    await release_if_unused(capture.id, actor)  # every child failed: nothing needs it
+    return [Result(child, phases) if isinstance(child, Sandbox) else child for child in out]
+
+
+async def _capture(parent: Sandbox, children: list[Sandbox], capture, home, t0, started, details,
+                   actor: str) -> dict:
+    """The parent's node takes the capture and stores it (``snapshot_sandbox``: the parent
+    pauses only for the capture; the upload follows while it runs). Returns the node's
+    answer, or raises after failing the parent (as a fork), every child and the capture."""
+    client, _ = core.node_api()
+    deadline = settings.AENV_SNAPSHOT_DEADLINE
+    try:
+        # A kill of the parent meanwhile still needs the node's answer (its children are
+        # kept); any other move is a restarted node's reconcile, answered at once.
+        result = await core.await_node(asyncio.wait_for(
+            client.snapshot_sandbox(home, sandbox_id=parent.id, snapshot_id=capture.id, memory=True,
+                                    deadline=deadline),
+            timeout=deadline + 15,
+        ), parent.id, S.FORKING, tolerate=(S.KILLING, S.KILLED))
+    except core.Moved as moved:
+        reason = f"fork of sandbox {parent.id} was interrupted (node restarted); the parent is {moved.state}"
+        await core.record(core.event(parent.id, "fork", outcome="aborted", from_state=S.FORKING,
+                                     started_at=started, duration_ms=core.ms(t0), actor=actor, message=reason,
+                                     details=details))
+        await _fail_all(parent, children, capture, reason, "NodeRestarted", t0, started, details, actor)
+        raise Unavailable(reason) from None
+    except Exception as exc:  # no child is served
+        # The node answered: the driver continued the parent and removed the partial capture.
+        # No answer: the parent's VM is in an unknown state and is removed, as after a failed fork.
+        error, vm_runs, moved = await fail_capture(client, exc, home, parent.id, "fork", S.FORKING,
+                                                   details=details, started=started, t0=t0, actor=actor,
+                                                   deadline=deadline)
+        if moved and not vm_runs:
+            cleanup = await core.kill_on_node(home, parent.id, core.CLEANUP_DEADLINE)
+            await core.record(core.event(parent.id, "fork", outcome="cleanup", from_state=S.ERROR,
+                                         to_state=S.ERROR, actor=actor, details={**details, "cleanup": cleanup}))
+        if not vm_runs:
+            await delete_files_quietly(home, capture.id)
+        await _fail_all(parent, children, capture, error.message, error.kind, t0, started, details, actor)
+        raise error from exc
+    await snapshot_transitions.transition(capture.pk, "complete", actor=actor,
+                                          details={"sandbox": parent.id, "fork": True,
+                                                   "size_bytes": int(result.get("size_bytes") or 0)},
+                                          manifest=result.get("manifest") or {},
+                                          size_bytes=int(result.get("size_bytes") or 0))
+    return result
+
+
+async def _fail_all(parent, children, capture, reason: str, kind: str, t0, started, details, actor) -> None:
+    """The capture failed: each child (no VM was started for any) ends ``error``, and the
+    capture's row too (the sweeper removes it with whatever files are left)."""
+    for child in children:
+        failed = core.event(child.id, "create", outcome="error", from_state=S.CREATING, started_at=started,
+                            duration_ms=core.ms(t0), message=reason, actor=actor,
+                            details={"forked_from": parent.id, "capture": capture.id, "kind": kind})
+        if not await core.transition(child.id, [S.CREATING], S.ERROR, failed, error_reason=reason):
+            await core.record(failed)
+    await snapshot_transitions.transition(capture.pk, "fail", actor=actor, message=reason, details=details,
+                                          error_reason=reason)
+
+
+async def _child(child: Sandbox, node, capture, timeout: int, t0, started, actor: str):
+    """One child restored from the capture on its node, then ended by ``finish_child``."""
+    client, _ = core.node_api()
+    try:
+        answer = await core.await_node(asyncio.wait_for(
+            client.restore_sandbox(
+                node, sandbox_id=child.id, snapshot_id=capture.id, env_vars=child.env_vars,
+                access_token=child.envd_access_token or None, source_token=capture.envd_access_token or None,
+                network=network.spec_of(child), template=False),
+            timeout=settings.AENV_NODE_TASK_DEADLINE + 15,
+        ), child.id, S.CREATING, tolerate=(S.KILLING, S.KILLED))
+        result = {"ok": True, **answer}
+    except core.Moved as moved:  # a restarted node reconciled it (and removes what was started)
+        result = {"ok": False, "kind": "NodeRestarted",
+                  "message": f"node {node.id} restarted while the child was restored (now {moved.state})"}
+    except Exception as exc:  # mapped for the child alone; its siblings go on
+        error = core.node_failure(client, exc, node, "fork child's restore", settings.AENV_NODE_TASK_DEADLINE)
+        if not isinstance(exc, (client.NodeError, asyncio.TimeoutError)):
+            log.exception("unexpected error restoring fork child %s", child.id)
+        # whatever the node may have started is removed, answered or not (as a failed create)
+        cleanup = await core.kill_on_node(node, child.id, core.CLEANUP_DEADLINE)
+        result = {"ok": False, "kind": error.kind, "message": str(exc) or error.message, "cleanup": cleanup}
+    return await finish_child(child, result, node, timeout, t0, started, actor)
