@@ -1,0 +1,175 @@
+"""bench/lazy.py's results as one headline table (a row per question of issue 24's benchmark
+and store link, each target met or not) and a section per part, written with the raw JSON
+to ``lazy-<UTC stamp>.{json,md}``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+def _mib(n) -> str:
+    return "–" if n is None else f"{n / MIB:.0f} MiB"
+
+
+def _ms(d: dict | None, key: str = "p50") -> str:
+    v = (d or {}).get(key)
+    return "–" if v is None else f"{v:.0f} ms"
+
+
+def met(ok) -> str:
+    return {True: "yes", False: "**no**", None: "–"}[ok]
+
+
+def template_rows(t: dict) -> list[tuple]:
+    tpl, size = t["template"], t["template"]["size"]
+    r = t.get("ratio_p50")
+    rows = [(f"create from a built template ({_mib(size['total_bytes'])} in the store: {_mib(size['own_bytes'])} its "
+             f"own files, {_mib(size['image_bytes'])} the base disk and boot files under it) → envd answering, p50 "
+             f"of {t['runs']}: a node that never saw it / the node that built it",
+             f"{_ms(t['new_node_ms'])} / {_ms(t['builder_ms'])} ({r}×)" if r else "–", "≤ 1.5×",
+             met(r <= t["target_ratio"] if r else None))]
+    rows.append(("… bytes the new node fetched from the store until the guest answered, p50",
+                 f"{_mib(t['fetched_bytes_p50'])} ({t['fetched_pct_of_template_p50']} % of the template)", "", ""))
+    return rows
+
+
+def resume_rows(rs: dict) -> list[tuple]:
+    p = rs["answer_ms"].get("p50")
+    first = rs["rows"][0]["image"] if rs["rows"] else {}
+    disk = "with" if rs["node_b_base_disk"] else "without"
+    return [(f"resume (connect → envd answering) of a sandbox paused on another node (B {disk} the base disk), "
+             f"p50 of {rs['runs']}", _ms(rs["answer_ms"]), "≤ 1000 ms", met(p <= rs["target_ms"] if p else None)),
+            (f"… bytes fetched before the guest answered, % of the pause image ({_mib(first.get('total_bytes'))}; "
+             f"of what B lacked: {rs.get('fetched_pct_of_lacked_p50')} %), p50",
+             f"{rs['fetched_pct_p50']} %", "≤ 10 %",
+             met(rs["fetched_pct_p50"] <= rs["target_pct"] if rs["fetched_pct_p50"] is not None else None))]
+
+
+def cache_rows(c: dict) -> list[tuple]:
+    w = c["watch"]
+    created = sum(1 for r in c["rows"] if r.get("created"))
+    intact = sum(1 for r in c["rows"] if r.get("fill_intact"))
+    sizes = ", ".join(f"{r['template_mib']}" for r in c["rows"])
+    ok = c["all_created"] and c["bound_kept"]
+    return [(f"{len(c['rows'])} templates ({sizes} MiB in the store) in turn on a node with a {c['cache_mb']} MiB "
+             "chunk cache, each read back whole in the guest: created / intact; cache max size vs bound, evictions",
+             f"{created} / {intact} of {len(c['rows'])}; {_mib(w.get('max_size_bytes'))} of "
+             f"{_mib(w.get('limit_bytes'))} ({w.get('samples', 0)} samples), {w.get('evictions', '–')} evictions",
+             "every create succeeds, never over the bound", met(ok))]
+
+
+def fork_rows(f: dict) -> list[tuple]:
+    one, three, n = f["one_node"], f["three_nodes"], f["per_node_max"]
+    if three.get("status") != 201:
+        result = f"refused: {three.get('status')} {three.get('message')}"
+        return [(f"fork ×{2 * n} on three nodes of ≤ {n} each vs fork ×{n} on one: until the last child answers",
+                 f"{result}; ×{n} on one node: {one.get('last_answer_ms')} ms", "all answer, ≤ 1.5×", met(False))]
+    r = f.get("ratio")
+    return [(f"fork ×{2 * n} on three nodes of ≤ {n} each vs fork ×{n} on one: until the last child answers "
+             f"(children per node {three.get('per_node')})",
+             f"{three.get('last_answer_ms')} / {one.get('last_answer_ms')} ms ({r}×); {three.get('answered')} of "
+             f"{2 * n} answered", "all answer, ≤ 1.5×", met(bool(f["all_answered"] and r is not None and r <= 1.5)))]
+
+
+ROWS = {"template": template_rows, "resume": resume_rows, "cache": cache_rows, "fork": fork_rows}
+
+
+def headline(result: dict) -> list[str]:
+    lines = ["| measurement | store | result | target | met? |", "|---|---|---|---|---|"]
+    for run in result.get("runs", []):
+        for part, rows in ROWS.items():
+            got = run.get(part)
+            if not got:
+                continue
+            if "error" in got:
+                lines.append(f"| {part} | {run['store']} | failed: {got['error'][:200]} | | **no** |")
+                continue
+            lines += [f"| {a} | {run['store']} | {b} | {c} | {d} |" for a, b, c, d in rows(got)]
+    return lines
+
+
+def details(run: dict) -> list[str]:
+    lines = [f"## Store: {run['store']}", ""]
+    probe = run.get("store_probe") or {}
+    if probe:
+        lines += [f"- the store link measured: PUT {probe.get('put_mib_s')} MiB/s, GET {probe.get('get_mib_s')} MiB/s "
+                  f"({probe.get('mib')} MiB in 4 MiB objects, {probe.get('threads')} threads)", ""]
+    t = run.get("template")
+    if t and "error" not in t:
+        lines += ["### Template create: the building node vs a node that never saw it", "",
+                  f"- template {t['template']['name']} built in {t['template']['build_s']} s on "
+                  f"{t['template']['built_on']}; files in the store: "
+                  + ", ".join(f"{k} {_mib(v)}" for k, v in t["template"]["size"]["own"].items())
+                  + "; image files: " + ", ".join(f"{k} {_mib(v)}" for k, v in t["template"]["size"]["images"].items()),
+                  f"- warm-up create on the builder {t['warm_up_ms']} ms; misplaced creates {t['misplaced']}", "",
+                  "| create | answer ms | API ms | fetched from the store | node start s | node timings |",
+                  "|---|---:|---:|---:|---:|---|"]
+        for r in t["on_builder"]:
+            lines.append(f"| builder | {r['answer_ms']} | {r['api_ms']} | | | |")
+        for r in t["on_new_node"]:
+            nt = r.get("node_timings") or {}
+            lines.append(f"| new node | {r['answer_ms']} | {r['api_ms']} | {_mib(r['fetched']['store_bytes'])} | "
+                         f"{r['node_start_s']} | total {nt.get('total_ms')} |")
+        lines.append("")
+    rs = run.get("resume")
+    if rs and "error" not in rs:
+        lines += ["### Resume on another node", "",
+                  f"- node B {rs['node_b']} (base disk: {rs['node_b_base_disk']}); misplaced {rs['misplaced']}; "
+                  f"files intact {rs['all_files_intact']}", "",
+                  "| run | connect ms | answer ms | pause image | fetched | % of image | % of what B lacked | export s |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for i, r in enumerate(rs["rows"]):
+            lines.append(f"| {i} | {r['connect_ms']} | {r['answer_ms']} | {_mib(r['image']['total_bytes'])} | "
+                         f"{_mib(r['fetched']['store_bytes'])} | {r['fetched_pct_of_image']} | "
+                         f"{r['fetched_pct_of_lacked']} | {r['export_s']} |")
+        lines.append("")
+    c = run.get("cache")
+    if c and "error" not in c:
+        w = c["watch"]
+        lines += ["### Three templates through a bounded chunk cache", "",
+                  f"- bound {c['cache_mb']} MiB; largest size seen {_mib(w.get('max_size_bytes'))} "
+                  f"({w.get('samples')} polls, {w.get('samples_over_bound')} over the bound); evictions "
+                  f"{w.get('evictions')}; pinned at most {_mib(w.get('max_pinned_bytes'))}", "",
+                  "| template | MiB | created | answer ms | read back s | intact | fetched | cache after | error |",
+                  "|---|---:|---|---:|---:|---|---:|---:|---|"]
+        for r in c["rows"]:
+            lines.append(f"| {r['template']} | {r['template_mib']} | {r.get('created')} | {r.get('answer_ms', '–')} | "
+                         f"{r.get('read_s', '–')} | {r.get('fill_intact', '–')} | "
+                         f"{_mib((r.get('fetched') or {}).get('store_bytes'))} | "
+                         f"{_mib((r.get('cache') or {}).get('size_bytes'))} | {r.get('error', '')} |")
+        lines.append("")
+    f = run.get("fork")
+    if f and "error" not in f:
+        lines += ["### Fork over three nodes", ""]
+        for label, d in (("one node", f["one_node"]), ("three nodes", f["three_nodes"])):
+            if d.get("status") != 201:
+                lines.append(f"- ×{d['count']} on {label}: refused {d.get('status')}: {d.get('message')}")
+                continue
+            lines.append(f"- ×{d['count']} on {label}: call {d['call_ms']} ms, last child answered after "
+                         f"{d['last_answer_ms']} ms (p50 {_ms(d['answer_ms'])}), {d['answered']} of {d['children']} "
+                         f"answered, per node {d['per_node']}; errors {d['errors']}")
+        lines.append("")
+    for part in ("template", "resume", "cache", "fork"):
+        got = run.get(part)
+        if got and "error" in got:
+            lines += [f"### {part}: failed", "", "```", got.get("trace", got["error"])[-3000:], "```", ""]
+    return lines
+
+
+def write_results(result: dict, stamp: str, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"lazy-{stamp}.json"
+    out.write_text(json.dumps(result, indent=2, default=str))
+    h = result.get("host", {})
+    lines = [f"# lazy (issue 24) benchmark {stamp}", "",
+             f"parts {result['parts']}; stores {[r['store'] for r in result.get('runs', [])]}; host {h.get('machine')} "
+             f"× {h.get('cpus')} cores, {h.get('memory_mib')} MiB, kernel {h.get('kernel')}; load average at start "
+             f"{h.get('loadavg_at_start')}, at end {h.get('loadavg_at_end')}; run took {result.get('duration_s')} s; "
+             f"git {result.get('git', {}).get('commit', '?')}", ""]
+    lines += [f"- {n}" for n in result.get("notes", [])] + ["", "## Headline", "", *headline(result), ""]
+    for run in result.get("runs", []):
+        lines += details(run)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return out
