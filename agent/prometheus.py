@@ -172,6 +172,16 @@ CHUNK_CACHE_COUNTERS = (
     ("evictions", "aenv_node_chunk_cache_evictions", "Chunks evicted to stay under the bound"),
     ("fetchedBytes", "aenv_node_chunk_cache_fetched_bytes", "Bytes fetched from the store (or the node's own files)"),
     ("corrupt", "aenv_node_chunk_cache_corrupt", "Chunks that came with wrong bytes (refetched or refused)"),
+    # peer fetch (AENV_CHUNK_PEER_FETCH): where fetched chunks came from, and what this node served its peers
+    ("storeChunks", "aenv_node_chunk_cache_store_chunks", "Chunks fetched from the snapshot store"),
+    ("storeBytes", "aenv_node_chunk_cache_store_bytes", "Bytes fetched from the snapshot store"),
+    ("peerChunks", "aenv_node_chunk_cache_peer_chunks", "Chunks fetched from peer nodes' chunk caches"),
+    ("peerBytes", "aenv_node_chunk_cache_peer_bytes", "Bytes fetched from peer nodes' chunk caches"),
+    ("peerErrors", "aenv_node_chunk_cache_peer_errors", "Peer requests that failed (that peer is skipped a while)"),
+    ("peerCorrupt", "aenv_node_chunk_cache_peer_corrupt", "Chunks a peer answered with wrong bytes (never used)"),
+    ("servedChunks", "aenv_node_chunk_cache_served_chunks", "Chunks this node's cache served to peers"),
+    ("servedBytes", "aenv_node_chunk_cache_served_bytes", "Bytes this node's cache served to peers"),
+    ("servedRefused", "aenv_node_chunk_cache_served_refused", "Peer requests refused for a wrong or missing token"),
 )
 
 LOOPBACK = "127.0.0.1"

@@ -13,6 +13,7 @@ from nodes.celery_app import app as celery_app
 from agent import tasks  # noqa: F401 - registers the node tasks with the Celery app this worker runs
 from agent.console_logs import ConsoleCollector
 from agent.driver import get_driver, get_templates
+from agent.chunk_peers import start_chunk_peers
 from agent.heartbeat import Heartbeat, register_node
 from agent.join import ensure_joined
 from agent.host_usage import HostSampler
@@ -64,6 +65,9 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
 
     host_sampler = HostSampler(["/", str(settings.AENV_HOME), str(settings.AENV_IMAGES_DIR), "/dev/shm"])
     host_sampler.probes["chunkCache"] = lambda: get_store().chunk_cache_figures()  # lazy restores
+    chunk_peers = start_chunk_peers(node_id, get_store())  # AENV_CHUNK_PEER_FETCH
+    if chunk_peers is not None:
+        host_sampler.probes["chunkPeerPort"] = lambda: chunk_peers.port  # how the other nodes find it
     heartbeat = Heartbeat(node_id, settings.AENV_NODE_HEARTBEAT_INTERVAL, count_running, host_sampler=host_sampler,
                           history=settings.AENV_NODE_HOST_HISTORY, local_snapshots=lambda: get_store().local_ids(),
                           on_revoked=_stop_revoked)
@@ -115,6 +119,8 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
                 log.exception("stopping: pausing the sandboxes of node %s failed", node_id)
         stop_network(driver)
         heartbeat.stop()
+        if chunk_peers is not None:
+            chunk_peers.stop()  # the daemon keeps serving its cache: it outlives the worker
 
 
 def _stop_revoked(error) -> None:

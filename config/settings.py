@@ -210,6 +210,11 @@ AENV_CHUNK_CACHE_MB = _env_int("AENV_CHUNK_CACHE_MB", 20 * 1024)
 # files (its chunkfs daemon) instead of downloading it whole. "auto": on where FUSE works
 # (/dev/fuse and fusermount3), "1"/"0": on/off.
 AENV_LAZY_RESTORE = _env("AENV_LAZY_RESTORE", "auto")
+# Peer fetch (agent.chunk_peers): the node's chunkfs daemon serves its chunk cache to the other
+# nodes on AENV_NODE_ADDRESS:AENV_CHUNK_PEER_PORT (bearer token derived from DJANGO_SECRET_KEY)
+# and asks them for a chunk before the store. Needs lazy restores; off by default.
+AENV_CHUNK_PEER_FETCH = _env_bool("AENV_CHUNK_PEER_FETCH", False)
+AENV_CHUNK_PEER_PORT = _env_int("AENV_CHUNK_PEER_PORT", 9465)
 # How long a read of a lazily filled file waits for a chunk the store does not deliver before
 # it fails with EIO (the chunkfs daemon's --read-deadline): the guest's disk read fails, never hangs.
 AENV_CHUNK_READ_DEADLINE = float(_env("AENV_CHUNK_READ_DEADLINE", "30"))

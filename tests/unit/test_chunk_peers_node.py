@@ -1,0 +1,165 @@
+"""Peer fetch on a node (agent.chunk_peers): the deployment's token, who the peers are (the
+database's live nodes that advertise a chunkPeerPort), the refresh that hands them to the
+chunkfs daemon, the switch (off: a daemon left serving by an earlier start is turned off),
+and, with a real daemon, LazyRestores telling it its peers and the figures the heartbeat and
+/metrics carry."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from agent import chunk_peers
+from agent.chunk_peers import ChunkPeers, live_peers, peer_token, start_chunk_peers
+from agent.prometheus import NodeCollector
+from agent.stores.lazy import LazyRestores, cache_figures
+from chunkfs.client import ChunkfsClient, ChunkfsError
+from nodes.models import Node
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "p" * 64
+
+
+def test_the_token_is_derived_from_the_secret_key_under_its_own_label():
+    token = peer_token("a-deployment-secret")
+    assert len(token) == 64 and int(token, 16) >= 0
+    assert token == peer_token("a-deployment-secret") != peer_token("another-deployment")
+    assert "a-deployment-secret" not in token
+    from nodes.sealed import _INFO  # noqa: PLC0415 - the task-sealing key is another derivation
+
+    assert chunk_peers._INFO != _INFO
+    with pytest.raises(ValueError):
+        peer_token("")
+
+
+@pytest.mark.django_db
+def test_peers_are_the_other_live_nodes_that_serve_their_chunks():
+    now = timezone.now()
+    stale = now - timedelta(seconds=300)
+
+    def node(pk, address, port, seen=now, **kw):
+        Node.objects.create(id=pk, address=address, last_heartbeat_at=seen,
+                            host={} if port is None else {"chunkPeerPort": port}, **kw)
+
+    node("me", "10.0.0.1", 9465)
+    node("b", "10.0.0.2", 9465)
+    node("c", "fd00::3", 9470)
+    node("off", "10.0.0.4", None)  # peer fetch off there
+    node("dead", "10.0.0.5", 9465, seen=stale)
+    node("revoked", "10.0.0.6", 9465, revoked_at=now)
+    node("odd", "10.0.0.7", "9465")  # not a port
+    node("bool", "10.0.0.8", True)
+    assert live_peers("me") == ["10.0.0.2:9465", "[fd00::3]:9470"]
+    assert live_peers("b") == ["10.0.0.1:9465", "[fd00::3]:9470"]
+
+
+class FakeLazy:
+    def __init__(self, listen="10.0.0.1:9465", fail=False):
+        self.calls, self.listen, self.fail = [], listen, fail
+        self.requests = []
+
+    def set_peers(self, listen, token, peers, start=True):
+        self.calls.append((listen, token, peers))
+        if self.fail:
+            raise ChunkfsError("not_started", "no daemon")
+        return self.listen
+
+    def running_client(self):
+        lazy = self
+
+        class Client:
+            def request(self, payload):
+                lazy.requests.append(payload)
+                return {"listen": "", "peers": 0}
+
+        return Client()
+
+
+@pytest.mark.django_db
+def test_a_round_hands_the_daemon_its_peers_and_learns_its_port():
+    Node.objects.create(id="b", address="10.0.0.2", last_heartbeat_at=timezone.now(), host={"chunkPeerPort": 9465})
+    lazy = FakeLazy()
+    peers = ChunkPeers("me", lazy, "10.0.0.1", 9465, TOKEN)
+    assert peers.port is None
+    peers.round()
+    assert lazy.calls == [("10.0.0.1:9465", TOKEN, ["10.0.0.2:9465"])] and peers.port == 9465
+    lazy.fail = True
+    with pytest.raises(ChunkfsError):
+        peers.round()
+    assert peers.port is None  # the heartbeat stops advertising a port nobody serves
+
+
+@pytest.mark.django_db
+def test_the_switch(caplog):
+    class Store:
+        lazy = FakeLazy()
+
+    with override_settings(AENV_CHUNK_PEER_FETCH=False):
+        assert start_chunk_peers("me", Store()) is None
+    assert Store.lazy.requests == [{"op": "peers"}]  # a daemon an earlier start left serving: off
+    with override_settings(AENV_CHUNK_PEER_FETCH=True):
+        assert start_chunk_peers("me", object()) is None  # posix_fs: no chunk cache to share
+        assert "no chunk cache to share" in caplog.text
+        with override_settings(AENV_NODE_ADDRESS="127.0.0.1", AENV_CHUNK_PEER_PORT=9999, SECRET_KEY="k" * 50):
+            started = start_chunk_peers("me", Store())
+    try:
+        assert started.listen == "127.0.0.1:9999" and started.token == peer_token("k" * 50)
+        deadline = time.monotonic() + 10
+        while not Store.lazy.calls:  # the first round runs at once
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def lazy_home():
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        pytest.fail("chunkfs needs /dev/fuse and fusermount3 (the fuse3 package; scripts/setup.sh)")
+    home = ROOT / "var" / "test-runs" / f"cp-{uuid.uuid4().hex[:6]}"  # unix socket paths stay short
+    home.mkdir(parents=True)
+    yield home
+    control = home / "chunkfs" / "control.sock"
+    try:
+        pid = ChunkfsClient(control, timeout=2).ping()["pid"]
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and \
+                Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+            time.sleep(0.05)
+    except ChunkfsError:
+        pass
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.xdist_group("chunkfs")
+def test_lazy_restores_tell_their_daemon_its_peers_and_report_the_figures(lazy_home):
+    lazy = LazyRestores(lazy_home, limit_mb=16, files_in_use=lambda: [],
+                        daemon_env={"AENV_S3_BUCKET": "b", "AENV_S3_ENDPOINT": "http://127.0.0.1:9",
+                                    "AENV_S3_REGION": "us-east-1"})
+    assert lazy.running_client() is None
+    assert lazy.set_peers("", "", [], start=False) == ""  # no daemon: nothing started to turn off
+    assert lazy.running_client() is None
+    listen = lazy.set_peers("127.0.0.1:0", TOKEN, ["10.255.255.1:9465"])  # starts the daemon
+    assert listen.startswith("127.0.0.1:") and not listen.endswith(":0")
+    stats = lazy.cache_stats()
+    assert stats["peers"] == 1 and stats["served_chunks"] == 0 and stats["store_chunks"] == 0
+    assert stats["peer_listen"] == listen and "hits" in stats
+    figures = cache_figures(stats)
+    assert {"peerChunks", "peerBytes", "storeChunks", "storeBytes", "servedChunks", "servedRefused"} <= set(figures)
+    names = {m.name for m in NodeCollector("n1", lambda: 0, dict, chunk_cache=lambda: figures).collect()}
+    assert {"aenv_node_chunk_cache_peer_bytes", "aenv_node_chunk_cache_store_bytes",
+            "aenv_node_chunk_cache_served_bytes"} <= names
+    # a restarted daemon gets its peers with the next client() (the first restore after it)
+    ChunkfsClient(lazy.control).request({"op": "peers"})
+    assert lazy.cache_stats()["peers"] == 0
+    lazy.client()
+    assert lazy.cache_stats()["peers"] == 1 and lazy.cache_stats()["peer_listen"].startswith("127.0.0.1:")
