@@ -193,8 +193,9 @@ AENV_VM_WATCH_INTERVAL = float(_env("AENV_VM_WATCH_INTERVAL", "5"))
 # Snapshot store (agent.stores): "posix_fs" keeps snapshot files on the node that
 # took them; "s3" also uploads them (chunked, content-addressed) to a bucket, so any node
 # can restore them, downloading into a bounded cache under AENV_HOME/cache/snapshots.
-# The most children one fork may start (they all land on the parent's node); the API
-# and the dashboard share it.
+# The most children of one fork that one node starts. Without the S3 store (all on the
+# parent's node) also the most one fork may ask for; with it the rest go to other nodes
+# (lifecycle.snapshots.fork_spread). The API and the dashboard share it.
 AENV_FORK_MAX_PER_NODE = _env_int("AENV_FORK_MAX_PER_NODE", 32)
 AENV_SNAPSHOT_BACKEND = _env("AENV_SNAPSHOT_BACKEND", "posix_fs")
 AENV_S3_ENDPOINT = _env("AENV_S3_ENDPOINT", "")  # empty: AWS's own endpoint for the region
