@@ -298,6 +298,7 @@ class Daemon:
         if (listen or peers) and len(token) < MIN_TOKEN:
             raise _bad(f"peer fetch needs a token of at least {MIN_TOKEN} characters")
         with self._peer_lock:
+            self.peers.configure(peers, token)  # asking works also where this node cannot listen
             server = self.peer_server
             if server is not None and (not listen or (host, port) != (server.address, server.requested_port)):
                 server.close()
@@ -309,7 +310,6 @@ class Daemon:
                     raise RequestError("listen_failed", f"cannot serve chunks to peers on {listen}: {exc}") from None
             if server is not None:
                 server.token = token
-            self.peers.configure(peers, token)
         return {"listen": server.listen if server is not None else "", "peers": len(peers)}
 
     def fetch_stats(self) -> dict:

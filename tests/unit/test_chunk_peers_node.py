@@ -5,6 +5,7 @@ and, with a real daemon, LazyRestores telling it its peers and the figures the h
 /metrics carry."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -23,6 +24,8 @@ from agent.prometheus import NodeCollector
 from agent.stores.lazy import LazyRestores, cache_figures
 from chunkfs.client import ChunkfsClient, ChunkfsError
 from nodes.models import Node
+from tests.unit.test_lazy_restore import _committed, _ram, _store, short_tmp  # noqa: F401 - fixtures
+from tests.unit.test_snapshot_store_s3 import BUCKET, s3, s3_endpoint  # noqa: F401 - fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "p" * 64
@@ -163,3 +166,41 @@ def test_lazy_restores_tell_their_daemon_its_peers_and_report_the_figures(lazy_h
     assert lazy.cache_stats()["peers"] == 0
     lazy.client()
     assert lazy.cache_stats()["peers"] == 1 and lazy.cache_stats()["peer_listen"].startswith("127.0.0.1:")
+
+
+@pytest.mark.xdist_group("chunkfs")
+def test_a_second_nodes_lazy_restore_reads_the_first_nodes_cache_not_the_store(s3, short_tmp):
+    """Three nodes on a real S3 API (moto): node 1 commits a snapshot, node 2 restores it lazily
+    and reads its memory; then the store loses those chunks, and node 3's lazy restore of the
+    same snapshot still reads every byte, from node 2's cache (a wrong token would get none)."""
+    ram = _ram(23)
+    images, _ = _committed(s3, short_tmp, "pf-a", ram)
+    n2, n3 = _store(s3, short_tmp / "n2", images), _store(s3, short_tmp / "n3", images)
+    assert (n2.local_dir("pf-a") / "memory.ram").read_bytes() == ram
+    client, prefix = s3
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/pf-a/manifest.json")["Body"].read())
+    memory = doc["files"]["memory.ram"]["chunks"]
+    for _, _, sha in memory:  # only node 2's cache has them now
+        client.delete_object(Bucket=BUCKET, Key=f"{prefix}/chunks/{sha}")
+    listen2 = n2.lazy.set_peers("127.0.0.1:0", TOKEN, [])
+    n3.lazy.set_peers("127.0.0.1:0", TOKEN, [listen2])
+    path = n3.local_dir("pf-a")
+    assert (path / "memory.ram").read_bytes() == ram
+    f2, f3 = n2.chunk_cache_figures(), n3.chunk_cache_figures()
+    assert f3["peerChunks"] >= len(memory) and f3["peerBytes"] >= sum(c[1] for c in memory)
+    assert f2["servedChunks"] == f3["peerChunks"] and f3["peerErrors"] == f3["peerCorrupt"] == 0
+    print(f"\nnode 3: {f3['peerChunks']} chunks ({f3['peerBytes']} bytes) from node 2, {f3['storeChunks']} from the store")
+
+
+@pytest.mark.xdist_group("chunkfs")
+def test_another_deployments_node_gets_nothing_from_the_peers(s3, short_tmp):
+    ram = _ram(29)
+    images, _ = _committed(s3, short_tmp, "pf-b", ram)
+    n2, n3 = _store(s3, short_tmp / "n2", images), _store(s3, short_tmp / "n3", images)
+    assert (n2.local_dir("pf-b") / "memory.ram").read_bytes() == ram
+    listen2 = n2.lazy.set_peers("127.0.0.1:0", peer_token("deployment-one"), [])
+    n3.lazy.set_peers("127.0.0.1:0", peer_token("deployment-two"), [listen2])
+    assert (n3.local_dir("pf-b") / "memory.ram").read_bytes() == ram  # from the store
+    f2, f3 = n2.chunk_cache_figures(), n3.chunk_cache_figures()
+    assert f3["peerChunks"] == 0 and f3["storeChunks"] > 0 and f3["peerErrors"] == 1
+    assert f2["servedChunks"] == 0 and f2["servedRefused"] == 1
