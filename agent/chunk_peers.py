@@ -69,14 +69,24 @@ class ChunkPeers(Periodic):
         self.listen = host_port(address, port)
         self.token = token
         self.port: int | None = None
+        self._failing = ""  # the last round's error, logged once
 
     def round(self) -> None:
         try:
             peers = live_peers(self.node_id)
             listening = self.lazy.set_peers(self.listen, self.token, peers)
+        except ChunkfsError as exc:  # e.g. the port is taken: said once, tried again each round
+            self.port = None
+            if str(exc) != self._failing:
+                log.warning("peer fetch: the chunkfs daemon cannot serve or ask peers: %s", exc)
+            self._failing = str(exc)
+            return
         except Exception:
             self.port = None
             raise
+        if self._failing:
+            log.info("peer fetch: the chunkfs daemon serves its cache on %s again", listening)
+        self._failing = ""
         self.port = int(listening.rpartition(":")[2]) if listening else None
 
 
