@@ -2,12 +2,14 @@
 moto server), in one run against a stack of its own (node A) and node workers it starts
 beside it (harness.second_node):
 
-1. template (``--parts template``): a template FROM ``base`` whose RUN writes ``--fill-mib``
-   MiB of random bytes (so its disk is the base build's 911 MiB root disk plus its own layer,
-   ~1 GiB at the default) is built on A; ``--runs`` creates on A, then ``--runs`` creates
-   each on a new node B that has never seen the template nor the base disk under it (B's
-   images dir lacks the base build's root disk): create → envd answering, p50 each, the ratio
-   (target ≤ 1.5×), and the bytes B's chunkfs daemon fetched from the store by then.
+1. template (``--parts template``): templates FROM ``base`` whose RUN writes ``--fill-mib``
+   MiB of random bytes (their snapshot carries the base build's 911 MiB root disk, their own
+   layer and memory: ~1.3 GiB in the store at the default) are built on A; ``--runs`` creates
+   of one on A, then per run a new node B that has never seen the templates nor the base disk
+   (its images dir lacks it): a create of the other template first (a cold node: its chunkfs
+   daemon starts, its own files are indexed), then one of the first (a warm node): create →
+   envd answering, p50 each, the ratios to A's (target ≤ 1.5×), and the bytes B's chunkfs
+   daemon fetched from the store by then.
 2. resume (``resume``): a ``base`` sandbox paused on A and exported to the store is resumed
    (connect) on node B, A drained: until the guest answers, p50 of ``--runs`` (target
    ≤ 1.0 s), and the bytes B fetched before it answered as % of the pause image (≤ 10 %).
@@ -133,7 +135,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small counts and sizes, results to var/bench-quick/")
     parser.add_argument("--out", type=Path, help="where the JSON + Markdown go (default bench/results/)")
     parser.add_argument("--runs", type=int, default=5, help="creates / resumes of each kind")
-    parser.add_argument("--fill-mib", type=int, default=128, help="MiB of random bytes each template adds to base")
+    parser.add_argument("--fill-mib", type=int, default=256, help="MiB of random bytes each template adds to base")
     parser.add_argument("--cache-mb", type=int, default=1024, help="the cache part's AENV_CHUNK_CACHE_MB")
     parser.add_argument("--fork-per-node", type=int, default=16, help="AENV_FORK_MAX_PER_NODE (N): ×N vs ×2N")
     parser.add_argument("--resume-without-base-disk", action="store_true",

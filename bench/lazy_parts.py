@@ -182,28 +182,30 @@ def ensure_templates(ctx: Ctx, n: int) -> list[dict]:
     return ctx.templates[:n]
 
 
-def _create_on_fresh_node(ctx: Ctx, tpl: dict, i: int) -> dict:
-    """Node B{i}, new, without the base disk: A drained, a create of ``tpl`` lands on it and
-    restores the template lazily; what its daemon fetched until the guest answered."""
-    with extra_node(ctx, "b", base_disk=False) as node, drained(ctx.stack, ctx.stack.node_id):
-        before = stats.daemon_stats(node.home)
-        row = timed_create(ctx, tpl["name"], "template-b")
-        after = stats.daemon_stats(node.home)
-        row.update(node=where(ctx.stack, [row["sandbox_id"]]).get(row["sandbox_id"]), node_start_s=node.start_s,
-                   fetched=stats.delta(before, after), mount=stats.mount_figures(after, tpl["snapshot_id"]),
-                   cache=(after or {}).get("cache"))
-        row["node_timings"] = node_timings(ctx.stack, [row["sandbox_id"]], "create").get(row["sandbox_id"])
-        ctx.api.kill(row.pop("sandbox_id"))
-        row.pop("body")
-        return row
+def _create_on(ctx: Ctx, node, tpl: dict, tag: str) -> dict:
+    """A create of ``tpl`` that lands on ``node`` (the caller drained A): until envd answers,
+    and what the node's chunkfs daemon fetched by then; the sandbox killed after."""
+    before = stats.daemon_stats(node.home)
+    row = timed_create(ctx, tpl["name"], tag)
+    after = stats.daemon_stats(node.home)
+    sid = row.pop("sandbox_id")
+    row.pop("body")
+    row.update(template=tpl["name"], node=where(ctx.stack, [sid]).get(sid), fetched=stats.delta(before, after),
+               mount=stats.mount_figures(after, tpl["snapshot_id"]), cache=(after or {}).get("cache"),
+               node_timings=node_timings(ctx.stack, [sid], "create").get(sid))
+    ctx.api.kill(sid)
+    return row
 
 
 def part_template(ctx: Ctx) -> dict:
-    """``--runs`` creates of a built template on node A (which built it; one warm-up first),
-    then ``--runs`` creates, each on a new node B that has never seen the template nor the
-    base disk under it (A drained): until envd answers, p50 each, their ratio, and the bytes
-    B's chunkfs daemon fetched from the store by then."""
-    tpl = ensure_templates(ctx, 1)[0]
+    """Two templates of the same shape and size (T0, T1). ``--runs`` creates of T0 on node A
+    (which built it; one warm-up first); then per run a new node B that has never seen either
+    template nor the base disk (A drained): a create of T1 there first — its first lazy
+    restore, which also starts its chunkfs daemon and indexes its own files (a *cold* node) —
+    then one of T0 (a *warm* node: its daemon running, the base disk's chunks a restore
+    touches cached, T0's own layers and memory never seen). Until envd answers, p50 of each,
+    the ratios to A's, and the bytes B's daemon fetched from the store by then."""
+    tpl, other = ensure_templates(ctx, 2)
     runs = ctx.args.runs
     warm = timed_create(ctx, tpl["name"], "template-a-warm")
     ctx.api.kill(warm["sandbox_id"])
@@ -214,20 +216,27 @@ def part_template(ctx: Ctx) -> dict:
         ctx.api.kill(row.pop("sandbox_id"))
         row.pop("body")
         on_a.append(row)
-    on_b = []
-    for i in range(runs):
-        on_b.append(_create_on_fresh_node(ctx, tpl, i))
-        print(f"template on a new node: {on_b[-1]['answer_ms']:.0f} ms, fetched "
-              f"{on_b[-1]['fetched']['store_bytes'] / MIB:.0f} MiB", flush=True)
-    a_ms, b_ms = [r["answer_ms"] for r in on_a], [r["answer_ms"] for r in on_b]
-    fetched = [r["fetched"]["store_bytes"] for r in on_b]
-    misplaced = sum(1 for r in on_a if r["node"] != ctx.stack.node_id) + sum(
-        1 for r in on_b if r["node"] == ctx.stack.node_id)
-    return {"template": tpl, "runs": runs, "warm_up_ms": warm["answer_ms"], "on_builder": on_a, "on_new_node": on_b,
-            "builder_ms": dist(a_ms), "new_node_ms": dist(b_ms), "ratio_p50": ratio(p50(b_ms), p50(a_ms)),
-            "target_ratio": 1.5, "fetched_bytes_p50": p50(fetched), "misplaced": misplaced,
-            "fetched_pct_of_template_p50": round(100 * p50(fetched) / tpl["size"]["total_bytes"], 1)
-            if fetched and tpl["size"]["total_bytes"] else None}
+    cold, warm_b = [], []
+    for _ in range(runs):
+        with extra_node(ctx, "b", base_disk=False) as node, drained(ctx.stack, ctx.stack.node_id):
+            cold.append({**_create_on(ctx, node, other, "template-b-cold"), "node_start_s": node.start_s})
+            warm_b.append(_create_on(ctx, node, tpl, "template-b"))
+        print(f"template on a new node: cold {cold[-1]['answer_ms']:.0f} ms, warm {warm_b[-1]['answer_ms']:.0f} ms "
+              f"(fetched {cold[-1]['fetched']['store_bytes'] / MIB:.0f} / {warm_b[-1]['fetched']['store_bytes'] / MIB:.0f}"
+              " MiB)", flush=True)
+    a_ms = [r["answer_ms"] for r in on_a]
+    out = {"template": tpl, "other_template": other, "runs": runs, "warm_up_ms": warm["answer_ms"], "on_builder": on_a,
+           "builder_ms": dist(a_ms), "target_ratio": 1.5,
+           "misplaced": sum(1 for r in on_a if r["node"] != ctx.stack.node_id) + sum(
+               1 for r in cold + warm_b if r["node"] == ctx.stack.node_id)}
+    for key, rows, t in (("new_node", warm_b, tpl), ("cold_node", cold, other)):
+        ms = [r["answer_ms"] for r in rows]
+        fetched = [r["fetched"]["store_bytes"] for r in rows]
+        out.update({f"on_{key}": rows, f"{key}_ms": dist(ms), f"{key}_ratio_p50": ratio(p50(ms), p50(a_ms)),
+                    f"{key}_fetched_bytes_p50": p50(fetched),
+                    f"{key}_fetched_pct_p50": round(100 * p50(fetched) / t["size"]["total_bytes"], 1)
+                    if fetched and t["size"]["total_bytes"] else None})
+    return out
 
 
 # -- resume on another node --------------------------------------------------------------------

@@ -123,8 +123,9 @@ def _run(**parts):
 def test_headline_verdicts():
     size = {"total_bytes": 1100 << 20, "own_bytes": 300 << 20, "image_bytes": 800 << 20, "own": {}, "images": {}}
     template = {"template": {"name": "t", "size": size}, "runs": 3, "new_node_ms": {"p50": 900.0},
-                "builder_ms": {"p50": 500.0}, "ratio_p50": 1.8, "target_ratio": 1.5,
-                "fetched_bytes_p50": 200 << 20, "fetched_pct_of_template_p50": 18.2}
+                "builder_ms": {"p50": 500.0}, "new_node_ratio_p50": 1.8, "target_ratio": 1.5,
+                "new_node_fetched_bytes_p50": 200 << 20, "new_node_fetched_pct_p50": 18.2,
+                "cold_node_ms": {"p50": 700.0}, "cold_node_ratio_p50": 1.4}
     resume = {"runs": 3, "rows": [{"image": size}], "node_b_base_disk": True, "answer_ms": {"p50": 800.0},
               "target_ms": 1000, "fetched_pct_p50": 12.5, "target_pct": 10, "fetched_pct_of_lacked_p50": 40.0}
     cache = {"cache_mb": 1024, "rows": [{"created": True, "fill_intact": True, "template_mib": 1100}] * 3,
@@ -137,8 +138,10 @@ def test_headline_verdicts():
                                            _run(template={"error": "RuntimeError: boom"})]})
     rows = {line.split(" | ")[0]: line for line in lines[2:]}
     verdicts = [line.rsplit("|", 2)[-2].strip() for line in lines[2:]]
-    # template 1.8× > 1.5: no; resume 800 ms: yes; 12.5 %: no; cache: yes; fork refused: no; the failed part: no
-    assert verdicts == ["**no**", "", "yes", "**no**", "yes", "**no**", "**no**"]
+    # template: warm node 1.8× > 1.5: no, cold node 1.4×: yes; resume 800 ms: yes; 12.5 %: no; cache: yes; fork
+    # refused: no; the failed part: no
+    assert verdicts == ["**no**", "", "yes", "", "yes", "**no**", "yes", "**no**", "**no**"]
+    assert "900 ms / 500 ms (1.8×)" in lines[2] and "200 MiB (18.2 % of the template)" in lines[3]
     assert any("refused: 400" in line for line in rows.values())
     assert "failed: RuntimeError: boom" in lines[-1]
     fork_ok = {**fork, "three_nodes": {"status": 201, "last_answer_ms": 11000, "answered": 32, "per_node": {}},
