@@ -94,6 +94,10 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingMixIn, HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's 5 drops a burst of connects (a reader's read-ahead asks for several chunks
+    # at once) until SYN retries, past the asking side's connect timeout; beyond the slots,
+    # connections are accepted and answered 503
+    request_queue_size = 128
 
     def process_request(self, request, client_address):
         if not self.owner.slots.acquire(blocking=False):

@@ -354,7 +354,7 @@ def test_two_daemons_a_lazy_read_on_one_comes_from_the_others_cache(two_daemons)
     assert (cb.mount("snap2", CS, {"disk": spec2}) / "disk").read_bytes() == other
     fb, fa = cb.stats()["fetches"], ca.stats()["fetches"]
     assert fb["store_chunks"] == len(spec2["chunks"]) and fb["peer_chunks"] == chunks
-    assert fa["served_refused"] == 1 and fb["peer_errors"] == 1 and fb["peers_skipped"] == 1
+    assert fa["served_refused"] >= 1 and fb["peer_errors"] >= 1 and fb["peers_skipped"] == 1  # (reads run in parallel)
     # the op refuses what it cannot enforce, and turns peer fetch off
     for bad in ({"token": "short", "peers": [listen_a]}, {"token": TOKEN, "peers": ["nowhere"]},
                 {"token": TOKEN, "listen": "127.0.0.1"}, {"token": TOKEN, "peers": "x"}, {"token": 5}):
@@ -364,3 +364,28 @@ def test_two_daemons_a_lazy_read_on_one_comes_from_the_others_cache(two_daemons)
     assert cb.request({"op": "peers"}) == {"listen": "", "peers": 0}
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(parse_peer(listen_b), timeout=2)
+
+
+def test_a_burst_of_requests_is_answered_never_left_to_time_out(pair):
+    """Many readers at once (read-ahead asks for several chunks together): each gets the chunk
+    or a 503 (a miss), none waits out its connect timeout (a failure that skips the peer)."""
+    a, server, b, data = pair
+    peers = PeerChunkSource()
+    peers.configure([f"127.0.0.1:{server.port}"], TOKEN)
+    start = threading.Barrier(64)
+    results = []
+
+    def one():
+        start.wait()
+        try:
+            results.append(peers.fetch(sha(data), SIZE) == data)
+        except ChunkUnavailable as exc:
+            results.append(str(exc))
+
+    threads = [threading.Thread(target=one) for _ in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peers.stats()["peer_errors"] == 0, [r for r in results if r is not True][:3]
+    assert results.count(True) + server.stats()["served_busy"] == 64
