@@ -130,16 +130,20 @@ class PeerChunkSource:
         raise ChunkUnavailable(f"chunk {sha} from peers: " + "; ".join(reasons))
 
     def _down(self, peer: str, why: str, corrupt: bool = False) -> None:
-        log.warning("chunk peer %s %s: skipped for %g s", peer, why, self.skip_seconds)
         with self._lock:
-            self._skip_until[peer] = self.clock() + self.skip_seconds
+            now = self.clock()
+            already = self._skip_until.get(peer, 0.0) > now  # parallel fetches failing together: said once
+            self._skip_until[peer] = now + self.skip_seconds
             self._counts["peer_corrupt" if corrupt else "peer_errors"] += 1
+        if not already:
+            log.warning("chunk peer %s %s: skipped for %g s", peer, why, self.skip_seconds)
 
     def _get(self, peer: str, sha: str, length: int, token: str) -> bytes | None:
         """The peer's bytes for the chunk (at most ``length`` + 1), None on 404/503 (a miss),
         ``_PeerDown`` on anything else."""
         host, port = parse_peer(peer)
         conn = http.client.HTTPConnection(host, port, timeout=self.connect_timeout)
+        resp = None
         try:
             try:
                 conn.connect()
@@ -169,4 +173,6 @@ class PeerChunkSource:
             except (OSError, socket.timeout, http.client.HTTPException) as exc:
                 raise _PeerDown(f"{type(exc).__name__}: {exc}") from None
         finally:
+            if resp is not None:
+                resp.close()  # it holds the socket once the connection let go of it
             conn.close()
