@@ -11,11 +11,12 @@ S3 store the node already uses (``AENV_S3_BUCKET``, ``AENV_S3_ENDPOINT``, ``AENV
 
 Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
 
-- ``{"op": "mount", "mount_id", "chunk_size", "files": {name: {"size", "chunks"}},
+- ``{"op": "mount", "mount_id", "chunk_size", "files": {name: {"size", "chunks", "chunk_size"?}},
   "prefetch": [[name, chunk_index], ...], "record": bool, "writable": bool, "local"?: {sha: [path,
   offset]}}`` ->
   ``{"ok": true, "path": "<mountpoint>/<mount_id>"}``. Chunks as in a snapshot manifest
-  (``[[offset, length, sha], ...]``, holes absent). The prefetch list is fetched in the
+  (``[[offset, length, sha], ...]``, holes absent); a file's own ``chunk_size`` (guest RAM is cut
+  smaller than disks) overrides the mount's. The prefetch list is fetched in the
   background, in order. ``local``: chunks the node has inside its own files, read from there
   (verified) before the source is asked.
 - ``{"op": "pin", "mount_id"}``: every chunk of the mount fetched now and pinned in the cache
@@ -178,6 +179,7 @@ class Daemon:
                     if not isinstance(spec, dict):
                         raise _bad(f"file {name}: an object {{size, chunks}}")
                     size = _int(spec.get("size"), f"file {name}: size")
+                    file_chunk_size = _int(spec.get("chunk_size", chunk_size), f"file {name}: chunk_size", 1)
                     chunks = spec.get("chunks", [])
                     if not isinstance(chunks, list) or not all(
                             isinstance(c, list) and len(c) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
@@ -186,7 +188,7 @@ class Daemon:
                     try:
                         for c in chunks:
                             check_sha(c[2])
-                        lazy[name] = LazyFile(size, chunk_size, chunks, self.cache, source, name=name,
+                        lazy[name] = LazyFile(size, file_chunk_size, chunks, self.cache, source, name=name,
                                               pools=self.pools, readahead=self.readahead,
                                               read_deadline=self.read_deadline, recorder=recorder,
                                               counters=counters,

@@ -79,7 +79,7 @@ class Mount:
     def describe(self) -> dict:
         return {"mount_id": self.id, "writable": self.writable, "record": self.recorder is not None,
                 "chunk_size": self.chunk_size,
-                "files": {name: {"size": f.size} for name, f in sorted(self.files.items())}}
+                "files": {name: {"size": f.size, "chunk_size": f.chunk_size} for name, f in sorted(self.files.items())}}
 
     def stats(self) -> dict:
         return {**self.counters.as_dict(), "prefetch": dict(self.prefetch_state),

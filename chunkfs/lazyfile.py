@@ -277,6 +277,8 @@ class LazyFile:
 
     def _base_read(self, offset: int, size: int, deadline: float) -> bytes:
         end = min(offset + size, self._base_limit)
+        if end > offset:
+            self._start_fetches(offset // self.chunk_size + 1, (end - 1) // self.chunk_size)
         parts = []
         pos = offset
         while pos < end:
@@ -287,6 +289,27 @@ class LazyFile:
         if offset + size > max(end, offset):
             parts.append(bytes(offset + size - max(end, offset)))
         return b"".join(parts)
+
+    def _start_fetches(self, first: int, last: int) -> None:
+        """A read spanning several chunks (a 1 MiB request over smaller RAM chunks) has the
+        missing ones after its first fetched at once on ``Pools.fetch``; each slice then joins
+        its fetch (the cache shares one per chunk) instead of starting it after the last."""
+        if self.pools is None:
+            return
+        for index in range(first, last + 1):
+            entry = self._chunks.get(index)
+            if entry is None or index in self._timed_out or self.cache.contains(entry[1]):
+                continue
+            try:
+                self.pools.fetch.submit(self._fetch_quietly, entry[1], entry[0])
+            except RuntimeError:  # shut down
+                return
+
+    def _fetch_quietly(self, sha: str, length: int) -> None:
+        try:
+            self.cache.ensure(sha, length, self._fetch)
+        except ChunkError:
+            pass  # the slice that waits for it fetches it again and sees the error
 
     # ------------------------------------------------------------------ reading
 

@@ -4,7 +4,12 @@ Why fixed chunks and not whole files: guest RAM and qcow2 layers are large and
 sparse, and successive snapshots of one lineage differ in a few places (a
 layer's backing-file header, the pages a guest touched). Cutting every file at
 the same offsets and naming each piece by its sha256 makes equal pieces one
-object, and all-zero pieces (holes) no object at all."""
+object, and all-zero pieces (holes) no object at all.
+
+Guest RAM files (``*.ram``) are cut smaller than disks (``RAM_CHUNK_SIZE``): a restored guest
+touches its memory scattered all over, so a lazy restore fetches whole pieces around each touch
+(docs/cluster.md, "Memory snapshots on demand"). A manifest names each file's chunk size;
+manifests from before that name one for all files (4 MiB)."""
 from __future__ import annotations
 
 import hashlib
@@ -14,6 +19,13 @@ from pathlib import Path
 from typing import Iterator
 
 CHUNK_SIZE = 4 << 20
+RAM_CHUNK_SIZE = 1 << 20
+RAM_SUFFIX = ".ram"
+
+
+def chunk_size_for(name: str, chunk_size: int = CHUNK_SIZE, ram_chunk_size: int = RAM_CHUNK_SIZE) -> int:
+    """The chunk size a snapshot file is cut at: ``ram_chunk_size`` for guest RAM, else ``chunk_size``."""
+    return ram_chunk_size if str(name).endswith(RAM_SUFFIX) else chunk_size
 
 
 @dataclass(frozen=True)

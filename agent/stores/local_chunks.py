@@ -6,9 +6,10 @@ RAM travel with it), which is what lets any node restore it; but the node that r
 usually has most of those bytes already: the same image build (an OCI image's disk is
 byte-reproducible, so equal content means equal chunks), the same template snapshot, an
 earlier download. Every file under the given roots is cut at the store's chunk offsets and
-hashed once; the index is kept per file under ``index_dir`` and trusted only while the file's
-size and mtime are unchanged. A chunk read from disk is hashed again before it is used, so a
-file that changed since cannot put wrong bytes into a download."""
+hashed once (a guest RAM file at the RAM chunk size, as the store cuts it); the index is kept
+per file under ``index_dir`` and trusted only while the file's size, mtime and chunk size are
+unchanged. A chunk read from disk is hashed again before it is used, so a file that changed
+since cannot put wrong bytes into a download."""
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +19,7 @@ import os
 import threading
 from pathlib import Path
 
-from agent.stores.chunks import CHUNK_SIZE, chunk_spans, digest, read_chunk
+from agent.stores.chunks import CHUNK_SIZE, RAM_CHUNK_SIZE, chunk_size_for, chunk_spans, digest, read_chunk
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,12 @@ def content_digest(size: int, chunk_size: int, chunks: list[list]) -> str:
 
 
 class LocalChunks:
-    def __init__(self, roots: list[Path], index_dir: Path, chunk_size: int = CHUNK_SIZE):
+    def __init__(self, roots: list[Path], index_dir: Path, chunk_size: int = CHUNK_SIZE,
+                 ram_chunk_size: int | None = None):
         self.roots = [Path(r) for r in roots]
         self.index_dir = Path(index_dir)
         self.chunk_size = chunk_size
+        self.ram_chunk_size = ram_chunk_size or min(RAM_CHUNK_SIZE, chunk_size)
         self._where: dict[str, tuple[Path, int, int]] | None = None
         self._lock = threading.Lock()
 
@@ -51,17 +54,22 @@ class LocalChunks:
                     if name.startswith(".") or not name.endswith(SOURCE_SUFFIXES) or path.is_symlink():
                         continue
                     try:
-                        if path.stat().st_size >= self.chunk_size:
+                        if path.stat().st_size >= self.chunk_size_for(path):
                             yield path
                     except OSError:
                         continue
+
+    def chunk_size_for(self, path: Path) -> int:
+        """The chunk size the store cuts this file at (guest RAM smaller)."""
+        return chunk_size_for(Path(path).name, self.chunk_size, self.ram_chunk_size)
 
     def file_chunks(self, path: Path) -> list[list]:
         """``[[offset, length, digest], ...]`` of the file's non-zero chunks, in order, from
         its saved index while the file is unchanged (same size and mtime), else hashed now."""
         path = Path(path)
         st = path.stat()
-        stamp = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "chunk_size": self.chunk_size}
+        chunk_size = self.chunk_size_for(path)
+        stamp = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "chunk_size": chunk_size}
         saved = self.index_dir / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
         try:
             doc = json.loads(saved.read_text())
@@ -70,7 +78,7 @@ class LocalChunks:
         except (OSError, ValueError, KeyError):
             pass
         chunks = []
-        for chunk in chunk_spans(path, self.chunk_size):
+        for chunk in chunk_spans(path, chunk_size):
             data = read_chunk(path, chunk)
             if data is not None:
                 chunks.append([chunk.offset, chunk.length, digest(data)])
@@ -85,7 +93,7 @@ class LocalChunks:
         Two files with equal bytes have equal digests, whatever their paths or dates."""
         chunks = self.file_chunks(path)
         size = Path(path).stat().st_size
-        return content_digest(size, self.chunk_size, chunks), size, chunks
+        return content_digest(size, self.chunk_size_for(path), chunks), size, chunks
 
     def _build(self) -> dict[str, tuple[Path, int, int]]:
         where: dict[str, tuple[Path, int, int]] = {}

@@ -2,10 +2,12 @@
 
 Objects (under ``AENV_S3_PREFIX``):
 
-- ``chunks/<sha256>``: a 4 MiB piece of some snapshot file, named by its content.
+- ``chunks/<sha256>``: a piece of some snapshot file (4 MiB, guest RAM 1 MiB: ``chunks``),
+  named by its content.
   All-zero pieces are not stored; equal pieces (a layer two snapshots share, the
   unchanged parts of a child's layers) are one object.
-- ``snapshots/<id>/manifest.json``: the snapshot: each file's size and chunk list,
+- ``snapshots/<id>/manifest.json``: the snapshot: each file's size, chunk size and chunk list
+  (a file without its own chunk size, as older manifests wrote them, has the manifest's),
   and the driver's SnapshotManifest with its paths made relative (``$SNAPSHOT/…``
   for the snapshot's own files, ``$IMAGES/…`` for the template base layer, kernel
   and tools) and ``image_files``: each of those image files' content digest. Written
@@ -54,7 +56,7 @@ from vmm.driver import SnapshotManifest, VMError
 
 from .base import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked, complete_ids
 from .cache import CacheFull, SnapshotCache
-from .chunks import CHUNK_SIZE, Chunk, allocated_bytes, chunk_spans, digest, read_chunk
+from .chunks import CHUNK_SIZE, RAM_CHUNK_SIZE, Chunk, allocated_bytes, chunk_size_for, chunk_spans, digest, read_chunk
 from .lazy import LazyMountFailed, LazyRestores, cache_figures
 from .local_chunks import LocalChunks
 from .s3_objects import S3Objects
@@ -78,14 +80,17 @@ class S3Store(S3Objects, SnapshotStore):
 
     def __init__(self, *, home: Path, images_dir: Path, bucket: str, client=None, endpoint: str = "",
                  region: str = "", prefix: str = "", concurrency: int = 8, cache_limit_bytes: int = 20 << 30,
-                 pin_seconds: float = 600.0, chunk_size: int = CHUNK_SIZE, driver=None, lazy: bool = False,
-                 chunk_cache_mb: int = 20 * 1024, chunk_read_deadline: float | None = None):
+                 pin_seconds: float = 600.0, chunk_size: int = CHUNK_SIZE, ram_chunk_size: int | None = None,
+                 driver=None, lazy: bool = False, chunk_cache_mb: int = 20 * 1024,
+                 chunk_read_deadline: float | None = None):
         """``driver``: the node's VM driver (vmm.driver.VMDriver), which adopts downloads and
         says which cached files its VMs use; default the node's own (agent.driver), made on
         first use, since only downloads and eviction need it. ``lazy``: restore snapshots
         from lazily filled files (agent.stores.lazy, the node's chunkfs daemon with a chunk
         cache of ``chunk_cache_mb``; a chunk the store does not deliver within
-        ``chunk_read_deadline`` seconds fails the read with EIO) instead of downloading them whole."""
+        ``chunk_read_deadline`` seconds fails the read with EIO) instead of downloading them whole.
+        ``chunk_size``: the pieces disks and other files are cut into; ``ram_chunk_size``: guest
+        RAM's (``chunks``; default ``RAM_CHUNK_SIZE``, or ``chunk_size`` if that is smaller)."""
         super().__init__(bucket=bucket, client=client, endpoint=endpoint, region=region, prefix=prefix,
                          concurrency=concurrency)
         home = Path(home).absolute()
@@ -96,10 +101,11 @@ class S3Store(S3Objects, SnapshotStore):
                                    cache_limit_bytes, pin_seconds)
         self.images_dir = Path(images_dir).absolute()
         self.chunk_size = int(chunk_size)
+        self.ram_chunk_size = int(ram_chunk_size or min(RAM_CHUNK_SIZE, self.chunk_size))
         # what a download need not fetch: chunks of this node's image builds, template
         # snapshots and earlier downloads
         self.on_disk = LocalChunks([self.images_dir, self.cache.root], home / "cache" / "chunk-index",
-                                   self.chunk_size)
+                                   self.chunk_size, self.ram_chunk_size)
         self.lazy = LazyRestores(home, limit_mb=chunk_cache_mb, files_in_use=lambda: self.driver.files_in_use(),
                                  read_deadline=chunk_read_deadline,
                                  daemon_env={"AENV_S3_BUCKET": bucket, "AENV_S3_ENDPOINT": endpoint,
@@ -166,7 +172,8 @@ class S3Store(S3Objects, SnapshotStore):
         for name in names:
             if not FILE_NAME.match(name):
                 raise SnapshotStoreError(f"unexpected file name {name!r} in snapshot {snapshot_id}")
-        jobs = [(name, chunk) for name in names for chunk in chunk_spans(src / name, self.chunk_size)]
+        sizes = {name: chunk_size_for(name, self.chunk_size, self.ram_chunk_size) for name in names}
+        jobs = [(name, chunk) for name in names for chunk in chunk_spans(src / name, sizes[name])]
         stats = {"chunks": 0, "uploaded": 0, "uploaded_bytes": 0}
         claim = threading.Lock()
 
@@ -186,7 +193,8 @@ class S3Store(S3Objects, SnapshotStore):
             self.s3.put_object(Bucket=self.bucket, Key=self.chunk_key(sha), Body=data)
             return sha, len(data)
 
-        files = {name: {"size": (src / name).stat().st_size, "chunks": []} for name in names}
+        files = {name: {"size": (src / name).stat().st_size, "chunk_size": sizes[name], "chunks": []}
+                 for name in names}
         where: dict[str, tuple[str, Chunk]] = {}
         with self._pool() as pool:
             for (name, chunk), result in zip(jobs, pool.map(upload, jobs)):
@@ -250,7 +258,8 @@ class S3Store(S3Objects, SnapshotStore):
 
             with self._pool() as pool:
                 list(pool.map(upload, chunks))
-            self._put_json(self.image_key(file_digest), {"size": size, "chunk_size": self.chunk_size,
+            self._put_json(self.image_key(file_digest), {"size": size,
+                                                         "chunk_size": self.on_disk.chunk_size_for(Path(path)),
                                                          "chunks": chunks})
             log.info("image file %s published to %s as %s", path, self._where(), file_digest[:16])
         return {"digest": file_digest, "size": size}
@@ -314,18 +323,18 @@ class S3Store(S3Objects, SnapshotStore):
         final = self.lazy.path(snapshot_id)
         manifest = localize(doc["manifest"], final, self.images_dir)
         manifest["dir"] = str(final)
-        files = {name: (int(info["size"]), info["chunks"]) for name, info in doc["files"].items()}
+        files = _files_of(doc)
         shipped = self._ship_image_files(doc, final, manifest, files)
         if not shipped:  # else the files it lacks come with it: checked by adopt
             self._check_base(snapshot_id, manifest)
-        for name, (size, chunks) in files.items():
+        for name, (size, chunks, _) in files.items():
             if not FILE_NAME.match(name):
                 raise SnapshotStoreError(f"bad file name {name!r} in the manifest of {snapshot_id}")
             for offset, length, sha in chunks:
                 if not SHA.match(sha) or offset < 0 or offset + length > size:
                     raise SnapshotStoreError(f"bad chunk entry for {name} in {snapshot_id}")
         self.on_disk.refresh()  # files came and went since the last restore
-        local = self.on_disk.locate([c for _, chunks in files.values() for c in chunks])
+        local = self.on_disk.locate([c for _, chunks, _ in files.values() for c in chunks])
         known = self._get_json(self.prefetch_key(snapshot_id))
         order = known.get("order") if isinstance(known, dict) and isinstance(known.get("order"), list) else None
 
@@ -335,8 +344,9 @@ class S3Store(S3Objects, SnapshotStore):
             except VMError as exc:
                 raise SnapshotStoreError(f"snapshot {snapshot_id} cannot be used here: {exc}") from exc
 
-        path = self.lazy.install(snapshot_id, chunk_size=int(doc.get("chunk_size") or self.chunk_size),
-                                 files={n: {"size": size, "chunks": chunks} for n, (size, chunks) in files.items()},
+        path = self.lazy.install(snapshot_id, chunk_size=_doc_chunk_size(doc),
+                                 files={n: {"size": size, "chunks": chunks, "chunk_size": cs}
+                                        for n, (size, chunks, cs) in files.items()},
                                  manifest=manifest, adopt=adopt, local=local, prefetch=order, record=order is None)
         if order is None:
             self._recording.add(snapshot_id)
@@ -388,7 +398,7 @@ class S3Store(S3Objects, SnapshotStore):
         final = self.cache.path(snapshot_id)
         manifest = localize(doc["manifest"], final, self.images_dir)
         manifest["dir"] = str(final)
-        files = {name: (int(info["size"]), info["chunks"]) for name, info in doc["files"].items()}
+        files = _files_of(doc)
         shipped = self._ship_image_files(doc, final, manifest, files)
         if not shipped:  # else the files it lacks come with it: checked once they are here
             self._check_base(snapshot_id, manifest)
@@ -427,7 +437,7 @@ class S3Store(S3Objects, SnapshotStore):
                 raise SnapshotStoreError(f"snapshot {doc.get('snapshot_id')} needs image file {info['path']} "
                                          f"({info['digest'][:16]}), which {self._where()} does not have")
             name = f"image-{role}{Path(local).suffix}"
-            files[name] = (int(image["size"]), image["chunks"])
+            files[name] = (int(image["size"]), image["chunks"], _doc_chunk_size(image))
             replace_path(manifest, local, str(final / name))
             shipped.append(name)
         return shipped
@@ -441,12 +451,12 @@ class S3Store(S3Objects, SnapshotStore):
             raise SnapshotStoreError(f"snapshot {snapshot_id} {exc}") from exc
 
     def _fetch_files(self, snapshot_id: str, files: dict, staging: Path) -> dict:
-        """Writes ``files`` ({name: (size, chunks)}) into ``staging``: each chunk from this
+        """Writes ``files`` ({name: (size, chunks, chunk size)}) into ``staging``: each chunk from this
         node's own files when one has it (verified), else from the store. Returns the counts."""
         fds = {}
         try:
             jobs = []
-            for name, (size, chunks) in files.items():
+            for name, (size, chunks, _) in files.items():
                 if not FILE_NAME.match(name):
                     raise SnapshotStoreError(f"bad file name {name!r} in the manifest of {snapshot_id}")
                 fd = os.open(staging / name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
@@ -509,3 +519,17 @@ class S3Store(S3Objects, SnapshotStore):
             raise
         except Exception as exc:
             raise SnapshotStoreError(f"deleting snapshot {snapshot_id} from {self._where()} failed: {exc}") from exc
+
+
+def _doc_chunk_size(doc: dict) -> int:
+    """A manifest's (or image file's) chunk size: the one all its files had before files
+    named their own (4 MiB when even that is missing)."""
+    return int(doc.get("chunk_size") or CHUNK_SIZE)
+
+
+def _files_of(doc: dict) -> dict[str, tuple[int, list, int]]:
+    """{name: (size, chunks, chunk size)} of a snapshot manifest; a file without a chunk size
+    of its own (a manifest from before RAM was cut smaller) has the manifest's."""
+    default = _doc_chunk_size(doc)
+    return {name: (int(info["size"]), info["chunks"], int(info.get("chunk_size") or default))
+            for name, info in doc["files"].items()}

@@ -134,6 +134,33 @@ def test_reads_through_fuse_equal_the_original_bytes(node):
     assert stats["fetched_chunks"] == len(spec["chunks"]) + 1 and stats["errors"] == 0  # each chunk once
 
 
+def test_files_of_one_mount_may_have_their_own_chunk_sizes(node):
+    """Guest RAM cut smaller than the disks beside it: each file reads with its own size, a
+    read over several small chunks fetches them all (at once), holes stay zeros."""
+    disk, ram = sample(6 * CS + 99, seed=2), sample(3 * CS, seed=3)
+    small = CS // 8
+    c = node.start()
+    path = c.mount("mixed", CS, {"disk": cut(disk, node.store),
+                                 "ram": {**cut(ram, node.store, small), "chunk_size": small}})
+    assert (path / "ram").read_bytes() == ram and (path / "disk").read_bytes() == disk
+    described = c.list()[0]["files"]
+    assert described == {"disk": {"size": len(disk), "chunk_size": CS}, "ram": {"size": len(ram), "chunk_size": small}}
+    c.unmount("mixed")
+    path = c.mount("mixed2", CS, {"ram": {**cut(ram, node.store, small), "chunk_size": small}}, record=True)
+    with open(path / "ram", "rb") as f:
+        f.seek(2 * CS + 3 * small + 1)
+        assert f.read(10) == ram[2 * CS + 3 * small + 1:2 * CS + 3 * small + 11]
+    recorded = c.stats("mixed2")["mounts"]["mixed2"]["recorded"]
+    assert ["ram", 2 * 8 + 3] in recorded  # indices count the file's own chunks
+    for bad in (0, -1, "4", True):
+        with pytest.raises(ChunkfsError) as exc:
+            c.mount("bad", CS, {"ram": {**cut(ram, node.store, small), "chunk_size": bad}})
+        assert exc.value.code == "bad_request"
+    with pytest.raises(ChunkfsError) as exc:  # chunks that do not fit the file's own size
+        c.mount("bad", CS, {"ram": {**cut(ram, node.store), "chunk_size": small}})
+    assert exc.value.code == "bad_request"
+
+
 def test_many_readers_of_a_file_bigger_than_the_cache(node):
     """16 threads read random ranges of a 6 MiB file through a 2 MiB cache: every byte is
     right, chunks are evicted and fetched again, and the cache never passes its bound."""

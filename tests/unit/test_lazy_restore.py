@@ -134,6 +134,25 @@ def test_a_node_lacking_the_snapshot_mounts_it_lazily_and_reads_only_what_it_tou
     assert 0 <= scraped["aenv_node_chunk_cache_hit_ratio"] <= 1 and "aenv_node_chunk_cache_evictions" in scraped
 
 
+def test_a_lazy_mount_serves_ram_and_disks_at_their_own_chunk_sizes(s3, short_tmp):
+    """RAM committed at a quarter of the disks' chunk size: the mount reads every byte right and
+    a read of RAM fetches its small pieces, not the disks' chunk size."""
+    ram = _ram(chunks=32)
+    images = _images(short_tmp)
+    src = _capture(short_tmp / "n1", images, "lz-m", ram)
+    _store(s3, short_tmp / "n1", images, lazy=False, ram_chunk_size=CHUNK // 4).commit("lz-m")
+    store = _store(s3, short_tmp / "n2", images, ram_chunk_size=CHUNK // 4)
+    path = store.local_dir("lz-m")
+    files = store.lazy.client().list()[0]["files"]
+    assert files["memory.ram"]["chunk_size"] == CHUNK // 4 and files["layer-1.qcow2"]["chunk_size"] == CHUNK
+    with open(path / "memory.ram", "rb") as f:
+        f.seek(10 * CHUNK + 5)
+        assert f.read(100) == ram[10 * CHUNK + 5:10 * CHUNK + 105]
+    assert (path / "memory.ram").read_bytes() == ram
+    assert (path / "device.state").read_bytes() == (src / "device.state").read_bytes()
+    assert _backing(path / "layer-1.qcow2") == str(path / "layer-0.qcow2")
+
+
 def test_chunks_the_node_already_has_are_read_from_its_files_not_the_store(s3, short_tmp):
     ram = _ram(11)
     images, _ = _committed(s3, short_tmp, "lz-b", ram)

@@ -198,6 +198,63 @@ def test_second_snapshot_uploads_only_what_changed(s3, tmp_path):
     assert len(_snapshot_chunks(client, prefix)) == first["unique_chunks"] + second["uploaded"]
 
 
+def test_ram_is_cut_smaller_than_disks_each_file_naming_its_chunk_size(s3, tmp_path):
+    """Guest RAM at its own (smaller) chunk size, disks at the store's: the manifest names
+    each file's, equal RAM pieces are one object, and a download rebuilds every byte."""
+    client, prefix = s3
+    images = _images(tmp_path)
+    piece = CHUNK // 4
+    same = os.urandom(piece)
+    ram = {0: same, 5 * piece: same, 9 * piece: os.urandom(piece // 2)}  # within 3 disk-sized chunks
+    src = _capture(tmp_path / "n1", images, "snap-r", ram)
+    stats = _store(s3, tmp_path / "n1", images, ram_chunk_size=piece).commit("snap-r")
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/snap-r/manifest.json")["Body"].read())
+    assert doc["chunk_size"] == CHUNK
+    mem = doc["files"]["memory.ram"]
+    assert mem["chunk_size"] == piece
+    assert [c[:2] for c in mem["chunks"]] == [[0, piece], [5 * piece, piece], [9 * piece, piece]]
+    assert mem["chunks"][0][2] == mem["chunks"][1][2]  # equal pieces: one object
+    assert {doc["files"][n]["chunk_size"] for n in ("layer-0.qcow2", "layer-1.qcow2", "device.state")} == {CHUNK}
+    assert stats["chunks"] > stats["unique_chunks"]
+    local = _store(s3, tmp_path / "n2", images).local_dir("snap-r")  # a node with the default RAM size
+    for name in ("memory.ram", "device.state"):
+        assert (local / name).read_bytes() == (src / name).read_bytes()
+    subprocess.run(["qemu-img", "check", "-q", str(local / "layer-1.qcow2")], check=True)
+
+
+def test_a_manifest_from_before_per_file_chunk_sizes_still_restores(s3, tmp_path):
+    """Older manifests name one chunk size for all files (and had RAM at it): read as such."""
+    client, prefix = s3
+    images = _images(tmp_path)
+    src = _capture(tmp_path / "n1", images, "snap-o", {3 * CHUNK + 7: os.urandom(CHUNK)})
+    _store(s3, tmp_path / "n1", images, ram_chunk_size=CHUNK).commit("snap-o")
+    key = f"{prefix}/snapshots/snap-o/manifest.json"
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    for info in doc["files"].values():
+        del info["chunk_size"]
+    client.put_object(Bucket=BUCKET, Key=key, Body=json.dumps(doc).encode())
+    local = _store(s3, tmp_path / "n2", images, ram_chunk_size=CHUNK // 4).local_dir("snap-o")
+    assert (local / "memory.ram").read_bytes() == (src / "memory.ram").read_bytes()
+
+
+def test_local_chunks_index_ram_files_at_the_ram_chunk_size(tmp_path):
+    from agent.stores.local_chunks import LocalChunks
+
+    root = tmp_path / "files"
+    root.mkdir()
+    data = os.urandom(2 * CHUNK)
+    for name in ("memory.ram", "disk.qcow2"):
+        (root / name).write_bytes(data)
+    index = LocalChunks([root], tmp_path / "index", CHUNK, CHUNK // 4)
+    assert [c[:2] for c in index.file_chunks(root / "memory.ram")] == [[i * CHUNK // 4, CHUNK // 4] for i in range(8)]
+    assert [c[:2] for c in index.file_chunks(root / "disk.qcow2")] == [[0, CHUNK], [CHUNK, CHUNK]]
+    piece = index.file_chunks(root / "memory.ram")[3]
+    assert index.read(piece[2], CHUNK // 4) == data[3 * CHUNK // 4:CHUNK]
+    # the saved index of a file is per chunk size: another size hashes it again
+    again = LocalChunks([root], tmp_path / "index", CHUNK, CHUNK // 2)
+    assert len(again.file_chunks(root / "memory.ram")) == 4
+
+
 # --------------------------------------------------------------------------- download
 
 
