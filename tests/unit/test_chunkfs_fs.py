@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from chunkfs.client import ChunkfsClient, ChunkfsError, ensure_daemon
+from vmm.qemu.ramfile import copy_parallel_into, on_fuse
 
 ROOT = Path(__file__).resolve().parents[2]
 CS = 256 * 1024
@@ -143,6 +144,14 @@ def test_files_of_one_mount_may_have_their_own_chunk_sizes(node):
     path = c.mount("mixed", CS, {"disk": cut(disk, node.store),
                                  "ram": {**cut(ram, node.store, small), "chunk_size": small}})
     assert (path / "ram").read_bytes() == ram and (path / "disk").read_bytes() == disk
+    assert on_fuse(path / "ram") and not on_fuse(node.store)
+    fd = os.open(node.tmp / "ram-copy", os.O_CREAT | os.O_RDWR, 0o600)
+    try:  # how a template restore copies a lazy RAM file: several readers at once
+        os.ftruncate(fd, len(ram))
+        copy_parallel_into(path / "ram", fd, readers=4, segment=CS)
+    finally:
+        os.close(fd)
+    assert (node.tmp / "ram-copy").read_bytes() == ram
     described = c.list()[0]["files"]
     assert described == {"disk": {"size": len(disk), "chunk_size": CS}, "ram": {"size": len(ram), "chunk_size": small}}
     c.unmount("mixed")

@@ -2,6 +2,12 @@
 paused VM's RAM between tmpfs and disk, in the background of the rest of the verb), and
 giving all-zero pages back to tmpfs.
 
+A snapshot's RAM on a lazily filled file (a FUSE mount of the node's chunkfs daemon: a snapshot
+restored from the S3 store without downloading it) is copied by ``COPY_READERS`` threads at
+once, each reading its own segments sequentially: every missing piece is a round trip to the
+store, and one reader would wait for them one after another (docs/cluster.md, "Memory snapshots
+on demand").
+
 Why the punching: when a copy-on-write VM (restored or forked) is resumed onto a RAM file of its own, QEMU's
 migration loader reads every page of that new file to check it is zero, and on tmpfs a read
 fault allocates: the file would hold the guest's full memory size instead of what the guest
@@ -23,9 +29,23 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 PAGE = 4096
 CHUNK = 2 << 20
+FUSE_SUPER_MAGIC = 0x65735546
+COPY_READERS = 4
+COPY_SEGMENT = 16 << 20  # what one reader copies in one go (sequential reads: read-ahead works)
+COPY_BLOCK = 1 << 20  # a FUSE read is at most 1 MiB
+ZERO_PIECE = 64 << 10  # all-zero pieces of this size are not written: the copy stays sparse
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+
+
+def on_fuse(path) -> bool:
+    """The file lives on a FUSE file system (statfs's f_type, the first field of struct statfs)."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statfs(os.fsencode(str(path)), buf) != 0:
+        return False
+    return int.from_bytes(buf.raw[:ctypes.sizeof(ctypes.c_long)], "little") == FUSE_SUPER_MAGIC
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
@@ -116,6 +136,63 @@ def copy_sparse_into(src, fd_out: int) -> int:
         os.close(fd_in)
 
 
+def copy_parallel_into(src, fd_out: int, readers: int = COPY_READERS, segment: int = COPY_SEGMENT) -> int:
+    """Copies `src` into `fd_out` (already of its final size) with `readers` threads, each taking
+    the next `segment` of the file and reading it in order with its own descriptor; all-zero
+    pieces are skipped (holes read as zeros, without a fetch, on a lazy file). Returns the bytes
+    written. The first error stops the others and is raised."""
+    size = os.stat(src).st_size
+    zero_block, zero_piece = bytes(COPY_BLOCK), bytes(ZERO_PIECE)
+    lock = threading.Lock()
+    state = {"next": 0, "written": 0, "error": None}
+
+    def take() -> int | None:
+        with lock:
+            if state["error"] is not None or state["next"] >= size:
+                return None
+            start = state["next"]
+            state["next"] += segment
+            return start
+
+    def reader() -> None:
+        written = 0
+        try:
+            fd_in = os.open(src, os.O_RDONLY)
+        except OSError as e:
+            with lock:
+                state["error"] = state["error"] or e
+            return
+        try:
+            while (start := take()) is not None:
+                for off in range(start, min(start + segment, size), COPY_BLOCK):
+                    data = os.pread(fd_in, COPY_BLOCK, off)
+                    if len(data) != min(COPY_BLOCK, size - off):
+                        raise OSError(errno.EIO, f"short read of {src} at {off}")
+                    if data == zero_block[:len(data)]:
+                        continue
+                    for i in range(0, len(data), ZERO_PIECE):
+                        piece = data[i:i + ZERO_PIECE]
+                        if piece != zero_piece[:len(piece)]:
+                            os.pwrite(fd_out, piece, off + i)
+                            written += len(piece)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            with lock:
+                state["error"] = state["error"] or e
+        finally:
+            os.close(fd_in)
+            with lock:
+                state["written"] += written
+
+    threads = [threading.Thread(target=reader, daemon=True, name=f"ramcopy-reader-{i}") for i in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if state["error"] is not None:
+        raise state["error"]
+    return state["written"]
+
+
 class RamCopy:
     """A sparse copy of a snapshot's RAM into a new file, running in a thread. The file gets
     its final size before the thread starts, so QEMU may map it meanwhile; it must not run the
@@ -131,6 +208,7 @@ class RamCopy:
         except BaseException:
             os.close(fd)
             raise
+        self.readers = COPY_READERS if on_fuse(src) else 1  # a lazily filled file: its missing pieces in parallel
         self.t0 = time.monotonic()
         self.t1 = self.t0
         self.thread = threading.Thread(target=self._run, args=(src, fd), daemon=True, name=f"ramcopy-{dst.name}")
@@ -138,7 +216,10 @@ class RamCopy:
 
     def _run(self, src: Path, fd: int) -> None:
         try:
-            copy_sparse_into(src, fd)
+            if self.readers > 1:
+                copy_parallel_into(src, fd, self.readers)
+            else:
+                copy_sparse_into(src, fd)
         except BaseException as e:
             self.error = e
         finally:

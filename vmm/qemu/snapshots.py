@@ -274,6 +274,7 @@ class SnapshotMixin:
         if copy is not None:
             timings["ram_copy_ms"] = copy.elapsed_ms
             timings["ram_copy_wait_ms"] = copy.waited_ms
+            timings["ram_copy_readers"] = copy.readers
         if own_ram:
             timings["ram_ready_made"] = 1 if warm else 0
             self.warm_ram.refill_later(Path(manifest.memory_file))  # for the next create, now that this one runs
