@@ -52,6 +52,9 @@ async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
     if not await core.transition(parent.id, [S.FORKING], S.RUNNING, event):
         event.outcome, event.message = "aborted", "parent was killed while forking; its children are kept"
         await core.record(event)
+    # the children's clocks for the nodes' stale-row reconcile start now, not before the upload
+    await Sandbox.objects.filter(pk__in=[c.id for c in children], state=S.CREATING).aupdate(
+        updated_at=timezone.now())
     out = await asyncio.gather(*(_child(child, node, capture, timeout, t0, started, actor)
                                  for child, node in begun.children))
     phases = {"capture": round((t_captured - t0) * 1000, 2), "total": round(core.ms(t0), 2)}

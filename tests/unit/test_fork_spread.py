@@ -4,6 +4,7 @@ or packed over the other nodes, all or nothing), and POST /sandboxes/{id}/fork w
 store when the parent's node cannot take them all: one stored capture (hidden from the team),
 every child restored from it on its node with its own token, a child failing alone, a failed
 capture failing the fork, the count limit, and the capture released once no child is live."""
+import asyncio
 from datetime import timedelta
 from unittest import mock
 
@@ -259,3 +260,35 @@ async def test_sweeper_releases_an_unused_capture(api, create, spread_mock):
 
     assert (capture.id, "release_capture", "deleted") in await sweep_once()
     assert not await Snapshot.objects.filter(pk=capture.id).aexists()
+
+
+async def test_a_node_that_does_not_answer_fails_its_children_and_removes_their_vms(api, create, spread_mock):
+    restore = spread_mock.client.restore_sandbox.side_effect
+
+    async def silent_n2(node, **kwargs):
+        if node.pk == "n2":
+            raise spread_mock.client.NodeTimeout("no answer")
+        return await restore(node, **kwargs)
+
+    spread_mock.client.restore_sandbox.side_effect = silent_n2
+    parent = await create()
+    results = (await _fork(api, parent["sandboxID"], count=6)).json()
+    assert sum("error" in r for r in results) == 2
+    on_n2 = {s.pk async for s in Sandbox.objects.filter(node_id="n2", forked_from_id=parent["sandboxID"],
+                                                         state="error")}
+    assert len(on_n2) == 2
+    assert {c.kwargs["sandbox_id"] for c in spread_mock.client.kill_sandbox.await_args_list} == on_n2
+
+
+async def test_a_node_restart_during_the_capture_fails_the_fork(api, create, spread_mock, assert_error):
+    parent = await create()
+
+    async def restarted(node, *, sandbox_id, **kwargs):  # the node's reconcile continues the parent
+        await Sandbox.objects.filter(pk=sandbox_id).aupdate(state="running")
+        await asyncio.sleep(30)
+
+    spread_mock.client.snapshot_sandbox.side_effect = restarted
+    assert_error(await _fork(api, parent["sandboxID"], count=3), 503, "interrupted")
+    assert {s.state async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])} == {"error"}
+    assert (await Snapshot.objects.aget(fork_capture=True)).state == "error"
+    spread_mock.client.restore_sandbox.assert_not_awaited()
