@@ -149,8 +149,9 @@ def ratio(a, b) -> float | None:
 
 
 def build_template(ctx: Ctx, index: int) -> dict:
-    """A template FROM ``base`` (the base build's root disk under it) whose one RUN writes
-    ``--fill-mib`` MiB of random bytes to /home/user/fill.bin and their sha256 beside it, built
+    """A template FROM ``base`` (the base build's root disk under it) whose one RUN (its own:
+    never the builder's cached layer) writes ``--fill-mib`` MiB of random bytes to
+    /home/user/fill.bin and their sha256 beside it, built
     through the official SDK on node A (the only node up); its template snapshot is in the
     store. Returns its name, build time, snapshot id and size in the store."""
     from e2b import Template  # noqa: PLC0415
@@ -158,8 +159,11 @@ def build_template(ctx: Ctx, index: int) -> dict:
     fill = ctx.args.fill_mib
     name = f"lazy-{index}-{uuid.uuid4().hex[:6]}"
     shape = base_shape(ctx.stack)
+    # the template's name in the command: an equal RUN would be the builder's CACHED layer of an
+    # earlier template, the same fill (and chunks) again
     template = Template().from_template("base").run_cmd(
-        f"dd if=/dev/urandom of={FILL} bs=1M count={fill} status=none && sha256sum {FILL} > {FILL}.sha256")
+        f"echo {name} > /home/user/template-name && dd if=/dev/urandom of={FILL} bs=1M count={fill} status=none "
+        f"&& sha256sum {FILL} > {FILL}.sha256")
     t0 = time.monotonic()
     info = Template.build(template, name, cpu_count=shape["cpu"], memory_mb=shape["memory_mb"])
     build_s = time.monotonic() - t0
