@@ -292,3 +292,17 @@ async def test_a_node_restart_during_the_capture_fails_the_fork(api, create, spr
     assert {s.state async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])} == {"error"}
     assert (await Snapshot.objects.aget(fork_capture=True)).state == "error"
     spread_mock.client.restore_sandbox.assert_not_awaited()
+
+
+def test_the_dashboard_never_shows_a_fork_capture(dash, team, base_template, node):
+    parent = Sandbox.objects.create(team=team, template=base_template, node=node, state="running",
+                                    end_at=timezone.now() + timedelta(minutes=5))
+    capture = Snapshot.objects.create(team=team, template=base_template, node=node, source_sandbox=parent,
+                                      fork_capture=True, state="ready")
+    child = Sandbox.objects.create(team=team, template=base_template, node=node, state="running",
+                                   forked_from=parent, source_snapshot=capture,
+                                   end_at=timezone.now() + timedelta(minutes=5))
+    page = dash.get(f"/dashboard/sandboxes/{child.id}/").content.decode()
+    assert parent.id in page and capture.id not in page
+    assert capture.id not in dash.get(f"/dashboard/sandboxes/{parent.id}/").content.decode()
+    assert capture.id not in dash.get("/dashboard/snapshots/").content.decode()
