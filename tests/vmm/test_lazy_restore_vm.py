@@ -5,14 +5,27 @@ AENV_HOME and an images dir with the build's kernel, initrd and tools drive but 
 lazy restores on — restores it from lazily filled files (its chunkfs daemon) without
 downloading it. The guest answers with its file and its still-counting process, and the bytes
 fetched before it answered are a small part of the snapshot (figures printed: run with -s). A
-lazy restore on a third node replays the prefetch list the first one recorded."""
+lazy restore on a third node replays the prefetch list the first one recorded.
+
+Then node B's failures (issue 24's tests): the store stops answering mid-read (the moto server
+SIGSTOPped): the guest's read of a disk chunk not yet fetched fails with EIO within the read
+deadline while the chunkfs daemon, the VM's QMP and the guest's other commands keep answering,
+and the driver reports the failed requests the node's VM watch acts on; a chunk overwritten with
+wrong bytes in the store gives the guest EIO, never the bytes; a memory page that cannot be
+fetched kills QEMU (SIGBUS), which the watch reports as died with the store named. Last, node B
+restarts (its chunkfs daemon and store objects) with a warm cache in which one chunk was damaged:
+the restore reads its chunks from the cache, re-verified, and fetches only the damaged one."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import signal
+import subprocess
+import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -20,16 +33,19 @@ import pytest
 
 from agent.stores.s3 import S3Store
 from chunkfs.client import ChunkfsClient, ChunkfsError
-from harness.moto_s3 import CREDENTIALS, REGION, moto_server
+from harness.moto_s3 import CREDENTIALS, REGION, moto_server, silenced
 from harness.moto_s3 import client as s3_client
 from tests.vmm.test_lifecycle_vm import COUNTER, assert_continues, counter, exists, real_driver, sh
 from tests.vmm.test_qemu_vm import endpoint
-from vmm.driver import BootSpec, SnapshotManifest, get_driver
+from tests.vmm.test_qemu_vm import url as envd_url
+from vmm.driver import BootSpec, SnapshotManifest, VMStatus, get_driver
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "aenv-lazy"
+READ_DEADLINE = 4.0  # node B's AENV_CHUNK_READ_DEADLINE: a read the store does not serve fails after this
+SHM_MB = 32
 
 
 @pytest.fixture
@@ -80,9 +96,9 @@ class _Driver:
             self.driver.kill(vm.sandbox_id)
 
 
-def _store(url: str, prefix: str, home: Path, driver, lazy: bool) -> S3Store:
+def _store(url: str, prefix: str, home: Path, driver, lazy: bool, read_deadline: float | None = None) -> S3Store:
     return S3Store(home=home, images_dir=driver.images_dir, bucket=BUCKET, endpoint=url, region=REGION,
-                   prefix=prefix, driver=driver, lazy=lazy, chunk_cache_mb=2048)
+                   prefix=prefix, driver=driver, lazy=lazy, chunk_cache_mb=2048, chunk_read_deadline=read_deadline)
 
 
 def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
@@ -95,6 +111,8 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         ep = endpoint(info)
         sh(ep, f"cat > /home/user/counter.py <<'EOF'\n{COUNTER}EOF\necho from-node-a > /home/user/state.txt")
         sh(ep, "setsid nohup python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
+        # memory the restored guest does not touch until asked (tmpfs pages: node B's RAM failure)
+        sh(ep, f"head -c {SHM_MB}M /dev/urandom > /dev/shm/ram.bin")
         deadline = time.monotonic() + 30
         while not exists(ep, "/home/user/count"):
             assert time.monotonic() < deadline, "counter did not start"
@@ -111,7 +129,7 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
     print(f"\ncommitted {sid}: {committed}; stored {total >> 20} MiB")
 
     with _Driver(root / "b", images_b) as b:
-        store_b = _store(url, prefix, root / "b", b, lazy=True)
+        store_b = _store(url, prefix, root / "b", b, lazy=True, read_deadline=READ_DEADLINE)
         store_b.prefetch_settle = 0.5
         t0 = time.monotonic()  # a node hashes its own image files once (kept under cache/chunk-index)
         store_b.on_disk.locate([])
@@ -140,7 +158,9 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         timer = store_b.restored(sid)
         assert timer is not None
         timer.join(30)
+        _the_store_goes_away(url, prefix, b, store_b, restored, doc, root / "b")
         b.kill(restored.sandbox_id)
+        _restart_with_a_warm_cache(url, prefix, b, store_b, sid, doc, stats, root / "b")
     order = json.loads(s3_client(url).get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/{sid}/prefetch.json")
                        ["Body"].read())["order"]
     print(f"prefetch list: {len(order)} chunks")
@@ -163,3 +183,199 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         print(f"whole download of the same snapshot: {time.monotonic() - t0:.2f} s before a restore could start")
         assert store_c.delete(sid) is True
         assert not (root / "c" / "lazy" / "snapshots" / sid).exists()
+
+
+# -- node B's failures and its restart (issue 24's tests) ----------------------------------------
+
+def _cached(home: Path) -> set[str]:
+    """The shas of the chunks in a node's chunk cache (``<cache>/<sha[:2]>/<sha>``)."""
+    return {p.name for p in (home / "cache" / "chunks").glob("??/*") if len(p.name) == 64}
+
+
+def _chunk_size(doc: dict, name: str) -> int:
+    return int(doc["files"][name].get("chunk_size") or doc["chunk_size"])
+
+
+def _chunk_at(doc: dict, name: str, offset: int) -> list | None:
+    """The manifest's ``[offset, length, sha]`` of file ``name`` that holds byte ``offset`` (None: a hole)."""
+    for entry in doc["files"][name]["chunks"]:
+        if entry[0] <= offset < entry[0] + entry[1]:
+            return entry
+    return None
+
+
+def _uncached_disk_spots(driver, vm, doc: dict, home: Path, count: int) -> list[tuple[int, str]]:
+    """``count`` places of the guest's disk (virtual offset, sha) whose bytes only the base disk
+    holds, each in a different chunk the node has not fetched: found from the running VM's
+    chain (``qemu-img map``, which reads the layers' tables through the lazy mount)."""
+    state = json.loads((driver.sandboxes_dir / vm.sandbox_id / "vm.json").read_text())
+    base = Path(state["chain"][0]).name
+    assert base in doc["files"], (base, list(doc["files"]))
+    out = subprocess.run(["qemu-img", "map", "-U", "--output=json", "-f", "qcow2", state["top"]], check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    cached, spots, seen = _cached(home), [], set()
+    for extent in json.loads(out):
+        if not extent.get("data") or extent.get("depth") != len(state["chain"]):
+            continue
+        pos, host, end = extent["start"], extent["offset"], extent["start"] + extent["length"]
+        while pos < end:
+            entry = _chunk_at(doc, base, host)
+            step = (entry[0] + entry[1] - host) if entry else 65536
+            if entry and entry[2] not in cached and entry[2] not in seen:
+                spots.append((pos, entry[2]))
+                seen.add(entry[2])
+                if len(spots) == count:
+                    return spots
+            pos, host = pos + step, host + step
+    raise AssertionError(f"found {len(spots)} of {count} uncached base-disk chunks")
+
+
+def _read_disk(ep, offset: int) -> tuple[float, str]:
+    """The guest reads 4 KiB of its disk at ``offset`` past every cache (O_DIRECT); (seconds, output)."""
+    t0 = time.monotonic()
+    out = sh(ep, f"dd if=/dev/vda of=/dev/null bs=4096 count=1 skip={offset // 4096} iflag=direct 2>&1; echo rc=$?",
+             user="root", timeout=120)
+    return time.monotonic() - t0, out
+
+
+def _the_store_goes_away(url: str, prefix: str, b, store_b: S3Store, vm, doc: dict, home: Path) -> None:
+    from agent import vm_watch  # noqa: PLC0415 - the node's watch, as its worker runs it (no database here)
+
+    ep = endpoint(vm)
+    sid = vm.sandbox_id
+    gone, corrupt = _uncached_disk_spots(b, vm, doc, home, 2)
+    client = store_b.lazy.running_client()
+    assert client is not None
+    assert vm_watch.failure(b, sid) is None and b.disk_errors(sid) == 0
+
+    # 1. the store stops answering while the guest reads a disk chunk the node lacks
+    assert "rc=0" in _read_disk(ep, 0)[1]  # dd itself (its binary) is in the guest's page cache now
+    with silenced(url):
+        result = {}
+        reader = threading.Thread(target=lambda: result.update(zip(("took", "out"), _read_disk(ep, gone[0]))))
+        reader.start()
+        time.sleep(1.0)
+        assert reader.is_alive(), f"the read did not wait for the store: {result}"
+        t0 = time.monotonic()  # meanwhile the node answers: the daemon, the VM's QMP, the guest's other commands
+        assert client.ping()["pid"] > 0 and b.disk_errors(sid) == 0
+        with urllib.request.urlopen(f"{envd_url(vm)}/health", timeout=30) as health:  # the guest's envd
+            assert health.status == 204
+        others = time.monotonic() - t0
+        reader.join(READ_DEADLINE + 60)
+        assert not reader.is_alive(), "the guest's read hangs"
+    print(f"store silent: the guest's read failed after {result['took']:.1f} s (read deadline {READ_DEADLINE:g} s); "
+          f"the daemon, QMP and the guest's envd answered within {others:.2f} s meanwhile; {result['out']!r}")
+    assert "Input/output error" in result["out"] and "rc=1" in result["out"], result
+    assert result["took"] < READ_DEADLINE + 20
+    failed = b.disk_errors(sid)
+    assert failed >= 1
+    reason, details = vm_watch.failure(b, sid)
+    assert reason.startswith("the guest's disk failed") and details["disk_errors"] == failed
+    assert vm_watch.lazy_read_errors(store_b.lazy, b.files_in_use(sid)).get(vm_watch_mount(store_b, sid), 0) >= 1
+
+    # 2. a chunk overwritten with wrong bytes in the store: refused (EIO), never handed to the guest
+    s3 = s3_client(url)
+    key = f"{prefix}/chunks/{corrupt[1]}"
+    good = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(len(good)))
+    try:
+        before = client.stats()["cache"]["corrupt"]
+        took, out = _read_disk(ep, corrupt[0])
+        print(f"corrupt chunk in the store: the guest's read failed after {took:.1f} s: {out!r}")
+        assert "Input/output error" in out and "rc=1" in out
+        assert client.stats()["cache"]["corrupt"] > before
+        assert corrupt[1] not in _cached(home)
+    finally:
+        s3.put_object(Bucket=BUCKET, Key=key, Body=good)
+    took, out = _read_disk(ep, corrupt[0])  # the store is right again: so is the read
+    assert "rc=0" in out, out
+    assert sh(ep, "echo alive", timeout=30).strip() == "alive"  # disk errors do not stop the VM itself
+
+    # 3. memory the store cannot deliver: QEMU's page fault fails (SIGBUS) and the VM dies
+    ram = Path(json.loads((b.sandboxes_dir / sid / "vm.json").read_text())["ram"]).name
+    cached = _cached(home)
+    missing = [c for c in doc["files"][ram]["chunks"] if c[2] not in cached]
+    assert missing, "every chunk of the guest's memory is cached already: nothing left to fail"
+    with silenced(url):
+        toucher = threading.Thread(target=lambda: _swallow(
+            lambda: sh(ep, "md5sum /dev/shm/ram.bin; python3 -c 'b = bytearray(150 << 20)'", user="root",
+                       timeout=READ_DEADLINE + 60)), daemon=True)
+        t0 = time.monotonic()
+        toucher.start()
+        deadline = t0 + READ_DEADLINE + 60
+        while b.inspect(sid).status is not VMStatus.STOPPED:
+            assert time.monotonic() < deadline, f"the VM still runs with {len(missing)} memory chunks unfetchable"
+            time.sleep(0.5)
+        died = time.monotonic() - t0
+    toucher.join(30)
+    reason, details = vm_watch.failure(b, sid)
+    lazy_errors = vm_watch.lazy_read_errors(store_b.lazy, b.files_in_use(sid))
+    print(f"store silent: the VM died {died:.1f} s after its guest touched memory not fetched "
+          f"({len(missing)} of {len(doc['files'][ram]['chunks'])} memory chunks); watch: {reason!r}, "
+          f"lazy read errors {lazy_errors}")
+    assert reason.startswith("VM died") and lazy_errors
+
+
+def vm_watch_mount(store: S3Store, sandbox_id: str) -> str:
+    """The lazy mount (a snapshot id) whose files the VM reads."""
+    inside = f"{store.lazy.root}/"
+    for path in store.driver.files_in_use(sandbox_id):
+        if path.startswith(inside):
+            return path[len(inside):].split("/")[0]
+    raise AssertionError(f"sandbox {sandbox_id} reads no lazy mount")
+
+
+def _swallow(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - the guest dies under it: its command cannot answer
+        pass
+
+
+def _restart_with_a_warm_cache(url: str, prefix: str, b, store_b: S3Store, sid: str, doc: dict, first: dict,
+                               home: Path) -> None:
+    """The node restarts: its chunkfs daemon (SIGTERM: state saved) and its store objects (the
+    worker). One cached chunk the restore reads first is damaged on disk meanwhile."""
+    client = store_b.lazy.running_client()
+    pid = client.ping()["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while store_b.lazy.running_client() is not None or _alive(pid):
+        assert time.monotonic() < deadline, "the chunkfs daemon did not stop"
+        time.sleep(0.2)
+    assert (home / "cache" / "chunks" / "state.json").is_file()
+    cached = _cached(home)
+    entry = next(e for name, index in first["recorded"]  # the first chunk its restore read that is cached
+                 if (e := _chunk_at(doc, name, index * _chunk_size(doc, name))) and e[2] in cached)
+    damaged = home / "cache" / "chunks" / entry[2][:2] / entry[2]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same length, wrong bytes: only its digest tells
+    damaged.write_bytes(bytes(data))
+
+    store = _store(url, prefix, home, b, lazy=True, read_deadline=READ_DEADLINE)
+    t0 = time.monotonic()
+    restored = b.restore(SnapshotManifest.load(store.local_dir(sid)), BootSpec("lz-b2"))
+    t_answer = time.monotonic() - t0
+    assert sh(endpoint(restored), "cat /home/user/state.txt").strip() == "from-node-a"
+    cache = store.lazy.running_client().stats()["cache"]
+    print(f"node B restarted with {len(cached)} chunks cached ({first['fetched_bytes'] >> 20} MiB fetched by its first "
+          f"restore): the guest answered after {t_answer:.2f} s having fetched {cache['fetched_bytes'] >> 20} MiB "
+          f"from the store; cache {cache}")
+    assert cache["corrupt"] >= 1 and hashlib.sha256(damaged.read_bytes()).hexdigest() == entry[2]
+    assert cache["fetched_bytes"] <= 0.1 * first["fetched_bytes"], cache
+    assert cache["hits"] > cache["misses"]
+    b.kill(restored.sandbox_id)
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a child of ours that exited is reaped: ensure_daemon started it here)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
