@@ -5,7 +5,8 @@ AENV_HOME and an images dir with the build's kernel, initrd and tools drive but 
 lazy restores on — restores it from lazily filled files (its chunkfs daemon) without
 downloading it. The guest answers with its file and its still-counting process, and the bytes
 fetched before it answered are a small part of the snapshot (figures printed: run with -s). A
-lazy restore on a third node replays the prefetch list the first one recorded.
+lazy restore on a third node replays the prefetch list the first one recorded, with peer fetch
+on: its chunks come from node B's chunk cache, not the store.
 
 Then node B's failures (issue 24's tests): the store stops answering mid-read (the moto server
 SIGSTOPped): the guest's read of a disk chunk not yet fetched fails with EIO within the read
@@ -167,6 +168,8 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
 
     with _Driver(root / "c", _node_images(a.images_dir, build, root / "images-c")) as c:  # replays the list
         store_c = _store(url, prefix, root / "c", c, lazy=True)
+        token = "peer-fetch-" * 4  # peer fetch (AENV_CHUNK_PEER_FETCH): C asks B's chunk cache first
+        store_c.lazy.set_peers("127.0.0.1:0", token, [store_b.lazy.set_peers("127.0.0.1:0", token, [])])
         t0 = time.monotonic()
         restored = c.restore(SnapshotManifest.load(store_c.local_dir(sid)), BootSpec("lz-c"))
         t_answer = time.monotonic() - t0
@@ -174,6 +177,11 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         print(f"node C (prefetch): guest answered after {t_answer:.2f} s; fetched {stats['fetched_bytes'] >> 20} MiB; "
               f"prefetch {stats['prefetch']}")
         assert stats["prefetch"]["queued"] == len(order)
+        figures = store_c.chunk_cache_figures()
+        print(f"node C: {figures['peerBytes'] >> 20} MiB ({figures['peerChunks']} chunks) from node B's chunk cache, "
+              f"{figures['storeBytes'] >> 20} MiB ({figures['storeChunks']} chunks) from the store")
+        assert figures["peerChunks"] > 0 and figures["peerCorrupt"] == 0
+        assert store_b.chunk_cache_figures()["servedChunks"] == figures["peerChunks"]
         assert sh(endpoint(restored), "cat /home/user/state.txt").strip() == "from-node-a"
         c.kill(restored.sandbox_id)
         # for comparison: the whole download (AENV_LAZY_RESTORE=0) of the same snapshot
