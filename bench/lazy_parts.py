@@ -18,6 +18,7 @@ from bench import lazy_stats as stats
 from bench.cluster import stop_second_node
 from bench.cluster_api import SANDBOX_TTL_S, Api
 from bench.cluster_parts import EXPORTED, WHERE, _marked, dist, drain
+from bench.create_kill import parse_server_timing
 from bench.lifecycle_common import MIB, run_cmd
 from bench.templates import base_shape
 from bench.templates_runs import db_json
@@ -353,19 +354,21 @@ def fork_and_answer(ctx: Ctx, parent: str, count: int) -> dict:
     resp = ctx.api.client.post(f"{ctx.api.url}/sandboxes/{parent}/fork", timeout=900,
                                json={"count": count, "timeout": SANDBOX_TTL_S})
     call_ms = (time.perf_counter() - t0) * 1e3
+    phases = parse_server_timing(resp.headers.get("server-timing", ""))
     if resp.status_code != 201:
         try:
             message = resp.json().get("message")
         except ValueError:
             message = resp.text[:300]
-        return {"count": count, "status": resp.status_code, "message": message, "call_ms": round(call_ms, 1)}
+        return {"count": count, "status": resp.status_code, "message": message, "call_ms": round(call_ms, 1),
+                "phases": phases}
     entries = resp.json()
     kids = [e["sandbox"] for e in entries if isinstance(e, dict) and "sandbox" in e]
     ctx.api.adopt(k["sandboxID"] for k in kids)
     ctx.made.update(k["sandboxID"] for k in kids)
     errors = [e.get("error") for e in entries if isinstance(e, dict) and "sandbox" not in e]
 
-    def answer(kid: dict):
+    def answer(kid: dict) -> tuple[bool, float, str]:
         try:
             out = run_cmd(ctx.stack.sandbox_url, "echo ok", sandbox_id=kid["sandboxID"],
                           token=kid.get("envdAccessToken"), envd_version=kid.get("envdVersion") or "0.6.4")
@@ -377,8 +380,12 @@ def fork_and_answer(ctx: Ctx, parent: str, count: int) -> dict:
         answers = list(pool.map(answer, kids))
     placed = where(ctx.stack, [k["sandboxID"] for k in kids])
     per_node: dict[str, int] = {}
-    for node in placed.values():
+    last_per_node: dict[str, float] = {}
+    for kid, (ok, ms, _) in zip(kids, answers):
+        node = placed.get(kid["sandboxID"], "?")
         per_node[node] = per_node.get(node, 0) + 1
+        if ok:
+            last_per_node[node] = round(max(ms, last_per_node.get(node, 0.0)), 1)
     ok_ms = [ms for ok, ms, _ in answers if ok]
     t_kill = time.monotonic()
     failures = []
@@ -394,7 +401,9 @@ def fork_and_answer(ctx: Ctx, parent: str, count: int) -> dict:
     return {"count": count, "status": 201, "children": len(kids), "answered": len(ok_ms), "call_ms": round(call_ms, 1),
             "last_answer_ms": round(max(ok_ms), 1) if ok_ms else None, "answer_ms": dist(ok_ms),
             "errors": [e for e in errors if e][:5] + [m for ok, _, m in answers if not ok and m][:5],
-            "per_node": per_node, "kill_s": round(time.monotonic() - t_kill, 1), "kill_failures": failures}
+            "per_node": per_node, "last_answer_ms_per_node": last_per_node, "phases": phases,
+            "parent_fork_timings": node_timings(ctx.stack, [parent], "fork").get(parent),
+            "kill_s": round(time.monotonic() - t_kill, 1), "kill_failures": failures}
 
 
 def part_fork(ctx: Ctx) -> dict:

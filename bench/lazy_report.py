@@ -155,7 +155,11 @@ def details(run: dict) -> list[str]:
                 continue
             lines.append(f"- ×{d['count']} on {label}: call {d['call_ms']} ms, last child answered after "
                          f"{d['last_answer_ms']} ms (p50 {_ms(d['answer_ms'])}), {d['answered']} of {d['children']} "
-                         f"answered, per node {d['per_node']}; errors {d['errors']}")
+                         f"answered, per node {d['per_node']} (the last answer per node, ms: "
+                         f"{d.get('last_answer_ms_per_node')}); errors {d['errors']}")
+            if d.get("phases") or d.get("parent_fork_timings"):
+                lines.append(f"  - the call's Server-Timing {d.get('phases')}; the parent's fork event timings "
+                             f"{d.get('parent_fork_timings')}")
         lines.append("")
     for part in ("template", "resume", "cache", "fork"):
         got = run.get(part)
