@@ -234,11 +234,13 @@ def _store():
 
 
 @node_task(name=protocol.SNAPSHOT_SANDBOX)
-def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) -> dict:
+def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True, commit: bool = True) -> dict:
     """Captures the running VM into the snapshot store (the VM pauses briefly, then
     continues). ``memory=False``: the guest syncs first and only the disk layers are
-    kept. A failure removes whatever was written, so no partial snapshot stays; a full
-    disk is reported as StorageFull. Returns {"manifest", "size_bytes", "memory", "timings"}."""
+    kept. ``commit=False``: only this node's copy, stored later by ``commit_snapshot`` (a
+    fork across nodes starts the children here from it meanwhile). A failure removes
+    whatever was written, so no partial snapshot stays; a full disk is reported as
+    StorageFull. Returns {"manifest", "size_bytes", "memory", "timings"}."""
     driver = get_driver()
     store = _store()
     started = time.perf_counter()
@@ -251,7 +253,8 @@ def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) 
     try:
         # memory=False: the driver syncs the guest and captures the disk layers only.
         manifest = driver.snapshot(sandbox_id, dest, memory=memory)
-        store.commit(snapshot_id)
+        if commit:
+            store.commit(snapshot_id)
     except BaseException as exc:
         store.delete(snapshot_id)
         if _is_disk_full(exc):
@@ -261,6 +264,15 @@ def snapshot_sandbox(*, sandbox_id: str, snapshot_id: str, memory: bool = True) 
     timings["task_ms"] = round((time.perf_counter() - started) * 1000, 2)
     return {"manifest": manifest.to_json(), "size_bytes": store.size_bytes(snapshot_id),
             "memory": bool(memory), "timings": timings}
+
+
+@node_task(name=protocol.COMMIT_SNAPSHOT)
+def commit_snapshot(*, snapshot_id: str) -> dict:
+    """Stores a capture this node took with ``commit=False`` (with the S3 store: uploads it, so
+    other nodes restore it). A failure leaves this node's copy as it was. Returns {"timings"}."""
+    started = time.perf_counter()
+    _store().commit(snapshot_id)
+    return {"timings": {"commit_ms": round((time.perf_counter() - started) * 1000, 2)}}
 
 
 @node_task(name=protocol.RESTORE_SANDBOX)

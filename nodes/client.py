@@ -251,12 +251,22 @@ async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_
 
 
 async def snapshot_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, memory: bool = True,
-                           deadline: float | None = None) -> dict:
-    """Capture the running VM into snapshot `snapshot_id` on `node` (it keeps running).
+                           commit: bool = True, deadline: float | None = None) -> dict:
+    """Capture the running VM into snapshot `snapshot_id` on `node` (it keeps running);
+    `commit=False`: kept on `node` only until `commit_snapshot`.
 
     Returns {"manifest", "size_bytes", "memory", "timings"}; a full store fails with kind "StorageFull"."""
     kwargs = dict(sandbox_id=sandbox_id, snapshot_id=snapshot_id, memory=bool(memory))
+    if not commit:  # sent only when asked: a node worker of before it never sees the argument
+        kwargs["commit"] = False
     return await _call(node, protocol.SNAPSHOT_SANDBOX, kwargs, deadline, f"snapshot of {sandbox_id}")
+
+
+async def commit_snapshot(node: Node, *, snapshot_id: str, deadline: float | None = None) -> dict:
+    """Store snapshot `snapshot_id`, captured on `node` with `commit=False` (the S3 store: the
+    upload other nodes restore it from). Returns {"timings"}."""
+    return await _call(node, protocol.COMMIT_SNAPSHOT, {"snapshot_id": snapshot_id}, deadline,
+                       f"storing of snapshot {snapshot_id}")
 
 
 async def restore_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, env_vars: dict,

@@ -1,14 +1,14 @@
-"""A fork whose children span nodes: the parent's node captures it once into the S3 store (a
-snapshot of its own, ``fork_capture``: hidden from the team, released once no live child is
-left, ``captures``), the parent continues, then every child is restored from that capture in
-parallel — on the parent's node from its local copy, on the others lazily from the store
-(``agent.stores.lazy``) — each with its own id, envd token, env vars and network policy, as
-a child of the driver's fork.
+"""A fork whose children span nodes: the parent's node captures it once (a snapshot of its
+own, ``fork_capture``: hidden from the team, released once no live child is left,
+``captures``) and the parent continues; the children on the parent's node are restored from
+that local copy at once while the node stores the capture in the S3 store, and the children
+on the other nodes are restored lazily from the store (``agent.stores.lazy``) as soon as it
+is there — each with its own id, envd token, env vars and network policy, as a child of the
+driver's fork.
 
 Why a stored snapshot and restores, not the driver's fork: a node restores only what the
-store holds, and the one upload is what lets a rollout batch outgrow the parent's node; the
-answer comes when the last child runs, so the parent's own children lose nothing by waiting
-for the upload too."""
+store holds, and the one upload is what lets a rollout batch outgrow the parent's node. The
+upload runs beside the parent's node's own restores, so it delays only the other nodes'."""
 from __future__ import annotations
 
 import asyncio
@@ -52,21 +52,50 @@ async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
     if not await core.transition(parent.id, [S.FORKING], S.RUNNING, event):
         event.outcome, event.message = "aborted", "parent was killed while forking; its children are kept"
         await core.record(event)
-    # the children's clocks for the nodes' stale-row reconcile start now, not before the upload
-    await Sandbox.objects.filter(pk__in=[c.id for c in children], state=S.CREATING).aupdate(
-        updated_at=timezone.now())
-    out = await asyncio.gather(*(_child(child, node, capture, timeout, t0, started, actor)
-                                 for child, node in begun.children))
-    phases = {"capture": round((t_captured - t0) * 1000, 2), "total": round(core.ms(t0), 2)}
+    here = [(c, n) for c, n in begun.children if n.pk == home.pk]
+    away = [(c, n) for c, n in begun.children if n.pk != home.pk]
+    local = [asyncio.ensure_future(_child(c, n, capture, timeout, t0, started, actor)) for c, n in here]
+    stored = await _store(parent, capture, home, started, details, actor)
+    t_stored = time.monotonic()
+    if stored is None:
+        remote = [_child(c, n, capture, timeout, t0, started, actor) for c, n in away]
+    else:  # the other nodes cannot have it: their children fail, the parent's node's run
+        remote = [finish_child(c, {"ok": False, "kind": stored.kind, "message": stored.message}, n, timeout, t0,
+                               started, actor) for c, n in away]
+    ended = dict(zip([c.id for c, _ in here + away], await asyncio.gather(*local, *remote)))
+    out = [ended[c.id] for c, _ in begun.children]
+    phases = {"capture": round((t_captured - t0) * 1000, 2), "stored": round((t_stored - t0) * 1000, 2),
+              "total": round(core.ms(t0), 2)}
     await release_if_unused(capture.id, actor)  # every child failed: nothing needs it
     return [Result(child, phases) if isinstance(child, Sandbox) else child for child in out]
 
 
+async def _store(parent: Sandbox, capture, home, started, details, actor: str) -> LifecycleError | None:
+    """The parent's node stores the capture (``commit_snapshot``: the upload); None once it
+    is in the store, else the error (recorded on the parent: the other nodes' children fail)."""
+    client, _ = core.node_api()
+    deadline = settings.AENV_SNAPSHOT_DEADLINE
+    t0 = time.monotonic()
+    try:
+        answer = await asyncio.wait_for(client.commit_snapshot(home, snapshot_id=capture.id, deadline=deadline),
+                                        timeout=deadline + 15)
+    except Exception as exc:  # noqa: BLE001 - mapped; the parent's node's children are unaffected
+        error = core.node_failure(client, exc, home, "storing of the fork's capture", deadline)
+        error.message = f"the fork's capture could not be stored for the other nodes: {error.message}"
+        await core.record(core.event(parent.id, "fork", outcome="error", started_at=started,
+                                     duration_ms=core.ms(t0), actor=actor, message=error.message,
+                                     details={**details, "kind": error.kind, "phase": "store"}))
+        return error
+    await core.record(core.event(parent.id, "fork", outcome="stored", started_at=started, duration_ms=core.ms(t0),
+                                 actor=actor, details={**details, "timings": (answer or {}).get("timings") or {}}))
+    return None
+
+
 async def _capture(parent: Sandbox, children: list[Sandbox], capture, home, t0, started, details,
                    actor: str) -> dict:
-    """The parent's node takes the capture and stores it (``snapshot_sandbox``: the parent
-    pauses only for the capture; the upload follows while it runs). Returns the node's
-    answer, or raises after failing the parent (as a fork), every child and the capture."""
+    """The parent's node takes the capture (``snapshot_sandbox`` without its upload: the parent
+    pauses only for the capture). Returns the node's answer, or raises after failing the
+    parent (as a fork), every child and the capture."""
     client, _ = core.node_api()
     deadline = settings.AENV_SNAPSHOT_DEADLINE
     try:
@@ -74,7 +103,7 @@ async def _capture(parent: Sandbox, children: list[Sandbox], capture, home, t0, 
         # kept); any other move is a restarted node's reconcile, answered at once.
         result = await core.await_node(asyncio.wait_for(
             client.snapshot_sandbox(home, sandbox_id=parent.id, snapshot_id=capture.id, memory=True,
-                                    deadline=deadline),
+                                    commit=False, deadline=deadline),
             timeout=deadline + 15,
         ), parent.id, S.FORKING, tolerate=(S.KILLING, S.KILLED))
     except core.Moved as moved:
@@ -120,8 +149,11 @@ async def _fail_all(parent, children, capture, reason: str, kind: str, t0, start
 
 
 async def _child(child: Sandbox, node, capture, timeout: int, t0, started, actor: str):
-    """One child restored from the capture on its node, then ended by ``finish_child``."""
+    """One child restored from the capture on its node, then ended by ``finish_child``. Its
+    row's clock for the nodes' stale-row reconcile starts now (it waited for the capture, and
+    on another node for the upload)."""
     client, _ = core.node_api()
+    await Sandbox.objects.filter(pk=child.id, state=S.CREATING).aupdate(updated_at=timezone.now())
     try:
         answer = await core.await_node(asyncio.wait_for(
             client.restore_sandbox(

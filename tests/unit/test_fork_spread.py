@@ -111,6 +111,7 @@ def spread_mock(nodes_mock, settings):
     c = nodes_mock.client
     c.fork_sandbox = mock.AsyncMock(side_effect=AssertionError("a spread fork uses no driver fork"))
     c.snapshot_sandbox = mock.AsyncMock(return_value=dict(SNAP_RESULT))
+    c.commit_snapshot = mock.AsyncMock(return_value={"timings": {"commit_ms": 700.0}})
     ports = iter(range(42000, 43000))
 
     async def restore(node, *, sandbox_id, **kwargs):
@@ -144,6 +145,9 @@ async def test_a_fork_larger_than_the_parents_node_runs_across_nodes(api, create
     spread_mock.client.snapshot_sandbox.assert_awaited_once()
     snap_call = spread_mock.client.snapshot_sandbox.await_args
     assert snap_call.args[0].pk == "n1" and snap_call.kwargs["sandbox_id"] == parent["sandboxID"]
+    assert snap_call.kwargs["commit"] is False  # stored by its own call, beside n1's restores
+    spread_mock.client.commit_snapshot.assert_awaited_once()
+    assert spread_mock.client.commit_snapshot.await_args.kwargs["snapshot_id"] == snap_call.kwargs["snapshot_id"]
     capture = await Snapshot.objects.aget(pk=snap_call.kwargs["snapshot_id"])
     assert capture.fork_capture and capture.state == "ready" and capture.node_id == "n1"
     assert capture.envd_access_token == before.envd_access_token and capture.size_bytes == 123456
@@ -167,7 +171,8 @@ async def test_a_fork_larger_than_the_parents_node_runs_across_nodes(api, create
     assert after.state == "running" and after.end_at == before.end_at
     ops = [(e.outcome, e.from_state, e.to_state, e.details) async for e in
            SandboxEvent.objects.filter(sandbox_id=parent["sandboxID"], operation="fork").order_by("id")]
-    assert [o[:3] for o in ops] == [("started", "running", "forking"), ("ok", "forking", "running")]
+    assert [o[:3] for o in ops] == [("started", "running", "forking"), ("ok", "forking", "running"),
+                                    ("stored", "", "")]
     assert ops[0][3]["nodes"]["n1"] == 2 and ops[1][3]["capture"] == capture.id
 
     # used while a child lives (a paused one too); released once none does, on every node that held it
@@ -306,3 +311,44 @@ def test_the_dashboard_never_shows_a_fork_capture(dash, team, base_template, nod
     assert parent.id in page and capture.id not in page
     assert capture.id not in dash.get(f"/dashboard/sandboxes/{parent.id}/").content.decode()
     assert capture.id not in dash.get("/dashboard/snapshots/").content.decode()
+
+
+async def test_the_parents_node_starts_its_children_while_the_capture_is_stored(api, create, spread_mock):
+    """n1's restores run before the upload has finished; the other nodes' wait for it."""
+    order = []
+    gate = asyncio.Event()
+    restore = spread_mock.client.restore_sandbox.side_effect
+
+    async def restore_logged(node, **kwargs):
+        order.append(("restore", node.pk, gate.is_set()))
+        return await restore(node, **kwargs)
+
+    async def slow_commit(node, **kwargs):
+        for _ in range(100):  # until both of n1's children were asked for
+            if sum(1 for o in order if o[1] == "n1") == 2:
+                break
+            await asyncio.sleep(0.01)
+        gate.set()
+        return {"timings": {"commit_ms": 1.0}}
+
+    spread_mock.client.restore_sandbox.side_effect = restore_logged
+    spread_mock.client.commit_snapshot.side_effect = slow_commit
+    parent = await create()
+    assert (await _fork(api, parent["sandboxID"], count=4)).status_code == 201
+    assert sorted(o for o in order if o[1] == "n1") == [("restore", "n1", False)] * 2
+    assert all(stored for _, node, stored in order if node != "n1") and len(order) == 4
+
+
+async def test_a_capture_that_cannot_be_stored_fails_only_the_other_nodes_children(api, create, spread_mock):
+    spread_mock.client.commit_snapshot.side_effect = spread_mock.client.NodeTaskFailed(
+        "upload of snapshot to s3 failed: connection refused", kind="SnapshotStoreError")
+    parent = await create()
+    results = (await _fork(api, parent["sandboxID"], count=4)).json()
+    rows = {(s.node_id, s.state) async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])}
+    assert rows == {("n1", "running"), ("n2", "error"), ("n3", "error")}
+    errors = [r["error"]["message"] for r in results if "error" in r]
+    assert len(errors) == 2 and all("could not be stored" in e and "connection refused" in e for e in errors)
+    assert {c.args[0].pk for c in spread_mock.client.restore_sandbox.await_args_list} == {"n1"}
+    stored = await SandboxEvent.objects.aget(sandbox_id=parent["sandboxID"], operation="fork", outcome="error")
+    assert stored.details["phase"] == "store" and stored.details["kind"] == "SnapshotStoreError"
+    assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "running"

@@ -209,3 +209,18 @@ def test_filesystem_only_snapshot_syncs_keeps_disk_only_and_cold_boots(stub, tmp
     assert stub.booted.sandbox_id == "i9" and stub.booted.layers == ["/base"]
     assert not hasattr(stub, "restored")
     assert TokenEnvd.token == "own" and TokenEnvd.calls[-1][0] == "own"  # no handoff to a fresh envd
+
+
+def test_a_capture_without_commit_is_stored_by_commit_snapshot(stub, tmp_path, monkeypatch):
+    """A fork across nodes: the capture first (the parent's node restores from its copy), the
+    upload as a task of its own."""
+    store = PosixFsStore(tmp_path / "snapshots")
+    committed = []
+    monkeypatch.setattr(store, "commit", committed.append)
+    monkeypatch.setattr(tasks, "_store", lambda: store)
+    out = tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s7", commit=False)
+    assert committed == [] and out["manifest"]["source_sandbox_id"] == "i1"
+    assert (tmp_path / "snapshots" / "s7" / "manifest.json").is_file()
+    assert "commit_ms" in tasks.commit_snapshot(snapshot_id="s7")["timings"] and committed == ["s7"]
+    tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s8")
+    assert committed == ["s7", "s8"]
