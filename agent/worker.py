@@ -65,6 +65,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
 
     host_sampler = HostSampler(["/", str(settings.AENV_HOME), str(settings.AENV_IMAGES_DIR), "/dev/shm"])
     host_sampler.probes["chunkCache"] = lambda: get_store().chunk_cache_figures()  # lazy restores
+    getattr(get_store(), "warm_up", lambda: None)()  # lazy restores: the chunkfs daemon, the own-chunk index
     chunk_peers = start_chunk_peers(node_id, get_store())  # AENV_CHUNK_PEER_FETCH
     if chunk_peers is not None:
         host_sampler.probes["chunkPeerPort"] = lambda: chunk_peers.port  # how the other nodes find it

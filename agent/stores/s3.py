@@ -381,6 +381,28 @@ class S3Store(S3Objects, SnapshotStore):
             log.exception("snapshot %s: storing its prefetch list failed", snapshot_id)
             return False
 
+    def warm_up(self) -> threading.Thread | None:
+        """At node start, in the background: the chunkfs daemon started and this node's own
+        files indexed (``LocalChunks``), so the first lazy restore (a sandbox resumed here from
+        another node) pays for neither (the daemon's start, seconds of hashing after a new image
+        build). Failures are only logged: that restore does them itself."""
+        if self.lazy is None:
+            return None
+
+        def run() -> None:
+            try:
+                self.lazy.client()
+            except Exception as exc:  # noqa: BLE001 - the restore tries again (and falls back)
+                log.warning("lazy restores: the chunkfs daemon could not be started ahead: %s", exc)
+            try:
+                self.on_disk.locate([])
+            except Exception:  # noqa: BLE001
+                log.exception("lazy restores: indexing this node's own chunks failed")
+
+        thread = threading.Thread(target=run, name="lazy-warm-up", daemon=True)
+        thread.start()
+        return thread
+
     def chunk_cache_figures(self) -> dict | None:
         """The node's chunk cache figures (``lazy.cache_figures``) while its chunkfs daemon runs."""
         return cache_figures(self.lazy.cache_stats()) if self.lazy is not None else None

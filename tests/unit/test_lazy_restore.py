@@ -153,6 +153,18 @@ def test_a_lazy_mount_serves_ram_and_disks_at_their_own_chunk_sizes(s3, short_tm
     assert _backing(path / "layer-1.qcow2") == str(path / "layer-0.qcow2")
 
 
+def test_warm_up_starts_the_daemon_and_indexes_the_nodes_own_chunks_ahead(s3, short_tmp):
+    """At node start (agent.worker): the first lazy restore then finds the daemon running and
+    this node's files indexed."""
+    images = _images(short_tmp)
+    store = _store(s3, short_tmp / "n1", images)
+    assert store.lazy.running_client() is None and store.on_disk._where is None
+    store.warm_up().join(60)
+    assert store.lazy.running_client() is not None
+    assert store.on_disk._where is not None
+    assert _store(s3, short_tmp / "n2", images, lazy=False).warm_up() is None
+
+
 def test_chunks_the_node_already_has_are_read_from_its_files_not_the_store(s3, short_tmp):
     ram = _ram(11)
     images, _ = _committed(s3, short_tmp, "lz-b", ram)
