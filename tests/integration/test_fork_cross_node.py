@@ -75,7 +75,9 @@ def test_a_fork_of_four_with_two_a_node_spans_two_nodes(forkx_stack, short_root,
         print(f"\nFORK x4 over two nodes: {fork_s * 1000:.0f} ms until all four answered the API")
         print(_db(stack, "from sandboxes.models import SandboxEvent as E; "
                          f"e = E.objects.get(sandbox_id='{parent.sandbox_id}', operation='fork', outcome='ok'); "
-                         "print('capture + upload', e.duration_ms, 'ms', e.details.get('timings'))"))
+                         "print('capture', e.duration_ms, 'ms', e.details.get('timings')); "
+                         f"e = E.objects.get(sandbox_id='{parent.sandbox_id}', operation='fork', outcome='stored'); "
+                         "print('stored (upload)', e.duration_ms, 'ms')"))
         print(_db(stack, "from sandboxes.models import SandboxEvent as E; "
                          f"ids = {[c.sandbox_id for c in children]!r}; "
                          "[print('child', e.details.get('node'), e.duration_ms, 'ms', e.details.get('timings')) "
