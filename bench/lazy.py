@@ -10,9 +10,11 @@ beside it (harness.second_node):
    daemon starts, its own files are indexed), then one of the first (a warm node): create →
    envd answering, p50 each, the ratios to A's (target ≤ 1.5×), and the bytes B's chunkfs
    daemon fetched from the store by then.
-2. resume (``resume``): a ``base`` sandbox paused on A and exported to the store is resumed
-   (connect) on node B, A drained: until the guest answers, p50 of ``--runs`` (target
-   ≤ 1.0 s), and the bytes B fetched before it answered as % of the pause image (≤ 10 %).
+2. resume (``resume``): per run two ``base`` sandboxes paused on A and exported to the
+   store, then a new node B (with the base disk, as nodes have it) where, A drained, the
+   first resumes (connect; a cold node) and then the second (a warm node that never saw that
+   pause image): until the guest answers, p50 of ``--runs`` each (target ≤ 1.0 s), and the
+   bytes B fetched before it answered as % of the pause image (≤ 10 %).
 3. cache (``cache``): three such templates created in turn on a node B with
    ``AENV_CHUNK_CACHE_MB=--cache-mb``, each sandbox reading its whole fill file back
    (``sha256sum -c``): each create succeeds, the cache's size (the daemon's stats, polled

@@ -247,59 +247,76 @@ def part_template(ctx: Ctx) -> dict:
 # -- resume on another node --------------------------------------------------------------------
 
 
+def _paused_on_a(ctx: Ctx, i: int, j: int) -> dict:
+    """A ``base`` sandbox on node A (the only node up) with a file written in it, paused and
+    exported to the store; its pause image's size there."""
+    a = ctx.api.create("base", tag="resume")
+    if a.status != 201:
+        raise RuntimeError(f"create: {a.status} {a.error}")
+    ctx.made.add(a.sandbox_id)
+    _marked(ctx.api, ctx.stack, a.body, f"run{i}-{j}")
+    ctx.api.pause(a.sandbox_id)
+    return {"body": a.body, "sid": a.sandbox_id, "mark": f"run{i}-{j}", "paused_at": time.time()}
+
+
+def _resume_on(ctx: Ctx, node, p: dict) -> dict:
+    """Connect → 201 → envd answering with A drained (so on ``node``); what the node's daemon
+    fetched by then against the pause image; the file read back; the sandbox killed."""
+    sid = p["sid"]
+    image = stats.stored_size(ctx.s3, ctx.bucket, ctx.prefix, pause_image_of(sid))
+    before = stats.daemon_stats(node.home)
+    with drained(ctx.stack, ctx.stack.node_id):
+        t0 = time.perf_counter()
+        r = ctx.api.connect(sid)
+        t1 = wait_answer(ctx.api, ctx.stack.sandbox_url, sid)
+        after = stats.daemon_stats(node.home)
+    fetched = stats.delta(before, after)
+    lacked = image["own_bytes"] + sum(v for k, v in image["images"].items()
+                                      if k == "rootfs" and ctx.args.resume_without_base_disk)
+    row = {"connect_ms": round(r.ms, 1), "answer_ms": round((t1 - t0) * 1e3, 1), "phases": r.phases,
+           "export_s": round(p["exported_at"] - p["paused_at"], 2), "image": image, "fetched": fetched,
+           "fetched_pct_of_image": round(100 * fetched["store_bytes"] / image["total_bytes"], 1),
+           "fetched_pct_of_lacked": round(100 * fetched["store_bytes"] / lacked, 1) if lacked else None,
+           "mount": stats.mount_figures(after, pause_image_of(sid)), "node": where(ctx.stack, [sid]).get(sid),
+           "node_is_b": False, "node_timings": node_timings(ctx.stack, [sid], "resume").get(sid)}
+    row["node_is_b"] = row["node"] == node.id
+    row["file_intact"] = _marked(ctx.api, ctx.stack, p["body"]) == p["mark"]
+    ctx.api.kill(sid)
+    return row
+
+
 def part_resume(ctx: Ctx) -> dict:
-    """Per run: a ``base`` sandbox on node A (B drained meanwhile), a file written in it,
-    paused, until the pause is exported to the store; then, A drained, connect → 201 →
-    envd answering on node B (one node B for all runs, with the base disk unless
-    ``--resume-without-base-disk``), the file read back. What B's daemon fetched until the
-    guest answered, against the pause image's size in the store."""
-    rows = []
-    with extra_node(ctx, "b", base_disk=not ctx.args.resume_without_base_disk) as node:
-        for i in range(ctx.args.runs):
-            with drained(ctx.stack, node.id):
-                a = ctx.api.create("base", tag="resume")
-            if a.status != 201:
-                raise RuntimeError(f"create: {a.status} {a.error}")
-            sid = a.sandbox_id
-            ctx.made.add(sid)
-            _marked(ctx.api, ctx.stack, a.body, f"run{i}")
-            ctx.api.pause(sid)
-            t_paused = time.time()
-            exported = db_json(ctx.stack, EXPORTED.format(ids=[sid]))
-            if not exported.get(sid):
-                raise RuntimeError(f"the pause of {sid} was not exported to the store within 100 s")
-            image = stats.stored_size(ctx.s3, ctx.bucket, ctx.prefix, pause_image_of(sid))
-            before = stats.daemon_stats(node.home)
-            with drained(ctx.stack, ctx.stack.node_id):
-                t0 = time.perf_counter()
-                r = ctx.api.connect(sid)
-                t1 = wait_answer(ctx.api, ctx.stack.sandbox_url, sid)
-                after = stats.daemon_stats(node.home)
-            fetched = stats.delta(before, after)
-            lacked = image["own_bytes"] + sum(v for k, v in image["images"].items()
-                                              if k == "rootfs" and ctx.args.resume_without_base_disk)
-            row = {"connect_ms": round(r.ms, 1), "answer_ms": round((t1 - t0) * 1e3, 1), "phases": r.phases,
-                   "export_s": round(exported[sid] - t_paused, 2), "image": image, "fetched": fetched,
-                   "fetched_pct_of_image": round(100 * fetched["store_bytes"] / image["total_bytes"], 1),
-                   "fetched_pct_of_lacked": round(100 * fetched["store_bytes"] / lacked, 1) if lacked else None,
-                   "mount": stats.mount_figures(after, pause_image_of(sid)),
-                   "node": where(ctx.stack, [sid]).get(sid),
-                   "node_timings": node_timings(ctx.stack, [sid], "resume").get(sid)}
-            row["file_intact"] = _marked(ctx.api, ctx.stack, a.body) == f"run{i}"
-            ctx.api.kill(sid)
-            rows.append(row)
-            print(f"resume on node B: {row['answer_ms']:.0f} ms, fetched {fetched['store_bytes'] / MIB:.0f} MiB "
-                  f"({row['fetched_pct_of_image']} % of {image['total_bytes'] / MIB:.0f} MiB)", flush=True)
-        node_b = node.id
-    ms = [r["answer_ms"] for r in rows]
-    pct = [r["fetched_pct_of_image"] for r in rows]
-    return {"runs": len(rows), "node_b": node_b, "node_b_base_disk": not ctx.args.resume_without_base_disk,
-            "rows": rows, "answer_ms": dist(ms), "connect_ms": dist([r["connect_ms"] for r in rows]),
-            "target_ms": 1000, "fetched_pct_p50": p50(pct), "target_pct": 10,
-            "fetched_pct_of_lacked_p50": p50([r["fetched_pct_of_lacked"] for r in rows
-                                              if r["fetched_pct_of_lacked"] is not None]),
-            "misplaced": sum(1 for r in rows if r["node"] != node_b),
-            "all_files_intact": all(r["file_intact"] for r in rows)}
+    """Per run: two ``base`` sandboxes on node A, a file written in each, paused, until both
+    pauses are exported to the store; then a new node B (with the base disk, as nodes have
+    it, unless ``--resume-without-base-disk``) and, A drained, connect → envd answering of
+    the first there (a cold node: its first lazy restore starts its chunkfs daemon and
+    indexes its own files), then of the second (a warm node that never saw that pause image;
+    chunks equal to the first one's, by content, are in its cache). Both files read back.
+    What B's daemon fetched until each guest answered, against the pause image's size."""
+    cold, warm = [], []
+    for i in range(ctx.args.runs):
+        paused = [_paused_on_a(ctx, i, j) for j in range(2)]
+        exported = db_json(ctx.stack, EXPORTED.format(ids=[p["sid"] for p in paused]))
+        if not all(exported.get(p["sid"]) for p in paused):
+            raise RuntimeError(f"pauses not exported to the store within 100 s: {exported}")
+        for p in paused:
+            p["exported_at"] = exported[p["sid"]]
+        with extra_node(ctx, "b", base_disk=not ctx.args.resume_without_base_disk) as node:
+            cold.append({**_resume_on(ctx, node, paused[0]), "node_start_s": node.start_s})
+            warm.append(_resume_on(ctx, node, paused[1]))
+        print(f"resume on a new node: cold {cold[-1]['answer_ms']:.0f} ms ({cold[-1]['fetched_pct_of_image']} %), "
+              f"warm {warm[-1]['answer_ms']:.0f} ms ({warm[-1]['fetched_pct_of_image']} % of "
+              f"{warm[-1]['image']['total_bytes'] / MIB:.0f} MiB)", flush=True)
+    out = {"runs": len(warm), "node_b_base_disk": not ctx.args.resume_without_base_disk, "target_ms": 1000,
+           "target_pct": 10, "misplaced": sum(1 for r in cold + warm if not r["node_is_b"]),
+           "all_files_intact": all(r["file_intact"] for r in cold + warm)}
+    for key, rows in (("warm", warm), ("cold", cold)):
+        pct = [r["fetched_pct_of_image"] for r in rows]
+        out.update({f"{key}_rows": rows, f"{key}_answer_ms": dist([r["answer_ms"] for r in rows]),
+                    f"{key}_connect_ms": dist([r["connect_ms"] for r in rows]), f"{key}_fetched_pct_p50": p50(pct),
+                    f"{key}_fetched_pct_of_lacked_p50": p50([r["fetched_pct_of_lacked"] for r in rows
+                                                             if r["fetched_pct_of_lacked"] is not None])})
+    return out
 
 
 # -- a bounded cache serving three templates ---------------------------------------------------

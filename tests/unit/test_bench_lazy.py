@@ -126,8 +126,9 @@ def test_headline_verdicts():
                 "builder_ms": {"p50": 500.0}, "new_node_ratio_p50": 1.8, "target_ratio": 1.5,
                 "new_node_fetched_bytes_p50": 200 << 20, "new_node_fetched_pct_p50": 18.2,
                 "cold_node_ms": {"p50": 700.0}, "cold_node_ratio_p50": 1.4}
-    resume = {"runs": 3, "rows": [{"image": size}], "node_b_base_disk": True, "answer_ms": {"p50": 800.0},
-              "target_ms": 1000, "fetched_pct_p50": 12.5, "target_pct": 10, "fetched_pct_of_lacked_p50": 40.0}
+    resume = {"runs": 3, "warm_rows": [{"image": size}], "node_b_base_disk": True, "warm_answer_ms": {"p50": 800.0},
+              "target_ms": 1000, "warm_fetched_pct_p50": 12.5, "target_pct": 10, "warm_fetched_pct_of_lacked_p50": 40.0,
+              "cold_answer_ms": {"p50": 1800.0}, "cold_fetched_pct_p50": 9.5}
     cache = {"cache_mb": 1024, "rows": [{"created": True, "fill_intact": True, "template_mib": 1100}] * 3,
              "watch": {"max_size_bytes": 1000 << 20, "limit_bytes": 1 << 30, "samples": 9, "evictions": 4},
              "all_created": True, "bound_kept": True}
@@ -138,9 +139,9 @@ def test_headline_verdicts():
                                            _run(template={"error": "RuntimeError: boom"})]})
     rows = {line.split(" | ")[0]: line for line in lines[2:]}
     verdicts = [line.rsplit("|", 2)[-2].strip() for line in lines[2:]]
-    # template: warm node 1.8× > 1.5: no, cold node 1.4×: yes; resume 800 ms: yes; 12.5 %: no; cache: yes; fork
-    # refused: no; the failed part: no
-    assert verdicts == ["**no**", "", "yes", "", "yes", "**no**", "yes", "**no**", "**no**"]
+    # template: warm node 1.8× > 1.5: no, cold node 1.4×: yes; resume: warm 800 ms yes, 12.5 % no, cold 1800 ms
+    # no, 9.5 % yes; cache: yes; fork refused: no; the failed part: no
+    assert verdicts == ["**no**", "", "yes", "", "yes", "**no**", "**no**", "yes", "yes", "**no**", "**no**"]
     assert "900 ms / 500 ms (1.8×)" in lines[2] and "200 MiB (18.2 % of the template)" in lines[3]
     assert any("refused: 400" in line for line in rows.values())
     assert "failed: RuntimeError: boom" in lines[-1]
