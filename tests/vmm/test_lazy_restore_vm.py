@@ -132,9 +132,10 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
     with _Driver(root / "b", images_b) as b:
         store_b = _store(url, prefix, root / "b", b, lazy=True, read_deadline=READ_DEADLINE)
         store_b.prefetch_settle = 0.5
-        t0 = time.monotonic()  # a node hashes its own image files once (kept under cache/chunk-index)
-        store_b.on_disk.locate([])
-        print(f"node B: its own image files indexed in {time.monotonic() - t0:.2f} s (once)")
+        t0 = time.monotonic()  # what a node does once, at its start (run_node): not part of a resume
+        b.accel  # noqa: B018 - its accelerator probe (this images dir's kernel path is new to the cache)
+        store_b.warm_up().join(120)  # its chunkfs daemon, and its own image files hashed (cache/chunk-index)
+        print(f"node B: started (accelerator, chunkfs daemon, own files indexed) in {time.monotonic() - t0:.2f} s")
         t0 = time.monotonic()
         path = store_b.local_dir(sid)
         t_mount = time.monotonic() - t0
@@ -155,7 +156,8 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         ep_b = endpoint(restored)
         assert sh(ep_b, "cat /home/user/state.txt").strip() == "from-node-a"
         assert_continues(ep_b, before)
-        assert fetched < 0.25 * total, f"fetched {fetched} of {total} bytes before the guest answered"
+        # measured 14-16 %: the guest touches most of its memory's 4 MiB windows (docs/cluster.md)
+        assert fetched < 0.20 * total, f"fetched {fetched} of {total} bytes before the guest answered"
         timer = store_b.restored(sid)
         assert timer is not None
         timer.join(30)
@@ -170,6 +172,7 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         store_c = _store(url, prefix, root / "c", c, lazy=True)
         token = "peer-fetch-" * 4  # peer fetch (AENV_CHUNK_PEER_FETCH): C asks B's chunk cache first
         store_c.lazy.set_peers("127.0.0.1:0", token, [store_b.lazy.set_peers("127.0.0.1:0", token, [])])
+        c.accel  # noqa: B018 - node start (its accelerator probe), not part of the restore
         t0 = time.monotonic()
         restored = c.restore(SnapshotManifest.load(store_c.local_dir(sid)), BootSpec("lz-c"))
         t_answer = time.monotonic() - t0
@@ -189,8 +192,33 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         t0 = time.monotonic()
         store_d.local_dir(sid)
         print(f"whole download of the same snapshot: {time.monotonic() - t0:.2f} s before a restore could start")
+        _resume_moved(url, prefix, sid, a, build, root, total, before)
         assert store_c.delete(sid) is True
         assert not (root / "c" / "lazy" / "snapshots" / sid).exists()
+
+
+def _resume_moved(url: str, prefix: str, sid: str, a, build: str, root: Path, total: int, before: int) -> None:
+    """What a resume on another node runs (restore_sandbox with template=True): the RAM copied
+    into the sandbox's own file, by several readers from the lazy file, before the guest runs.
+    Without a prefetch list, as a pause image's first resume elsewhere."""
+    s3_client(url).delete_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/{sid}/prefetch.json")
+    with _Driver(root / "e", _node_images(a.images_dir, build, root / "images-e")) as e:
+        store_e = _store(url, prefix, root / "e", e, lazy=True)
+        e.accel  # noqa: B018 - node start, as node B's
+        store_e.warm_up().join(120)
+        t0 = time.monotonic()
+        restored = e.restore(SnapshotManifest.load(store_e.local_dir(sid)), BootSpec("lz-e"), template=True)
+        t_answer = time.monotonic() - t0
+        fetched = store_e.lazy.mount_stats(sid)["fetched_bytes"]
+        print(f"node E (template=True, as a moved resume): guest answered after {t_answer:.2f} s; fetched "
+              f"{fetched >> 20} MiB ({100 * fetched / total:.1f} %); restore timings {restored.timings}")
+        assert restored.timings["ram_copy_readers"] > 1
+        ep = endpoint(restored)
+        assert sh(ep, "cat /home/user/state.txt").strip() == "from-node-a"
+        assert_continues(ep, before)
+        # all of the guest's memory (~17 % with its 32 MiB of /dev/shm) and a few disk chunks
+        assert fetched < 0.22 * total, f"fetched {fetched} of {total} bytes before the guest answered"
+        e.kill(restored.sandbox_id)
 
 
 # -- node B's failures and its restart (issue 24's tests) ----------------------------------------
