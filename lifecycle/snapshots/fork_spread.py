@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
                             actor: str) -> list[Result | LifecycleError]:
     """Captures ``parent`` on ``home`` into ``begun.capture``, then restores each child of
-    ``begun`` on its node. A failed capture fails the fork (no child exists); a child whose
-    restore fails ends ``error`` alone, with its event."""
+    ``begun`` on its node. A failed capture fails the fork (no child exists); a capture that
+    cannot be stored fails the other nodes' children; a child whose restore fails ends
+    ``error`` alone, with its event."""
     capture = begun.capture
     children = [c for c, _ in begun.children]
     t0, started = time.monotonic(), timezone.now()
