@@ -19,6 +19,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from lifecycle.sandboxes import core, network
+from nodes.models import Node
 from lifecycle.sandboxes.core import S, Result
 from sandboxes.errors import LifecycleError, Unavailable
 from sandboxes.models import Sandbox
@@ -77,9 +78,14 @@ async def _store(parent: Sandbox, capture, home, started, details, actor: str) -
     client, _ = core.node_api()
     deadline = settings.AENV_SNAPSHOT_DEADLINE
     t0 = time.monotonic()
+    call = asyncio.ensure_future(asyncio.wait_for(client.commit_snapshot(home, snapshot_id=capture.id,
+                                                                         deadline=deadline), timeout=deadline + 15))
+    watch = asyncio.ensure_future(_node_gone(home))
     try:
-        answer = await asyncio.wait_for(client.commit_snapshot(home, snapshot_id=capture.id, deadline=deadline),
-                                        timeout=deadline + 15)
+        await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not call.done():  # a restarted or dead node never answers the task: no need to wait for the deadline
+            raise client.NodeUnavailable(f"node {home.id} {watch.result()} while it stored the capture")
+        answer = call.result()
     except Exception as exc:  # noqa: BLE001 - mapped; the parent's node's children are unaffected
         error = core.node_failure(client, exc, home, "storing of the fork's capture", deadline)
         error.message = f"the fork's capture could not be stored for the other nodes: {error.message}"
@@ -87,9 +93,25 @@ async def _store(parent: Sandbox, capture, home, started, details, actor: str) -
                                      duration_ms=core.ms(t0), actor=actor, message=error.message,
                                      details={**details, "kind": error.kind, "phase": "store"}))
         return error
+    finally:
+        for task in (call, watch):
+            task.cancel()
     await core.record(core.event(parent.id, "fork", outcome="stored", started_at=started, duration_ms=core.ms(t0),
                                  actor=actor, details={**details, "timings": (answer or {}).get("timings") or {}}))
     return None
+
+
+async def _node_gone(node) -> str:
+    """Returns (saying how) once ``node``'s worker restarted (it registered again) or its
+    heartbeat stopped; until then it watches."""
+    while True:
+        await asyncio.sleep(core.WATCH_POLL)
+        await core.release_connection()
+        row = await Node.objects.filter(pk=node.pk).afirst()
+        if row is None or row.started_at != node.started_at:
+            return "restarted"
+        if not row.is_alive():
+            return "stopped beating"
 
 
 async def _capture(parent: Sandbox, children: list[Sandbox], capture, home, t0, started, details,

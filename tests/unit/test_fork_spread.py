@@ -352,3 +352,19 @@ async def test_a_capture_that_cannot_be_stored_fails_only_the_other_nodes_childr
     stored = await SandboxEvent.objects.aget(sandbox_id=parent["sandboxID"], operation="fork", outcome="error")
     assert stored.details["phase"] == "store" and stored.details["kind"] == "SnapshotStoreError"
     assert (await Sandbox.objects.aget(pk=parent["sandboxID"])).state == "running"
+
+
+async def test_a_parent_node_restarting_during_the_upload_fails_the_other_nodes_children_at_once(
+        api, create, spread_mock):
+    """Its worker never answers the lost task: the fork does not wait for the deadline."""
+    async def lost(node, **kwargs):
+        await Node.objects.filter(pk=node.pk).aupdate(started_at=timezone.now() + timedelta(seconds=1))
+        await asyncio.sleep(600)
+
+    spread_mock.client.commit_snapshot.side_effect = lost
+    parent = await create()
+    results = (await asyncio.wait_for(_fork(api, parent["sandboxID"], count=4), timeout=60)).json()
+    errors = [r["error"]["message"] for r in results if "error" in r]
+    assert len(errors) == 2 and all("restarted while it stored the capture" in e for e in errors)
+    rows = {(s.node_id, s.state) async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])}
+    assert rows == {("n1", "running"), ("n2", "error"), ("n3", "error")}
