@@ -207,7 +207,8 @@ def part_template(ctx: Ctx) -> dict:
     (which built it; one warm-up first); then per run a new node B that has never seen either
     template nor the base disk (A drained): a create of T1 there first — its first lazy
     restore, which also starts its chunkfs daemon and indexes its own files (a *cold* node) —
-    then one of T0 (a *warm* node: its daemon running, the base disk's chunks a restore
+    then, once its daemon has stopped fetching (the first restore's read-ahead and prefetch
+    would share the store's link), one of T0 (a *warm* node: its daemon running, the base disk's chunks a restore
     touches cached, T0's own layers and memory never seen). Until envd answers, p50 of each,
     the ratios to A's, and the bytes B's daemon fetched from the store by then."""
     tpl, other = ensure_templates(ctx, 2)
@@ -225,6 +226,7 @@ def part_template(ctx: Ctx) -> dict:
     for _ in range(runs):
         with extra_node(ctx, "b", base_disk=False) as node, drained(ctx.stack, ctx.stack.node_id):
             cold.append({**_create_on(ctx, node, other, "template-b-cold"), "node_start_s": node.start_s})
+            cold[-1]["settle"] = stats.settle(node.home)
             warm_b.append(_create_on(ctx, node, tpl, "template-b"))
         print(f"template on a new node: cold {cold[-1]['answer_ms']:.0f} ms, warm {warm_b[-1]['answer_ms']:.0f} ms "
               f"(fetched {cold[-1]['fetched']['store_bytes'] / MIB:.0f} / {warm_b[-1]['fetched']['store_bytes'] / MIB:.0f}"
@@ -290,7 +292,8 @@ def part_resume(ctx: Ctx) -> dict:
     pauses are exported to the store; then a new node B (with the base disk, as nodes have
     it, unless ``--resume-without-base-disk``) and, A drained, connect → envd answering of
     the first there (a cold node: its first lazy restore starts its chunkfs daemon and
-    indexes its own files), then of the second (a warm node that never saw that pause image;
+    indexes its own files), then, its daemon quiet again, of the second (a warm node that
+    never saw that pause image;
     chunks equal to the first one's, by content, are in its cache). Both files read back.
     What B's daemon fetched until each guest answered, against the pause image's size."""
     cold, warm = [], []
@@ -303,6 +306,7 @@ def part_resume(ctx: Ctx) -> dict:
             p["exported_at"] = exported[p["sid"]]
         with extra_node(ctx, "b", base_disk=not ctx.args.resume_without_base_disk) as node:
             cold.append({**_resume_on(ctx, node, paused[0]), "node_start_s": node.start_s})
+            cold[-1]["settle"] = stats.settle(node.home)
             warm.append(_resume_on(ctx, node, paused[1]))
         print(f"resume on a new node: cold {cold[-1]['answer_ms']:.0f} ms ({cold[-1]['fetched_pct_of_image']} %), "
               f"warm {warm[-1]['answer_ms']:.0f} ms ({warm[-1]['fetched_pct_of_image']} % of "

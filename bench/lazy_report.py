@@ -18,6 +18,12 @@ def _ms(d: dict | None, key: str = "p50") -> str:
     return "–" if v is None else f"{v:.0f} ms"
 
 
+def _settled(row: dict) -> str:
+    """How long the node's daemon went on fetching after a cold create or resume answered."""
+    s = row.get("settle")
+    return f"{s['waited_s']} s (+{_mib(s['fetched_bytes'])})" if s else ""
+
+
 def met(ok) -> str:
     return {True: "yes", False: "**no**", None: "–"}[ok]
 
@@ -116,14 +122,15 @@ def details(run: dict) -> list[str]:
                   + "; image files: " + ", ".join(f"{k} {_mib(v)}" for k, v in tpl["size"]["images"].items()),
                   f"- warm-up create on the builder {t['warm_up_ms']} ms; misplaced creates {t['misplaced']}", "",
                   "| create on | answer ms | API ms | dispatch ms | node's RAM copy ms | fetched from the store | "
-                  "node start s |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "node start s | then quiet after |", "|---|---:|---:|---:|---:|---:|---:|---|"]
         for label, key in (("builder", "on_builder"), ("cold new node", "on_cold_node"),
                            ("warm new node", "on_new_node")):
             for r in t.get(key) or []:
                 nt, ph = r.get("node_timings") or {}, r.get("phases") or {}
                 fetched = _mib(r["fetched"]["store_bytes"]) if "fetched" in r else ""
                 lines.append(f"| {label} | {r['answer_ms']} | {r['api_ms']} | {ph.get('dispatch', '–')} | "
-                             f"{nt.get('ram_copy_ms', '–')} | {fetched} | {r.get('node_start_s', '')} |")
+                             f"{nt.get('ram_copy_ms', '–')} | {fetched} | {r.get('node_start_s', '')} | "
+                             f"{_settled(r)} |")
         lines.append("")
     rs = run.get("resume")
     if rs and "error" not in rs:
@@ -131,14 +138,15 @@ def details(run: dict) -> list[str]:
                   f"- a new node B per run (base disk: {rs['node_b_base_disk']}): a cold resume (its first lazy "
                   f"restore), then a warm one; misplaced {rs['misplaced']}; files intact {rs['all_files_intact']}", "",
                   "| run | node | connect ms | answer ms | dispatch ms | node's RAM copy ms | pause image | fetched | "
-                  "% of image | % of what B lacked | export s |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "% of image | % of what B lacked | export s | then quiet after |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for i, (c, w) in enumerate(zip(rs["cold_rows"], rs["warm_rows"])):
             for label, r in (("cold", c), ("warm", w)):
                 nt, ph = r.get("node_timings") or {}, r.get("phases") or {}
                 lines.append(f"| {i} | {label} | {r['connect_ms']} | {r['answer_ms']} | {ph.get('dispatch', '–')} | "
                              f"{nt.get('ram_copy_ms', '–')} | {_mib(r['image']['total_bytes'])} | "
                              f"{_mib(r['fetched']['store_bytes'])} | {r['fetched_pct_of_image']} | "
-                             f"{r['fetched_pct_of_lacked']} | {r['export_s']} |")
+                             f"{r['fetched_pct_of_lacked']} | {r['export_s']} | {_settled(r)} |")
         lines.append("")
     c = run.get("cache")
     if c and "error" not in c:

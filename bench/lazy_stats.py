@@ -63,6 +63,23 @@ def mount_figures(stats: dict | None, mount_id: str) -> dict:
     return {k: v for k, v in mount.items() if k != "recorded"}
 
 
+def settle(home: Path, quiet_s: float = 1.0, timeout_s: float = 30.0) -> dict:
+    """Until a node's daemon has fetched nothing for ``quiet_s`` (a restore's read-ahead and
+    prefetch go on in the background after the guest answered, and would share the store's
+    link with the next measurement), at most ``timeout_s``: seconds waited, bytes fetched."""
+    t0 = time.monotonic()
+    first = last = store_bytes(daemon_stats(home))
+    quiet_since = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(0.2)
+        now = store_bytes(daemon_stats(home))
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+    return {"waited_s": round(time.monotonic() - t0, 1), "fetched_bytes": last - first}
+
+
 class CacheWatch:
     """Polls a node's daemon every ``every`` s in a thread while a part runs: the largest
     cache size seen, the bound, evictions, samples and how many polls found no daemon."""

@@ -149,3 +149,15 @@ def test_headline_verdicts():
                "ratio": 1.38, "all_answered": True}
     assert lazy_report.fork_rows(fork_ok)[0][3] == "yes"
     assert lazy_report.fork_rows({**fork_ok, "all_answered": False})[0][3] == "**no**"
+
+
+def test_settle_waits_until_the_daemon_fetches_nothing(monkeypatch):
+    seen = iter([0, 10, 20, 20, 20, 20, 20, 20, 20, 20, 20])
+    monkeypatch.setattr(lazy_stats, "daemon_stats", lambda home: _stats(store=next(seen)))
+    monkeypatch.setattr(lazy_stats.time, "sleep", lambda s: None)
+    clock = iter(range(0, 1000))
+    monkeypatch.setattr(lazy_stats.time, "monotonic", lambda: next(clock) * 0.25)
+    out = lazy_stats.settle("/nowhere", quiet_s=1.0, timeout_s=30)
+    assert out["fetched_bytes"] == 20 and out["waited_s"] < 5
+    monkeypatch.setattr(lazy_stats, "daemon_stats", lambda home: None)  # no daemon: quiet at once
+    assert lazy_stats.settle("/nowhere", quiet_s=1.0)["fetched_bytes"] == 0
