@@ -92,6 +92,27 @@ def test_a_create_takes_the_copy_made_for_it_and_the_next_one_is_made(tmp_path):
     assert len(list(shm.glob("aenv-warm-t-*.ram"))) == 1
 
 
+def test_a_copy_of_a_lazily_filled_snapshot_skips_its_zeros(tmp_path, monkeypatch):
+    """A lazy (FUSE) file reports no holes: the copy reads it in parallel and leaves zeros out."""
+    from vmm.qemu import ramfile
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    src = snapshot_ram(tmp_path / "memory.ram")
+    with open(src, "r+b") as f:  # written zeros: data to SEEK_DATA, as a FUSE file is all data
+        f.seek(3 * MiB)
+        f.write(bytes(2 * MiB))
+    used = []
+    monkeypatch.setattr(ramfile, "on_fuse", lambda path: True)
+    monkeypatch.setattr(ramfile, "copy_sparse_into", lambda *a: used.append(a))
+    warm = WarmRamCopies(shm, tag="z", per_source=1, headroom_mb=0)
+    warm.prepare(src)
+    warm.wait_idle()
+    assert warm.take(src, shm / "first.ram") and not used
+    assert (shm / "first.ram").read_bytes() == src.read_bytes()
+    assert os.stat(shm / "first.ram").st_blocks * 512 <= 2 * MiB + (64 << 10)  # the two data MiBs only
+
+
 def test_a_changed_source_never_hands_out_a_stale_copy(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()

@@ -193,6 +193,12 @@ def copy_parallel_into(src, fd_out: int, readers: int = COPY_READERS, segment: i
     return state["written"]
 
 
+def copy_into(src, fd_out: int) -> int:
+    """A copy of a RAM file that keeps holes: in parallel, skipping zeros, from a lazily
+    filled (FUSE) file (which reports no holes), else in the kernel (``copy_sparse_into``)."""
+    return copy_parallel_into(src, fd_out) if on_fuse(src) else copy_sparse_into(src, fd_out)
+
+
 class RamCopy:
     """A sparse copy of a snapshot's RAM into a new file, running in a thread. The file gets
     its final size before the thread starts, so QEMU may map it meanwhile; it must not run the

@@ -125,7 +125,7 @@ class WarmRamCopies:
                     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                     try:
                         os.ftruncate(fd, size)
-                        ramfile.copy_sparse_into(src, fd)
+                        ramfile.copy_into(src, fd)  # a lazily filled snapshot's: in parallel, sparse
                     finally:
                         os.close(fd)
                 except OSError:
