@@ -239,6 +239,9 @@ def test_snapshot_and_restore(env, parent, tmp_path):
         assert endpoint(child) != endpoint(parent) and endpoint(now(env)) == endpoint(parent)
         assert env.files.read(child, "/home/user/ct.txt") == "booted"  # the snapshot's state
         assert {str(tmp_path / "snap")} & {str(Path(f).parent) for f in d.files_in_use()}
+        mine = d.files_in_use("ct-restored")  # one VM's own (the node's VM watch)
+        assert {str(tmp_path / "snap")} & {str(Path(f).parent) for f in mine} and mine <= d.files_in_use()
+        assert d.disk_errors("ct-restored") == 0 and d.disk_errors("ct-nobody") == 0
         with pytest.raises(VMError, match="already exists"):
             d.restore(manifest, BootSpec("ct-restored"))
     finally:
