@@ -398,7 +398,7 @@ def _restart_with_a_warm_cache(url: str, prefix: str, b, store_b: S3Store, sid: 
           f"restore): the guest answered after {t_answer:.2f} s having fetched {cache['fetched_bytes'] >> 20} MiB "
           f"from the store; cache {cache}")
     assert cache["corrupt"] >= 1 and hashlib.sha256(damaged.read_bytes()).hexdigest() == entry[2]
-    assert cache["fetched_bytes"] <= 0.1 * first["fetched_bytes"], cache
+    assert cache["fetched_bytes"] <= 0.25 * first["fetched_bytes"], cache  # about 6 %: what was not cached
     assert cache["hits"] > cache["misses"]
     b.kill(restored.sandbox_id)
 
