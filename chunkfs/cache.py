@@ -27,7 +27,8 @@ chunk before a reader is done with it, a larger one shrinks what scans cannot to
 
 Bound: ``size_bytes`` (the chunks' lengths plus the space reserved by inserts in progress)
 never exceeds ``limit_bytes``: an insert reserves its length under the lock, evicting first,
-and ``CacheFull`` is raised when only pinned chunks are left to evict. Pins (``pin(owner,
+and ``CacheFull`` is raised when only pinned chunks are left to evict (space held by other
+inserts still writing is waited for: it becomes evictable in milliseconds). Pins (``pin(owner,
 shas)``) hold chunks that could not be fetched again (a store that is going away, a running
 sandbox's only copy); they persist across restarts until their owner unpins.
 
@@ -59,6 +60,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = "aenv-chunk-cache/1"
 STATE = "state.json"
+# How long an insert waits for others still writing their chunk files when only their
+# reservations fill the cache (each takes milliseconds; the bound is for a stuck disk).
+RESERVED_WAIT = 10.0
 A1IN_FRACTION = 0.25
 A1OUT_FRACTION = 0.5
 
@@ -102,6 +106,8 @@ class ChunkCache:
             self._lock_file.close()
             raise CacheInUse(f"the chunk cache {self.root} is open elsewhere") from None
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # an insert in flight finished or gave up
+        self._reserved = 0  # bytes reserved by inserts still writing their file
         self._save_lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._a1in: OrderedDict[str, None] = OrderedDict()  # oldest first
@@ -177,38 +183,45 @@ class ChunkCache:
         length = int(length)
         count = True
         for _ in range(5):
-            data = self._acquire(sha, length, fetch, count)
+            got = self._acquire(sha, length, fetch, count, open_file=True)
             count = False
-            if data is not None:
-                return data[offset:offset + size]
-            try:
-                fd = os.open(self._path(sha), os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:  # evicted since: fetch it again
-                continue
-            try:
-                out = os.pread(fd, size, offset) if size else b""
+            if isinstance(got, bytes):
+                return got[offset:offset + size]
+            try:  # the chunk file, opened while its entry was held: an eviction since cannot take it
+                out = os.pread(got, size, offset) if size else b""
             finally:
-                os.close(fd)
+                os.close(got)
             if len(out) == size:
                 return out
             log.warning("chunk file %s is shorter than its entry: dropped", self._path(sha))
             with self._lock:
                 self._drop(sha, corrupt=True)
-        raise ChunkUnavailable(f"chunk {sha} kept vanishing from the cache while being read")
+        raise ChunkUnavailable(f"chunk {sha}: its cache file kept coming up short")
 
-    def _acquire(self, sha: str, length: int, fetch: Fetch, count: bool) -> bytes | None:
+    def _acquire(self, sha: str, length: int, fetch: Fetch, count: bool,
+                 open_file: bool = False) -> bytes | int | None:
         """Makes the chunk present and verified. Returns its bytes when this call had them in
-        hand anyway (it fetched or verified them), else None: read the file."""
+        hand anyway (it fetched or verified them); else, with ``open_file``, a descriptor of
+        its file opened under the lock (so many readers over a small cache cannot have it
+        evicted between finding and opening it: the caller closes it), or None."""
         if length <= 0:
             raise ValueError(f"chunk {sha}: length {length}")
         while True:
             with self._lock:
                 entry = self._entries.get(sha)
                 if entry is not None and entry.verified and entry.size == length:
-                    self._touch(sha, entry)
-                    if count:
-                        self._counts["hits"] += 1
-                    return None
+                    fd = None
+                    if open_file:
+                        try:
+                            fd = os.open(self._path(sha), os.O_RDONLY | os.O_CLOEXEC)
+                        except FileNotFoundError:  # removed behind the cache's back: fetch it again
+                            self._drop(sha, corrupt=True)
+                            entry = None
+                    if entry is not None:
+                        self._touch(sha, entry)
+                        if count:
+                            self._counts["hits"] += 1
+                        return fd
                 flight = self._flights.get(sha)
                 leader = flight is None
                 if leader:
@@ -300,6 +313,7 @@ class ChunkCache:
         with self._lock:
             self._make_room(size)
             self._size += size  # reserved: concurrent inserts cannot overshoot the bound
+            self._reserved += size
         path = self._path(sha)
         tmp = path.with_name(f"{sha}.tmp-{uuid.uuid4().hex[:12]}")
         try:
@@ -314,8 +328,12 @@ class ChunkCache:
                 pass
             with self._lock:
                 self._size -= size
+                self._reserved -= size
+                self._settled.notify_all()
             raise
         with self._lock:
+            self._reserved -= size
+            self._settled.notify_all()
             ghost = self._a1out.pop(sha, None)
             hot = ghost is not None
             if hot:
@@ -333,8 +351,15 @@ class ChunkCache:
         """Evicts until ``size`` more bytes fit (lock held)."""
         if size > self.limit_bytes:
             raise CacheFull(f"a chunk of {size} bytes is larger than the cache ({self.limit_bytes})")
+        waited = 0.0
         while self._size + size > self.limit_bytes:
             victim = self._victim()
+            if victim is None and self._reserved and waited < RESERVED_WAIT:
+                # The rest is other inserts still writing: once in the queues they can be evicted.
+                t0 = time.monotonic()
+                self._settled.wait(RESERVED_WAIT - waited)
+                waited += time.monotonic() - t0
+                continue
             if victim is None:
                 raise CacheFull(f"the chunk cache is full of pinned chunks ({self._pinned_bytes()} of "
                                 f"{self.limit_bytes} bytes pinned, {self._size} used)")

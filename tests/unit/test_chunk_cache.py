@@ -466,3 +466,48 @@ def test_state_is_saved_periodically(tmp_path):
         assert not [p for p in os.listdir(tmp_path / "cache") if ".tmp" in p]
     finally:
         cache.close()
+
+
+def test_an_insert_waits_for_space_that_other_inserts_hold(tmp_path, monkeypatch):
+    """Two inserts still writing their files reserve the whole cache: a third (another
+    reader's chunk) waits until they are in the queues and evicts one, instead of failing
+    with CacheFull (which a FUSE read turns into EIO; seen with 16 readers over a small cache)."""
+    import chunkfs.cache as cache_module
+
+    src = Source([chunk(i) for i in range(3)])
+    names = list(src.chunks)
+    cache = ChunkCache(tmp_path / "c", 2 * K)
+    release, entered = threading.Event(), threading.Semaphore(0)
+    real_rename = os.rename
+
+    def held_rename(a, b):
+        if threading.current_thread().name.startswith("held"):
+            entered.release()
+            release.wait(10)
+        return real_rename(a, b)
+
+    monkeypatch.setattr(cache_module.os, "rename", held_rename)
+    results, errors = {}, []
+
+    def get(name):
+        try:
+            results[name] = cache.get(name, K, src)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    held = [threading.Thread(target=get, args=(n,), name=f"held-{i}") for i, n in enumerate(names[:2])]
+    for t in held:
+        t.start()
+    assert entered.acquire(timeout=10) and entered.acquire(timeout=10)
+    third = threading.Thread(target=get, args=(names[2],), name="third")
+    third.start()
+    third.join(0.5)
+    assert third.is_alive() and errors == []  # waiting, not refused
+    release.set()
+    for t in [*held, third]:
+        t.join(10)
+    assert errors == []
+    assert {n: results[n] == src.chunks[n] for n in names} == {n: True for n in names}
+    stats = cache.stats()
+    assert stats["size_bytes"] <= stats["limit_bytes"] and stats["evictions"] == 1
+    cache.close()
