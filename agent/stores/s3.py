@@ -344,7 +344,9 @@ class S3Store(S3Objects, SnapshotStore):
             except VMError as exc:
                 raise SnapshotStoreError(f"snapshot {snapshot_id} cannot be used here: {exc}") from exc
 
-        path = self.lazy.install(snapshot_id, chunk_size=_doc_chunk_size(doc),
+        # every file names its own size; the mount's is the smallest, so a daemon from before
+        # per-file sizes refuses the mount (the others' chunks do not fit) rather than misread RAM
+        path = self.lazy.install(snapshot_id, chunk_size=min(cs for _, _, cs in files.values()),
                                  files={n: {"size": size, "chunks": chunks, "chunk_size": cs}
                                         for n, (size, chunks, cs) in files.items()},
                                  manifest=manifest, adopt=adopt, local=local, prefetch=order, record=order is None)

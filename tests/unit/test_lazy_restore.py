@@ -143,8 +143,10 @@ def test_a_lazy_mount_serves_ram_and_disks_at_their_own_chunk_sizes(s3, short_tm
     _store(s3, short_tmp / "n1", images, lazy=False, ram_chunk_size=CHUNK // 4).commit("lz-m")
     store = _store(s3, short_tmp / "n2", images, ram_chunk_size=CHUNK // 4)
     path = store.local_dir("lz-m")
-    files = store.lazy.client().list()[0]["files"]
+    mount = store.lazy.client().list()[0]
+    files = mount["files"]
     assert files["memory.ram"]["chunk_size"] == CHUNK // 4 and files["layer-1.qcow2"]["chunk_size"] == CHUNK
+    assert mount["chunk_size"] == CHUNK // 4  # a daemon that ignores files' own sizes refuses the disks
     with open(path / "memory.ram", "rb") as f:
         f.seek(10 * CHUNK + 5)
         assert f.read(100) == ram[10 * CHUNK + 5:10 * CHUNK + 105]
