@@ -28,8 +28,12 @@ class QMP:
             self.sock.close()
             raise QMPError(f"cannot connect to {path}: {e}") from e
         self.file = self.sock.makefile("rb")
-        self._read()  # greeting
-        self.execute("qmp_capabilities")
+        try:
+            self._read()  # greeting (late while another client holds the monitor: it takes one)
+            self.execute("qmp_capabilities")
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self) -> dict:
         while True:
