@@ -175,6 +175,8 @@ CHUNK_CACHE_COUNTERS = (
     # peer fetch (AENV_CHUNK_PEER_FETCH): where fetched chunks came from, and what this node served its peers
     ("storeChunks", "aenv_node_chunk_cache_store_chunks", "Chunks fetched from the snapshot store"),
     ("storeBytes", "aenv_node_chunk_cache_store_bytes", "Bytes fetched from the snapshot store"),
+    ("storeWireBytes", "aenv_node_chunk_cache_store_wire_bytes",
+     "Bytes fetched from the snapshot store as they crossed the wire (compressed chunks: AENV_S3_CHUNK_COMPRESSION)"),
     ("peerChunks", "aenv_node_chunk_cache_peer_chunks", "Chunks fetched from peer nodes' chunk caches"),
     ("peerBytes", "aenv_node_chunk_cache_peer_bytes", "Bytes fetched from peer nodes' chunk caches"),
     ("peerErrors", "aenv_node_chunk_cache_peer_errors", "Peer requests that failed (that peer is skipped a while)"),

@@ -28,7 +28,8 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
   token) for a missing chunk before the store. Repeated to refresh; -> ``{"listen", "peers"}``.
 - ``{"op": "unmount", "mount_id"}`` (the files vanish; a writable mount's overlays are deleted),
   ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats, ``fetches``: chunks and bytes
-  from peers and from the store and what peers were served, and, per mount, reads, bytes
+  from peers and from the store (``store_wire_bytes``: as they crossed the wire, compressed)
+  and what peers were served, and, per mount, reads, bytes
   fetched, prefetch progress and the recorded first-touch order), ``{"op": "ping"}``.
 
 Every failure is ``{"ok": false, "error": {"code", "message"}}``; the daemon stays up.
@@ -319,6 +320,7 @@ class Daemon:
         server = self.peer_server
         served = server.stats() if server is not None else dict.fromkeys(PEER_SERVED, 0)
         return {**self.peers.stats(), "store_chunks": self.source.chunks, "store_bytes": self.source.bytes,
+                "store_wire_bytes": self.source.wire_bytes,
                 **served, "peer_listen": server.listen if server is not None else ""}
 
     def unmount(self, request: dict) -> dict:

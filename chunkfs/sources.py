@@ -4,17 +4,22 @@ A source gives a chunk's bytes by name (``fetch(sha, length)``) or raises
 ``ChunkUnavailable``, and never hangs: a FUSE read waits on it, and behind that read a guest
 vCPU. It does not verify the bytes (the cache does, and fetches again); ``FallbackSource``
 does, to move on to the next source. The object names are the S3 store's
-(agent/stores/s3_objects.py: ``<prefix>chunks/<sha>``); this package does not import it."""
+(agent/stores/s3_objects.py: ``<prefix>chunks/<sha>``, maybe compressed: ``compression``); this
+package does not import it."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from .compression import BadEncoding, decode
 from .digests import check_sha, digest
 from .errors import ChunkUnavailable
+
+log = logging.getLogger(__name__)
 
 # A GET of a 4 MiB chunk takes tens of milliseconds at 1 Gbit/s: 8 s without a byte is a dead
 # store. Three attempts (S3 answers 503 SlowDown under load) bound a fetch to about 30 s.
@@ -55,8 +60,9 @@ def _error_code(exc: Exception) -> str:
 
 
 class S3ChunkSource:
-    """``<prefix>chunks/<sha>`` in a bucket, as the S3 snapshot store writes them. Give it a
-    client from ``s3_client`` (bounded timeouts)."""
+    """``<prefix>chunks/<sha>`` in a bucket, as the S3 snapshot store writes them (a compressed
+    one decompressed: ``compression``; ``wire_bytes`` counts the bodies as they came). Give it
+    a client from ``s3_client`` (bounded timeouts)."""
 
     def __init__(self, client, bucket: str, prefix: str = ""):
         if not bucket:
@@ -66,6 +72,8 @@ class S3ChunkSource:
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""  # as S3Objects normalizes it
         self.name = f"s3://{bucket}/{self.prefix}"
         self.spec = {"kind": "s3", "bucket": bucket, "prefix": prefix}
+        self._lock = threading.Lock()
+        self.wire_bytes = 0
 
     def key(self, sha: str) -> str:
         return f"{self.prefix}chunks/{check_sha(sha)}"
@@ -73,13 +81,20 @@ class S3ChunkSource:
     def fetch(self, sha: str, length: int) -> bytes:
         key = self.key(sha)
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-            try:
-                return body.read(int(length) + 1)  # more than asked is wrong anyway: not all of it
+            answer = self.client.get_object(Bucket=self.bucket, Key=key)
+            try:  # a compressed body is smaller than its chunk: more than asked is wrong anyway
+                body = answer["Body"].read(int(length) + 1)
             finally:
-                body.close()
+                answer["Body"].close()
         except Exception as exc:  # missing, denied, unreachable, timed out: all the same to a reader
             raise ChunkUnavailable(f"chunk {sha} from {self.name}: {_error_code(exc)}: {exc}") from exc
+        with self._lock:
+            self.wire_bytes += len(body)
+        try:
+            return decode(body, answer.get("Metadata"), int(length))
+        except BadEncoding as exc:  # no bytes are not the chunk: the cache counts it corrupt, fetches again
+            log.warning("chunk %s from %s: %s", sha, self.name, exc)
+            return b""
 
 
 class DirChunkSource:
@@ -162,7 +177,8 @@ class FallbackSource:
 
 class CountingSource:
     """``source`` counting the chunks and bytes it gave (the daemon's store: how much came
-    from the store rather than from peers or the node's own files)."""
+    from the store rather than from peers or the node's own files); ``wire_bytes``: the
+    source's own count of what crossed the wire (compressed), else the bytes it gave."""
 
     def __init__(self, source: ChunkSource):
         self.source = source
@@ -178,6 +194,11 @@ class CountingSource:
             self.chunks += 1
             self.bytes += len(data)
         return data
+
+    @property
+    def wire_bytes(self) -> int:
+        wire = getattr(self.source, "wire_bytes", None)
+        return wire if isinstance(wire, int) else self.bytes
 
 
 _clients: dict[tuple, object] = {}

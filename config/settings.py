@@ -203,6 +203,9 @@ AENV_S3_BUCKET = _env("AENV_S3_BUCKET", "")
 AENV_S3_REGION = _env("AENV_S3_REGION", "")
 AENV_S3_PREFIX = _env("AENV_S3_PREFIX", "")  # key prefix, e.g. one per deployment sharing a bucket
 AENV_S3_CONCURRENCY = _env_int("AENV_S3_CONCURRENCY", 8)  # parallel chunk transfers
+# Chunks uploaded zstd-compressed when that saves a tenth ("zstd") or as they are ("off");
+# readers decompress what is marked either way (chunkfs.compression).
+AENV_S3_CHUNK_COMPRESSION = _env("AENV_S3_CHUNK_COMPRESSION", "zstd")
 AENV_SNAPSHOT_CACHE_MB = _env_int("AENV_SNAPSHOT_CACHE_MB", 20 * 1024)
 # The node's chunk cache (chunkfs.cache, under AENV_HOME/cache/chunks): the chunks of images and
 # snapshots that lazily filled files read, kept hot/cold (2Q) and never above this bound.

@@ -32,12 +32,22 @@ def get_store() -> SnapshotStore:
                       concurrency=settings.AENV_S3_CONCURRENCY,
                       cache_limit_bytes=settings.AENV_SNAPSHOT_CACHE_MB << 20,
                       lazy=lazy_enabled(settings.AENV_LAZY_RESTORE), chunk_cache_mb=settings.AENV_CHUNK_CACHE_MB,
-                      chunk_read_deadline=settings.AENV_CHUNK_READ_DEADLINE)
+                      chunk_read_deadline=settings.AENV_CHUNK_READ_DEADLINE,
+                      chunk_compression=_compression(settings.AENV_S3_CHUNK_COMPRESSION))
         key = tuple(sorted((k, str(v)) for k, v in config.items()))
         if key not in _S3_STORES:  # a boto3 client is slow to make and thread-safe to share
             _S3_STORES[key] = S3Store(**config)
         return _S3_STORES[key]
     raise SnapshotStoreError(f"unknown snapshot backend {kind!r} (AENV_SNAPSHOT_BACKEND: 'posix_fs' or 's3')")
+
+
+def _compression(value: str) -> str | None:
+    from chunkfs.compression import codec_setting  # noqa: PLC0415
+
+    try:
+        return codec_setting(value)
+    except ValueError as exc:
+        raise SnapshotStoreError(str(exc)) from None
 
 
 def backend_name() -> str:

@@ -64,7 +64,8 @@ CACHE_FIGURES = {"hits": "hits", "misses": "misses", "hit_ratio": "hitRatio", "s
                  "limit_bytes": "limitBytes", "entries": "entries", "evictions": "evictions",
                  "fetched_bytes": "fetchedBytes", "corrupt": "corrupt", "pinned_bytes": "pinnedBytes",
                  # peer fetch (agent.chunk_peers): where fetched chunks came from, what peers got here
-                 "store_chunks": "storeChunks", "store_bytes": "storeBytes", "peer_chunks": "peerChunks",
+                 "store_chunks": "storeChunks", "store_bytes": "storeBytes", "store_wire_bytes": "storeWireBytes",
+                 "peer_chunks": "peerChunks",
                  "peer_bytes": "peerBytes", "peer_errors": "peerErrors", "peer_corrupt": "peerCorrupt",
                  "served_chunks": "servedChunks", "served_bytes": "servedBytes", "served_refused": "servedRefused"}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+from chunkfs.compression import ZSTD, encode
+
 from .base import SnapshotStoreError
 
 
@@ -30,15 +32,17 @@ def is_missing(exc: Exception) -> bool:
 
 
 class S3Objects:
-    """One bucket and prefix, through ``self.s3`` (a boto3 client, replaceable)."""
+    """One bucket and prefix, through ``self.s3`` (a boto3 client, replaceable). Chunks are
+    uploaded compressed with ``chunk_compression`` (``chunkfs.compression``: ``zstd``, or None)."""
 
     def __init__(self, *, bucket: str, client=None, endpoint: str = "", region: str = "", prefix: str = "",
-                 concurrency: int = 8):
+                 concurrency: int = 8, chunk_compression: str | None = ZSTD):
         if not bucket:
             raise SnapshotStoreError("the s3 snapshot store needs a bucket (AENV_S3_BUCKET)")
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.concurrency = max(1, int(concurrency))
+        self.chunk_compression = chunk_compression
         self.s3 = client or make_client(endpoint, region, self.concurrency)
 
     # ------------------------------------------------------------------ keys
@@ -91,6 +95,13 @@ class S3Objects:
     def _put_json(self, key: str, doc: dict) -> None:
         self.s3.put_object(Bucket=self.bucket, Key=key, Body=json.dumps(doc, indent=1).encode(),
                            ContentType="application/json")
+
+    def _put_chunk(self, sha: str, data: bytes) -> int:
+        """Stores a chunk (compressed when that pays: ``chunkfs.compression``, which readers
+        undo); returns the bytes sent."""
+        body, metadata = encode(data, self.chunk_compression)
+        self.s3.put_object(Bucket=self.bucket, Key=self.chunk_key(sha), Body=body, Metadata=metadata)
+        return len(body)
 
     def _pool(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="aenv-s3")

@@ -146,8 +146,10 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         t_answer = time.monotonic() - t0
         stats = store_b.lazy.mount_stats(sid)
         fetched = stats["fetched_bytes"]
+        wire = store_b.chunk_cache_figures()["storeWireBytes"]  # compressed chunks (AENV_S3_CHUNK_COMPRESSION)
         print(f"node B: mounted in {t_mount:.2f} s, guest answered after {t_answer:.2f} s; fetched "
-              f"{fetched >> 20} MiB of {total >> 20} MiB stored ({100 * fetched / total:.1f} %) before it answered; "
+              f"{fetched >> 20} MiB of {total >> 20} MiB stored ({100 * fetched / total:.1f} %) before it answered, "
+              f"{wire >> 20} MiB on the wire ({100 * wire / total:.1f} %); "
               f"restore timings {restored.timings}; mount {stats}")
         by_file = {}
         for name, _ in stats["recorded"] or []:
@@ -312,7 +314,8 @@ def _the_store_goes_away(url: str, prefix: str, b, store_b: S3Store, vm, doc: di
     # 2. a chunk overwritten with wrong bytes in the store: refused (EIO), never handed to the guest
     s3 = s3_client(url)
     key = f"{prefix}/chunks/{corrupt[1]}"
-    good = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    stored = s3.get_object(Bucket=BUCKET, Key=key)
+    good, marker = stored["Body"].read(), stored["Metadata"]  # maybe compressed (chunkfs.compression)
     s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(len(good)))
     try:
         before = client.stats()["cache"]["corrupt"]
@@ -322,7 +325,7 @@ def _the_store_goes_away(url: str, prefix: str, b, store_b: S3Store, vm, doc: di
         assert client.stats()["cache"]["corrupt"] > before
         assert corrupt[1] not in _cached(home)
     finally:
-        s3.put_object(Bucket=BUCKET, Key=key, Body=good)
+        s3.put_object(Bucket=BUCKET, Key=key, Body=good, Metadata=marker)
     took, out = _read_disk(ep, corrupt[0])  # the store is right again: so is the read
     assert "rc=0" in out, out
     assert sh(ep, "echo alive", timeout=30).strip() == "alive"  # disk errors do not stop the VM itself
