@@ -17,6 +17,7 @@ import zstandard
 
 META_KEY = "aenv-encoding"  # S3 user metadata: x-amz-meta-aenv-encoding
 ZSTD = "zstd"
+ENCODINGS = (ZSTD,)  # what a reader here decodes (the chunkfs daemon's ping says so)
 LEVEL = 1
 MIN_SAVING = 0.10
 MAX_WINDOW = 8 << 20  # chunks are at most 4 MiB: a frame needs no larger window

@@ -29,8 +29,8 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
 - ``{"op": "unmount", "mount_id"}`` (the files vanish; a writable mount's overlays are deleted),
   ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats, ``fetches``: chunks and bytes
   from peers and from the store (``store_wire_bytes``: as they crossed the wire, compressed)
-  and what peers were served, and, per mount, reads, bytes
-  fetched, prefetch progress and the recorded first-touch order), ``{"op": "ping"}``.
+  and what peers were served, and, per mount, reads, bytes fetched, prefetch progress and the
+  recorded first-touch order), ``{"op": "ping"}`` (``encodings``: the compressed chunks it reads).
 
 Every failure is ``{"ok": false, "error": {"code", "message"}}``; the daemon stays up.
 
@@ -58,6 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .cache import ChunkCache
+from .compression import ENCODINGS
 from .digests import check_sha
 from .errors import ChunkError
 from .fs import ChunkFS, Mount, run, set_read_ahead
@@ -143,7 +144,7 @@ class Daemon:
 
     def ping(self, request: dict) -> dict:
         return {"pid": os.getpid(), "mountpoint": str(self.mountpoint), "source": self.source.name,
-                "uptime": round(time.time() - self.started, 3)}
+                "uptime": round(time.time() - self.started, 3), "encodings": list(ENCODINGS)}
 
     def _mount_id(self, request: dict) -> str:
         mount_id = request.get("mount_id")

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from chunkfs.client import ChunkfsClient, ChunkfsError, ensure_daemon
+from chunkfs.compression import ZSTD
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,8 @@ class LazyRestores:
         prefetch = [p for p in prefetch or [] if isinstance(p, list) and len(p) == 2 and p[0] in names]
         try:
             client = self.client()
+            if ZSTD not in (client.ping().get("encodings") or ()):  # it would take compressed chunks for corrupt
+                raise LazyMountFailed("the chunkfs daemon predates compressed chunks: restart it with the node's VMs")
             try:
                 client.unmount(snapshot_id)  # a previous incarnation's (this entry was not complete)
             except ChunkfsError as exc:

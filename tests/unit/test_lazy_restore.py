@@ -263,3 +263,24 @@ def test_without_a_daemon_the_snapshot_is_downloaded_whole(s3, short_tmp):
     assert not (n2 / "lazy" / "snapshots" / "lz-f").exists()
     off = _store(s3, short_tmp / "n3", images, lazy=False)
     assert off.lazy is None and off.local_dir("lz-f") == short_tmp / "n3" / "cache" / "snapshots" / "lz-f"
+
+
+def test_compressed_chunks_read_lazily_and_a_daemon_from_before_them_downloads(s3, short_tmp):
+    """RAM that compresses is stored compressed (chunkfs.compression): the daemon decompresses it
+    for the mount; a daemon whose ping names no encodings (started before compressed chunks; it
+    outlives worker upgrades) would take them for corrupt, so the snapshot is downloaded whole."""
+    ram = (b"compressible page " * (16 * CHUNK // 18 + 1))[:16 * CHUNK]
+    images, _ = _committed(s3, short_tmp, "lz-z", ram)
+    store = _store(s3, short_tmp / "n2", images)
+    path = store.local_dir("lz-z")
+    assert path == short_tmp / "n2" / "lazy" / "snapshots" / "lz-z"
+    assert (path / "memory.ram").read_bytes() == ram
+    figures = store.chunk_cache_figures()
+    assert figures["corrupt"] == 0 and 0 < figures["storeWireBytes"] < figures["storeBytes"] // 10
+    old = _store(s3, short_tmp / "n3", images)
+    real_ping = ChunkfsClient.ping
+    with mock.patch.object(ChunkfsClient, "ping", lambda self: {k: v for k, v in real_ping(self).items()
+                                                                if k != "encodings"}):
+        path = old.local_dir("lz-z")
+    assert path == short_tmp / "n3" / "cache" / "snapshots" / "lz-z"
+    assert (path / "memory.ram").read_bytes() == ram
