@@ -242,7 +242,9 @@ def part_template(ctx: Ctx) -> dict:
         out.update({f"on_{key}": rows, f"{key}_ms": dist(ms), f"{key}_ratio_p50": ratio(p50(ms), p50(a_ms)),
                     f"{key}_fetched_bytes_p50": p50(fetched),
                     f"{key}_fetched_pct_p50": round(100 * p50(fetched) / t["size"]["total_bytes"], 1)
-                    if fetched and t["size"]["total_bytes"] else None})
+                    if fetched and t["size"]["total_bytes"] else None,
+                    f"{key}_wire_pct_p50": p50([w for w in (stats.wire_pct(r["fetched"], t["size"]["total_bytes"])
+                                                            for r in rows) if w is not None])})
     return out
 
 
@@ -279,6 +281,7 @@ def _resume_on(ctx: Ctx, node, p: dict) -> dict:
            "export_s": round(p["exported_at"] - p["paused_at"], 2), "image": image, "fetched": fetched,
            "fetched_pct_of_image": round(100 * fetched["store_bytes"] / image["total_bytes"], 1),
            "fetched_pct_of_lacked": round(100 * fetched["store_bytes"] / lacked, 1) if lacked else None,
+           "wire_pct_of_image": stats.wire_pct(fetched, image["total_bytes"]),
            "mount": stats.mount_figures(after, pause_image_of(sid)), "node": where(ctx.stack, [sid]).get(sid),
            "node_is_b": False, "node_timings": node_timings(ctx.stack, [sid], "resume").get(sid)}
     row["node_is_b"] = row["node"] == node.id
@@ -318,6 +321,8 @@ def part_resume(ctx: Ctx) -> dict:
         pct = [r["fetched_pct_of_image"] for r in rows]
         out.update({f"{key}_rows": rows, f"{key}_answer_ms": dist([r["answer_ms"] for r in rows]),
                     f"{key}_connect_ms": dist([r["connect_ms"] for r in rows]), f"{key}_fetched_pct_p50": p50(pct),
+                    f"{key}_wire_pct_p50": p50([r["wire_pct_of_image"] for r in rows
+                                                if r.get("wire_pct_of_image") is not None]),
                     f"{key}_fetched_pct_of_lacked_p50": p50([r["fetched_pct_of_lacked"] for r in rows
                                                              if r["fetched_pct_of_lacked"] is not None])})
     return out

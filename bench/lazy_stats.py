@@ -35,6 +35,16 @@ def store_bytes(stats: dict | None) -> int:
     return int((stats.get("cache") or {}).get("fetched_bytes") or 0)
 
 
+def wire_pct(fetched: dict, total_bytes: int) -> float | None:
+    """What crossed the wire from the store (chunk objects are stored compressed where that
+    pays: ``fetches.store_wire_bytes``) as % of ``total_bytes``; None when the daemon does
+    not count it (older than compressed chunks) or there is nothing to divide by."""
+    wire = fetched.get("fetches.store_wire_bytes")
+    if not isinstance(wire, (int, float)) or not total_bytes:
+        return None
+    return round(100 * wire / total_bytes, 1)
+
+
 def counters(stats: dict | None) -> dict:
     """The cumulative figures of a ``stats`` reply, flat: the cache's counts, the bytes from
     the store and every numeric figure of ``fetches`` (peers) as ``fetches.<name>``."""

@@ -151,6 +151,21 @@ def test_headline_verdicts():
     assert lazy_report.fork_rows({**fork_ok, "all_answered": False})[0][3] == "**no**"
 
 
+def test_bytes_fetched_are_judged_on_the_wire_when_the_daemon_counts_them():
+    """Chunk objects are stored compressed: the ≤ 10 % target is judged on what crossed the
+    wire (``fetches.store_wire_bytes``) when the daemon counts it, else on the plain bytes."""
+    assert lazy_stats.wire_pct({"fetches.store_wire_bytes": 55 << 20}, 1100 << 20) == 5.0
+    assert lazy_stats.wire_pct({"store_bytes": 5}, 1100 << 20) is None
+    assert lazy_stats.wire_pct({"fetches.store_wire_bytes": 5}, 0) is None
+    size = {"total_bytes": 1100 << 20}
+    resume = {"runs": 3, "warm_rows": [{"image": size}], "node_b_base_disk": True, "warm_answer_ms": {"p50": 800.0},
+              "target_ms": 1000, "warm_fetched_pct_p50": 14.0, "warm_wire_pct_p50": 6.0, "target_pct": 10,
+              "cold_answer_ms": {"p50": 900.0}, "cold_fetched_pct_p50": 14.0, "cold_wire_pct_p50": 11.0}
+    rows = lazy_report.resume_rows(resume)
+    assert rows[1][1] == "14.0 % (on the wire, compressed: 6.0 %)" and rows[1][3] == "yes"
+    assert rows[3][3] == "**no**"  # 11 % on the wire
+
+
 def test_settle_waits_until_the_daemon_fetches_nothing(monkeypatch):
     seen = iter([0, 10, 20, 20, 20, 20, 20, 20, 20, 20, 20])
     monkeypatch.setattr(lazy_stats, "daemon_stats", lambda home: _stats(store=next(seen)))
