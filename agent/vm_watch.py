@@ -73,19 +73,30 @@ def lazy_read_errors(lazy, files: set[str]) -> dict[str, int]:
     return found
 
 
-def watch_node(node_id: str, driver, lazy: Callable[[], object] | None = None) -> list[tuple[str, str]]:
+def watch_node(node_id: str, driver, lazy: Callable[[], object] | None = None,
+               suspects: set[str] | None = None) -> list[tuple[str, str]]:
     """One look at this node's running sandboxes; returns ``[(sandbox_id, reason)]`` of those
-    made ``error``. ``lazy``: the store's lazy restores (agent.stores.lazy), or None."""
+    made ``error``. ``lazy``: the store's lazy restores (agent.stores.lazy), or None.
+
+    ``suspects`` (kept by the caller between looks): a guest whose disk failed is acted on
+    only when the previous look saw it failed too, so the program whose read failed has an
+    interval to get its I/O error back to its client before the VM goes (a dead VM is acted
+    on at once). Without it every failure is acted on at the first look."""
     actor = f"node:{node_id}"
     done = []
     rows = Sandbox.objects.filter(node_id=node_id, state=SandboxState.RUNNING,
                                   updated_at__lt=timezone.now() - SETTLE)
+    failing = set()
     for row in rows:
         try:
             found = failure(driver, row.pk)
             if found is None:
                 continue
             reason, details = found
+            if suspects is not None and "disk_errors" in details and row.pk not in suspects:
+                failing.add(row.pk)
+                log.info("sandbox %s: %s (acted on at the next look)", row.pk, reason)
+                continue
             stores = lazy_read_errors(lazy() if lazy else None, driver.files_in_use(row.pk))
             if stores:
                 reason = f"{reason}; {STORE_REASON}"
@@ -96,6 +107,9 @@ def watch_node(node_id: str, driver, lazy: Callable[[], object] | None = None) -
                 done.append((row.pk, reason))
         except Exception:  # noqa: BLE001 - reported; the other sandboxes are still looked at
             log.exception("watching sandbox %s failed", row.pk)
+    if suspects is not None:
+        suspects.clear()
+        suspects.update(failing)
     return done
 
 
@@ -105,6 +119,7 @@ class VmWatch(Periodic):
     def __init__(self, node_id: str, driver, interval: float, lazy: Callable[[], object] | None = None):
         super().__init__(f"vm-watch-{node_id}", interval)
         self.node_id, self.driver, self.lazy = node_id, driver, lazy
+        self.suspects: set[str] = set()
 
     def round(self) -> None:
-        watch_node(self.node_id, self.driver, self.lazy)
+        watch_node(self.node_id, self.driver, self.lazy, self.suspects)

@@ -117,16 +117,20 @@ def _the_store_goes_away(stack, back, node_b) -> None:
     guest reads its whole disk past every cache (O_DIRECT): chunks node B never fetched."""
     back.commands.run("dd --version >/dev/null")  # dd itself in the guest's page cache
     beat = _node_row(stack, node_b.id, "last_heartbeat_at")
-    outcome = {}
+    outcome, stderr = {}, []
 
     def read():
         t0 = time.monotonic()
         try:
-            back.commands.run("dd if=/dev/vda of=/dev/null bs=1M iflag=direct", user="root", timeout=120)
+            back.commands.run("dd if=/dev/vda of=/dev/null bs=1M iflag=direct", user="root", timeout=120,
+                              on_stderr=stderr.append)
             outcome["out"] = "rc=0"
         except CommandExitException as exc:
             outcome["out"] = f"rc={exc.exit_code} {exc.stderr}"
-        outcome["took"] = time.monotonic() - t0
+        except Exception as exc:  # noqa: BLE001 - the VM removed before the exit code came back
+            outcome["out"] = f"{type(exc).__name__} after stderr {''.join(stderr)!r}"
+        finally:
+            outcome["took"] = time.monotonic() - t0
 
     with silenced(stack.moto_url):
         reader = threading.Thread(target=read)

@@ -129,3 +129,25 @@ def test_one_failing_look_does_not_stop_the_others(rows, monkeypatch):
 
     monkeypatch.setattr(driver, "inspect", inspect)
     assert [sid for sid, _ in vm_watch.watch_node("n1", driver)] == [second]
+
+
+def test_with_suspects_a_failing_disk_waits_one_look_and_a_dead_vm_does_not(rows):
+    """The watch's own loop keeps suspects: a guest whose disk failed is made error at the
+    second look that sees it failing (its client first gets the I/O error), a dead VM at once;
+    a disk that stopped failing in between is forgotten."""
+    driver, make = rows
+    died, failing = make(), make()
+    driver.crash(died)
+    driver.fail_disk(failing, 1)
+    suspects: set[str] = set()
+    assert [sid for sid, _ in vm_watch.watch_node("n1", driver, suspects=suspects)] == [died]
+    assert suspects == {failing} and _state(failing)[0] == "running" and failing in driver.vms
+    assert [sid for sid, _ in vm_watch.watch_node("n1", driver, suspects=suspects)] == [failing]
+    assert _state(failing)[0] == "error" and failing not in driver.vms and suspects == set()
+    watch = vm_watch.VmWatch("n1", driver, interval=60)
+    other = make()
+    driver.fail_disk(other, 2)
+    watch.round()
+    assert watch.suspects == {other} and _state(other)[0] == "running"
+    watch.round()
+    assert _state(other)[0] == "error"
