@@ -147,6 +147,17 @@ def send(app, queue: str, value: str, expires: float = 60, signed_for: str | Non
     return app.send_task("nodes.echo", kwargs=kwargs, queue=queue, task_id=task_id, expires=expires)
 
 
+def parked(node, queue: str, task_id: str) -> bytes:
+    """Takes the message of ``task_id`` out of ``queue`` (where nobody consumes it), leaving
+    other tests' parked messages where they are."""
+    r = redis.Redis(host="127.0.0.1", port=node.port)
+    for raw in r.lrange(queue, 0, -1):
+        if json.loads(raw)["headers"]["id"] == task_id:
+            r.lrem(queue, 1, raw)
+            return raw
+    raise AssertionError(f"task {task_id} is not parked in {queue}")
+
+
 def wait_log(node, text: str, timeout: float = 20) -> str:
     deadline = time.monotonic() + timeout
     while True:
@@ -266,8 +277,8 @@ def test_a_signed_message_replayed_or_moved_to_another_node_is_refused(node, con
     wait_log(node, f"REFUSED task {moved_id} (nodes.echo) was signed for queue node.y")
     assert "for-node-y" not in node.ran.read_text()
 
-    send(control, "node.idle", "once", signed_for="node.x")  # read off the broker, then delivered twice
-    raw = redis_.rpop("node.idle")
+    once = send(control, "node.idle", "once", signed_for="node.x")  # read off the broker, then delivered twice
+    raw = parked(node, "node.idle", once.id)
     redis_.lpush("node.x", raw)
     redis_.lpush("node.x", raw)
     replay_id = json.loads(raw)["headers"]["id"]
@@ -277,7 +288,7 @@ def test_a_signed_message_replayed_or_moved_to_another_node_is_refused(node, con
 
 def test_a_message_whose_claims_expired_is_refused(node, control):
     result = send(control, "node.idle", "late", expires=1, signed_for="node.x")
-    raw = redis.Redis(host="127.0.0.1", port=node.port).rpop("node.idle")
+    raw = parked(node, "node.idle", result.id)
     message = json.loads(raw)
     message["headers"]["expires"] = None  # the header is not signed; the claims are
     time.sleep(1.5)
