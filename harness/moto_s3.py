@@ -14,6 +14,16 @@ import boto3
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 REGION = "us-east-1"
+# The same credentials as boto3's keyword arguments (chunkfs.sources.s3_client takes them).
+CLIENT_KEYS = {"aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+               "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"]}
+
+
+def default_credentials() -> None:
+    """moto's credentials in this process's environment unless set there: boto3 clients made
+    without keys (the S3 store's, the chunkfs daemon's) find them there."""
+    for name, value in CREDENTIALS.items():
+        os.environ.setdefault(name, value)
 
 
 def _free_port() -> int:
@@ -23,9 +33,7 @@ def _free_port() -> int:
 
 
 def client(url: str):
-    return boto3.client("s3", endpoint_url=url, region_name=REGION,
-                        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+    return boto3.client("s3", endpoint_url=url, region_name=REGION, **CLIENT_KEYS)
 
 
 _SERVERS: dict[str, subprocess.Popen] = {}  # url -> its moto_server, while it runs

@@ -20,12 +20,10 @@ from chunkfs.cache import ChunkCache
 from chunkfs.compression import META_KEY, ZSTD, BadEncoding, codec_setting, decode, encode
 from chunkfs.errors import ChunkCorrupt
 from chunkfs.sources import CountingSource, S3ChunkSource, s3_client
-from harness.moto_s3 import CREDENTIALS, REGION, moto_server
+from harness.moto_s3 import REGION, moto_server, default_credentials, CLIENT_KEYS
 
 BUCKET = "aenv-compress"
 CHUNK = 64 << 10
-KEYS = {"aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"]}
 
 
 def sha(data: bytes) -> str:
@@ -34,15 +32,14 @@ def sha(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    for name, value in CREDENTIALS.items():
-        os.environ.setdefault(name, value)
+    default_credentials()
     with moto_server(BUCKET) as url:
         yield url
 
 
 @pytest.fixture
 def s3(s3_endpoint):
-    return s3_client(s3_endpoint, REGION, **KEYS), f"t-{uuid.uuid4().hex[:8]}"
+    return s3_client(s3_endpoint, REGION, **CLIENT_KEYS), f"t-{uuid.uuid4().hex[:8]}"
 
 
 def _commit(s3, tmp_path, **kw) -> tuple[S3Store, dict, dict, dict]:

@@ -18,12 +18,10 @@ from chunkfs.cache import ChunkCache
 from chunkfs.errors import ChunkCorrupt, ChunkUnavailable
 from chunkfs.sources import (ChunkSource, DirChunkSource, FallbackSource, S3ChunkSource, s3_client,
                              source_from_spec)
-from harness.moto_s3 import CREDENTIALS, REGION, moto_server
+from harness.moto_s3 import REGION, moto_server, default_credentials, CLIENT_KEYS
 
 BUCKET = "aenv-chunks"
 CHUNK = 64 << 10
-KEYS = {"aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"]}
 
 
 def sha(data: bytes) -> str:
@@ -32,8 +30,7 @@ def sha(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    for name, value in CREDENTIALS.items():
-        os.environ.setdefault(name, value)
+    default_credentials()
     with moto_server(BUCKET) as url:
         yield url
 
@@ -47,7 +44,7 @@ def _free_port() -> int:
 def test_s3_source_reads_what_the_s3_store_committed(s3_endpoint, tmp_path):
     """A snapshot uploaded by the store, read back on "another node" chunk by chunk through
     the cache: every byte equal, holes absent from the manifest, nothing fetched twice."""
-    client = s3_client(s3_endpoint, REGION, **KEYS)
+    client = s3_client(s3_endpoint, REGION, **CLIENT_KEYS)
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     home = tmp_path / "node-a"
     store = S3Store(home=home, images_dir=tmp_path / "images", bucket=BUCKET, client=client, prefix=prefix,
@@ -80,7 +77,7 @@ def test_s3_source_reads_what_the_s3_store_committed(s3_endpoint, tmp_path):
 
 def test_s3_source_gives_up_on_a_closed_port_quickly():
     client = s3_client(f"http://127.0.0.1:{_free_port()}", REGION, connect_timeout=1, read_timeout=1, attempts=2,
-                       **KEYS)
+                       **CLIENT_KEYS)
     start = time.monotonic()
     with pytest.raises(ChunkUnavailable):
         S3ChunkSource(client, BUCKET).fetch(sha(b"x"), 1)
@@ -93,7 +90,7 @@ def test_s3_source_gives_up_on_a_store_that_never_answers():
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)  # never accepted, never answered
         client = s3_client(f"http://127.0.0.1:{silent.getsockname()[1]}", REGION, connect_timeout=1,
-                           read_timeout=1, attempts=2, **KEYS)
+                           read_timeout=1, attempts=2, **CLIENT_KEYS)
         start = time.monotonic()
         with pytest.raises(ChunkUnavailable):
             S3ChunkSource(client, BUCKET).fetch(sha(b"x"), 1)
@@ -143,7 +140,7 @@ def test_fallback_takes_the_first_source_with_the_right_bytes(tmp_path):
 def test_sources_from_their_json_description(s3_endpoint, tmp_path):
     """What the agent sends the chunkfs daemon with a mount; S3 mounts share one client."""
     data, other = os.urandom(2000), os.urandom(3000)
-    client = s3_client(s3_endpoint, REGION, **KEYS)
+    client = s3_client(s3_endpoint, REGION, **CLIENT_KEYS)
     client.put_object(Bucket=BUCKET, Key=f"spec/chunks/{sha(data)}", Body=data)
     (tmp_path / "chunks").mkdir()
     (tmp_path / "chunks" / sha(other)).write_bytes(other)

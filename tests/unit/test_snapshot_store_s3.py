@@ -17,7 +17,7 @@ from agent.stores.base import SnapshotStoreError
 from agent.stores.cache import LAST_USED
 from agent.stores.chunks import Chunk, chunk_spans, read_chunk
 from agent.stores.s3 import S3Store
-from harness.moto_s3 import CREDENTIALS, moto_server
+from harness.moto_s3 import moto_server, default_credentials
 from harness.moto_s3 import client as _client
 from vmm.qemu import QemuDriver
 
@@ -28,8 +28,7 @@ BUCKET = "aenv-test"
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """A real moto S3 server for this module, with an empty bucket."""
-    for name, value in CREDENTIALS.items():
-        os.environ.setdefault(name, value)
+    default_credentials()
     with moto_server(BUCKET) as url:
         yield url
 

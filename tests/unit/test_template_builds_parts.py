@@ -3,7 +3,6 @@ table and its log numbering under concurrent writers, the COPY file stores (posi
 real S3 API), archive checks, upload tokens and the upload path's body rules."""
 import gzip
 import io
-import os
 import tarfile
 import threading
 import uuid
@@ -17,7 +16,7 @@ from template_builds import files
 from template_builds.models import BuildLogEntry, TemplateBuild
 from template_builds.names import InvalidName, Name, check_tag, new_template_id, parse
 from template_builds.transitions import IllegalTransition, Log, append_sync, transition_sync
-from harness.moto_s3 import CREDENTIALS, moto_server
+from harness.moto_s3 import moto_server, default_credentials
 
 HASH = "c" * 64
 
@@ -197,8 +196,7 @@ def test_posix_store(settings, tmp_path):
 
 
 def test_s3_store(settings, tmp_path):
-    for name, value in CREDENTIALS.items():
-        os.environ.setdefault(name, value)
+    default_credentials()
     with moto_server("aenv-files") as url:
         settings.AENV_HOME = tmp_path
         settings.AENV_SNAPSHOT_BACKEND = "s3"

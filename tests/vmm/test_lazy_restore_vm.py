@@ -34,7 +34,7 @@ import pytest
 
 from agent.stores.s3 import S3Store
 from chunkfs.client import ChunkfsClient, ChunkfsError
-from harness.moto_s3 import CREDENTIALS, REGION, moto_server, silenced
+from harness.moto_s3 import REGION, moto_server, silenced, default_credentials
 from harness.moto_s3 import client as s3_client
 from tests.vmm.test_lifecycle_vm import COUNTER, assert_continues, counter, exists, real_driver, sh
 from tests.vmm.test_qemu_vm import endpoint
@@ -54,8 +54,7 @@ def world():
     """A moto S3 server and a short root for the nodes' homes (unix socket paths)."""
     if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
         pytest.fail("lazy restores need /dev/fuse and fusermount3 (the fuse3 package; scripts/setup.sh)")
-    for name, value in CREDENTIALS.items():
-        os.environ.setdefault(name, value)
+    default_credentials()
     root = ROOT / "var" / "test-runs" / f"lzvm-{uuid.uuid4().hex[:6]}"
     root.mkdir(parents=True)
     with moto_server(BUCKET) as url:
