@@ -13,25 +13,11 @@ import time
 
 import pytest
 
-from tests.unit.test_chunkfs_fs import CS, Node, _mounted, cut, sample
+from tests.unit.test_chunkfs_fs import CS, cut, node, sample  # noqa: F401 - node: the fixture
 
 pytestmark = pytest.mark.xdist_group("chunkfs")
 
 LIMIT_MB = 2
-
-
-@pytest.fixture
-def node(tmp_path):
-    import shutil
-    import subprocess
-
-    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
-        pytest.fail("chunkfs needs /dev/fuse and fusermount3 (the fuse3 package; scripts/setup.sh)")
-    n = Node(tmp_path)
-    yield n
-    n.stop()
-    if _mounted(n.mnt):
-        subprocess.run(["fusermount3", "-u", "-z", str(n.mnt)], check=False)
 
 
 def _disk_bytes(cache) -> int:
