@@ -124,7 +124,26 @@ def _chunk_cache(host: dict) -> dict | None:
             "limit_bytes": limit, "fill_percent": round(100.0 * size / limit) if limit else 0,
             "entries": int(figures.get("entries") or 0), "evictions": int(figures.get("evictions") or 0),
             "fetched_bytes": int(figures.get("fetchedBytes") or 0), "corrupt": int(figures.get("corrupt") or 0),
-            "hits": int(figures.get("hits") or 0), "misses": int(figures.get("misses") or 0)}
+            "hits": int(figures.get("hits") or 0), "misses": int(figures.get("misses") or 0),
+            "wire": _chunk_wire(figures)}
+
+
+def _chunk_wire(figures: dict) -> dict:
+    """Where the cache's chunks came from (peer nodes, the store) and what crossed the wire:
+    the store's chunks as stored (compressed) against their plain bytes; a peer's are plain.
+    With what this node served its peers (from its cache or its own snapshot files)."""
+    def n(key: str) -> int:
+        value = figures.get(key)
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+    store_plain, store_wire = n("storeBytes"), n("storeWireBytes")
+    return {"peer_chunks": n("peerChunks"), "peer_bytes": n("peerBytes"), "peer_errors": n("peerErrors"),
+            "peer_corrupt": n("peerCorrupt"), "store_chunks": n("storeChunks"), "store_bytes": store_plain,
+            "store_wire_bytes": store_wire,
+            "store_wire_percent": round(100.0 * store_wire / store_plain) if store_plain else None,
+            "wire_bytes": n("peerBytes") + store_wire, "plain_bytes": n("peerBytes") + store_plain,
+            "served_chunks": n("servedChunks"), "served_bytes": n("servedBytes"),
+            "served_file_chunks": n("servedFileChunks"), "served_refused": n("servedRefused")}
 
 
 def _chart(team, hours: int = 24, width: int = 640, height: int = 160) -> dict:

@@ -1,4 +1,5 @@
 """Dashboard pages: sign-in, team scoping, rendering, filters, the live JSON list."""
+import re
 from datetime import timedelta
 
 import pytest
@@ -190,7 +191,12 @@ def test_nodes_page_shows_the_chunk_cache_to_operators(dash, user, node):
     node.host = {"cpuPercent": 5.0, "cpuCount": 2, "memoryUsedBytes": 1 << 30, "memoryTotalBytes": 4 << 30, "disks": [],
                  "chunkCache": {"hits": 30, "misses": 10, "hitRatio": 0.75, "sizeBytes": 512 << 20,
                                                      "limitBytes": 2048 << 20, "entries": 128, "evictions": 7,
-                                                     "fetchedBytes": 600 << 20, "corrupt": 1}}
+                                                     "fetchedBytes": 600 << 20, "corrupt": 1,
+                                                     "peerChunks": 40, "peerBytes": 160 << 20, "peerErrors": 2,
+                                                     "peerCorrupt": 1, "storeChunks": 110, "storeBytes": 400 << 20,
+                                                     "storeWireBytes": 100 << 20, "servedChunks": 12,
+                                                     "servedBytes": 48 << 20, "servedFileChunks": 5,
+                                                     "servedRefused": 3}}
     node.save()
     html = dash.get("/dashboard/nodes/").content.decode()
     assert "chunk cache" not in html  # a team member sees no node figures
@@ -200,3 +206,17 @@ def test_nodes_page_shows_the_chunk_cache_to_operators(dash, user, node):
     section = html[html.index(f"chunk-cache-{node.id}"):].replace("\xa0", " ")  # filesizeformat's spaces
     assert "75.0 %" in section and "512.0 MB (25 %)" in section
     assert "2.0 GB" in section and ">7<" in section and "600.0 MB" in section
+    # peer fetch and the wire: per origin, the store's bytes as stored (compressed) beside plain
+    wire = section[section.index(f"chunk-wire-{node.id}"):section.index("</table>", section.index("chunk-wire"))]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", r, re.S)]
+                                              for r in wire.split("<tr>")[2:])}
+    assert rows["peer nodes"] == ["40", "160.0 MB", "160.0 MB", "2 / 1 lying"]
+    assert rows["the store"] == ["110", "400.0 MB", "100.0 MB (25 %)", "–"]
+    assert rows["together"][:3] == ["150", "560.0 MB", "260.0 MB"]
+    assert rows["served to peers"] == ["12 (5 from files)", "48.0 MB", "48.0 MB", "3 refused"]
+    # a node from before peer fetch reports no such figures: zeros, no ratio
+    node.host["chunkCache"] = {"hits": 1, "misses": 1, "hitRatio": 0.5, "sizeBytes": 1, "limitBytes": 2}
+    node.save()
+    html = dash.get("/dashboard/nodes/").content.decode().replace("\xa0", " ")
+    wire = html[html.index(f"chunk-wire-{node.id}"):]
+    assert "0 bytes (" not in wire[:wire.index("</table>")] and ">0<" in wire
