@@ -71,6 +71,13 @@ class ChunkfsClient:
         """Fetches every chunk of the mount and pins them until its unmount (waits up to ``timeout``)."""
         return ChunkfsClient(self.control_path, timeout=timeout).request({"op": "pin", "mount_id": mount_id})
 
+    def copy_out(self, mount_id: str, name: str, dest: str | Path, timeout: float = 600.0) -> dict:
+        """Has the daemon write the mounted file ``name`` into ``dest`` (an existing file of its
+        size); returns ``{"written", "ms"}``. Errors: ``ChunkfsError`` (``unavailable``: a chunk
+        could not be had)."""
+        return ChunkfsClient(self.control_path, timeout=timeout).request(
+            {"op": "copy_out", "mount_id": mount_id, "name": name, "dest": str(dest)})
+
     def unmount(self, mount_id: str) -> dict:
         """Returns the mount's last stats (reads, bytes fetched, recorded order)."""
         return self.request({"op": "unmount", "mount_id": mount_id})["stats"]

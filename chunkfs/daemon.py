@@ -22,6 +22,10 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
 - ``{"op": "pin", "mount_id"}``: every chunk of the mount fetched now and pinned in the cache
   until the mount's ``unmount`` (also one after a restart: pins outlive mounts), for files whose
   chunks the store is about to lose.
+- ``{"op": "copy_out", "mount_id", "name", "dest"}``: the file's bytes written into ``dest``
+  (an existing regular file of its size) by ``COPY_PARALLEL`` threads, holes left as holes ->
+  ``{"written", "ms"}``: how a restore copies a lazy RAM file into the sandbox's own without
+  reading it through FUSE.
 - ``{"op": "peers", "listen": "host:port" | "", "token", "peers": ["host:port", ...]}``: peer
   fetch (``chunkfs.peer_source``, ``chunkfs.peer_server``): serve this cache to peers on
   ``listen`` (port 0: any; "": not at all) with the bearer ``token``, and ask ``peers`` (same
@@ -50,6 +54,7 @@ import re
 import shutil
 import signal
 import socketserver
+import stat
 import subprocess
 import sys
 import threading
@@ -75,6 +80,7 @@ FILE_NAME = MOUNT_ID  # as the snapshot manifests name files
 MAX_LINE = 64 << 20
 DEFAULT_LIMIT_MB = 10240
 PREFETCH_PARALLEL = 4
+COPY_PARALLEL = 8  # chunks one copy_out reads at once: each missing one is a round trip to the store
 
 
 def pin_owner(mount_id: str) -> str:
@@ -130,9 +136,11 @@ class Daemon:
                 raise RequestError("bad_json", "a request is a JSON object")
             op = request.get("op")
             handler = {"mount": self.mount, "unmount": self.unmount, "list": self.list, "stats": self.stats,
-                       "ping": self.ping, "pin": self.pin, "peers": self.set_peers}.get(op) if isinstance(op, str) else None
+                       "ping": self.ping, "pin": self.pin, "peers": self.set_peers,
+                       "copy_out": self.copy_out}.get(op) if isinstance(op, str) else None
             if handler is None:
-                raise RequestError("unknown_op", f"unknown op {op!r} (mount, unmount, list, stats, ping, pin, peers)")
+                raise RequestError("unknown_op",
+                                   f"unknown op {op!r} (mount, unmount, list, stats, ping, pin, peers, copy_out)")
             return {"ok": True, **handler(request)}
         except RequestError as exc:
             return {"ok": False, "error": {"code": exc.code, "message": exc.message}}
@@ -285,6 +293,36 @@ class Daemon:
             raise RequestError("unavailable", f"{len(failed)} chunks of {mount_id} could not be had: {failed[0]}")
         log.info("pinned %s: %d chunks", mount_id, len(shas))
         return {"mount_id": mount_id, "pinned": len(shas)}
+
+    def copy_out(self, request: dict) -> dict:
+        """A mounted file's bytes written into ``dest`` (an existing regular file of the same
+        size, holes where the file has none; symlinks refused), ``COPY_PARALLEL`` chunks at once."""
+        mount_id = self._mount_id(request)
+        name = request.get("name")
+        dest = request.get("dest")
+        if not isinstance(name, str) or not FILE_NAME.match(name):
+            raise _bad("name must be a file name of the mount")
+        if not isinstance(dest, str) or not os.path.isabs(dest):
+            raise _bad("dest must be an absolute path")
+        mount = self.fs.get(mount_id)
+        lazy = mount.files.get(name) if mount is not None else None
+        if lazy is None:
+            raise RequestError("not_found", f"no file {name} in mount {mount_id}")
+        try:
+            fd = os.open(dest, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _bad(f"dest {dest}: {exc.strerror}") from None
+        t0 = time.monotonic()
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != lazy.size:
+                raise _bad(f"dest must be a regular file of {lazy.size} bytes (it has {st.st_size})")
+            written = lazy.copy_into(fd, workers=COPY_PARALLEL)
+        except ChunkError as exc:
+            raise RequestError("unavailable", f"{name} of {mount_id}: {exc}") from None
+        finally:
+            os.close(fd)
+        return {"written": written, "ms": round((time.monotonic() - t0) * 1e3, 1)}
 
     def set_peers(self, request: dict) -> dict:
         """Peer fetch on (or off: no ``listen``, no ``peers``); see the module's docstring."""

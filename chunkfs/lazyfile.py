@@ -380,6 +380,35 @@ class LazyFile:
             with self._lock:
                 self._prefetching.discard(index)
 
+    def copy_into(self, fd_out: int, *, workers: int, zero_piece: int = 64 << 10) -> int:
+        """Writes this file's bytes into the open file ``fd_out`` (already of this size, all
+        zeros) at the same offsets, ``workers`` chunks at once, leaving holes: chunks the
+        manifest lacks are never read, all-zero ``zero_piece`` pieces never written. What a
+        restore that copies a lazy RAM file asks the daemon for, instead of reading it through
+        FUSE (one kernel round trip and two more copies per MiB). Returns the bytes written;
+        the first error (a ``ChunkError`` as ``read`` raises it) is raised."""
+        with self._lock:
+            written_over = bool(len(self._written))
+        indices = range(self.chunk_count) if written_over else sorted(self._chunks)
+        zero = bytes(zero_piece)
+
+        def one(index: int) -> int:
+            offset = index * self.chunk_size
+            data = self.read(offset, min(self.chunk_size, self.size - offset))
+            out = 0
+            for i in range(0, len(data), zero_piece):
+                piece = data[i:i + zero_piece]
+                if piece != zero[:len(piece)]:
+                    os.pwrite(fd_out, piece, offset + i)
+                    out += len(piece)
+            return out
+
+        pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="chunkfs-copy", initializer=_blocking_signals)
+        try:
+            return sum(future.result() for future in [pool.submit(one, index) for index in indices])
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # after an error: the rest is not started
+
     # ------------------------------------------------------------------ COW overlay
 
     def _merge_overlay(self, data: bytes, offset: int, size: int) -> bytes:

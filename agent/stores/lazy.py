@@ -135,6 +135,22 @@ class LazyRestores:
                              ["--read-deadline", f"{float(self.read_deadline):g}"],
                              env={**os.environ, **self.daemon_env, "AENV_CHUNK_CACHE_MB": str(self.limit_mb)})
 
+    def copy_ram(self, src: Path, dst: Path) -> bool:
+        """``vmm.qemu.ramfile.LazyCopier``: a file of one of this daemon's mounts (``src``, or
+        the symlink to it a lazy snapshot holds) written into ``dst`` by the daemon itself,
+        without reading it through FUSE; False for any other file or a daemon older than that."""
+        try:
+            mount_id, name = Path(os.path.realpath(src)).relative_to(self.mountpoint).parts
+        except ValueError:  # not under the mountpoint, or not <mount>/<file>
+            return False
+        try:
+            self._daemon().copy_out(mount_id, name, dst)
+        except ChunkfsError as exc:
+            if exc.code == "unknown_op":  # a daemon started before copy_out (it outlives upgrades)
+                return False
+            raise
+        return True
+
     def running_client(self) -> ChunkfsClient | None:
         """The daemon if it runs (never starts one: for figures)."""
         if not self.control.exists():

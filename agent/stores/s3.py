@@ -122,6 +122,8 @@ class S3Store(S3Objects, SnapshotStore):
             from agent.driver import get_driver  # noqa: PLC0415 - the node's one driver
 
             self._driver = get_driver()
+        if self.lazy is not None and getattr(self._driver, "lazy_ram_copier", False) is None:
+            self._driver.set_lazy_ram_copier(self.lazy.copy_ram)  # lazy RAM copied by the daemon, not through FUSE
         return self._driver
 
     # ------------------------------------------------------------------ interface

@@ -170,6 +170,91 @@ def test_files_of_one_mount_may_have_their_own_chunk_sizes(node):
     assert exc.value.code == "bad_request"
 
 
+def test_copy_out_writes_a_mounted_file_into_another_leaving_holes(node, tmp_path):
+    """What a template or moved restore asks for its lazy RAM: the daemon writes the file into
+    the sandbox's own (``copy_out``), the bytes equal, holes where the file has zeros; a bad
+    destination or a chunk the store lost is an error object, never a partial success."""
+    ram = sample(12 * CS, seed=5)
+    small = CS // 4
+    c = node.start()
+    c.mount("cp", CS, {"ram": {**cut(ram, node.store, small), "chunk_size": small}})
+    dest = tmp_path / "copy.ram"
+    with open(dest, "wb") as f:
+        f.truncate(len(ram))
+    reply = c.copy_out("cp", "ram", dest)
+    assert dest.read_bytes() == ram
+    nonzero = sum(1 for i in range(0, len(ram), 64 << 10) if ram[i:i + (64 << 10)].strip(b"\0"))
+    assert reply["written"] == nonzero * (64 << 10) < len(ram)
+    assert os.stat(dest).st_blocks * 512 < len(ram)  # the whole-chunk hole stayed a hole
+    stats = c.stats("cp")["mounts"]["cp"]
+    assert stats["errors"] == 0 and stats["fetched_chunks"] == len(cut(ram, node.store, small)["chunks"])
+
+    link = tmp_path / "link.ram"
+    link.symlink_to(dest)
+    wrong_size = tmp_path / "short.ram"
+    wrong_size.write_bytes(b"x")
+    for args, code in [(("cp", "ram", link), "bad_request"), (("cp", "ram", wrong_size), "bad_request"),
+                       (("cp", "ram", "relative.ram"), "bad_request"), (("cp", "nope", dest), "not_found"),
+                       (("nope", "ram", dest), "not_found"), (("cp", "../ram", dest), "bad_request")]:
+        with pytest.raises(ChunkfsError) as exc:
+            c.copy_out(*args)
+        assert exc.value.code == code, args
+    assert dest.read_bytes() == ram  # the symlink's target was not written through it
+
+    lost = sample(3 * CS, seed=6)
+    spec = cut(lost, node.store)
+    (node.store / "chunks" / spec["chunks"][-1][2]).unlink()
+    c.mount("lost", CS, {"ram": spec})
+    dest2 = tmp_path / "lost.ram"
+    with open(dest2, "wb") as f:
+        f.truncate(len(lost))
+    with pytest.raises(ChunkfsError) as exc:
+        c.copy_out("lost", "ram", dest2)
+    assert exc.value.code == "unavailable"
+    assert c.ping()["pid"] == node.pid()  # the daemon stays up
+
+
+def test_ram_copy_goes_to_the_daemon_and_falls_back_to_readers(node, tmp_path):
+    """``ramfile.copy_into`` hands a lazy file to the node's copier (``LazyRestores.copy_ram``:
+    the chunkfs daemon) and reads it itself only when the copier does not serve it (a daemon
+    older than ``copy_out``, a file of no mount); a plain file is copied in the kernel."""
+    from agent.stores.lazy import LazyRestores
+    from vmm.qemu import ramfile
+
+    ram = sample(6 * CS, seed=7)
+    c = node.start()
+    path = c.mount("rc", CS, {"ram": cut(ram, node.store)})
+    lazy = LazyRestores(tmp_path / "home", limit_mb=64, daemon_env={}, files_in_use=lambda: [])
+    lazy.control, lazy.mountpoint = node.control, node.mnt  # the test daemon's
+    link = tmp_path / "snapshot-memory.ram"  # as a lazy snapshot's dir links into the mount
+    link.symlink_to(path / "ram")
+
+    def copy(src, copier) -> tuple[str, bytes]:
+        dst = tmp_path / f"dst-{len(list(tmp_path.glob('dst-*')))}.ram"
+        fd = os.open(dst, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, len(ram))
+            how = ramfile.copy_into(src, fd, dst, copier)
+        finally:
+            os.close(fd)
+        return how, dst.read_bytes()
+
+    assert copy(link, lazy.copy_ram) == ("daemon", ram)
+    assert copy(link, lambda src, dst: False) == ("readers", ram)
+    assert copy(link, None) == ("readers", ram)
+    plain = tmp_path / "plain.ram"
+    plain.write_bytes(ram)
+    assert copy(plain, lazy.copy_ram) == ("kernel", ram)
+    assert lazy.copy_ram(plain, tmp_path / "x") is False  # not a file of a mount
+
+    class OldDaemon:  # started before copy_out: it answers unknown_op
+        def copy_out(self, *args):
+            raise ChunkfsError("unknown_op", "unknown op 'copy_out'")
+
+    lazy._daemon = OldDaemon
+    assert copy(link, lazy.copy_ram) == ("readers", ram)
+
+
 def test_many_readers_of_a_file_bigger_than_the_cache(node):
     """16 threads read random ranges of a 6 MiB file through a 2 MiB cache: every byte is
     right, chunks are evicted and fetched again, and the cache never passes its bound."""

@@ -153,6 +153,48 @@ def test_cow_overlay_matches_a_bytearray_and_never_reaches_the_source(cache, poo
     assert not overlay.exists()
 
 
+def test_copy_into_writes_the_file_with_its_overlay_and_skips_holes(cache, pools, tmp_path):
+    """``copy_into`` (the daemon's ``copy_out``): the base chunks in parallel, holes never
+    fetched nor written; after a write into a hole the overlay's bytes are copied too."""
+    data = sample(8 * CS + 123, seed=3)
+    chunks, store = cut(data)
+    source = DictSource(store)
+    f = LazyFile(len(data), CS, chunks, cache, source, pools=pools, overlay=tmp_path / "ov")
+    dest = tmp_path / "dest"
+    with open(dest, "wb") as out:
+        out.truncate(len(data))
+    fd = os.open(dest, os.O_WRONLY)
+    try:
+        written = f.copy_into(fd, workers=4, zero_piece=4096)
+    finally:
+        os.close(fd)
+    assert dest.read_bytes() == data
+    assert sorted(source.fetches) == sorted(sha for _, _, sha in chunks)  # each once, no hole asked for
+    pieces = [data[i:i + 4096] for i in range(0, len(data), 4096)]
+    assert written == sum(len(p) for p in pieces if p.strip(b"\0")) < len(data)
+    f.write(CS + 100, b"in the hole")
+    model = bytearray(data)
+    model[CS + 100:CS + 111] = b"in the hole"
+    dest.unlink()
+    with open(dest, "wb") as out:
+        out.truncate(len(data))
+    fd = os.open(dest, os.O_WRONLY)
+    try:
+        f.copy_into(fd, workers=2)
+    finally:
+        os.close(fd)
+    assert dest.read_bytes() == bytes(model)
+    source.chunks.clear()
+    cache.close()
+    f2 = LazyFile(len(data), CS, chunks, ChunkCache(tmp_path / "empty", 1 << 30), source, pools=pools)
+    fd = os.open(dest, os.O_WRONLY)
+    try:
+        with pytest.raises(ChunkUnavailable):
+            f2.copy_into(fd, workers=4)
+    finally:
+        os.close(fd)
+
+
 def test_a_read_only_file_refuses_writes(cache):
     data = sample(3 * CS)
     chunks, store = cut(data)

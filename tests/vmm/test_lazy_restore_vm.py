@@ -217,7 +217,7 @@ def _resume_moved(url: str, prefix: str, sid: str, a, build: str, root: Path, to
         print(f"node E (template=True, as a moved resume): guest answered after {t_answer:.2f} s; fetched "
               f"{fetched >> 20} MiB ({100 * fetched / total:.1f} %), {wire >> 20} MiB on the wire "
               f"({100 * wire / total:.1f} %); restore timings {restored.timings}")
-        assert restored.timings["ram_copy_readers"] > 1
+        assert restored.timings["ram_copy_daemon"] == 1  # the chunkfs daemon copied it, not FUSE readers
         ep = endpoint(restored)
         assert sh(ep, "cat /home/user/state.txt").strip() == "from-node-a"
         assert_continues(ep, before)

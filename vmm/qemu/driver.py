@@ -26,7 +26,7 @@ from vmm.images import find_image
 from vmm.locks import LockTimeout, vm_lock
 from vmm.net import ENVD_PORT, Attachment, NetworkSpec, choose_backend, ports, slots
 from vmm.net.spec import DEFAULT_WARM_SLOTS
-from vmm.qemu import console
+from vmm.qemu import console, ramfile
 from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
@@ -77,6 +77,7 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
         # RAM files made ahead for the next restore of a booted template (vmm.qemu.warm_ram)
         self.warm_ram = WarmRamCopies(self.shm_dir, tag=hashlib.sha256(str(self.home).encode()).hexdigest()[:8],
                                       per_source=warm_ram_copies, headroom_mb=self.shm_headroom_mb)
+        self.lazy_ram_copier: ramfile.LazyCopier | None = None  # set_lazy_ram_copier
         self._spill_mutex = threading.Lock()  # paused VMs' RAM moving to disk (ram_moves._spill_later)
         self._spill_pool = None
         self._spills: list = []
@@ -95,6 +96,12 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
                                   limits=net_limits, dns_limits=net_dns_limits)
 
     @contextmanager
+    def set_lazy_ram_copier(self, copier: ramfile.LazyCopier | None) -> None:
+        """Who copies a lazily filled snapshot RAM file (template and moved restores, ready-made
+        copies): the node's chunkfs daemon through the agent's S3 store; None: this process."""
+        self.lazy_ram_copier = copier
+        self.warm_ram.copier = copier
+
     def _lock(self, sandbox_id: str):
         """Serializes lifecycle verbs on one sandbox across threads and processes (flock)."""
         try:

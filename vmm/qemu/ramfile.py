@@ -6,7 +6,10 @@ A snapshot's RAM on a lazily filled file (a FUSE mount of the node's chunkfs dae
 restored from the S3 store without downloading it) is copied by ``COPY_READERS`` threads at
 once, each reading its own segments sequentially: every missing piece is a round trip to the
 store, and one reader would wait for them one after another (docs/cluster.md, "Memory snapshots
-on demand").
+on demand"). Better still, the node hands such a copy to the chunkfs daemon that serves the
+file (``LazyCopier``, set by the agent: ``QemuDriver.set_lazy_ram_copier``), which writes the
+chunks straight into the sandbox's file without a FUSE round trip per MiB; these threads are
+the fallback (a daemon older than that op, or no copier).
 
 Why the punching: when a copy-on-write VM (restored or forked) is resumed onto a RAM file of its own, QEMU's
 migration loader reads every page of that new file to check it is zero, and on tmpfs a read
@@ -22,6 +25,8 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from vmm.errors import VMError
 
@@ -34,6 +39,11 @@ COPY_READERS = 4
 COPY_SEGMENT = 16 << 20  # what one reader copies in one go (sequential reads: read-ahead works)
 COPY_BLOCK = 1 << 20  # a FUSE read is at most 1 MiB
 ZERO_PIECE = 64 << 10  # all-zero pieces of this size are not written: the copy stays sparse
+
+LazyCopier = Callable[[Path, Path], bool]
+"""Copies the lazily filled file ``src`` into ``dst`` (an existing file of its size, all holes)
+outside this process and returns True, or returns False when it does not serve ``src`` (the
+caller copies); a failed copy raises."""
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
@@ -193,10 +203,18 @@ def copy_parallel_into(src, fd_out: int, readers: int = COPY_READERS, segment: i
     return state["written"]
 
 
-def copy_into(src, fd_out: int) -> int:
-    """A copy of a RAM file that keeps holes: in parallel, skipping zeros, from a lazily
-    filled (FUSE) file (which reports no holes), else in the kernel (``copy_sparse_into``)."""
-    return copy_parallel_into(src, fd_out) if on_fuse(src) else copy_sparse_into(src, fd_out)
+def copy_into(src, fd_out: int, dst: Path | None = None, copier: LazyCopier | None = None) -> str:
+    """A copy of a RAM file that keeps holes, into the open ``fd_out`` (the file ``dst``): from
+    a lazily filled (FUSE) file (which reports no holes) by ``copier`` if it serves it, else in
+    parallel skipping zeros; from any other file in the kernel (``copy_sparse_into``). Returns
+    how: ``daemon``, ``readers`` or ``kernel``."""
+    if not on_fuse(src):
+        copy_sparse_into(src, fd_out)
+        return "kernel"
+    if copier is not None and dst is not None and copier(Path(src), Path(dst)):
+        return "daemon"
+    copy_parallel_into(src, fd_out)
+    return "readers"
 
 
 class RamCopy:
@@ -204,8 +222,10 @@ class RamCopy:
     its final size before the thread starts, so QEMU may map it meanwhile; it must not run the
     guest before wait() returned."""
 
-    def __init__(self, src: Path, dst: Path, size: int):
+    def __init__(self, src: Path, dst: Path, size: int, copier: LazyCopier | None = None):
         self.dst = dst
+        self.copier = copier
+        self.how = ""  # daemon, readers or kernel (copy_into)
         self.error: BaseException | None = None
         self.waited_ms = 0.0
         fd = os.open(dst, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -214,7 +234,6 @@ class RamCopy:
         except BaseException:
             os.close(fd)
             raise
-        self.readers = COPY_READERS if on_fuse(src) else 1  # a lazily filled file: its missing pieces in parallel
         self.t0 = time.monotonic()
         self.t1 = self.t0
         self.thread = threading.Thread(target=self._run, args=(src, fd), daemon=True, name=f"ramcopy-{dst.name}")
@@ -222,15 +241,17 @@ class RamCopy:
 
     def _run(self, src: Path, fd: int) -> None:
         try:
-            if self.readers > 1:
-                copy_parallel_into(src, fd, self.readers)
-            else:
-                copy_sparse_into(src, fd)
+            self.how = copy_into(src, fd, self.dst, self.copier)
         except BaseException as e:
             self.error = e
         finally:
             os.close(fd)
             self.t1 = time.monotonic()
+
+    @property
+    def readers(self) -> int:
+        """Threads of this process that copied: 0 when the chunkfs daemon did."""
+        return {"readers": COPY_READERS, "kernel": 1}.get(self.how, 0)
 
     @property
     def elapsed_ms(self) -> float:

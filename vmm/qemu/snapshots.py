@@ -244,7 +244,8 @@ class SnapshotMixin:
         try:
             warm = own_ram and self.warm_ram.take(Path(manifest.memory_file), paths.ram)
             if own_ram and not warm:  # copied in the background while the disk is made and QEMU starts
-                copy = ramfile.RamCopy(Path(manifest.memory_file), paths.ram, manifest.memory_mb << 20)
+                copy = ramfile.RamCopy(Path(manifest.memory_file), paths.ram, manifest.memory_mb << 20,
+                                       copier=self.lazy_ram_copier)
             network = self.net.attach(sid, state_dir, spec.network)
             state_dir.mkdir(parents=True, exist_ok=True)
             create_top(self.tops_dir, manifest.layers[-1], manifest.disk_size_mb, paths.top)
@@ -275,6 +276,7 @@ class SnapshotMixin:
             timings["ram_copy_ms"] = copy.elapsed_ms
             timings["ram_copy_wait_ms"] = copy.waited_ms
             timings["ram_copy_readers"] = copy.readers
+            timings["ram_copy_daemon"] = 1 if copy.how == "daemon" else 0
         if own_ram:
             timings["ram_ready_made"] = 1 if warm else 0
             self.warm_ram.refill_later(Path(manifest.memory_file))  # for the next create, now that this one runs

@@ -50,6 +50,7 @@ class WarmRamCopies:
         self._ready: OrderedDict[tuple, list[Path]] = OrderedDict()  # identity -> finished copies, LRU order
         self._filling: set[tuple] = set()
         self._pool: ThreadPoolExecutor | None = None
+        self.copier: ramfile.LazyCopier | None = None  # QemuDriver.set_lazy_ram_copier
         sweep_leftovers(self.shm_dir)
         if self.per_source:
             atexit.register(self.drop_all)  # a worker that stops leaves no copies behind
@@ -125,7 +126,7 @@ class WarmRamCopies:
                     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                     try:
                         os.ftruncate(fd, size)
-                        ramfile.copy_into(src, fd)  # a lazily filled snapshot's: in parallel, sparse
+                        ramfile.copy_into(src, fd, path, self.copier)  # a lazily filled snapshot's: by its daemon
                     finally:
                         os.close(fd)
                 except OSError:
