@@ -95,13 +95,13 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
                                   allow_extra=tuple(net_allow_extra), ingress_from=tuple(net_ingress_from),
                                   limits=net_limits, dns_limits=net_dns_limits)
 
-    @contextmanager
     def set_lazy_ram_copier(self, copier: ramfile.LazyCopier | None) -> None:
         """Who copies a lazily filled snapshot RAM file (template and moved restores, ready-made
         copies): the node's chunkfs daemon through the agent's S3 store; None: this process."""
         self.lazy_ram_copier = copier
         self.warm_ram.copier = copier
 
+    @contextmanager
     def _lock(self, sandbox_id: str):
         """Serializes lifecycle verbs on one sandbox across threads and processes (flock)."""
         try:
