@@ -301,6 +301,7 @@ export AENV_HOME="$HOME_DIR"
 source "$ROOT/scripts/setup.sh"
 run setup_system_packages --node
 run setup_python_env
+run setup_egress_proxy_env
 if [ "$CONTROL_PLANE" = 1 ]; then
   run "$ROOT/deploy/dashboard-assets.sh"
   run "$ROOT/.venv/bin/python" "$ROOT/manage.py" collectstatic --noinput -v 0

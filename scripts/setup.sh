@@ -79,6 +79,19 @@ setup_python_env() (  # the venv in .venv, re-installed only when pyproject.toml
   fi
 )
 
+EGRESS_PROXY_PACKAGES="mitmproxy==11.0.2 dnspython==2.9.2"
+setup_egress_proxy_env() (  # mitmproxy for the node's egress proxy (vmm/net/egress.py) in .venv-egress:
+  cd "$ROOT"                 # a venv of its own, as its pins (cryptography, pyOpenSSL) differ from aenv's
+  stamp=".venv-egress/.aenv-installed-$(echo "$EGRESS_PROXY_PACKAGES" | sha256sum | cut -c1-16)"
+  if [ ! -f "$stamp" ]; then
+    echo "==> installing the egress proxy (mitmproxy) into .venv-egress"
+    [ -x .venv-egress/bin/python ] || python3 -m venv .venv-egress
+    # shellcheck disable=SC2086 # a list of requirements
+    .venv-egress/bin/pip install -q $EGRESS_PROXY_PACKAGES
+    rm -f .venv-egress/.aenv-installed-* && touch "$stamp"
+  fi
+)
+
 setup_database() (  # the schema, the default team, the base template and an API key
   cd "$ROOT"
   echo "==> database schema"
@@ -123,6 +136,7 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   setup_docker_engine || echo "==> warning: no Docker engine: tests/compose/ cannot run here" >&2
   setup_redis
   setup_python_env
+  setup_egress_proxy_env
   setup_database
   setup_static_files
   setup_guest_images

@@ -40,12 +40,14 @@ class Tier:
 
 TIERS: dict[str, Tier] = {
     "vm": Tier("QEMU, root and the base guest image (scripts/setup.sh)", marker="vm", paths=("tests/vmm/",)),
-    "network": Tier("root, nft and nsenter: the netns network backend",
+    "network": Tier("root, nft and nsenter: the netns network backend (and its egress proxy: mitmproxy in "
+                    ".venv-egress, scripts/setup.sh)",
                     paths=("tests/unit/test_vmm_slot_pool.py", "tests/unit/test_vmm_host_table.py",
                            "tests/unit/test_vmm_slots.py", "tests/unit/test_vmm_net_ingress.py",
                            "tests/unit/test_vmm_net_policy.py", "tests/unit/test_vmm_net_conntrack.py",
                            "tests/unit/test_cluster_layout.py", "tests/unit/test_pool_routes.py",
                            "tests/unit/test_vmm_net_dns.py", "tests/unit/test_vmm_host_firewall.py",
+                           "tests/unit/test_vmm_net_egress.py", "tests/integration/test_egress_domains.py",
                            "tests/integration/test_network_e2e.py", "tests/integration/test_network_faults.py",
                            "tests/integration/test_network_with_docker.py",
                            "tests/integration/test_cluster.py")),

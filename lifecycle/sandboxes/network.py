@@ -9,16 +9,18 @@ must be built from the row in one way (``spec_of``) with the same parse that che
 What aenv does with each field:
 
 - ``allow_internet_access``, ``allowOut``, ``denyOut``: enforced by the node (E2B's semantics
-  and 400 messages, ``vmm.net.policy``).
-- ``dnsServers``: checked (IPv4 addresses, at most 10) and kept. In E2B it only opens the
-  firewall to those resolvers when allowOut names a domain; aenv refuses domains, so it has no
-  effect, exactly as in E2B for a policy without domains.
+  and 400 messages, ``vmm.net.policy``); domain names in ``allowOut`` by the node's egress
+  proxy (``vmm.net.egress``), which judges each new TCP connection to ports 80 and 443 by its
+  TLS SNI or HTTP Host and connects only to the address the node's resolver gives for it.
+- ``dnsServers``: checked (IPv4 addresses, at most 10) and kept. In E2B it opens the firewall
+  to those resolvers when allowOut names a domain; aenv sends a domain sandbox's DNS to the
+  node's resolver only (what the proxy pins connections to), so it has no effect.
 - ``allowPublicTraffic: false``: the sandbox gets a ``trafficAccessToken`` that the data plane
   requires on every port but envd's; ``maskRequestHost``: kept, the data plane applies it.
   An update leaves both alone.
-- refused with 400: non-empty ``rules`` and any ``egressProxy`` (aenv has no egress proxy to
-  rewrite or tunnel requests) and non-empty ``httpsPorts`` (the data plane speaks plain HTTP to
-  guest ports).
+- refused with 400: non-empty ``rules`` and any ``egressProxy`` (the egress proxy does not
+  rewrite requests or chain to an upstream proxy yet) and non-empty ``httpsPorts`` (the data
+  plane speaks plain HTTP to guest ports).
 """
 from __future__ import annotations
 
@@ -56,9 +58,10 @@ EGRESS_KEYS = ("allowOut", "denyOut", "dnsServers")
 KEPT_BY_UPDATE = ("allowPublicTraffic", "maskRequestHost")
 
 _UNSUPPORTED = {
-    "rules": "per-host request rules are not supported: aenv has no egress proxy that could rewrite requests",
-    "egressProxy": "an egress proxy is not supported: aenv cannot tunnel a sandbox's egress through a SOCKS5 "
-                   "proxy",
+    "rules": "per-host request rules are not supported yet: aenv's egress proxy judges connections by name "
+             "but does not rewrite requests",
+    "egressProxy": "an egress proxy is not supported yet: aenv cannot chain a sandbox's egress through an "
+                   "upstream SOCKS5 or HTTP proxy",
 }
 
 
@@ -185,7 +188,7 @@ def spec_of(sandbox) -> dict:
     except policy.PolicyError as exc:
         raise Invalid(str(exc)) from None
     return NetworkSpec(allow_internet_access=sandbox.allow_internet_access is not False,
-                       allow_out=egress.allow, deny_out=egress.deny).to_json()
+                       allow_out=(*egress.allow, *egress.domains), deny_out=egress.deny).to_json()
 
 
 def is_private(network: dict | None) -> bool:

@@ -81,6 +81,14 @@ async def test_snake_case_network_keys_are_accepted(api, nodes_mock, network):
         "allowOut": ["1.1.1.1"], "denyOut": ["0.0.0.0/0"]}
 
 
+async def test_domains_in_allow_out_go_to_the_node_beside_the_cidrs(api, nodes_mock):
+    resp = await api.post("/v2/sandboxes", json={"templateID": "base", "network": {
+        "allowOut": ["Example.com", "*.example.org", "1.1.1.1"], "denyOut": ["0.0.0.0/0"]}})
+    assert resp.status_code == 201, resp.text
+    assert nodes_mock.client.boot_sandbox.await_args.kwargs["network"] == _spec(
+        ["1.1.1.1/32", "example.com", "*.example.org"], ["0.0.0.0/0"])
+
+
 async def test_a_create_without_a_policy_gets_the_open_spec(api, nodes_mock):
     resp = await api.post("/v2/sandboxes", json={"templateID": "base", "network": {}})
     assert resp.status_code == 201
@@ -93,7 +101,7 @@ BAD_POLICIES = [
     ({"network": {"denyOut": ["0.0.0.0"]}}, "invalid denied CIDR 0.0.0.0"),
     ({"network": {"allowOut": ["0.0.0.0"]}}, "invalid allowed address 0.0.0.0"),
     ({"network": {"allowOut": ["example.com"]}}, E2B_DOMAIN_MESSAGE),
-    ({"network": {"allowOut": ["api.example.com"], "denyOut": ["0.0.0.0/0"]}}, "are not supported"),
+    ({"network": {"allowOut": ["api.exa mple.com"], "denyOut": ["0.0.0.0/0"]}}, "invalid allowed address"),
     ({"allow_internet_access": False, "network": {"allowOut": ["*.example.com"]}}, "allowed domains"),
     ({"network": {"allowOut": "1.1.1.1"}}, "allowOut must be a list of strings"),
     ({"network": {"rules": {"api.example.com": [{"transform": {"headers": {"A": "b"}}}]}}}, "network.rules"),
@@ -242,7 +250,7 @@ async def test_put_network_on_a_paused_sandbox_is_409_and_on_a_killed_one_404(ap
 @pytest.mark.parametrize("body, message", [
     ({"denyOut": ["0.0.0.0"]}, "invalid denied CIDR 0.0.0.0"),
     ({"allowOut": ["example.com"]}, E2B_DOMAIN_MESSAGE),
-    ({"allowOut": ["example.com"], "denyOut": ["0.0.0.0/0"]}, "are not supported"),
+    ({"allowOut": ["*.*.example.com"], "denyOut": ["0.0.0.0/0"]}, "invalid allowed address"),
     ({"rules": {"x.example.com": [{"transform": {"headers": {"a": "b"}}}]}}, "network.rules"),
     ({"egressProxy": {"address": "p:1080"}}, "network.egressProxy"),
     ({"allow_internet_access": "no"}, "allow_internet_access must be a boolean"),

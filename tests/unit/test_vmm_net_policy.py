@@ -26,7 +26,8 @@ def test_bare_ips_become_networks_and_duplicates_collapse():
     ([], ["0.0.0.0"], "invalid denied CIDR 0.0.0.0"),
     (["0.0.0.0"], [], "invalid allowed address 0.0.0.0"),
     (["example.com"], [], "you must include 'ALL_TRAFFIC' in deny out"),
-    (["example.com"], ["0.0.0.0/0"], "domain names in allowOut (example.com) are not supported"),
+    (["exa mple.com"], ["0.0.0.0/0"], "invalid allowed address exa mple.com"),
+    (["*.*.example.com"], ["0.0.0.0/0"], "invalid allowed address *.*.example.com"),
     ([], ["2001:db8::/32"], "IPv4 only"),
     ("1.1.1.1", [], "allowOut must be a list of strings"),
 ])
@@ -47,15 +48,16 @@ def test_the_slot_table_checks_node_then_always_denied_then_allow_then_deny():
     assert "elements = { 10.99.0.0/16 }" in text and "elements = { 1.1.1.1/32 }" in text
     assert "ip daddr 8.8.8.8 udp dport 53 dnat ip to 10.12.0.1" in text
     script = slots.policy_script(policy.EgressPolicy((), ("203.0.113.0/24",)))
-    assert script.splitlines() == ["flush set inet aenv user_allow", "flush set inet aenv user_deny",
-                                   "add element inet aenv user_deny { 203.0.113.0/24 }"]
+    assert [line for line in script.splitlines() if "user_" in line] == [
+        "flush set inet aenv user_allow", "flush set inet aenv user_deny",
+        "add element inet aenv user_deny { 203.0.113.0/24 }"]
 
 
 def _set(slot, name) -> list:
     out = subprocess.run(slot.nsenter("nft", "-j", "list", "set", "inet", "aenv", name), capture_output=True,
                          text=True, check=True).stdout
     elems = [i["set"].get("elem", []) for i in json.loads(out)["nftables"] if "set" in i][0]
-    return [e if isinstance(e, str) else f"{e['prefix']['addr']}/{e['prefix']['len']}" for e in elems]
+    return [e if isinstance(e, (str, int)) else f"{e['prefix']['addr']}/{e['prefix']['len']}" for e in elems]
 
 
 @pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter")
@@ -67,5 +69,47 @@ def test_a_policy_is_applied_to_a_real_slot_and_replaced_whole(slot_prefix):
         assert _set(slot, "user_allow") == ["198.51.100.10"] and _set(slot, "user_deny") == ["0.0.0.0/0"]
         slots.apply_policy(slot, egress_of(NetworkSpec()))  # {} opens it again
         assert _set(slot, "user_allow") == [] and _set(slot, "user_deny") == []
+    finally:
+        slots.destroy(slot)
+
+
+def test_domains_are_kept_apart_from_cidrs_and_need_everything_else_denied():
+    p = policy.parse(["Example.COM.", "*.example.org", "1.1.1.1"], ["0.0.0.0/0"])
+    assert p == policy.EgressPolicy(("1.1.1.1/32",), ("0.0.0.0/0",), ("example.com", "*.example.org"))
+    # E2B checks the request's denyOut, even where allow_internet_access: false denies everything
+    with pytest.raises(policy.PolicyError, match="ALL_TRAFFIC"):
+        policy.parse(["example.com"], [], allow_internet_access=False)
+
+
+def test_a_domain_policy_sends_ports_80_and_443_to_the_proxy_and_dns_to_the_node_only():
+    slot = slots.Slot("aenvq", 1, "10.12.0.0/16")
+    text = slots.ruleset(slot, dns_ip="10.12.0.1")
+    order = [text.index(r) for r in (
+        "ip daddr @always_deny ip daddr != @site_allow drop",
+        "ip daddr 8.8.8.8 meta l4proto { tcp, udp } th dport 53 th dport @dns_only accept",
+        "meta l4proto { tcp, udp } th dport @dns_only drop",
+        "ip daddr @user_allow accept", "tcp dport @proxied accept", "ip daddr @user_deny drop")]
+    assert order == sorted(order)  # DNS elsewhere is dropped even where a CIDR allows it
+    assert ('iifname "tap0" ip daddr != @user_allow tcp dport @proxied dnat ip to 10.12.0.1 : '
+            'tcp dport map @proxy_port') in text
+    plain = slots.policy_script(policy.parse(["1.1.1.1"], ["0.0.0.0/0"]))  # no domains: the proxy's sets stay empty
+    assert [line for line in plain.splitlines() if line.startswith("add element")] == [
+        "add element inet aenv user_allow { 1.1.1.1/32 }", "add element inet aenv user_deny { 0.0.0.0/0 }"]
+    assert "flush set inet aenv proxied" in plain and "flush map inet aenv proxy_port" in plain
+    domains = slots.policy_script(policy.parse(["good.test"], ["0.0.0.0/0"]))
+    assert "add element inet aenv proxied { 80, 443 }" in domains
+    assert "add element inet aenv proxy_port { 80 : 15080, 443 : 15443 }" in domains
+    assert "add element inet aenv dns_only { 53, 853 }" in domains
+
+
+@pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter")
+def test_a_domain_policy_is_applied_to_a_real_slot_and_taken_back(slot_prefix):
+    slot = slots.create(slots.Slot(slot_prefix, 8))
+    try:
+        assert slots.has_proxy_rules(slot)
+        slots.apply_policy(slot, egress_of(NetworkSpec(allow_out=("good.test",), deny_out=("0.0.0.0/0",))))
+        assert sorted(_set(slot, "proxied")) == [80, 443] and sorted(_set(slot, "dns_only")) == [53, 853]
+        slots.apply_policy(slot, egress_of(NetworkSpec()))
+        assert _set(slot, "proxied") == [] and _set(slot, "dns_only") == []
     finally:
         slots.destroy(slot)

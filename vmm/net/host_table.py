@@ -26,6 +26,7 @@ import subprocess
 
 from . import conntrack, host_firewall
 from .cidrs import checked_ipv4
+from .slots import PROXIED_PORTS
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,11 @@ def ingress_sources(cidrs, pool: str) -> tuple[str, ...]:
 
 
 def ruleset(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None,
-            ingress: tuple[str, ...] = ()) -> str:
+            ingress: tuple[str, ...] = (), proxy_ports: tuple[int, ...] = tuple(PROXIED_PORTS.values())) -> str:
     """The whole table, replacing any earlier one of this instance (one ``nft -f``).
-    ``ingress``: sources that may open connections into a slot besides the node."""
+    ``ingress``: sources that may open connections into a slot besides the node;
+    ``proxy_ports``: the egress proxy's ports on ``dns_ip`` (vmm.net.egress), which slots
+    reach only through their DNAT of a domain sandbox's connections."""
     name = table_name(prefix)
     quoted = ", ".join('"' + v + '"' for v in veths)
     elements = f"elements = {{ {quoted} }}" if veths else ""
@@ -60,6 +63,8 @@ def ruleset(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | N
     ingress_elements = f"elements = {{ {', '.join(sources)} }}" if sources else ""
     dns = (f'        iifname @veths ip daddr {dns_ip} udp dport 53 accept\n'
            f'        iifname @veths ip daddr {dns_ip} tcp dport 53 accept\n') if dns_ip else ""
+    if dns_ip and proxy_ports:
+        dns += f'        iifname @veths ip daddr {dns_ip} tcp dport {{ {", ".join(map(str, proxy_ports))} }} accept\n'
     return f"""
 table inet {name}
 delete table inet {name}

@@ -28,6 +28,7 @@ from vmm.net import slots
 from vmm.net.backend import Attachment, NetworkBackend
 from vmm.net.conntrack import GuestLimits
 from vmm.net.dns import DNSLimits, NodeDNS, service_ip
+from vmm.net.egress import EgressProxy, EgressProxyError
 from vmm.net.slot_pool import SlotPool
 from vmm.net.slots import Slot
 from vmm.net.spec import NetworkSpec
@@ -57,6 +58,10 @@ class NetnsBackend(NetworkBackend):
         dns_ip = service_ip(pool) if dns else None
         node = (*node_addresses(), *self.ingress_from)
         allow_extra = slots.allow_extra_ranges(allow_extra, pool, node)  # refused at start if it reopens these
+        # domain rules: the node's egress proxy on the resolver's address (none without a resolver)
+        self.egress = (EgressProxy(prefix, dns_ip, Path(home) / "net", node=(*node, *deny_extra),
+                                   reopened=allow_extra) if dns else None)
+        self.egress_error = "" if self.egress else "the node runs no resolver of its own"
         self.slots = SlotPool(prefix, pool, warm=warm, deny_extra=(*node, *deny_extra), allow_extra=allow_extra,
                               dns_ip=dns_ip, ingress=self.ingress_from, limits=limits,
                               dns_limits=dns_limits)
@@ -70,6 +75,12 @@ class NetnsBackend(NetworkBackend):
         Returns the slots removed."""
         if self.dns is not None:
             self.dns.ensure()
+        if self.egress is not None:
+            try:
+                self.egress.ensure()
+            except (EgressProxyError, OSError, KeyError) as exc:
+                self.egress_error = str(exc)
+                log.warning("egress proxy: %s: domain names in allowOut are refused on this node", exc)
         removed = self.slots.adopt(in_use)
         self.slots.start()
         return removed
@@ -81,9 +92,31 @@ class NetnsBackend(NetworkBackend):
 
     def check(self, spec: NetworkSpec) -> None:
         try:
-            egress_of(spec)
+            policy = egress_of(spec)
         except egress.PolicyError as exc:
             raise UnsupportedNetworkPolicy(str(exc)) from None
+        if policy.domains and not self._proxy_ready():
+            raise UnsupportedNetworkPolicy(
+                f"domain names in allowOut ({', '.join(policy.domains)}) need the node's egress proxy, which is not "
+                f"running here: {self.egress_error or 'it stopped'}")
+
+    def _proxy_ready(self) -> bool:
+        if self.egress is None or self.egress.pid() is None:
+            return False
+        self.egress_error = ""
+        return True
+
+    def _set_policy(self, slot: Slot, sandbox_id: str, policy: egress.EgressPolicy) -> None:
+        """The slot's policy, and the proxy's list for it: a domain list is written before the
+        slot sends anything to the proxy and removed after it stops."""
+        if policy.domains:
+            self.egress.allow(slot.address, sandbox_id, policy.domains)
+        try:
+            slots.apply_policy(slot, policy)
+        except slots.SlotError as exc:
+            raise UnsupportedNetworkPolicy(str(exc)) from None
+        if not policy.domains and self.egress is not None:
+            self.egress.forget(slot.address)
 
     def slot(self, attachment: Attachment) -> Slot:
         return Slot(self.prefix, int(attachment.slot), self.pool_cidr)
@@ -98,9 +131,11 @@ class NetnsBackend(NetworkBackend):
         slot = self.slots.acquire()
         try:
             if not policy.open or policy.allow:  # a new slot's policy sets are empty: open
-                slots.apply_policy(slot, policy)
+                self._set_policy(slot, sandbox_id, policy)
         except BaseException:
             self.slots.release(slot)
+            if self.egress is not None:
+                self.egress.forget(slot.address)
             raise
         return self.attachment_of(sandbox_id, slot.index)
 
@@ -117,11 +152,14 @@ class NetnsBackend(NetworkBackend):
     def apply_egress(self, attachment: Attachment, spec: NetworkSpec) -> None:
         self.check(spec)
         if attachment.slot:
-            slots.apply_policy(self.slot(attachment), egress_of(spec))
+            self._set_policy(self.slot(attachment), attachment.sandbox_id, egress_of(spec))
 
     def detach(self, attachment: Attachment, state_dir: Path) -> None:
         if attachment.slot:
-            self.slots.release(self.slot(attachment))
+            slot = self.slot(attachment)
+            self.slots.release(slot)
+            if self.egress is not None:
+                self.egress.forget(slot.address)
 
     def in_use(self) -> set[int]:
         return self.slots.in_use()
@@ -141,4 +179,5 @@ def remove_instance(prefix: str, pool: str, home: Path) -> dict:
         slots.remove_link(name)
     table = host_table.remove(prefix)
     NodeDNS(prefix, pool, Path(home) / "net").stop()
+    EgressProxy(prefix, service_ip(pool), Path(home) / "net").stop()
     return {"slots": removed, "table": table}

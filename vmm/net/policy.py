@@ -11,13 +11,17 @@ enforced. Semantics (E2B's, see ../shared/research/networking.md §2.4):
 4. else it is allowed (empty lists: no restriction).
 
 ``allow_internet_access: false`` replaces denyOut with ``0.0.0.0/0`` (deny all) and keeps
-allowOut. A bare IP is a /32. Domain names need a userspace SNI/Host proxy, which aenv does
-not have yet: they are refused (400) instead of being accepted and not enforced.
+allowOut. A bare IP is a /32. Domain names (vmm.net.domains) are allowed only with
+``0.0.0.0/0`` denied (E2B's rule): the slot sends such a sandbox's new TCP connections to
+ports 80 and 443 that no CIDR allows through the node's egress proxy (vmm.net.egress), which
+judges each by its TLS SNI or HTTP Host.
 """
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+
+from . import domains as domain_names
 
 ALL_TRAFFIC = "0.0.0.0/0"
 
@@ -28,10 +32,12 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class EgressPolicy:
-    """What the slot table enforces: allow wins over deny; both are IPv4 networks."""
+    """What the slot table enforces: allow wins over deny; both are IPv4 networks.
+    ``domains``: allowed names (normalised patterns) the egress proxy judges connections by."""
 
     allow: tuple[str, ...] = ()
     deny: tuple[str, ...] = ()
+    domains: tuple[str, ...] = ()
 
     @property
     def open(self) -> bool:
@@ -69,14 +75,16 @@ def parse(allow_out=None, deny_out=None, allow_internet_access: bool | None = No
     if not isinstance(deny_out, (list, tuple)) or not all(isinstance(e, str) for e in deny_out):
         raise PolicyError("denyOut must be a list of strings")
     deny = [_network(e, "denied CIDR") for e in deny_out]
-    domains = [e for e in allow_out if _is_domain(e.strip())]
-    if domains:
-        if ALL_TRAFFIC not in deny:
-            raise PolicyError("When specifying allowed domains in allow out, you must include 'ALL_TRAFFIC' "
-                              "in deny out to block all other traffic.")
-        raise PolicyError(f"domain names in allowOut ({', '.join(domains)}) are not supported: aenv filters "
-                          "egress by IP address only (use CIDRs)")
-    allow = [_network(e, "allowed address") for e in allow_out]
+    names = []
+    for entry in (e for e in allow_out if _is_domain(e.strip())):
+        name = domain_names.normalise(entry)
+        if name is None:
+            raise PolicyError(f"invalid allowed address {entry}")
+        names.append(name)
+    if names and ALL_TRAFFIC not in deny:  # E2B checks the request's denyOut, whatever allow_internet_access says
+        raise PolicyError("When specifying allowed domains in allow out, you must include 'ALL_TRAFFIC' "
+                          "in deny out to block all other traffic.")
     if allow_internet_access is False:
         deny = [ALL_TRAFFIC]
-    return EgressPolicy(tuple(dict.fromkeys(allow)), tuple(dict.fromkeys(deny)))
+    allow = [_network(e, "allowed address") for e in allow_out if not _is_domain(e.strip())]
+    return EgressPolicy(tuple(dict.fromkeys(allow)), tuple(dict.fromkeys(deny)), tuple(dict.fromkeys(names)))

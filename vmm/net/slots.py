@@ -101,6 +101,11 @@ def _run_in(slot: Slot, *argv: str, stdin: str | None = None) -> None:
 
 
 GUEST_DNS = "8.8.8.8"  # the guest's resolv.conf (E2B's); the slot DNATs it to the node's resolver
+# A sandbox whose allowOut names domains (vmm.net.egress): its new TCP connections to these
+# ports that no CIDR allows go to the node's egress proxy, which listens on the resolver's
+# address at the port mapped here; DNS goes to the node's resolver only (no DoT either).
+PROXIED_PORTS = {80: 15080, 443: 15443}
+DNS_PORTS = (53, 853)
 DEFAULT_DNS_IP = "192.0.2.1"  # the node's resolver, on a dummy interface (vmm.net.dns)
 
 
@@ -139,7 +144,9 @@ def ruleset(slot: Slot, deny_extra: tuple[str, ...] = (), policy: EgressPolicy =
     deny = ", ".join(ALWAYS_DENIED)
     dns = (f"""        iifname "{TAP}" ip daddr {GUEST_DNS} udp dport 53 dnat ip to {dns_ip}
         iifname "{TAP}" ip daddr {GUEST_DNS} tcp dport 53 dnat ip to {dns_ip}
+        iifname "{TAP}" ip daddr != @user_allow tcp dport @proxied dnat ip to {dns_ip} : tcp dport map @proxy_port
 """ if dns_ip else "")
+    proxied, proxy_map, dns_only = _proxy_elements(policy)
     # issue 21: the guest's share of the node's resolver (vmm.net.dns), before anything else
     dns_guard = (f"""    chain dns_limits {{
         type filter hook prerouting priority -160; policy accept;
@@ -156,6 +163,9 @@ table inet aenv {{
     set site_allow {{ type ipv4_addr; flags interval; auto-merge; {_elements(allow_extra)} }}
     set user_allow {{ type ipv4_addr; flags interval; auto-merge; {_elements(policy.allow)} }}
     set user_deny {{ type ipv4_addr; flags interval; auto-merge; {_elements(policy.deny)} }}
+    set proxied {{ type inet_service; {_elements(proxied)} }}
+    map proxy_port {{ type inet_service : inet_service; {_elements(proxy_map)} }}
+    set dns_only {{ type inet_service; {_elements(dns_only)} }}
 {dns_guard}    chain guard {{
         type filter hook prerouting priority -150; policy accept;
         iifname != "{TAP}" accept
@@ -166,7 +176,10 @@ table inet aenv {{
         ct state new jump ct_limits
         ip daddr @node_deny drop
         ip daddr @always_deny ip daddr != @site_allow drop
+        ip daddr {GUEST_DNS} meta l4proto {{ tcp, udp }} th dport 53 th dport @dns_only accept
+        meta l4proto {{ tcp, udp }} th dport @dns_only drop
         ip daddr @user_allow accept
+        tcp dport @proxied accept
         ip daddr @user_deny drop
     }}
     chain ct_limits {{
@@ -196,19 +209,47 @@ table inet aenv {{
 """
 
 
+def _proxy_elements(policy: EgressPolicy) -> tuple[list[str], list[str], list[str]]:
+    """The slot's ``proxied`` ports, ``proxy_port`` map and ``dns_only`` ports for a policy:
+    empty unless it names domains, so a sandbox without them never meets the proxy."""
+    if not policy.domains:
+        return [], [], []
+    return ([str(p) for p in PROXIED_PORTS], [f"{p} : {q}" for p, q in PROXIED_PORTS.items()],
+            [str(p) for p in DNS_PORTS])
+
+
 def policy_script(policy: EgressPolicy) -> str:
     """Replaces the slot's policy sets in one transaction (atomic: no packet sees a half
     policy). Only new flows are judged, as on E2B: an established connection stays."""
-    lines = ["flush set inet aenv user_allow", "flush set inet aenv user_deny"]
-    if policy.allow:
-        lines.append(f"add element inet aenv user_allow {{ {', '.join(policy.allow)} }}")
-    if policy.deny:
-        lines.append(f"add element inet aenv user_deny {{ {', '.join(policy.deny)} }}")
+    # the proxy's sets are declared first: a slot made before them (a VM that outlived an
+    # upgrade) then takes a policy without domains as before (apply_policy refuses domains there)
+    lines = ["add set inet aenv proxied { type inet_service; }",
+             "add map inet aenv proxy_port { type inet_service : inet_service; }",
+             "add set inet aenv dns_only { type inet_service; }",
+             "flush set inet aenv user_allow", "flush set inet aenv user_deny", "flush set inet aenv proxied",
+             "flush map inet aenv proxy_port", "flush set inet aenv dns_only"]
+    proxied, proxy_map, dns_only = _proxy_elements(policy)
+    for name, elements in (("user_allow", policy.allow), ("user_deny", policy.deny), ("proxied", proxied),
+                           ("proxy_port", proxy_map), ("dns_only", dns_only)):
+        if elements:
+            lines.append(f"add element inet aenv {name} {{ {', '.join(elements)} }}")
     return "\n".join(lines) + "\n"
 
 
+def has_proxy_rules(slot: Slot) -> bool:
+    """Whether the slot's table sends proxied ports to the egress proxy (slots made before
+    the proxy existed do not)."""
+    done = subprocess.run(slot.nsenter("nft", "list", "chain", "inet", "aenv", "guard"), capture_output=True,
+                          text=True, timeout=30)
+    return done.returncode == 0 and "@proxied" in done.stdout
+
+
 def apply_policy(slot: Slot, policy: EgressPolicy) -> None:
-    """Sets the slot's egress policy now (running guests included)."""
+    """Sets the slot's egress policy now (running guests included); SlotError if it names
+    domains and the slot's table is too old to send connections to the egress proxy."""
+    if policy.domains and not has_proxy_rules(slot):
+        raise SlotError(f"slot {slot.netns} was made before the egress proxy: domain rules cannot be enforced "
+                        "there (restart the sandbox from a pause)")
     _run_in(slot, "nft", "-f", "-", stdin=policy_script(policy))
 
 

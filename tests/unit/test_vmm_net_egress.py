@@ -1,0 +1,162 @@
+"""The node egress proxy (vmm.net.egress: mitmproxy with aenv's addon) against named test
+hosts in a namespace of the test's own, without a VM: a client bound to a "slot address" on
+the node talks to the proxy's listeners as a slot's DNAT would deliver it, and the proxy lets
+through only names the slot's list allows, to the address the node's resolver gives for them.
+The slot's nftables side is in test_vmm_net_policy.py; a real guest in
+tests/integration/test_egress_domains.py."""
+import os
+import shutil
+import socket
+import ssl
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from harness.named_hosts import NamedHosts
+from harness.networld import EXT_A, EXT_B, ExternalHost
+from vmm.net import slots
+from vmm.net.dns import NodeDNS, service_ip, _on_lo
+from vmm.net.egress import EgressProxy
+
+pytestmark = [pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)"),
+              pytest.mark.skipif(not EgressProxy("x", "127.0.0.1", Path("/tmp")).available(),
+                                 reason="mitmproxy is not installed in .venv-egress (scripts/setup.sh)")]
+
+_SECOND = os.environ.get("AENV_NET_POOL", "10.100.0.0/20").split(".")[1]
+POOL = f"10.17.{_SECOND}.0/24"  # this session's own: its base + 1 (resolver, proxy) and + 3 (a client)
+CLIENT = f"10.17.{_SECOND}.3"
+OTHER_CLIENT = f"10.17.{_SECOND}.5"  # a "slot" without a policy file
+TLS, HTTP = slots.PROXIED_PORTS[443], slots.PROXIED_PORTS[80]
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    ext = ExternalHost(name=f"aenvegx{os.getpid() % 100000}").start()
+    for proc in ext.procs:  # its plain servers make way for the named ones
+        proc.kill()
+        proc.wait(timeout=10)
+    ext.procs = []
+    work = Path(tempfile.mkdtemp(prefix="aenv-egress-test-"))
+    work.chmod(0o755)
+    hosts = NamedHosts(ext.name, {EXT_A: "good.test", EXT_B: "evil.test"}, work / "hosts").start()
+    prefix = "eg" + uuid.uuid4().hex[:4]
+    resolv = work / "resolv.conf"
+    resolv.write_text(f"nameserver 127.53.{_SECOND}.2\n")  # nothing answers there: only hosts.d names resolve
+    resolv.chmod(0o644)
+    dns = NodeDNS(prefix, POOL, work / "net", resolv_file=str(resolv))
+    egress = EgressProxy(prefix, service_ip(POOL), work / "net", reopened=(f"{EXT_A}/32", f"{EXT_B}/32"))
+    try:
+        dns.ensure()
+        (dns.hosts_dir / "named").write_text(hosts.hosts_file() + "127.0.0.1 loop.test\n")
+        for address in (CLIENT, OTHER_CLIENT):
+            _on_lo(address, True)
+        egress.ensure()
+        egress.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
+        yield egress
+    finally:
+        if egress.log_file.exists():
+            print(egress.log_file.read_text()[-3000:])  # shown when a test failed
+        egress.stop()
+        dns.stop()
+        for address in (CLIENT, OTHER_CLIENT):
+            _on_lo(address, False)
+        hosts.stop()
+        ext.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _connect(port: int, source: str = CLIENT) -> socket.socket:
+    sock = socket.create_connection((service_ip(POOL), port), timeout=10, source_address=(source, 0))
+    sock.settimeout(10)
+    return sock
+
+
+def _https(sni: str | None, host: str, source: str = CLIENT) -> str:
+    """GET / over TLS with ``sni`` (None: no SNI at all) and ``host``: the body, or "" if closed."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    raw = _connect(TLS, source)
+    try:
+        with context.wrap_socket(raw, server_hostname=sni) as tls:
+            tls.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            return _read(tls)
+    except (ssl.SSLError, ConnectionError, OSError):
+        return ""
+    finally:
+        raw.close()
+
+
+def _read(sock) -> str:
+    out = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except (ssl.SSLError, ConnectionError, OSError):
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out.decode(errors="replace")
+
+
+def _http(*hosts: str, source: str = CLIENT) -> list[str]:
+    """One keep-alive connection, a GET per Host in ``hosts``: each answer's status line and body."""
+    sock = _connect(HTTP, source)
+    answers = []
+    with sock:
+        stream = sock.makefile("rb")
+        for host in hosts:
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            status = stream.readline().decode().strip()
+            if not status:
+                answers.append("closed")
+                break
+            length = 0
+            while (line := stream.readline().decode().strip()):
+                if line.lower().startswith("content-length:"):
+                    length = int(line.split(":")[1])
+            answers.append(f"{status} {stream.read(length).decode().strip()}")
+    return answers
+
+
+def test_https_is_judged_by_sni_and_pinned_to_the_names_address(proxy):
+    assert "good.test host=good.test" in _https("good.test", "good.test")
+    # SNI allowed, Host not: the connection still goes to good.test's address, never evil's
+    assert "good.test host=evil.test" in _https("good.test", "evil.test")
+    assert _https("evil.test", "good.test") == ""  # SNI not allowed
+    assert _https(None, "good.test") == ""  # no SNI at all
+    assert _https("GOOD.test.", "good.test").startswith("HTTP/1.1 200")  # case and a trailing dot
+
+
+def test_http_is_judged_per_request_by_host(proxy):
+    assert _http("good.test")[0].startswith("HTTP/1.1 200") and "good.test host=good.test" in _http("good.test")[0]
+    first, second = _http("good.test", "evil.test")
+    assert "good.test" in first and second.startswith("HTTP/1.1 403")  # the next request on the connection
+    assert _http("evil.test")[0].startswith("HTTP/1.1 403")
+    assert _http(EXT_B)[0].startswith("HTTP/1.1 403")  # a bare address is never a domain
+
+
+def test_a_name_resolving_to_a_denied_range_is_refused(proxy):
+    assert _http("loop.test")[0].startswith("HTTP/1.1 403")  # allowed by name, but 127.0.0.1
+
+
+def test_a_slot_without_a_list_and_the_wrong_protocol_get_nothing(proxy):
+    assert _https("good.test", "good.test", source=OTHER_CLIENT) == ""
+    assert _http("good.test", source=OTHER_CLIENT)[0].startswith("HTTP/1.1 403")
+    with _connect(TLS) as sock:  # plain HTTP where TLS is due
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: good.test\r\n\r\n")
+        assert "good.test host" not in _read(sock)
+    with _connect(TLS) as sock:  # not TLS, not HTTP
+        sock.sendall(b"\x00\x01hello there\r\n\r\n")
+        assert "good.test" not in _read(sock)
+
+
+def test_a_list_change_applies_to_the_next_connection(proxy):
+    proxy.allow(CLIENT, "sbx-test", ("*.test",))
+    try:
+        assert "evil.test host=evil.test" in _https("evil.test", "evil.test")
+    finally:
+        proxy.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
+    assert _https("evil.test", "evil.test") == ""

@@ -1,0 +1,181 @@
+"""The node's egress proxy: what enforces domain names in a sandbox's ``allowOut``.
+
+Why a proxy: a domain is not an address, so the slot's nftables table cannot judge it. A
+sandbox whose policy names domains has its new TCP connections to ports 80 and 443 that no
+CIDR allows sent by its slot (vmm.net.slots) to this proxy, which judges each by its TLS SNI
+or HTTP Host and connects only to an address the node's resolver gives for that name
+(vmm/net/egress_proxy/addon.py). Sandboxes without domain rules never reach it: their slots send it
+nothing.
+
+The proxy is ``mitmdump`` (mitmproxy, PyPI) in transparent mode with aenv's addon: a
+well-kept base that parses TLS and HTTP, and the one the next parts of E2B's egress features
+(request rules with TLS interception, an upstream proxy) need. It lives in a Python
+environment of its own (``.venv-egress``, made by ``scripts/setup.sh``: its pins differ from
+aenv's), runs as ``nobody``, listens on the node resolver's address (the slot pool's base +
+1, so every aenv instance has its own) at one port per guest port (``slots.PROXIED_PORTS``),
+and outlives the worker like the resolver does. Where it is not installed, a node refuses
+domain rules (400) instead of accepting them unenforced.
+
+What it reads lives under ``RUNTIME/<prefix>`` (world-readable, as ``nobody`` must read it):
+``node.json`` (the resolver, what no guest may reach, the listener ports) and
+``slots/<slot address>.json`` (one sandbox's allowed domains), written before the slot's
+rules send anything and removed after they stop.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from .slots import ALWAYS_DENIED, PROXIED_PORTS
+
+RUNTIME = Path("/run/aenv-egress")
+USER = "nobody"
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MITMDUMP = ROOT / ".venv-egress" / "bin" / "mitmdump"
+ADDON = Path(__file__).with_name("egress_proxy") / "addon.py"
+START_TIMEOUT = 20.0
+
+
+class EgressProxyError(Exception):
+    """The egress proxy could not be started."""
+
+
+def mitmdump_path() -> Path:
+    """Where mitmdump is (``AENV_NET_EGRESS_MITMDUMP``, else the repository's ``.venv-egress``)."""
+    return Path(os.environ.get("AENV_NET_EGRESS_MITMDUMP") or DEFAULT_MITMDUMP)
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return None
+
+
+class EgressProxy:
+    """The egress proxy of one aenv instance (``prefix``), listening on ``ip``."""
+
+    def __init__(self, prefix: str, ip: str, log_dir: Path, node: tuple[str, ...] = (),
+                 reopened: tuple[str, ...] = (), binary: Path | None = None):
+        self.prefix, self.ip = prefix, ip
+        self.dir = RUNTIME / prefix
+        self.slots_dir = self.dir / "slots"
+        self.pidfile = self.dir / "mitmdump.pid"
+        self.log_file = Path(log_dir) / "egress-proxy.log"
+        self.node, self.reopened = tuple(node), tuple(reopened)
+        self.binary = Path(binary) if binary else mitmdump_path()
+
+    # -- the process ----------------------------------------------------------------------
+
+    def available(self) -> bool:
+        return self.binary.exists()
+
+    def argv(self) -> list[str]:
+        modes = [arg for guest, port in PROXIED_PORTS.items() for arg in ("--mode", f"transparent@{self.ip}:{port}")]
+        return [str(self.binary), *modes, "-s", str(ADDON), "--set", f"aenv_egress_dir={self.dir}",
+                "--set", "connection_strategy=lazy", "--set", f"confdir={self.dir / 'conf'}",
+                "--set", "stream_large_bodies=64k", "--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pidfile.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        argv = _cmdline(pid)
+        return pid if argv and f"aenv_egress_dir={self.dir}" in argv else None
+
+    def _node_config(self) -> dict:
+        return {"resolver": self.ip, "node": [*self.node, f"{self.ip}/32"], "denied": list(ALWAYS_DENIED),
+                "reopened": list(self.reopened), "ports": {str(p): g for g, p in PROXIED_PORTS.items()}}
+
+    def ensure(self) -> None:
+        """A proxy answering with this configuration (a running one with another is replaced)."""
+        if not self.available():
+            raise EgressProxyError(f"mitmdump not found at {self.binary} (scripts/setup.sh installs it)")
+        user = pwd.getpwnam(USER)
+        self.slots_dir.mkdir(parents=True, exist_ok=True)
+        for d in (RUNTIME, self.dir, self.slots_dir):
+            d.chmod(0o755)
+        (self.dir / "conf").mkdir(exist_ok=True)
+        os.chown(self.dir / "conf", user.pw_uid, user.pw_gid)
+        config = json.dumps(self._node_config(), sort_keys=True)
+        node_file = self.dir / "node.json"
+        pid = self.pid()
+        if pid is not None:
+            if _cmdline(pid) == self.argv() and node_file.exists() and node_file.read_text() == config:
+                return
+            self.stop(keep_policies=True)
+        _write(node_file, config)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as log:
+            proc = subprocess.Popen(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+                                     "--", *self.argv()], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True, env={"PATH": "/usr/bin:/bin", "HOME": str(self.dir / "conf")})
+        self.pidfile.write_text(f"{proc.pid}\n")
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self.listening() or proc.poll() is not None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.stop(keep_policies=True)
+                raise EgressProxyError(f"mitmdump did not start (see {self.log_file})")
+            time.sleep(0.1)
+        time.sleep(0.3)  # it listens before it loads the addon, and exits if that fails
+        if proc.poll() is not None:
+            self.stop(keep_policies=True)
+            raise EgressProxyError(f"mitmdump stopped at start (see {self.log_file})")
+
+    def listening(self) -> bool:
+        try:
+            for port in PROXIED_PORTS.values():
+                socket.create_connection((self.ip, port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    def stop(self, keep_policies: bool = False) -> None:
+        """Stops the proxy; without ``keep_policies`` (an instance going away for good) its
+        files go too."""
+        pid = self.pid()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(100):
+                    if _cmdline(pid) is None:
+                        break
+                    time.sleep(0.05)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.pidfile.unlink(missing_ok=True)
+        if not keep_policies:
+            subprocess.run(["rm", "-rf", str(self.dir)], check=False)
+
+    # -- one sandbox ----------------------------------------------------------------------
+
+    def allow(self, address: str, sandbox_id: str, domains: tuple[str, ...]) -> None:
+        """The domains the sandbox at slot ``address`` may reach (replaces what it had)."""
+        self.slots_dir.mkdir(parents=True, exist_ok=True)
+        _write(self.slots_dir / f"{address}.json", json.dumps({"sandbox": sandbox_id, "domains": list(domains)}))
+
+    def forget(self, address: str) -> None:
+        (self.slots_dir / f"{address}.json").unlink(missing_ok=True)
+
+    def allowed(self, address: str) -> list[str] | None:
+        try:
+            return json.loads((self.slots_dir / f"{address}.json").read_text())["domains"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+
+def _write(path: Path, text: str) -> None:
+    """Atomically, world-readable (the proxy runs as ``nobody``)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
