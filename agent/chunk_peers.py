@@ -1,6 +1,7 @@
 """Peer fetch on a node (issue 24, ``AENV_CHUNK_PEER_FETCH``; off by default): the node's
-chunkfs daemon serves its chunk cache to the other nodes and asks them for a chunk before
-the snapshot store.
+chunkfs daemon serves its chunk cache and the chunks of its own files (the snapshots it took,
+its image builds, its downloads: the store's own-file index, handed over each round when it
+changed) to the other nodes, and asks them for a chunk before the snapshot store.
 
 Who the peers are: the database's live nodes (a heartbeat within
 ``AENV_NODE_HEARTBEAT_TIMEOUT``, not revoked) that advertise a ``chunkPeerPort`` in their
@@ -62,10 +63,15 @@ class ChunkPeers(Periodic):
     ``port`` is what the daemon listens on once it does (the heartbeat's ``chunkPeerPort``),
     else None."""
 
-    def __init__(self, node_id: str, lazy, address: str, port: int, token: str, interval: float = REFRESH):
+    def __init__(self, node_id: str, lazy, address: str, port: int, token: str, interval: float = REFRESH,
+                 own_files=None):
+        """``own_files``: a callable giving ``{path: [[offset, length, sha], ...]}`` of the node's
+        own files (``S3Store.own_files``), whose chunks the daemon then serves too; None: none."""
         super().__init__(f"chunk-peers-{node_id}", interval, at_once=True)
         self.node_id = node_id
         self.lazy = lazy  # agent.stores.lazy.LazyRestores
+        self.own_files = own_files
+        self._own_failing = ""
         self.listen = host_port(address, port)
         self.token = token
         self.port: int | None = None
@@ -88,6 +94,20 @@ class ChunkPeers(Periodic):
             log.info("peer fetch: the chunkfs daemon serves its cache on %s again", listening)
         self._failing = ""
         self.port = int(listening.rpartition(":")[2]) if listening else None
+        if listening and self.own_files is not None:
+            self._offer_own()
+
+    def _offer_own(self) -> None:
+        """The node's own files' chunks to the daemon (when they changed); a failure only
+        means peers get the cache alone this round (said once)."""
+        try:
+            if self.lazy.offer_own(self.own_files()):
+                log.info("peer fetch: the chunkfs daemon serves the chunks of this node's own files too")
+            self._own_failing = ""
+        except (ChunkfsError, OSError, ValueError) as exc:
+            if str(exc) != self._own_failing:
+                log.warning("peer fetch: this node's own files are not served to peers: %s", exc)
+            self._own_failing = str(exc)
 
 
 def start_chunk_peers(node_id: str, store) -> ChunkPeers | None:
@@ -107,7 +127,7 @@ def start_chunk_peers(node_id: str, store) -> ChunkPeers | None:
                     "(it needs the S3 store with lazy restores): no peer fetch")
         return None
     peers = ChunkPeers(node_id, lazy, settings.AENV_NODE_ADDRESS, settings.AENV_CHUNK_PEER_PORT,
-                       peer_token(settings.SECRET_KEY))
+                       peer_token(settings.SECRET_KEY), own_files=getattr(store, "own_files", None))
     peers.start()
     log.info("peer fetch on: serving the chunk cache on %s to the other nodes, asking them before the store",
              peers.listen)

@@ -30,6 +30,10 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
   fetch (``chunkfs.peer_source``, ``chunkfs.peer_server``): serve this cache to peers on
   ``listen`` (port 0: any; "": not at all) with the bearer ``token``, and ask ``peers`` (same
   token) for a missing chunk before the store. Repeated to refresh; -> ``{"listen", "peers"}``.
+- ``{"op": "own", "files": {absolute path: [[offset, length, sha], ...]}}``: the chunks inside
+  this node's own files (its snapshots, image builds, downloads: ``chunkfs.own_files``), which
+  the peer server gives peers besides its cache (each read and checked by digest first);
+  replaces the last map; -> ``{"chunks"}``.
 - ``{"op": "unmount", "mount_id"}`` (the files vanish; a writable mount's overlays are deleted),
   ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats, ``fetches``: chunks and bytes
   from peers and from the store (``store_wire_bytes``: as they crossed the wire, compressed)
@@ -68,6 +72,7 @@ from .digests import check_sha
 from .errors import ChunkError
 from .fs import ChunkFS, Mount, run, set_read_ahead
 from .lazyfile import DEFAULT_READ_DEADLINE, DEFAULT_READAHEAD, Counters, LazyFile, Pools, Recorder, _blocking_signals
+from .own_files import OwnFiles
 from .peer_server import COUNTS as PEER_SERVED
 from .peer_server import MIN_TOKEN, PeerServer
 from .peer_source import PeerChunkSource, parse_peer
@@ -117,6 +122,7 @@ class Daemon:
         self.peers = PeerChunkSource()  # no peers until the "peers" op: then asked before the store
         self.fetch_source = FallbackSource([self.peers, self.source])
         self.peer_server: PeerServer | None = None
+        self.own = OwnFiles()  # the node's own files' chunks, served to peers ("own" op)
         self._peer_lock = threading.Lock()
         self.mountpoint = Path(mountpoint)
         self.overlay_dir = Path(overlay_dir)
@@ -137,10 +143,11 @@ class Daemon:
             op = request.get("op")
             handler = {"mount": self.mount, "unmount": self.unmount, "list": self.list, "stats": self.stats,
                        "ping": self.ping, "pin": self.pin, "peers": self.set_peers,
-                       "copy_out": self.copy_out}.get(op) if isinstance(op, str) else None
+                       "own": self.set_own, "copy_out": self.copy_out}.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise RequestError("unknown_op",
-                                   f"unknown op {op!r} (mount, unmount, list, stats, ping, pin, peers, copy_out)")
+                                   f"unknown op {op!r} (mount, unmount, list, stats, ping, pin, peers, own, "
+                                   f"copy_out)")
             return {"ok": True, **handler(request)}
         except RequestError as exc:
             return {"ok": False, "error": {"code": exc.code, "message": exc.message}}
@@ -347,12 +354,19 @@ class Daemon:
                 server = self.peer_server = None
             if listen and server is None:
                 try:
-                    server = self.peer_server = PeerServer(self.cache, host, port, token)
+                    server = self.peer_server = PeerServer(self.cache, host, port, token, own=self.own)
                 except OSError as exc:
                     raise RequestError("listen_failed", f"cannot serve chunks to peers on {listen}: {exc}") from None
             if server is not None:
                 server.token = token
         return {"listen": server.listen if server is not None else "", "peers": len(peers)}
+
+    def set_own(self, request: dict) -> dict:
+        """The chunks of this node's own files that peers may have (see the module's docstring)."""
+        try:
+            return {"chunks": self.own.set(request.get("files", {}))}
+        except ValueError as exc:
+            raise _bad(str(exc)) from None
 
     def fetch_stats(self) -> dict:
         """Where chunks came from (peers, the store) and what this node served its peers."""
@@ -360,7 +374,7 @@ class Daemon:
         served = server.stats() if server is not None else dict.fromkeys(PEER_SERVED, 0)
         return {**self.peers.stats(), "store_chunks": self.source.chunks, "store_bytes": self.source.bytes,
                 "store_wire_bytes": self.source.wire_bytes,
-                **served, "peer_listen": server.listen if server is not None else ""}
+                **served, "peer_listen": server.listen if server is not None else "", "own_chunks": len(self.own)}
 
     def unmount(self, request: dict) -> dict:
         mount_id = self._mount_id(request)

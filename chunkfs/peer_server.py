@@ -1,11 +1,15 @@
-"""The node's chunk cache, served to peer nodes: ``GET /chunks/<sha256>`` (issue 24, peer fetch).
+"""The node's chunk cache and its own files' chunks, served to peer nodes:
+``GET /chunks/<sha256>`` (issue 24, peer fetch).
 
 Why a server at all: a chunk one node holds is one round trip on the cluster's network away
-from another that needs it (``chunkfs.peer_source`` asks before the store).
+from another that needs it (``chunkfs.peer_source`` asks before the store). It holds chunks
+in two places: its chunk cache, and its own files (``chunkfs.own_files``: the snapshots it
+took, its image builds, its downloads), each piece read at its offset and checked against its
+digest before a byte is sent.
 
-What it never does: fetch. A chunk absent from this node's cache is a 404, so a peer cannot
-make this node spend the store's bandwidth (or its cache's room) on its behalf, and a
-request never changes the cache's hot/cold order or hit counts (``ChunkCache.peek``).
+What it never does: fetch. A chunk in neither is a 404, so a peer cannot make this node spend
+the store's bandwidth (or its cache's room) on its behalf, and a request never changes the
+cache's hot/cold order or hit counts (``ChunkCache.peek``).
 
 Guarded: every request needs ``Authorization: Bearer <token>`` (compared in constant time;
 401 otherwise, before the path is looked at); the path must be ``/chunks/`` and 64 lower-case
@@ -31,9 +35,10 @@ PATH = "/chunks/"
 MAX_CONNECTIONS = 16
 REQUEST_TIMEOUT = 5.0
 MIN_TOKEN = 32
-# what stats() counts: chunks and bytes served, 404s, 401s, 400s, 503s (too many at once)
-COUNTS = ("served_chunks", "served_bytes", "served_not_found", "served_refused", "served_bad_requests",
-          "served_busy")
+# what stats() counts: chunks and bytes served (of them from the node's own files), 404s, 401s,
+# 400s, 503s (too many at once)
+COUNTS = ("served_chunks", "served_bytes", "served_file_chunks", "served_file_bytes", "served_not_found",
+          "served_refused", "served_bad_requests", "served_busy")
 BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n"
         b"Retry-After: 1\r\nConnection: close\r\n\r\nbusy\n")
 
@@ -65,9 +70,14 @@ class _Handler(BaseHTTPRequestHandler):
             owner.count("served_bad_requests")
             return self._answer(400, b"not a chunk digest (64 lower-case hex digits)\n")
         data = owner.cache.peek(sha)
+        if data is None and owner.own is not None:
+            data = owner.own.read(sha)  # verified: a file that changed since it was indexed gives nothing
+            if data is not None:
+                owner.count("served_file_chunks")
+                owner.count("served_file_bytes", len(data))
         if data is None:
             owner.count("served_not_found")
-            return self._answer(404, b"not in this node's chunk cache\n")
+            return self._answer(404, b"neither in this node's chunk cache nor in its files\n")
         owner.count("served_chunks")
         owner.count("served_bytes", len(data))
         self._answer(200, data, content_type="application/octet-stream")
@@ -123,13 +133,15 @@ class _Server(ThreadingMixIn, HTTPServer):
 
 
 class PeerServer:
-    """Serves ``cache`` (a ``ChunkCache``) on ``address:port`` (0: any free port) in a thread."""
+    """Serves ``cache`` (a ``ChunkCache``) and ``own`` (an ``OwnFiles``, or None) on
+    ``address:port`` (0: any free port) in a thread."""
 
-    def __init__(self, cache, address: str, port: int, token: str, *, max_connections: int = MAX_CONNECTIONS,
+    def __init__(self, cache, address: str, port: int, token: str, *, own=None, max_connections: int = MAX_CONNECTIONS,
                  request_timeout: float = REQUEST_TIMEOUT):
         if len(token or "") < MIN_TOKEN:
             raise ValueError(f"the chunk peer token must be at least {MIN_TOKEN} characters")
         self.cache = cache
+        self.own = own
         self.token = token
         self.request_timeout = float(request_timeout)
         self.slots = threading.BoundedSemaphore(max(1, int(max_connections)))

@@ -4,7 +4,7 @@ Why: a sandbox paused on node A and resumed on node B, or a template built on A 
 created on B, reads chunks that A's cache already holds; on the cluster's network they come
 faster from A than from the store, and the store's bandwidth is shared by every node. The
 peer's side is ``chunkfs.peer_server`` (``GET /chunks/<sha>``, bearer-authenticated, served
-only from what its cache holds).
+only from what its cache and its own files hold).
 
 A peer is only a hint: its bytes are checked by digest here (a lying or damaged peer counts
 as not having the chunk, and the next peer or the store is asked), and the chunk cache checks

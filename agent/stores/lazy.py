@@ -68,7 +68,9 @@ CACHE_FIGURES = {"hits": "hits", "misses": "misses", "hit_ratio": "hitRatio", "s
                  "store_chunks": "storeChunks", "store_bytes": "storeBytes", "store_wire_bytes": "storeWireBytes",
                  "peer_chunks": "peerChunks",
                  "peer_bytes": "peerBytes", "peer_errors": "peerErrors", "peer_corrupt": "peerCorrupt",
-                 "served_chunks": "servedChunks", "served_bytes": "servedBytes", "served_refused": "servedRefused"}
+                 "served_chunks": "servedChunks", "served_bytes": "servedBytes", "served_refused": "servedRefused",
+                 "served_file_chunks": "servedFileChunks", "served_file_bytes": "servedFileBytes",
+                 "own_chunks": "ownChunks"}
 
 
 def cache_figures(stats: dict | None) -> dict | None:
@@ -103,6 +105,7 @@ class LazyRestores:
         self.daemon_env = {k: str(v) for k, v in daemon_env.items()}
         self.files_in_use = files_in_use
         self.peer_config: dict | None = None  # the daemon's "peers" op (agent.chunk_peers); None: left as is
+        self._own_sent: tuple[int, dict] | None = None  # (daemon pid, files) last handed over ("own" op)
         self.read_deadline = read_deadline
 
     # ------------------------------------------------------------------ the daemon
@@ -127,6 +130,22 @@ class LazyRestores:
         if client is None:
             return ""
         return str(client.request({"op": "peers", **self.peer_config})["listen"])
+
+    def offer_own(self, files: dict) -> bool:
+        """Hands the running daemon the chunks inside this node's own files (``{path: [[offset,
+        length, sha], ...]}``, chunkfs's ``own`` op), which it then serves to peers besides its
+        cache; only when they changed or the daemon is another one than last time (a restart
+        forgets them). True if sent; ChunkfsError if the daemon refuses (e.g. one from before
+        the op: its peers get its cache only)."""
+        client = self.running_client()
+        if client is None:
+            return False
+        pid = int(client.ping()["pid"])
+        if self._own_sent is not None and self._own_sent == (pid, files):
+            return False
+        ChunkfsClient(self.control, timeout=30.0).request({"op": "own", "files": files})  # can be megabytes
+        self._own_sent = (pid, files)
+        return True
 
     def _daemon(self) -> ChunkfsClient:
         return ensure_daemon(self.control, mountpoint=self.mountpoint, cache_dir=self.cache_dir,

@@ -105,10 +105,11 @@ class S3Store(S3Objects, SnapshotStore):
         self.images_dir = Path(images_dir).absolute()
         self.chunk_size = int(chunk_size)
         self.ram_chunk_size = int(ram_chunk_size or min(RAM_CHUNK_SIZE, self.chunk_size))
-        # what a download need not fetch: chunks of this node's image builds, template
-        # snapshots and earlier downloads
+        # what a download need not fetch (and what peer fetch may give other nodes): chunks of
+        # this node's image builds, template snapshots, earlier downloads and its committed captures
         self.on_disk = LocalChunks([self.images_dir, self.cache.root], home / "cache" / "chunk-index",
-                                   self.chunk_size, self.ram_chunk_size)
+                                   self.chunk_size, self.ram_chunk_size,
+                                   indexed_roots=lambda: [self.local.root / i for i in self.local.local_ids()])
         self.lazy = LazyRestores(home, limit_mb=chunk_cache_mb, files_in_use=lambda: self.driver.files_in_use(),
                                  read_deadline=chunk_read_deadline,
                                  daemon_env={"AENV_S3_BUCKET": bucket, "AENV_S3_ENDPOINT": endpoint,
@@ -178,6 +179,7 @@ class S3Store(S3Objects, SnapshotStore):
             if not FILE_NAME.match(name):
                 raise SnapshotStoreError(f"unexpected file name {name!r} in snapshot {snapshot_id}")
         sizes = {name: chunk_size_for(name, self.chunk_size, self.ram_chunk_size) for name in names}
+        before = {name: (src / name).stat() for name in names}  # the index below holds while these do
         jobs = [(name, chunk) for name in names for chunk in chunk_spans(src / name, sizes[name])]
         stats = {"chunks": 0, "uploaded": 0, "uploaded_bytes": 0, "sent_bytes": 0}
         claim = threading.Lock()
@@ -235,6 +237,8 @@ class S3Store(S3Objects, SnapshotStore):
 
             stats["reuploaded"] = sum(pool.map(recheck, list(where)))
         stats["unique_chunks"] = len(where)
+        for name, info in files.items():  # the node's own-file index need never read them again
+            self.on_disk.remember(src / name, info["chunks"], before[name])
         log.info("snapshot %s committed to %s: %s", snapshot_id, self._where(), stats)
         return stats
 
@@ -409,6 +413,12 @@ class S3Store(S3Objects, SnapshotStore):
         thread.start()
         return thread
 
+    def own_files(self) -> dict[str, list[list]]:
+        """``{path: [[offset, length, sha], ...]}`` of this node's own files (committed captures,
+        image builds, downloads), freshly indexed: what peer fetch may give other nodes from
+        them (``agent.chunk_peers``, the daemon's ``own`` op)."""
+        return self.on_disk.files()
+
     def chunk_cache_figures(self) -> dict | None:
         """The node's chunk cache figures (``lazy.cache_figures``) while its chunkfs daemon runs."""
         return cache_figures(self.lazy.cache_stats()) if self.lazy is not None else None
@@ -529,6 +539,7 @@ class S3Store(S3Objects, SnapshotStore):
     def drop_local(self, snapshot_id: str) -> None:
         """The bucket has it (``commit``): this node's capture and cached copy can go."""
         snapshot_id = _checked(snapshot_id)
+        self.on_disk.forget(self.local._dir(snapshot_id))
         self.local.delete(snapshot_id)
         self.cache.remove(snapshot_id)
         if self.lazy is not None:
@@ -538,6 +549,7 @@ class S3Store(S3Objects, SnapshotStore):
         """Removes the manifest, this node's copies and the chunks no other snapshot
         uses. Other nodes' cached copies go by LRU eviction."""
         snapshot_id = _checked(snapshot_id)
+        self.on_disk.forget(self.local._dir(snapshot_id))
         removed = self.local.delete(snapshot_id)
         removed = self.cache.remove(snapshot_id) or removed
         if self.lazy is not None:

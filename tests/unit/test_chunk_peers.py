@@ -389,3 +389,45 @@ def test_a_burst_of_requests_is_answered_never_left_to_time_out(pair):
         t.join()
     assert peers.stats()["peer_errors"] == 0, [r for r in results if r is not True][:3]
     assert results.count(True) + server.stats()["served_busy"] == 64
+
+
+def test_a_node_serves_chunks_of_its_own_files_verified_and_only_those_it_was_given(tmp_path):
+    """Chunks inside the node's own files (a snapshot it took: chunkfs.own_files) reach a peer
+    as its cached ones do; a piece whose file changed since it was indexed is a 404, never its
+    bytes; a path the node was not given is never read."""
+    from chunkfs.own_files import OwnFiles  # noqa: PLC0415
+
+    first, second = os.urandom(SIZE), os.urandom(SIZE)
+    capture = tmp_path / "memory.ram"
+    capture.write_bytes(first + second)
+    own = OwnFiles()
+    assert own.set({str(capture): [[0, SIZE, sha(first)], [SIZE, SIZE, sha(second)]]}) == 2
+    with ChunkCache(tmp_path / "a", 8 << 20, state_interval=0) as a, \
+            ChunkCache(tmp_path / "b", 8 << 20, state_interval=0) as b:
+        server = PeerServer(a, "127.0.0.1", 0, TOKEN, own=own)
+        try:
+            peers = PeerChunkSource()
+            peers.configure([f"127.0.0.1:{server.port}"], TOKEN)
+            store = Store()  # lost them: only node A's files have them
+            assert b.get(sha(first), SIZE, FallbackSource([peers, store]).fetch) == first
+            assert store.calls == 0 and not a.contains(sha(first))  # served from the file, not cached there
+            stats = server.stats()
+            assert (stats["served_chunks"], stats["served_file_chunks"], stats["served_file_bytes"]) == (1, 1, SIZE)
+            with open(capture, "r+b") as f:  # the file changed under the index
+                f.seek(SIZE + 7)
+                f.write(b"\xff")
+            assert _get(server.port, f"/chunks/{sha(second)}") == (404, b"neither in this node's chunk cache "
+                                                                         b"nor in its files\n")
+            assert _get(server.port, f"/chunks/{sha(first)}", token=None)[0] == 401  # the token first, as ever
+            capture.unlink()
+            assert _get(server.port, f"/chunks/{sha(first)}")[0] == 404
+            assert server.stats()["served_file_chunks"] == 1
+        finally:
+            server.close()
+    for bad in ({"relative/memory.ram": []}, {"/x": [[0, SIZE, "../../etc"]]}, {"/x": [[-1, SIZE, sha(first)]]},
+                {"/x": [[0, 0, sha(first)]]}, {"/x": [[True, SIZE, sha(first)]]}, {"/x": [[0, SIZE]]},
+                {"/x": "chunks"}, ["/x"], {"/x\0y": []}):
+        with pytest.raises(ValueError):
+            own.set(bad)
+    assert len(own) == 2  # a refused map leaves the last one
+    assert own.set({}) == 0 and own.read(sha(first)) is None

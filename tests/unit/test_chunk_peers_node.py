@@ -206,3 +206,52 @@ def test_another_deployments_node_gets_nothing_from_the_peers(s3, short_tmp):
     f2, f3 = n2.chunk_cache_figures(), n3.chunk_cache_figures()
     assert f3["peerChunks"] == 0 and f3["storeChunks"] > 0 and f3["peerErrors"] == 1
     assert f2["servedChunks"] == 0 and f2["servedRefused"] == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.xdist_group("chunkfs")
+def test_a_snapshot_taken_on_one_node_restores_on_another_from_its_files_without_the_store(s3, short_tmp):
+    """Node 1 took and committed a snapshot (e.g. a pause image): it has it as files, nothing of
+    it in its chunk cache. The store then loses every chunk of it. Node 1's peer-fetch round
+    hands its daemon its own files' chunks (the commit indexed the capture), and node 2's lazy
+    restore reads every byte of it from node 1's files; a file changed since is not served."""
+    from tests.unit.test_snapshot_store_s3 import _capture, _images  # noqa: PLC0415
+
+    ram = _ram(31)
+    images = _images(short_tmp)
+    src = _capture(short_tmp / "n1", images, "pf-own", ram)
+    n1 = _store(s3, short_tmp / "n1", images)
+    n1.commit("pf-own")
+    own = n1.own_files()
+    assert {str(src / n) for n in ("memory.ram", "device.state", "layer-0.qcow2", "layer-1.qcow2")} <= set(own)
+    client, prefix = s3
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/pf-own/manifest.json")["Body"].read())
+    lost = {sha for f in doc["files"].values() for _, _, sha in f["chunks"]}
+    for sha in lost:
+        client.delete_object(Bucket=BUCKET, Key=f"{prefix}/chunks/{sha}")
+    rounds = ChunkPeers("n1", n1.lazy, "127.0.0.1", 0, TOKEN, own_files=n1.own_files)
+    rounds.round()
+    assert rounds.port and n1.lazy.cache_stats()["own_chunks"] >= len(lost)
+    assert n1.lazy.offer_own(n1.own_files()) is False  # unchanged: not sent again
+    n2 = _store(s3, short_tmp / "n2", images)
+    n2.lazy.set_peers("127.0.0.1:0", TOKEN, [f"127.0.0.1:{rounds.port}"])
+    path = n2.local_dir("pf-own")
+    assert (path / "memory.ram").read_bytes() == ram
+    assert (path / "device.state").read_bytes() == (src / "device.state").read_bytes()
+    for name in ("layer-0.qcow2", "layer-1.qcow2"):  # every chunk of the disk layers reads (headers re-pointed)
+        assert len((path / name).read_bytes()) == (src / name).stat().st_size
+    f1, f2 = n1.chunk_cache_figures(), n2.chunk_cache_figures()
+    own2 = n2.on_disk.locate([c for f in doc["files"].values() for c in f["chunks"]])  # e.g. qcow2 headers
+    assert f2["storeChunks"] == 0 and f2["peerChunks"] == len(lost - set(own2)) > 0 and f2["peerCorrupt"] == 0
+    assert f1["servedFileChunks"] == f1["servedChunks"] == f2["peerChunks"] and f1["entries"] == 0
+    # a capture file changed after its commit indexed it: no longer offered (and were it still,
+    # the daemon's digest check would answer 404: test_chunk_peers), so nobody gets its bytes
+    n3 = _store(s3, short_tmp / "n3", images)
+    n3.lazy.set_peers("127.0.0.1:0", TOKEN, [f"127.0.0.1:{rounds.port}"])
+    with open(src / "memory.ram", "r+b") as f:
+        f.write(b"\0" * 16)
+    rounds.round()  # the index no longer vouches for the file: not offered at all
+    assert str(src / "memory.ram") not in n1.own_files()
+    with pytest.raises(OSError):
+        (n3.local_dir("pf-own") / "memory.ram").read_bytes()  # EIO: neither node 1 nor the store has it
+    assert n3.chunk_cache_figures()["peerCorrupt"] == 0
