@@ -1,7 +1,9 @@
 """One template build on this node, start to finish (E2B's builder, spec §4): the base,
 the steps in one VM with a disk layer sealed per step and cached by its chain key, then
 finalize (the template's defaults, the start command, the ready check) and the template
-snapshot a create restores.
+snapshot a create restores. With lazy restores (the S3 store), that snapshot is then restored
+once here to record what a restore reads first: its prefetch list, stored with it
+(``S3Store.record_prefetch``), which the first create on any other node fetches ahead.
 
 The steps run in a real VM of the build's shape, booted on the longest cached prefix of
 the chain (a rebuild of unchanged steps boots once and runs nothing but finalize). Every
@@ -11,6 +13,7 @@ Whatever happens, the build VM is killed and nothing half-made is left for a cre
 the build's result exists only once ``template_builds.progress.finish`` accepted it."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -35,6 +38,12 @@ DEFAULT_READY = "sleep 20"  # E2B's ready command for a start command that names
 def vm_id_of(build_id: str) -> str:
     """Short: the VM's QMP socket path (<home>/sandboxes/<id>/qmp.sock) must fit a Unix socket."""
     return f"{BUILD_VM_PREFIX}{uuid.UUID(str(build_id)).hex[:16]}"
+
+
+def recording_vm_id(build_id: str) -> str:
+    """The VM that records the template snapshot's prefetch list (a build VM too: a node
+    restart kills it with them)."""
+    return f"{vm_id_of(build_id)}-p"
 
 
 @dataclass
@@ -314,7 +323,52 @@ class Build:
             guest.drop_caches()
         except (StepFailed, plan.StepError) as exc:
             raise Failure(str(exc), "finalize") from None
-        return self._snapshot(base, ctx, start_cmd, ready_cmd)
+        outcome = self._snapshot(base, ctx, start_cmd, ready_cmd)
+        self._record_prefetch(outcome)
+        return outcome
+
+    def _record_prefetch(self, outcome: Outcome) -> None:
+        """The snapshot's prefetch list, recorded by one restore here (where the store can:
+        ``record_prefetch``). Never fails the build: without a list, the first lazy restore
+        elsewhere records one, as before."""
+        record = getattr(self.node.store, "record_prefetch", None)
+        if record is None:
+            return
+        self.kill_vm()  # its snapshot is taken: the recording VM gets its room
+        t0 = time.monotonic()
+        try:
+            chunks = record(outcome.snapshot_id, self._recording_vm)
+        except Exception as exc:  # noqa: BLE001 - only later creates' speed depends on it
+            log.warning("build %s: recording the prefetch list of snapshot %s failed", self.req.build_id,
+                        outcome.snapshot_id, exc_info=True)
+            self.log.info(f"[finalize] no prefetch list recorded: {exc}", step="finalize")
+            return
+        if chunks is None:
+            return
+        self.timings["prefetch_s"] = round(time.monotonic() - t0, 2)
+        outcome.details["prefetch_chunks"] = chunks
+        self.log.info(f"[finalize] prefetch list: {chunks} chunks a restore reads first, recorded in "
+                      f"{self.timings['prefetch_s']:.1f}s", step="finalize")
+
+    @contextlib.contextmanager
+    def _recording_vm(self, snapshot_dir: Path):
+        """A VM restored from ``snapshot_dir`` as a create's, its envd answering and /init done
+        (what a create waits for), until the block ends; then killed. Its RAM is mapped, not
+        copied: what is recorded is what the guest touches, not a whole copy."""
+        from vmm.driver import BootSpec, SnapshotManifest
+
+        from agent.guest import init_envd
+
+        vm_id = recording_vm_id(self.req.build_id)
+        try:
+            info = self.node.driver.restore(SnapshotManifest.load(snapshot_dir), BootSpec(sandbox_id=vm_id))
+            init_envd(info.envd_host, info.envd_port, {}, None)
+            yield info
+        finally:
+            try:
+                self.node.driver.kill(vm_id)
+            except Exception:  # noqa: BLE001
+                log.exception("build %s: killing its recording VM failed", self.req.build_id)
 
     def _start_and_wait(self, guest: BuildGuest, ctx: plan.Context, start_cmd: str, ready_cmd: str) -> None:
         started = None

@@ -45,12 +45,15 @@ This module is the upload and download logic; the bucket's object names and the
 release half of the scheme are ``s3_objects``, the manifest's path rewriting ``s3_paths``."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from chunkfs.compression import ZSTD, BadEncoding, decode
@@ -326,13 +329,16 @@ class S3Store(S3Objects, SnapshotStore):
             raise SnapshotStoreError(f"lazy restore of snapshot {snapshot_id} from {self._where()} failed: "
                                      f"{exc}") from exc
 
-    def _mount_lazily(self, snapshot_id: str) -> Path:
+    def _mount_lazily(self, snapshot_id: str, *, to_record: bool = False) -> Path:
+        """``to_record``: for ``record_prefetch``: the image files mounted too (as a node that
+        lacks them mounts them, so their reads are recorded under the names it uses), recording
+        on, no prefetch, and no list stored after a restore (``restored``)."""
         doc = self._snapshot_doc(snapshot_id)
         final = self.lazy.path(snapshot_id)
         manifest = localize(doc["manifest"], final, self.images_dir)
         manifest["dir"] = str(final)
         files = _files_of(doc)
-        shipped = self._ship_image_files(doc, final, manifest, files)
+        shipped = self._ship_image_files(doc, final, manifest, files, every=to_record)
         if not shipped:  # else the files it lacks come with it: checked by adopt
             self._check_base(snapshot_id, manifest)
         for name, (size, chunks, _) in files.items():
@@ -343,7 +349,7 @@ class S3Store(S3Objects, SnapshotStore):
                     raise SnapshotStoreError(f"bad chunk entry for {name} in {snapshot_id}")
         self.on_disk.refresh()  # files came and went since the last restore
         local = self.on_disk.locate([c for _, chunks, _ in files.values() for c in chunks])
-        known = self._get_json(self.prefetch_key(snapshot_id))
+        known = None if to_record else self._get_json(self.prefetch_key(snapshot_id))
         order = known.get("order") if isinstance(known, dict) and isinstance(known.get("order"), list) else None
 
         def adopt(staging: Path) -> None:
@@ -358,9 +364,38 @@ class S3Store(S3Objects, SnapshotStore):
                                  files={n: {"size": size, "chunks": chunks, "chunk_size": cs}
                                         for n, (size, chunks, cs) in files.items()},
                                  manifest=manifest, adopt=adopt, local=local, prefetch=order, record=order is None)
-        if order is None:
+        if order is None and not to_record:
             self._recording.add(snapshot_id)
         return path
+
+    def record_prefetch(self, snapshot_id: str,
+                        restore: Callable[[Path], contextlib.AbstractContextManager]) -> int | None:
+        """A template build's prefetch list, recorded where it was built (``agent.builder``):
+        the snapshot, just committed, is mounted lazily here with recording on — its files and
+        its image files, every chunk read from this node's own files (nothing fetched) — and
+        ``restore(dir)`` runs a VM restored from that dir until its envd answered; what the guest
+        read first until ``prefetch_settle`` seconds later becomes ``prefetch.json``, so the
+        very first create of the template on any other node prefetches. The mount goes after.
+        Returns the chunks recorded; None when this node has no lazy restores (or a list
+        exists); raises what the mount or ``restore`` raise (the caller logs it)."""
+        if self.lazy is None:
+            return None
+        snapshot_id = _checked(snapshot_id)
+        if self._exists(self.prefetch_key(snapshot_id)):
+            return None
+        try:
+            with self.lazy.lock(snapshot_id):
+                self._mount_lazily(snapshot_id, to_record=True)
+            with restore(self.lazy.path(snapshot_id)):
+                time.sleep(self.prefetch_settle)
+                order = (self.lazy.mount_stats(snapshot_id) or {}).get("recorded") or []
+        finally:
+            self.lazy.remove(snapshot_id, force=True)  # the node's own files serve its own restores
+        if not order or not self._store_prefetch(snapshot_id, order):
+            return None
+        log.info("snapshot %s: the %d chunks a restore read first, recorded at its build, are its prefetch list",
+                 snapshot_id, len(order))
+        return len(order)
 
     def restored(self, snapshot_id: str) -> threading.Timer | None:
         """A VM restored from a lazily mounted snapshot answers: the first such restore's
@@ -380,16 +415,22 @@ class S3Store(S3Objects, SnapshotStore):
             order = stats.get("recorded") or []
             if not order or self._exists(self.prefetch_key(snapshot_id)):
                 return False
-            if not self._exists(self.manifest_key(snapshot_id)):  # deleted meanwhile
+            if not self._store_prefetch(snapshot_id, order):
                 return False
-            self._put_json(self.prefetch_key(snapshot_id), {"format": PREFETCH_FORMAT, "snapshot_id": snapshot_id,
-                                                            "order": order})
             log.info("snapshot %s: the %d chunks its first lazy restore read first are its prefetch list",
                      snapshot_id, len(order))
             return True
         except Exception:  # noqa: BLE001 - only later restores' speed depends on it
             log.exception("snapshot %s: storing its prefetch list failed", snapshot_id)
             return False
+
+    def _store_prefetch(self, snapshot_id: str, order: list) -> bool:
+        """``prefetch.json``, unless the snapshot was deleted meanwhile."""
+        if not self._exists(self.manifest_key(snapshot_id)):
+            return False
+        self._put_json(self.prefetch_key(snapshot_id), {"format": PREFETCH_FORMAT, "snapshot_id": snapshot_id,
+                                                        "order": order})
+        return True
 
     def warm_up(self) -> threading.Thread | None:
         """At node start, in the background: the chunkfs daemon started and this node's own
@@ -458,17 +499,19 @@ class S3Store(S3Objects, SnapshotStore):
         log.info("snapshot %s downloaded from %s into %s", snapshot_id, self._where(), path)
         return path
 
-    def _ship_image_files(self, doc: dict, final: Path, manifest: dict, files: dict) -> list[str]:
+    def _ship_image_files(self, doc: dict, final: Path, manifest: dict, files: dict,
+                          every: bool = False) -> list[str]:
         """Each file the snapshot needs from the images dir is used from this node's own
         only when its content is the same (by digest: two nodes' builds of one recipe may
         differ, and a disk layer over another base, or a running guest over another tools
         drive, would read garbage); otherwise it comes with the snapshot, from the store,
         into the snapshot's own dir, and ``manifest`` names that copy. Adds the files to
-        fetch to ``files``; returns their names."""
+        fetch to ``files``; returns their names. ``every``: all of them, whatever this node has
+        (``record_prefetch``)."""
         shipped = []
         for role, info in sorted((doc.get("image_files") or {}).items()):
             local = localize(info["path"], final, self.images_dir)
-            if Path(local).is_file() and self.on_disk.file_digest(Path(local))[0] == info["digest"]:
+            if not every and Path(local).is_file() and self.on_disk.file_digest(Path(local))[0] == info["digest"]:
                 continue
             image = self._get_json(self.image_key(info["digest"]))
             if image is None:

@@ -284,3 +284,58 @@ def test_compressed_chunks_read_lazily_and_a_daemon_from_before_them_downloads(s
         path = old.local_dir("lz-z")
     assert path == short_tmp / "n3" / "cache" / "snapshots" / "lz-z"
     assert (path / "memory.ram").read_bytes() == ram
+
+
+def test_a_build_records_the_prefetch_list_and_a_first_create_elsewhere_replays_it(s3, short_tmp):
+    """Where a template is built (agent.builder), its committed snapshot is mounted lazily with
+    recording on — its image files too, every chunk from the node's own files, none from the
+    store — while a VM restored from it starts: what it read becomes prefetch.json before any
+    other node restores it, and the very first lazy mount elsewhere prefetches it."""
+    import contextlib
+
+    ram = _ram(37)
+    images = _images(short_tmp)
+    _capture(short_tmp / "n1", images, "lz-b1", ram)
+    builder = _store(s3, short_tmp / "n1", images)
+    builder.prefetch_settle = 0.0
+    builder.commit("lz-b1")
+    seen = {}
+
+    @contextlib.contextmanager
+    def restore(path: Path):  # a VM restored from the dir, until its envd answered
+        manifest = json.loads((path / "manifest.json").read_text())
+        seen.update(dir=path, base=manifest["layers"][0])
+        with open(manifest["memory_file"], "rb") as f:
+            for index in (9, 3):
+                f.seek(index * CHUNK)
+                f.read(100)
+        with open(manifest["layers"][0], "rb") as f:  # the image's base disk: mounted too
+            f.read(4096)
+        yield
+        seen["after"] = True
+
+    assert builder.record_prefetch("lz-b1", restore) > 0
+    assert seen["after"] and seen["base"] == str(seen["dir"] / "image-base.qcow2")
+    client, prefix = s3
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/lz-b1/prefetch.json")["Body"].read())
+    order = doc["order"]
+    ram_order = [i for name, i in order if name == "memory.ram"]
+    assert ram_order[0] == 9 and 3 in ram_order and ["image-base.qcow2", 0] in order, order
+    fetched = builder.lazy.cache_stats()
+    assert fetched["store_chunks"] == 0, "the builder read its own files, not the store"
+    assert builder.lazy.lookup("lz-b1") is None and builder.lazy.mount_stats("lz-b1") is None  # gone after
+    assert builder.local_dir("lz-b1") == short_tmp / "n1" / "snapshots" / "lz-b1"
+    assert builder.record_prefetch("lz-b1", restore) is None  # once: a list exists
+
+    # the first create on another node (whose images dir lacks the image: it ships it too)
+    (short_tmp / "n2-images").mkdir()
+    other = _store(s3, short_tmp / "n2", short_tmp / "n2-images")
+    other.local_dir("lz-b1")
+    assert other.restored("lz-b1") is None  # it replays a list; it records none
+    deadline = time.monotonic() + 20
+    while not (stats := other.lazy.mount_stats("lz-b1"))["prefetch"]["finished"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    assert stats["prefetch"]["queued"] == stats["prefetch"]["done"] == len(order)
+    # a node without lazy restores records nothing
+    assert _store(s3, short_tmp / "n3", images, lazy=False).record_prefetch("lz-b1", restore) is None
