@@ -267,6 +267,16 @@ AENV_KUBERNETES_TIMEOUT = _env_int("AENV_KUBERNETES_TIMEOUT", 10)
 # kept in AENV_NODE_DATABASE_URL_FILE and used for DATABASES (config.node_database).
 AENV_NODE_DATABASE_ROLES = _env_bool("AENV_NODE_DATABASE_ROLES", False)
 AENV_NODE_DATABASE_URL_FILE = Path(_env("AENV_NODE_DATABASE_URL_FILE", str(AENV_HOME / "node_database_url")))
+# Team secrets (team_secrets): values sealed with AES-256-GCM under AENV_SECRETS_KEY (32 bytes,
+# hex or base64) or else the key in AENV_SECRETS_KEY_FILE (made owner-only on first use); only
+# the API processes need it, never a node. A node's egress proxy asks the API for a value
+# (POST /nodes/secrets/resolve, at AENV_CONTROL_PLANE_URL or else AENV_API_PUBLIC_URL) and
+# keeps it in memory for AENV_EGRESS_SECRET_CACHE_TTL s. The node's CA for TLS interception
+# (vmm.egress_ca) lives in AENV_EGRESS_CA_DIR, its key owner-only and never sent anywhere.
+AENV_SECRETS_KEY = os.environ.get("AENV_SECRETS_KEY", "").strip()
+AENV_SECRETS_KEY_FILE = Path(_env("AENV_SECRETS_KEY_FILE", str(AENV_HOME / "secrets_key")))
+AENV_EGRESS_SECRET_CACHE_TTL = _env_int("AENV_EGRESS_SECRET_CACHE_TTL", 60)
+AENV_EGRESS_CA_DIR = Path(_env("AENV_EGRESS_CA_DIR", str(AENV_HOME / "egress-ca")))
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 # Template builds (template_builds): the shape a build may ask for (E2B's checks: CPUs 1 or
@@ -329,6 +339,7 @@ INSTALLED_APPS = [
     "nodes",
     "snapshots",
     "sandboxes",
+    "team_secrets",
     "template_builds",
     "lifecycle",  # no models: its management commands (the sweeper, system templates)
     "api",

@@ -19,6 +19,7 @@ urlpatterns = [
     # E2B's sandbox metrics; before api.sandboxes.urls, whose sandboxes/<id> would take "metrics".
     path("sandboxes/metrics", metrics_api.SandboxesMetricsView.as_view(), name="sandboxes-metrics"),
     path("sandboxes/<str:sandbox_id>/metrics", metrics_api.SandboxMetricsView.as_view(), name="sandbox-metrics"),
+    path("", include("api.secrets.urls")),  # /secrets…, and the nodes' /nodes/secrets/resolve
     path("", include("api.nodes.urls")),
     path("", include("api.sandboxes.urls")),
     path("", include("api.snapshots.urls")),

@@ -159,6 +159,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("nodes",),  # Node, placement, the Celery gateway to node workers
     ("template_builds",),
     ("snapshots",),
+    ("team_secrets",),  # a team's sealed secrets and who may resolve them (above Team, Sandbox)
     ("sandboxes",),  # Team, ApiKey, Template, Sandbox; the sandbox states and their writer
     ("code_interpreter", "aenv_cli"),
     ("vmm", "chunkfs"),  # chunkfs: lazily filled files over the node's chunk cache (no Django)
