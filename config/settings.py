@@ -116,6 +116,33 @@ AENV_SANDBOX_METRICS_RETENTION = _env_int("AENV_SANDBOX_METRICS_RETENTION", 6 * 
 AENV_SANDBOX_LOGS_INTERVAL = float(_env("AENV_SANDBOX_LOGS_INTERVAL", "2"))
 AENV_SANDBOX_LOGS_RETENTION = _env_int("AENV_SANDBOX_LOGS_RETENTION", 7 * 24 * 3600)
 AENV_SANDBOX_LOG_MAX_LINES = _env_int("AENV_SANDBOX_LOG_MAX_LINES", 10000)
+# Lifecycle events (E2B's GET /events/sandboxes) and webhooks (/events/webhooks), package
+# events: events are served and kept this many days (the lifecycle sweeper deletes older ones,
+# with their webhook deliveries); 0 keeps them forever.
+AENV_EVENT_RETENTION_DAYS = _env_int("AENV_EVENT_RETENTION_DAYS", 7)
+# Webhook deliveries run on the control plane's Celery queue (manage.py run_events_worker),
+# never on a node's: one POST per attempt, this many attempts at most, the n-th retry
+# AENV_WEBHOOK_BACKOFF * 2^(n-1) s after the previous failure (at most AENV_WEBHOOK_BACKOFF_MAX),
+# each attempt cut off after AENV_WEBHOOK_TIMEOUT s, at most AENV_WEBHOOK_MAX_RESPONSE_BYTES of
+# the receiver's answer read.
+AENV_WEBHOOK_QUEUE = _env("AENV_WEBHOOK_QUEUE", "control.events")
+AENV_WEBHOOK_MAX_ATTEMPTS = _env_int("AENV_WEBHOOK_MAX_ATTEMPTS", 6)
+AENV_WEBHOOK_BACKOFF = float(_env("AENV_WEBHOOK_BACKOFF", "2"))
+AENV_WEBHOOK_BACKOFF_MAX = float(_env("AENV_WEBHOOK_BACKOFF_MAX", "600"))
+AENV_WEBHOOK_TIMEOUT = float(_env("AENV_WEBHOOK_TIMEOUT", "10"))
+AENV_WEBHOOK_MAX_RESPONSE_BYTES = _env_int("AENV_WEBHOOK_MAX_RESPONSE_BYTES", 65536)
+AENV_WEBHOOK_CONCURRENCY = _env_int("AENV_WEBHOOK_CONCURRENCY", 8)
+AENV_WEBHOOKS_PER_TEAM = _env_int("AENV_WEBHOOKS_PER_TEAM", 20)
+# A webhook URL may name a loopback or private (RFC 1918, ULA, CGNAT) address only when this is
+# on (an operator's choice, e.g. receivers inside the same network; the tests' 127.0.0.1
+# receiver). Link-local, metadata, multicast and unspecified addresses are refused always.
+AENV_WEBHOOK_ALLOW_PRIVATE = _env_bool("AENV_WEBHOOK_ALLOW_PRIVATE", False)
+for _name in ("AENV_WEBHOOK_MAX_ATTEMPTS", "AENV_WEBHOOK_MAX_RESPONSE_BYTES", "AENV_WEBHOOK_CONCURRENCY"):
+    if globals()[_name] < 1:
+        raise ImproperlyConfigured(f"{_name} must be at least 1")
+if AENV_WEBHOOK_TIMEOUT <= 0 or AENV_WEBHOOK_BACKOFF < 0 or AENV_EVENT_RETENTION_DAYS < 0:
+    raise ImproperlyConfigured("AENV_WEBHOOK_TIMEOUT must be > 0, AENV_WEBHOOK_BACKOFF and "
+                               "AENV_EVENT_RETENTION_DAYS >= 0")
 # A guest may write its serial console without end: each round the node keeps only the
 # newest this many KiB of its console file on disk (the rest becomes a hole; vmm.qemu.console).
 AENV_CONSOLE_LOG_MAX_KB = _env_int("AENV_CONSOLE_LOG_MAX_KB", 1024)
@@ -359,6 +386,7 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "events",  # lifecycle events as E2B serves them, webhooks and their deliveries
     # Browser security headers on every answer of this port (config.security_headers).
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "config.security_headers.ContentSecurityPolicyMiddleware",

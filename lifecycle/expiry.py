@@ -12,7 +12,10 @@ Rules:
 - a sandbox paused for longer than AENV_PAUSED_RETENTION seconds is killed, which
   deletes its files on the node (0 keeps paused sandboxes forever);
 - a fork capture stored for children on other nodes is deleted once none of them is live
-  (``lifecycle.snapshots.captures``, every ``CAPTURE_SWEEP`` seconds).
+  (``lifecycle.snapshots.captures``, every ``CAPTURE_SWEEP`` seconds);
+- new lifecycle events are made and their due webhook attempts handed to the events worker
+  (``events.dispatch``), and events past AENV_EVENT_RETENTION_DAYS deleted (every
+  ``EVENTS_PURGE`` seconds).
 Every action is recorded by the service as SandboxEvents with actor ``lifecycle``."""
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from django.db.models import OuterRef, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from events import dispatch as events_dispatch
 from lifecycle import lost
 from lifecycle.sandboxes import kill, pause
 from lifecycle.snapshots import captures
@@ -116,6 +120,8 @@ class Sweeper:
     BACKOFF = 30.0
     # How often unused fork captures are looked for (a query; a release asks nodes).
     CAPTURE_SWEEP = 10.0
+    # How often expired lifecycle events are deleted (new ones are made every tick).
+    EVENTS_PURGE = 60.0
 
     def __init__(self, concurrency: int | None = None, limit: int = 100):
         self.concurrency = concurrency or settings.AENV_LIFECYCLE_CONCURRENCY
@@ -125,6 +131,8 @@ class Sweeper:
         self.outcomes: list[tuple[str, str, str]] = []
         self.releasing: asyncio.Task | None = None
         self.released_at: float | None = None
+        self.eventing: asyncio.Task | None = None
+        self.purged_at: float | None = None
 
     async def tick(self, now: datetime | None = None) -> list[Action]:
         """Declares the sandboxes of dead nodes lost (lifecycle.lost), then starts the
@@ -132,6 +140,7 @@ class Sweeper:
         for sandbox_id, was, now_state in await lost.mark_lost(now):
             log.warning("lifecycle: sandbox %s (%s) lost with its node → %s", sandbox_id, was, now_state)
         self._release_captures()
+        self._events()
         free = self.concurrency - len(self.running)
         if free <= 0:
             return []
@@ -165,6 +174,23 @@ class Sweeper:
                 log.exception("lifecycle: releasing fork captures failed")
         self.releasing = asyncio.create_task(release())
 
+    def _events(self) -> None:
+        """Starts a pass of the events work (``events.dispatch.run``) in the background,
+        one at a time, so slow webhook bookkeeping never delays an expiry."""
+        if self.eventing is not None and not self.eventing.done():
+            return
+        mono = asyncio.get_running_loop().time()
+        purge = self.purged_at is None or mono - self.purged_at >= self.EVENTS_PURGE
+        if purge:
+            self.purged_at = mono
+
+        async def run() -> None:
+            try:
+                await sync_to_async(events_dispatch.run)(purge=purge)
+            except Exception:  # noqa: BLE001 - a bug or a database blip must not stop the sweeper
+                log.exception("lifecycle: the events pass failed")
+        self.eventing = asyncio.create_task(run())
+
     async def _run(self, action: Action) -> None:
         try:
             outcome = await apply(action)
@@ -180,7 +206,7 @@ class Sweeper:
 
     async def drain(self, timeout: float | None = None) -> None:
         """Waits for the actions in flight (shutdown, tests)."""
-        waiting = list(self.running.values()) + ([self.releasing] if self.releasing is not None else [])
+        waiting = list(self.running.values()) + [t for t in (self.releasing, self.eventing) if t is not None]
         if waiting:
             await asyncio.wait(waiting, timeout=timeout)
 

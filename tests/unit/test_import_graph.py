@@ -156,6 +156,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dashboard", "dataplane", "agent"),  # edges: browser pages, sandbox traffic, the node process
     ("api",),  # the E2B REST edge: auth, errors -> HTTP, serializers, views
     ("lifecycle",),  # operations across the domain apps: create, pause, snapshot, fork, build
+    ("events",),  # lifecycle events as E2B serves them, webhooks and their deliveries
     ("nodes",),  # Node, placement, the Celery gateway to node workers
     ("template_builds",),
     ("snapshots",),
