@@ -22,6 +22,7 @@ urlpatterns = [
     path("", include("api.secrets.urls")),  # /secrets…, and the nodes' /nodes/secrets/resolve
     path("", include("api.nodes.urls")),
     path("", include("api.sandboxes.urls")),
+    path("", include("api.events.urls")),  # E2B's /events/sandboxes and /events/webhooks
     path("", include("api.snapshots.urls")),
     # Template builds, tags, uploads, and /templates/{id} (a template, or a snapshot by id or name).
     path("", include("api.templates.urls")),
