@@ -11,13 +11,16 @@ before any byte is read when the length is declared: 413 past it. A body that ca
 be read (a malformed length, a client that stops mid-body) is an error, never empty.
 """
 import json
+import re
 
 from django.conf import settings
 
 # Paths whose bodies are file uploads with a limit of their own (the setting named here)
 # and a declared length required (411 without: they are streamed to disk, never buffered
-# here): the COPY archives of template builds (api.templates.views.upload_view).
-FILE_UPLOADS = (("/template-files/", "AENV_TEMPLATE_FILE_MAX_BYTES"),)
+# here): the COPY archives of template builds (api.templates.views.upload_view) and the
+# files written through the volume content API (api.volumes.content).
+FILE_UPLOADS = ((re.compile(r"^/template-files/"), "AENV_TEMPLATE_FILE_MAX_BYTES"),
+                (re.compile(r"^/volumecontent/[^/]+/file$"), "AENV_VOLUME_MAX_FILE_BYTES"))
 
 
 def _error(status: int, message: str) -> tuple[int, list, bytes]:
@@ -46,8 +49,8 @@ class BoundedRequestBody:
     @staticmethod
     def upload_limit(path: str) -> int | None:
         """The limit of a file-upload path (``FILE_UPLOADS``), None for any other path."""
-        for prefix, setting in FILE_UPLOADS:
-            if path.startswith(prefix):
+        for pattern, setting in FILE_UPLOADS:
+            if pattern.match(path):
                 return getattr(settings, setting)
         return None
 

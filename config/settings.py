@@ -345,6 +345,23 @@ AENV_TEMPLATE_FILE_MAX_UNPACKED_BYTES = _env_int("AENV_TEMPLATE_FILE_MAX_UNPACKE
 AENV_TEMPLATE_UPLOAD_URL_TTL = _env_int("AENV_TEMPLATE_UPLOAD_URL_TTL", 1800)
 # Where upload URLs point; empty: the API address the client used for the link request.
 AENV_TEMPLATE_UPLOAD_BASE_URL = _env("AENV_TEMPLATE_UPLOAD_BASE_URL", "")
+# Team volumes (volumes, docs/volumes.md): their files live in AENV_VOLUMES_DIR/<team>/<volume>,
+# a directory the API hosts and every node reach at the same path (shared storage in a
+# cluster). New entries belong to AENV_VOLUME_UID:AENV_VOLUME_GID (the guests' `user`) when
+# the server runs as root. The content API writes files of at most AENV_VOLUME_MAX_FILE_BYTES
+# and lists at most AENV_VOLUME_MAX_LIST_ENTRIES entries; a sandbox mounts at most
+# AENV_VOLUME_MAX_MOUNTS volumes.
+AENV_VOLUMES_DIR = Path(_env("AENV_VOLUMES_DIR", str(AENV_HOME / "volumes"))).resolve()
+AENV_VOLUME_UID = _env_int("AENV_VOLUME_UID", 1000)
+AENV_VOLUME_GID = _env_int("AENV_VOLUME_GID", 1000)
+AENV_VOLUME_MAX_FILE_BYTES = _env_int("AENV_VOLUME_MAX_FILE_BYTES", 1 << 30)
+AENV_VOLUME_MAX_LIST_ENTRIES = _env_int("AENV_VOLUME_MAX_LIST_ENTRIES", 10000)
+AENV_VOLUME_MAX_MOUNTS = _env_int("AENV_VOLUME_MAX_MOUNTS", 8)
+# How guests mount volumes: "off" (the default until the nodes' transport ships: a create
+# with volumeMounts is refused with 400; volumes and their content API work regardless).
+AENV_VOLUME_TRANSPORT = _env("AENV_VOLUME_TRANSPORT", "off")
+if AENV_VOLUME_TRANSPORT not in ("off",):
+    raise ImproperlyConfigured(f"AENV_VOLUME_TRANSPORT={AENV_VOLUME_TRANSPORT!r}: expected off")
 
 DEBUG = _env_bool("DJANGO_DEBUG", False)
 # Generated on first start and kept in AENV_HOME/secret_key (0600); DJANGO_SECRET_KEY wins.
@@ -366,6 +383,7 @@ INSTALLED_APPS = [
     "nodes",
     "snapshots",
     "sandboxes",
+    "volumes",  # team volumes and who mounts them
     "team_secrets",
     "template_builds",
     "lifecycle",  # no models: its management commands (the sweeper, system templates)

@@ -24,6 +24,7 @@ urlpatterns = [
     path("", include("api.sandboxes.urls")),
     path("", include("api.events.urls")),  # E2B's /events/sandboxes and /events/webhooks
     path("", include("api.snapshots.urls")),
+    path("", include("api.volumes.urls")),  # /volumes and the volume content API (/volumecontent)
     # Template builds, tags, uploads, and /templates/{id} (a template, or a snapshot by id or name).
     path("", include("api.templates.urls")),
 ]

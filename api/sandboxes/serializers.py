@@ -4,8 +4,7 @@ Field names are E2B's (camelCase, plus the snake_case ``allow_internet_access``
 the SDK really sends). Input fields are strict about JSON types — DRF would
 happily turn ``"120"`` into 120 or ``1`` into True, but a client sending the wrong
 type has a bug we should report (400), not guess around. Unknown fields are
-ignored: newer SDKs add fields (``mcp``, ``iam``, ``volumeMounts``…) and must
-keep working."""
+ignored: newer SDKs add fields (``mcp``, ``iam``…) and must keep working."""
 from django.conf import settings
 from rest_framework import serializers
 from rest_framework.settings import api_settings
@@ -44,6 +43,8 @@ class NewSandboxV2Serializer(serializers.Serializer):
     autoResume = AutoResumeField(required=False, default=False)
     allow_internet_access = StrictBooleanField(required=False, allow_null=True, default=None)
     network = JsonObjectField(required=False, allow_null=True, default=None)
+    # E2B's [{name, path}]: checked against the team's volumes by lifecycle.volumes.mounts.
+    volumeMounts = serializers.JSONField(required=False, allow_null=True, default=None)
     # v2 dropped `secure` because every sandbox is secure; accept it if a client sends it.
     secure = StrictBooleanField(required=False, default=True)
 
@@ -216,6 +217,10 @@ class ListedSandboxSerializer(serializers.ModelSerializer):
 
     def to_representation(self, instance):
         data = super().to_representation(instance)
+        # E2B's volumeMounts ([{name, path}]), when the view read them (serializer context)
+        volume_mounts = self.context.get("volume_mounts")
+        if volume_mounts is not None:
+            data["volumeMounts"] = volume_mounts.get(instance.id, [])
         # E2B's envdUnresponsiveAtPause: only for a paused sandbox whose guest agent did not
         # answer at its pause (omitted otherwise, as E2B does)
         if instance.envd_unresponsive_at_pause and data.get("state") == "paused":

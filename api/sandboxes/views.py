@@ -5,6 +5,7 @@ domain errors become HTTP in ``api.errors``.
 The views are async (adrf) so a create that waits tens of seconds for a VM does
 not hold one of the server's few sync threads."""
 from adrf.views import APIView
+from asgiref.sync import sync_to_async
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
@@ -14,6 +15,7 @@ from rest_framework.response import Response
 from api.errors import NO_RETRY, ApiError
 from api.requests import actor_of, body_of, server_timing, team_of, valid
 from lifecycle.sandboxes import create, kill, network, pause, queries, ttl
+from lifecycle.volumes import mounts
 from api.sandboxes.serializers import (
     ConnectV2Serializer,
     ListedSandboxSerializer,
@@ -56,9 +58,15 @@ class _CreateMixin:
             raise ApiError(400, "Idempotency-Key must be 1 to 255 characters", headers=NO_RETRY)
         template_ref, timeout, options = body.to_create()
         result = await create.create_sandbox(team_of(request), template_ref, options, timeout=timeout,
-                                             idempotency_key=key or None, actor=actor_of(request))
+                                             idempotency_key=key or None, actor=actor_of(request),
+                                             volume_mounts=body.validated_data.get("volumeMounts"))
         return Response(SandboxSerializer(result.sandbox).data, status=status.HTTP_201_CREATED,
                         headers=server_timing(result))
+
+
+async def _mounts_of(sandboxes) -> dict:
+    """Serializer context: E2B's ``volumeMounts`` of each sandbox, read in one query."""
+    return {"volume_mounts": await sync_to_async(mounts.wire_of)([s.id for s in sandboxes])}
 
 
 IDEMPOTENCY = OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER, required=False)
@@ -73,7 +81,7 @@ class SandboxesView(_CreateMixin, APIView):
     async def get(self, request):
         metadata = queries.decode_metadata_filter(request.query_params.get("metadata"))
         sandboxes = await queries.list_running(team_of(request), metadata)
-        return Response(ListedSandboxSerializer(sandboxes, many=True).data)
+        return Response(ListedSandboxSerializer(sandboxes, many=True, context=await _mounts_of(sandboxes)).data)
 
     @extend_schema(operation_id="sandboxes_create_v1", request=NewSandboxSerializer,
                    responses={201: SandboxSerializer, **ERRORS})
@@ -100,7 +108,7 @@ class SandboxesV2View(_CreateMixin, APIView):
             limit=q["limit"],
             next_token=q.get("nextToken") or None,
         )
-        response = Response(ListedSandboxSerializer(page.items, many=True).data)
+        response = Response(ListedSandboxSerializer(page.items, many=True, context=await _mounts_of(page.items)).data)
         if page.next_token:
             response["X-Next-Token"] = page.next_token
         response["Access-Control-Expose-Headers"] = "X-Next-Token"
@@ -118,7 +126,7 @@ class SandboxView(APIView):
     @extend_schema(operation_id="sandbox_get", responses={200: SandboxDetailSerializer, **ERRORS})
     async def get(self, request, sandbox_id: str):
         sandbox = await queries.get_sandbox(team_of(request), sandbox_id)
-        return Response(SandboxDetailSerializer(sandbox).data)
+        return Response(SandboxDetailSerializer(sandbox, context=await _mounts_of([sandbox])).data)
 
     @extend_schema(operation_id="sandbox_kill", responses=NO_CONTENT)
     async def delete(self, request, sandbox_id: str):

@@ -26,21 +26,27 @@ from lifecycle.sandboxes import core, network
 from lifecycle.sandboxes.core import S, Result
 from sandboxes.errors import FULL_NODE, REFUSED_BY_NODE, Conflict, Failed, Invalid, LifecycleError, Timeout, Unavailable
 from lifecycle.sandboxes.options import SandboxOptions
+from lifecycle.volumes import mounts
 
 log = logging.getLogger(__name__)
 
 
 async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions | None = None, *,
                          timeout: int | None = None, idempotency_key: str | None = None,
-                         actor: str = "") -> Result:
+                         actor: str = "", volume_mounts: list | None = None) -> Result:
     """Creates and boots a sandbox; returns it running, or raises a LifecycleError
-    (failed creates are not worth retrying: ``retry`` is False)."""
+    (failed creates are not worth retrying: ``retry`` is False). ``volume_mounts``: E2B's
+    ``volumeMounts`` as sent (checked here: the team's volumes, clean paths)."""
     options = options or SandboxOptions()
     timeout = settings.AENV_DEFAULT_TIMEOUT if timeout is None else timeout
     network.spec_of(options)  # a policy the node could not be given is Invalid before anything exists
+    requested = await sync_to_async(mounts.check)(team, volume_mounts)
     # A snapshot of the team, or a template (its ready build's result, or its image): spec §5.5.
     source = await resolve.resolve_source(team, template_ref)
     template, snapshot = source.template, source.snapshot
+    volumes = requested if snapshot is None else mounts.merged(
+        await sync_to_async(mounts.of_snapshot)(snapshot.id), requested)
+    mounts.check_transport(volumes)
 
     now = timezone.now()
     fields = dict(
@@ -61,6 +67,8 @@ async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions 
     sandbox, replayed = await _insert(fields, actor, build)
     if replayed:
         return Result(await _replay(sandbox))
+    if volumes:
+        await _record_mounts(sandbox, volumes, actor)
     return await core.shielded(_boot(sandbox, source.image, timeout, actor, snapshot))
 
 
@@ -89,6 +97,17 @@ def _insert(fields: dict, actor: str, build=None) -> tuple[Sandbox, bool]:
         # key stays in that sandbox's create event) and create a new sandbox.
         Sandbox.objects.filter(pk=earlier.pk, idempotency_key=key).update(idempotency_key="")
     raise Conflict("Idempotency-Key is in use by a concurrent request")
+
+
+async def _record_mounts(sandbox: Sandbox, volumes: list, actor: str) -> None:
+    """The sandbox's volume rows (what makes its volumes "in use"); a volume deleted since
+    the check fails the create (a 409), never a sandbox without its mount."""
+    try:
+        await sync_to_async(mounts.record_sandbox)(sandbox.id, volumes)
+    except IntegrityError:
+        reason = "a volume it mounts was deleted while the sandbox was being created"
+        await _fail(sandbox, reason, time.monotonic(), timezone.now(), actor, node=None, kind="VolumeDeleted")
+        raise Conflict(reason, retry=False) from None
 
 
 async def _replay(sandbox: Sandbox) -> Sandbox:

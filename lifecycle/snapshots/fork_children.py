@@ -19,6 +19,7 @@ from nodes import placement
 from sandboxes.errors import Conflict, Failed, LifecycleError
 from sandboxes.models import Sandbox, new_envd_access_token
 from sandboxes.transitions import insert_creating, transition_sync
+from lifecycle.volumes import mounts
 from snapshots.models import Snapshot, SnapshotState as SS
 
 
@@ -79,7 +80,10 @@ def begin_fork_sync(parent: Sandbox, allotment: list, timeout: int, actor: str) 
                     **SandboxOptions.of(parent).fields(), forked_from=parent, source_snapshot=capture,
                     created_at=now, started_at=now, end_at=now + timedelta(seconds=timeout),
                 )
+                mounts.copy_sandbox_mounts(parent.pk, child.pk)  # children see the parent's volumes
                 children.append((child, node))
+        if capture is not None:
+            mounts.record_snapshot(capture.id, mounts.of_sandbox(parent.pk))
         started.details["children"] = [c.id for c, _ in children]
         started.save(update_fields=["details"])
     return Begun(children, capture)

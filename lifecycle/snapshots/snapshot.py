@@ -22,6 +22,7 @@ from sandboxes.transitions import transition_sync
 from snapshots import transitions as snapshot_transitions
 from snapshots.models import Snapshot, SnapshotState as SS
 from lifecycle.snapshots.common import delete_files_quietly, fail_capture
+from lifecycle.volumes import mounts
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ def _begin_snapshot(sandbox: Sandbox, node, name: str, memory, actor: str) -> Sn
         if not transition_sync(sandbox.pk, [S.RUNNING], S.SNAPSHOTTING, event):
             return None
         snapshot.save(force_insert=True)
+        # What starts from it mounts the same volumes again (its memory expects them).
+        mounts.record_snapshot(snapshot.id, mounts.of_sandbox(sandbox.pk))
     return snapshot
 
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 SANDBOX_KEYS = {"sandboxID", "templateID", "clientID", "envdVersion", "trafficAccessToken", "domain", "alias"}
 LISTED_KEYS = {"sandboxID", "templateID", "clientID", "alias", "startedAt", "endAt", "cpuCount", "memoryMB",
-               "diskSizeMB", "state", "envdVersion", "metadata"}
+               "diskSizeMB", "state", "envdVersion", "metadata", "volumeMounts"}
 
 
 def _dt(value: str) -> datetime:

@@ -160,6 +160,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("nodes",),  # Node, placement, the Celery gateway to node workers
     ("template_builds",),
     ("snapshots",),
+    ("volumes",),  # team volumes, their mounts and their files (volumes.content: no Django)
     ("team_secrets",),  # a team's sealed secrets and who may resolve them (above Team, Sandbox)
     ("sandboxes",),  # Team, ApiKey, Template, Sandbox; the sandbox states and their writer
     ("code_interpreter", "aenv_cli"),

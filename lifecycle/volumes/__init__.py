@@ -1,0 +1,1 @@
+"""Team volumes: their records (create, list, get, delete) and the mounts of sandboxes."""

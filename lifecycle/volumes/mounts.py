@@ -1,0 +1,111 @@
+"""Which volumes a sandbox mounts, where: checked at create (E2B's 400s), recorded as rows
+(what makes a volume "in use"), inherited by fork children and kept with snapshots (their
+memory has the mounts in it, so whatever starts from them mounts the same volumes again)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+
+from sandboxes.errors import Invalid
+from sandboxes.models import Team
+from volumes import rules
+from volumes.models import SandboxVolume, SnapshotVolume, Volume
+
+
+@dataclass(frozen=True)
+class Mount:
+    volume_id: str
+    name: str
+    path: str
+
+    def wire(self) -> dict:
+        """What the node is told (no token: a node never needs the content API's)."""
+        return {"id": self.volume_id, "name": self.name, "path": self.path}
+
+
+def check(team: Team, requested: object) -> list[Mount]:
+    """E2B's ``volumeMounts`` (``[{name, path}]``) → mounts of the team's volumes; every
+    problem at once in E2B's message, as a 400."""
+    if requested is None:
+        return []
+    if not isinstance(requested, list):
+        raise Invalid("volumeMounts must be a list of {name, path}")
+    if len(requested) > settings.AENV_VOLUME_MAX_MOUNTS:
+        raise Invalid(f"at most {settings.AENV_VOLUME_MAX_MOUNTS} volume mounts (AENV_VOLUME_MAX_MOUNTS)")
+    names = {m.get("name") for m in requested if isinstance(m, dict) and isinstance(m.get("name"), str)}
+    found = {v.name: v for v in Volume.objects.filter(team=team, name__in=names)}
+    problems: list[str] = []
+    mounts: list[Mount] = []
+    for index, item in enumerate(requested):
+        if not isinstance(item, dict) or set(item) - {"name", "path"}:
+            problems.append(f"volume mount #{index}: must be an object with name and path")
+            continue
+        volume = found.get(item.get("name")) if isinstance(item.get("name"), str) else None
+        if volume is None:
+            problems.append(f"volume mount #{index}: volume '{item.get('name')}' not found")
+            continue
+        reason = rules.path_problem(item.get("path"))
+        if reason:
+            problems.append(f"volume mount #{index}: {reason}")
+            continue
+        clash = next((m for m in mounts if rules.nested(m.path, item["path"])), None)
+        if clash is not None:
+            what = "is already used" if clash.path == item["path"] else f"overlaps '{clash.path}'"
+            problems.append(f"volume mount #{index}: path '{item['path']}' {what}")
+            continue
+        mounts.append(Mount(volume.id, volume.name, item["path"]))
+    if problems:
+        raise Invalid("invalid mounts:\n" + "\n".join(f"\t- {p}" for p in problems))
+    return mounts
+
+
+def check_transport(volumes: list[Mount]) -> None:
+    """Mounts need the nodes' transport (``AENV_VOLUME_TRANSPORT``): without one they are a
+    400, never a sandbox created without the volumes it asked for."""
+    if volumes and settings.AENV_VOLUME_TRANSPORT == "off":
+        raise Invalid("volume mounts are not available on this deployment (AENV_VOLUME_TRANSPORT=off); "
+                      "volumes and their content API work without a sandbox")
+
+
+def of_sandbox(sandbox_id: str) -> list[Mount]:
+    return [Mount(r.volume_id, r.volume.name, r.path)
+            for r in SandboxVolume.objects.filter(sandbox_id=sandbox_id).select_related("volume")]
+
+
+def wire_of(sandbox_ids: list[str]) -> dict[str, list[dict]]:
+    """E2B's ``volumeMounts`` (``[{name, path}]``) of each sandbox, in one query."""
+    out: dict[str, list[dict]] = {}
+    for row in SandboxVolume.objects.filter(sandbox_id__in=sandbox_ids).select_related("volume").order_by("path"):
+        out.setdefault(row.sandbox_id, []).append({"name": row.volume.name, "path": row.path})
+    return out
+
+
+def of_snapshot(snapshot_id: str) -> list[Mount]:
+    return [Mount(r.volume_id, r.volume.name, r.path)
+            for r in SnapshotVolume.objects.filter(snapshot_id=snapshot_id).select_related("volume")]
+
+
+def record_sandbox(sandbox_id: str, mounts: list[Mount]) -> None:
+    SandboxVolume.objects.bulk_create([SandboxVolume(sandbox_id=sandbox_id, volume_id=m.volume_id, path=m.path)
+                                       for m in mounts])
+
+
+def copy_sandbox_mounts(parent_id: str, child_id: str) -> None:
+    record_sandbox(child_id, of_sandbox(parent_id))
+
+
+def record_snapshot(snapshot_id: str, mounts: list[Mount]) -> None:
+    SnapshotVolume.objects.bulk_create([SnapshotVolume(snapshot_id=snapshot_id, volume_id=m.volume_id, path=m.path)
+                                        for m in mounts])
+
+
+def merged(inherited: list[Mount], requested: list[Mount]) -> list[Mount]:
+    """A snapshot's mounts plus the create's own; a requested one clashing with an inherited
+    path is a 400 (the restored guest already has that mount)."""
+    for m in requested:
+        clash = next((i for i in inherited if rules.nested(i.path, m.path)), None)
+        if clash is not None and clash != m:
+            raise Invalid(f"invalid mounts:\n\t- path '{m.path}' overlaps '{clash.path}', "
+                          f"where the snapshot mounts volume '{clash.name}'")
+    return inherited + [m for m in requested if m not in inherited]

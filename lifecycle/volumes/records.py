@@ -1,0 +1,71 @@
+"""A team's volumes: create (row + empty directory), list, get, delete (refused while a
+live sandbox or a snapshot mounts it: E2B SDK users get a 409, never a volume pulled out
+from under a running guest)."""
+from __future__ import annotations
+
+import logging
+
+from asgiref.sync import sync_to_async
+from django.db import IntegrityError, transaction
+
+from sandboxes.errors import Conflict, Invalid, NotFound
+from sandboxes.models import Team
+from sandboxes.states import LIVE
+from snapshots.states import LIVE as SNAPSHOT_LIVE
+from volumes import rules, store
+from volumes.models import SandboxVolume, SnapshotVolume, Volume
+
+log = logging.getLogger(__name__)
+
+
+@sync_to_async
+def create_volume(team: Team, name: object) -> Volume:
+    problem = rules.name_problem(name)
+    if problem:
+        raise Invalid(problem)
+    try:
+        with transaction.atomic():
+            volume = Volume.objects.create(team=team, name=name)
+            store.create_files(volume)  # inside the transaction: no row without its directory
+    except IntegrityError:
+        raise Invalid(f"Volume with name '{name}' already exists") from None
+    return volume
+
+
+async def list_volumes(team: Team) -> list[Volume]:
+    return [v async for v in Volume.objects.filter(team=team).order_by("name", "id")]
+
+
+async def get_volume(team: Team, volume_id: str) -> Volume:
+    volume = await Volume.objects.filter(team=team, pk=volume_id).afirst()
+    if volume is None:
+        raise NotFound(f"volume '{volume_id}' not found")
+    return volume
+
+
+def users_of(volume: Volume) -> tuple[list[str], list[str]]:
+    """(live sandboxes, snapshots) that mount ``volume``."""
+    sandboxes = list(SandboxVolume.objects.filter(volume=volume, sandbox__state__in=LIVE)
+                     .values_list("sandbox_id", flat=True).distinct())
+    snapshots = list(SnapshotVolume.objects.filter(volume=volume, snapshot__state__in=SNAPSHOT_LIVE)
+                     .values_list("snapshot_id", flat=True).distinct())
+    return sandboxes, snapshots
+
+
+@sync_to_async
+def delete_volume(team: Team, volume_id: str) -> None:
+    with transaction.atomic():
+        # Locked so a create that mounts it waits (PostgreSQL; SQLite serializes writers).
+        volume = Volume.objects.select_for_update().filter(team=team, pk=volume_id).first()
+        if volume is None:
+            raise NotFound(f"volume '{volume_id}' not found")
+        sandboxes, snapshots = users_of(volume)
+        if sandboxes:
+            raise Conflict(f"volume '{volume.name}' is mounted by sandbox(es) {', '.join(sorted(sandboxes)[:10])}; "
+                           "kill them first", retry=False)
+        if snapshots:
+            raise Conflict(f"volume '{volume.name}' is mounted in snapshot(s) {', '.join(sorted(snapshots)[:10])}; "
+                           "delete them first", retry=False)
+        root = store.volume_root(volume.team_id, volume.id)
+        volume.delete()
+    store.delete_files(root)  # after the commit: a refused or failed delete keeps every file

@@ -1,0 +1,1 @@
+"""Team volumes: persistent storage that outlives sandboxes, mounted by several at once."""
