@@ -1,14 +1,20 @@
 """Named test hosts for the egress proxy's tests and benchmark: an HTTP (port 80) and an HTTPS
 (port 443) server on each of the external host's addresses (harness.networld), each answering
 with its own name and the Host it was asked for, plus plain listeners on the DNS ports (53,
-853) and on 8053 (a port no rule treats specially). Only addresses inside the test's own
-namespace are ever served (the brief's rule).
+853) and on 8053 (a port no rule treats specially); ``proxy_world``: those hosts, a node
+resolver and the egress proxy without a VM. Only addresses inside the test's own namespaces
+are ever served (the brief's rule).
 """
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 SERVER = r'''
@@ -19,6 +25,7 @@ address, name, cert, key = sys.argv[1:5]
 
 class Answer(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes: no delayed-ACK wait between them
     def do_GET(self):
         body = f"{name} host={self.headers.get('Host')}\n".encode()
         self.send_response(200)
@@ -96,3 +103,50 @@ class NamedHosts:
             proc.kill()
             proc.wait(timeout=10)
         self.procs = []
+
+
+@contextmanager
+def proxy_world(pool: str, clients: tuple[str, ...]):
+    """The node's egress proxy without a VM, for its tests and benchmark: an external host
+    (harness.networld) serving good.test (EXT_A) and evil.test (EXT_B), a node resolver
+    (vmm.net.dns) for a resolver instance of ``pool`` that answers those names only
+    (its upstream is a loopback address where nothing answers), and the proxy on the
+    resolver's address; ``clients`` ("slot addresses") are put on lo for the caller to bind
+    to, as a slot's DNAT would deliver a guest. Yields the EgressProxy; removes everything."""
+    from harness.networld import EXT_A, EXT_B, ExternalHost  # noqa: PLC0415
+    from vmm.net.dns import NodeDNS, _on_lo, service_ip  # noqa: PLC0415
+    from vmm.net.egress import EgressProxy  # noqa: PLC0415
+
+    ext = ExternalHost(name=f"aenvegx{os.getpid() % 100000}").start()
+    for proc in ext.procs:  # its plain servers make way for the named ones
+        proc.kill()
+        proc.wait(timeout=10)
+    ext.procs = []
+    work = Path(tempfile.mkdtemp(prefix="aenv-egress-world-"))
+    work.chmod(0o755)
+    prefix = "eg" + uuid.uuid4().hex[:4]
+    hosts = dns = egress = None
+    try:
+        hosts = NamedHosts(ext.name, {EXT_A: "good.test", EXT_B: "evil.test"}, work / "hosts").start()
+        resolv = work / "resolv.conf"
+        resolv.write_text(f"nameserver 127.53.{pool.split('.')[1]}.2\n")
+        resolv.chmod(0o644)
+        dns = NodeDNS(prefix, pool, work / "net", resolv_file=str(resolv))
+        dns.ensure()
+        (dns.hosts_dir / "named").write_text(hosts.hosts_file() + "127.0.0.1 loop.test\n")
+        for address in clients:
+            _on_lo(address, True)
+        egress = EgressProxy(prefix, service_ip(pool), work / "net", reopened=(f"{EXT_A}/32", f"{EXT_B}/32"))
+        egress.ensure()
+        yield egress
+    finally:
+        if egress is not None:
+            egress.stop()
+        if dns is not None:
+            dns.stop()
+        for address in clients:
+            _on_lo(address, False)
+        if hosts is not None:
+            hosts.stop()
+        ext.stop()
+        shutil.rmtree(work, ignore_errors=True)

@@ -5,19 +5,16 @@ through only names the slot's list allows, to the address the node's resolver gi
 The slot's nftables side is in test_vmm_net_policy.py; a real guest in
 tests/integration/test_egress_domains.py."""
 import os
-import shutil
 import socket
 import ssl
-import tempfile
-import uuid
 from pathlib import Path
 
 import pytest
 
-from harness.named_hosts import NamedHosts
-from harness.networld import EXT_A, EXT_B, ExternalHost
+from harness.named_hosts import proxy_world
+from harness.networld import EXT_B
 from vmm.net import slots
-from vmm.net.dns import NodeDNS, service_ip, _on_lo
+from vmm.net.dns import service_ip
 from vmm.net.egress import EgressProxy
 
 pytestmark = [pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)"),
@@ -33,38 +30,13 @@ TLS, HTTP = slots.PROXIED_PORTS[443], slots.PROXIED_PORTS[80]
 
 @pytest.fixture(scope="module")
 def proxy():
-    ext = ExternalHost(name=f"aenvegx{os.getpid() % 100000}").start()
-    for proc in ext.procs:  # its plain servers make way for the named ones
-        proc.kill()
-        proc.wait(timeout=10)
-    ext.procs = []
-    work = Path(tempfile.mkdtemp(prefix="aenv-egress-test-"))
-    work.chmod(0o755)
-    hosts = NamedHosts(ext.name, {EXT_A: "good.test", EXT_B: "evil.test"}, work / "hosts").start()
-    prefix = "eg" + uuid.uuid4().hex[:4]
-    resolv = work / "resolv.conf"
-    resolv.write_text(f"nameserver 127.53.{_SECOND}.2\n")  # nothing answers there: only hosts.d names resolve
-    resolv.chmod(0o644)
-    dns = NodeDNS(prefix, POOL, work / "net", resolv_file=str(resolv))
-    egress = EgressProxy(prefix, service_ip(POOL), work / "net", reopened=(f"{EXT_A}/32", f"{EXT_B}/32"))
-    try:
-        dns.ensure()
-        (dns.hosts_dir / "named").write_text(hosts.hosts_file() + "127.0.0.1 loop.test\n")
-        for address in (CLIENT, OTHER_CLIENT):
-            _on_lo(address, True)
-        egress.ensure()
+    with proxy_world(POOL, (CLIENT, OTHER_CLIENT)) as egress:
         egress.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
-        yield egress
-    finally:
-        if egress.log_file.exists():
-            print(egress.log_file.read_text()[-3000:])  # shown when a test failed
-        egress.stop()
-        dns.stop()
-        for address in (CLIENT, OTHER_CLIENT):
-            _on_lo(address, False)
-        hosts.stop()
-        ext.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            yield egress
+        finally:
+            if egress.log_file.exists():
+                print(egress.log_file.read_text()[-3000:])  # shown when a test failed
 
 
 def _connect(port: int, source: str = CLIENT) -> socket.socket:
