@@ -2,7 +2,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import actions, node_tokens, template_pages, views
+from dashboard import actions, node_tokens, template_pages, views, webhook_pages
 
 app_name = "dashboard"
 
@@ -36,4 +36,6 @@ urlpatterns = [
     path("api-keys/", views.api_key_list, name="api-keys"),
     path("api-keys/create", views.api_key_create, name="api-key-create"),
     path("api-keys/<int:key_id>/revoke", views.api_key_revoke, name="api-key-revoke"),
+    path("webhooks/", webhook_pages.webhook_list, name="webhooks"),
+    path("webhooks/<uuid:webhook_id>/", webhook_pages.webhook_detail, name="webhook"),
 ]
