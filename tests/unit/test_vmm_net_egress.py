@@ -132,3 +132,11 @@ def test_a_list_change_applies_to_the_next_connection(proxy):
     finally:
         proxy.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
     assert _https("evil.test", "evil.test") == ""
+
+
+def test_the_node_list_leaves_out_addresses_the_denied_ranges_cover():
+    """Slot veths (in 10/8) come and go: the proxy's config, and so the running proxy, stays."""
+    config = EgressProxy("p", "10.12.0.1", Path("/tmp"), node=("10.12.0.2/32", "203.0.114.7/32"),
+                         reopened=(f"{EXT_B}/32",))._node_config()
+    assert config["node"] == ["203.0.114.7/32"] and config["reopened"] == [f"{EXT_B}/32"]
+    assert config["ports"] == {"15080": 80, "15443": 443} and "10.0.0.0/8" in config["denied"]

@@ -23,6 +23,7 @@ rules send anything and removed after they stop.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import pwd
@@ -46,11 +47,6 @@ class EgressProxyError(Exception):
     """The egress proxy could not be started."""
 
 
-def mitmdump_path() -> Path:
-    """Where mitmdump is (``AENV_NET_EGRESS_MITMDUMP``, else the repository's ``.venv-egress``)."""
-    return Path(os.environ.get("AENV_NET_EGRESS_MITMDUMP") or DEFAULT_MITMDUMP)
-
-
 def _cmdline(pid: int) -> list[str] | None:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
@@ -69,7 +65,7 @@ class EgressProxy:
         self.pidfile = self.dir / "mitmdump.pid"
         self.log_file = Path(log_dir) / "egress-proxy.log"
         self.node, self.reopened = tuple(node), tuple(reopened)
-        self.binary = Path(binary) if binary else mitmdump_path()
+        self.binary = Path(binary) if binary else DEFAULT_MITMDUMP
 
     # -- the process ----------------------------------------------------------------------
 
@@ -91,7 +87,13 @@ class EgressProxy:
         return pid if argv and f"aenv_egress_dir={self.dir}" in argv else None
 
     def _node_config(self) -> dict:
-        return {"resolver": self.ip, "node": [*self.node, f"{self.ip}/32"], "denied": list(ALWAYS_DENIED),
+        # the node's addresses inside an always-denied range are denied with it (no operator may
+        # reopen them): listing only the others keeps the file, and so a running proxy, the same
+        # while slots (whose veth addresses are the node's) come and go
+        denied = [ipaddress.ip_network(c) for c in ALWAYS_DENIED]
+        node = sorted({c for c in (*self.node, f"{self.ip}/32")
+                       if not any(ipaddress.ip_network(c, strict=False).subnet_of(d) for d in denied)})
+        return {"resolver": self.ip, "node": node, "denied": list(ALWAYS_DENIED),
                 "reopened": list(self.reopened), "ports": {str(p): g for g, p in PROXIED_PORTS.items()}}
 
     def ensure(self) -> None:
