@@ -291,7 +291,7 @@ put_file() {  # path mode: stdin into path (shown whole in a dry run)
 }
 
 UNITS=(aenv-node.service)
-[ "$CONTROL_PLANE" = 1 ] && UNITS=(aenv-api.service aenv-dataplane.service aenv-sweeper.service "${UNITS[@]}")
+[ "$CONTROL_PLANE" = 1 ] && UNITS=(aenv-api.service aenv-dataplane.service aenv-sweeper.service aenv-events.service "${UNITS[@]}")
 if [ "$DRY_RUN" = 0 ] && [ "$(id -u)" != 0 ]; then die "run as root (the node worker's units, packages and /etc/aenv), or pass --dry-run"; fi
 echo "==> aenv node ${SET[AENV_NODE_ID]} from $ROOT (home $HOME_DIR; units: ${UNITS[*]})"
 

@@ -7,7 +7,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RUN="${AENV_HOME:-$ROOT/var}/run"
 quiet=${1:-}
-for name in api dataplane lifecycle node; do
+for name in api dataplane lifecycle events node; do
   pidfile="$RUN/$name.pid"
   [ -f "$pidfile" ] || continue
   pid=$(cat "$pidfile")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing (scripts/setup.sh), then starts the control plane (daphne),
-# the sandbox data plane (uvicorn), a node worker and the lifecycle sweeper (TTL and
-# paused-sandbox retention) in the background, and prints
+# the sandbox data plane (uvicorn), a node worker, the lifecycle sweeper (TTL and
+# paused-sandbox retention) and the webhook delivery worker in the background, and prints
 # the URLs and the API key for the E2B SDK. Stop everything with scripts/down.sh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,6 +26,7 @@ start() {  # name, command...
 }
 start node .venv/bin/python manage.py run_node
 start lifecycle .venv/bin/python manage.py run_lifecycle
+start events .venv/bin/python manage.py run_events_worker  # webhook deliveries
 start api .venv/bin/daphne -b "$BIND" -p "$API_PORT" config.asgi:application
 start dataplane .venv/bin/uvicorn config.dataplane_asgi:application --host "$BIND" --port "$SANDBOX_PORT" \
   --no-access-log --timeout-keep-alive 300

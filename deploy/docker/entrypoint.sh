@@ -2,6 +2,7 @@
 # The entrypoint of both images (run under tini, which reaps the daemonized QEMU processes
 # that re-parent to PID 1 and passes SIGTERM on). The command names the process:
 #   api | dataplane | sweeper   the control plane (Dockerfile.control-plane)
+#   events                      the control plane's webhook delivery worker (Celery, queue control.events)
 #   migrate                     the schema, then the default team, base template and an API key
 #                               (printed once in this container's log)
 #   node                        the node worker (Dockerfile.node, privileged): builds the guest
@@ -114,6 +115,7 @@ case "${1:-}" in
   dataplane) exec .venv/bin/uvicorn config.dataplane_asgi:application --host 0.0.0.0 --port 3001 \
                --no-access-log --timeout-keep-alive 300 ;;
   sweeper) exec "$PY" manage.py run_lifecycle --heartbeat "$SWEEPER_HEARTBEAT" ;;
+  events) exec "$PY" manage.py run_events_worker ;;  # webhook deliveries (the control plane's queue)
   migrate) "$PY" manage.py migrate --noinput; exec "$PY" manage.py bootstrap ;;
   node)
     command -v qemu-system-x86_64 >/dev/null || die "the node worker runs from the node image (Dockerfile.node)"
@@ -156,6 +158,6 @@ case "${1:-}" in
   join-tokens) shift; join_tokens "$@" ;;
   routes) exec "$PY" manage.py sync_pool_routes --pools "${AENV_K8S_NODE_POOLS:?routes: set AENV_K8S_NODE_POOLS to the pools folder}" \
             --heartbeat "$ROUTES_HEARTBEAT" ;;
-  "") die "a command: api, dataplane, sweeper, migrate, node, node-pool, join-tokens, routes or health" ;;
+  "") die "a command: api, dataplane, sweeper, events, migrate, node, node-pool, join-tokens, routes or health" ;;
   *) exec "$@" ;;
 esac

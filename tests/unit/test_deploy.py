@@ -52,7 +52,8 @@ EXTERNAL_ENV = {
     "AENV_K8S_NODE_POOLS": "deploy/docker/entrypoint.sh: the node's AENV_NET_POOL by node name (deploy/k8s)",
     "AENV_NODE_JOIN_TOKEN_FILE": "deploy/docker/entrypoint.sh: the node's AENV_NODE_JOIN_TOKEN from a file (compose)",
 }
-SERVICE_UNITS = ("aenv-api.service", "aenv-dataplane.service", "aenv-sweeper.service", "aenv-node.service")
+SERVICE_UNITS = ("aenv-api.service", "aenv-dataplane.service", "aenv-sweeper.service", "aenv-events.service",
+                 "aenv-node.service")
 
 # ---------------------------------------------------------------- helpers
 
@@ -368,11 +369,12 @@ def test_systemd_units_shape():
 
 
 def test_systemd_units_run_what_up_sh_runs():
-    """The same four processes, the same apps and entry points as scripts/up.sh."""
+    """The same five processes, the same apps and entry points as scripts/up.sh."""
     up = (ROOT / "scripts" / "up.sh").read_text()
     for unit, needle in (("aenv-api.service", "config.asgi:application"),
                          ("aenv-dataplane.service", "config.dataplane_asgi:application"),
                          ("aenv-sweeper.service", "manage.py run_lifecycle"),
+                         ("aenv-events.service", "manage.py run_events_worker"),
                          ("aenv-node.service", "manage.py run_node")):
         assert needle in up and needle in unit_text(unit), unit
 
