@@ -18,7 +18,7 @@ from nodes import protocol
 from nodes.sealed import open_fields
 from nodes.signing import ClaimedTask
 
-from agent import console_logs, moves
+from agent import console_logs, egress_trust, moves
 from agent.driver import get_driver, get_templates
 from agent.guest import EnvdInitFailed, GuestUnresponsive, guest_responds, handoff_token, init_envd
 
@@ -56,10 +56,14 @@ def _step_or_undo(step, info, *, undo, what: str, label: str) -> None:
         raise
 
 
-def _init_envd_or_undo(info, env_vars: dict, access_token: str | None, *, undo, what: str) -> None:
-    """Initialises a freshly started VM's envd, undoing the start if that fails."""
+def _init_envd_or_undo(info, env_vars: dict, access_token: str | None, *, undo, what: str, network=None) -> None:
+    """Initialises a freshly started VM's envd, undoing the start if that fails; a sandbox
+    whose ``network`` has rules then trusts the node's TLS-interception CA (agent.egress_trust)."""
     _step_or_undo(lambda: init_envd(info.envd_host, info.envd_port, env_vars, access_token), info,
                   undo=undo, what=what, label="envd init")
+    if egress_trust.needs_ca(network):
+        _step_or_undo(lambda: egress_trust.install_in_guest(info.envd_host, info.envd_port, access_token), info,
+                      undo=undo, what=what, label="CA install")
 
 
 def _envd_result(info, timings: dict) -> dict:
@@ -108,7 +112,7 @@ def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int,
                     memory_mb=memory_mb, disk_size_mb=disk_size_mb, network=_network(network))
     info = _start_vm(driver, spec)
     started = time.perf_counter()
-    _init_envd_or_undo(info, env_vars, access_token, undo=driver.kill, what="killing its VM")
+    _init_envd_or_undo(info, env_vars, access_token, undo=driver.kill, what="killing its VM", network=spec.network)
     timings = _round(info.timings)
     timings["init"] = round((time.perf_counter() - started) * 1000, 2)
     return _envd_result(info, timings)
@@ -196,7 +200,7 @@ def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None,
                 log.warning("filesystem pause of %s failed; pausing with memory", sid)
         driver.pause_to_disk(sid)
 
-    _init_envd_or_undo(info, env_vars, access_token, undo=pause_again, what="pausing it again")
+    _init_envd_or_undo(info, env_vars, access_token, undo=pause_again, what="pausing it again", network=network)
     timings = _round(info.timings)
     timings["resume_ms"] = round((t_resumed - started) * 1000, 2)
     timings["init"] = round((time.perf_counter() - t_resumed) * 1000, 2)
@@ -214,7 +218,7 @@ def _is_disk_full(exc: BaseException) -> bool:
 
 
 def _take_over_envd(info, env_vars: dict, access_token: str | None, source_token: str | None, *,
-                    undo, what: str) -> None:
+                    undo, what: str, network=None) -> None:
     """/init of a VM started from a capture: its own token (handed over from the
     source's), its env vars, a fresh clock; on failure ``undo`` (kill) it."""
     if source_token and source_token != access_token:
@@ -224,7 +228,7 @@ def _take_over_envd(info, env_vars: dict, access_token: str | None, source_token
             handoff_token(info.envd_host, info.envd_port, source_token, access_token)
 
         _step_or_undo(handoff, info, undo=undo, what=what, label="envd token handoff")
-    _init_envd_or_undo(info, env_vars, access_token, undo=undo, what=what)
+    _init_envd_or_undo(info, env_vars, access_token, undo=undo, what=what, network=network)
 
 
 def _store():
@@ -298,7 +302,8 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
                                     network=_network(network)))
         source_token = None  # a cold-booted envd starts without a token
     started = time.perf_counter()
-    _take_over_envd(info, env_vars, access_token, source_token, undo=driver.kill, what="killing its VM")
+    _take_over_envd(info, env_vars, access_token, source_token, undo=driver.kill, what="killing its VM",
+                    network=network)
     timings = _round(info.timings)
     timings["init"] = round((time.perf_counter() - started) * 1000, 2)
     try:
@@ -349,7 +354,7 @@ def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, c
                 _step_or_undo(lambda: driver.update_network(cid, _network(spec["network"])), result,
                               undo=driver.kill, what="killing its VM", label="network policy")
             _take_over_envd(result, spec.get("env_vars") or {}, spec.get("access_token"), access_token,
-                            undo=driver.kill, what="killing its VM")
+                            undo=driver.kill, what="killing its VM", network=spec.get("network"))
         except Exception as exc:
             return {"sandbox_id": cid, "ok": False, "kind": type(exc).__name__, "message": str(exc)}
         timings = _round(result.timings)

@@ -15,6 +15,7 @@ from agent.console_logs import ConsoleCollector
 from agent.driver import get_driver, get_templates
 from agent.chunk_peers import start_chunk_peers
 from agent.heartbeat import Heartbeat, register_node
+from agent import egress_trust
 from agent.join import ensure_joined
 from agent.host_usage import HostSampler
 from agent.metrics import MetricsSampler
@@ -56,6 +57,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     control plane revokes it (register_node and the heartbeat raise NodeRevoked)."""
     node_id = settings.AENV_NODE_ID
     ensure_joined(node_id)
+    egress_trust.node_ca()  # the TLS-interception CA: made now if this node has none (AENV_EGRESS_CA_DIR)
     driver = get_driver()
     vcpus, memory_mb = node_capacity(driver, vcpu_overcommit, memory_overcommit)
     network = start_network(driver)

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 
-from . import files_http
+from . import files_http, trust
 from .auth import UNAUTHORIZED_MESSAGE as UNAUTHORIZED, AuthError, check_signature, token_matches
 from .clock import maybe_set_clock
 from .connect import ConnectError
@@ -25,6 +25,7 @@ log = logging.getLogger("envd.app")
 # Host-driver endpoint (no token: it reveals nothing and only flushes dirty pages to disk), called
 # before a filesystem-only pause so no write still in the guest page cache is lost.
 SYNC_PATH = "/aenv/sync"
+TRUST_PATH = "/aenv/trust"
 
 
 def _headers(scope):
@@ -118,6 +119,9 @@ class EnvdApp:
             if path == "/init" and method == "POST":
                 await self._init(receive, send)
                 return
+            if path == TRUST_PATH and method == "POST":
+                await self._trust(receive, send)
+                return
             if path == "/metrics" and method == "GET":
                 await files_http.send_json(send, 200, await self._metrics())
                 return
@@ -195,6 +199,25 @@ class EnvdApp:
             maybe_set_clock(str(data["timestamp"]), self.settings.set_clock)
         if seed is not None:
             credit(seed, self.settings.credit_entropy)
+
+    # -- /aenv/trust ----------------------------------------------------------
+    async def _trust(self, receive, send):
+        """``{"pem"}``: the node's TLS-interception CA, trusted from now on (``envd.trust``);
+        200 with what was changed. After the token check: only the node (or the sandbox's owner)."""
+        body = await _read_small_body(receive)
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError:
+            raise files_http.HTTPError(400, "invalid JSON body") from None
+        if not isinstance(data, dict):
+            raise files_http.HTTPError(400, "body must be a JSON object")
+        try:
+            done = await asyncio.get_running_loop().run_in_executor(
+                None, trust.install, data.get("pem"), self.settings.trust_root)
+        except trust.BadCertificate as exc:
+            raise files_http.HTTPError(400, str(exc)) from None
+        self.settings.trust_env = done["env"]
+        await files_http.send_json(send, 200, done)
 
     # -- /metrics -----------------------------------------------------------
     async def _metrics(self) -> dict:

@@ -70,6 +70,7 @@ def main(argv=None):
                         max_upload_bytes=args.max_upload_bytes, set_clock=args.set_clock,
                         access_token=args.access_token, credit_entropy=args.credit_entropy)
     settings.load_template_defaults()
+    settings.load_trust()
     app = EnvdApp(settings, port_forwarder=_port_forwarder(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 access_log=False, http=H11Protocol, loop="asyncio", ws="none", lifespan="on",

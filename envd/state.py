@@ -3,6 +3,8 @@ template's defaults read from the root disk."""
 import json
 import logging
 
+from . import trust
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ENVD_VERSION = "0.6.4"
 # The account of requests that name none when neither the template nor /init names a default
@@ -20,9 +22,14 @@ class Settings:
     """Everything /init may change plus the CLI options that shape behaviour."""
 
     def __init__(self, default_user=DEFAULT_USER, default_workdir=None, max_upload_bytes=1 << 30,
-                 set_clock="auto", access_token=None, credit_entropy="auto", template_file=TEMPLATE_DEFAULTS):
+                 set_clock="auto", access_token=None, credit_entropy="auto", template_file=TEMPLATE_DEFAULTS,
+                 trust_root="/"):
         self.env_vars = {}
         self.template_env = {}  # the template's ENV; /init's envVars win over them
+        # What /aenv/trust asks every process to get (NODE_EXTRA_CA_CERTS…; envd.trust), and
+        # the root it installs under (tests: a directory of their own).
+        self.trust_env = {}
+        self.trust_root = trust_root
         self.access_token = access_token
         self.default_user = default_user
         self.default_workdir = default_workdir
@@ -32,8 +39,14 @@ class Settings:
         self.template_file = template_file
 
     def env(self) -> dict:
-        """The sandbox-wide environment of new processes: the template's, then /init's."""
-        return {**self.template_env, **self.env_vars}
+        """The sandbox-wide environment of new processes: the template's, the installed CA's
+        (``envd.trust``), then /init's."""
+        return {**self.template_env, **self.trust_env, **self.env_vars}
+
+    def load_trust(self) -> None:
+        """Takes the environment of an earlier CA install from the disk (a restarted envd,
+        a cold-booted disk), if there is one."""
+        self.trust_env = trust.installed_env(self.trust_root)
 
     def load_template_defaults(self) -> None:
         """Takes the default user, workdir and env vars from the template file, if the disk

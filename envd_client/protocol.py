@@ -31,6 +31,8 @@ INIT_TIMEOUT = 10.0   # what the node allows a fresh VM's /init
 METRICS_TIMEOUT = 2.0  # a sampler asks every few seconds; a guest this slow is skipped once
 SYNC_TIMEOUT = 120.0  # guest sync(2) of a dirty page cache under TCG
 SYNC_PATH = "/aenv/sync"
+TRUST_PATH = "/aenv/trust"
+TRUST_TIMEOUT = 30.0  # rewrites a few trust bundles (hundreds of KiB each) under TCG
 ENTROPY_SEED_BYTES = 64
 
 # The E2B SDK's PTY shell (spec §4.3).
@@ -112,6 +114,12 @@ def init(body: dict, *, timeout: float | None = INIT_TIMEOUT) -> Request:
 
 def sync(*, timeout: float | None = SYNC_TIMEOUT) -> Request:
     return Request("POST", SYNC_PATH, timeout=timeout, expect=(204,))
+
+
+def trust(pem: str, *, timeout: float | None = TRUST_TIMEOUT) -> Request:
+    """aenv's ``POST /aenv/trust``: the guest trusts this CA certificate (``envd.trust``)."""
+    return Request("POST", TRUST_PATH, {"Content-Type": "application/json"}, encode_json({"pem": pem}),
+                   timeout=timeout, max_bytes=limits.METRICS_BYTES)
 
 
 def metrics(*, timeout: float | None = METRICS_TIMEOUT) -> Request:

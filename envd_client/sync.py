@@ -119,6 +119,11 @@ class EnvdClient(BaseClient):
         """``POST /aenv/sync``: the guest's sync(2), so its page cache is on the disk."""
         self._send(protocol.sync(timeout=timeout))
 
+    def trust(self, pem: str, timeout: float | None = protocol.TRUST_TIMEOUT) -> dict:
+        """``POST /aenv/trust``: the guest trusts ``pem`` (the node's TLS-interception CA) in its
+        system bundle, every certifi copy and Node's ``NODE_EXTRA_CA_CERTS``; envd's summary."""
+        return self._call(protocol.trust(pem, timeout=timeout))
+
     def metrics(self, timeout: float | None = protocol.METRICS_TIMEOUT) -> GuestMetrics:
         """``GET /metrics``: the guest's CPU, memory and disk usage (E2B's envd ``Metrics``)."""
         return answers.guest_metrics(self._call(protocol.metrics(timeout=timeout)))

@@ -110,6 +110,12 @@ class NodeCA:
         """SHA-256 of the CA certificate (DER), hex: how a guest's copy is recognised."""
         return hashlib.sha256(self.cert.public_bytes(serialization.Encoding.DER)).hexdigest()
 
+    def mitmproxy_pem(self) -> bytes:
+        """The key and certificate in one PEM, the form mitmproxy reads as ``mitmproxy-ca.pem``
+        from its confdir (so the proxy signs with this CA instead of making its own). It holds
+        the key: write it owner-only, readable by the proxy's user alone."""
+        return _pem_key(self._key) + self.cert_pem
+
     @classmethod
     def ensure(cls, directory: Path, node_id: str = "node") -> "NodeCA":
         """This node's CA from ``directory``, made there first if it has none (or only half

@@ -1,14 +1,13 @@
 """The node's TLS-interception CA (vmm.egress_ca): made once, owner-only key, reused; leaves
 issued per host that Python's ssl verifies against the CA (and not against anything else),
 for that host only."""
-import socket
 import ssl
 import stat
-import threading
 
 import pytest
 from cryptography import x509
 
+from tests.unit.tls_check import handshake
 from vmm.egress_ca import BadHost, NodeCA
 
 
@@ -44,52 +43,25 @@ def test_leaves_are_cached_per_host(ca):
     assert a.chain_pem.endswith(ca.cert_pem)
 
 
+def test_the_mitmproxy_form_holds_the_key_then_the_certificate(ca):
+    pem = ca.mitmproxy_pem()
+    assert pem.startswith(b"-----BEGIN PRIVATE KEY-----") and pem.endswith(ca.cert_pem)
+
+
 @pytest.mark.parametrize("host", ["", "*.example.com", "a..b", "-x.com", "x" * 64 + ".com", "a b"])
 def test_no_leaf_for_bad_names(ca, host):
     with pytest.raises(BadHost):
         ca.leaf(host)
 
 
-def _handshake(leaf, cafile, server_hostname):
-    """A real TLS handshake on loopback: a server with ``leaf``, a client trusting ``cafile``."""
-    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    import tempfile  # noqa: PLC0415
-
-    with tempfile.NamedTemporaryFile() as chain, tempfile.NamedTemporaryFile() as key:
-        chain.write(leaf.chain_pem), key.write(leaf.key_pem)
-        chain.flush(), key.flush()
-        server_ctx.load_cert_chain(chain.name, key.name)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def serve():
-        conn, _ = listener.accept()
-        try:
-            with server_ctx.wrap_socket(conn, server_side=True) as tls:
-                tls.sendall(b"ok")
-        except (ssl.SSLError, OSError):
-            pass
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    client_ctx = ssl.create_default_context(cafile=str(cafile))
-    try:
-        with socket.create_connection(("127.0.0.1", port)) as raw:
-            with client_ctx.wrap_socket(raw, server_hostname=server_hostname) as tls:
-                return tls.recv(2)
-    finally:
-        thread.join(5)
-        listener.close()
-
-
 def test_a_leaf_verifies_against_the_ca_with_pythons_ssl(ca):
-    assert _handshake(ca.leaf("api.example.com"), ca.cert_path, "api.example.com") == b"ok"
-    assert _handshake(ca.leaf("10.1.2.3"), ca.cert_path, "10.1.2.3") == b"ok"
+    assert handshake(ca.leaf("api.example.com"), ca.cert_path, "api.example.com") == b"ok"
+    assert handshake(ca.leaf("10.1.2.3"), ca.cert_path, "10.1.2.3") == b"ok"
 
 
 def test_the_leaf_is_for_its_host_only_and_another_ca_does_not_vouch_for_it(tmp_path, ca):
     with pytest.raises(ssl.SSLCertVerificationError, match="match|mismatch"):
-        _handshake(ca.leaf("api.example.com"), ca.cert_path, "evil.example.com")
+        handshake(ca.leaf("api.example.com"), ca.cert_path, "evil.example.com")
     other = NodeCA.ensure(tmp_path / "other", "n2")
     with pytest.raises(ssl.SSLCertVerificationError):
-        _handshake(ca.leaf("api.example.com"), other.cert_path, "api.example.com")
+        handshake(ca.leaf("api.example.com"), other.cert_path, "api.example.com")

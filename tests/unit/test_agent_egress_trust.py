@@ -1,0 +1,95 @@
+"""The node's side of the guest trust store (agent.egress_trust): the CA made at the node's
+start, installed through envd's /aenv/trust (over real HTTP) only for a sandbox with rules, and a
+start undone when the install fails."""
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import uvicorn
+
+from agent import egress_trust, tasks
+from envd import trust
+from envd.app import EnvdApp
+from envd.state import Settings
+from vmm.net.spec import NetworkSpec
+
+
+@pytest.fixture
+def node_ca_dir(settings, tmp_path):
+    settings.AENV_EGRESS_CA_DIR = tmp_path / "egress-ca"
+    egress_trust._ca.cache_clear()
+    yield settings.AENV_EGRESS_CA_DIR
+    egress_trust._ca.cache_clear()
+
+
+@pytest.fixture
+def envd_server(tmp_path):
+    """A real envd on loopback, its trust root a directory of the test's own."""
+    root = tmp_path / "guest"
+    (root / "etc/ssl/certs").mkdir(parents=True)
+    (root / "etc/ssl/certs/ca-certificates.crt").write_text("")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = Settings(template_file=str(root / "none.json"), access_token="tok", trust_root=str(root))
+    server = uvicorn.Server(uvicorn.Config(EnvdApp(settings), host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield SimpleNamespace(port=port, root=root, settings=settings)
+    server.should_exit = True
+    thread.join(5)
+
+
+def test_the_ca_is_made_once_per_node(node_ca_dir):
+    first = egress_trust.node_ca()
+    assert (node_ca_dir / "ca.key").stat().st_mode & 0o777 == 0o600
+    egress_trust._ca.cache_clear()
+    assert egress_trust.node_ca().fingerprint == first.fingerprint
+
+
+@pytest.mark.parametrize("network, needed", [
+    (None, False), ({}, False), ({"rules": {}}, False), (NetworkSpec(), False),
+    ({"rules": {"h": [{"transform": {"headers": {"A": "b"}}}]}}, True),
+    (SimpleNamespace(rules={"h": []}), True),
+])
+def test_only_a_sandbox_with_rules_needs_it(network, needed):
+    assert egress_trust.needs_ca(network) is needed
+
+
+def test_installed_in_a_real_envd_over_http(node_ca_dir, envd_server):
+    done = egress_trust.install_in_guest("127.0.0.1", envd_server.port, "tok")
+    ca = egress_trust.node_ca()
+    assert done["fingerprint"] == ca.fingerprint
+    assert ca.fingerprint in (envd_server.root / "etc/ssl/certs/ca-certificates.crt").read_text()
+    assert envd_server.settings.env()["NODE_EXTRA_CA_CERTS"] == trust.CA_FILE
+    with pytest.raises(egress_trust.TrustFailed):
+        egress_trust.install_in_guest("127.0.0.1", envd_server.port, "wrong-token")
+
+
+def _info():
+    return SimpleNamespace(sandbox_id="i1", envd_host="127.0.0.1", envd_port=1)
+
+
+def test_init_installs_only_with_rules_and_undoes_the_start_when_it_fails(monkeypatch):
+    calls, undone = [], []
+    monkeypatch.setattr(tasks, "init_envd", lambda *a: calls.append("init"))
+    monkeypatch.setattr(egress_trust, "install_in_guest", lambda *a: calls.append("trust"))
+    tasks._init_envd_or_undo(_info(), {}, "tok", undo=undone.append, what="killing its VM")
+    tasks._init_envd_or_undo(_info(), {}, "tok", undo=undone.append, what="killing its VM",
+                             network={"rules": {"h": [{}]}})
+    assert calls == ["init", "init", "trust"] and undone == []
+
+    def refuse(*a):
+        raise egress_trust.TrustFailed("envd said no")
+
+    monkeypatch.setattr(egress_trust, "install_in_guest", refuse)
+    with pytest.raises(egress_trust.TrustFailed):
+        tasks._init_envd_or_undo(_info(), {}, "tok", undo=undone.append, what="killing its VM",
+                                 network={"rules": {"h": [{}]}})
+    assert undone == ["i1"]
