@@ -3,16 +3,19 @@ builds it (the image pulled only there), node B — its own home, its own images
 nothing but the base image's kernel, initrd and tools drive, its own network instance,
 the same database and broker — restores the template snapshot from the bucket (a moto
 server) because A is drained: the sandbox has the built files and the start command's
-server running. Nothing depends on the two nodes' paths being equal."""
+server running. Nothing depends on the two nodes' paths being equal. The build recorded the
+template snapshot's prefetch list (issue 24), and node B's first create prefetches it."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
 import pytest
 from e2b import Sandbox, Template, wait_for_port
 
-from harness.moto_s3 import CREDENTIALS, moto_server
+from chunkfs.client import ChunkfsClient
+from harness.moto_s3 import CREDENTIALS, client, moto_server
 from .conftest import running_stack
 from harness.second_node import SecondNode, short_root  # noqa: F401 - a fixture
 
@@ -27,6 +30,7 @@ def s3_stack():
         env = {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_S3_ENDPOINT": url, "AENV_S3_BUCKET": BUCKET,
                "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": f"tpl-{uuid.uuid4().hex[:6]}", **CREDENTIALS}
         with running_stack("tplx", extra_env=env) as s:
+            s.s3 = (url, env["AENV_S3_PREFIX"])
             yield s
 
 
@@ -74,6 +78,16 @@ def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_stack, app_im
             # ...and its heartbeat now tells placement that it has the template snapshot too
             snap = stack.db(f"from template_builds.models import TemplateBuild as B; "
                             f"print(B.objects.get(template__alias='{name}', status='ready').snapshot_id)").strip()
+            # the build recorded what a restore reads first, and this first create here fetched it ahead
+            url, prefix = stack.s3
+            order = json.loads(client(url).get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/{snap}/prefetch.json")
+                               ["Body"].read())["order"]
+            daemon = ChunkfsClient(node_b.home / "chunkfs" / "control.sock")
+            mount = daemon.stats(snap)["mounts"][snap]
+            names = next(m["files"] for m in daemon.list() if m["mount_id"] == snap)
+            print(f"prefetch list: {len(order)} chunks; node B's mount: {mount['prefetch']}")
+            assert mount["recorded"] is None  # replayed, not recorded again
+            assert mount["prefetch"]["queued"] == sum(1 for n, _ in order if n in names) > 0
             deadline = time.monotonic() + 30
             while snap not in stack.db(f"from nodes.models import Node; print(Node.objects.get(pk='{node_b.id}')"
                                        ".snapshots_here)"):
