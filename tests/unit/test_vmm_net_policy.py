@@ -113,3 +113,19 @@ def test_a_domain_policy_is_applied_to_a_real_slot_and_taken_back(slot_prefix):
         assert _set(slot, "proxied") == [] and _set(slot, "dns_only") == []
     finally:
         slots.destroy(slot)
+
+
+def test_a_node_whose_egress_proxy_is_not_running_refuses_domains_but_not_cidrs(tmp_path):
+    from vmm.errors import UnsupportedNetworkPolicy  # noqa: PLC0415
+    from vmm.net.egress import EgressProxy  # noqa: PLC0415
+    from vmm.net.netns import NetnsBackend  # noqa: PLC0415
+
+    backend = NetnsBackend.__new__(NetnsBackend)  # no slots: only the check is under test
+    backend.egress, backend.egress_error = None, "mitmdump not found at /x"
+    domains = NetworkSpec(allow_out=("good.test",), deny_out=("0.0.0.0/0",))
+    backend.check(NetworkSpec(allow_out=("1.1.1.1",), deny_out=("0.0.0.0/0",)))
+    with pytest.raises(UnsupportedNetworkPolicy, match="need the node's egress proxy.*mitmdump not found"):
+        backend.check(domains)
+    backend.egress, backend.egress_error = EgressProxy("nope" + tmp_path.name[-6:], "127.0.0.1", tmp_path), ""
+    with pytest.raises(UnsupportedNetworkPolicy, match="not running here: it stopped"):
+        backend.check(domains)  # installed perhaps, but no process answers
