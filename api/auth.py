@@ -1,12 +1,16 @@
-"""Who calls the API: a team, by its ``X-API-Key`` (keys are looked up by their hash), or
-an operator, by E2B's ``X-Admin-Token`` on the routes that take it (``GET /nodes``)."""
+"""Who calls the API: a team, by its ``X-API-Key`` (keys are looked up by their hash); a
+person, by an access token (``Authorization: Bearer sk_e2b_…``) or the dashboard's signed-in
+session, on the routes E2B gives to people (``/teams``, ``/access-tokens``, ``/api-keys``,
+team metrics); or an operator, by E2B's ``X-Admin-Token`` on the routes that take it
+(``GET /nodes``)."""
 import hmac
 
 from django.conf import settings
 from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions
 
-from sandboxes.models import ApiKey, hash_api_key
+from sandboxes.access_tokens import find_token
+from sandboxes.models import AccessToken, ApiKey, hash_api_key
 
 
 class ApiKeyPrincipal:
@@ -47,6 +51,36 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
     def authenticate_header(self, request):
         # Makes DRF answer 401 (not 403) for missing/invalid keys.
         return "X-API-Key"
+
+
+class OptionalApiKeyAuthentication(ApiKeyAuthentication):
+    """The same key, on routes a person may call too: no header, the next class decides."""
+
+    def authenticate(self, request):
+        if not request.META.get(self.header):
+            return None
+        return super().authenticate(request)
+
+
+class AccessTokenAuthentication(authentication.BaseAuthentication):
+    """E2B's ``AccessTokenAuth``: ``Authorization: Bearer sk_e2b_…``. ``request.user`` is the
+    token's Django user (a person; the team it acts for is chosen per route), ``request.auth``
+    the token. No header: the next class decides; another scheme, or an unknown token: 401."""
+
+    def authenticate(self, request):
+        header = request.META.get("HTTP_AUTHORIZATION", "").strip()
+        if not header:
+            return None
+        scheme, _, raw = header.partition(" ")
+        if scheme.lower() != "bearer" or not raw.strip().startswith(AccessToken.PREFIX):
+            raise exceptions.AuthenticationFailed("expected Authorization: Bearer <access token (sk_e2b_…)>")
+        token = find_token(raw)
+        if token is None:
+            raise exceptions.AuthenticationFailed("invalid access token")
+        return token.user, token
+
+    def authenticate_header(self, request):
+        return 'Bearer realm="aenv"'
 
 
 class OperatorPrincipal:

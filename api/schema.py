@@ -36,3 +36,18 @@ class OptionalNodeBearerScheme(OpenApiAuthenticationExtension):
 
     def get_security_requirement(self, auto_schema):
         return [{self.name: []}, {}]
+
+
+class OptionalApiKeyScheme(ApiKeyScheme):
+    """The same key on the routes a person may call instead (``api.teams``)."""
+    target_class = "api.auth.OptionalApiKeyAuthentication"
+    name = "ApiKeyAuthOrPerson"
+
+
+class AccessTokenScheme(OpenApiAuthenticationExtension):
+    """E2B's ``AccessTokenAuth``: a person's ``sk_e2b_…`` token as Bearer."""
+    target_class = "api.auth.AccessTokenAuthentication"
+    name = "AccessTokenAuth"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "bearerFormat": "access_token"}

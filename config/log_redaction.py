@@ -31,9 +31,10 @@ _HEADER = re.compile(rf"(?i)(?P<name>\b(?:{_HEADERS}))(?P<sep>['\"]?\s*[:=,]\s*(
                      r"(?P<value>(?:(?:bearer|basic|token|digest)\s+)?[^\s'\",;&)}\]]+)")
 # Cookies carry session ids; their value runs to the end of the header.
 _COOKIE = re.compile(r"(?i)(?P<name>\b(?:set-)?cookie)(?P<sep>['\"]?\s*[:=,]\s*(?:b?['\"])?)(?P<value>[^'\"\r\n]+)")
-# A platform API key anywhere (sandboxes.models.ApiKey: "e2b_" + 40 hex digits), a node's join
-# token or its credential (nodes.join: "aenv_join_" + 48, "aenv_node_" + 64 hex digits).
-_API_KEY = re.compile(r"\b(?:e2b_[0-9a-f]{40}|aenv_join_[0-9a-f]{48}|aenv_node_[0-9a-f]{64})\b")
+# A platform API key or a person's access token anywhere (sandboxes.models.ApiKey: "e2b_",
+# AccessToken: "sk_e2b_" + 40 hex digits), a node's join token or its credential (nodes.join:
+# "aenv_join_" + 48, "aenv_node_" + 64 hex digits).
+_API_KEY = re.compile(r"\b(?:(?:sk_)?e2b_[0-9a-f]{40}|aenv_join_[0-9a-f]{48}|aenv_node_[0-9a-f]{64})\b")
 # A JWT anywhere (a Kubernetes service-account token a node joins with, nodes.join): a JSON
 # header and payload, base64url, then the signature.
 _JWT = re.compile(r"\beyJ[\w-]+\.eyJ[\w-]+\.[\w-]+")

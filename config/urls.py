@@ -24,6 +24,8 @@ urlpatterns = [
     path("", include("api.sandboxes.urls")),
     path("", include("api.events.urls")),  # E2B's /events/sandboxes and /events/webhooks
     path("", include("api.snapshots.urls")),
+    # Teams, their metrics, API keys and access tokens.
+    path("", include("api.teams.urls")),
     path("", include("api.volumes.urls")),  # /volumes and the volume content API (/volumecontent)
     # Template builds, tags, uploads, and /templates/{id} (a template, or a snapshot by id or name).
     path("", include("api.templates.urls")),

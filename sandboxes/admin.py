@@ -4,7 +4,7 @@ Sandbox state is shown, never edited here: state changes belong to the lifecycle
 service (conditional updates + events), not to a form."""
 from django.contrib import admin
 
-from sandboxes.models import ApiKey, Sandbox, SandboxEvent, SandboxLog, SandboxMetric, Team, Template
+from sandboxes.models import AccessToken, ApiKey, Sandbox, SandboxEvent, SandboxLog, SandboxMetric, Team, Template
 
 
 class ApiKeyInline(admin.TabularInline):
@@ -30,6 +30,20 @@ class TeamAdmin(admin.ModelAdmin):
     @admin.display(description="members")
     def member_count(self, obj) -> int:
         return obj.members.count()
+
+
+@admin.register(AccessToken)
+class AccessTokenAdmin(admin.ModelAdmin):
+    """A person's access tokens: seen and deleted here, never made (the raw token is shown
+    once, by ``POST /access-tokens`` or ``manage.py create_access_token``)."""
+
+    list_display = ["prefix", "name", "user", "created_at", "last_used_at"]
+    search_fields = ["prefix", "name", "user__username"]
+    readonly_fields = ["user", "name", "prefix", "suffix", "created_at", "last_used_at"]
+    exclude = ["token_hash"]  # a hash, but nothing anyone needs to see
+
+    def has_add_permission(self, request):
+        return False
 
 
 @admin.register(ApiKey)

@@ -1,4 +1,4 @@
-"""Control-plane truth: teams, API keys, templates, sandboxes and their event log."""
+"""Control-plane truth: teams, API keys, access tokens, templates, sandboxes and their event log."""
 import hashlib
 import secrets
 import string
@@ -40,16 +40,25 @@ def hash_api_key(raw_key: str) -> str:
     return hashlib.sha256(raw_key.encode()).hexdigest()
 
 
+def new_secret(prefix: str) -> str:
+    """A key or token as E2B spells them: its kind's prefix, then 40 hex digits."""
+    return prefix + secrets.token_hex(20)
+
+
 class ApiKey(models.Model):
     """Only the SHA-256 of a key is stored; the key itself is shown once on creation.
 
     Keys look like ``e2b_`` + 40 hex digits so SDK versions with the client-side
-    format check (~2.25–2.4x) accept them."""
+    format check (~2.25–2.4x) accept them. ``uid`` is the key's id in E2B's ``/api-keys``
+    API (a UUID there); ``suffix`` its last 4 digits, for E2B's mask (empty for keys made
+    before the mask existed)."""
 
     PREFIX = "e2b_"
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="api_keys")
+    uid = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     name = models.CharField(max_length=128, default="default")
     prefix = models.CharField(max_length=16, db_index=True, help_text="first characters, to recognise a key")
+    suffix = models.CharField(max_length=4, blank=True, default="", help_text="last characters, for the mask")
     key_hash = models.CharField(max_length=64, unique=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(default=timezone.now)
@@ -64,15 +73,46 @@ class ApiKey(models.Model):
 
     @classmethod
     def generate(cls, team: Team, name: str = "default", created_by=None) -> tuple["ApiKey", str]:
-        raw = cls.PREFIX + secrets.token_hex(20)
+        raw = new_secret(cls.PREFIX)
         key = cls.objects.create(
-            team=team, name=name, prefix=raw[:12], key_hash=hash_api_key(raw), created_by=created_by
+            team=team, name=name, prefix=raw[:12], suffix=raw[-4:], key_hash=hash_api_key(raw), created_by=created_by
         )
         return key, raw
 
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None
+
+
+class AccessToken(models.Model):
+    """E2B's access token (``Authorization: Bearer sk_e2b_…``): a person's credential, not a
+    team's. It acts for its user in every team the user is a member of (``Team.members``),
+    on the routes E2B gives to access tokens (``/teams``, ``/access-tokens``, and the user's
+    side of ``/api-keys`` and team metrics). Stored like API keys: the SHA-256 only, the
+    token shown once."""
+
+    PREFIX = "sk_e2b_"
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="access_tokens")
+    name = models.CharField(max_length=128)
+    prefix = models.CharField(max_length=16, help_text="first characters, to recognise a token")
+    suffix = models.CharField(max_length=4, help_text="last characters, for the mask")
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.user})"
+
+    @classmethod
+    def generate(cls, user, name: str) -> tuple["AccessToken", str]:
+        raw = new_secret(cls.PREFIX)
+        token = cls.objects.create(user=user, name=name, prefix=raw[:15], suffix=raw[-4:],
+                                   token_hash=hash_api_key(raw))
+        return token, raw
 
 
 class Template(models.Model):
