@@ -518,7 +518,7 @@ def lock_pidfile(path: Path):
 
 def make_source(dir_source: str | None):
     """``--dir-source``, else the S3 store of the node's environment (AENV_S3_*)."""
-    from .sources import DirChunkSource, S3ChunkSource, s3_client  # noqa: PLC0415
+    from .sources import DirChunkSource, S3ChunkSource, s3_client, signed_getter  # noqa: PLC0415
 
     if dir_source:
         return DirChunkSource(Path(dir_source))
@@ -526,8 +526,9 @@ def make_source(dir_source: str | None):
     if not bucket:
         raise SystemExit("chunkfs: no source: give --dir-source or set AENV_S3_BUCKET (and AENV_S3_ENDPOINT, "
                          "AENV_S3_REGION, AENV_S3_PREFIX)")
-    client = s3_client(os.environ.get("AENV_S3_ENDPOINT", ""), os.environ.get("AENV_S3_REGION", ""))
-    return S3ChunkSource(client, bucket, os.environ.get("AENV_S3_PREFIX", ""))
+    endpoint, region = os.environ.get("AENV_S3_ENDPOINT", ""), os.environ.get("AENV_S3_REGION", "")
+    return S3ChunkSource(s3_client(endpoint, region), bucket, os.environ.get("AENV_S3_PREFIX", ""),
+                         getter=signed_getter(endpoint, bucket, region))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -39,6 +39,11 @@ def client(url: str):
 _SERVERS: dict[str, subprocess.Popen] = {}  # url -> its moto_server, while it runs
 
 
+def server_pid(url: str) -> int:
+    """The pid of the moto_server serving ``url`` (a benchmark counts its CPU time)."""
+    return _SERVERS[url].pid
+
+
 @contextlib.contextmanager
 def silenced(url: str):
     """The moto_server at ``url`` stops answering until the block ends (SIGSTOP: the kernel

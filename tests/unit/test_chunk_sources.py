@@ -17,7 +17,7 @@ from agent.stores.s3 import S3Store
 from chunkfs.cache import ChunkCache
 from chunkfs.errors import ChunkCorrupt, ChunkUnavailable
 from chunkfs.sources import (ChunkSource, DirChunkSource, FallbackSource, S3ChunkSource, s3_client,
-                             source_from_spec)
+                             signed_getter, source_from_spec)
 from harness.moto_s3 import REGION, moto_server, default_credentials, CLIENT_KEYS
 
 BUCKET = "aenv-chunks"
@@ -35,13 +35,22 @@ def s3_endpoint():
         yield url
 
 
+def _source(endpoint: str, bucket: str, prefix: str = "", lean: bool = False, **bounds) -> S3ChunkSource:
+    """The chunk source through boto3's client, or (``lean``) through ``s3_get.SignedGetter``
+    as the chunkfs daemon makes it for a store with an endpoint."""
+    client = s3_client(endpoint, REGION, **bounds, **CLIENT_KEYS)
+    getter = signed_getter(endpoint, bucket, REGION, **bounds, **CLIENT_KEYS) if lean else None
+    return S3ChunkSource(client, bucket, prefix, getter=getter)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_s3_source_reads_what_the_s3_store_committed(s3_endpoint, tmp_path):
+@pytest.mark.parametrize("lean", [False, True], ids=["boto3", "signed-getter"])
+def test_s3_source_reads_what_the_s3_store_committed(s3_endpoint, tmp_path, lean):
     """A snapshot uploaded by the store, read back on "another node" chunk by chunk through
     the cache: every byte equal, holes absent from the manifest, nothing fetched twice."""
     client = s3_client(s3_endpoint, REGION, **CLIENT_KEYS)
@@ -59,7 +68,8 @@ def test_s3_source_reads_what_the_s3_store_committed(s3_endpoint, tmp_path):
     store.commit("snap-1")
     doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/snap-1/manifest.json")["Body"].read())
 
-    source = S3ChunkSource(client, BUCKET, prefix)
+    source = _source(s3_endpoint, BUCKET, prefix, lean)
+    assert (source.getter is not None) == lean
     assert isinstance(source, ChunkSource) and source.name == f"s3://{BUCKET}/{prefix}/"
     with ChunkCache(tmp_path / "node-b-cache", 64 * CHUNK) as cache:
         for name, entry in doc["files"].items():
@@ -72,28 +82,73 @@ def test_s3_source_reads_what_the_s3_store_committed(s3_endpoint, tmp_path):
     with pytest.raises(ChunkUnavailable, match="NoSuchKey|404"):
         source.fetch(sha(b"never stored"), 12)
     with pytest.raises(ChunkUnavailable, match="NoSuchBucket|404"):
-        S3ChunkSource(client, "no-such-bucket", prefix).fetch(doc["files"]["memory.ram"]["chunks"][0][2], CHUNK)
+        _source(s3_endpoint, "no-such-bucket", prefix, lean).fetch(doc["files"]["memory.ram"]["chunks"][0][2], CHUNK)
+    assert source.wire_bytes > 0
 
 
-def test_s3_source_gives_up_on_a_closed_port_quickly():
-    client = s3_client(f"http://127.0.0.1:{_free_port()}", REGION, connect_timeout=1, read_timeout=1, attempts=2,
-                       **CLIENT_KEYS)
+def test_signed_getter_signs_bounds_and_reads_metadata():
+    """What the store sees from ``s3_get.SignedGetter`` (moto does not check signatures: a
+    recording server here): a SigV4-signed path-style GET of the key, user metadata read back,
+    a body never read past the limit, a 503 retried, a 404 an error with its status."""
+    import http.server
+    import threading
+
+    seen, answers = [], []
+
+    class Store(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append((self.path, dict(self.headers)))
+            status, body = answers.pop(0)
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("x-amz-meta-aenv-encoding", "zstd")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Store)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        getter = signed_getter(f"http://127.0.0.1:{server.server_port}", "my-bucket", REGION, connect_timeout=1,
+                               read_timeout=2, attempts=2, **CLIENT_KEYS)
+        answers[:] = [(503, b"slow down"), (200, b"x" * 100)]
+        body, metadata = getter.get("pre/chunks/" + sha(b"a"), 10)
+        assert body == b"x" * 10 and metadata == {"aenv-encoding": "zstd"}
+        assert len(seen) == 2  # the 503 was retried
+        path, headers = seen[-1]
+        assert path == "/my-bucket/pre/chunks/" + sha(b"a")
+        assert headers["Authorization"].startswith(f"AWS4-HMAC-SHA256 Credential={CLIENT_KEYS['aws_access_key_id']}/")
+        assert "/s3/aws4_request" in headers["Authorization"] and headers.get("X-Amz-Date")
+        answers[:] = [(404, b"<Error><Code>NoSuchKey</Code></Error>")]
+        with pytest.raises(Exception, match="404"):
+            getter.get("pre/chunks/" + sha(b"b"), 10)
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["boto3", "signed-getter"])
+def test_s3_source_gives_up_on_a_closed_port_quickly(lean):
+    source = _source(f"http://127.0.0.1:{_free_port()}", BUCKET, lean=lean, connect_timeout=1, read_timeout=1,
+                     attempts=2)
     start = time.monotonic()
     with pytest.raises(ChunkUnavailable):
-        S3ChunkSource(client, BUCKET).fetch(sha(b"x"), 1)
+        source.fetch(sha(b"x"), 1)
     assert time.monotonic() - start < 5
 
 
-def test_s3_source_gives_up_on_a_store_that_never_answers():
+@pytest.mark.parametrize("lean", [False, True], ids=["boto3", "signed-getter"])
+def test_s3_source_gives_up_on_a_store_that_never_answers(lean):
     """Connected, then silence (a hung store, a black-holed route): the read timeout ends it."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)  # never accepted, never answered
-        client = s3_client(f"http://127.0.0.1:{silent.getsockname()[1]}", REGION, connect_timeout=1,
-                           read_timeout=1, attempts=2, **CLIENT_KEYS)
+        source = _source(f"http://127.0.0.1:{silent.getsockname()[1]}", BUCKET, lean=lean, connect_timeout=1,
+                         read_timeout=1, attempts=2)
         start = time.monotonic()
         with pytest.raises(ChunkUnavailable):
-            S3ChunkSource(client, BUCKET).fetch(sha(b"x"), 1)
+            source.fetch(sha(b"x"), 1)
         assert 0.9 < time.monotonic() - start < 8
 
 
