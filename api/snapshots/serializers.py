@@ -36,6 +36,21 @@ class SnapshotInfoSerializer(serializers.ModelSerializer):
         fields = ["snapshotID", "names"]
 
 
+class SnapshotDetailSerializer(SnapshotInfoSerializer):
+    """AgentENV's fuller ``SnapshotInfo`` of ``GET /snapshots/{id}``: the shape a sandbox
+    restored from it gets, and when it was taken."""
+
+    cpuCount = serializers.IntegerField(source="cpu_count")
+    memoryMB = serializers.IntegerField(source="memory_mb")
+    diskSizeMB = serializers.IntegerField(source="disk_size_mb")
+    createdAt = serializers.DateTimeField(source="created_at")
+    updatedAt = serializers.DateTimeField(source="updated_at")
+
+    class Meta(SnapshotInfoSerializer.Meta):
+        fields = [*SnapshotInfoSerializer.Meta.fields, "cpuCount", "memoryMB", "diskSizeMB", "createdAt",
+                  "updatedAt"]
+
+
 class SnapshotListQuerySerializer(serializers.Serializer):
     """Query string of ``GET /snapshots``."""
 

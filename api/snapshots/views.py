@@ -10,10 +10,11 @@ from api.fields import ErrorSerializer
 from api.errors import status_of
 from api.requests import actor_of, body_of, server_timing, team_of, valid
 
-from lifecycle.snapshots import fork, queries, snapshot
+from lifecycle.snapshots import delete, fork, queries, snapshot
 from api.snapshots.serializers import (
     ForkRequestSerializer,
     ForkResultSerializer,
+    SnapshotDetailSerializer,
     SnapshotInfoSerializer,
     SnapshotListQuerySerializer,
     SnapshotRequestSerializer,
@@ -50,6 +51,23 @@ class SnapshotsView(APIView):
             response["X-Next-Token"] = page.next_token
         response["Access-Control-Expose-Headers"] = "X-Next-Token"
         return response
+
+
+class SnapshotView(APIView):
+    """``/snapshots/{snapshotID}`` (AgentENV's): the team's ready snapshot by id or name
+    (GET, 200 ``SnapshotInfo`` with its shape and times), or its delete (DELETE, 204; 409
+    while live sandboxes restored from it, or a running template build on it, still read its
+    files). Another team's, a template's, or none: 404."""
+
+    @extend_schema(operation_id="snapshot_get", responses={200: SnapshotDetailSerializer, **ERRORS})
+    async def get(self, request, snapshot_id: str):
+        found = await queries.get_snapshot(team_of(request), snapshot_id)
+        return Response(SnapshotDetailSerializer(found).data)
+
+    @extend_schema(operation_id="snapshot_delete", responses={204: OpenApiResponse(description="deleted"), **ERRORS})
+    async def delete(self, request, snapshot_id: str):
+        await delete.delete_snapshot(team_of(request), snapshot_id, actor=actor_of(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 class SandboxForkView(APIView):

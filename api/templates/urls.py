@@ -22,6 +22,7 @@ urlpatterns = [
     re_path(rf"^templates/{REF}/builds/{BUILD}/status$", views.BuildStatusView.as_view(),
             name="template-build-status"),
     re_path(rf"^templates/{REF}/builds/{BUILD}/logs$", views.BuildLogsView.as_view(), name="template-build-logs"),
+    re_path(rf"^templates/{REF}/builds/{BUILD}$", views.BuildView.as_view(), name="template-build"),
     re_path(rf"^templates/{REF}/tags$", views.TemplateTagsView.as_view(), name="template-tags"),
     re_path(rf"^v2/templates/{REF}/builds/{BUILD}$", views.BuildStartView.as_view(), name="template-build-start"),
     re_path(rf"^v2/templates/{REF}$", views.TemplateV2View.as_view(), name="template-v2"),

@@ -32,6 +32,7 @@ from api.templates.serializers import (
     TemplateBuildFileUploadSerializer,
     TemplateBuildInfoSerializer,
     TemplateBuildLogsResponseSerializer,
+    TemplateBuildSerializer,
     TemplateDetailQuerySerializer,
     TemplateListQuerySerializer,
     TemplatePageQuerySerializer,
@@ -171,6 +172,17 @@ class BuildStatusView(APIView):
         build = await queries.build_of(team_of(request), template_id, build_id)
         entries = await queries.log_page(build, q["logsOffset"], q["limit"], q.get("level"))
         return Response(TemplateBuildInfoSerializer((build, entries)).data)
+
+
+class BuildView(APIView):
+    """``GET /templates/{id}/builds/{buildID}``: 200 the build (E2B's ``TemplateBuild``, as
+    in ``GET /templates/{id}``); another team's build, or none: 404."""
+
+    @extend_schema(operation_id="template_build_get", parameters=[TEMPLATE_ID, BUILD_ID],
+                   responses={200: TemplateBuildSerializer, **ERRORS})
+    async def get(self, request, template_id: str, build_id: str):
+        build = await queries.team_build(team_of(request), template_id, build_id)
+        return Response(TemplateBuildSerializer(build).data)
 
 
 class BuildLogsView(APIView):

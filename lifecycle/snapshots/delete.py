@@ -1,6 +1,6 @@
-"""Delete a snapshot: ``ready → deleting``, refused while live sandboxes restored from it
-still read its files; the files go first (on its node, or any node with the s3 store),
-then the row."""
+"""Delete a snapshot: ``ready → deleting``, refused while live sandboxes restored from it,
+or template builds running on it, still read its files; the files go first (on its node, or
+any node with the s3 store), then the row."""
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +18,11 @@ from sandboxes.models import Sandbox, Team, Template
 from sandboxes.states import LIVE
 
 from lifecycle import sources
+from lifecycle.sources import normalize_ref
 from snapshots.models import Snapshot, SnapshotState as SS
 from snapshots.states import KEEP
 from snapshots.transitions import transition, transition_sync
+from template_builds.models import BuildStatus, TemplateBuild
 from lifecycle.snapshots.common import delete_files_quietly, node_error
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,18 @@ async def _deleting_node(snapshot: Snapshot):
     return own  # nobody else either: the node client reports it unavailable
 
 
+def _builds_on(snapshot: Snapshot) -> list[str]:
+    """The team's builds now running on ``snapshot`` (their ``fromTemplate`` names it): the
+    build VM reads its disk layers until the build ends. A template built from it earlier
+    does not need it (its snapshot holds its own copy of every layer)."""
+    team = snapshot.team
+    names = {snapshot.id, snapshot.name} - {""}
+    running = (TemplateBuild.objects.filter(status=BuildStatus.BUILDING, base_build__isnull=True,
+                                            template__team_id=snapshot.team_id)
+               .exclude(from_template="").order_by("created_at").values_list("id", "from_template"))
+    return [str(bid) for bid, ref in running if normalize_ref(team, ref) in names]
+
+
 @sync_to_async
 def _begin_delete(snapshot: Snapshot, actor: str) -> str:
     """``→ deleting``, then looks for live dependents; with any, back to the previous
@@ -94,6 +108,12 @@ def _begin_delete(snapshot: Snapshot, actor: str) -> str:
         raise NotFound(f'template or snapshot "{snapshot.id}" not found (being deleted)')
     users = list(Sandbox.objects.filter(source_snapshot_id=snapshot.pk, state__in=LIVE)
                  .order_by("created_at").values_list("id", flat=True)[:6])
+    builds = _builds_on(snapshot)
+    if builds and not users:
+        transition_sync(snapshot.pk, KEEP[snapshot.state], actor=actor, message="still used by template builds",
+                        details={"builds": builds[:5]})
+        raise Conflict(f'snapshot "{snapshot.id}" is the base of running template builds '
+                       f"({', '.join(builds[:5])}); wait for them to end before deleting it")
     if users:
         transition_sync(snapshot.pk, KEEP[snapshot.state], actor=actor, message="still used by live sandboxes",
                         details={"sandboxes": users[:5]})

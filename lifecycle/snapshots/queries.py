@@ -1,13 +1,24 @@
-"""The team's snapshots, keyset-paginated like the sandbox list."""
+"""The team's snapshots: one by id or name, and the list, keyset-paginated like the
+sandbox list."""
 from __future__ import annotations
 
 from django.db.models import Q
 
 from lifecycle.sandboxes.queries import Page, decode_page_token, encode_page_token
+from sandboxes.errors import NotFound
 from sandboxes.models import Team
 
 from snapshots.models import Snapshot, SnapshotState as SS
-from lifecycle.sources import normalize_ref
+from lifecycle.sources import normalize_ref, snapshot_of
+
+
+async def get_snapshot(team: Team, ref: str) -> Snapshot:
+    """The team's ready snapshot ``ref`` (an id, a name — its newest —, ``team/name`` or
+    ``name:tag``), as listed by ``GET /snapshots``; anything else is NotFound."""
+    found = await snapshot_of(team, ref, states=[SS.READY])
+    if found is None:
+        raise NotFound(f"snapshot '{ref}' not found")
+    return found
 
 
 async def list_snapshots(team: Team, *, sandbox_id: str | None = None, name: str | None = None,

@@ -36,6 +36,19 @@ async def build_of(team: Team, template_ref: str, build_id: str) -> TemplateBuil
     return await settle_stale(build)
 
 
+async def team_build(team: Team, template_ref: str, build_id: str) -> TemplateBuild:
+    """``GET /templates/{id}/builds/{buildID}``: one build of one of the team's templates
+    (by the template's id, alias or name). An id that is not a UUID: Invalid; another
+    team's build, a build of another template, or none: NotFound (nothing said about
+    whose it is)."""
+    bid = build_uuid(build_id)
+    build = await TemplateBuild.objects.select_related("template", "template__team").filter(
+        pk=bid, template__team=team, template__deleted_at__isnull=True).afirst()
+    if build is None or template_ref not in (build.template_id, *build.template.names, build.template.alias):
+        raise NotFound(f"build '{bid}' of template '{template_ref}' not found")
+    return await settle_stale(build)
+
+
 async def log_page(build: TemplateBuild, offset: int, limit: int, level: str | None = None) -> list[BuildLogEntry]:
     """Entries ``[offset, offset + limit)`` of the build's log (of those at ``level`` or
     above, when given), oldest first."""
