@@ -45,6 +45,7 @@ export const {
   NotFoundError,
   SandboxError,
   SandboxNotFoundError,
+  Secret,
   TimeoutError,
 } = e2b
 

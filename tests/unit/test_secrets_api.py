@@ -166,3 +166,24 @@ async def test_no_value_in_answers_logs_or_the_raw_rows(api, caplog):
     dump = repr(rows).encode() + b"".join(bytes(c) for r in rows for c in r if isinstance(c, (bytes, memoryview)))
     assert len(rows) == 3 and VALUE.encode() not in dump and b"0123456789abcdef" not in dump
     assert await Secret.objects.filter(pk=made["secretID"]).aexists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_python_sdks_secret_class_end_to_end(live_server, raw_key, monkeypatch):
+    """The unchanged SDK's high-level ``Secret`` over real HTTP (E2B_API_URL)."""
+    from e2b import Secret as SdkSecret  # noqa: PLC0415
+
+    monkeypatch.setenv("E2B_API_URL", live_server.url)
+    monkeypatch.setenv("E2B_API_KEY", raw_key)
+    made = SdkSecret.create("Sdk-Key", VALUE, metadata={"a": "b"})
+    assert made.secret_id.startswith("sec_") and made.name == "sdk-key" and made.version == 1
+    assert made.metadata == {"a": "b"}
+    assert SdkSecret.get_info("sdk-key").secret_id == made.secret_id
+    assert SdkSecret.exists("SDK-KEY") and not SdkSecret.exists("nope")
+    assert SdkSecret.update(made.secret_id, "v2").version == 2
+    pages, seen = SdkSecret.list(limit=1), []
+    while pages.has_next:
+        seen += pages.next_items()
+    assert [s.name for s in seen] == ["sdk-key"]
+    assert SdkSecret.fill("sdk-key") == "${e2b.secrets.sdk-key}"
+    assert SdkSecret.destroy("sdk-key") is True and SdkSecret.destroy("sdk-key") is False
