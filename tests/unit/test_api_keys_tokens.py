@@ -296,3 +296,10 @@ def test_the_admin_lists_tokens_without_their_hash(client, person):
     page = client.get(f"/admin/sandboxes/accesstoken/{person[1].pk}/change/").content.decode()
     assert person[1].token_hash not in page and person[2] not in page
     assert client.get("/admin/sandboxes/accesstoken/add/").status_code == 403
+
+
+def test_access_tokens_are_redacted_from_logs(person):
+    from config.log_redaction import redact  # noqa: PLC0415
+
+    raw = person[2]
+    assert raw not in redact(f"token {raw} in a message") and "[redacted]" in redact(f"token {raw} in a message")

@@ -50,6 +50,7 @@ async def test_build_errors(api, built, assert_error):
     assert_error(await api.get(f"/templates/other/builds/{ready.pk}"), 404, "not found")
     assert_error(await api.get(f"/templates/web/builds/{uuid.uuid4()}"), 404, "not found")
     assert_error(await api.get("/templates/web/builds/not-a-uuid"), 400, "not a UUID")
+    assert_error(await api.post(f"/templates/web/builds/{ready.pk}", json={}), 405)  # E2B's deprecated start
     mine.deleted_at = timezone.now()
     await mine.asave()
     assert_error(await api.get(f"/templates/tpl-a/builds/{ready.pk}"), 404, "not found")
