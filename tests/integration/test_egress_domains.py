@@ -2,7 +2,7 @@
 reaches good.test's HTTP and HTTPS servers (names served by the node's resolver, hosts in a
 namespace of the test's own) and fails every dodge — connecting by IP, an SNI that differs
 from the Host, DNS over TCP and DNS over TLS to another resolver, a raw socket on 443 to a
-denied address; the policy holds across pause / resume and changes live."""
+denied address; the policy holds across pause / resume, in a fork child, and changes live."""
 import json
 
 import pytest
@@ -135,6 +135,13 @@ def test_a_guest_allowed_one_domain_reaches_it_and_fails_every_dodge(sdk_env, na
         sandbox.pause()  # to disk: a new slot on resume, the stored policy with it
         sandbox = Sandbox.connect(sandbox.sandbox_id, timeout=600)
         _assert_only_good_test(_probe(sandbox))
+
+        child = sandbox.fork(count=1, timeout=300)[0]  # a slot of its own, the parent's policy
+        assert not isinstance(child, Exception), child
+        try:
+            _assert_only_good_test(_probe(child))
+        finally:
+            child.kill()
 
         # live: evil.test's address allowed by CIDR goes straight out, DNS elsewhere stays shut
         sandbox.update_network({"allow_out": ["good.test", EXT_B], "deny_out": [ALL_TRAFFIC]})
