@@ -106,13 +106,14 @@ class NamedHosts:
 
 
 @contextmanager
-def proxy_world(pool: str, clients: tuple[str, ...]):
+def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None = None):
     """The node's egress proxy without a VM, for its tests and benchmark: an external host
     (harness.networld) serving good.test (EXT_A) and evil.test (EXT_B), a node resolver
     (vmm.net.dns) for a resolver instance of ``pool`` that answers those names only
     (its upstream is a loopback address where nothing answers), and the proxy on the
-    resolver's address; ``clients`` ("slot addresses") are put on lo for the caller to bind
-    to, as a slot's DNAT would deliver a guest. Yields the EgressProxy; removes everything."""
+    resolver's address (``max_connections``: per sandbox, else the default); ``clients``
+    ("slot addresses") are put on lo for the caller to bind to, as a slot's DNAT would deliver
+    a guest. Yields the EgressProxy; removes everything."""
     from harness.networld import EXT_A, EXT_B, ExternalHost  # noqa: PLC0415
     from vmm.net.dns import NodeDNS, _on_lo, service_ip  # noqa: PLC0415
     from vmm.net.egress import EgressProxy  # noqa: PLC0415
@@ -136,7 +137,8 @@ def proxy_world(pool: str, clients: tuple[str, ...]):
         (dns.hosts_dir / "named").write_text(hosts.hosts_file() + "127.0.0.1 loop.test\n")
         for address in clients:
             _on_lo(address, True)
-        egress = EgressProxy(prefix, service_ip(pool), work / "net", reopened=(f"{EXT_A}/32", f"{EXT_B}/32"))
+        egress = EgressProxy(prefix, service_ip(pool), work / "net", reopened=(f"{EXT_A}/32", f"{EXT_B}/32"),
+                             **({"max_connections": max_connections} if max_connections else {}))
         egress.ensure()
         yield egress
     finally:

@@ -7,6 +7,7 @@ tests/integration/test_egress_domains.py."""
 import os
 import socket
 import ssl
+import time
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,12 @@ POOL = f"10.17.{_SECOND}.0/24"  # this session's own: its base + 1 (resolver, pr
 CLIENT = f"10.17.{_SECOND}.3"
 OTHER_CLIENT = f"10.17.{_SECOND}.5"  # a "slot" without a policy file
 TLS, HTTP = slots.PROXIED_PORTS[443], slots.PROXIED_PORTS[80]
+MAX = 6  # connections per sandbox through the proxy
 
 
 @pytest.fixture(scope="module")
 def proxy():
-    with proxy_world(POOL, (CLIENT, OTHER_CLIENT)) as egress:
+    with proxy_world(POOL, (CLIENT, OTHER_CLIENT), max_connections=MAX) as egress:
         egress.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
         try:
             yield egress
@@ -132,6 +134,27 @@ def test_a_list_change_applies_to_the_next_connection(proxy):
     finally:
         proxy.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
     assert _https("evil.test", "evil.test") == ""
+
+
+def test_one_sandbox_holds_at_most_max_connections_through_the_proxy(proxy):
+    held = [_connect(TLS) for _ in range(MAX)]  # open, no ClientHello yet
+    proxy.allow(OTHER_CLIENT, "sbx-other", ("good.test",))
+    try:
+        time.sleep(1)
+        with _connect(TLS) as extra:
+            extra.sendall(b"x")
+            try:
+                assert extra.recv(100) == b""  # closed at once ...
+            except ConnectionResetError:
+                pass  # ... or reset
+        assert "good.test host=good.test" in _https("good.test", "good.test", source=OTHER_CLIENT)  # others unaffected
+        held.pop().close()
+        time.sleep(1)
+        assert "good.test host=good.test" in _https("good.test", "good.test")  # room again
+    finally:
+        proxy.forget(OTHER_CLIENT)
+        for sock in held:
+            sock.close()
 
 
 def test_the_node_list_leaves_out_addresses_the_denied_ranges_cover():

@@ -41,6 +41,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MITMDUMP = ROOT / ".venv-egress" / "bin" / "mitmdump"
 ADDON = Path(__file__).with_name("egress_proxy") / "addon.py"
 START_TIMEOUT = 20.0
+# Connections one sandbox may hold through the proxy at once: the proxy is the node's, shared
+# by every sandbox with domain rules (its slot's own limits bound new connections per second).
+MAX_CONNECTIONS = 256
 
 
 class EgressProxyError(Exception):
@@ -58,7 +61,7 @@ class EgressProxy:
     """The egress proxy of one aenv instance (``prefix``), listening on ``ip``."""
 
     def __init__(self, prefix: str, ip: str, log_dir: Path, node: tuple[str, ...] = (),
-                 reopened: tuple[str, ...] = (), binary: Path | None = None):
+                 reopened: tuple[str, ...] = (), binary: Path | None = None, max_connections: int = MAX_CONNECTIONS):
         self.prefix, self.ip = prefix, ip
         self.dir = RUNTIME / prefix
         self.slots_dir = self.dir / "slots"
@@ -66,6 +69,7 @@ class EgressProxy:
         self.log_file = Path(log_dir) / "egress-proxy.log"
         self.node, self.reopened = tuple(node), tuple(reopened)
         self.binary = Path(binary) if binary else DEFAULT_MITMDUMP
+        self.max_connections = max_connections
 
     # -- the process ----------------------------------------------------------------------
 
@@ -94,7 +98,8 @@ class EgressProxy:
         node = sorted({c for c in (*self.node, f"{self.ip}/32")
                        if not any(ipaddress.ip_network(c, strict=False).subnet_of(d) for d in denied)})
         return {"resolver": self.ip, "node": node, "denied": list(ALWAYS_DENIED),
-                "reopened": list(self.reopened), "ports": {str(p): g for g, p in PROXIED_PORTS.items()}}
+                "reopened": list(self.reopened), "ports": {str(p): g for g, p in PROXIED_PORTS.items()},
+                "max_connections": self.max_connections}
 
     def ensure(self) -> None:
         """A proxy answering with this configuration (a running one with another is replaced)."""

@@ -22,7 +22,9 @@ Per connection:
   address reaches the allowed name's server or nothing;
 - anything else (no SNI, an SNI or Host that does not match, plain HTTP on 443, TLS on 80,
   other protocols) is closed or answered 403: ``server_connect`` lets a connection out only
-  to an address this addon pinned for that client.
+  to an address this addon pinned for that client;
+- one sandbox holds at most ``max_connections`` connections through the proxy at once (the
+  proxy is shared by the node's sandboxes): past it a new one is closed at once.
 """
 from __future__ import annotations
 
@@ -82,6 +84,9 @@ class EgressPolicy:
         self.reopened: list = []  # ... except what the operator reopened (AENV_NET_ALLOW_EXTRA)
         self.ports: dict[int, int] = {}
         self.pinned: dict[str, set[tuple[str, int]]] = {}  # client id -> addresses it may reach
+        self.max_connections = 0
+        self.open: dict[str, int] = {}  # slot address -> its connections now
+        self.counted: dict[str, str] = {}  # client id -> slot address, for the connections in ``open``
 
     def load(self, loader):
         loader.add_option("aenv_egress_dir", str, "", "aenv: the directory with node.json and slots/")
@@ -99,6 +104,7 @@ class EgressPolicy:
         self.denied = [ipaddress.ip_network(c) for c in node["denied"]]
         self.reopened = [ipaddress.ip_network(c) for c in node.get("reopened", ())]
         self.ports = {int(k): int(v) for k, v in node["ports"].items()}  # listener port -> guest's port
+        self.max_connections = int(node["max_connections"])
 
     # -- the decisions ------------------------------------------------------------------------
 
@@ -157,8 +163,22 @@ class EgressPolicy:
         if data.server.address not in self.pinned.get(data.client.id, ()):
             data.server.error = "refused by the sandbox's network policy"
 
+    def client_connected(self, client):
+        address = client.peername[0]
+        if self.open.get(address, 0) >= self.max_connections:
+            log.info("refused %s: %d connections through the proxy already", address, self.max_connections)
+            client.error = "too many connections through the egress proxy"
+            return
+        self.open[address] = self.open.get(address, 0) + 1
+        self.counted[client.id] = address
+
     def client_disconnected(self, client):
         self.pinned.pop(client.id, None)
+        address = self.counted.pop(client.id, None)
+        if address is not None:
+            self.open[address] -= 1
+            if not self.open[address]:
+                del self.open[address]
 
 
 addons = [EgressPolicy()]
