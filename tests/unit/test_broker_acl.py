@@ -26,6 +26,7 @@ import redis
 from celery import Celery
 
 from agent.worker import worker_argv
+from events.management.commands.run_events_worker import worker_argv as events_worker_argv
 from harness.stack import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,14 +178,16 @@ def tls_broker(tmp_path_factory):
         stop(proc)
 
 
-def round_trip(broker: Broker, tmp_path: Path, queue: str = "node.x", user: str = NODE) -> dict:
+def round_trip(broker: Broker, tmp_path: Path, queue: str = "node.x", user: str = NODE,
+               argv: list[str] | None = None) -> dict:
     """The control-plane user sends ``nodes.echo`` to ``queue``; a real worker process (the
-    node's flags: agent.worker.worker_argv) as ``user`` runs it; the sender reads the result."""
+    node's flags: agent.worker.worker_argv, or ``argv``) as ``user`` runs it; the sender reads
+    the result."""
     (tmp_path / "acl_worker_app.py").write_text(WORKER_APP)
     env = {**os.environ, "BROKER": broker.url(user, 0), "BACKEND": broker.url(user, 1),
            "PYTHONPATH": str(tmp_path)}
     env.pop("DJANGO_SETTINGS_MODULE", None)  # a plain Celery app: no Django fixup in the worker
-    argv = worker_argv(queue.removeprefix("node."), 2, "WARNING")
+    argv = list(argv or worker_argv(queue.removeprefix("node."), 2, "WARNING"))
     argv[argv.index("--concurrency") + 1] = "2"
     worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "acl_worker_app", *argv], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -265,6 +268,26 @@ def test_celery_round_trip_as_a_per_node_user(broker, tmp_path):
     broker.client(ADMIN).acl_log_reset()
     round_trip(broker, tmp_path, queue="node.a", user=NODE_A)
     assert acl_denials(broker) == []
+
+
+def test_the_control_planes_queue_is_the_control_users_alone(broker, tmp_path):
+    """control.events (webhook deliveries: manage.py run_events_worker's flags) runs a real
+    worker as the control-plane user with nothing refused; no node user may push to it, to its
+    priority lists, or take from it (the control user, the contrast, may)."""
+    broker.client(ADMIN).acl_log_reset()
+    round_trip(broker, tmp_path, queue="control.events", user=CONTROL,
+               argv=events_worker_argv("control.events", 2, "WARNING"))
+    assert acl_denials(broker) == []
+    calls = {"LPUSH": lambda c: c.lpush("control.events", "x"),
+             "LPUSH priority": lambda c: c.lpush("control.events\x06\x163", "x"),
+             "BRPOP": lambda c: c.brpop(["control.events"], timeout=0.1)}
+    for user in (NODE, NODE_A):
+        for name, call in calls.items():
+            assert _refused(lambda: call(broker.client(user))), f"{user} may {name} control.events"
+    control = broker.client(CONTROL)
+    for name, call in calls.items():
+        assert not _refused(lambda: call(control)), f"the control user may not {name} control.events"
+    control.delete("control.events", "control.events\x06\x163")
 
 
 # ---------------------------------------------------------------- (c) least rights of the node user
