@@ -72,3 +72,18 @@ def test_rows_sealed_under_one_key_do_not_open_under_another(settings, tmp_path)
     settings.AENV_SECRETS_KEY_FILE = tmp_path / "two"  # another installation's key
     with pytest.raises(crypto.WrongKey):
         store.current_value(secret)
+
+
+@pytest.mark.parametrize("key, ok", [("", True), ("ab" * 32, True), (base64.b64encode(KEY).decode(), True),
+                                     ("change-me", False), ("ab" * 31, False)])
+def test_a_malformed_key_stops_the_settings_from_loading(tmp_path, key, ok):
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    env = {**os.environ, "AENV_SECRETS_KEY": key, "AENV_HOME": str(tmp_path), "DJANGO_SETTINGS_MODULE": "config.settings"}
+    done = subprocess.run([sys.executable, "-c", "from django.conf import settings; print(len(settings.AENV_SECRETS_KEY))"],
+                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode == 0) is ok, done.stderr[-500:]
+    if not ok:
+        assert "AENV_SECRETS_KEY must be 32 bytes" in done.stderr and key not in done.stderr.replace("AENV_SECRETS_KEY", "")
