@@ -85,7 +85,12 @@ def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_stack, app_im
             daemon = ChunkfsClient(node_b.home / "chunkfs" / "control.sock")
             mount = daemon.stats(snap)["mounts"][snap]
             names = next(m["files"] for m in daemon.list() if m["mount_id"] == snap)
-            print(f"prefetch list: {len(order)} chunks; node B's mount: {mount['prefetch']}")
+            result = json.loads(stack.db(f"import json; from template_builds.models import TemplateBuild as B; "
+                                         f"print(json.dumps(B.objects.get(template__alias='{name}', "
+                                         f"status='ready').result))"))
+            print(f"prefetch list: {len(order)} chunks, recorded at the build in "
+                  f"{result['timings'].get('prefetch_s')} s; node B's mount: {mount['prefetch']}")
+            assert result["prefetch_chunks"] == len(order)  # the build's own recording, not a restore's
             assert mount["recorded"] is None  # replayed, not recorded again
             assert mount["prefetch"]["queued"] == sum(1 for n, _ in order if n in names) > 0
             deadline = time.monotonic() + 30
