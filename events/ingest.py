@@ -79,7 +79,8 @@ def _queue_deliveries(made: list[LifecycleEvent]) -> None:
     hooks: dict = {}
     for hook in Webhook.objects.filter(team_id__in=teams, enabled=True):
         hooks.setdefault(hook.team_id, []).append(hook)
-    deliveries = [WebhookDelivery(webhook=hook, event=event, next_attempt_at=event.timestamp)
+    now = timezone.now()  # due at once (an event's own time may lie a few ms ahead of the clock)
+    deliveries = [WebhookDelivery(webhook=hook, event=event, next_attempt_at=now)
                   for event in made for hook in hooks.get(event.team_id, ())
                   if event.type in hook.events and hook.created_at <= event.timestamp]
     WebhookDelivery.objects.bulk_create(deliveries, ignore_conflicts=True)

@@ -393,3 +393,34 @@ async def test_the_delivery_history_is_served_paged(api, private_ok, receiver, c
     assert resp.status_code == 400 and resp.json()["code"] == 400
     resp = await api.get(f"/events/webhooks/{wid}/deliveries", params={"deliveryStatus": "lost"})
     assert resp.status_code == 400
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_events_worker_delivers_through_the_broker(private_ok, receiver, team, base_template):
+    """The sweeper's pass sends the attempt through the real broker to a Celery worker thread
+    of the real app consuming the control plane's queue (a name of this test's own), signed
+    like node tasks when signing is on; the receiver gets the POST."""
+    import uuid  # noqa: PLC0415
+
+    import redis  # noqa: PLC0415
+    from celery.contrib.testing.worker import start_worker  # noqa: PLC0415
+
+    private_ok.AENV_WEBHOOK_QUEUE = f"control.events-{uuid.uuid4().hex[:8]}"
+    rx = receiver()
+    _hook(team, rx.url)
+    sb = Sandbox.objects.create(team=team, template=base_template, state="running",
+                                end_at=timezone.now() + timedelta(minutes=5))
+    _created(sb)
+    try:
+        with start_worker(dispatch.celery_app, pool="threads", concurrency=2, perform_ping_check=False,
+                          queues=[private_ok.AENV_WEBHOOK_QUEUE], loglevel="WARNING", shutdown_timeout=15):
+            assert dispatch.run()["sent"] == 1
+            deadline = time.monotonic() + 30
+            while not rx.got and time.monotonic() < deadline:
+                time.sleep(0.1)
+            while WebhookDelivery.objects.get().status == "pending" and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        redis.Redis.from_url(private_ok.CELERY_BROKER_URL).delete(private_ok.AENV_WEBHOOK_QUEUE)
+    assert len(rx.got) == 1 and rx.got[0]["headers"]["aenv-signature"] == _expected_hmac(rx.got[0]["body"])
+    assert WebhookDelivery.objects.get().status == "success"
