@@ -13,9 +13,11 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 # skopeo + umoci pull and unpack OCI images (vmm/oci). patchelf + binutils (readelf) relocate envd and resize2fs
 # onto the tools drive's loader (vmm/toolsdrive.py). fuse3 (fusermount3, libfuse3) serves chunkfs's lazy files
-# (python -m chunkfs serve: mfusepy loads libfuse3 with ctypes, so no libfuse3-dev).
+# (python -m chunkfs serve: mfusepy loads libfuse3 with ctypes, so no libfuse3-dev). nfs-ganesha-vfs (+ its rpcbind)
+# serves a sandbox's volumes over NFSv3 inside its own slot (vmm/net/volume_server.py); their system services stay off.
 NODE_APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static curl ca-certificates redis-tools
-                   nftables iproute2 util-linux dnsmasq-base skopeo umoci patchelf binutils fuse3)
+                   nftables iproute2 util-linux dnsmasq-base skopeo umoci patchelf binutils fuse3
+                   nfs-ganesha nfs-ganesha-vfs rpcbind)
 # Only the tests use these: docker-registry + apache2-utils (htpasswd) are the local registry the tests push their
 # own images to (harness/oci_registry.py); bash-static is the shell of the tests' image without glibc (harness/oci_images.py);
 # The shellcheck package checks every shell script of the repository (tests/unit/test_shell_scripts.py, beside the test extra's).
@@ -36,6 +38,10 @@ setup_system_packages() {  # --node: only what a node runs; --all: also the test
     # Only the tests run registries (on 127.0.0.1, their own config): not the package's service on *:5000.
     if [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
       $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true
+    fi
+    # Volume servers run per sandbox in its slot: never the packages' host-wide NFS server and portmapper.
+    if [[ " ${missing[*]} " == *" nfs-ganesha "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+      $SUDO systemctl disable --now nfs-ganesha rpcbind.socket rpcbind >/dev/null 2>&1 || true
     fi
   fi
 }
