@@ -6,9 +6,10 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
+from datetime import timedelta
 
 from events import catalog, ingest
-from events.models import DeliveryStatus, LifecycleEvent, Webhook, WebhookDelivery
+from events.models import DeliveryStatus, LifecycleEvent, Webhook, WebhookAttempt, WebhookDelivery
 from sandboxes.errors import Invalid, NotFound
 from sandboxes.models import Sandbox, Team
 
@@ -92,3 +93,33 @@ def deliveries(hook: Webhook, *, limit: int = 25, cursor: str | None = None, ord
              "nextAttemptAt": catalog.iso(d.next_attempt_at) if d.status == DeliveryStatus.PENDING else None,
              "attempts": [attempt_view(a, d) for a in d.attempt_log.all()]} for d in rows]
     return DeliveryPage(data, _cursor(rows[-1].event.seq) if more and rows else None)
+
+
+def _durations(values: list[float]) -> dict:
+    if not values:
+        return {"minimum": 0.0, "average": 0.0, "maximum": 0.0}
+    return {"minimum": round(min(values), 1), "average": round(sum(values) / len(values), 1),
+            "maximum": round(max(values), 1)}
+
+
+MAX_STATS_RANGE = timedelta(days=31)
+
+
+def stats(hook: Webhook, start, end) -> dict:
+    """E2B's ``WebhookDeliveryStats``: the webhook's attempts in [start, end) — how many, how
+    many failed, their durations — in buckets of an hour (a day when the range is longer than
+    two days); a range of at most 31 days."""
+    if start >= end or end - start > MAX_STATS_RANGE:
+        raise Invalid("start must be before end, at most 31 days before it")
+    step = timedelta(hours=1) if end - start <= timedelta(days=2) else timedelta(days=1)
+    rows = list(WebhookAttempt.objects.filter(delivery__webhook=hook, started_at__gte=start, started_at__lt=end)
+                .values_list("started_at", "ok", "duration_ms"))
+    count = -(-(end - start) // step)
+    grouped: list[list] = [[] for _ in range(count)]
+    for row in rows:
+        grouped[(row[0] - start) // step].append(row)
+    buckets = [{"timestamp": catalog.iso(start + i * step), "total": len(inside),
+                "failed": sum(1 for r in inside if not r[1]), "durationMs": _durations([r[2] for r in inside])}
+               for i, inside in enumerate(grouped)]
+    return {"buckets": buckets, "total": len(rows), "failed": sum(1 for r in rows if not r[1]),
+            "durationMs": _durations([r[2] for r in rows])}

@@ -10,4 +10,5 @@ urlpatterns = [
     path("events/webhooks/<str:webhook_id>", views.WebhookView.as_view(), name="events-webhook"),
     path("events/webhooks/<str:webhook_id>/deliveries", views.WebhookDeliveriesView.as_view(),
          name="events-webhook-deliveries"),
+    path("events/webhooks/<str:webhook_id>/stats", views.WebhookStatsView.as_view(), name="events-webhook-stats"),
 ]

@@ -6,10 +6,14 @@
   separated) → a JSON array; another team's sandbox is 404 like an unknown one;
 - ``/events/webhooks`` (GET list, POST 201) and ``/events/webhooks/{webhookID}`` (GET, PATCH,
   DELETE 200); the signature secret is never returned, except once in the 201 when aenv made it;
-- ``GET /events/webhooks/{webhookID}/deliveries``: the delivery history, paged by ``cursor``.
+- ``GET /events/webhooks/{webhookID}/deliveries``: the delivery history, paged by ``cursor``;
+- ``GET /events/webhooks/{webhookID}/stats``: attempts, failures and durations over ``start``–``end``.
 Bad parameters: 400 ``{code, message}``."""
+from datetime import timedelta
+
 from adrf.views import APIView
 from asgiref.sync import sync_to_async
+from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
@@ -56,6 +60,11 @@ class DeliveriesQuerySerializer(serializers.Serializer):
         if any(t not in catalog.TYPES for t in types):
             raise serializers.ValidationError({"eventType": f"known types: {', '.join(catalog.TYPES)}"})
         return {**attrs, "statuses": statuses, "event_types": types}
+
+
+class StatsQuerySerializer(serializers.Serializer):
+    start = serializers.DateTimeField(required=False, help_text="inclusive; default 24 hours ago")
+    end = serializers.DateTimeField(required=False, help_text="exclusive; default now")
 
 
 def _query(serializer_class, request) -> dict:
@@ -147,3 +156,19 @@ class WebhookDeliveriesView(APIView):
                                        event_types=q["event_types"])
             return {"data": found.data, "nextCursor": found.next_cursor}
         return Response(await sync_to_async(page)())
+
+
+class WebhookStatsView(APIView):
+    """``GET /events/webhooks/{webhookID}/stats``: E2B's ``WebhookDeliveryStats``."""
+
+    @extend_schema(operation_id="webhook_stats", parameters=[StatsQuerySerializer],
+                   responses={200: OpenApiResponse(description="WebhookDeliveryStats"), **ERRORS})
+    async def get(self, request, webhook_id: str):
+        team = team_of(request)
+
+        def figures():
+            hook = webhooks.get(team, webhook_id)
+            q = _query(StatsQuerySerializer, request)
+            end = q.get("end") or timezone.now()
+            return queries.stats(hook, q.get("start") or end - timedelta(hours=24), end)
+        return Response(await sync_to_async(figures)())

@@ -424,3 +424,26 @@ def test_the_events_worker_delivers_through_the_broker(private_ok, receiver, tea
         redis.Redis.from_url(private_ok.CELERY_BROKER_URL).delete(private_ok.AENV_WEBHOOK_QUEUE)
     assert len(rx.got) == 1 and rx.got[0]["headers"]["aenv-signature"] == _expected_hmac(rx.got[0]["body"])
     assert WebhookDelivery.objects.get().status == "success"
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_delivery_stats_count_attempts_failures_and_durations(api, private_ok, receiver, create,
+                                                                     assert_error):
+    rx = receiver([(500, b"", 0, {}), (200, b"", 0, {}), (200, b"", 0, {})])
+    wid = (await api.post("/events/webhooks", json={"url": rx.url, "events": [catalog.CREATED],
+                                                    "signatureSecret": SECRET})).json()["id"]
+    for _ in range(2):
+        await create()
+    worker = Worker()
+    await sync_to_async(worker.pass_)()
+    await sync_to_async(worker.pass_)(timezone.now() + timedelta(hours=1))
+    body = (await api.get(f"/events/webhooks/{wid}/stats")).json()
+    assert (body["total"], body["failed"]) == (3, 1)
+    assert 0 < body["durationMs"]["minimum"] <= body["durationMs"]["average"] <= body["durationMs"]["maximum"]
+    assert len(body["buckets"]) == 24 and sum(b["total"] for b in body["buckets"]) == 3
+    assert body["buckets"][-1]["total"] == 3 and body["buckets"][0]["durationMs"]["maximum"] == 0
+    week = (await api.get(f"/events/webhooks/{wid}/stats",
+                          params={"start": (timezone.now() - timedelta(days=7)).isoformat()})).json()
+    assert len(week["buckets"]) in (7, 8) and week["total"] == 3
+    assert_error(await api.get(f"/events/webhooks/{wid}/stats", params={"start": "2020-01-01T00:00:00Z"}), 400)
+    assert_error(await api.get(f"/events/webhooks/{wid}/stats", params={"end": "yesterday"}), 400, "end")
