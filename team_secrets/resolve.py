@@ -12,8 +12,8 @@ host that rule is for. So a value is handed out for ``(sandbox, name, host)`` on
   one of its header values.
 
 Host patterns: a name (``api.example.com``, matched whole, case-insensitive, a trailing dot
-ignored), ``*.example.com`` (any name below ``example.com``, not ``example.com`` itself), or an
-IP address / CIDR (``host`` an address inside it)."""
+and a port ignored), ``*.example.com`` (any name below ``example.com``, not ``example.com``
+itself), ``*`` (any name), or an IP address / CIDR (``host`` an address inside it)."""
 from __future__ import annotations
 
 import ipaddress
@@ -25,6 +25,7 @@ from sandboxes.models import Sandbox
 from sandboxes.states import SandboxState as S
 from team_secrets import store
 from team_secrets.models import Secret
+from vmm.net import domains
 
 MARKER = re.compile(r"\$\{e2b\.secrets\.([^{}\s\x00-\x1f\x7f-\x9f]+)\}")
 # States in which the sandbox's VM may be sending requests.
@@ -40,27 +41,20 @@ def names_in(text: str) -> set[str]:
     return {m.lower() for m in MARKER.findall(text or "")}
 
 
-def _bare(host: str) -> str:
-    host = (host or "").strip().lower().rstrip(".")
-    if host.startswith("[") and "]" in host:  # [v6]:port
-        return host[1:host.index("]")]
-    if host.count(":") == 1:  # name:port
-        host = host.split(":", 1)[0]
-    return host
-
-
 def host_matches(pattern: str, host: str) -> bool:
-    """Whether a rule's host ``pattern`` covers the destination ``host`` (see the module)."""
-    pattern, host = _bare(pattern), _bare(host)
-    if not pattern or not host:
+    """Whether a rule's host ``pattern`` covers the destination ``host`` (see the module): names
+    by the egress proxy's own matcher (``vmm.net.domains``, so the proxy and this check agree),
+    addresses by CIDR."""
+    name = domains.host_of(host)
+    if not name or not isinstance(pattern, str):
         return False
-    try:
-        return ipaddress.ip_address(host) in ipaddress.ip_network(pattern, strict=False)
-    except ValueError:
-        pass
-    if pattern.startswith("*."):
-        return host.endswith(pattern[1:]) and len(host) > len(pattern) - 1
-    return pattern == host
+    if domains.is_ip(name):
+        try:
+            return ipaddress.ip_address(name) in ipaddress.ip_network(pattern.strip(), strict=False)
+        except ValueError:
+            return False
+    normal = domains.normalise(pattern)
+    return normal is not None and domains.matches(name, [normal])
 
 
 def _header_values(rules) -> list[str]:
@@ -102,6 +96,7 @@ def resolve(node_id: str, sandbox_id: str, name: str, host: str) -> Resolved:
     if secret is None:
         raise NotFound(f'sandbox {sandbox_id}\'s team has no secret "{name}"', retry=False)
     if not any(host_matches(p, host) for p in allowed_hosts(sandbox.network, name)):
-        raise Forbidden(f'sandbox {sandbox_id}\'s network.rules do not send secret "{name}" to {_bare(host)}',
+        raise Forbidden(f'sandbox {sandbox_id}\'s network.rules do not send secret "{name}" to '
+                        f'{domains.host_of(host) or "that host"}',
                         code="secret_host_not_allowed", retry=False)
     return Resolved(store.current_value(secret), secret.current_version, secret.pk)

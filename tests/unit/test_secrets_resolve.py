@@ -26,7 +26,8 @@ RULES = {"api.github.com": [{"transform": {"headers": {"Authorization": "token $
     ("api.github.com", "evil-api.github.com", False), ("*.example.com", "a.b.example.com", True),
     ("*.example.com", "example.com", False), ("*.example.com", "badexample.com", False),
     ("10.1.0.0/16", "10.1.2.3", True), ("10.1.0.0/16", "10.2.0.1", False), ("1.2.3.4", "1.2.3.4", True),
-    ("api.github.com", "", False),
+    ("api.github.com", "", False), ("*", "any.example.org", True), ("*", "10.0.0.1", False),
+    ("10.1.0.0/16", "api.github.com", False), ("not a pattern!", "x.com", False),
 ])
 def test_host_patterns(pattern, host, ok):
     assert resolve.host_matches(pattern, host) is ok
