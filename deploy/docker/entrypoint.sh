@@ -13,7 +13,7 @@
 #                               service-account token (Kubernetes), which it presents instead
 #   join-tokens DIR ID...       a join token bound to each node id that has not joined yet, in
 #                               DIR/<id>/token (0600); a joined (or revoked) node's is removed
-#   health api|dataplane|sweeper|routes|node|worker   the container's health check (worker: the
+#   health api|dataplane|sweeper|events|routes|node|worker   the container's health check (worker: the
 #                               node worker's liveness, which never asks the database)
 #   routes                      keeps this machine's routes to every node's slot pool
 #                               (manage.py sync_pool_routes; Kubernetes: the aenv-routes DaemonSet)
@@ -30,6 +30,9 @@ PY=$PWD/.venv/bin/python
 # --heartbeat); its health check wants it younger than SWEEPER_STALE seconds.
 SWEEPER_HEARTBEAT=/tmp/aenv-sweeper.alive
 SWEEPER_STALE=120
+# The events worker touches this while the broker answers (run_events_worker --heartbeat, every 15 s).
+EVENTS_HEARTBEAT=/tmp/aenv-events.alive
+EVENTS_STALE=120
 # The same for the route syncer (sync_pool_routes --heartbeat, a pass every 30 s).
 ROUTES_HEARTBEAT=/tmp/aenv-routes.alive
 ROUTES_STALE=150
@@ -49,6 +52,7 @@ health() {
 sys.exit(0 if urllib.request.urlopen("http://127.0.0.1:3000/health", timeout=5).status == 204 else 1)' ;;
     dataplane) exec "$PY" -c 'import socket; socket.create_connection(("127.0.0.1", 3001), timeout=5).close()' ;;
     sweeper) fresh "$SWEEPER_HEARTBEAT" "$SWEEPER_STALE" "the sweeper's last sweep" ;;
+    events) fresh "$EVENTS_HEARTBEAT" "$EVENTS_STALE" "the events worker's last broker check" ;;
     routes) fresh "$ROUTES_HEARTBEAT" "$ROUTES_STALE" "the route syncer's last pass" ;;
     # The node worker still serves its metrics port (AENV_NODE_METRICS_PORT: on 127.0.0.1
     # without AENV_METRICS_TOKEN, on AENV_NODE_ADDRESS with one). Never the database or the
@@ -69,7 +73,7 @@ from django.conf import settings
 from nodes.models import Node
 node = Node.objects.filter(pk=settings.AENV_NODE_ID).first()
 sys.exit(0 if node is not None and node.is_alive() else 1)' ;;
-    *) die "health: api, dataplane, sweeper, routes, node or worker" ;;
+    *) die "health: api, dataplane, sweeper, events, routes, node or worker" ;;
   esac
 }
 
@@ -115,7 +119,7 @@ case "${1:-}" in
   dataplane) exec .venv/bin/uvicorn config.dataplane_asgi:application --host 0.0.0.0 --port 3001 \
                --no-access-log --timeout-keep-alive 300 ;;
   sweeper) exec "$PY" manage.py run_lifecycle --heartbeat "$SWEEPER_HEARTBEAT" ;;
-  events) exec "$PY" manage.py run_events_worker ;;  # webhook deliveries (the control plane's queue)
+  events) exec "$PY" manage.py run_events_worker --heartbeat "$EVENTS_HEARTBEAT" ;;  # webhook deliveries
   migrate) "$PY" manage.py migrate --noinput; exec "$PY" manage.py bootstrap ;;
   node)
     command -v qemu-system-x86_64 >/dev/null || die "the node worker runs from the node image (Dockerfile.node)"

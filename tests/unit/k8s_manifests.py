@@ -28,7 +28,7 @@ WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 # Strategic merge: lists of objects merged by these keys (the ones the overlays could touch).
 MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
               "volumeMounts": "mountPath", "ports": "containerPort", "envFrom": None}
-CONTROL_PLANE = ("api", "dataplane", "sweeper", "migrate")
+CONTROL_PLANE = ("api", "dataplane", "sweeper", "events", "migrate")
 DATA_SERVICES = {"redis": 6379, "postgres": 5432}
 NETWORK_ANNOTATIONS = ("aenv.dev/host-network", "aenv.dev/pod-network", "aenv.dev/service-network")
 REDIS_URL = re.compile(r"rediss?://[^\s\"']*")

@@ -432,8 +432,8 @@ def test_every_host_routes_the_pools_with_net_admin_only():
 
 
 def test_the_task_signing_key_reaches_the_control_plane_only():
-    """Signed node tasks (nodes.signing): the API, data plane and sweeper get the key and the
-    certificate from the Secret aenv-task-signing at the paths their settings name; the node
+    """Signed node tasks (nodes.signing): the API, data plane, sweeper and events worker get the
+    key and the certificate from the Secret aenv-task-signing at the paths their settings name; the node
     DaemonSet mounts only cert.pem and names no key, so a node (or whoever takes one over)
     cannot sign a task."""
     for overlay in k8s.OVERLAYS:
@@ -441,6 +441,7 @@ def test_the_task_signing_key_reaches_the_control_plane_only():
         for kind, name, files in (("Deployment", "aenv-api", {"key.pem", "cert.pem"}),
                                   ("Deployment", "aenv-dataplane", {"key.pem", "cert.pem"}),
                                   ("Deployment", "aenv-sweeper", {"key.pem", "cert.pem"}),
+                                  ("Deployment", "aenv-events", {"key.pem", "cert.pem"}),
                                   ("DaemonSet", "aenv-node", {"cert.pem"})):
             doc = k8s.find(docs, kind, name)
             pod = doc["spec"]["template"]["spec"]

@@ -38,9 +38,10 @@ async def test_heartbeat_follows_sweeps_that_went_through(monkeypatch):
 
 
 def _health(tmp_path: Path, what: str = "sweeper") -> subprocess.CompletedProcess:
-    """entrypoint.sh health sweeper|routes against a heartbeat file in tmp_path (a copy of the
+    """entrypoint.sh health sweeper|routes|events against a heartbeat file in tmp_path (a copy of the
     script whose SWEEPER_/ROUTES_HEARTBEAT points there; the check needs nothing of the checkout)."""
-    variable = {"sweeper": "SWEEPER_HEARTBEAT=/tmp/aenv-sweeper.alive", "routes": "ROUTES_HEARTBEAT=/tmp/aenv-routes.alive"}[what]
+    variable = {"sweeper": "SWEEPER_HEARTBEAT=/tmp/aenv-sweeper.alive", "routes": "ROUTES_HEARTBEAT=/tmp/aenv-routes.alive",
+                "events": "EVENTS_HEARTBEAT=/tmp/aenv-events.alive"}[what]
     script = ENTRYPOINT.read_text()
     assert script.count(variable + "\n") == 1
     copy = tmp_path / "deploy" / "docker" / "entrypoint.sh"
@@ -50,7 +51,8 @@ def _health(tmp_path: Path, what: str = "sweeper") -> subprocess.CompletedProces
 
 
 @pytest.mark.parametrize("what, done", [("sweeper", "the sweeper's last sweep"),
-                                        ("routes", "the route syncer's last pass")])
+                                        ("routes", "the route syncer's last pass"),
+                                        ("events", "the events worker's last broker check")])
 def test_health_wants_a_fresh_heartbeat(tmp_path, what, done):
     assert f"{done} has not happened yet" in _health(tmp_path, what).stderr
     alive = tmp_path / "alive"

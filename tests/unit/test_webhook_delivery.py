@@ -447,3 +447,23 @@ async def test_delivery_stats_count_attempts_failures_and_durations(api, private
     assert len(week["buckets"]) in (7, 8) and week["total"] == 3
     assert_error(await api.get(f"/events/webhooks/{wid}/stats", params={"start": "2020-01-01T00:00:00Z"}), 400)
     assert_error(await api.get(f"/events/webhooks/{wid}/stats", params={"end": "yesterday"}), 400, "end")
+
+
+def test_the_workers_heartbeat_follows_the_broker(tmp_path):
+    """run_events_worker --heartbeat: touched after each broker check that went through, never
+    after one that failed (entrypoint.sh health events then restarts the container)."""
+    from events.management.commands.run_events_worker import beat  # noqa: PLC0415
+
+    alive, stop, answers = tmp_path / "alive", threading.Event(), [True, False]
+
+    def check():
+        if not answers.pop(0):
+            stop.set()
+            raise ConnectionError("broker gone")
+    beat(alive, stop, check, period=0)
+    assert alive.exists()
+    alive.unlink()
+    stop.clear()
+    answers[:] = [False]
+    beat(alive, stop, check, period=0)
+    assert not alive.exists()
