@@ -57,8 +57,10 @@ class Outcome:
 
 def check_url(url: str) -> Target:
     """The parts of a webhook URL, or BadUrl."""
-    if not isinstance(url, str) or not url or len(url) > 2048 or any(c.isspace() for c in url):
-        raise BadUrl("url must be an absolute http(s) URL of at most 2048 characters without spaces")
+    if (not isinstance(url, str) or not url or len(url) > 2048
+            or any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url)):
+        raise BadUrl("url must be an absolute http(s) URL of at most 2048 characters, without spaces "
+                     "or control characters")
     try:
         parts = urlsplit(url)
         port = parts.port

@@ -223,6 +223,8 @@ async def test_webhooks_are_team_scoped(api, other_api, assert_error):
     ({"url": "http:///nohost"}, "host"),
     ({"url": "https://user:pw@hooks.example.com/"}, "user info"),
     ({"url": 42}, "url"),
+    ({"url": "https://hooks.example.com/a\x00b"}, "control characters"),
+    ({"url": "http://2130706433/"}, "loopback or private"),
     ({"url": "http://127.0.0.1:3000/admin"}, "loopback or private"),
     ({"url": "http://localhost/"}, "loopback or private"),
     ({"url": "http://10.0.0.5/"}, "loopback or private"),
