@@ -1,5 +1,5 @@
 """Named test hosts for the egress proxy's tests and benchmark: an HTTP (port 80) and an HTTPS
-(port 443) server on each of the external host's addresses (harness.networld), each answering
+(ports 443 and 8443) server on each of the external host's addresses (harness.networld), each answering
 with its own name and the Host it was asked for, plus plain listeners on the DNS ports (53,
 853) and on 8053 (a port no rule treats specially); ``proxy_world``: those hosts, a node
 resolver and the egress proxy without a VM. Only addresses inside the test's own namespaces
@@ -36,10 +36,12 @@ class Answer(BaseHTTPRequestHandler):
         pass
 
 plain = ThreadingHTTPServer((address, 80), Answer)
-tls = ThreadingHTTPServer((address, 443), Answer)
 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
 context.load_cert_chain(cert, key)
-tls.socket = context.wrap_socket(tls.socket, server_side=True)
+for port in (443, 8443):
+    tls = ThreadingHTTPServer((address, port), Answer)
+    tls.socket = context.wrap_socket(tls.socket, server_side=True)
+    threading.Thread(target=tls.serve_forever, daemon=True).start()
 
 def hello(port):
     s = socket.socket()
@@ -53,7 +55,6 @@ def hello(port):
 
 for port in (53, 853, 8053):
     threading.Thread(target=hello, args=(port,), daemon=True).start()
-threading.Thread(target=tls.serve_forever, daemon=True).start()
 plain.serve_forever()
 '''
 
@@ -86,7 +87,7 @@ class NamedHosts:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 20
         for address in self.hosts:
-            for port in (80, 443, 8053):
+            for port in (80, 443, 8443, 8053):
                 while subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c",
                                       f"import socket; socket.create_connection(('{address}', {port}), 1)"],
                                      capture_output=True).returncode != 0:
@@ -112,11 +113,14 @@ def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None
     (vmm.net.dns) for a resolver instance of ``pool`` that answers those names only
     (its upstream is a loopback address where nothing answers), and the proxy on the
     resolver's address (``max_connections``: per sandbox, else the default); ``clients``
-    ("slot addresses") are put on lo for the caller to bind to, as a slot's DNAT would deliver
-    a guest. Yields the EgressProxy; removes everything."""
+    ("slot addresses") are put on lo for the caller to bind to, and their TCP to the
+    resolver's address (DNS aside) goes to the proxy's listener with the port kept for
+    ``SO_ORIGINAL_DST``, as a slot's and the node's DNATs deliver a guest's. Yields the
+    EgressProxy; removes everything."""
     from harness.networld import EXT_A, EXT_B, ExternalHost  # noqa: PLC0415
     from vmm.net.dns import NodeDNS, _on_lo, service_ip  # noqa: PLC0415
     from vmm.net.egress import EgressProxy  # noqa: PLC0415
+    from vmm.net.slots import PROXY_PORT  # noqa: PLC0415
 
     ext = ExternalHost(name=f"aenvegx{os.getpid() % 100000}").start()
     for proc in ext.procs:  # its plain servers make way for the named ones
@@ -126,6 +130,7 @@ def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None
     work = Path(tempfile.mkdtemp(prefix="aenv-egress-world-"))
     work.chmod(0o755)
     prefix = "eg" + uuid.uuid4().hex[:4]
+    table = f"aenvegt_{prefix}"
     hosts = dns = egress = None
     try:
         hosts = NamedHosts(ext.name, {EXT_A: "good.test", EXT_B: "evil.test"}, work / "hosts").start()
@@ -137,6 +142,15 @@ def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None
         (dns.hosts_dir / "named").write_text(hosts.hosts_file() + "127.0.0.1 loop.test\n")
         for address in clients:
             _on_lo(address, True)
+        ip = service_ip(pool)
+        subprocess.run(["nft", "-f", "-"], check=True, capture_output=True, text=True, timeout=30, input=f"""
+table ip {table} {{
+    chain out {{
+        type nat hook output priority -100; policy accept;
+        ip saddr {{ {", ".join(clients)} }} ip daddr {ip} tcp dport != 53 dnat ip to {ip}:{PROXY_PORT}
+    }}
+}}
+""")
         egress = EgressProxy(prefix, service_ip(pool), work / "net", reopened=(f"{EXT_A}/32", f"{EXT_B}/32"),
                              **({"max_connections": max_connections} if max_connections else {}))
         egress.ensure()
@@ -146,6 +160,7 @@ def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None
             egress.stop()
         if dns is not None:
             dns.stop()
+        subprocess.run(["nft", "delete", "table", "ip", table], capture_output=True, timeout=30)
         for address in clients:
             _on_lo(address, False)
         if hosts is not None:

@@ -1,6 +1,6 @@
 """Domain names in allowOut with a real guest (issue 25): a sandbox allowed ``good.test`` only
 reaches good.test's HTTP and HTTPS servers (names served by the node's resolver, hosts in a
-namespace of the test's own) and fails every dodge — connecting by IP, an SNI that differs
+namespace of the test's own; HTTPS on 443 and on 8443) and fails every dodge — connecting by IP, an SNI that differs
 from the Host, DNS over TCP and DNS over TLS to another resolver, a raw socket on 443 to a
 denied address; the policy holds across pause / resume, in a fork child, and changes live."""
 import json
@@ -34,9 +34,9 @@ def read(sock):
         pass
     return out.decode(errors="replace")
 
-def https(ip, sni, host):
+def https(ip, sni, host, port=443):
     try:
-        raw = socket.create_connection((ip, 443), timeout=15)
+        raw = socket.create_connection((ip, port), timeout=15)
         ctx = ssl.create_default_context()
         ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
         tls = ctx.wrap_socket(raw, server_hostname=sni)
@@ -66,6 +66,7 @@ def tcp(ip, port, send=b""):
 checks = {
     "resolved": lambda: socket.gethostbyname("good.test"),
     "https_good": lambda: https(GOOD_IP, "good.test", "good.test"),
+    "https_good_8443": lambda: https(EVIL_IP, "good.test", "good.test", 8443),
     "http_good": lambda: http(GOOD_IP, "good.test"),
     "https_evil_ip_good_sni": lambda: https(EVIL_IP, "good.test", "evil.test"),
     "http_evil_ip_good_host": lambda: http(EVIL_IP, "good.test"),
@@ -122,8 +123,9 @@ def _assert_only_good_test(r: dict) -> None:
     assert "good.test host=good.test" in r["http_evil_ip_good_host"], r
     assert "evil.test host" not in r["https_evil"] and "HTTP/1.1 200" not in r["https_evil"], r
     assert r["http_evil"].startswith("HTTP/1.1 403"), r
-    assert "evil.test" not in r["raw_443_evil"], r
-    for name in ("dns_tcp_evil", "dot_evil", "other_port_evil"):
+    assert "good.test host=good.test" in r["https_good_8443"], r  # any port, pinned as well
+    assert "evil.test" not in r["raw_443_evil"] and "evil.test" not in r["other_port_evil"], r
+    for name in ("dns_tcp_evil", "dot_evil"):
         assert r[name].startswith("failed"), (name, r)
 
 

@@ -1,7 +1,8 @@
 """The node egress proxy (vmm.net.egress: mitmproxy with aenv's addon) against named test
 hosts in a namespace of the test's own, without a VM: a client bound to a "slot address" on
-the node talks to the proxy's listeners as a slot's DNAT would deliver it, and the proxy lets
-through only names the slot's list allows, to the address the node's resolver gives for them.
+the node talks to the proxy as a slot's and the node's DNATs would deliver it (the port kept
+for SO_ORIGINAL_DST), and the proxy lets through only names the slot's list allows, to the
+address the node's resolver gives for them, at the port asked for.
 The slot's nftables side is in test_vmm_net_policy.py; a real guest in
 tests/integration/test_egress_domains.py."""
 import os
@@ -26,7 +27,7 @@ _SECOND = os.environ.get("AENV_NET_POOL", "10.100.0.0/20").split(".")[1]
 POOL = f"10.17.{_SECOND}.0/24"  # this session's own: its base + 1 (resolver, proxy) and + 3 (a client)
 CLIENT = f"10.17.{_SECOND}.3"
 OTHER_CLIENT = f"10.17.{_SECOND}.5"  # a "slot" without a policy file
-TLS, HTTP = slots.PROXIED_PORTS[443], slots.PROXIED_PORTS[80]
+TLS, HTTP = 443, 80  # the guest's ports: the DNAT keeps them
 MAX = 6  # connections per sandbox through the proxy
 
 
@@ -47,11 +48,11 @@ def _connect(port: int, source: str = CLIENT) -> socket.socket:
     return sock
 
 
-def _https(sni: str | None, host: str, source: str = CLIENT) -> str:
+def _https(sni: str | None, host: str, source: str = CLIENT, port: int = TLS) -> str:
     """GET / over TLS with ``sni`` (None: no SNI at all) and ``host``: the body, or "" if closed."""
     context = ssl.create_default_context()
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-    raw = _connect(TLS, source)
+    raw = _connect(port, source)
     try:
         with context.wrap_socket(raw, server_hostname=sni) as tls:
             tls.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
@@ -102,6 +103,15 @@ def test_https_is_judged_by_sni_and_pinned_to_the_names_address(proxy):
     assert _https("evil.test", "good.test") == ""  # SNI not allowed
     assert _https(None, "good.test") == ""  # no SNI at all
     assert _https("GOOD.test.", "good.test").startswith("HTTP/1.1 200")  # case and a trailing dot
+
+
+def test_tls_on_another_port_is_judged_too_and_goes_to_that_port(proxy):
+    assert "good.test host=good.test" in _https("good.test", "good.test", port=8443)
+    assert _https("evil.test", "evil.test", port=8443) == ""
+    with _connect(8053) as sock:  # neither TLS nor HTTP: nothing to judge by, closed
+        sock.sendall(b"hello\r\n\r\n")
+        answer = _read(sock)
+        assert "evil.test" not in answer and "good.test" not in answer
 
 
 def test_http_is_judged_per_request_by_host(proxy):
@@ -162,4 +172,4 @@ def test_the_node_list_leaves_out_addresses_the_denied_ranges_cover():
     config = EgressProxy("p", "10.12.0.1", Path("/tmp"), node=("10.12.0.2/32", "203.0.114.7/32"),
                          reopened=(f"{EXT_B}/32",))._node_config()
     assert config["node"] == ["203.0.114.7/32"] and config["reopened"] == [f"{EXT_B}/32"]
-    assert config["ports"] == {"15080": 80, "15443": 443} and "10.0.0.0/8" in config["denied"]
+    assert config["max_connections"] == 256 and "10.0.0.0/8" in config["denied"]

@@ -57,7 +57,8 @@ def _set(slot, name) -> list:
     out = subprocess.run(slot.nsenter("nft", "-j", "list", "set", "inet", "aenv", name), capture_output=True,
                          text=True, check=True).stdout
     elems = [i["set"].get("elem", []) for i in json.loads(out)["nftables"] if "set" in i][0]
-    return [e if isinstance(e, (str, int)) else f"{e['prefix']['addr']}/{e['prefix']['len']}" for e in elems]
+    return [e if isinstance(e, (str, int)) else f"{e['range'][0]}-{e['range'][1]}" if "range" in e
+            else f"{e['prefix']['addr']}/{e['prefix']['len']}" for e in elems]
 
 
 @pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter")
@@ -81,7 +82,7 @@ def test_domains_are_kept_apart_from_cidrs_and_need_everything_else_denied():
         policy.parse(["example.com"], [], allow_internet_access=False)
 
 
-def test_a_domain_policy_sends_ports_80_and_443_to_the_proxy_and_dns_to_the_node_only():
+def test_a_domain_policy_sends_tcp_to_the_proxy_port_kept_and_dns_to_the_node_only():
     slot = slots.Slot("aenvq", 1, "10.12.0.0/16")
     text = slots.ruleset(slot, dns_ip="10.12.0.1")
     order = [text.index(r) for r in (
@@ -90,16 +91,25 @@ def test_a_domain_policy_sends_ports_80_and_443_to_the_proxy_and_dns_to_the_node
         "meta l4proto { tcp, udp } th dport @dns_only drop",
         "ip daddr @user_allow accept", "tcp dport @proxied accept", "ip daddr @user_deny drop")]
     assert order == sorted(order)  # DNS elsewhere is dropped even where a CIDR allows it
-    assert ('iifname "tap0" ip daddr != @user_allow tcp dport @proxied dnat ip to 10.12.0.1 : '
-            'tcp dport map @proxy_port') in text
+    assert 'iifname "tap0" ip daddr != @user_allow tcp dport @proxied dnat ip to 10.12.0.1\n' in text  # port kept
+    dns_dnat = text.index('iifname "tap0" ip daddr 8.8.8.8 tcp dport 53 dnat ip to 10.12.0.1')
+    assert dns_dnat < text.index("tcp dport @proxied dnat")  # the guest's DNS still goes to the resolver
     plain = slots.policy_script(policy.parse(["1.1.1.1"], ["0.0.0.0/0"]))  # no domains: the proxy's sets stay empty
     assert [line for line in plain.splitlines() if line.startswith("add element")] == [
         "add element inet aenv user_allow { 1.1.1.1/32 }", "add element inet aenv user_deny { 0.0.0.0/0 }"]
-    assert "flush set inet aenv proxied" in plain and "flush map inet aenv proxy_port" in plain
+    assert "flush set inet aenv proxied" in plain and "flush set inet aenv dns_only" in plain
     domains = slots.policy_script(policy.parse(["good.test"], ["0.0.0.0/0"]))
-    assert "add element inet aenv proxied { 80, 443 }" in domains
-    assert "add element inet aenv proxy_port { 80 : 15080, 443 : 15443 }" in domains
+    assert "add element inet aenv proxied { 1-65535 }" in domains
     assert "add element inet aenv dns_only { 53, 853 }" in domains
+
+
+def test_the_node_table_hands_a_slots_tcp_to_the_proxy_but_not_its_dns():
+    from vmm.net import host_table  # noqa: PLC0415
+
+    text = host_table.ruleset("aenvq", "10.12.0.0/16", ("aenvqv1",), "10.12.0.1")
+    assert "iifname @veths ip daddr 10.12.0.1 tcp dport != 53 dnat ip to 10.12.0.1:15000" in text
+    assert text.index("tcp dport 15000 accept") < text.index("iifname @veths drop")
+    assert "to_proxy" not in host_table.ruleset("aenvq", "10.12.0.0/16", (), None)  # no resolver, no proxy
 
 
 @pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter")
@@ -108,7 +118,7 @@ def test_a_domain_policy_is_applied_to_a_real_slot_and_taken_back(slot_prefix):
     try:
         assert slots.has_proxy_rules(slot)
         slots.apply_policy(slot, egress_of(NetworkSpec(allow_out=("good.test",), deny_out=("0.0.0.0/0",))))
-        assert sorted(_set(slot, "proxied")) == [80, 443] and sorted(_set(slot, "dns_only")) == [53, 853]
+        assert _set(slot, "proxied") == ["1-65535"] and sorted(_set(slot, "dns_only")) == [53, 853]
         slots.apply_policy(slot, egress_of(NetworkSpec()))
         assert _set(slot, "proxied") == [] and _set(slot, "dns_only") == []
     finally:

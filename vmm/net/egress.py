@@ -12,12 +12,12 @@ well-kept base that parses TLS and HTTP, and the one the next parts of E2B's egr
 (request rules with TLS interception, an upstream proxy) need. It lives in a Python
 environment of its own (``.venv-egress``, made by ``scripts/setup.sh``: its pins differ from
 aenv's), runs as ``nobody``, listens on the node resolver's address (the slot pool's base +
-1, so every aenv instance has its own) at one port per guest port (``slots.PROXIED_PORTS``),
-and outlives the worker like the resolver does. Where it is not installed, a node refuses
+1, so every aenv instance has its own) at ``slots.PROXY_PORT``, where ``SO_ORIGINAL_DST``
+(transparent mode) gives it the guest's port, and outlives the worker like the resolver does. Where it is not installed, a node refuses
 domain rules (400) instead of accepting them unenforced.
 
 What it reads lives under ``RUNTIME/<prefix>`` (world-readable, as ``nobody`` must read it):
-``node.json`` (the resolver, what no guest may reach, the listener ports) and
+``node.json`` (the resolver, what no guest may reach, the per-sandbox connection limit) and
 ``slots/<slot address>.json`` (one sandbox's allowed domains), written before the slot's
 rules send anything and removed after they stop.
 """
@@ -33,7 +33,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .slots import ALWAYS_DENIED, PROXIED_PORTS
+from .slots import ALWAYS_DENIED, PROXY_PORT
 
 RUNTIME = Path("/run/aenv-egress")
 USER = "nobody"
@@ -77,8 +77,7 @@ class EgressProxy:
         return self.binary.exists()
 
     def argv(self) -> list[str]:
-        modes = [arg for guest, port in PROXIED_PORTS.items() for arg in ("--mode", f"transparent@{self.ip}:{port}")]
-        return [str(self.binary), *modes, "-s", str(ADDON), "--set", f"aenv_egress_dir={self.dir}",
+        return [str(self.binary), "--mode", f"transparent@{self.ip}:{PROXY_PORT}", "-s", str(ADDON), "--set", f"aenv_egress_dir={self.dir}",
                 "--set", "connection_strategy=lazy", "--set", f"confdir={self.dir / 'conf'}",
                 "--set", "stream_large_bodies=64k", "--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
 
@@ -98,8 +97,7 @@ class EgressProxy:
         node = sorted({c for c in (*self.node, f"{self.ip}/32")
                        if not any(ipaddress.ip_network(c, strict=False).subnet_of(d) for d in denied)})
         return {"resolver": self.ip, "node": node, "denied": list(ALWAYS_DENIED),
-                "reopened": list(self.reopened), "ports": {str(p): g for g, p in PROXIED_PORTS.items()},
-                "max_connections": self.max_connections}
+                "reopened": list(self.reopened), "max_connections": self.max_connections}
 
     def ensure(self) -> None:
         """A proxy answering with this configuration (a running one with another is replaced)."""
@@ -138,8 +136,7 @@ class EgressProxy:
 
     def listening(self) -> bool:
         try:
-            for port in PROXIED_PORTS.values():
-                socket.create_connection((self.ip, port), timeout=1).close()
+            socket.create_connection((self.ip, PROXY_PORT), timeout=1).close()
             return True
         except OSError:
             return False

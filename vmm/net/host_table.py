@@ -26,7 +26,7 @@ import subprocess
 
 from . import conntrack, host_firewall
 from .cidrs import checked_ipv4
-from .slots import PROXIED_PORTS
+from .slots import PROXY_PORT
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ def ingress_sources(cidrs, pool: str) -> tuple[str, ...]:
 
 
 def ruleset(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None,
-            ingress: tuple[str, ...] = (), proxy_ports: tuple[int, ...] = tuple(PROXIED_PORTS.values())) -> str:
+            ingress: tuple[str, ...] = ()) -> str:
     """The whole table, replacing any earlier one of this instance (one ``nft -f``).
-    ``ingress``: sources that may open connections into a slot besides the node;
-    ``proxy_ports``: the egress proxy's ports on ``dns_ip`` (vmm.net.egress), which slots
-    reach only through their DNAT of a domain sandbox's connections."""
+    ``ingress``: sources that may open connections into a slot besides the node. A slot sends
+    a domain sandbox's TCP to ``dns_ip`` with the guest's port kept (vmm.net.slots); here it
+    goes on to the egress proxy's one listener (vmm.net.egress), DNS (53) excepted."""
     name = table_name(prefix)
     quoted = ", ".join('"' + v + '"' for v in veths)
     elements = f"elements = {{ {quoted} }}" if veths else ""
@@ -63,8 +63,13 @@ def ruleset(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | N
     ingress_elements = f"elements = {{ {', '.join(sources)} }}" if sources else ""
     dns = (f'        iifname @veths ip daddr {dns_ip} udp dport 53 accept\n'
            f'        iifname @veths ip daddr {dns_ip} tcp dport 53 accept\n') if dns_ip else ""
-    if dns_ip and proxy_ports:
-        dns += f'        iifname @veths ip daddr {dns_ip} tcp dport {{ {", ".join(map(str, proxy_ports))} }} accept\n'
+    if dns_ip:
+        dns += f'        iifname @veths ip daddr {dns_ip} tcp dport {PROXY_PORT} accept\n'
+    to_proxy = (f"""    chain to_proxy {{
+        type nat hook prerouting priority dstnat; policy accept;
+        iifname @veths ip daddr {dns_ip} tcp dport != 53 dnat ip to {dns_ip}:{PROXY_PORT}
+    }}
+""" if dns_ip else "")
     return f"""
 table inet {name}
 delete table inet {name}
@@ -87,7 +92,7 @@ table inet {name} {{
         oifname @veths ip saddr @ingress ct state new accept
         oifname @veths ct state new drop
     }}
-    chain post {{
+{to_proxy}    chain post {{
         type nat hook postrouting priority srcnat; policy accept;
         ip saddr {pool} oifname != @veths masquerade
     }}

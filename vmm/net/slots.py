@@ -101,10 +101,13 @@ def _run_in(slot: Slot, *argv: str, stdin: str | None = None) -> None:
 
 
 GUEST_DNS = "8.8.8.8"  # the guest's resolv.conf (E2B's); the slot DNATs it to the node's resolver
-# A sandbox whose allowOut names domains (vmm.net.egress): its new TCP connections to these
-# ports that no CIDR allows go to the node's egress proxy, which listens on the resolver's
-# address at the port mapped here; DNS goes to the node's resolver only (no DoT either).
-PROXIED_PORTS = {80: 15080, 443: 15443}
+# A sandbox whose allowOut names domains (vmm.net.egress): its new TCP connections that no
+# CIDR allows go to the node's resolver address, port kept; the node hands them to its egress
+# proxy (vmm.net.host_table: a DNAT to PROXY_PORT, where SO_ORIGINAL_DST gives the guest's port
+# back). If the node's table is gone they reach nothing. DNS goes to the node's resolver only
+# (no DoT either).
+PROXY_PORT = 15000
+PROXIED_PORTS = "1-65535"
 DNS_PORTS = (53, 853)
 DEFAULT_DNS_IP = "192.0.2.1"  # the node's resolver, on a dummy interface (vmm.net.dns)
 
@@ -144,9 +147,9 @@ def ruleset(slot: Slot, deny_extra: tuple[str, ...] = (), policy: EgressPolicy =
     deny = ", ".join(ALWAYS_DENIED)
     dns = (f"""        iifname "{TAP}" ip daddr {GUEST_DNS} udp dport 53 dnat ip to {dns_ip}
         iifname "{TAP}" ip daddr {GUEST_DNS} tcp dport 53 dnat ip to {dns_ip}
-        iifname "{TAP}" ip daddr != @user_allow tcp dport @proxied dnat ip to {dns_ip} : tcp dport map @proxy_port
+        iifname "{TAP}" ip daddr != @user_allow tcp dport @proxied dnat ip to {dns_ip}
 """ if dns_ip else "")
-    proxied, proxy_map, dns_only = _proxy_elements(policy)
+    proxied, dns_only = _proxy_elements(policy)
     # issue 21: the guest's share of the node's resolver (vmm.net.dns), before anything else
     dns_guard = (f"""    chain dns_limits {{
         type filter hook prerouting priority -160; policy accept;
@@ -163,8 +166,7 @@ table inet aenv {{
     set site_allow {{ type ipv4_addr; flags interval; auto-merge; {_elements(allow_extra)} }}
     set user_allow {{ type ipv4_addr; flags interval; auto-merge; {_elements(policy.allow)} }}
     set user_deny {{ type ipv4_addr; flags interval; auto-merge; {_elements(policy.deny)} }}
-    set proxied {{ type inet_service; {_elements(proxied)} }}
-    map proxy_port {{ type inet_service : inet_service; {_elements(proxy_map)} }}
+    set proxied {{ type inet_service; flags interval; {_elements(proxied)} }}
     set dns_only {{ type inet_service; {_elements(dns_only)} }}
 {dns_guard}    chain guard {{
         type filter hook prerouting priority -150; policy accept;
@@ -209,13 +211,12 @@ table inet aenv {{
 """
 
 
-def _proxy_elements(policy: EgressPolicy) -> tuple[list[str], list[str], list[str]]:
-    """The slot's ``proxied`` ports, ``proxy_port`` map and ``dns_only`` ports for a policy:
-    empty unless it names domains, so a sandbox without them never meets the proxy."""
+def _proxy_elements(policy: EgressPolicy) -> tuple[list[str], list[str]]:
+    """The slot's ``proxied`` and ``dns_only`` ports for a policy: empty unless it names
+    domains, so a sandbox without them never meets the proxy."""
     if not policy.domains:
-        return [], [], []
-    return ([str(p) for p in PROXIED_PORTS], [f"{p} : {q}" for p, q in PROXIED_PORTS.items()],
-            [str(p) for p in DNS_PORTS])
+        return [], []
+    return [PROXIED_PORTS], [str(p) for p in DNS_PORTS]
 
 
 def policy_script(policy: EgressPolicy) -> str:
@@ -223,14 +224,13 @@ def policy_script(policy: EgressPolicy) -> str:
     policy). Only new flows are judged, as on E2B: an established connection stays."""
     # the proxy's sets are declared first: a slot made before them (a VM that outlived an
     # upgrade) then takes a policy without domains as before (apply_policy refuses domains there)
-    lines = ["add set inet aenv proxied { type inet_service; }",
-             "add map inet aenv proxy_port { type inet_service : inet_service; }",
+    lines = ["add set inet aenv proxied { type inet_service; flags interval; }",
              "add set inet aenv dns_only { type inet_service; }",
              "flush set inet aenv user_allow", "flush set inet aenv user_deny", "flush set inet aenv proxied",
-             "flush map inet aenv proxy_port", "flush set inet aenv dns_only"]
-    proxied, proxy_map, dns_only = _proxy_elements(policy)
+             "flush set inet aenv dns_only"]
+    proxied, dns_only = _proxy_elements(policy)
     for name, elements in (("user_allow", policy.allow), ("user_deny", policy.deny), ("proxied", proxied),
-                           ("proxy_port", proxy_map), ("dns_only", dns_only)):
+                           ("dns_only", dns_only)):
         if elements:
             lines.append(f"add element inet aenv {name} {{ {', '.join(elements)} }}")
     return "\n".join(lines) + "\n"

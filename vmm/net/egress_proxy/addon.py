@@ -1,10 +1,11 @@
 """The node egress proxy's judgement, as a mitmproxy addon (``mitmdump -s`` this file; alone in
 its folder, which mitmproxy puts on ``sys.path``: vmm/net/dns.py there would hide dnspython).
 
-Why mitmproxy: a sandbox whose ``allowOut`` names domains has its new TCP connections to
-ports 80 and 443 sent here by its slot (vmm.net.slots: a DNAT to the node's resolver
-address, one listener per port); mitmproxy's transparent mode does the connection handling,
-the TLS ClientHello parsing and the HTTP parsing, this addon only decides. It runs in
+Why mitmproxy: a sandbox whose ``allowOut`` names domains has its new TCP connections that
+no CIDR allows sent here by its slot and the node (vmm.net.slots, vmm.net.host_table: DNATs
+that keep the guest's port until the last, which ``SO_ORIGINAL_DST`` returns: the client's
+``sockname``); mitmproxy's transparent mode does the connection handling, the TLS
+ClientHello parsing and the HTTP parsing, this addon only decides. It runs in
 mitmproxy's own Python environment (vmm.net.egress starts it), so it imports nothing of aenv
 but vmm/net/domains.py, loaded by its path: the same matcher the API checked the entries with.
 
@@ -13,15 +14,15 @@ Per connection:
 - the sandbox is the client's address (its slot address: the slot SNATs the guest to it);
   its allowed domains are in ``<dir>/slots/<address>.json``, written by the node before its
   nftables rules send anything here; no file: refused;
-- port 443: the TLS SNI must match; the connection is passed through unmodified (no
-  interception); port 80: every request's Host must match (a later request on the same
-  connection naming another host gets a 403);
+- TLS (on any port): the SNI must match; the connection is passed through unmodified (no
+  interception); HTTP (on any port): every request's Host must match (a later request on the
+  same connection naming another host gets a 403); the upstream port is the guest's;
 - **pinned**: the proxy connects to an address the node's resolver gives for that name right
   now — never to the address the guest chose — and never to the node or an always-denied
   range (``<dir>/node.json``); a guest that names an allowed domain and dials another
   address reaches the allowed name's server or nothing;
-- anything else (no SNI, an SNI or Host that does not match, plain HTTP on 443, TLS on 80,
-  other protocols) is closed or answered 403: ``server_connect`` lets a connection out only
+- anything else (no SNI, an SNI or Host that does not match, other protocols, which cannot
+  be judged by name) is closed or answered 403: ``server_connect`` lets a connection out only
   to an address this addon pinned for that client;
 - one sandbox holds at most ``max_connections`` connections through the proxy at once (the
   proxy is shared by the node's sandboxes): past it a new one is closed at once.
@@ -82,7 +83,6 @@ class EgressPolicy:
         self.node: list = []  # never: the node's addresses and the operator's extra denials
         self.denied: list = []  # the always-denied ranges ...
         self.reopened: list = []  # ... except what the operator reopened (AENV_NET_ALLOW_EXTRA)
-        self.ports: dict[int, int] = {}
         self.pinned: dict[str, set[tuple[str, int]]] = {}  # client id -> addresses it may reach
         self.max_connections = 0
         self.open: dict[str, int] = {}  # slot address -> its connections now
@@ -103,7 +103,6 @@ class EgressPolicy:
         self.node = [ipaddress.ip_network(c) for c in node["node"]]
         self.denied = [ipaddress.ip_network(c) for c in node["denied"]]
         self.reopened = [ipaddress.ip_network(c) for c in node.get("reopened", ())]
-        self.ports = {int(k): int(v) for k, v in node["ports"].items()}  # listener port -> guest's port
         self.max_connections = int(node["max_connections"])
 
     # -- the decisions ------------------------------------------------------------------------
@@ -130,15 +129,17 @@ class EgressPolicy:
                 return record.address
         return None
 
-    def _guest_port(self, client) -> int | None:
-        return self.ports.get(client.sockname[1]) if client.sockname else None
+    @staticmethod
+    def _guest_port(client) -> int | None:
+        """The port the guest dialled (transparent mode: the connection's original destination)."""
+        return client.sockname[1] if client.sockname else None
 
     async def tls_clienthello(self, data):
         data.ignore_connection = True  # passed through as it is: no interception
         client = data.context.client
         host = domains.host_of(data.client_hello.sni)
         port = self._guest_port(client)
-        address = await self._pin(client, host, port) if port == 443 else None
+        address = await self._pin(client, host, port) if port else None
         if address is None:
             log.info("refused %s: TLS to %r on port %s", client.peername[0], host, port)
             return  # server_connect closes it
@@ -149,7 +150,7 @@ class EgressPolicy:
         host_header = flow.request.host_header
         host = domains.host_of(host_header)
         port = self._guest_port(client)
-        address = await self._pin(client, host, port) if port == 80 else None
+        address = await self._pin(client, host, port) if port else None
         if address is None:
             log.info("refused %s: HTTP to %r on port %s", client.peername[0], host, port)
             flow.response = http.Response.make(
