@@ -19,6 +19,7 @@ from nodes.sealed import open_fields
 from nodes.signing import ClaimedTask
 
 from agent import console_logs, egress_trust, moves
+from agent import volumes as guest_volumes
 from agent.driver import get_driver, get_templates
 from agent.guest import EnvdInitFailed, GuestUnresponsive, guest_responds, handoff_token, init_envd
 
@@ -104,18 +105,34 @@ def _start_vm(driver, spec):
 
 @node_task(name=protocol.BOOT_SANDBOX)
 def boot_sandbox(*, sandbox_id: str, image: str, cpu_count: int, memory_mb: int, disk_size_mb: int,
-                 env_vars: dict, access_token: str | None, network: dict | None = None) -> dict:
+                 env_vars: dict, access_token: str | None, network: dict | None = None,
+                 volumes: list | None = None) -> dict:
     from vmm.driver import BootSpec
 
     driver = get_driver()
     spec = BootSpec(sandbox_id=sandbox_id, image=image, cpu_count=cpu_count,
                     memory_mb=memory_mb, disk_size_mb=disk_size_mb, network=_network(network))
     info = _start_vm(driver, spec)
+    kill = _killer(driver)
+    _step_or_undo(lambda: guest_volumes.serve(driver, sandbox_id, volumes), info, undo=kill,
+                  what="killing its VM", label="volume server")
     started = time.perf_counter()
-    _init_envd_or_undo(info, env_vars, access_token, undo=driver.kill, what="killing its VM", network=spec.network)
+    _init_envd_or_undo(info, env_vars, access_token, undo=kill, what="killing its VM", network=spec.network)
+    _step_or_undo(lambda: guest_volumes.mount(info, access_token, volumes, everything=True), info, undo=kill,
+                  what="killing its VM", label="volume mounts")
     timings = _round(info.timings)
     timings["init"] = round((time.perf_counter() - started) * 1000, 2)
     return _envd_result(info, timings)
+
+
+def _killer(driver):
+    """``undo`` of a VM that may have a volume server: both go."""
+    def kill(sid: str) -> None:
+        try:
+            driver.kill(sid)
+        finally:
+            guest_volumes.stop(sid)
+    return kill
 
 
 @node_task(name=protocol.KILL_SANDBOX)
@@ -123,6 +140,7 @@ def kill_sandbox(*, sandbox_id: str) -> dict:
     driver = get_driver()
     console_logs.flush(driver, sandbox_id, gone=True)  # the console goes with the VM
     killed = bool(driver.kill(sandbox_id))
+    guest_volumes.stop(sandbox_id)
     if moves.shared_store():
         moves.forget(_store(), sandbox_id)  # its exported pause, if it had one
     return {"killed": killed}
@@ -151,6 +169,8 @@ def pause_sandbox(*, sandbox_id: str, to_disk: bool = True, memory: bool = True,
         timings = driver.pause_to_disk(sandbox_id, memory=False)
     else:
         timings = driver.pause_to_disk(sandbox_id) if to_disk else driver.pause(sandbox_id)
+    if to_disk or not memory:
+        guest_volumes.stop(sandbox_id)  # its slot is gone: a resume starts a server in the next one
     timings = _round(timings)
     timings["guest_probe"] = probed_ms
     timings["total_ms"] = round((time.perf_counter() - started) * 1000, 2)
@@ -173,7 +193,7 @@ def _guest_unresponsive(driver, sandbox_id: str) -> bool:
 
 @node_task(name=protocol.RESUME_SANDBOX)
 def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, memory: bool = True,
-                   network: dict | None = None) -> dict:
+                   network: dict | None = None, volumes: list | None = None) -> dict:
     """Resumes a paused VM, then re-inits envd (fresh timestamp: the guest clock stood
     still while paused). ``memory=False`` cold-boots on the disk, discarding a memory
     snapshot (E2B's "reboot" resume). If /init fails the VM is paused again the way it
@@ -192,6 +212,7 @@ def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None,
     cold = bool(info.timings.get("cold_boot"))
 
     def pause_again(sid: str) -> None:
+        guest_volumes.stop(sid)
         if cold:  # nothing in memory worth keeping; the disk is what the sandbox is
             try:
                 driver.pause_to_disk(sid, memory=False)
@@ -200,7 +221,13 @@ def resume_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None,
                 log.warning("filesystem pause of %s failed; pausing with memory", sid)
         driver.pause_to_disk(sid)
 
+    # The guest's NFS client (in its memory) reconnects to this new slot's server by itself.
+    _step_or_undo(lambda: guest_volumes.serve(driver, sandbox_id, volumes), info, undo=pause_again,
+                  what="pausing it again", label="volume server")
     _init_envd_or_undo(info, env_vars, access_token, undo=pause_again, what="pausing it again", network=network)
+    if cold:  # a rebooted guest mounts again
+        _step_or_undo(lambda: guest_volumes.mount(info, access_token, volumes, everything=True), info,
+                      undo=pause_again, what="pausing it again", label="volume mounts")
     timings = _round(info.timings)
     timings["resume_ms"] = round((t_resumed - started) * 1000, 2)
     timings["init"] = round((time.perf_counter() - t_resumed) * 1000, 2)
@@ -281,7 +308,8 @@ def commit_snapshot(*, snapshot_id: str) -> dict:
 
 @node_task(name=protocol.RESTORE_SANDBOX)
 def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access_token: str | None,
-                    source_token: str | None = None, network: dict | None = None, template: bool = False) -> dict:
+                    source_token: str | None = None, network: dict | None = None, template: bool = False,
+                    volumes: list | None = None) -> dict:
     """Starts a new VM from a snapshot (copy-on-write memory and disk), then gives its
     envd the new sandbox's token, env vars and clock; killed if that fails. A
     filesystem-only snapshot is cold-booted on its disk layers instead. ``template``: a
@@ -301,9 +329,15 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
                                     disk_size_mb=manifest.disk_size_mb, layers=list(manifest.layers),
                                     network=_network(network)))
         source_token = None  # a cold-booted envd starts without a token
+    kill = _killer(driver)
+    _step_or_undo(lambda: guest_volumes.serve(driver, sandbox_id, volumes), info, undo=kill,
+                  what="killing its VM", label="volume server")
     started = time.perf_counter()
-    _take_over_envd(info, env_vars, access_token, source_token, undo=driver.kill, what="killing its VM",
+    _take_over_envd(info, env_vars, access_token, source_token, undo=kill, what="killing its VM",
                     network=network)
+    # A memory snapshot's guest has the snapshot's mounts already: only the create's own are new.
+    _step_or_undo(lambda: guest_volumes.mount(info, access_token, volumes, everything=not manifest.memory_file),
+                  info, undo=kill, what="killing its VM", label="volume mounts")
     timings = _round(info.timings)
     timings["init"] = round((time.perf_counter() - started) * 1000, 2)
     try:
@@ -317,7 +351,8 @@ FORK_INIT_THREADS = 16
 
 
 @node_task(name=protocol.FORK_SANDBOX)
-def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, children: list[dict]) -> dict:
+def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, children: list[dict],
+                 volumes: list | None = None) -> dict:
     """One capture of the running parent, then a child per entry of ``children``
     ({"sandbox_id", "env_vars", "access_token", "network"?}), each taking over its envd with
     its own token. A child inherits the parent's network policy in the driver; a ``network``
@@ -350,11 +385,14 @@ def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, c
             return {"sandbox_id": cid, "ok": False, "kind": type(result).__name__, "message": str(result)}
         t0 = time.perf_counter()
         try:
+            # the parent's volumes, mounted in the child's memory: its own slot's server
+            _step_or_undo(lambda: guest_volumes.serve(driver, cid, volumes), result, undo=_killer(driver),
+                          what="killing its VM", label="volume server")
             if spec.get("network") is not None:
                 _step_or_undo(lambda: driver.update_network(cid, _network(spec["network"])), result,
-                              undo=driver.kill, what="killing its VM", label="network policy")
+                              undo=_killer(driver), what="killing its VM", label="network policy")
             _take_over_envd(result, spec.get("env_vars") or {}, spec.get("access_token"), access_token,
-                            undo=driver.kill, what="killing its VM", network=spec.get("network"))
+                            undo=_killer(driver), what="killing its VM", network=spec.get("network"))
         except Exception as exc:
             return {"sandbox_id": cid, "ok": False, "kind": type(exc).__name__, "message": str(exc)}
         timings = _round(result.timings)

@@ -359,11 +359,11 @@ AENV_VOLUME_GID = _env_int("AENV_VOLUME_GID", 1000)
 AENV_VOLUME_MAX_FILE_BYTES = _env_int("AENV_VOLUME_MAX_FILE_BYTES", 1 << 30)
 AENV_VOLUME_MAX_LIST_ENTRIES = _env_int("AENV_VOLUME_MAX_LIST_ENTRIES", 10000)
 AENV_VOLUME_MAX_MOUNTS = _env_int("AENV_VOLUME_MAX_MOUNTS", 8)
-# How guests mount volumes: "off" (the default until the nodes' transport ships: a create
-# with volumeMounts is refused with 400; volumes and their content API work regardless).
-AENV_VOLUME_TRANSPORT = _env("AENV_VOLUME_TRANSPORT", "off")
-if AENV_VOLUME_TRANSPORT not in ("off",):
-    raise ImproperlyConfigured(f"AENV_VOLUME_TRANSPORT={AENV_VOLUME_TRANSPORT!r}: expected off")
+# How guests mount volumes: "nfs" (an NFSv3 server in each sandbox's slot, vmm.net.volume_server)
+# or "off" (a create with volumeMounts is refused with 400; the volume and content APIs still work).
+AENV_VOLUME_TRANSPORT = _env("AENV_VOLUME_TRANSPORT", "nfs")
+if AENV_VOLUME_TRANSPORT not in ("nfs", "off"):
+    raise ImproperlyConfigured(f"AENV_VOLUME_TRANSPORT={AENV_VOLUME_TRANSPORT!r}: expected nfs or off")
 
 DEBUG = _env_bool("DJANGO_DEBUG", False)
 # Generated on first start and kept in AENV_HOME/secret_key (0600); DJANGO_SECRET_KEY wins.

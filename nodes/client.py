@@ -206,9 +206,16 @@ def _with_network(kwargs: dict, network: dict | None) -> dict:
     return {**kwargs, "network": dict(network)} if network is not None else kwargs
 
 
+def _with_volumes(kwargs: dict, volumes: list[dict] | None) -> dict:
+    """A task's kwargs plus its ``volumes`` (``lifecycle.volumes.mounts.for_node``) when it has
+    any: a sandbox without volumes sends what nodes without volume support take."""
+    return {**kwargs, "volumes": [dict(v) for v in volumes]} if volumes else kwargs
+
+
 async def boot_sandbox(node: Node, *, sandbox_id: str, image: str, cpu_count: int, memory_mb: int,
                        disk_size_mb: int, env_vars: dict, access_token: str | None,
-                       network: dict | None = None, deadline: float | None = None) -> dict:
+                       network: dict | None = None, deadline: float | None = None,
+                       volumes: list[dict] | None = None) -> dict:
     """Boot a VM on `node` with the network `network` (NetworkSpec JSON; None: the open
     default) and initialise its envd.
 
@@ -216,6 +223,7 @@ async def boot_sandbox(node: Node, *, sandbox_id: str, image: str, cpu_count: in
     kwargs = _with_network(dict(sandbox_id=sandbox_id, image=image, cpu_count=cpu_count, memory_mb=memory_mb,
                                 disk_size_mb=disk_size_mb, env_vars=dict(env_vars or {}), access_token=access_token),
                            network)
+    kwargs = _with_volumes(kwargs, volumes)
     return await _call(node, protocol.BOOT_SANDBOX, kwargs, deadline, f"boot of {sandbox_id}")
 
 
@@ -237,7 +245,8 @@ async def pause_sandbox(node: Node, *, sandbox_id: str, to_disk: bool = True, me
 
 
 async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,
-                         memory: bool = True, network: dict | None = None, deadline: float | None = None) -> dict:
+                         memory: bool = True, network: dict | None = None, deadline: float | None = None,
+                         volumes: list[dict] | None = None) -> dict:
     """Resume a paused VM on `node` and re-initialise its envd (clock, env vars, token);
     ``memory=False`` cold-boots it on its disk instead of restoring its memory. ``network``
     (NetworkSpec JSON) is given to the VM before it runs again.
@@ -247,6 +256,7 @@ async def resume_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_
                            network)
     if not memory:
         kwargs["memory"] = False
+    kwargs = _with_volumes(kwargs, volumes)
     return await _call(node, protocol.RESUME_SANDBOX, kwargs, deadline, f"resume of {sandbox_id}")
 
 
@@ -272,7 +282,7 @@ async def commit_snapshot(node: Node, *, snapshot_id: str, deadline: float | Non
 async def restore_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, env_vars: dict,
                           access_token: str | None, source_token: str | None = None,
                           network: dict | None = None, template: bool = False,
-                          deadline: float | None = None) -> dict:
+                          deadline: float | None = None, volumes: list[dict] | None = None) -> dict:
     """Start sandbox `sandbox_id` on `node` from snapshot `snapshot_id` with the network
     `network` (NetworkSpec JSON) and initialise its envd (own token, handed over from
     `source_token`). ``template``: the snapshot is a built template's (the VM gets its own
@@ -281,11 +291,13 @@ async def restore_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, env_
                                 access_token=access_token, source_token=source_token or None), network)
     if template:
         kwargs["template"] = True
+    kwargs = _with_volumes(kwargs, volumes)
     return await _call(node, protocol.RESTORE_SANDBOX, kwargs, deadline, f"restore of {sandbox_id}")
 
 
 async def fork_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_token: str | None,
-                       children: list[dict], deadline: float | None = None) -> dict:
+                       children: list[dict], deadline: float | None = None,
+                       volumes: list[dict] | None = None) -> dict:
     """Fork `sandbox_id` on `node` into `children` ({"sandbox_id", "env_vars", "access_token",
     "network"?: NetworkSpec JSON the child must end up with}).
 
@@ -295,6 +307,7 @@ async def fork_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_to
                   children=[_with_network({"sandbox_id": c["sandbox_id"], "env_vars": dict(c.get("env_vars") or {}),
                                            "access_token": c.get("access_token") or None}, c.get("network"))
                             for c in children])
+    kwargs = _with_volumes(kwargs, volumes)
     return await _call(node, protocol.FORK_SANDBOX, kwargs, deadline, f"fork of {sandbox_id}")
 
 

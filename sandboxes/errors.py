@@ -61,7 +61,7 @@ class Failed(LifecycleError):
 # Node failures (the class name raised on the node) that say the request cannot be honoured
 # there, not that the node broke: an egress policy its network backend cannot enforce (the
 # slirp fallback cannot filter). They are Invalid (400), never Failed.
-REFUSED_BY_NODE = frozenset({"UnsupportedNetworkPolicy"})
+REFUSED_BY_NODE = frozenset({"UnsupportedNetworkPolicy", "VolumesUnavailable"})
 # A node's refusals for want of room (vmm.errors.HostMemoryFull): another node, or later, may do it.
 FULL_NODE = frozenset({"HostMemoryFull"})
 # The node found the guest agent (envd) not answering and was told not to pause it then

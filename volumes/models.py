@@ -25,11 +25,15 @@ class Volume(models.Model):
     # The bearer token of the volume content API (E2B's VolumeAndToken.token): shown by the
     # API to the team on create and get, like envdAccessToken, so it is kept as is.
     token = models.CharField(max_length=128, default=new_volume_token)
+    # The NFS export id of the volume on its guests' servers (vmm.net.volume_server): part of
+    # every NFS file handle, so it never changes; unique in the team (one sandbox's volumes).
+    export_id = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         ordering = ["name", "id"]
-        constraints = [models.UniqueConstraint(fields=["team", "name"], name="volume_unique_team_name")]
+        constraints = [models.UniqueConstraint(fields=["team", "name"], name="volume_unique_team_name"),
+                       models.UniqueConstraint(fields=["team", "export_id"], name="volume_unique_team_export_id")]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.id})"

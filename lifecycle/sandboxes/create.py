@@ -44,9 +44,11 @@ async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions 
     # A snapshot of the team, or a template (its ready build's result, or its image): spec §5.5.
     source = await resolve.resolve_source(team, template_ref)
     template, snapshot = source.template, source.snapshot
-    volumes = requested if snapshot is None else mounts.merged(
-        await sync_to_async(mounts.of_snapshot)(snapshot.id), requested)
+    inherited = [] if snapshot is None else await sync_to_async(mounts.of_snapshot)(snapshot.id)
+    volumes = mounts.merged(inherited, requested)
     mounts.check_transport(volumes)
+    # what the node serves, and what the guest must still mount (a restored memory has the rest)
+    to_node = mounts.for_node(volumes, to_mount=[m for m in volumes if m not in inherited])
 
     now = timezone.now()
     fields = dict(
@@ -69,7 +71,7 @@ async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions 
         return Result(await _replay(sandbox))
     if volumes:
         await _record_mounts(sandbox, volumes, actor)
-    return await core.shielded(_boot(sandbox, source.image, timeout, actor, snapshot))
+    return await core.shielded(_boot(sandbox, source.image, timeout, actor, snapshot, to_node))
 
 
 @sync_to_async
@@ -161,7 +163,8 @@ async def _place(sandbox: Sandbox, snapshot, t0: float, started, actor: str):
         raise Unavailable(reason, retry=False) from exc
 
 
-async def _boot(sandbox: Sandbox, image: str, timeout: int, actor: str, snapshot=None) -> Result:
+async def _boot(sandbox: Sandbox, image: str, timeout: int, actor: str, snapshot=None,
+                volumes: list[dict] | None = None) -> Result:
     client, _ = core.node_api()
     t0 = time.monotonic()
     started = timezone.now()
@@ -174,10 +177,11 @@ async def _boot(sandbox: Sandbox, image: str, timeout: int, actor: str, snapshot
                 node, sandbox_id=sandbox.id, image=image, cpu_count=sandbox.cpu_count,
                 memory_mb=sandbox.memory_mb, disk_size_mb=sandbox.disk_size_mb,
                 env_vars=sandbox.env_vars, access_token=sandbox.envd_access_token or None, network=spec,
+                **({"volumes": volumes} if volumes else {}),
             ) if snapshot is None else client.restore_sandbox(
                 node, sandbox_id=sandbox.id, snapshot_id=snapshot.id, env_vars=sandbox.env_vars,
                 access_token=sandbox.envd_access_token or None, source_token=snapshot.envd_access_token or None,
-                network=spec, template=snapshot.build_result,
+                network=spec, template=snapshot.build_result, **({"volumes": volumes} if volumes else {}),
             ),
             # The node client enforces AENV_NODE_TASK_DEADLINE; this is only a backstop.
             timeout=settings.AENV_NODE_TASK_DEADLINE + 15,

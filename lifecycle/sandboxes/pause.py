@@ -13,6 +13,7 @@ import logging
 import time
 from datetime import datetime, timedelta
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
@@ -21,6 +22,7 @@ from nodes import protocol
 from sandboxes.models import Sandbox, Team
 from sandboxes.transitions import transition_sync
 from lifecycle.sandboxes import core, network
+from lifecycle.volumes import mounts
 from lifecycle.sandboxes.core import S, Result
 from sandboxes.errors import GUEST_UNRESPONSIVE_CODE, Conflict, NotFound, Unavailable
 from lifecycle.sandboxes.ttl import set_end_at
@@ -248,11 +250,15 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
     if moving:
         details.update(mode="moved", from_node=home.pk)
     token = sandbox.envd_access_token or None
+    volumes = await sync_to_async(mounts.node_volumes)(sandbox.id)
+    if volumes:
+        reboot = {**reboot, "volumes": volumes}  # its new slot's server (the guest has them mounted)
     try:
         result = await core.await_node(asyncio.wait_for(
             client.restore_sandbox(node, sandbox_id=sandbox.id, snapshot_id=protocol.pause_image_of(sandbox.id),
                                    env_vars=sandbox.env_vars, access_token=token, source_token=token,
-                                   network=network.spec_of(sandbox), template=True, deadline=deadline)
+                                   network=network.spec_of(sandbox), template=True, deadline=deadline,
+                                   **({"volumes": volumes} if volumes else {}))
             if moving else
             client.resume_sandbox(node, sandbox_id=sandbox.id, env_vars=sandbox.env_vars,
                                   access_token=token, deadline=deadline,

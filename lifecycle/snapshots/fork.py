@@ -9,11 +9,13 @@ import asyncio
 import logging
 import time
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
 from nodes import placement
 from lifecycle.sandboxes import core, network
+from lifecycle.volumes import mounts
 from lifecycle.sandboxes.core import S, Result
 from sandboxes.errors import LifecycleError, Unavailable
 from sandboxes.models import Sandbox, Team
@@ -108,6 +110,7 @@ async def _fork_on_node(parent: Sandbox, children: list[Sandbox], node, timeout:
     deadline = settings.AENV_FORK_DEADLINE
     t0, started = time.monotonic(), timezone.now()
     details = {"node": node.id, "count": len(children), "children": [c.id for c in children]}
+    volumes = await sync_to_async(mounts.node_volumes)(parent.id)  # each child's own slot serves them
     try:
         # A kill of the parent meanwhile still needs the node's answer (its children are
         # kept); any other move is a restarted node's reconcile, answered at once.
@@ -117,7 +120,7 @@ async def _fork_on_node(parent: Sandbox, children: list[Sandbox], node, timeout:
                 access_token=parent.envd_access_token or None,
                 children=[{"sandbox_id": c.id, "env_vars": c.env_vars, "access_token": c.envd_access_token or None,
                            "network": network.spec_of(c)} for c in children],
-                deadline=deadline),
+                deadline=deadline, **({"volumes": volumes} if volumes else {})),
             timeout=deadline + 15,
         ), parent.id, S.FORKING, tolerate=(S.KILLING, S.KILLED))
     except core.Moved as moved:

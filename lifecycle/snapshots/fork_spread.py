@@ -15,10 +15,12 @@ import asyncio
 import logging
 import time
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
 from lifecycle.sandboxes import core, network
+from lifecycle.volumes import mounts
 from nodes.models import Node
 from lifecycle.sandboxes.core import S, Result
 from sandboxes.errors import LifecycleError, Unavailable
@@ -177,12 +179,13 @@ async def _child(child: Sandbox, node, capture, timeout: int, t0, started, actor
     on another node for the upload)."""
     client, _ = core.node_api()
     await Sandbox.objects.filter(pk=child.id, state=S.CREATING).aupdate(updated_at=timezone.now())
+    volumes = await sync_to_async(mounts.node_volumes)(child.id)  # the parent's, mounted in the capture
     try:
         answer = await core.await_node(asyncio.wait_for(
             client.restore_sandbox(
                 node, sandbox_id=child.id, snapshot_id=capture.id, env_vars=child.env_vars,
                 access_token=child.envd_access_token or None, source_token=capture.envd_access_token or None,
-                network=network.spec_of(child), template=False),
+                network=network.spec_of(child), template=False, **({"volumes": volumes} if volumes else {})),
             timeout=settings.AENV_NODE_TASK_DEADLINE + 15,
         ), child.id, S.CREATING, tolerate=(S.KILLING, S.KILLED))
         result = {"ok": True, **answer}

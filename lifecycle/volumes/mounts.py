@@ -18,10 +18,26 @@ class Mount:
     volume_id: str
     name: str
     path: str
+    team_id: str = ""
+    export_id: int = 0
 
-    def wire(self) -> dict:
-        """What the node is told (no token: a node never needs the content API's)."""
-        return {"id": self.volume_id, "name": self.name, "path": self.path}
+    @classmethod
+    def of(cls, volume: Volume, path: str) -> "Mount":
+        return cls(volume.id, volume.name, path, str(volume.team_id), volume.export_id)
+
+    def wire(self, mount: bool) -> dict:
+        """What a node is told (``agent.volumes``): where the files are under its
+        AENV_VOLUMES_DIR, the export id, the guest path, and whether the guest still has to
+        mount it. No token: a node never needs the content API's."""
+        return {"dir": f"{self.team_id}/{self.volume_id}", "export_id": self.export_id, "path": self.path,
+                "mount": mount}
+
+
+def for_node(mounts: list[Mount], *, to_mount: list[Mount] | None = None) -> list[dict]:
+    """A task's ``volumes``: every mount (the server exports them all); ``to_mount`` the ones
+    the guest has not mounted yet (None: none)."""
+    fresh = set(to_mount or ())
+    return [m.wire(m in fresh) for m in mounts]
 
 
 def check(team: Team, requested: object) -> list[Mount]:
@@ -54,22 +70,27 @@ def check(team: Team, requested: object) -> list[Mount]:
             what = "is already used" if clash.path == item["path"] else f"overlaps '{clash.path}'"
             problems.append(f"volume mount #{index}: path '{item['path']}' {what}")
             continue
-        mounts.append(Mount(volume.id, volume.name, item["path"]))
+        mounts.append(Mount.of(volume, item["path"]))
     if problems:
         raise Invalid("invalid mounts:\n" + "\n".join(f"\t- {p}" for p in problems))
     return mounts
 
 
+def node_volumes(sandbox_id: str) -> list[dict]:
+    """A running or paused sandbox's ``volumes`` for its node (its guest has them mounted)."""
+    return for_node(of_sandbox(sandbox_id))
+
+
 def check_transport(volumes: list[Mount]) -> None:
-    """Mounts need the nodes' transport (``AENV_VOLUME_TRANSPORT``): without one they are a
+    """Mounts need the nodes' transport (``AENV_VOLUME_TRANSPORT``): turned off they are a
     400, never a sandbox created without the volumes it asked for."""
     if volumes and settings.AENV_VOLUME_TRANSPORT == "off":
-        raise Invalid("volume mounts are not available on this deployment (AENV_VOLUME_TRANSPORT=off); "
+        raise Invalid("volume mounts are turned off on this deployment (AENV_VOLUME_TRANSPORT=off); "
                       "volumes and their content API work without a sandbox")
 
 
 def of_sandbox(sandbox_id: str) -> list[Mount]:
-    return [Mount(r.volume_id, r.volume.name, r.path)
+    return [Mount.of(r.volume, r.path)
             for r in SandboxVolume.objects.filter(sandbox_id=sandbox_id).select_related("volume")]
 
 
@@ -82,7 +103,7 @@ def wire_of(sandbox_ids: list[str]) -> dict[str, list[dict]]:
 
 
 def of_snapshot(snapshot_id: str) -> list[Mount]:
-    return [Mount(r.volume_id, r.volume.name, r.path)
+    return [Mount.of(r.volume, r.path)
             for r in SnapshotVolume.objects.filter(snapshot_id=snapshot_id).select_related("volume")]
 
 

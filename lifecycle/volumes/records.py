@@ -7,6 +7,7 @@ import logging
 
 from asgiref.sync import sync_to_async
 from django.db import IntegrityError, transaction
+from django.db.models import Max
 
 from sandboxes.errors import Conflict, Invalid, NotFound
 from sandboxes.models import Team
@@ -16,6 +17,8 @@ from volumes import rules, store
 from volumes.models import SandboxVolume, SnapshotVolume, Volume
 
 log = logging.getLogger(__name__)
+# NFS export ids are 16 bits in nfs-ganesha; 0 is its pseudo root.
+MAX_EXPORT_ID = 65535
 
 
 @sync_to_async
@@ -23,13 +26,20 @@ def create_volume(team: Team, name: object) -> Volume:
     problem = rules.name_problem(name)
     if problem:
         raise Invalid(problem)
-    try:
-        with transaction.atomic():
-            volume = Volume.objects.create(team=team, name=name)
-            store.create_files(volume)  # inside the transaction: no row without its directory
-    except IntegrityError:
-        raise Invalid(f"Volume with name '{name}' already exists") from None
-    return volume
+    for _ in range(5):
+        try:
+            with transaction.atomic():
+                if Volume.objects.filter(team=team, name=name).exists():
+                    raise Invalid(f"Volume with name '{name}' already exists")
+                last = Volume.objects.filter(team=team).aggregate(m=Max("export_id"))["m"] or 0
+                if last >= MAX_EXPORT_ID:
+                    raise Invalid(f"a team has at most {MAX_EXPORT_ID} volumes over its lifetime")
+                volume = Volume.objects.create(team=team, name=name, export_id=last + 1)
+                store.create_files(volume)  # inside the transaction: no row without its directory
+            return volume
+        except IntegrityError:
+            continue  # a concurrent create took the name or the export id: look again
+    raise Invalid(f"Volume with name '{name}' already exists")
 
 
 async def list_volumes(team: Team) -> list[Volume]:

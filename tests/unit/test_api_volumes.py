@@ -204,7 +204,8 @@ async def test_another_teams_volume_cannot_be_mounted(api, nodes_mock, assert_er
                  400, "volume 'theirs' not found")
 
 
-async def test_mounts_are_refused_without_a_transport(api, nodes_mock, assert_error):
+async def test_mounts_are_refused_without_a_transport(api, nodes_mock, assert_error, settings):
+    settings.AENV_VOLUME_TRANSPORT = "off"
     await make(api, "data")
     resp = await api.post("/v2/sandboxes", json={"templateID": "base", "volumeMounts": [{"name": "data", "path": "/d"}]})
     assert_error(resp, 400, "AENV_VOLUME_TRANSPORT=off")
@@ -212,15 +213,18 @@ async def test_mounts_are_refused_without_a_transport(api, nodes_mock, assert_er
     assert (await api.post("/v2/sandboxes", json={"templateID": "base", "volumeMounts": []})).status_code == 201
 
 
-async def test_mounts_are_recorded_shown_and_block_a_delete(api, nodes_mock, assert_error, settings):
-    """The control plane's half (the node's mount is the transport's): rows, E2B's
-    ``volumeMounts`` in the detail and the lists, and the 409 until the sandbox is killed."""
-    settings.AENV_VOLUME_TRANSPORT = "test"
+async def test_mounts_are_recorded_shown_and_block_a_delete(api, nodes_mock, assert_error, team):
+    """The control plane's half: rows, what the node is told (where the files are, the
+    export id, what the guest must mount), E2B's ``volumeMounts`` in the detail and the
+    lists, and the 409 until the sandbox is killed."""
     made = await make(api, "data")
     resp = await api.post("/v2/sandboxes", json={"templateID": "base", "volumeMounts": [
         {"name": "data", "path": "/home/user/data"}, {"name": "data", "path": "/mnt/again"}]})
     assert resp.status_code == 201, resp.text
     sid = resp.json()["sandboxID"]
+    told = nodes_mock.client.boot_sandbox.await_args.kwargs["volumes"]
+    assert told == [{"dir": f"{team.pk}/{made['volumeID']}", "export_id": 1, "path": p, "mount": True}
+                    for p in ("/home/user/data", "/mnt/again")]
     wire = [{"name": "data", "path": "/home/user/data"}, {"name": "data", "path": "/mnt/again"}]
     assert (await api.get(f"/sandboxes/{sid}")).json()["volumeMounts"] == wire
     assert next(s for s in (await api.get("/v2/sandboxes")).json() if s["sandboxID"] == sid)["volumeMounts"] == wire

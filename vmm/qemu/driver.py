@@ -363,6 +363,14 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
                 out.append(self._to_info(state))
         return out
 
+    def slot_of(self, sandbox_id: str):
+        """The network slot the VM runs in now (a ``vmm.net.slots.Slot``), or None (no such
+        VM, paused to disk, or on the slirp fallback): where its volume server must run."""
+        state = VMState.load(self.sandboxes_dir / sandbox_id) if valid_sandbox_id(sandbox_id) else None
+        if state is None or state.net_mode != "netns" or not state.net_slot:
+            return None
+        return self.net.slot(self._attachment(state))
+
     # -- lifecycle --------------------------------------------------------------------------
 
     def _load(self, sandbox_id: str) -> VMState:

@@ -1,0 +1,91 @@
+"""A node's side of volume mounts: the sandbox's NFS server in its slot
+(``vmm.net.volume_server``), started whenever the VM gets a slot (boot, restore, resume, each
+fork child) and stopped when it loses it (pause to disk, kill), and the guest's mounts, made
+through envd as root when a guest has not mounted them yet (a boot, or volumes a create adds
+to a snapshot's).
+
+A task's ``volumes`` argument: ``[{"dir": "<team>/<volume>", "export_id": n, "path": "/mnt/x",
+"mount": bool}]`` (``lifecycle.volumes.mounts``); files under ``AENV_VOLUMES_DIR``."""
+from __future__ import annotations
+
+import logging
+import shlex
+from pathlib import Path
+
+from django.conf import settings
+
+from envd_client import EnvdClient
+
+log = logging.getLogger(__name__)
+
+MOUNT_DEADLINE = 120.0  # the first mount loads the nfs modules: seconds under TCG
+
+
+class VolumesUnavailable(Exception):
+    """This node cannot give a guest its volumes (no NFS server installed, no network slot)."""
+
+
+class MountFailed(Exception):
+    """The guest could not mount its volumes."""
+
+
+def run_dir(sandbox_id: str) -> Path:
+    return Path(settings.AENV_HOME) / "volume-servers" / sandbox_id
+
+
+def _exports(volumes: list[dict]):
+    from vmm.net.volume_server import Export
+
+    seen: dict[int, Export] = {}
+    for v in volumes:
+        root = (Path(settings.AENV_VOLUMES_DIR) / v["dir"]).resolve()
+        if Path(settings.AENV_VOLUMES_DIR).resolve() not in root.parents:
+            raise VolumesUnavailable(f"volume directory {v['dir']!r} is outside AENV_VOLUMES_DIR")
+        if not root.is_dir():
+            raise VolumesUnavailable(f"volume directory {root} does not exist on this node (AENV_VOLUMES_DIR must be "
+                                     "the shared volume store)")
+        seen[int(v["export_id"])] = Export(int(v["export_id"]), str(root), f"/{int(v['export_id'])}")
+    return list(seen.values())
+
+
+def serve(driver, sandbox_id: str, volumes: list[dict] | None) -> None:
+    """Starts (or restarts) the sandbox's server in the slot its VM has now."""
+    if not volumes:
+        return
+    from vmm.net import volume_server
+
+    why = volume_server.available()
+    if why:
+        raise VolumesUnavailable(why)
+    slot_of = getattr(driver, "slot_of", None)
+    slot = slot_of(sandbox_id) if slot_of is not None else None
+    if slot is None:
+        raise VolumesUnavailable(f"sandbox {sandbox_id} has no network slot: volumes need the netns network backend")
+    volume_server.start(slot, _exports(volumes), run_dir(sandbox_id), uid=settings.AENV_VOLUME_UID,
+                        gid=settings.AENV_VOLUME_GID)
+    volume_server.open_ports(slot)
+
+
+def stop(sandbox_id: str) -> None:
+    from vmm.net import volume_server
+
+    try:
+        volume_server.stop(run_dir(sandbox_id))
+    except OSError:
+        log.warning("could not stop the volume server of %s", sandbox_id, exc_info=True)
+
+
+def mount(info, access_token: str | None, volumes: list[dict] | None, *, everything: bool = False) -> None:
+    """Mounts in the guest the volumes it has not mounted yet (``mount``; all of them after a
+    cold boot: ``everything``)."""
+    from vmm.net.volume_server import mount_script
+
+    todo = [(f"/{int(v['export_id'])}", v["path"]) for v in volumes or () if everything or v.get("mount")]
+    if not todo:
+        return
+    script = mount_script(todo)
+    with EnvdClient.at(info.envd_host, info.envd_port, access_token) as envd:
+        result = envd.run_argv("/bin/sh", ["-c", script], user="root", deadline=MOUNT_DEADLINE)
+    if result.exit_code != 0:
+        raise MountFailed(f"mounting {', '.join(shlex.quote(p) for _, p in todo)} failed ({result.exit_code}): "
+                          f"{(result.stderr or result.stdout).decode(errors='replace')[-500:]}")
