@@ -13,6 +13,11 @@ resolver, the proxy). Direct = the same client to the server's address. Measured
 - ``http_request``: one GET on a kept-alive connection (each is judged by its Host);
 - ``https_request``: one GET on a kept-alive TLS connection (bytes passed through).
 
+``haproxy`` (where Debian's haproxy is installed): the same through HAProxy routing by SNI (TCP
+mode) and by Host (HTTP mode) to a fixed server, no lookup: what a C proxy costs for the
+judging alone, the alternative weighed against mitmproxy (docs/networks.md says why
+mitmproxy).
+
 Needs root, nft, dnsmasq and mitmproxy in .venv-egress (scripts/setup.sh). Prints a table;
 writes JSON to bench/results/egress_proxy-<UTC stamp>.json.
 
@@ -23,10 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import socket
 import ssl
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -57,9 +65,38 @@ def _answer(stream) -> bytes:
     return stream.read(length)
 
 
+HAPROXY = """
+global
+    maxconn 1000
+defaults
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend tls
+    mode tcp
+    bind {ip}:{tls}
+    tcp-request inspect-delay 5s
+    tcp-request content accept if {{ req.ssl_hello_type 1 }}
+    use_backend good_tls if {{ req.ssl_sni -i good.test }}
+backend good_tls
+    mode tcp
+    server good {server}:443
+frontend plain
+    mode http
+    bind {ip}:{http}
+    http-request deny unless {{ req.hdr(host),field(1,:) -i good.test }}
+    default_backend good_http
+backend good_http
+    mode http
+    server good {server}:80
+"""
+HAPROXY_PORTS = {80: 16080, 443: 16443}
+
+
 def _open(address: tuple[str, int], tls: bool):
-    # the proxy knows the client by its slot address; the external host routes only the node's own
-    source = (CLIENT, 0) if address[0] == service_ip(POOL) else None
+    # mitmproxy knows the client by its slot address (and only its connections are DNATed to
+    # it); the external host routes only the node's own
+    source = (CLIENT, 0) if address[0] == service_ip(POOL) and address[1] in (80, 443) else None
     sock = socket.create_connection(address, timeout=10, source_address=source)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return CONTEXT.wrap_socket(sock, server_hostname="good.test") if tls else sock
@@ -85,10 +122,31 @@ def requests_on_one_connection(address, tls: bool, runs: int) -> list[float]:
     return out
 
 
-def measure(runs: int) -> dict[str, list[float]]:
+def start_haproxy(directory: Path) -> subprocess.Popen | None:
+    """HAProxy judging by SNI / Host on the resolver's address, or None where it is not installed."""
+    binary = shutil.which("haproxy")
+    if binary is None:
+        return None
+    config = directory / "haproxy.cfg"
+    config.write_text(HAPROXY.format(ip=service_ip(POOL), tls=HAPROXY_PORTS[443], http=HAPROXY_PORTS[80],
+                                     server=EXT_A))
+    proc = subprocess.Popen([binary, "-f", str(config), "-db"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection((service_ip(POOL), HAPROXY_PORTS[443]), timeout=1).close()
+            return proc
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "haproxy did not start"
+            time.sleep(0.1)
+
+
+def measure(runs: int, haproxy: bool) -> dict[str, list[float]]:
     proxy_ip = service_ip(POOL)
     paths = {"direct": {80: (EXT_A, 80), 443: (EXT_A, 443)},
              "proxy": {80: (proxy_ip, 80), 443: (proxy_ip, 443)}}  # proxy_world's DNAT, as a slot's
+    if haproxy:
+        paths["haproxy"] = {port: (proxy_ip, listen) for port, listen in HAPROXY_PORTS.items()}
     samples: dict[str, list[float]] = {}
     for way, ports in paths.items():
         for name, port, tls in (("http", 80, False), ("https", 443, True)):
@@ -105,18 +163,27 @@ def main() -> int:
     if not slots.netns_supported():
         print("needs root, nft and nsenter", file=sys.stderr)
         return 2
-    with proxy_world(POOL, (CLIENT,)) as egress:
+    with proxy_world(POOL, (CLIENT,)) as egress, tempfile.TemporaryDirectory() as work:
         egress.allow(CLIENT, "bench", ("good.test",))
-        samples = measure(args.runs)
+        haproxy = start_haproxy(Path(work))
+        try:
+            samples = measure(args.runs, haproxy is not None)
+        finally:
+            if haproxy is not None:
+                haproxy.terminate()
+                haproxy.wait(timeout=10)
     summary = {name: {"median_ms": round(statistics.median(v), 3), "p90_ms": round(percentile(v, 90), 3),
                       "p95_ms": round(percentile(v, 95), 3), "n": len(v)} for name, v in samples.items()}
     print("| measure | way | median ms | p90 ms | p95 ms | n |\n|---|---|---:|---:|---:|---:|")
     for name, row in sorted(summary.items()):
         what, way = name.split(" ")
         print(f"| {what} | {way} | {row['median_ms']} | {row['p90_ms']} | {row['p95_ms']} | {row['n']} |")
-    added = {what: round(summary[f"{what} proxy"]["median_ms"] - summary[f"{what} direct"]["median_ms"], 3)
-             for what in ("http_connection", "https_connection", "http_request", "https_request")}
-    print("added by the proxy (median ms): " + ", ".join(f"{k} {v}" for k, v in added.items()))
+    ways = [w for w in ("proxy", "haproxy") if f"http_request {w}" in summary]
+    added = {way: {what: round(summary[f"{what} {way}"]["median_ms"] - summary[f"{what} direct"]["median_ms"], 3)
+                   for what in ("http_connection", "https_connection", "http_request", "https_request")}
+             for way in ways}
+    for way, figures in added.items():
+        print(f"added by {way} (median ms): " + ", ".join(f"{k} {v}" for k, v in figures.items()))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = ROOT / "bench" / "results" / f"egress_proxy-{stamp}.json"
     path.write_text(json.dumps({"host": platform.node(), "kernel": platform.release(), "runs": args.runs,
