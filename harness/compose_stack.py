@@ -211,6 +211,7 @@ def stack_env(images_dir: Path, api_port: int, sandbox_port: int) -> dict:
     return {**os.environ, "DOCKER_BUILDKIT": "0",
             "DJANGO_SECRET_KEY": secrets.token_hex(32), "POSTGRES_PASSWORD": secrets.token_hex(32),
             "REDIS_CONTROL_PASSWORD": secrets.token_hex(32), "S3_SECRET_KEY": secrets.token_hex(32),
+            "AENV_SECRETS_KEY": secrets.token_hex(32),
             **{f"REDIS_NODE_PASSWORD_NODE_{n}": secrets.token_hex(32) for n in (1, 2, 3)},
             "AENV_API_PORT": f"127.0.0.1:{api_port}", "AENV_SANDBOX_PORT": f"127.0.0.1:{sandbox_port}",
             "AENV_API_PUBLIC_URL": api_url, "AENV_SANDBOX_PUBLIC_URL": sandbox_url,

@@ -32,6 +32,7 @@ DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
 # What `docker compose` needs set: the secret key and the Redis users' passwords (one per node).
 COMPOSE_ENV = {"DJANGO_SECRET_KEY": "test-key", "REDIS_CONTROL_PASSWORD": "c" * 64, "POSTGRES_PASSWORD": "p" * 64,
+               "AENV_SECRETS_KEY": "ab" * 32,
                **{f"REDIS_NODE_PASSWORD_NODE_{n}": str(n) * 64 for n in (1, 2, 3)}}
 UNITS = DEPLOY / "systemd"
 INSTALL = DEPLOY / "install-node.sh"
