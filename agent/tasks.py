@@ -407,12 +407,22 @@ def fork_sandbox(*, sandbox_id: str, env_vars: dict, access_token: str | None, c
 
 
 @node_task(name=protocol.UPDATE_NETWORK)
-def update_network(*, sandbox_id: str, network: dict) -> dict:
+def update_network(*, sandbox_id: str, network: dict, access_token: str | None = None) -> dict:
     """Replaces the VM's egress policy (E2B's PUT /sandboxes/{id}/network) with ``network``
     (NetworkSpec JSON): at once for a running VM, recorded for one saved to disk. Raises
-    VMNotFound, or UnsupportedNetworkPolicy (nothing changed) if its backend cannot enforce it."""
+    VMNotFound, or UnsupportedNetworkPolicy (nothing changed) if its backend cannot enforce it.
+    A policy with rules on a running VM: its guest first trusts the node's CA (``access_token``:
+    its envd's), so a guest that could not is refused with nothing changed (TrustFailed); a
+    saved VM gets it when it resumes."""
     started = time.perf_counter()
-    get_driver().update_network(sandbox_id, _network(network))
+    driver = get_driver()
+    if egress_trust.needs_ca(network):
+        from vmm.driver import VMStatus  # noqa: PLC0415 - like the other vmm imports here
+
+        info = driver.info(sandbox_id)
+        if info is not None and info.status == VMStatus.RUNNING:
+            egress_trust.install_in_guest(info.envd_host, info.envd_port, access_token)
+    driver.update_network(sandbox_id, _network(network))
     return {"timings": {"total_ms": round((time.perf_counter() - started) * 1000, 2)}}
 
 

@@ -311,11 +311,15 @@ async def fork_sandbox(node: Node, *, sandbox_id: str, env_vars: dict, access_to
     return await _call(node, protocol.FORK_SANDBOX, kwargs, deadline, f"fork of {sandbox_id}")
 
 
-async def update_network(node: Node, *, sandbox_id: str, network: dict, deadline: float | None = None) -> dict:
+async def update_network(node: Node, *, sandbox_id: str, network: dict, deadline: float | None = None,
+                         access_token: str | None = None) -> dict:
     """Replace the egress policy of the sandbox's VM on `node` with `network` (NetworkSpec
     JSON); fails with kind "UnsupportedNetworkPolicy" when its backend cannot enforce it
-    (nothing changes then). Returns {"timings": {"total_ms"}}."""
+    (nothing changes then). A policy with rules needs `access_token` (the sandbox's envd token,
+    sealed in transit): the guest is made to trust the node's CA first. Returns {"timings": {"total_ms"}}."""
     kwargs = {"sandbox_id": sandbox_id, "network": dict(network)}
+    if access_token:
+        kwargs["access_token"] = access_token
     return await _call(node, protocol.UPDATE_NETWORK, kwargs, deadline, f"network update of {sandbox_id}")
 
 

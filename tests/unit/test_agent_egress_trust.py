@@ -93,3 +93,61 @@ def test_init_installs_only_with_rules_and_undoes_the_start_when_it_fails(monkey
         tasks._init_envd_or_undo(_info(), {}, "tok", undo=undone.append, what="killing its VM",
                                  network={"rules": {"h": [{}]}})
     assert undone == ["i1"]
+
+
+class _Driver:
+    """Just what update_network uses: a VM's info and its policy."""
+
+    def __init__(self, status):
+        from vmm.driver import VMStatus  # noqa: PLC0415
+
+        self.status = getattr(VMStatus, status)
+        self.policy = None
+
+    def info(self, sandbox_id):
+        return SimpleNamespace(sandbox_id=sandbox_id, envd_host="127.0.0.1", envd_port=1, status=self.status)
+
+    def update_network(self, sandbox_id, spec):
+        self.policy = spec
+
+
+RULES = {"rules": {"api.example.com": [{"transform": {"headers": {"X": "${e2b.secrets.k}"}}}]}}
+
+
+@pytest.mark.parametrize("status, network, installs", [
+    ("RUNNING", RULES, True), ("RUNNING", {"allow_out": ["10.0.0.0/8"]}, False), ("SAVED", RULES, False),
+])
+def test_a_network_update_with_rules_installs_the_ca_first(monkeypatch, status, network, installs):
+    driver, calls = _Driver(status), []
+    monkeypatch.setattr(tasks, "get_driver", lambda: driver)
+    monkeypatch.setattr(egress_trust, "install_in_guest", lambda host, port, token: calls.append((port, token)))
+    tasks.update_network(sandbox_id="i1", network=network, access_token="tok")
+    assert calls == ([(1, "tok")] if installs else []) and driver.policy is not None
+
+
+def test_a_guest_that_cannot_trust_it_keeps_its_old_policy(monkeypatch):
+    driver = _Driver("RUNNING")
+    monkeypatch.setattr(tasks, "get_driver", lambda: driver)
+
+    def refuse(*a):
+        raise egress_trust.TrustFailed("envd said no")
+
+    monkeypatch.setattr(egress_trust, "install_in_guest", refuse)
+    with pytest.raises(egress_trust.TrustFailed):
+        tasks.update_network(sandbox_id="i1", network=RULES, access_token="tok")
+    assert driver.policy is None
+
+
+async def test_the_control_plane_sends_the_token_only_when_given(monkeypatch):
+    from nodes import client  # noqa: PLC0415
+
+    sent = []
+
+    async def fake_call(node, name, kwargs, deadline, what):
+        sent.append(kwargs)
+        return {"timings": {}}
+
+    monkeypatch.setattr(client, "_call", fake_call)
+    await client.update_network(None, sandbox_id="i1", network=RULES, access_token="tok")
+    await client.update_network(None, sandbox_id="i1", network={})
+    assert sent == [{"sandbox_id": "i1", "network": RULES, "access_token": "tok"}, {"sandbox_id": "i1", "network": {}}]
