@@ -270,15 +270,21 @@ class VolumeFiles:
             raise Invalid("path / is a directory")
         pfd = self._walk(parts[:-1])
         try:
+            # Looked at before it is opened: a device node or a FIFO a guest made is never opened.
+            before = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
+            if stat.S_ISLNK(before.st_mode):
+                raise Invalid(f"path {path} is a symlink; the content API never follows one")
+            if not stat.S_ISREG(before.st_mode):
+                raise Invalid(f"path {path} is not a regular file")
             fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=pfd)
         except OSError as exc:
             raise _os_error(exc, path) from None
         finally:
             os.close(pfd)
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
             os.close(fd)
-            raise Invalid(f"path {path} is not a regular file")
+            raise Invalid(f"path {path} changed while it was opened")
         return fd, st.st_size
 
     @staticmethod
