@@ -37,6 +37,7 @@ from sandboxes.states import DEAD, SandboxState
 from vmm.driver import VMStatus
 
 from agent.periodic import Periodic
+from agent import volumes as guest_volumes
 from agent.reconcile_snapshots import reconcile_interrupted
 from agent.settle import continue_vm, move
 
@@ -132,6 +133,11 @@ def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool)
         if what:
             log.info("reconcile: sandbox %s was %s: %s", row.pk, row.state, what)
             done.append((row.pk, row.state, what))
+    try:
+        for sid in guest_volumes.stop_orphans(driver):
+            done.append((sid, "volume server", "stopped: its VM no longer runs here"))
+    except Exception:  # noqa: BLE001 - reported; a stray server only holds its slot's exports
+        log.exception("stopping orphaned volume servers on node %s failed", node_id)
     try:
         for kind, ident, what in reconcile_interrupted(node_id, driver, older_than=older_than, at_start=settled):
             log.info("reconcile: %s %s: %s", kind, ident, what)

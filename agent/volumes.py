@@ -75,6 +75,28 @@ def stop(sandbox_id: str) -> None:
         log.warning("could not stop the volume server of %s", sandbox_id, exc_info=True)
 
 
+def stop_orphans(driver) -> list[str]:
+    """Stops the servers of sandboxes whose VM no longer runs here (killed, lost, saved to
+    disk by a reconcile, or gone while the worker was away): a server outlives its worker, never
+    its VM. Returns their sandbox ids."""
+    from vmm.driver import VMStatus
+
+    root = Path(settings.AENV_HOME) / "volume-servers"
+    stopped = []
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        if driver.inspect(d.name).status in (VMStatus.RUNNING, VMStatus.PAUSED):
+            continue
+        stop(d.name)
+        try:
+            for f in d.iterdir():
+                f.unlink()
+            d.rmdir()
+        except OSError:
+            log.warning("could not remove %s", d, exc_info=True)
+        stopped.append(d.name)
+    return stopped
+
+
 def mount(info, access_token: str | None, volumes: list[dict] | None, *, everything: bool = False) -> None:
     """Mounts in the guest the volumes it has not mounted yet (``mount``; all of them after a
     cold boot: ``everything``)."""

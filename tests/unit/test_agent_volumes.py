@@ -85,3 +85,18 @@ def test_mount_asks_the_guest_only_for_what_it_lacks(store):
         run.return_value = SimpleNamespace(exit_code=32, stdout=b"", stderr=b"mount: permission denied")
         with pytest.raises(guest_volumes.MountFailed, match="permission denied"):
             guest_volumes.mount(info, "tok", [VOL])
+
+
+def test_servers_of_vms_that_no_longer_run_are_stopped(store, settings):
+    from vmm.driver import VMStatus
+
+    root = Path(settings.AENV_HOME) / "volume-servers"
+    statuses = {"runs": VMStatus.RUNNING, "frozen": VMStatus.PAUSED, "saved": VMStatus.SAVED, "gone": VMStatus.UNKNOWN}
+    for sid in statuses:
+        (root / sid).mkdir(parents=True)
+        (root / sid / "ganesha.conf").write_text("")
+    driver = SimpleNamespace(inspect=lambda sid: SimpleNamespace(status=statuses[sid]))
+    with mock.patch.object(volume_server, "stop") as stop:
+        assert guest_volumes.stop_orphans(driver) == ["gone", "saved"]
+    assert sorted(c.args[0].name for c in stop.call_args_list) == ["gone", "saved"]
+    assert sorted(p.name for p in root.iterdir()) == ["frozen", "runs"]
