@@ -79,3 +79,30 @@ async def test_a_snapshot_keeps_its_sandboxs_mounts(api, nodes_mock, mounted, as
     await Sandbox.objects.filter(pk=sandbox["sandboxID"]).aupdate(state="killed")
     await Snapshot.objects.filter(pk=snap.pk).aupdate(state="ready")
     assert_error(await api.delete(f"/volumes/{vol['volumeID']}"), 409, snap.id)
+
+
+async def test_a_create_from_a_snapshot_mounts_its_volumes_again(api, nodes_mock, mounted, team, assert_error):
+    """The restored memory has the snapshot's mounts: the node serves them and the guest mounts
+    only what the create adds; a path clashing with the snapshot's is a 400."""
+    vol, sandbox, wire = mounted
+    other = (await api.post("/volumes", json={"name": "more"})).json()
+    c = nodes_mock.client
+    c.snapshot_sandbox = mock.AsyncMock(return_value={
+        "manifest": {"layers": ["/base.qcow2", "/s/layer-0.qcow2"], "memory_file": "/s/memory.ram"},
+        "size_bytes": 1, "memory": True, "timings": {}})
+    c.restore_sandbox = mock.AsyncMock(return_value={"envd_host": "127.0.0.1", "envd_port": 40100, "pid": 7,
+                                                     "accel": "tcg", "timings": {}})
+    resp = await api.post(f"/sandboxes/{sandbox['sandboxID']}/snapshots", json={})
+    assert resp.status_code == 201, resp.text
+    snap_id = resp.json()["snapshotID"]
+    resp = await api.post("/v2/sandboxes", json={"templateID": snap_id,
+                                                 "volumeMounts": [{"name": "more", "path": "/more"}]})
+    assert resp.status_code == 201, resp.text
+    assert c.restore_sandbox.await_args.kwargs["volumes"] == [
+        {**wire, "mount": False},
+        {"dir": f"{team.pk}/{other['volumeID']}", "export_id": 2, "path": "/more", "mount": True}]
+    assert (await api.get(f"/sandboxes/{resp.json()['sandboxID']}")).json()["volumeMounts"] == [
+        {"name": "data", "path": "/data"}, {"name": "more", "path": "/more"}]
+    assert_error(await api.post("/v2/sandboxes", json={"templateID": snap_id,
+                                                       "volumeMounts": [{"name": "more", "path": "/data/x"}]}),
+                 400, "overlaps '/data'")
