@@ -388,6 +388,7 @@ INSTALLED_APPS = [
     "volumes",  # team volumes and who mounts them
     "team_secrets",
     "template_builds",
+    "events",  # lifecycle events as E2B serves them, webhooks and their deliveries
     "lifecycle",  # no models: its management commands (the sweeper, system templates)
     "api",
     "agent",  # no models: the node process's management command (run_node)
@@ -406,7 +407,6 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
-    "events",  # lifecycle events as E2B serves them, webhooks and their deliveries
     # Browser security headers on every answer of this port (config.security_headers).
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "config.security_headers.ContentSecurityPolicyMiddleware",
