@@ -4,6 +4,7 @@ namespace of the test's own; HTTPS on 443 and on 8443) and fails every dodge —
 from the Host, DNS over TCP and DNS over TLS to another resolver, a raw socket on 443 to a
 denied address; the policy holds across pause / resume, in a fork child, and changes live."""
 import json
+from pathlib import Path
 
 import pytest
 from e2b import ALL_TRAFFIC, Sandbox
@@ -109,6 +110,12 @@ def named(stack, tmp_path_factory):
         ext.stop()
 
 
+def _proxy_lists(sandbox_id: str) -> list[list[str]]:
+    """The domain lists the node gave its egress proxy for this sandbox (vmm.net.egress)."""
+    found = [json.loads(f.read_text()) for f in Path("/run/aenv-egress").glob("*/slots/*.json")]
+    return [f["domains"] for f in found if f["sandbox"] == sandbox_id]
+
+
 def _probe(sandbox) -> dict:
     sandbox.files.write("/tmp/probe.py", PROBE)
     out = sandbox.commands.run(f"python3 /tmp/probe.py {EXT_A} {EXT_B}", timeout=180).stdout
@@ -133,6 +140,7 @@ def test_a_guest_allowed_one_domain_reaches_it_and_fails_every_dodge(sdk_env, na
     sandbox = Sandbox.create(timeout=600, network={"allow_out": ["good.test"], "deny_out": [ALL_TRAFFIC]})
     try:
         _assert_only_good_test(_probe(sandbox))
+        assert _proxy_lists(sandbox.sandbox_id) == [["good.test"]]
 
         sandbox.pause()  # to disk: a new slot on resume, the stored policy with it
         sandbox = Sandbox.connect(sandbox.sandbox_id, timeout=600)
@@ -142,8 +150,10 @@ def test_a_guest_allowed_one_domain_reaches_it_and_fails_every_dodge(sdk_env, na
         assert not isinstance(child, Exception), child
         try:
             _assert_only_good_test(_probe(child))
+            assert _proxy_lists(child.sandbox_id) == [["good.test"]]
         finally:
             child.kill()
+        assert _proxy_lists(child.sandbox_id) == []  # gone with its slot
 
         # live: evil.test's address allowed by CIDR goes straight out, DNS elsewhere stays shut
         sandbox.update_network({"allow_out": ["good.test", EXT_B], "deny_out": [ALL_TRAFFIC]})
@@ -153,6 +163,7 @@ def test_a_guest_allowed_one_domain_reaches_it_and_fails_every_dodge(sdk_env, na
         assert r["dns_tcp_evil"].startswith("failed") and r["dot_evil"].startswith("failed"), r
 
         sandbox.update_network({})  # open again: the same probes now reach evil.test (they can succeed)
+        assert _proxy_lists(sandbox.sandbox_id) == []  # the proxy's list goes with the domains
         r = _probe(sandbox)
         assert r["dns_tcp_evil"] == "evil.test:53\n" and r["dot_evil"] == "evil.test:853\n", r
         assert "evil.test host=evil.test" in r["https_evil"], r
