@@ -245,7 +245,11 @@ def test_too_many_connections_get_503_which_is_a_miss_not_a_failure(pair):
     server = PeerServer(a, "127.0.0.1", 0, TOKEN, max_connections=1)
     try:
         with socket.create_connection(("127.0.0.1", server.port)) as holder:  # takes the one slot
-            time.sleep(0.2)
+            deadline = time.monotonic() + 10  # once the server accepted it (a fixed wait lost the race under load)
+            while server.slots.acquire(blocking=False):
+                server.slots.release()
+                assert time.monotonic() < deadline, "the server never took the holder's connection"
+                time.sleep(0.02)
             assert _get(server.port, f"/chunks/{sha(data)}")[0] == 503
             peers = PeerChunkSource()
             peers.configure([f"127.0.0.1:{server.port}"], TOKEN)
