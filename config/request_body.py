@@ -12,15 +12,18 @@ be read (a malformed length, a client that stops mid-body) is an error, never em
 """
 import json
 import re
+import tempfile
 
 from django.conf import settings
 
-# Paths whose bodies are file uploads with a limit of their own (the setting named here)
-# and a declared length required (411 without: they are streamed to disk, never buffered
-# here): the COPY archives of template builds (api.templates.views.upload_view) and the
-# files written through the volume content API (api.volumes.content).
-FILE_UPLOADS = ((re.compile(r"^/template-files/"), "AENV_TEMPLATE_FILE_MAX_BYTES"),
-                (re.compile(r"^/volumecontent/[^/]+/file$"), "AENV_VOLUME_MAX_FILE_BYTES"))
+# Paths whose bodies are file uploads with a limit of their own (the setting named here),
+# never buffered in memory here: the COPY archives of template builds
+# (api.templates.views.upload_view; a declared length required, 411 without) and the files
+# written through the volume content API (api.volumes.content; the TypeScript SDK streams
+# them chunked, so a body without a length is spooled to a temporary file, up to the limit).
+FILE_UPLOADS = ((re.compile(r"^/template-files/"), "AENV_TEMPLATE_FILE_MAX_BYTES", False),
+                (re.compile(r"^/volumecontent/[^/]+/file$"), "AENV_VOLUME_MAX_FILE_BYTES", True))
+SPOOL_IN_MEMORY = 1 << 20  # a spooled upload moves to disk past this
 
 
 def _error(status: int, message: str) -> tuple[int, list, bytes]:
@@ -49,10 +52,15 @@ class BoundedRequestBody:
     @staticmethod
     def upload_limit(path: str) -> int | None:
         """The limit of a file-upload path (``FILE_UPLOADS``), None for any other path."""
-        for pattern, setting in FILE_UPLOADS:
+        for pattern, setting, _ in FILE_UPLOADS:
             if pattern.match(path):
                 return getattr(settings, setting)
         return None
+
+    @staticmethod
+    def spools(path: str) -> bool:
+        """Whether an upload to ``path`` may come without a length (spooled to a file here)."""
+        return any(pattern.match(path) and chunked for pattern, _, chunked in FILE_UPLOADS)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -61,6 +69,8 @@ class BoundedRequestBody:
         limit = self.max_bytes if upload_limit is None else upload_limit
         lengths = [v for n, v in scope["headers"] if n.lower() == b"content-length"]
         if not lengths and upload_limit is not None and scope.get("method") in ("PUT", "POST"):
+            if self.spools(scope.get("path", "")):
+                return await self._spooled(scope, receive, send, upload_limit)
             return await _answer(send, 411, "an upload needs a Content-Length header")
         if lengths:
             values = {v.strip() for v in lengths}
@@ -98,3 +108,35 @@ class BoundedRequestBody:
             return await receive()  # after the body: the disconnect, when it comes
 
         await self.app(dict(scope, headers=headers), replay, send)
+
+    async def _spooled(self, scope, receive, send, limit: int):
+        """An upload without a length: written to a temporary file (memory up to
+        ``SPOOL_IN_MEMORY``) up to ``limit`` (413 past it), then handed on with its length in
+        chunks, so a large file never sits in memory."""
+        with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    return await _answer(send, 413, f"request body exceeds the limit of {limit} bytes")
+                spool.write(chunk)
+                if not message.get("more_body", False):
+                    break
+            spool.seek(0)
+            headers = [(n, v) for n, v in scope["headers"] if n.lower() != b"transfer-encoding"]
+            headers.append((b"content-length", str(size).encode()))
+            done = False
+
+            async def replay():
+                nonlocal done
+                if done:
+                    return await receive()
+                chunk = spool.read(SPOOL_IN_MEMORY)
+                done = spool.tell() >= size
+                return {"type": "http.request", "body": chunk, "more_body": not done}
+
+            await self.app(dict(scope, headers=headers), replay, send)

@@ -47,6 +47,7 @@ export const {
   SandboxNotFoundError,
   Secret,
   TimeoutError,
+  Volume,
 } = e2b
 
 /** A call to aenv's REST API with the suite's key (for what the SDK has no method for). */

@@ -1,0 +1,88 @@
+"""The unchanged E2B Python SDK 2.63's ``Volume`` (sync and async) against the real API served
+by uvicorn on 127.0.0.1 (no VM: the volume and content APIs need none): create, list,
+get_info, connect, the content methods with their SDK types and exceptions, destroy. The
+sync SDK runs in a thread while the server runs in the test's event loop."""
+import asyncio
+import socket
+import uuid
+
+import pytest
+import uvicorn
+from e2b import AsyncVolume, Volume, VolumeFileType
+from e2b.exceptions import AuthenticationException, NotFoundException, VolumeException, VolumeNotFoundException
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+async def server(asgi_app, base_template, raw_key, monkeypatch, settings, tmp_path):
+    """The API on a free port; the SDK pointed at it (API and volume content) with team A's key."""
+    settings.AENV_VOLUMES_DIR = tmp_path / "volumes"
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(asgi_app, lifespan="off", log_level="warning", timeout_graceful_shutdown=2))
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("E2B_API_URL", url)
+    monkeypatch.setenv("E2B_VOLUME_API_URL", url)
+    monkeypatch.setenv("E2B_API_KEY", raw_key)
+    yield url
+    srv.should_exit = True
+    await task
+
+
+def sdk(fn, *args, **kwargs):
+    return asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def test_the_sync_sdk_volume_calls(server):
+    name = f"sdk-{uuid.uuid4().hex[:8]}"
+    vol = await sdk(Volume.create, name)
+    assert vol.name == name and vol.token
+    assert [v.name for v in await sdk(Volume.list)] == [name]
+    info = await sdk(Volume.get_info, vol.volume_id)
+    assert (info.volume_id, info.name, info.token) == (vol.volume_id, name, vol.token)
+    again = await sdk(Volume.connect, vol.volume_id)
+
+    entry = await sdk(again.write_file, "/dir/hello.txt", "hello volume", mode=0o640)
+    assert entry.type == VolumeFileType.FILE and entry.size == 12 and entry.mode == 0o640 and entry.path == "/dir/hello.txt"
+    assert entry.mtime.tzinfo is not None
+    assert await sdk(vol.read_file, "/dir/hello.txt") == "hello volume"
+    assert await sdk(vol.read_file, "/dir/hello.txt", format="bytes") == b"hello volume"
+    assert b"".join(await sdk(lambda: list(vol.read_file("/dir/hello.txt", format="stream")))) == b"hello volume"
+    made = await sdk(vol.make_dir, "/a/b/c", force=True)
+    assert made.type == VolumeFileType.DIRECTORY and made.name == "c"
+    listed = await sdk(vol.list, "/", depth=2)
+    assert sorted(e.path for e in listed) == ["/a", "/a/b", "/dir", "/dir/hello.txt"]
+    assert await sdk(vol.exists, "/dir/hello.txt") is True
+    assert await sdk(vol.exists, "/nope") is False
+    assert (await sdk(vol.update_metadata, "/dir/hello.txt", mode=0o600)).mode == 0o600
+    assert (await sdk(vol.get_info, "/dir")).type == VolumeFileType.DIRECTORY
+    await sdk(vol.remove, "/dir")
+    with pytest.raises(NotFoundException):
+        await sdk(vol.read_file, "/dir/hello.txt")
+    with pytest.raises(NotFoundException):
+        await sdk(vol.make_dir, "/x/y")  # no parents without force
+
+    stranger = Volume(vol.volume_id, name, token="not-the-token")
+    with pytest.raises(AuthenticationException):
+        await sdk(stranger.list, "/")
+
+    assert await sdk(Volume.destroy, vol.volume_id) is True
+    assert await sdk(Volume.destroy, vol.volume_id) is False  # 404
+    with pytest.raises(VolumeNotFoundException):
+        await sdk(Volume.get_info, vol.volume_id)
+    with pytest.raises(VolumeException):
+        await sdk(Volume.create, "not a valid name")
+
+
+async def test_the_async_sdk_volume_calls(server):
+    vol = await AsyncVolume.create(f"async-{uuid.uuid4().hex[:8]}")
+    await vol.write_file("/f.bin", b"\x00\x01" * 1000)
+    assert await vol.read_file("/f.bin", format="bytes") == b"\x00\x01" * 1000
+    assert [e.name for e in await vol.list("/")] == ["f.bin"]
+    await vol.remove("/f.bin")
+    assert await vol.exists("/f.bin") is False
+    assert await AsyncVolume.destroy(vol.volume_id) is True
