@@ -7,8 +7,8 @@ or HTTP Host and connects only to an address the node's resolver gives for that 
 (vmm/net/egress_proxy/addon.py). Sandboxes without domain rules never reach it: their slots send it
 nothing.
 
-The proxy is ``mitmdump`` (mitmproxy, PyPI) in transparent mode with aenv's addon: a
-well-kept base that parses TLS and HTTP, and the one the next parts of E2B's egress features
+The proxy is mitmproxy (PyPI)'s proxy core in transparent mode with aenv's addon
+(vmm/net/egress_proxy/run.py starts it with nothing else of mitmdump's): a well-kept base that parses TLS and HTTP, and the one the next parts of E2B's egress features
 (request rules with TLS interception, an upstream proxy) need. It lives in a Python
 environment of its own (``.venv-egress``, made by ``scripts/setup.sh``: its pins differ from
 aenv's), runs as ``nobody``, listens on the node resolver's address (the slot pool's base +
@@ -38,8 +38,8 @@ from .slots import ALWAYS_DENIED, PROXY_PORT
 RUNTIME = Path("/run/aenv-egress")
 USER = "nobody"
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MITMDUMP = ROOT / ".venv-egress" / "bin" / "mitmdump"
-ADDON = Path(__file__).with_name("egress_proxy") / "addon.py"
+DEFAULT_MITMDUMP = ROOT / ".venv-egress" / "bin" / "mitmdump"  # there: mitmproxy is installed, its python beside it
+RUN = Path(__file__).with_name("egress_proxy") / "run.py"
 START_TIMEOUT = 20.0
 # Connections one sandbox may hold through the proxy at once: the proxy is the node's, shared
 # by every sandbox with domain rules (its slot's own limits bound new connections per second).
@@ -65,7 +65,7 @@ class EgressProxy:
         self.prefix, self.ip = prefix, ip
         self.dir = RUNTIME / prefix
         self.slots_dir = self.dir / "slots"
-        self.pidfile = self.dir / "mitmdump.pid"
+        self.pidfile = self.dir / "proxy.pid"
         self.log_file = Path(log_dir) / "egress-proxy.log"
         self.node, self.reopened = tuple(node), tuple(reopened)
         self.binary = Path(binary) if binary else DEFAULT_MITMDUMP
@@ -77,9 +77,9 @@ class EgressProxy:
         return self.binary.exists()
 
     def argv(self) -> list[str]:
-        return [str(self.binary), "--mode", f"transparent@{self.ip}:{PROXY_PORT}", "-s", str(ADDON), "--set", f"aenv_egress_dir={self.dir}",
-                "--set", "connection_strategy=lazy", "--set", f"confdir={self.dir / 'conf'}",
-                "--set", "stream_large_bodies=64k", "--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
+        python = self.binary.with_name("python3")  # mitmproxy's own environment
+        return [str(python), str(RUN), "--listen", f"{self.ip}:{PROXY_PORT}", f"--dir={self.dir}",
+                f"--confdir={self.dir / 'conf'}"]
 
     def pid(self) -> int | None:
         try:
@@ -87,7 +87,7 @@ class EgressProxy:
         except (OSError, ValueError):
             return None
         argv = _cmdline(pid)
-        return pid if argv and f"aenv_egress_dir={self.dir}" in argv else None
+        return pid if argv and f"--dir={self.dir}" in argv else None
 
     def _node_config(self) -> dict:
         # the node's addresses inside an always-denied range are denied with it (no operator may
@@ -127,12 +127,12 @@ class EgressProxy:
         while not self.listening() or proc.poll() is not None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 self.stop(keep_policies=True)
-                raise EgressProxyError(f"mitmdump did not start (see {self.log_file})")
+                raise EgressProxyError(f"the egress proxy did not start (see {self.log_file})")
             time.sleep(0.1)
         time.sleep(0.3)  # it listens before it loads the addon, and exits if that fails
         if proc.poll() is not None:
             self.stop(keep_policies=True)
-            raise EgressProxyError(f"mitmdump stopped at start (see {self.log_file})")
+            raise EgressProxyError(f"the egress proxy stopped at start (see {self.log_file})")
 
     def listening(self) -> bool:
         try:

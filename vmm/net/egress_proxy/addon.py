@@ -1,5 +1,6 @@
-"""The node egress proxy's judgement, as a mitmproxy addon (``mitmdump -s`` this file; alone in
-its folder, which mitmproxy puts on ``sys.path``: vmm/net/dns.py there would hide dnspython).
+"""The node egress proxy's judgement, as a mitmproxy addon (loaded by run.py beside it, or by
+``mitmdump -s``; its folder is on ``sys.path`` then, so it holds no module named like a
+library: vmm/net/dns.py there would hide dnspython).
 
 Why mitmproxy: a sandbox whose ``allowOut`` names domains has its new TCP connections that
 no CIDR allows sent here by its slot and the node (vmm.net.slots, vmm.net.host_table: DNATs
