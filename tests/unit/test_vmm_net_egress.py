@@ -19,7 +19,10 @@ from vmm.net import slots
 from vmm.net.dns import service_ip
 from vmm.net.egress import EgressProxy
 
-pytestmark = [pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)"),
+# one worker for the module (xdist --dist loadgroup): its world (an external host on
+# 198.51.100.0/24, a resolver on its pool's base + 1) exists once per machine
+pytestmark = [pytest.mark.xdist_group("egress_proxy"),
+              pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)"),
               pytest.mark.skipif(not EgressProxy("x", "127.0.0.1", Path("/tmp")).available(),
                                  reason="mitmproxy is not installed in .venv-egress (scripts/setup.sh)")]
 
