@@ -100,7 +100,7 @@ def stop_orphans(driver) -> list[str]:
 def mount(info, access_token: str | None, volumes: list[dict] | None, *, everything: bool = False) -> None:
     """Mounts in the guest the volumes it has not mounted yet (``mount``; all of them after a
     cold boot: ``everything``)."""
-    from vmm.net.volume_server import mount_script
+    from vmm.net.volume_server import NO_NFS_EXIT, mount_script
 
     todo = [(f"/{int(v['export_id'])}", v["path"]) for v in volumes or () if everything or v.get("mount")]
     if not todo:
@@ -108,6 +108,9 @@ def mount(info, access_token: str | None, volumes: list[dict] | None, *, everyth
     script = mount_script(todo)
     with EnvdClient.at(info.envd_host, info.envd_port, access_token) as envd:
         result = envd.run_argv("/bin/sh", ["-c", script], user="root", deadline=MOUNT_DEADLINE)
+    if result.exit_code == NO_NFS_EXIT:
+        raise VolumesUnavailable("this template's guest has no NFS client (the template's root file system has no "
+                                 "kernel modules for it, e.g. a template built from an OCI image)")
     if result.exit_code != 0:
         raise MountFailed(f"mounting {', '.join(shlex.quote(p) for _, p in todo)} failed ({result.exit_code}): "
                           f"{(result.stderr or result.stdout).decode(errors='replace')[-500:]}")

@@ -100,3 +100,12 @@ def test_servers_of_vms_that_no_longer_run_are_stopped(store, settings):
         assert guest_volumes.stop_orphans(driver) == ["gone", "saved"]
     assert sorted(c.args[0].name for c in stop.call_args_list) == ["gone", "saved"]
     assert sorted(p.name for p in root.iterdir()) == ["frozen", "runs"]
+
+
+def test_a_guest_without_an_nfs_client_is_a_refusal(store):
+    info = SimpleNamespace(envd_host="127.0.0.1", envd_port=1)
+    with mock.patch("agent.volumes.EnvdClient") as envd:
+        run = envd.at.return_value.__enter__.return_value.run_argv
+        run.return_value = SimpleNamespace(exit_code=volume_server.NO_NFS_EXIT, stdout=b"no nfs", stderr=b"")
+        with pytest.raises(guest_volumes.VolumesUnavailable, match="no NFS client"):
+            guest_volumes.mount(info, None, [VOL])

@@ -181,6 +181,7 @@ def open_ports(slot: Slot) -> None:
         raise SlotError(f"opening the volume ports of {slot.netns} failed: {done.stderr.strip()}")
 
 
+NO_NFS_EXIT = 3  # the mount script's exit when the guest cannot mount NFS at all (no modules)
 # hard: a server being restarted (a resume, a fork child's new slot) is waited for, never an
 # I/O error; timeo=10 (1 s) so a guest whose old connection vanished retries soon; actimeo=1:
 # another sandbox's change to a directory or a file's attributes shows within a second
@@ -193,7 +194,8 @@ def mount_script(mounts: list[tuple[str, str]]) -> str:
     """What the guest runs as root to mount ``[(pseudo, path)]`` from its gateway: the
     kernel's own NFS client (module from the template's /lib/modules), no helper binary
     (``mount -i``), hard mounts (a paused server is waited for, never an I/O error)."""
-    lines = ["set -e", "modprobe nfsv3 2>/dev/null || modprobe nfs 2>/dev/null || true"]
+    lines = ["set -e", "modprobe nfsv3 2>/dev/null || modprobe nfs 2>/dev/null || true",
+             f"grep -qw nfs /proc/filesystems || {{ echo 'the guest kernel has no NFS client'; exit {NO_NFS_EXIT}; }}"]
     for pseudo, path in mounts:
         lines.append(f"mkdir -p {shlex.quote(path)}")
         lines.append(f"mount -i -t nfs -o {MOUNT_OPTIONS} {shlex.quote(GATEWAY_IP + ':' + pseudo)} {shlex.quote(path)}")
