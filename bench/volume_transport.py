@@ -200,10 +200,14 @@ class Bench:
         self.sh(info, "cat /mnt/vol/shared.txt >/dev/null && echo after-resume > /mnt/vol/resumed.txt")
         out["first_volume_op_after_resume_ms"] = ms(t0)
         out["b_sees_resumed_write"] = self.sh(b, "cat /mnt/vol/resumed.txt").strip() == "after-resume"
-        before = int(self.sh(b, "wc -l < /mnt/vol/open.log").strip())
+        # the writer's file stayed open through the pause: it keeps appending (seen in a itself;
+        # b sees the appends once a's client writes them back: NFS close-to-open, no close here)
+        before = int(self.sh(info, "wc -l < /mnt/vol/open.log").strip())
         time.sleep(3)
-        after = int(self.sh(b, "wc -l < /mnt/vol/open.log").strip())
+        after = int(self.sh(info, "wc -l < /mnt/vol/open.log").strip())
         out["open_file_keeps_writing"] = after > before
+        self.sh(info, "sync")
+        out["b_sees_appends_after_sync"] = int(self.sh(b, "wc -l < /mnt/vol/open.log").strip()) >= after
         # the same pause / resume of b with nothing of its own mounted beyond the volume: the
         # baseline is the VM without a volume (driver only)
         c = self.start("c")
