@@ -75,7 +75,8 @@ def test_rows_sealed_under_one_key_do_not_open_under_another(settings, tmp_path)
 
 
 @pytest.mark.parametrize("key, ok", [("", True), ("ab" * 32, True), (base64.b64encode(KEY).decode(), True),
-                                     ("change-me", False), ("ab" * 31, False)])
+                                     ("change-me", False), ("ab" * 31, False)],
+                         ids=["unset", "hex", "base64", "not-a-key", "short-hex"])  # KEY is random: ids must not be
 def test_a_malformed_key_stops_the_settings_from_loading(tmp_path, key, ok):
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
