@@ -10,8 +10,9 @@ What aenv does with each field:
 
 - ``allow_internet_access``, ``allowOut``, ``denyOut``: enforced by the node (E2B's semantics
   and 400 messages, ``vmm.net.policy``); domain names in ``allowOut`` by the node's egress
-  proxy (``vmm.net.egress``), which judges each new TCP connection to ports 80 and 443 by its
-  TLS SNI or HTTP Host and connects only to the address the node's resolver gives for it.
+  proxy (``vmm.net.egress``), which judges each new TCP connection that no CIDR allows (any
+  port) by its TLS SNI or HTTP Host and connects only to the address the node's resolver gives
+  for it.
 - ``dnsServers``: checked (IPv4 addresses, at most 10) and kept. In E2B it opens the firewall
   to those resolvers when allowOut names a domain; aenv sends a domain sandbox's DNS to the
   node's resolver only (what the proxy pins connections to), so it has no effect.

@@ -1,8 +1,8 @@
 """The node's egress proxy: what enforces domain names in a sandbox's ``allowOut``.
 
 Why a proxy: a domain is not an address, so the slot's nftables table cannot judge it. A
-sandbox whose policy names domains has its new TCP connections to ports 80 and 443 that no
-CIDR allows sent by its slot (vmm.net.slots) to this proxy, which judges each by its TLS SNI
+sandbox whose policy names domains has its new TCP connections (any port) that no CIDR
+allows sent by its slot (vmm.net.slots) to this proxy, which judges each by its TLS SNI
 or HTTP Host and connects only to an address the node's resolver gives for that name
 (vmm/net/egress_proxy/addon.py). Sandboxes without domain rules never reach it: their slots send it
 nothing.

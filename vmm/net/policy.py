@@ -12,8 +12,8 @@ enforced. Semantics (E2B's, see ../shared/research/networking.md §2.4):
 
 ``allow_internet_access: false`` replaces denyOut with ``0.0.0.0/0`` (deny all) and keeps
 allowOut. A bare IP is a /32. Domain names (vmm.net.domains) are allowed only with
-``0.0.0.0/0`` denied (E2B's rule): the slot sends such a sandbox's new TCP connections to
-ports 80 and 443 that no CIDR allows through the node's egress proxy (vmm.net.egress), which
+``0.0.0.0/0`` denied (E2B's rule): the slot sends such a sandbox's new TCP connections (any
+port) that no CIDR allows through the node's egress proxy (vmm.net.egress), which
 judges each by its TLS SNI or HTTP Host.
 """
 from __future__ import annotations
