@@ -105,3 +105,14 @@ def json_not_found(request, exception=None):
 def json_server_error(request):
     """handler500: even a crash outside DRF answers `{code, message}`."""
     return _json(500, "internal error")
+
+
+def e2b_admin_not_served(request, rest: str = ""):
+    """E2B's ``/admin/teams/...`` routes (its operators' calls) share Django's ``/admin/``
+    prefix: without this they would get the admin site's HTML 403 (no CSRF token) instead of
+    JSON. aenv's operators use the dashboard and ``manage.py`` for those jobs."""
+    return _json(404, f"E2B's admin route {request.method} {request.path} is not served by aenv "
+                      "(operators use the dashboard and manage.py)")
+
+
+e2b_admin_not_served.csrf_exempt = True  # an API route: it answers the same for every method

@@ -1,15 +1,18 @@
 """Top-level routes: the E2B-compatible API lives at the root (the SDK appends its
 paths to E2B_API_URL as-is); admin and schema under their own prefixes."""
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
+from api.errors import e2b_admin_not_served
 from api.sandboxes import metrics as metrics_api
 
 from config.prometheus import metrics_view
 
 urlpatterns = [
+    # E2B's admin routes (/admin/teams/...) answer JSON, not the Django admin's HTML.
+    re_path(r"^admin/teams/(?P<rest>.*)$", e2b_admin_not_served),
     path("admin/", admin.site.urls),
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("dashboard/", include("dashboard.urls")),
