@@ -1,8 +1,11 @@
 """Named test hosts for the egress proxy's tests and benchmark: an HTTP (port 80) and an HTTPS
 (ports 443 and 8443) server on each of the external host's addresses (harness.networld), each answering
-with its own name and the Host it was asked for, plus plain listeners on the DNS ports (53,
-853) and on 8053 (a port no rule treats specially); ``proxy_world``: those hosts, a node
-resolver and the egress proxy without a VM. Only addresses inside the test's own namespaces
+with its own name and the Host it was asked for (and the ``X-Aenv-*`` and ``Authorization``
+headers it got, one ``name: value`` line each), plus plain listeners on the DNS ports (53,
+853) and on 8053 (a port no rule treats specially); their certificate comes from a test CA
+(``hosts-ca.pem``), which ``proxy_world`` makes the egress proxy trust upstream
+(``upstream_ca``); ``proxy_world``: those hosts, a node resolver and the egress proxy
+without a VM, with a node CA of its own. Only addresses inside the test's own namespaces
 are ever served (the brief's rule).
 """
 from __future__ import annotations
@@ -27,7 +30,9 @@ class Answer(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body are two writes: no delayed-ACK wait between them
     def do_GET(self):
-        body = f"{name} host={self.headers.get('Host')}\n".encode()
+        seen = "".join(f"{k.lower()}: {v}\n" for k, v in self.headers.items()
+                       if k.lower().startswith("x-aenv-") or k.lower() == "authorization")
+        body = f"{name} host={self.headers.get('Host')}\n{seen}".encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -60,12 +65,25 @@ plain.serve_forever()
 
 
 def make_cert(directory: Path, names: list[str]) -> tuple[Path, Path]:
-    """A self-signed certificate for ``names`` (the guest's clients do not verify it)."""
-    cert, key = directory / "hosts.pem", directory / "hosts.key"
-    san = ",".join(f"DNS:{n}" for n in names)
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-days", "2", "-subj", f"/CN={names[0]}", "-addext", f"subjectAltName={san}",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    """A certificate for ``names`` issued by a test CA (``directory/hosts-ca.pem``, made here):
+    what the egress proxy verifies intercepted upstreams against in the tests."""
+    cert, key, ca = directory / "hosts.pem", directory / "hosts.key", directory / "hosts-ca.pem"
+    ca_key = directory / "hosts-ca.key"
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    subprocess.run(["openssl", "req", "-x509", *ec, "-days", "2", "-subj", "/CN=aenv test hosts CA",
+                    "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign",
+                    "-keyout", str(ca_key), "-out", str(ca)], check=True, capture_output=True, timeout=60)
+    csr = directory / "hosts.csr"
+    subprocess.run(["openssl", "req", "-new", *ec, "-subj", f"/CN={names[0]}", "-keyout", str(key), "-out", str(csr)],
+                   check=True, capture_output=True, timeout=60)
+    ext = directory / "hosts.ext"
+    ext.write_text("subjectAltName=" + ",".join(f"DNS:{n}" for n in names) + "\nextendedKeyUsage=serverAuth\n"
+                   "basicConstraints=critical,CA:FALSE\n")
+    subprocess.run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+                    "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    for path in (ca, cert, key):
+        path.chmod(0o644)  # the servers' user and the proxy (nobody) read them
     return cert, key
 
 
@@ -107,7 +125,8 @@ class NamedHosts:
 
 
 @contextmanager
-def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None = None):
+def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None = None,
+                secrets: dict | None = None):
     """The node's egress proxy without a VM, for its tests and benchmark: an external host
     (harness.networld) serving good.test (EXT_A) and evil.test (EXT_B), a node resolver
     (vmm.net.dns) for a resolver instance of ``pool`` that answers those names only
@@ -116,11 +135,14 @@ def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None
     ("slot addresses") are put on lo for the caller to bind to, and their TCP to the
     resolver's address (DNS aside) goes to the proxy's listener with the port kept for
     ``SO_ORIGINAL_DST``, as a slot's and the node's DNATs deliver a guest's. Yields the
-    EgressProxy; removes everything."""
+    EgressProxy; removes everything. The proxy gets a node CA of its own (``egress.ca``, a
+    vmm.egress_ca.NodeCA: what intercepted TLS is signed with), trusts the named hosts' test
+    CA upstream, and fills secrets with ``secrets`` (``{"url", "headers"}``) when given."""
     from harness.networld import EXT_A, EXT_B, ExternalHost  # noqa: PLC0415
     from vmm.net.dns import NodeDNS, _on_lo, service_ip  # noqa: PLC0415
     from vmm.net.egress import EgressProxy  # noqa: PLC0415
     from vmm.net.slots import PROXY_PORT  # noqa: PLC0415
+    from vmm.egress_ca import NodeCA  # noqa: PLC0415
 
     ext = ExternalHost(name=f"aenvegx{os.getpid() % 100000}").start()
     for proc in ext.procs:  # its plain servers make way for the named ones
@@ -139,7 +161,7 @@ def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None
         resolv.chmod(0o644)
         dns = NodeDNS(prefix, pool, work / "net", resolv_file=str(resolv))
         dns.ensure()
-        (dns.hosts_dir / "named").write_text(hosts.hosts_file() + "127.0.0.1 loop.test\n")
+        (dns.hosts_dir / "named").write_text(hosts.hosts_file() + f"127.0.0.1 loop.test\n{EXT_A} alias.test\n")
         for address in clients:
             _on_lo(address, True)
         ip = service_ip(pool)
@@ -151,8 +173,12 @@ table ip {table} {{
     }}
 }}
 """)
+        ca = NodeCA.ensure(work / "egress-ca", "test")
         egress = EgressProxy(prefix, service_ip(pool), work / "net", reopened=(f"{EXT_A}/32", f"{EXT_B}/32"),
+                             ca_pem=ca.mitmproxy_pem(), secrets=secrets,
+                             upstream_ca=str(work / "hosts" / "hosts-ca.pem"),
                              **({"max_connections": max_connections} if max_connections else {}))
+        egress.ca = ca
         egress.ensure()
         yield egress
     finally:

@@ -2,13 +2,19 @@
 hosts in a namespace of the test's own, without a VM: a client bound to a "slot address" on
 the node talks to the proxy as a slot's and the node's DNATs would deliver it (the port kept
 for SO_ORIGINAL_DST), and the proxy lets through only names the slot's list allows, to the
-address the node's resolver gives for them, at the port asked for.
+address the node's resolver gives for them, at the port asked for; TLS to a host with rules
+(and only that) is intercepted with the node's CA and gets the rules' headers, secret markers
+filled from a stand-in for the API's resolve route.
 The slot's nftables side is in test_vmm_net_policy.py; a real guest in
 tests/integration/test_egress_domains.py."""
+import json
 import os
 import socket
 import ssl
+import stat
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -34,9 +40,48 @@ TLS, HTTP = 443, 80  # the guest's ports: the DNAT keeps them
 MAX = 6  # connections per sandbox through the proxy
 
 
+SECRET = "s3cret-value"
+
+
+class SecretsAPI(BaseHTTPRequestHandler):
+    """Stands in for the API's ``POST /nodes/secrets/resolve``: ``tok`` for good.test only,
+    ``down`` fails (503), anything else is refused (403). Every ask is recorded."""
+
+    asked: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.asked.append({**body, "auth": self.headers.get("Authorization")})
+        if body["name"] == "tok" and body["host"] == "good.test":
+            status, answer = 200, {"value": SECRET, "version": 1, "ttl": 0}
+        elif body["name"] == "down":
+            status, answer = 503, {"message": "unavailable"}
+        else:
+            status, answer = 403, {"message": "not for that host"}
+        raw = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.fixture(scope="module")
-def proxy():
-    with proxy_world(POOL, (CLIENT, OTHER_CLIENT), max_connections=MAX) as egress:
+def api():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SecretsAPI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def proxy(api):
+    secrets = {"url": f"http://127.0.0.1:{api.server_address[1]}", "headers": {"Authorization": "Bearer node-cred"}}
+    with proxy_world(POOL, (CLIENT, OTHER_CLIENT), max_connections=MAX, secrets=secrets) as egress:
         egress.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
         try:
             yield egress
@@ -51,14 +96,20 @@ def _connect(port: int, source: str = CLIENT) -> socket.socket:
     return sock
 
 
-def _https(sni: str | None, host: str, source: str = CLIENT, port: int = TLS) -> str:
-    """GET / over TLS with ``sni`` (None: no SNI at all) and ``host``: the body, or "" if closed."""
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+def _https(sni: str | None, host: str, source: str = CLIENT, port: int = TLS, cadata: str | None = None,
+           headers: str = "", issuer: list | None = None) -> str:
+    """GET / over TLS with ``sni`` (None: no SNI at all) and ``host``: the body, or "" if closed.
+    ``cadata``: verify the server's certificate (and its name) against that CA (PEM);
+    ``issuer``: gets the certificate's issuer."""
+    context = ssl.create_default_context(cadata=cadata)
+    if cadata is None:
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     raw = _connect(port, source)
     try:
         with context.wrap_socket(raw, server_hostname=sni) as tls:
-            tls.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            if issuer is not None:
+                issuer.append(dict(x[0] for x in tls.getpeercert()["issuer"]) if cadata else None)
+            tls.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n".encode())
             return _read(tls)
     except (ssl.SSLError, ConnectionError, OSError):
         return ""
@@ -79,14 +130,14 @@ def _read(sock) -> str:
     return out.decode(errors="replace")
 
 
-def _http(*hosts: str, source: str = CLIENT) -> list[str]:
+def _http(*hosts: str, source: str = CLIENT, headers: str = "") -> list[str]:
     """One keep-alive connection, a GET per Host in ``hosts``: each answer's status line and body."""
     sock = _connect(HTTP, source)
     answers = []
     with sock:
         stream = sock.makefile("rb")
         for host in hosts:
-            sock.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n{headers}\r\n".encode())
             status = stream.readline().decode().strip()
             if not status:
                 answers.append("closed")
@@ -190,3 +241,92 @@ def test_the_node_list_leaves_out_addresses_the_denied_ranges_cover():
                          reopened=(f"{EXT_B}/32",))._node_config()
     assert config["node"] == ["203.0.114.7/32"] and config["reopened"] == [f"{EXT_B}/32"]
     assert config["max_connections"] == 256 and "10.0.0.0/8" in config["denied"]
+
+
+# -- network.rules: interception only for ruled hosts, header transforms, secrets ------------------
+
+DOMAINS = ("good.test", "evil.test", "alias.test")
+
+
+@pytest.fixture
+def ruled(proxy):
+    """CLIENT with rules for good.test (and alias.test); put back afterwards."""
+    def rules(good: dict, **more):
+        proxy.allow(CLIENT, "sbx-test", DOMAINS, {"good.test": [{"X-Aenv-Rule": "one"}, good], **more})
+    yield rules
+    proxy.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
+
+
+def _hosts_ca(proxy) -> str:
+    return (Path(proxy.upstream_ca)).read_text()
+
+
+def test_only_tls_to_a_ruled_host_is_intercepted_with_the_node_ca(proxy, ruled):
+    ruled({"X-Aenv-Second": "two"})
+    node_ca = proxy.ca.cert_pem.decode()
+    issuer: list = []
+    body = _https("good.test", "good.test", cadata=node_ca, issuer=issuer)
+    assert issuer == [{"organizationName": "aenv", "commonName": "aenv egress CA test"}]
+    assert "good.test host=good.test" in body
+    assert "x-aenv-rule: one" in body and "x-aenv-second: two" in body
+    # evil.test has no rules: passed through untouched, the server's own certificate (the hosts' CA)
+    assert _https("evil.test", "evil.test", cadata=node_ca) == ""
+    passed = _https("evil.test", "evil.test", cadata=_hosts_ca(proxy), headers="X-Aenv-Guest: mine\r\n")
+    assert "evil.test host=evil.test" in passed and "x-aenv-guest: mine" in passed and "x-aenv-rule" not in passed
+    # the node CA's key is the proxy user's alone
+    ca_file = proxy.conf / "mitmproxy-ca.pem"
+    assert stat.S_IMODE(ca_file.stat().st_mode) == 0o600 and stat.S_IMODE(proxy.conf.stat().st_mode) == 0o700
+
+
+def test_rules_apply_to_http_too_and_replace_the_guests_header(proxy, ruled):
+    ruled({"X-Aenv-Rule-2": "two"})
+    (answer,) = _http("good.test", headers="X-Aenv-Rule: forged\r\n")
+    assert answer.startswith("HTTP/1.1 200") and "x-aenv-rule: one" in answer and "forged" not in answer
+    first, second = _http("good.test", "evil.test", headers="X-Aenv-Guest: g\r\n")
+    assert "x-aenv-rule: one" in first
+    assert "evil.test host=evil.test" in second and "x-aenv-rule" not in second and "x-aenv-guest: g" in second
+
+
+def test_a_secret_marker_is_filled_by_the_proxy_and_never_written_down(proxy, ruled, api):
+    SecretsAPI.asked.clear()
+    ruled({"Authorization": "Bearer ${e2b.secrets.tok}"})
+    body = _https("good.test", "good.test", cadata=proxy.ca.cert_pem.decode())
+    assert f"authorization: Bearer {SECRET}" in body
+    assert SecretsAPI.asked[-1] == {"sandboxID": "sbx-test", "name": "tok", "host": "good.test",
+                                    "auth": "Bearer node-cred"}
+    assert f"authorization: Bearer {SECRET}" in _http("good.test")[0]
+    slot_file = (proxy.slots_dir / f"{CLIENT}.json").read_text()
+    assert "${e2b.secrets.tok}" in slot_file and SECRET not in slot_file
+
+
+def test_a_refused_or_unavailable_secret_fails_the_request(proxy, ruled):
+    ruled({"Authorization": "Bearer ${e2b.secrets.other}"})
+    refused = _https("good.test", "good.test", cadata=proxy.ca.cert_pem.decode())
+    assert refused.startswith("HTTP/1.1 403") and "good.test host" not in refused and "${e2b" not in refused
+    assert _http("good.test")[0].startswith("HTTP/1.1 403")
+    ruled({"Authorization": "Bearer ${e2b.secrets.down}"})
+    down = _https("good.test", "good.test", cadata=proxy.ca.cert_pem.decode())
+    assert down.startswith("HTTP/1.1 502") and "good.test host" not in down
+
+
+def test_an_intercepted_upstream_must_prove_the_name(proxy, ruled):
+    # alias.test resolves to good.test's server, whose certificate does not name alias.test
+    ruled({}, **{"alias.test": [{"X-Aenv-Rule": "alias"}]})
+    answer = _https("alias.test", "alias.test", cadata=proxy.ca.cert_pem.decode())
+    assert answer.startswith("HTTP/1.1 502") and "good.test host" not in answer
+    # without a rule the same connection passes through (the guest sees the real certificate)
+    ruled({})
+    assert "good.test host=alias.test" in _https("alias.test", "alias.test")
+
+
+def test_an_intercepted_upstream_must_chain_to_the_trusted_cas(proxy, ruled):
+    ruled({})
+    trusted, proxy.upstream_ca = proxy.upstream_ca, None  # mitmproxy's own bundle: the test CA is not in it
+    try:
+        proxy.ensure()
+        answer = _https("good.test", "good.test", cadata=proxy.ca.cert_pem.decode())
+        assert answer.startswith("HTTP/1.1 502") and "good.test host" not in answer
+    finally:
+        proxy.upstream_ca = trusted
+        proxy.ensure()
+    assert "x-aenv-rule: one" in _https("good.test", "good.test", cadata=proxy.ca.cert_pem.decode())

@@ -18,11 +18,16 @@ domain rules (400) instead of accepting them unenforced.
 
 What it reads lives under ``RUNTIME/<prefix>`` (world-readable, as ``nobody`` must read it):
 ``node.json`` (the resolver, what no guest may reach, the per-sandbox connection limit) and
-``slots/<slot address>.json`` (one sandbox's allowed domains), written before the slot's
-rules send anything and removed after they stop.
+``slots/<slot address>.json`` (one sandbox's allowed domains and its ``network.rules``, with
+secret markers only, never values), written before the slot's rules send anything and
+removed after they stop. Its ``conf`` folder (mitmproxy's confdir) is the proxy user's alone
+(0700, files 0600): the node's CA with its key as ``mitmproxy-ca.pem`` (``ca_pem``: TLS to a
+host with rules is intercepted only when it is there) and ``secrets.json`` (``secrets``: the
+API's URL and the node's credential, to fill secret markers).
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -61,7 +66,8 @@ class EgressProxy:
     """The egress proxy of one aenv instance (``prefix``), listening on ``ip``."""
 
     def __init__(self, prefix: str, ip: str, log_dir: Path, node: tuple[str, ...] = (),
-                 reopened: tuple[str, ...] = (), binary: Path | None = None, max_connections: int = MAX_CONNECTIONS):
+                 reopened: tuple[str, ...] = (), binary: Path | None = None, max_connections: int = MAX_CONNECTIONS,
+                 ca_pem: bytes | None = None, secrets: dict | None = None, upstream_ca: str | None = None):
         self.prefix, self.ip = prefix, ip
         self.dir = RUNTIME / prefix
         self.slots_dir = self.dir / "slots"
@@ -70,6 +76,10 @@ class EgressProxy:
         self.node, self.reopened = tuple(node), tuple(reopened)
         self.binary = Path(binary) if binary else DEFAULT_MITMDUMP
         self.max_connections = max_connections
+        self.ca_pem = ca_pem  # vmm.egress_ca.NodeCA.mitmproxy_pem(): key and certificate
+        self.secrets = secrets  # agent.egress_secrets.proxy_config()
+        self.upstream_ca = upstream_ca  # a CA bundle replacing mitmproxy's for upstream servers
+        self.conf = self.dir / "conf"
 
     # -- the process ----------------------------------------------------------------------
 
@@ -79,7 +89,20 @@ class EgressProxy:
     def argv(self) -> list[str]:
         python = self.binary.with_name("python3")  # mitmproxy's own environment
         return [str(python), str(RUN), "--listen", f"{self.ip}:{PROXY_PORT}", f"--dir={self.dir}",
-                f"--confdir={self.dir / 'conf'}"]
+                f"--confdir={self.conf}", *([f"--upstream-ca={self.upstream_ca}"] if self.upstream_ca else [])]
+
+    @property
+    def intercepts(self) -> bool:
+        """Whether HTTPS to a host with rules can be intercepted (the node's CA was given)."""
+        return self.ca_pem is not None
+
+    def _conf_files(self) -> dict[str, bytes]:
+        files = {}
+        if self.ca_pem is not None:
+            files["mitmproxy-ca.pem"] = self.ca_pem
+        if self.secrets is not None:
+            files["secrets.json"] = json.dumps(self.secrets, sort_keys=True).encode()
+        return files
 
     def pid(self) -> int | None:
         try:
@@ -96,8 +119,11 @@ class EgressProxy:
         denied = [ipaddress.ip_network(c) for c in ALWAYS_DENIED]
         node = sorted({c for c in (*self.node, f"{self.ip}/32")
                        if not any(ipaddress.ip_network(c, strict=False).subnet_of(d) for d in denied)})
+        conf = hashlib.sha256(json.dumps({k: v.hex() for k, v in self._conf_files().items()},
+                                         sort_keys=True).encode()).hexdigest()  # a change restarts the proxy
         return {"resolver": self.ip, "node": node, "denied": list(ALWAYS_DENIED),
-                "reopened": list(self.reopened), "max_connections": self.max_connections}
+                "reopened": list(self.reopened), "max_connections": self.max_connections,
+                "intercept": self.intercepts, "conf": conf}
 
     def ensure(self) -> None:
         """A proxy answering with this configuration (a running one with another is replaced)."""
@@ -107,8 +133,9 @@ class EgressProxy:
         self.slots_dir.mkdir(parents=True, exist_ok=True)
         for d in (RUNTIME, self.dir, self.slots_dir):
             d.chmod(0o755)
-        (self.dir / "conf").mkdir(exist_ok=True)
-        os.chown(self.dir / "conf", user.pw_uid, user.pw_gid)
+        self.conf.mkdir(exist_ok=True)
+        os.chown(self.conf, user.pw_uid, user.pw_gid)
+        self.conf.chmod(0o700)
         config = json.dumps(self._node_config(), sort_keys=True)
         node_file = self.dir / "node.json"
         pid = self.pid()
@@ -116,6 +143,12 @@ class EgressProxy:
             if _cmdline(pid) == self.argv() and node_file.exists() and node_file.read_text() == config:
                 return
             self.stop(keep_policies=True)
+        for name in ("mitmproxy-ca.pem", "secrets.json"):
+            data = self._conf_files().get(name)
+            if data is None:
+                (self.conf / name).unlink(missing_ok=True)
+            else:
+                _write_private(self.conf / name, data, user.pw_uid, user.pw_gid)
         _write(node_file, config)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
@@ -162,10 +195,12 @@ class EgressProxy:
 
     # -- one sandbox ----------------------------------------------------------------------
 
-    def allow(self, address: str, sandbox_id: str, domains: tuple[str, ...]) -> None:
-        """The domains the sandbox at slot ``address`` may reach (replaces what it had)."""
+    def allow(self, address: str, sandbox_id: str, domains: tuple[str, ...], rules: dict | None = None) -> None:
+        """The domains the sandbox at slot ``address`` may reach and its rules (``{pattern:
+        [{header: value}]}``, markers unfilled) (replaces what it had)."""
         self.slots_dir.mkdir(parents=True, exist_ok=True)
-        _write(self.slots_dir / f"{address}.json", json.dumps({"sandbox": sandbox_id, "domains": list(domains)}))
+        _write(self.slots_dir / f"{address}.json",
+               json.dumps({"sandbox": sandbox_id, "domains": list(domains), "rules": rules or {}}))
 
     def forget(self, address: str) -> None:
         (self.slots_dir / f"{address}.json").unlink(missing_ok=True)
@@ -175,6 +210,17 @@ class EgressProxy:
             return json.loads((self.slots_dir / f"{address}.json").read_text())["domains"]
         except (OSError, ValueError, KeyError):
             return None
+
+
+def _write_private(path: Path, data: bytes, uid: int, gid: int) -> None:
+    """Atomically, readable by the proxy's user alone (0600): the CA's key, the node's credential."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chown(tmp, uid, gid)
+    os.replace(tmp, path)
 
 
 def _write(path: Path, text: str) -> None:

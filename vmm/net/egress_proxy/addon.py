@@ -16,8 +16,17 @@ Per connection:
   its allowed domains are in ``<dir>/slots/<address>.json``, written by the node before its
   nftables rules send anything here; no file: refused;
 - TLS (on any port): the SNI must match; the connection is passed through unmodified (no
-  interception); HTTP (on any port): every request's Host must match (a later request on the
-  same connection naming another host gets a 403); the upstream port is the guest's;
+  interception) unless the SNI matches a host of the slot's ``rules``: only then is it
+  ended here with a leaf of the node's CA (mitmproxy's confdir holds it as
+  ``mitmproxy-ca.pem``), and the upstream server's certificate is verified as a client would
+  (mitmproxy's ``ssl_verify_upstream_trusted_ca``, else its CA bundle); HTTP (on any port):
+  every request's Host must match (a later request on the same connection naming another
+  host gets a 403); the upstream port is the guest's;
+- **rules**: a request to a ruled host (its Host for HTTP, the connection's SNI for
+  intercepted TLS: the server proved that name) gets each matching rule's ``headers`` set
+  (replacing the guest's), their ``${e2b.secrets.NAME}`` markers filled by
+  vmm/egress_secrets.py (loaded by its path) from the API; a refused secret answers 403 and
+  an unavailable one 502: a marker never leaves unfilled, a value never reaches the guest;
 - **pinned**: the proxy connects to an address the node's resolver gives for that name right
   now — never to the address the guest chose — and never to the node or an always-denied
   range (``<dir>/node.json``); a guest that names an allowed domain and dials another
@@ -30,11 +39,13 @@ Per connection:
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import ipaddress
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import dns.asyncresolver
@@ -44,34 +55,65 @@ from mitmproxy import ctx, http
 
 log = logging.getLogger("aenv.egress")
 
-_spec = importlib.util.spec_from_file_location("aenv_domains", Path(__file__).resolve().parents[1] / "domains.py")
-domains = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(domains)
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+domains = _load("aenv_domains", Path(__file__).resolve().parents[1] / "domains.py")
+egress_secrets = _load("aenv_egress_secrets", Path(__file__).resolve().parents[2] / "egress_secrets.py")
 
 DNS_TIMEOUT = 3.0
 
 
+class SlotPolicy:
+    """One slot's file: its sandbox, allowed domains and rules (pattern -> header sets)."""
+
+    def __init__(self, data: dict):
+        self.sandbox = str(data.get("sandbox") or "")
+        self.domains = tuple(data["domains"])
+        rules = data.get("rules") or {}
+        self.rules = {str(p): [dict(h) for h in sets] for p, sets in rules.items()}
+
+    def headers_for(self, host: str | None) -> list[dict] | None:
+        """The header sets of the rules whose pattern matches ``host``, in order (None: no rule)."""
+        matching = [sets for pattern, sets in self.rules.items() if domains.matches(host, [pattern])]
+        return [h for sets in matching for h in sets] if matching else None
+
+
 class SlotPolicies:
-    """The allowed domains of each slot address, re-read when its file changes."""
+    """The policy of each slot address, re-read when its file changes."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, on_change=None):
         self.directory = directory
-        self.cache: dict[str, tuple[tuple[int, int], tuple[str, ...] | None]] = {}
+        self.cache: dict[str, tuple[tuple[int, int], SlotPolicy | None]] = {}
+        self.on_change = on_change  # called with a sandbox id whose policy changed or went
 
-    def domains_of(self, address: str) -> tuple[str, ...] | None:
+    def _changed(self, address: str) -> None:
+        hit = self.cache.pop(address, None)
+        if hit and hit[1] is not None and self.on_change:
+            self.on_change(hit[1].sandbox)
+
+    def policy_of(self, address: str) -> SlotPolicy | None:
         path = self.directory / f"{address}.json"
         try:
             st = os.stat(path)
         except OSError:
-            self.cache.pop(address, None)
+            self._changed(address)
             return None
-        key = (st.st_mtime_ns, st.st_size)
+        key = (st.st_mtime_ns, st.st_size, st.st_ino)
         hit = self.cache.get(address)
         if hit and hit[0] == key:
             return hit[1]
+        self._changed(address)  # a removed rule stops sending a kept value at once
         try:
-            found = tuple(json.loads(path.read_text())["domains"])
-        except (OSError, ValueError, KeyError, TypeError):
+            found = SlotPolicy(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             found = None
         self.cache[address] = (key, found)
         return found
@@ -88,6 +130,8 @@ class EgressPolicy:
         self.max_connections = 0
         self.open: dict[str, int] = {}  # slot address -> its connections now
         self.counted: dict[str, str] = {}  # client id -> slot address, for the connections in ``open``
+        self.intercept = False  # the confdir holds the node's CA (rules on HTTPS can be applied)
+        self.secrets = None  # a SecretResolver when the node handed the proxy its configuration
 
     def load(self, loader):
         loader.add_option("aenv_egress_dir", str, "", "aenv: the directory with node.json and slots/")
@@ -97,7 +141,7 @@ class EgressPolicy:
             return
         directory = Path(ctx.options.aenv_egress_dir)
         node = json.loads((directory / "node.json").read_text())
-        self.policies = SlotPolicies(directory / "slots")
+        self.policies = SlotPolicies(directory / "slots", on_change=self._forget)
         self.resolver = dns.asyncresolver.Resolver(configure=False)
         self.resolver.nameservers = [node["resolver"]]
         self.resolver.lifetime = DNS_TIMEOUT
@@ -105,6 +149,15 @@ class EgressPolicy:
         self.denied = [ipaddress.ip_network(c) for c in node["denied"]]
         self.reopened = [ipaddress.ip_network(c) for c in node.get("reopened", ())]
         self.max_connections = int(node["max_connections"])
+        self.intercept = bool(node.get("intercept"))
+        self.secrets = None
+        secrets_file = Path(ctx.options.confdir).expanduser() / "secrets.json"
+        if secrets_file.exists():
+            self.secrets = egress_secrets.SecretResolver.from_config(json.loads(secrets_file.read_text()))
+
+    def _forget(self, sandbox: str) -> None:
+        if self.secrets is not None and sandbox:
+            self.secrets.forget(sandbox)
 
     # -- the decisions ------------------------------------------------------------------------
 
@@ -115,10 +168,13 @@ class EgressPolicy:
             return False
         return not any(ip in net for net in self.denied) or any(ip in net for net in self.reopened)
 
+    def _policy(self, client) -> SlotPolicy | None:
+        return self.policies.policy_of(client.peername[0]) if self.policies else None
+
     async def _pin(self, client, host: str | None, port: int) -> str | None:
         """The address ``client`` may reach for ``host`` on ``port`` (recorded), or None."""
-        allowed = self.policies.domains_of(client.peername[0]) if self.policies else None
-        if not allowed or not domains.matches(host, allowed):
+        policy = self._policy(client)
+        if policy is None or not policy.domains or not domains.matches(host, policy.domains):
             return None
         try:
             answer = await self.resolver.resolve(host, "A")
@@ -136,7 +192,7 @@ class EgressPolicy:
         return client.sockname[1] if client.sockname else None
 
     async def tls_clienthello(self, data):
-        data.ignore_connection = True  # passed through as it is: no interception
+        data.ignore_connection = True  # passed through as it is unless the host has rules
         client = data.context.client
         host = domains.host_of(data.client_hello.sni)
         port = self._guest_port(client)
@@ -145,21 +201,58 @@ class EgressPolicy:
             log.info("refused %s: TLS to %r on port %s", client.peername[0], host, port)
             return  # server_connect closes it
         data.context.server.address = (address, port)
+        policy = self._policy(client)
+        if self.intercept and policy is not None and policy.headers_for(host) is not None:
+            data.ignore_connection = False  # ended here: the rules' headers go into its requests
+
+    @staticmethod
+    def _answer(flow: http.HTTPFlow, status: int, text: str) -> None:
+        flow.response = http.Response.make(status, f"aenv: {text}\n".encode(), {"content-type": "text/plain"})
 
     async def requestheaders(self, flow: http.HTTPFlow):
         client = flow.client_conn
         host_header = flow.request.host_header
-        host = domains.host_of(host_header)
         port = self._guest_port(client)
-        address = await self._pin(client, host, port) if port else None
+        if client.tls:  # intercepted: judged by the SNI, already pinned at the ClientHello
+            host = domains.host_of(client.sni)
+            address = flow.server_conn.address[0] if flow.server_conn.address else None
+            if address is None or (address, port) not in self.pinned.get(client.id, ()):
+                address = None
+        else:
+            host = domains.host_of(host_header)
+            address = await self._pin(client, host, port) if port else None
         if address is None:
             log.info("refused %s: HTTP to %r on port %s", client.peername[0], host, port)
-            flow.response = http.Response.make(
-                403, f"aenv: this sandbox's network policy does not allow {host or 'this request'}\n".encode(),
-                {"content-type": "text/plain"})
+            self._answer(flow, 403, f"this sandbox's network policy does not allow {host or 'this request'}")
             return
         flow.request.host, flow.request.port = address, port
         flow.request.host_header = host_header  # setting the address rewrote it
+        policy = self._policy(client)
+        rules = policy.headers_for(host) if policy is not None else None
+        if rules:
+            await self._transform(flow, policy.sandbox, host, rules)
+
+    async def _transform(self, flow: http.HTTPFlow, sandbox: str, host: str, rules: list[dict]) -> None:
+        """The rules' headers into the request, markers filled; on any failure an answer instead."""
+        wanted: dict[str, str] = {}
+        for headers in rules:
+            wanted.update(headers)
+        needs_secrets = any(egress_secrets.MARKER.search(v) for v in wanted.values())
+        if needs_secrets and self.secrets is None:
+            self._answer(flow, 502, "this node's egress proxy cannot fill secrets (no API configured)")
+            return
+        try:
+            filled = (await asyncio.to_thread(self.secrets.fill_headers, sandbox, host, wanted)
+                      if needs_secrets else wanted)
+        except egress_secrets.SecretRefused as exc:
+            log.info("refused %s: a secret for %r: %s", sandbox, host, exc.status)
+            self._answer(flow, 403, f"a secret in this sandbox's rules for {host} was refused ({exc.message})")
+            return
+        except egress_secrets.SecretUnavailable:
+            self._answer(flow, 502, f"a secret in this sandbox's rules for {host} could not be fetched")
+            return
+        for name, value in filled.items():
+            flow.request.headers[name] = value
 
     def server_connect(self, data):
         if data.server.address not in self.pinned.get(data.client.id, ()):
