@@ -300,12 +300,15 @@ AENV_NODE_DATABASE_URL_FILE = Path(_env("AENV_NODE_DATABASE_URL_FILE", str(AENV_
 # (POST /nodes/secrets/resolve, at AENV_CONTROL_PLANE_URL or else AENV_API_PUBLIC_URL) and
 # keeps it in memory for AENV_EGRESS_SECRET_CACHE_TTL s. The node's CA for TLS interception
 # (vmm.egress_ca) lives in AENV_EGRESS_CA_DIR, its key owner-only and never sent anywhere.
+# AENV_EGRESS_UPSTREAM_CA: a CA bundle (PEM file) that replaces the proxy's own (certifi's) for
+# verifying the servers of intercepted HTTPS (hosts with network.rules); unset: the public CAs.
 AENV_SECRETS_KEY = os.environ.get("AENV_SECRETS_KEY", "").strip()
 if AENV_SECRETS_KEY and not re.fullmatch(r"[0-9a-fA-F]{64}|[A-Za-z0-9+/_-]{43}=?", AENV_SECRETS_KEY):
     raise ImproperlyConfigured("AENV_SECRETS_KEY must be 32 bytes: 64 hex digits (openssl rand -hex 32) or base64")
 AENV_SECRETS_KEY_FILE = Path(_env("AENV_SECRETS_KEY_FILE", str(AENV_HOME / "secrets_key")))
 AENV_EGRESS_SECRET_CACHE_TTL = _env_int("AENV_EGRESS_SECRET_CACHE_TTL", 60)
 AENV_EGRESS_CA_DIR = Path(_env("AENV_EGRESS_CA_DIR", str(AENV_HOME / "egress-ca")))
+AENV_EGRESS_UPSTREAM_CA = _env("AENV_EGRESS_UPSTREAM_CA", "") or None
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 # Template builds (template_builds): the shape a build may ask for (E2B's checks: CPUs 1 or

@@ -50,7 +50,7 @@ class NewSandboxV2Serializer(serializers.Serializer):
 
     def validate(self, data):
         # What aenv enforces (egress allow / deny, no internet, private ports) is stored as
-        # checked; what it cannot (rules, egressProxy, httpsPorts) is a 400, never ignored.
+        # checked; what it cannot (egressProxy, httpsPorts) is a 400, never ignored.
         data["network"] = _checked(sandbox_network.checked_create, data.get("network"),
                                    data.get("allow_internet_access"))
         return data
@@ -82,7 +82,7 @@ class NetworkUpdateSerializer(serializers.Serializer):
     denyOut = serializers.ListField(child=serializers.CharField(), required=False)
     dnsServers = serializers.ListField(child=serializers.CharField(), required=False)
     egressProxy = serializers.JSONField(required=False, allow_null=True, help_text="not supported (400)")
-    rules = serializers.JSONField(required=False, help_text="not supported unless empty (400)")
+    rules = serializers.JSONField(required=False, help_text="{host: [{transform: {headers}}]}: needs allowOut to name domains")
     allow_internet_access = serializers.BooleanField(required=False, allow_null=True)
 
     def to_internal_value(self, data):

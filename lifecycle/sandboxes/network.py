@@ -19,15 +19,22 @@ What aenv does with each field:
 - ``allowPublicTraffic: false``: the sandbox gets a ``trafficAccessToken`` that the data plane
   requires on every port but envd's; ``maskRequestHost``: kept, the data plane applies it.
   An update leaves both alone.
-- refused with 400: non-empty ``rules`` and any ``egressProxy`` (the egress proxy does not
-  rewrite requests or chain to an upstream proxy yet) and non-empty ``httpsPorts`` (the data
-  plane speaks plain HTTP to guest ports).
+- ``rules`` (E2B's ``{host: [{"transform": {"headers": {...}}}]}``): checked (``_rules``) and
+  kept as given, hosts normalised; the node's egress proxy sets the headers on requests to
+  those hosts, intercepting TLS for them alone with the node's CA (installed in the guest),
+  and fills ``${e2b.secrets.NAME}`` markers from the API (team_secrets.resolve). They need
+  allowOut to name domains (only then does the sandbox's traffic pass the proxy: E2B too
+  says a host in rules must be in allowOut); a node whose proxy cannot apply them refuses
+  them (400), like domains.
+- refused with 400: any ``egressProxy`` (the egress proxy does not chain to an upstream proxy
+  yet) and non-empty ``httpsPorts`` (the data plane speaks plain HTTP to guest ports).
 """
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import logging
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -37,7 +44,7 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.utils import timezone
 
-from vmm.net import policy
+from vmm.net import domains, policy
 from vmm.net.spec import NetworkSpec
 
 from sandboxes.models import Sandbox, SandboxEvent, Team
@@ -55,12 +62,19 @@ IN_FLIGHT_WINDOW = NODE_DEADLINE + 15
 MAX_DNS_SERVERS = 10
 
 # What an update replaces (omitted = cleared) and what it keeps from the create.
-EGRESS_KEYS = ("allowOut", "denyOut", "dnsServers")
+EGRESS_KEYS = ("allowOut", "denyOut", "dnsServers", "rules")
+# network.rules limits: a rule's headers go into every matching request
+MAX_RULE_HOSTS = 64
+MAX_RULES_PER_HOST = 16
+MAX_RULE_HEADERS = 32
+MAX_HEADER_VALUE = 8192
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")
+# headers the proxy itself owns on the way out: a rule may not set them
+_RESERVED_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "upgrade",
+                               "te", "trailer", "keep-alive", "proxy-connection"})
 KEPT_BY_UPDATE = ("allowPublicTraffic", "maskRequestHost")
 
 _UNSUPPORTED = {
-    "rules": "per-host request rules are not supported yet: aenv's egress proxy judges connections by name "
-             "but does not rewrite requests",
     "egressProxy": "an egress proxy is not supported yet: aenv cannot chain a sandbox's egress through an "
                    "upstream SOCKS5 or HTTP proxy",
 }
@@ -105,6 +119,63 @@ def _dns_servers(value) -> list[str] | None:
     return servers
 
 
+def _headers(value, where: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise Invalid(f"{where}.headers must be an object of header names to strings")
+    if len(value) > MAX_RULE_HEADERS:
+        raise Invalid(f"{where}.headers takes at most {MAX_RULE_HEADERS} headers")
+    seen: set[str] = set()
+    for name, text in value.items():
+        if not _TOKEN.fullmatch(name) or name.lower() in _RESERVED_HEADERS or name.lower() in seen:
+            raise Invalid(f"{where}.headers: {name[:64]!r} is not a header a rule may set")
+        seen.add(name.lower())
+        if (not isinstance(text, str) or len(text.encode()) > MAX_HEADER_VALUE
+                or any(c in text for c in "\r\n\x00")):
+            raise Invalid(f"{where}.headers.{name}: a string of at most {MAX_HEADER_VALUE} bytes without CR, LF "
+                          "or NUL")
+    return dict(value)
+
+
+def _rules(value, domain_entries: tuple[str, ...]) -> dict:
+    """E2B's ``rules`` (``{host: [{"transform": {"headers": {name: value}}}]}``) checked, hosts
+    normalised; {} for none. Hosts are domain patterns (the proxy judges by name; an address
+    key is refused), and the sandbox's allowOut must name domains (else its traffic does not
+    pass the proxy and a rule would silently not apply)."""
+    if value in (None, {}):
+        return {}
+    if not isinstance(value, dict):
+        raise Invalid("network.rules must be an object of hosts to lists of rules")
+    if len(value) > MAX_RULE_HOSTS:
+        raise Invalid(f"network.rules takes at most {MAX_RULE_HOSTS} hosts")
+    if not domain_entries:
+        raise Invalid("network.rules apply to requests that pass aenv's egress proxy: allowOut must name the rules' "
+                      "hosts as domains (with 0.0.0.0/0 in denyOut)")
+    out: dict = {}
+    for host, entries in value.items():
+        pattern = domains.normalise(host) if isinstance(host, str) else None
+        if pattern is None:
+            raise Invalid(f"network.rules: {str(host)[:100]!r} is not a domain name or pattern (aenv applies rules by "
+                          "name: the TLS SNI or HTTP Host)")
+        if not isinstance(entries, list) or len(entries) > MAX_RULES_PER_HOST:
+            raise Invalid(f"network.rules.{pattern} must be a list of at most {MAX_RULES_PER_HOST} rules")
+        checked = []
+        for i, rule in enumerate(entries):
+            where = f"network.rules.{pattern}[{i}]"
+            if not isinstance(rule, dict) or set(rule) - {"transform"}:
+                raise Invalid(f"{where} must be an object with only a transform")
+            transform = rule.get("transform")
+            if transform is None:
+                checked.append({})
+                continue
+            if not isinstance(transform, dict) or set(transform) - {"headers"}:
+                raise Invalid(f"{where}.transform takes only headers")
+            checked.append({"transform": {"headers": _headers(transform.get("headers") or {}, f"{where}.transform")}})
+        if pattern in out:
+            raise Invalid(f"network.rules names {pattern} twice")
+        out[pattern] = checked
+    return out
+
+
 def _egress(fields: dict, allow_internet_access: bool | None) -> dict:
     """The egress part of a create's ``network`` or an update's body (camelCase), checked;
     returns what is stored of it (only what says something)."""
@@ -114,11 +185,18 @@ def _egress(fields: dict, allow_internet_access: bool | None) -> dict:
     allow_out = _strings(fields.get("allowOut"), "allowOut")
     deny_out = _strings(fields.get("denyOut"), "denyOut")
     try:
-        policy.parse(allow_out, deny_out, allow_internet_access)
+        parsed = policy.parse(allow_out, deny_out, allow_internet_access)
     except policy.PolicyError as exc:
         raise Invalid(str(exc)) from None
-    stored = {"allowOut": allow_out, "denyOut": deny_out, "dnsServers": _dns_servers(fields.get("dnsServers"))}
+    stored = {"allowOut": allow_out, "denyOut": deny_out, "dnsServers": _dns_servers(fields.get("dnsServers")),
+              "rules": _rules(fields.get("rules"), parsed.domains)}
     return {k: v for k, v in stored.items() if v or (k == "dnsServers" and v is not None)}
+
+
+def rules_spec(rules: dict | None) -> tuple:
+    """Stored ``rules`` → NetworkSpec.rules: each rule's headers, in order, per host pattern."""
+    return tuple((pattern, tuple(tuple(((r.get("transform") or {}).get("headers") or {}).items()) for r in entries))
+                 for pattern, entries in (rules or {}).items())
 
 
 def checked_create(network, allow_internet_access: bool | None) -> dict | None:
@@ -189,7 +267,8 @@ def spec_of(sandbox) -> dict:
     except policy.PolicyError as exc:
         raise Invalid(str(exc)) from None
     return NetworkSpec(allow_internet_access=sandbox.allow_internet_access is not False,
-                       allow_out=(*egress.allow, *egress.domains), deny_out=egress.deny).to_json()
+                       allow_out=(*egress.allow, *egress.domains), deny_out=egress.deny,
+                       rules=rules_spec(network.get("rules"))).to_json()
 
 
 def is_private(network: dict | None) -> bool:
@@ -291,7 +370,8 @@ async def _apply(sandbox: Sandbox, node, before: tuple, after: tuple, actor: str
     try:
         details["spec"] = spec_of(sandbox)
         result = await asyncio.wait_for(
-            client.update_network(node, sandbox_id=sandbox.id, network=details["spec"], deadline=NODE_DEADLINE),
+            client.update_network(node, sandbox_id=sandbox.id, network=details["spec"], deadline=NODE_DEADLINE,
+                                  access_token=sandbox.envd_access_token or None),
             timeout=NODE_DEADLINE + 5)
     except Exception as exc:  # mapped below, never a bare 500
         error = exc if isinstance(exc, Invalid) else core.node_failure(client, exc, node, "network update",

@@ -104,7 +104,21 @@ BAD_POLICIES = [
     ({"network": {"allowOut": ["api.exa mple.com"], "denyOut": ["0.0.0.0/0"]}}, "invalid allowed address"),
     ({"allow_internet_access": False, "network": {"allowOut": ["*.example.com"]}}, "allowed domains"),
     ({"network": {"allowOut": "1.1.1.1"}}, "allowOut must be a list of strings"),
-    ({"network": {"rules": {"api.example.com": [{"transform": {"headers": {"A": "b"}}}]}}}, "network.rules"),
+    ({"network": {"rules": {"api.example.com": [{"transform": {"headers": {"A": "b"}}}]}}},
+     "allowOut must name the rules' hosts as domains"),
+    ({"network": {"allowOut": ["8.8.8.8"], "denyOut": ["0.0.0.0/0"],
+                  "rules": {"8.8.8.8": [{"transform": {"headers": {"A": "b"}}}]}}}, "allowOut must name"),
+    ({"network": {**(RULED := {"allowOut": ["api.example.com"], "denyOut": ["0.0.0.0/0"]}),
+                  "rules": {"10.0.0.0/8": [{"transform": {"headers": {"A": "b"}}}]}}}, "not a domain name"),
+    ({"network": {**RULED, "rules": {"api.example.com": [{"transform": {"headers": {"A": "b\r\nX: y"}}}]}}},
+     "without CR, LF or NUL"),
+    ({"network": {**RULED, "rules": {"api.example.com": [{"transform": {"headers": {"Host": "x"}}}]}}},
+     "not a header a rule may set"),
+    ({"network": {**RULED, "rules": {"api.example.com": [{"transform": {"headers": {"A b": "x"}}}]}}},
+     "not a header a rule may set"),
+    ({"network": {**RULED, "rules": {"api.example.com": [{"transform": {"body": "x"}}]}}}, "takes only headers"),
+    ({"network": {**RULED, "rules": {"api.example.com": {"transform": {}}}}}, "must be a list"),
+    ({"network": {**RULED, "rules": ["api.example.com"]}}, "network.rules must be an object"),
     ({"network": {"egressProxy": {"address": "proxy.example.com:1080"}}}, "network.egressProxy"),
     ({"network": {"egress_proxy": {"address": "proxy.example.com:1080"}}}, "network.egressProxy"),
     ({"network": {"httpsPorts": [3000]}}, "network.httpsPorts is not supported"),
@@ -195,7 +209,8 @@ async def test_put_network_replaces_the_policy_and_the_node_gets_it(api, create,
     assert resp.status_code == 204 and resp.content == b""
     assert net_mock.client.update_network.await_args.kwargs == {
         "sandbox_id": sb["sandboxID"], "network": _spec(deny=["9.9.9.0/24"]),
-        "deadline": sandbox_network.NODE_DEADLINE}
+        "deadline": sandbox_network.NODE_DEADLINE,
+        "access_token": (await Sandbox.objects.aget(pk=sb["sandboxID"])).envd_access_token or None}
     row = await Sandbox.objects.aget(pk=sb["sandboxID"])
     # allowOut and dnsServers were omitted: cleared; allowPublicTraffic, maskRequestHost and the token kept
     assert row.network == {"allowPublicTraffic": False, "maskRequestHost": "m.example", "denyOut": ["9.9.9.0/24"]}
@@ -251,7 +266,7 @@ async def test_put_network_on_a_paused_sandbox_is_409_and_on_a_killed_one_404(ap
     ({"denyOut": ["0.0.0.0"]}, "invalid denied CIDR 0.0.0.0"),
     ({"allowOut": ["example.com"]}, E2B_DOMAIN_MESSAGE),
     ({"allowOut": ["*.*.example.com"], "denyOut": ["0.0.0.0/0"]}, "invalid allowed address"),
-    ({"rules": {"x.example.com": [{"transform": {"headers": {"a": "b"}}}]}}, "network.rules"),
+    ({"rules": {"x.example.com": [{"transform": {"headers": {"a": "b"}}}]}}, "network.rules apply to requests"),
     ({"egressProxy": {"address": "p:1080"}}, "network.egressProxy"),
     ({"allow_internet_access": "no"}, "allow_internet_access must be a boolean"),
     (["1.1.1.1"], "JSON object"),
@@ -320,7 +335,7 @@ async def test_updates_of_one_sandbox_go_one_at_a_time(api, create, net_mock):
     sid = sb["sandboxID"]
     calls, second = [], {}
 
-    async def node_call(node, *, sandbox_id, network, deadline):
+    async def node_call(node, *, sandbox_id, network, deadline, access_token=None):
         calls.append(network)
         if len(calls) == 1:
             second["task"] = asyncio.ensure_future(
@@ -473,3 +488,78 @@ async def test_sdk_2_63_create_and_update_bodies_are_accepted_and_answers_parse(
     info = SandboxDetail.from_dict((await api.get(f"/sandboxes/{sid}")).json())
     assert from_client_network_config(info.network) == {"allow_public_traffic": False,
                                                         "mask_request_host": "${PORT}-x.example"}
+
+
+# --------------------------------------------------------------------------- network.rules
+
+RULES = {"api.example.com": [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.tok}"}}},
+                             {"transform": {"headers": {"X-Two": "2"}}}],
+         "*.Example.org.": [{}]}
+RULED_NETWORK = {"allowOut": ["api.example.com", "*.example.org"], "denyOut": ["0.0.0.0/0"], "rules": RULES}
+STORED_RULES = {"api.example.com": RULES["api.example.com"], "*.example.org": [{}]}
+SPEC_RULES = {"api.example.com": [{"Authorization": "Bearer ${e2b.secrets.tok}"}, {"X-Two": "2"}],
+              "*.example.org": [{}]}
+
+
+def _ruled_spec() -> dict:
+    return {**_spec(["api.example.com", "*.example.org"], ["0.0.0.0/0"]), "rules": SPEC_RULES}
+
+
+async def test_rules_are_stored_shown_and_handed_to_the_node_with_markers_only(api, nodes_mock):
+    resp = await api.post("/v2/sandboxes", json={"templateID": "base", "network": RULED_NETWORK})
+    assert resp.status_code == 201, resp.text
+    assert nodes_mock.client.boot_sandbox.await_args.kwargs["network"] == _ruled_spec()
+    row = await Sandbox.objects.aget(pk=resp.json()["sandboxID"])
+    assert row.network["rules"] == STORED_RULES  # hosts normalised, the E2B shape kept
+    assert (await api.get(f"/sandboxes/{row.id}")).json()["network"]["rules"] == STORED_RULES
+
+
+async def test_a_node_that_cannot_apply_rules_is_400(api, nodes_mock, assert_error):
+    nodes_mock.client.boot_sandbox.side_effect = nodes_mock.client.NodeTaskFailed(
+        "network.rules need the node's egress proxy with the node's CA", kind="UnsupportedNetworkPolicy")
+    resp = await api.post("/v2/sandboxes", json={"templateID": "base", "network": RULED_NETWORK})
+    assert_error(resp, 400, "network.rules need the node's egress proxy")
+
+
+async def test_put_network_with_rules_passes_the_envd_token_so_the_guest_gets_the_ca(api, create, net_mock):
+    sb = await create(network={"denyOut": ["8.8.8.8"]})
+    resp = await api.put(f"/sandboxes/{sb['sandboxID']}/network", json=RULED_NETWORK)
+    assert resp.status_code == 204, resp.text
+    row = await Sandbox.objects.aget(pk=sb["sandboxID"])
+    kwargs = net_mock.client.update_network.await_args.kwargs
+    assert kwargs["network"] == _ruled_spec() and row.envd_access_token
+    assert kwargs["access_token"] == row.envd_access_token
+    assert row.network["rules"] == STORED_RULES
+    # an update without rules clears them (replace semantics)
+    assert (await api.put(f"/sandboxes/{sb['sandboxID']}/network", json={})).status_code == 204
+    assert "rules" not in net_mock.client.update_network.await_args.kwargs["network"]
+    assert (await Sandbox.objects.aget(pk=sb["sandboxID"])).network is None
+
+
+async def test_resume_and_fork_keep_the_rules(api, create, net_mock):
+    sb = await create(network=RULED_NETWORK)
+    assert (await api.post(f"/sandboxes/{sb['sandboxID']}/pause", json={})).status_code == 204
+    assert (await api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 60})).status_code == 201
+    assert net_mock.client.resume_sandbox.await_args.kwargs["network"] == _ruled_spec()
+
+    async def fork(node, *, sandbox_id, env_vars, access_token, children, deadline=None):
+        return {"parent": {"ok": True}, "timings": {}, "children": [
+            {"sandbox_id": c["sandbox_id"], "ok": True, "envd_host": "127.0.0.1", "envd_port": 41000, "pid": 1,
+             "timings": {}} for c in children]}
+
+    net_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork)
+    kid = (await api.post(f"/sandboxes/{sb['sandboxID']}/fork", json={"count": 1})).json()[0]["sandbox"]
+    assert [c["network"] for c in net_mock.client.fork_sandbox.await_args.kwargs["children"]] == [_ruled_spec()]
+    assert (await Sandbox.objects.aget(pk=kid["sandboxID"])).network["rules"] == STORED_RULES
+
+
+async def test_the_sdks_rules_body_is_accepted(api, nodes_mock):
+    from e2b.api.client.models import NewSandboxV2, SandboxNetworkConfig  # noqa: PLC0415
+    from e2b.sandbox.sandbox_api import build_network_config  # noqa: PLC0415
+
+    network = build_network_config({"allow_out": lambda ctx: list(ctx.rules), "deny_out": lambda ctx: [ctx.all_traffic],
+                                    "rules": {"api.example.com": [{"transform": {"headers": {"X-Key": "v"}}}]}})
+    body = NewSandboxV2(template_id="base", network=SandboxNetworkConfig(**network)).to_dict()
+    resp = await api.post("/v2/sandboxes", json=body)
+    assert resp.status_code == 201, resp.text
+    assert nodes_mock.client.boot_sandbox.await_args.kwargs["network"]["rules"] == {"api.example.com": [{"X-Key": "v"}]}

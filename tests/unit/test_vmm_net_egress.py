@@ -14,6 +14,7 @@ import ssl
 import stat
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -330,3 +331,27 @@ def test_an_intercepted_upstream_must_chain_to_the_trusted_cas(proxy, ruled):
         proxy.upstream_ca = trusted
         proxy.ensure()
     assert "x-aenv-rule: one" in _https("good.test", "good.test", cadata=proxy.ca.cert_pem.decode())
+
+
+def test_a_node_refuses_rules_its_proxy_cannot_apply(proxy, tmp_path):
+    """Rules need domains (only then does traffic pass the proxy) and a running proxy holding
+    the node's CA; anything else is UnsupportedNetworkPolicy (a 400), never accepted unapplied."""
+    from vmm.errors import UnsupportedNetworkPolicy  # noqa: PLC0415
+    from vmm.net.netns import NetnsBackend  # noqa: PLC0415
+    from vmm.net.spec import NetworkSpec  # noqa: PLC0415
+
+    ruled = NetworkSpec.from_json({"allow_out": ["good.test"], "deny_out": ["0.0.0.0/0"],
+                                   "rules": {"good.test": [{"X-Aenv-Rule": "one"}]}})
+    assert NetworkSpec.from_json(ruled.to_json()) == ruled and ruled.rules_json() == {"good.test": [{"X-Aenv-Rule": "one"}]}
+    backend = NetnsBackend(tmp_path, prefix="gr" + uuid.uuid4().hex[:4], pool=POOL, warm=0, dns=False)
+    with pytest.raises(UnsupportedNetworkPolicy, match="egress proxy"):
+        backend.check(ruled)  # no proxy at all
+    backend.egress = proxy
+    backend.check(ruled)  # the running proxy with the node's CA
+    with pytest.raises(UnsupportedNetworkPolicy, match="allowOut must name"):
+        backend.check(NetworkSpec(deny_out=("0.0.0.0/0",), rules=ruled.rules))
+    without_ca = EgressProxy(proxy.prefix, proxy.ip, tmp_path)  # the same process, as a node without a CA sees it
+    backend.egress = without_ca
+    with pytest.raises(UnsupportedNetworkPolicy, match="node's CA"):
+        backend.check(ruled)
+    backend.check(NetworkSpec(allow_out=("good.test",), deny_out=("0.0.0.0/0",)))  # domains alone still fine

@@ -29,13 +29,14 @@ log = logging.getLogger(__name__)
 def choose_backend(mode: str = "auto", *, home, host_address: str, sandboxes_dir, port_range=None,
                    prefix: str = "aenv", pool: str = "10.12.0.0/16", warm: int = 4, deny_extra: tuple = (),
                    allow_extra: tuple = (), ingress_from: tuple = (), limits=None,
-                   dns_limits=None) -> NetworkBackend:
+                   dns_limits=None, egress_options: dict | None = None) -> NetworkBackend:
     """``netns`` wherever the node can make slots (root, nft, nsenter), else — or when asked
     for ``slirp`` — restricted slirp, with a warning: guests then have no egress at all and
     only envd's port is reachable. ``auto`` picks; ``netns`` refuses to fall back.
     ``ingress_from``: sources besides the node that may open connections into slots (netns);
     ``limits``: each guest's conntrack limits (vmm.net.conntrack.GuestLimits; None: defaults);
-    ``dns_limits``: each guest's share of the node's resolver (vmm.net.dns.DNSLimits; None: defaults)."""
+    ``dns_limits``: each guest's share of the node's resolver (vmm.net.dns.DNSLimits; None: defaults);
+    ``egress_options``: the egress proxy's node CA, secrets client and upstream CA (vmm.net.egress)."""
     from vmm.net import slots  # noqa: PLC0415 - pyroute2 is imported only where it is used
 
     if mode not in ("auto", "netns", "slirp"):
@@ -48,7 +49,7 @@ def choose_backend(mode: str = "auto", *, home, host_address: str, sandboxes_dir
 
         return NetnsBackend(home, prefix=prefix, pool=pool, warm=warm, deny_extra=deny_extra,
                             allow_extra=allow_extra, ingress_from=tuple(ingress_from), limits=limits or GuestLimits(),
-                            dns_limits=dns_limits or DNSLimits())
+                            dns_limits=dns_limits or DNSLimits(), egress_options=egress_options)
     if mode == "netns":
         raise UnsupportedNetworkPolicy("the netns network backend needs root, nft and nsenter")
     if ingress_from:  # a limit slirp could not keep: refused, never ignored

@@ -51,16 +51,17 @@ class NetnsBackend(NetworkBackend):
     def __init__(self, home: Path, prefix: str = slots.DEFAULT_PREFIX, pool: str = slots.DEFAULT_POOL,
                  warm: int = 4, deny_extra: tuple[str, ...] = (), allow_extra: tuple[str, ...] = (),
                  dns: bool = True, ingress_from: tuple[str, ...] = (), limits: GuestLimits = GuestLimits(),
-                 dns_limits: DNSLimits = DNSLimits()):
+                 dns_limits: DNSLimits = DNSLimits(), egress_options: dict | None = None):
         self.prefix, self.pool_cidr = prefix, pool
         self.ingress_from = host_table.ingress_sources(ingress_from, pool)  # refused at start if unfit
         self.dns = NodeDNS(prefix, pool, Path(home) / "net", dns_limits) if dns else None
         dns_ip = service_ip(pool) if dns else None
         node = (*node_addresses(), *self.ingress_from)
         allow_extra = slots.allow_extra_ranges(allow_extra, pool, node)  # refused at start if it reopens these
-        # domain rules: the node's egress proxy on the resolver's address (none without a resolver)
+        # domain rules: the node's egress proxy on the resolver's address (none without a resolver);
+        # ``egress_options``: its ca_pem / secrets / upstream_ca (vmm.net.egress), for network.rules
         self.egress = (EgressProxy(prefix, dns_ip, Path(home) / "net", node=(*node, *deny_extra),
-                                   reopened=allow_extra) if dns else None)
+                                   reopened=allow_extra, **(egress_options or {})) if dns else None)
         self.egress_error = "" if self.egress else "the node runs no resolver of its own"
         self.slots = SlotPool(prefix, pool, warm=warm, deny_extra=(*node, *deny_extra), allow_extra=allow_extra,
                               dns_ip=dns_ip, ingress=self.ingress_from, limits=limits,
@@ -99,6 +100,15 @@ class NetnsBackend(NetworkBackend):
             raise UnsupportedNetworkPolicy(
                 f"domain names in allowOut ({', '.join(policy.domains)}) need the node's egress proxy, which is not "
                 f"running here: {self.egress_error or 'it stopped'}")
+        if spec.rules:
+            if not policy.domains:
+                raise UnsupportedNetworkPolicy(
+                    "network.rules apply to the connections the node's egress proxy judges: allowOut must name "
+                    "the rules' hosts as domains (with 0.0.0.0/0 in denyOut)")
+            if not self._proxy_ready() or not self.egress.intercepts:
+                raise UnsupportedNetworkPolicy(
+                    "network.rules need the node's egress proxy with the node's CA, which this node does not run: "
+                    f"{self.egress_error or 'no CA was given to it'}")
 
     def _proxy_ready(self) -> bool:
         if self.egress is None or self.egress.pid() is None:
@@ -106,11 +116,11 @@ class NetnsBackend(NetworkBackend):
         self.egress_error = ""
         return True
 
-    def _set_policy(self, slot: Slot, sandbox_id: str, policy: egress.EgressPolicy) -> None:
-        """The slot's policy, and the proxy's list for it: a domain list is written before the
-        slot sends anything to the proxy and removed after it stops."""
+    def _set_policy(self, slot: Slot, sandbox_id: str, policy: egress.EgressPolicy, rules: dict | None = None) -> None:
+        """The slot's policy, and the proxy's list (and rules) for it: a domain list is written
+        before the slot sends anything to the proxy and removed after it stops."""
         if policy.domains:
-            self.egress.allow(slot.address, sandbox_id, policy.domains)
+            self.egress.allow(slot.address, sandbox_id, policy.domains, rules)
         try:
             slots.apply_policy(slot, policy)
         except slots.SlotError as exc:
@@ -131,7 +141,7 @@ class NetnsBackend(NetworkBackend):
         slot = self.slots.acquire()
         try:
             if not policy.open or policy.allow:  # a new slot's policy sets are empty: open
-                self._set_policy(slot, sandbox_id, policy)
+                self._set_policy(slot, sandbox_id, policy, spec.rules_json())
         except BaseException:
             self.slots.release(slot)
             if self.egress is not None:
@@ -152,7 +162,7 @@ class NetnsBackend(NetworkBackend):
     def apply_egress(self, attachment: Attachment, spec: NetworkSpec) -> None:
         self.check(spec)
         if attachment.slot:
-            self._set_policy(self.slot(attachment), attachment.sandbox_id, egress_of(spec))
+            self._set_policy(self.slot(attachment), attachment.sandbox_id, egress_of(spec), spec.rules_json())
 
     def detach(self, attachment: Attachment, state_dir: Path) -> None:
         if attachment.slot:

@@ -30,6 +30,9 @@ class NetworkSpec:
     allow_out: tuple[str, ...] = ()  # E2B network.allowOut: the only destinations (CIDRs / hosts)
     deny_out: tuple[str, ...] = ()  # E2B network.denyOut: destinations refused
     forward_ports: tuple[int, ...] = (ENVD_PORT,)  # guest TCP ports reachable from the host
+    # E2B network.rules as the egress proxy applies them: (host pattern, (headers, ...)) with
+    # each headers a tuple of (name, value); values may hold ``${e2b.secrets.NAME}`` markers
+    rules: tuple[tuple[str, tuple[tuple[tuple[str, str], ...], ...]], ...] = ()
 
     def restrictions(self) -> list[str]:
         """The egress restrictions this spec asks for, in words (empty: none)."""
@@ -40,15 +43,25 @@ class NetworkSpec:
             out.append(f"egress only to {', '.join(self.allow_out)} (allowOut)")
         if self.deny_out:
             out.append(f"no egress to {', '.join(self.deny_out)} (denyOut)")
+        if self.rules:
+            out.append(f"request rules for {', '.join(p for p, _ in self.rules)} (rules)")
         return out
+
+    def rules_json(self) -> dict[str, list[dict[str, str]]]:
+        """The rules as the proxy's slot file holds them: ``{pattern: [{header: value}]}``."""
+        return {pattern: [dict(headers) for headers in sets] for pattern, sets in self.rules}
 
     def to_json(self) -> dict:
         return {"allow_internet_access": self.allow_internet_access, "allow_out": list(self.allow_out),
-                "deny_out": list(self.deny_out), "forward_ports": list(self.forward_ports)}
+                "deny_out": list(self.deny_out), "forward_ports": list(self.forward_ports),
+                **({"rules": self.rules_json()} if self.rules else {})}
 
     @classmethod
     def from_json(cls, data: dict | None) -> "NetworkSpec":
         data = data or {}
         return cls(allow_internet_access=bool(data.get("allow_internet_access", True)),
                    allow_out=tuple(data.get("allow_out") or ()), deny_out=tuple(data.get("deny_out") or ()),
-                   forward_ports=tuple(int(p) for p in data.get("forward_ports") or (ENVD_PORT,)))
+                   forward_ports=tuple(int(p) for p in data.get("forward_ports") or (ENVD_PORT,)),
+                   rules=tuple((str(pattern), tuple(tuple((str(k), str(v)) for k, v in headers.items())
+                                                    for headers in sets))
+                               for pattern, sets in (data.get("rules") or {}).items()))

@@ -56,7 +56,8 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
                  network: str | None = None, net_prefix: str | None = None, net_pool: str | None = None,
                  net_warm: int = DEFAULT_WARM_SLOTS, net_deny_extra: tuple[str, ...] = (), net_allow_extra: tuple[str, ...] = (),
                  net_ingress_from: tuple[str, ...] = (), net_limits=None, net_dns_limits=None, shm_headroom_mb: int = DEFAULT_SHM_HEADROOM_MB,
-                 warm_ram_copies: int = DEFAULT_WARM_RAM_COPIES, disk_limits: DiskLimits | None = None):
+                 warm_ram_copies: int = DEFAULT_WARM_RAM_COPIES, disk_limits: DiskLimits | None = None,
+                 net_egress_options: dict | None = None):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
@@ -93,7 +94,7 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
                                   sandboxes_dir=self.sandboxes_dir, port_range=port_range, prefix=net_prefix,
                                   pool=net_pool, warm=net_warm, deny_extra=tuple(net_deny_extra),
                                   allow_extra=tuple(net_allow_extra), ingress_from=tuple(net_ingress_from),
-                                  limits=net_limits, dns_limits=net_dns_limits)
+                                  limits=net_limits, dns_limits=net_dns_limits, egress_options=net_egress_options)
 
     def set_lazy_ram_copier(self, copier: ramfile.LazyCopier | None) -> None:
         """Who copies a lazily filled snapshot RAM file (template and moved restores, ready-made
