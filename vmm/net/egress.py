@@ -8,13 +8,14 @@ or HTTP Host and connects only to an address the node's resolver gives for that 
 nothing.
 
 The proxy is mitmproxy (PyPI)'s proxy core in transparent mode with aenv's addon
-(vmm/net/egress_proxy/run.py starts it with nothing else of mitmdump's): a well-kept base that parses TLS and HTTP, and the one the next parts of E2B's egress features
-(request rules with TLS interception, an upstream proxy) need. It lives in a Python
+(vmm/net/egress_proxy/run.py starts it with nothing else of mitmdump's): a well-kept base that parses TLS and HTTP, and ends TLS where a sandbox's ``network.rules``
+must rewrite requests (with the node's CA; TLS to hosts without rules passes through). It lives in a Python
 environment of its own (``.venv-egress``, made by ``scripts/setup.sh``: its pins differ from
 aenv's), runs as ``nobody``, listens on the node resolver's address (the slot pool's base +
 1, so every aenv instance has its own) at ``slots.PROXY_PORT``, where ``SO_ORIGINAL_DST``
 (transparent mode) gives it the guest's port, and outlives the worker like the resolver does. Where it is not installed, a node refuses
-domain rules (400) instead of accepting them unenforced.
+domain rules (400) instead of accepting them unenforced; where it runs without the node's CA
+(``ca_pem``), rules likewise.
 
 What it reads lives under ``RUNTIME/<prefix>`` (world-readable, as ``nobody`` must read it):
 ``node.json`` (the resolver, what no guest may reach, the per-sandbox connection limit) and
