@@ -355,3 +355,42 @@ def test_a_node_refuses_rules_its_proxy_cannot_apply(proxy, tmp_path):
     with pytest.raises(UnsupportedNetworkPolicy, match="node's CA"):
         backend.check(ruled)
     backend.check(NetworkSpec(allow_out=("good.test",), deny_out=("0.0.0.0/0",)))  # domains alone still fine
+
+
+@pytest.mark.django_db(transaction=True)
+def test_secrets_through_the_real_api_from_create_to_the_request(proxy, live_server, team, base_template, node):
+    """The whole chain without a VM: a team secret, a sandbox row whose rules name it (checked
+    and turned into the node's spec as the API does), the proxy asking the real resolve route
+    with the node's credential: the value reaches good.test's server; the API (not the slot
+    file) decides where a value may go."""
+    from django.conf import settings as django_settings  # noqa: PLC0415
+    from django.utils import timezone  # noqa: PLC0415
+
+    from agent.egress_secrets import node_headers  # noqa: PLC0415
+    from lifecycle.sandboxes import network as sandbox_network  # noqa: PLC0415
+    from sandboxes.models import Sandbox  # noqa: PLC0415
+    from team_secrets import store  # noqa: PLC0415
+    from vmm.net.spec import NetworkSpec  # noqa: PLC0415
+
+    store.create(team, "tok", "the-real-value")
+    network = sandbox_network.checked_create({"allowOut": ["good.test"], "denyOut": ["0.0.0.0/0"], "rules": {
+        "good.test": [{"transform": {"headers": {"Authorization": "token ${e2b.secrets.tok}"}}}]}}, None)
+    sandbox = Sandbox.objects.create(team=team, template=base_template, node=node, state="running", network=network,
+                                     end_at=timezone.now() + timezone.timedelta(hours=1))
+    spec = NetworkSpec.from_json(sandbox_network.spec_of(sandbox))
+    before = proxy.secrets
+    proxy.secrets = {"url": live_server.url, "headers": node_headers(node.pk, None, django_settings.SECRET_KEY)}
+    try:
+        proxy.ensure()  # restarted with the new secrets configuration
+        proxy.allow(CLIENT, sandbox.pk, DOMAINS, spec.rules_json())
+        assert "authorization: token the-real-value" in _https("good.test", "good.test",
+                                                               cadata=proxy.ca.cert_pem.decode())
+        # a slot file that sends the marker elsewhere gets nothing: the row's rules do not
+        proxy.allow(CLIENT, sandbox.pk, DOMAINS, {**spec.rules_json(), "evil.test": [{"X-Aenv-K": "${e2b.secrets.tok}"}]})
+        (refused,) = _http("evil.test")
+        assert refused.startswith("HTTP/1.1 403") and "secret" in refused and "evil.test host" not in refused
+        assert "the-real-value" not in (proxy.slots_dir / f"{CLIENT}.json").read_text()
+    finally:
+        proxy.secrets = before
+        proxy.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
+        proxy.ensure()
