@@ -563,3 +563,9 @@ async def test_the_sdks_rules_body_is_accepted(api, nodes_mock):
     resp = await api.post("/v2/sandboxes", json=body)
     assert resp.status_code == 201, resp.text
     assert nodes_mock.client.boot_sandbox.await_args.kwargs["network"]["rules"] == {"api.example.com": [{"X-Key": "v"}]}
+    from e2b.api.client.models.sandbox_detail import SandboxDetail  # noqa: PLC0415
+    from e2b.sandbox.sandbox_api import from_client_network_config  # noqa: PLC0415
+
+    info = SandboxDetail.from_dict((await api.get(f"/sandboxes/{resp.json()['sandboxID']}")).json())
+    assert from_client_network_config(info.network)["rules"] == {
+        "api.example.com": [{"transform": {"headers": {"X-Key": "v"}}}]}
