@@ -82,8 +82,7 @@ def make_cert(directory: Path, names: list[str]) -> tuple[Path, Path]:
     subprocess.run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
                     "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
-    for path in (ca, cert, key):
-        path.chmod(0o644)  # the servers' user and the proxy (nobody) read them
+    ca.chmod(0o644)  # the proxy (nobody) verifies upstreams against it
     return cert, key
 
 
