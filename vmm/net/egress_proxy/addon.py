@@ -91,7 +91,7 @@ class SlotPolicies:
 
     def __init__(self, directory: Path, on_change=None):
         self.directory = directory
-        self.cache: dict[str, tuple[tuple[int, int], SlotPolicy | None]] = {}
+        self.cache: dict[str, tuple[tuple[int, int, int], SlotPolicy | None]] = {}  # (mtime, size, inode)
         self.on_change = on_change  # called with a sandbox id whose policy changed or went
 
     def _changed(self, address: str) -> None:
