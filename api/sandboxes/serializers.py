@@ -82,7 +82,8 @@ class NetworkUpdateSerializer(serializers.Serializer):
     denyOut = serializers.ListField(child=serializers.CharField(), required=False)
     dnsServers = serializers.ListField(child=serializers.CharField(), required=False)
     egressProxy = serializers.JSONField(required=False, allow_null=True, help_text="not supported (400)")
-    rules = serializers.JSONField(required=False, help_text="{host: [{transform: {headers}}]}: needs allowOut to name domains")
+    rules = serializers.JSONField(required=False,
+                                  help_text="{host: [{transform: {headers}}]}: needs allowOut to name domains")
     allow_internet_access = serializers.BooleanField(required=False, allow_null=True)
 
     def to_internal_value(self, data):

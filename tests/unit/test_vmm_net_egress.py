@@ -342,7 +342,8 @@ def test_a_node_refuses_rules_its_proxy_cannot_apply(proxy, tmp_path):
 
     ruled = NetworkSpec.from_json({"allow_out": ["good.test"], "deny_out": ["0.0.0.0/0"],
                                    "rules": {"good.test": [{"X-Aenv-Rule": "one"}]}})
-    assert NetworkSpec.from_json(ruled.to_json()) == ruled and ruled.rules_json() == {"good.test": [{"X-Aenv-Rule": "one"}]}
+    assert NetworkSpec.from_json(ruled.to_json()) == ruled
+    assert ruled.rules_json() == {"good.test": [{"X-Aenv-Rule": "one"}]}
     backend = NetnsBackend(tmp_path, prefix="gr" + uuid.uuid4().hex[:4], pool=POOL, warm=0, dns=False)
     with pytest.raises(UnsupportedNetworkPolicy, match="egress proxy"):
         backend.check(ruled)  # no proxy at all
@@ -386,7 +387,8 @@ def test_secrets_through_the_real_api_from_create_to_the_request(proxy, live_ser
         assert "authorization: token the-real-value" in _https("good.test", "good.test",
                                                                cadata=proxy.ca.cert_pem.decode())
         # a slot file that sends the marker elsewhere gets nothing: the row's rules do not
-        proxy.allow(CLIENT, sandbox.pk, DOMAINS, {**spec.rules_json(), "evil.test": [{"X-Aenv-K": "${e2b.secrets.tok}"}]})
+        elsewhere = {**spec.rules_json(), "evil.test": [{"X-Aenv-K": "${e2b.secrets.tok}"}]}
+        proxy.allow(CLIENT, sandbox.pk, DOMAINS, elsewhere)
         (refused,) = _http("evil.test")
         assert refused.startswith("HTTP/1.1 403") and "secret" in refused and "evil.test host" not in refused
         assert "the-real-value" not in (proxy.slots_dir / f"{CLIENT}.json").read_text()

@@ -8,8 +8,9 @@ or HTTP Host and connects only to an address the node's resolver gives for that 
 nothing.
 
 The proxy is mitmproxy (PyPI)'s proxy core in transparent mode with aenv's addon
-(vmm/net/egress_proxy/run.py starts it with nothing else of mitmdump's): a well-kept base that parses TLS and HTTP, and ends TLS where a sandbox's ``network.rules``
-must rewrite requests (with the node's CA; TLS to hosts without rules passes through). It lives in a Python
+(vmm/net/egress_proxy/run.py starts it with nothing else of mitmdump's): a well-kept base that
+parses TLS and HTTP, and ends TLS where a sandbox's ``network.rules`` must rewrite requests
+(with the node's CA; TLS to hosts without rules passes through). It lives in a Python
 environment of its own (``.venv-egress``, made by ``scripts/setup.sh``: its pins differ from
 aenv's), runs as ``nobody``, listens on the node resolver's address (the slot pool's base +
 1, so every aenv instance has its own) at ``slots.PROXY_PORT``, where ``SO_ORIGINAL_DST``
