@@ -396,3 +396,11 @@ def test_secrets_through_the_real_api_from_create_to_the_request(proxy, live_ser
         proxy.secrets = before
         proxy.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
         proxy.ensure()
+
+
+def test_a_missing_upstream_ca_bundle_stops_the_start(tmp_path):
+    """A typo in AENV_EGRESS_UPSTREAM_CA is said at the node's start, not as 502s later."""
+    from vmm.net.egress import EgressProxyError  # noqa: PLC0415
+
+    with pytest.raises(EgressProxyError, match="AENV_EGRESS_UPSTREAM_CA"):
+        EgressProxy("u" + uuid.uuid4().hex[:5], "127.0.0.1", tmp_path, upstream_ca=str(tmp_path / "nope.pem")).ensure()

@@ -131,6 +131,8 @@ class EgressProxy:
         """A proxy answering with this configuration (a running one with another is replaced)."""
         if not self.available():
             raise EgressProxyError(f"mitmdump not found at {self.binary} (scripts/setup.sh installs it)")
+        if self.upstream_ca and not Path(self.upstream_ca).is_file():
+            raise EgressProxyError(f"the upstream CA bundle {self.upstream_ca} (AENV_EGRESS_UPSTREAM_CA) is not a file")
         user = pwd.getpwnam(USER)
         self.slots_dir.mkdir(parents=True, exist_ok=True)
         for d in (RUNTIME, self.dir, self.slots_dir):
