@@ -151,3 +151,15 @@ async def test_the_control_plane_sends_the_token_only_when_given(monkeypatch):
     await client.update_network(None, sandbox_id="i1", network=RULES, access_token="tok")
     await client.update_network(None, sandbox_id="i1", network={})
     assert sent == [{"sandbox_id": "i1", "network": RULES, "access_token": "tok"}, {"sandbox_id": "i1", "network": {}}]
+
+
+def test_the_driver_hands_the_proxy_the_node_ca_the_secrets_client_and_the_upstream_ca(node_ca_dir, settings):
+    from agent import driver  # noqa: PLC0415
+
+    settings.AENV_EGRESS_UPSTREAM_CA = "/etc/aenv/upstream.pem"
+    settings.AENV_CONTROL_PLANE_URL = "https://cp.example"
+    options = driver._egress_options()
+    ca = egress_trust.node_ca()
+    assert options["ca_pem"] == ca.mitmproxy_pem() and b"PRIVATE KEY" in options["ca_pem"]
+    assert options["secrets"]["url"] == "https://cp.example" and options["secrets"]["headers"]["Authorization"]
+    assert options["upstream_ca"] == "/etc/aenv/upstream.pem"
