@@ -5,12 +5,10 @@ moment it is deleted; ``Sandbox.delete_snapshot`` (``DELETE /templates/{id}``) a
 ``DELETE /snapshots/{id}`` agree. The SDK has no call of its own for ``/api-keys``,
 ``/access-tokens``, ``/teams`` or team metrics."""
 import asyncio
-import socket
 from unittest import mock
 
 import httpx
 import pytest
-import uvicorn
 from asgiref.sync import sync_to_async
 from django.contrib.auth import get_user_model
 from e2b import Sandbox
@@ -19,21 +17,15 @@ from e2b.exceptions import AuthenticationException, SandboxException
 from sandboxes.models import AccessToken, Template
 from snapshots.models import Snapshot
 from template_builds.models import TemplateBuild
+from tests.unit.asgi_server import served
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 
 @pytest.fixture
 async def server(asgi_app, base_template):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(asgi_app, lifespan="off", log_level="warning", timeout_graceful_shutdown=2))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    while not srv.started:
-        await asyncio.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv.should_exit = True
-    await task
+    async with served(asgi_app) as url:
+        yield url
 
 
 def sdk(fn, *args, **kwargs):

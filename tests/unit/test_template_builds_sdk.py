@@ -8,13 +8,13 @@ import socket
 import uuid
 
 import pytest
-import uvicorn
 from e2b import Template, wait_for_port
 from e2b.exceptions import BuildException, FileUploadException, RateLimitException, TemplateException
 
 from sandboxes.models import Sandbox, Template as TemplateRow
 from template_builds.models import TemplateBuild, TemplateFile
 from tests.unit.template_builder_double import FakeBuilder, fail_at_last_step
+from tests.unit.asgi_server import served
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -22,18 +22,10 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 @pytest.fixture
 async def server(asgi_app, base_template, raw_key, monkeypatch):
     """The API on a free port; the SDK pointed at it with team A's key."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(asgi_app, lifespan="off", log_level="warning", timeout_graceful_shutdown=2))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    while not srv.started:
-        await asyncio.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    monkeypatch.setenv("E2B_API_URL", url)
-    monkeypatch.setenv("E2B_API_KEY", raw_key)
-    yield url
-    srv.should_exit = True
-    await task
+    async with served(asgi_app) as url:
+        monkeypatch.setenv("E2B_API_URL", url)
+        monkeypatch.setenv("E2B_API_KEY", raw_key)
+        yield url
 
 
 @pytest.fixture

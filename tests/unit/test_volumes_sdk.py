@@ -3,13 +3,12 @@ by uvicorn on 127.0.0.1 (no VM: the volume and content APIs need none): create, 
 get_info, connect, the content methods with their SDK types and exceptions, destroy. The
 sync SDK runs in a thread while the server runs in the test's event loop."""
 import asyncio
-import socket
 import uuid
 
 import pytest
-import uvicorn
 from e2b import AsyncVolume, Volume, VolumeFileType
 from e2b.exceptions import AuthenticationException, NotFoundException, VolumeException, VolumeNotFoundException
+from tests.unit.asgi_server import served
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -18,19 +17,11 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 async def server(asgi_app, base_template, raw_key, monkeypatch, settings, tmp_path):
     """The API on a free port; the SDK pointed at it (API and volume content) with team A's key."""
     settings.AENV_VOLUMES_DIR = tmp_path / "volumes"
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(asgi_app, lifespan="off", log_level="warning", timeout_graceful_shutdown=2))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    while not srv.started:
-        await asyncio.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    monkeypatch.setenv("E2B_API_URL", url)
-    monkeypatch.setenv("E2B_VOLUME_API_URL", url)
-    monkeypatch.setenv("E2B_API_KEY", raw_key)
-    yield url
-    srv.should_exit = True
-    await task
+    async with served(asgi_app) as url:
+        monkeypatch.setenv("E2B_API_URL", url)
+        monkeypatch.setenv("E2B_VOLUME_API_URL", url)
+        monkeypatch.setenv("E2B_API_KEY", raw_key)
+        yield url
 
 
 def sdk(fn, *args, **kwargs):
