@@ -9,16 +9,21 @@ A task's ``volumes`` argument: ``[{"dir": "<team>/<volume>", "export_id": n, "pa
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shlex
+import shutil
 from pathlib import Path
 
 from django.conf import settings
 
 from envd_client import EnvdClient
+from volumes import image
 
 log = logging.getLogger(__name__)
 
 MOUNT_DEADLINE = 120.0  # the first mount loads the nfs modules: seconds under TCG
+HANDLE_SECRET = ".nfs-handle-secret"  # in AENV_VOLUMES_DIR: shared by every node, like the volumes
 
 
 class VolumesUnavailable(Exception):
@@ -33,18 +38,51 @@ def run_dir(sandbox_id: str) -> Path:
     return Path(settings.AENV_HOME) / "volume-servers" / sandbox_id
 
 
+def handle_secret() -> bytes:
+    """The secret the volumes' NFS handle keys derive from (``nfs_guard.volume_key``). It
+    lives in the volume store, so every node that sees the volumes derives the same keys and a
+    guest's handles stay good after a resume or a fork on another node; made once, 0600."""
+    path = Path(settings.AENV_VOLUMES_DIR) / HANDLE_SECRET
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:  # another node made it first
+            data = path.read_bytes()
+        else:
+            data = secrets.token_bytes(32)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+    if len(data) < 32:
+        raise VolumesUnavailable(f"{path} holds no usable secret ({len(data)} bytes)")
+    return data
+
+
 def _exports(volumes: list[dict]):
+    from vmm.net.nfs_guard import volume_key
     from vmm.net.volume_server import Export
 
+    store = Path(settings.AENV_VOLUMES_DIR).resolve()
+    secret = handle_secret()
     seen: dict[int, Export] = {}
     for v in volumes:
-        root = (Path(settings.AENV_VOLUMES_DIR) / v["dir"]).resolve()
-        if Path(settings.AENV_VOLUMES_DIR).resolve() not in root.parents:
+        root = (store / v["dir"]).resolve()
+        if store not in root.parents:
             raise VolumesUnavailable(f"volume directory {v['dir']!r} is outside AENV_VOLUMES_DIR")
         if not root.is_dir():
             raise VolumesUnavailable(f"volume directory {root} does not exist on this node (AENV_VOLUMES_DIR must be "
                                      "the shared volume store)")
-        seen[int(v["export_id"])] = Export(int(v["export_id"]), str(root), f"/{int(v['export_id'])}")
+        try:  # a volume with a limit is a filesystem of its own: exported mounted, never its empty directory
+            image.ensure_mounted(root)
+        except image.ImageError as exc:
+            raise VolumesUnavailable(str(exc)) from None
+        export_id = int(v["export_id"])
+        key = volume_key(secret, str(root.relative_to(store)))
+        seen[export_id] = Export(export_id, str(root), f"/{export_id}", key)
     return list(seen.values())
 
 
@@ -88,9 +126,7 @@ def stop_orphans(driver) -> list[str]:
             continue
         stop(d.name)
         try:
-            for f in d.iterdir():
-                f.unlink()
-            d.rmdir()
+            shutil.rmtree(d)
         except OSError:
             log.warning("could not remove %s", d, exc_info=True)
         stopped.append(d.name)
@@ -110,7 +146,8 @@ def mount(info, access_token: str | None, volumes: list[dict] | None, *, everyth
         result = envd.run_argv("/bin/sh", ["-c", script], user="root", deadline=MOUNT_DEADLINE)
     if result.exit_code == NO_NFS_EXIT:
         raise VolumesUnavailable("this template's guest has no NFS client (the template's root file system has no "
-                                 "kernel modules for it, e.g. a template built from an OCI image)")
+                                 "kernel modules for it, e.g. a template built from an OCI image before aenv added "
+                                 "them: rebuild it)")
     if result.exit_code != 0:
         raise MountFailed(f"mounting {', '.join(shlex.quote(p) for _, p in todo)} failed ({result.exit_code}): "
                           f"{(result.stderr or result.stdout).decode(errors='replace')[-500:]}")

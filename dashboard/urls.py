@@ -2,7 +2,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import actions, node_tokens, template_pages, views, webhook_pages
+from dashboard import actions, node_tokens, template_pages, views, volume_pages, webhook_pages
 
 app_name = "dashboard"
 
@@ -36,6 +36,12 @@ urlpatterns = [
     path("api-keys/", views.api_key_list, name="api-keys"),
     path("api-keys/create", views.api_key_create, name="api-key-create"),
     path("api-keys/<int:key_id>/revoke", views.api_key_revoke, name="api-key-revoke"),
+    path("volumes/", volume_pages.volume_list, name="volumes"),
+    path("volumes/create", volume_pages.volume_create, name="volume-create"),
+    path("volumes/<str:volume_id>/", volume_pages.volume_detail, name="volume"),
+    path("volumes/<str:volume_id>/delete", volume_pages.volume_delete, name="volume-delete"),
+    path("volumes/<str:volume_id>/download", volume_pages.volume_download, name="volume-download"),
+    path("volumes/<str:volume_id>/upload", volume_pages.volume_upload, name="volume-upload"),
     path("webhooks/", webhook_pages.webhook_list, name="webhooks"),
     path("webhooks/<uuid:webhook_id>/", webhook_pages.webhook_detail, name="webhook"),
 ]

@@ -19,6 +19,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from nodes import join, summary
 from nodes.models import Node
+from sandboxes import key_cache
 from sandboxes.models import ApiKey, Sandbox, SandboxEvent, Template
 from sandboxes.states import LIVE, SandboxState, can_start
 from lifecycle.snapshots import fork as fork_op
@@ -73,11 +74,13 @@ def switch_team(request):
         raise Http404("no such team")
     set_current_team(request, team)
     target = request.POST.get("next", "")
-    # Only local dashboard paths; a sandbox page of the old team would 404, so go to the list.
+    # Only local dashboard paths; a sandbox or volume page of the old team would 404, so go to the list.
     if not target.startswith("/dashboard/"):
         target = reverse("dashboard:overview")
     elif target.startswith("/dashboard/sandboxes/"):
         target = reverse("dashboard:sandboxes")
+    elif target.startswith("/dashboard/volumes/"):
+        target = reverse("dashboard:volumes")
     return redirect(target)
 
 
@@ -404,6 +407,7 @@ def api_key_create(request):
 def api_key_revoke(request, key_id):
     key = get_object_or_404(ApiKey, pk=key_id, team=request.team)
     if ApiKey.objects.filter(pk=key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()):
+        key_cache.forget(key.key_hash)  # refused at once by this process's API
         messages.success(request, f"Key {key.prefix}… revoked.")
     else:
         messages.info(request, f"Key {key.prefix}… was already revoked.")

@@ -19,7 +19,9 @@ import stat
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import AsyncIterator, Iterable, Iterator
+
+from asgiref.sync import sync_to_async
 
 MAX_PATH = 4096
 MAX_NAME = 255
@@ -60,6 +62,12 @@ class TooLarge(ContentError):
 
 class NoSpace(ContentError):
     status = 507
+
+
+class VolumeFull(ContentError):
+    """The volume's own limit (not the node's disk): the client can free room or write less."""
+
+    status = 413
 
 
 @dataclass(frozen=True)
@@ -124,9 +132,21 @@ def _os_error(exc: OSError, path: str) -> ContentError:
 class VolumeFiles:
     """The files of one volume, rooted at ``root`` (a directory the server made)."""
 
-    def __init__(self, root: Path, owner: Owner = Owner()):
+    def __init__(self, root: Path, owner: Owner = Owner(), limit_mb: int = 0):
         self.root = Path(root)
         self.owner = owner
+        self.limit_mb = limit_mb  # a filesystem of that size of its own (volumes.image); 0: none
+
+    def _full(self, exc: ContentError) -> ContentError:
+        """On a volume with a limit, no space is the volume's, and the client's to fix (4xx)."""
+        if self.limit_mb and isinstance(exc, NoSpace):
+            return VolumeFull(f"the volume is full: its limit is {self.limit_mb} MiB (AENV_VOLUME_MAX_MB when it "
+                              f"was made), {self.free_bytes()} bytes are free")
+        return exc
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
 
     # ------------------------------------------------------------------ walking
 
@@ -247,7 +267,10 @@ class VolumeFiles:
         parts = split(path)
         if not parts:
             raise Conflict("the volume root already exists")
-        pfd = self._walk(parts[:-1], create=parents, uid=uid, gid=gid)
+        try:
+            pfd = self._walk(parts[:-1], create=parents, uid=uid, gid=gid)
+        except NoSpace as exc:
+            raise self._full(exc) from None
         try:
             try:
                 os.mkdir(parts[-1], 0o755 if mode is None else mode, dir_fd=pfd)
@@ -258,7 +281,7 @@ class VolumeFiles:
             else:
                 self._own(parts[-1], pfd, uid, gid, mode, follow=False)
         except OSError as exc:
-            raise _os_error(exc, path) from None
+            raise self._full(_os_error(exc, path)) from None
         finally:
             os.close(pfd)
         return self.stat(path)
@@ -299,6 +322,19 @@ class VolumeFiles:
         finally:
             os.close(fd)
 
+    @staticmethod
+    async def async_chunks(fd: int) -> AsyncIterator[bytes]:
+        """``chunks`` for an async response (the API's and the dashboard's downloads): each
+        chunk read in a worker thread, since a sync iterator would be read whole into memory
+        first; ``fd`` is closed at the end."""
+        chunks = VolumeFiles.chunks(fd)
+        read = sync_to_async(next, thread_sensitive=False)
+        try:
+            while (chunk := await read(chunks, None)) is not None:
+                yield chunk
+        finally:
+            chunks.close()
+
     def write(self, path: str, body: Iterable[bytes], *, max_bytes: int, uid: int | None = None,
               gid: int | None = None, mode: int | None = None) -> dict:
         """Writes a file whole (created, or replaced atomically: readers see the old bytes or
@@ -307,8 +343,14 @@ class VolumeFiles:
         parts = split(path)
         if not parts:
             raise Invalid("path / is a directory")
-        pfd = self._walk(parts[:-1], create=True, uid=uid, gid=gid)
+        try:
+            pfd = self._walk(parts[:-1], create=True, uid=uid, gid=gid)
+        except NoSpace as exc:
+            raise self._full(exc) from None
         tmp = _TMP_PREFIX + secrets.token_hex(8)
+        # a volume with a limit refuses a body that cannot fit as soon as it is known not to
+        # (the file it replaces stays until the rename: it does not count as room)
+        room = self.free_bytes() if self.limit_mb else None
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o644 if mode is None else mode, dir_fd=pfd)
@@ -318,6 +360,9 @@ class VolumeFiles:
                     written += len(data)
                     if written > max_bytes:
                         raise TooLarge(f"the file is larger than the limit of {max_bytes} bytes")
+                    if room is not None and written > room:
+                        raise VolumeFull(f"the file does not fit in the volume: its limit is {self.limit_mb} MiB "
+                                         f"(AENV_VOLUME_MAX_MB when it was made), {room} bytes were free")
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view):]
@@ -337,7 +382,7 @@ class VolumeFiles:
             except OSError:
                 pass
             if isinstance(exc, OSError):
-                raise _os_error(exc, path) from None
+                raise self._full(_os_error(exc, path)) from None
             raise
         finally:
             os.close(pfd)

@@ -5,6 +5,9 @@ live user cannot be deleted)."""
 import secrets
 import uuid
 
+from pathlib import Path
+
+from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
@@ -18,6 +21,19 @@ def new_volume_token() -> str:
     return secrets.token_hex(32)
 
 
+def default_size_mb() -> int:
+    """A new volume's limit: ``AENV_VOLUME_MAX_MB`` when it is made (0: unbounded); unset, the
+    default limit where this process can make one (volumes.image.can_limit), else none: an
+    operator who set a limit gets a clear refusal where it cannot hold, one who did not gets
+    volumes as before limits."""
+    limit = settings.AENV_VOLUME_MAX_MB
+    if limit is None:
+        from volumes import image  # noqa: PLC0415 - subprocess helpers, only for the unset case
+
+        return image.DEFAULT_MB if image.can_limit(Path(settings.AENV_VOLUMES_DIR)) else 0
+    return limit
+
+
 class Volume(models.Model):
     id = models.CharField(primary_key=True, max_length=64, default=new_volume_id)
     team = models.ForeignKey("sandboxes.Team", on_delete=models.CASCADE, related_name="volumes")
@@ -28,6 +44,9 @@ class Volume(models.Model):
     # The NFS export id of the volume on its guests' servers (vmm.net.volume_server): part of
     # every NFS file handle, so it never changes; unique in the team (one sandbox's volumes).
     export_id = models.PositiveIntegerField(default=0)
+    # Its size limit in MiB, fixed when it is made (volumes.image: the size of its filesystem);
+    # 0: a plain directory without a limit (volumes made before limits, AENV_VOLUME_MAX_MB=0).
+    size_mb = models.PositiveIntegerField(default=default_size_mb)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

@@ -147,17 +147,6 @@ def _body(request, size: int = 1 << 20):
         yield chunk
 
 
-async def _stream(fd: int):
-    """The file's chunks, each read in a worker thread (the fd is closed at the end)."""
-    chunks = content.VolumeFiles.chunks(fd)
-    read = sync_to_async(next, thread_sensitive=False)
-    try:
-        while (chunk := await read(chunks, None)) is not None:
-            yield chunk
-    finally:
-        chunks.close()
-
-
 class FileView(_ContentView):
     """``…/file``: read (GET, streamed) and write (PUT ``application/octet-stream``, whole,
     replacing atomically, parents made)."""
@@ -170,7 +159,7 @@ class FileView(_ContentView):
         if failed:
             return failed
         fd, size = opened
-        response = StreamingHttpResponse(_stream(fd), content_type="application/octet-stream")
+        response = StreamingHttpResponse(content.VolumeFiles.async_chunks(fd), content_type="application/octet-stream")
         response["Content-Length"] = str(size)
         return response
 

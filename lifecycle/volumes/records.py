@@ -55,10 +55,12 @@ async def get_volume(team: Team, volume_id: str) -> Volume:
 
 def users_of(volume: Volume) -> tuple[list[str], list[str]]:
     """(live sandboxes, snapshots) that mount ``volume``."""
+    # ordered by the id alone: the models' default ordering (path) would make DISTINCT keep
+    # one row per path, naming a sandbox that mounts the volume twice twice
     sandboxes = list(SandboxVolume.objects.filter(volume=volume, sandbox__state__in=LIVE)
-                     .values_list("sandbox_id", flat=True).distinct())
+                     .order_by("sandbox_id").values_list("sandbox_id", flat=True).distinct())
     snapshots = list(SnapshotVolume.objects.filter(volume=volume, snapshot__state__in=SNAPSHOT_LIVE)
-                     .values_list("snapshot_id", flat=True).distinct())
+                     .order_by("snapshot_id").values_list("snapshot_id", flat=True).distinct())
     return sandboxes, snapshots
 
 

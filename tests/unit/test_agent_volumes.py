@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 
 from agent import volumes as guest_volumes
-from vmm.net import volume_server
+from vmm.net import nfs_guard, volume_server
 
 
 @pytest.fixture
@@ -60,8 +60,24 @@ def test_serve_exports_each_volume_once(store):
         guest_volumes.serve(driver, "s1", [VOL, {**VOL, "path": "/again", "mount": False}])
     (args, kwargs), = start.call_args_list
     assert args[0] is slot and args[2] == Path(store.parent / "home" / "volume-servers" / "s1")
-    assert args[1] == [volume_server.Export(3, str((store / "team" / "vol").resolve()), "/3")]
+    secret = (store / guest_volumes.HANDLE_SECRET).read_bytes()
+    assert args[1] == [volume_server.Export(3, str((store / "team" / "vol").resolve()), "/3",
+                                            nfs_guard.volume_key(secret, "team/vol"))]
     ports.assert_called_once_with(slot)
+
+
+def test_the_handle_secret_is_made_once_private_and_shared(store):
+    """Every node derives the same volume keys from the store's secret: a guest's handles stay
+    good when it resumes or forks elsewhere; each volume's key is its own."""
+    first = guest_volumes.handle_secret()
+    path = store / guest_volumes.HANDLE_SECRET
+    assert len(first) == 32 and path.stat().st_mode & 0o777 == 0o600
+    assert guest_volumes.handle_secret() == first
+    assert nfs_guard.volume_key(first, "team/vol") != nfs_guard.volume_key(first, "team/other")
+    assert nfs_guard.volume_key(first, "team/vol") != nfs_guard.volume_key(b"x" * 32, "team/vol")
+    path.write_bytes(b"short")
+    with pytest.raises(guest_volumes.VolumesUnavailable, match="no usable secret"):
+        guest_volumes.handle_secret()
 
 
 def test_a_node_without_the_server_refuses(store, monkeypatch):

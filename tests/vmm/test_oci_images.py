@@ -34,7 +34,8 @@ from envd_client import EnvdClient, EnvdError
 from harness import oci_images, oci_registry
 from vmm.driver import BootSpec, get_driver
 from vmm.images import DEFAULT_IMAGES_DIR, GuestImage, ensure_image, find_image
-from vmm.oci import ImagePullError, OciError, disks, ensure_disk, ext4, guest_image, pull, store, tools
+from vmm.net.volume_server import mount_script
+from vmm.oci import ImagePullError, OciError, disks, ensure_disk, ext4, guest_image, kmods, pull, store, tools
 from vmm.templates import snapshot_dir
 
 SHARED_IMAGES_DIR = Path(os.environ.get("AENV_IMAGES_DIR", DEFAULT_IMAGES_DIR))  # only its base image is read
@@ -201,6 +202,36 @@ def test_disk_is_reproducible_and_cached(env, pulled, tmp_path):
             shutil.rmtree(work)
 
 
+def test_disk_carries_the_guest_kernels_nfs_modules_and_nothing_more(env, pulled, tmp_path):
+    """What template builds make: the base kernel's NFS client closure in /lib/modules/<release>
+    (the image has no modules of its own), byte for byte the kernel's, on a disk of its own key,
+    reproducible like any other."""
+    base = own_base(env)
+    modules = kmods.for_image(env.images, base)
+    assert modules.release == base.kernel_release
+    assert {"nfsv3", "nfs", "sunrpc", "lockd"} <= set(modules.modules) and len(modules.modules) < 12
+    disk = ensure_disk(env.images, pulled, modules=modules)
+    assert disk.dir == disks.disk_dir(env.images, pulled.digest, disks.disk_key(modules))
+    assert disk.dir != disks.disk_dir(env.images, pulled.digest)  # not the disk without them
+    assert disk.meta["prepared"]["kernel_modules"] == {"release": modules.release, "id": modules.id,
+                                                       "modules": list(modules.modules), "added": True}
+    raw, dumped = tmp_path / "check.raw", tmp_path / "dumped"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(disk.rootfs), str(raw)], check=True)
+    dumped.mkdir()
+    subprocess.run(["debugfs", "-R", f"rdump /lib/modules {dumped}", str(raw)], check=True, capture_output=True)
+    raw.unlink()
+    tree = dumped / "modules" / modules.release
+    assert [p.name for p in (dumped / "modules").iterdir()] == [modules.release]
+    files = sorted(str(p.relative_to(tree)) for p in tree.rglob("*") if p.is_file())
+    assert files == modules.files() and "modules.dep" in files
+    assert all((tree / f).read_bytes() == (modules.dir / f).read_bytes() for f in files)
+    assert sum((tree / f).stat().st_size for f in files) < 8 << 20  # not the ~90 MiB tree
+    nfsv3 = next(line for line in (tree / "modules.dep").read_text().splitlines() if "/nfsv3.ko:" in line)
+    assert all(dep in files for dep in nfsv3.split(":")[1].split())
+    out, work = Path(tempfile.mkdtemp(dir=tmp_path)), Path(tempfile.mkdtemp(dir=tmp_path))
+    assert disks.build(pulled, out, work, modules=modules)["sha256"] == disk.sha256
+
+
 def test_guest_image_keys_include_the_rootfs(env, pulled):
     base = own_base(env)
     disk = ensure_disk(env.images, pulled)
@@ -242,8 +273,7 @@ def _assert_envd_runs_from_the_drive(sh) -> None:
 def test_boot_a_vm_from_the_pulled_image(env, pulled, tmp_path):
     if not shutil.which("qemu-system-x86_64"):
         pytest.skip("qemu-system-x86_64 not installed")
-    own_base(env)
-    disk = ensure_disk(env.images, pulled)
+    disk = ensure_disk(env.images, pulled, modules=kmods.for_image(env.images, own_base(env)))
     name = f"oci-test-{env.token[4:]}"
     image = guest_image(env.images, disk, name=name)
     driver = get_driver("qemu", tmp_path / "home", env.images)
@@ -272,6 +302,13 @@ def test_boot_a_vm_from_the_pulled_image(env, pulled, tmp_path):
             bash_maps = _mapped_files(sh, "$$")
             assert "/lib/x86_64-linux-gnu/libc.so.6" in bash_maps and "/bin/bash" in bash_maps, bash_maps
             assert [m for m in bash_maps if m.startswith("/opt/aenv")] == [], bash_maps
+            # the volume mount's NFS check passes: the image has no modprobe, the drive's busybox
+            # loads the disk's modules with aenv's kernel
+            assert sh("command -v modprobe || echo none") == "none"
+            assert "nfs" not in sh("cat /proc/filesystems").split()
+            sh(mount_script([]))
+            assert "nfs" in sh("cat /proc/filesystems").split()
+            assert {"nfsv3", "nfs", "sunrpc", "lockd"} <= set(sh("cut -d' ' -f1 /proc/modules").split())
     finally:
         driver.kill(sid)
     assert not (tmp_path / "home" / "sandboxes" / sid).exists()

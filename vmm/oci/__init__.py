@@ -12,6 +12,7 @@ kernel, initrd and tools drive (envd, the guest init) like the ``base`` image.
 | ``store`` | ``pull()`` with skopeo into one shared OCI layout (blobs de-duplicated by digest), ``PulledImage`` (digest, config, layers), ``load``, ``remove``, ``gc`` |
 | ``unpack`` | ``umoci raw unpack`` + timestamps that depend on the image only |
 | ``prepare`` | what aenv adds to the tree (mount points, hosts, hostname, the `user` account with sudo: the E2B decision is written there) |
+| ``kmods`` | the guest kernel's NFS client modules (``modprobe nfsv3``'s), from the base image: volume mounts |
 | ``ext4`` | the tree as a byte-for-byte reproducible ext4 and qcow2 |
 | ``disks`` | the disk cache ``<images_dir>/oci/disks/sha256-<hex>-<converter key>/`` and ``ensure_disk()`` |
 | ``guest`` | ``guest_image()``: a ``GuestImage`` (kernel, initrd, tools of ``base`` + the disk) drivers boot by name |
@@ -42,8 +43,12 @@ __all__ = ["ImagePullError", "OciDisk", "OciError", "PulledImage", "ToolMissing"
 def image_from_registry(images_dir: Path, image_ref: str, credentials: tuple[str, str] | None = None,
                         insecure: bool = False, name: str | None = None, base: str = "base",
                         progress=lambda m: None) -> GuestImage:
-    """Pull + disk + GuestImage in one call (each step cached): what a template's
-    ``fromImage`` / ``fromImageRegistry`` base phase starts from."""
+    """Pull + disk (with ``base``'s NFS client modules) + GuestImage in one call (each step
+    cached): what a template's ``fromImage`` / ``fromImageRegistry`` base phase starts from."""
+    from vmm.images import find_image
+    from vmm.oci import kmods
+
     pulled = pull(image_ref, images_dir, credentials=credentials, insecure=insecure, progress=progress)
-    disk = ensure_disk(images_dir, pulled, progress=progress)
+    modules = kmods.for_image(images_dir, find_image(images_dir, base), progress=progress)
+    disk = ensure_disk(images_dir, pulled, progress=progress, modules=modules)
     return guest_image(images_dir, disk, name=name, base=base)

@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from vmm.images import DEFAULT_IMAGES_DIR
+from vmm.images import DEFAULT_IMAGES_DIR, ImageNotFound, find_image
+from vmm.oci import kmods
 from vmm.oci.disks import ensure_disk
 from vmm.oci.errors import ImagePullError, OciError
 from vmm.oci.guest import guest_image
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--username")
     parser.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
     parser.add_argument("--name", help="image name (image only; default oci-<digest prefix>)")
-    parser.add_argument("--base", default="base", help="the image whose kernel, initrd and tools to use")
+    parser.add_argument("--base", default="base",
+                        help="the image whose kernel (its NFS modules go on the disk), initrd and tools to use")
     args = parser.parse_args(argv)
     credentials = None
     if args.username:
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "pull":
             print(json.dumps(pulled.to_json(), indent=2))
             return 0
-        disk = ensure_disk(args.images_dir, pulled, progress=progress)
+        modules = kmods.for_image(args.images_dir, find_image(args.images_dir, args.base), progress=progress)
+        disk = ensure_disk(args.images_dir, pulled, progress=progress, modules=modules)
         if args.cmd == "disk":
             print(json.dumps({"dir": str(disk.dir), "reused": disk.reused, **disk.meta}, indent=2))
             return 0
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImagePullError as e:
         print(f"error ({e.kind}): {e}", file=sys.stderr)
         return 2
-    except OciError as e:
+    except (OciError, ImageNotFound) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -11,6 +11,12 @@ Layout, under ``<images_dir>/oci/``::
     layout/                        pulled images (vmm.oci.store)
     disks/sha256-<hex>-<key>/      rootfs.qcow2 (0444) + disk.json (digest, key, sha256 of the
                                    qcow2, size, the image config, what prepare() added)
+    kmods/<release>-<hash>/        the guest kernel's NFS client modules (vmm.oci.kmods)
+
+A disk made with the guest kernel's NFS modules (``modules``: what template builds ask for) has
+a key of its own, the converter key and the modules' content id hashed together: another
+kernel gives another disk, and a disk made without them (``modules=None``) keeps the converter
+key alone.
 
 A disk is built in ``disks/.tmp-*`` and renamed into place, so a killed build never looks
 finished; builds are serialised by ``disks/.build.lock`` (which also makes removing the leftovers
@@ -39,7 +45,7 @@ from vmm.oci.filelock import locked
 from vmm.oci.store import PulledImage
 
 FORMAT = 1  # bump when what a disk contains changes in a way the sources below do not show
-_SOURCES = ("prepare.py", "unpack.py", "ext4.py", "disks.py")
+_SOURCES = ("prepare.py", "unpack.py", "ext4.py", "disks.py", "kmods.py")
 
 
 def converter_key() -> str:
@@ -87,13 +93,22 @@ def disks_dir(images_dir: Path) -> Path:
     return Path(images_dir).resolve() / "oci" / "disks"
 
 
+def disk_key(modules=None) -> str:
+    """The key of a disk made now: converter_key(), with ``modules`` (vmm.oci.kmods.
+    KernelModules) the two hashed together. 12 hex digits."""
+    key = converter_key()
+    if modules is None:
+        return key
+    return hashlib.sha256(f"{key}+kmods={modules.id}".encode()).hexdigest()[:12]
+
+
 def disk_dir(images_dir: Path, digest: str, key: str | None = None) -> Path:
     return disks_dir(images_dir) / f"sha256-{digest.partition(':')[2]}-{key or converter_key()}"
 
 
-def find_disk(images_dir: Path, digest: str) -> OciDisk | None:
-    """The finished disk of `digest` for this converter, or None (never builds)."""
-    d = disk_dir(images_dir, digest)
+def find_disk(images_dir: Path, digest: str, modules=None) -> OciDisk | None:
+    """The finished disk of `digest` for this converter (and ``modules``), or None (never builds)."""
+    d = disk_dir(images_dir, digest, disk_key(modules))
     return OciDisk.from_dir(d) if (d / "disk.json").is_file() else None
 
 
@@ -114,17 +129,19 @@ def epoch_of(image: PulledImage) -> int:
         return 0
 
 
-def build(image: PulledImage, out: Path, work: Path, progress=lambda m: None, key: str | None = None) -> dict:
+def build(image: PulledImage, out: Path, work: Path, progress=lambda m: None, key: str | None = None,
+          modules=None) -> dict:
     """Builds `image`'s disk into `out` (rootfs.qcow2 + disk.json) using `work` for the tree
-    and the raw image; returns the disk.json content. The same image and converter give the
-    same rootfs.qcow2 bytes wherever and whenever this runs."""
-    key = key or converter_key()
+    and the raw image, with the kernel ``modules`` when given; returns the disk.json content.
+    The same image, converter and modules give the same rootfs.qcow2 bytes wherever and
+    whenever this runs."""
+    key = key or disk_key(modules)
     epoch = epoch_of(image)
     t0 = time.monotonic()
     tree = work / "rootfs"
     progress(f"unpacking {image.digest} ({len(image.layers)} layers)")
     unpack.unpack(image, tree, epoch)
-    added = prepare.prepare(tree, epoch)
+    added = prepare.prepare(tree, epoch, modules)
     t_unpack = time.monotonic()
     progress("building ext4")
     raw = work / "rootfs.ext4"
@@ -145,9 +162,10 @@ def build(image: PulledImage, out: Path, work: Path, progress=lambda m: None, ke
     return meta
 
 
-def ensure_disk(images_dir: Path, image: PulledImage, progress=lambda m: None) -> OciDisk:
-    """The cached disk of `image`, built first if missing (idempotent, safe across processes)."""
-    key = converter_key()
+def ensure_disk(images_dir: Path, image: PulledImage, progress=lambda m: None, modules=None) -> OciDisk:
+    """The cached disk of `image` (with the kernel ``modules``, a vmm.oci.kmods.KernelModules,
+    when given), built first if missing (idempotent, safe across processes)."""
+    key = disk_key(modules)
     final = disk_dir(images_dir, image.digest, key)
     if (final / "disk.json").is_file():
         return OciDisk.from_dir(final)
@@ -161,7 +179,7 @@ def ensure_disk(images_dir: Path, image: PulledImage, progress=lambda m: None) -
         work = Path(tempfile.mkdtemp(prefix=".work-", dir=parent))
         t0 = time.monotonic()
         try:
-            build(image, tmp, work, progress, key)
+            build(image, tmp, work, progress, key, modules)
             (tmp / "rootfs.qcow2").chmod(0o444)
             tmp.chmod(0o755)
             os.rename(tmp, final)

@@ -26,6 +26,12 @@ here, on the host, deterministically (same input tree and epoch -> same bytes):
   (``NOPASSWD: ALL``, 0440). Installing sudo itself, like E2B's provisioning of missing
   packages (sudo, curl, ...), needs the network and the distro's package manager: that is the
   template builder's job, in a VM.
+* **The guest kernel's NFS client modules** (vmm.oci.kmods, when the caller gives them) in
+  /lib/modules/<release>/: aenv's kernel boots the image, and a sandbox mounts its volumes with
+  that kernel's NFS client. Only those modules and their modules.dep, never the whole tree. An
+  image that has a /lib/modules/<release> of its own (made from aenv's base image) keeps it
+  untouched; a tree where they cannot go (a /lib that is a file) gets none, and its sandboxes'
+  volume mounts are refused, as before.
 * Nothing else: the image's Env, WorkingDir, User, Cmd and Entrypoint are recorded (vmm.oci.store)
   for the template builder, not applied here; E2B starts builds as root with the image's Env
   and runs no image command.
@@ -130,6 +136,9 @@ class _Tree:
 
     def write(self, path: str, text: str, mode: int = 0o644, uid: int = 0, gid: int = 0) -> Path:
         """Writes a regular file (replacing one; keeping the mode, owner of an existing file)."""
+        return self.write_bytes(path, text.encode("utf-8", errors="surrogateescape"), mode, uid, gid)
+
+    def write_bytes(self, path: str, data: bytes, mode: int = 0o644, uid: int = 0, gid: int = 0) -> Path:
         target = self.path(path)
         self.mkdir(str(PurePosixPath("/" + str(target.relative_to(self.root))).parent))
         existing = None
@@ -141,7 +150,7 @@ class _Tree:
             raise OciError(f"cannot write /{target.relative_to(self.root)} in the image: not a regular file")
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8", errors="surrogateescape"))
+            f.write(data)
         if existing is None:
             os.chown(target, uid, gid, follow_symlinks=False)
             os.chmod(target, mode)
@@ -235,9 +244,26 @@ def _copy_skel(tree: _Tree, home_dir: Path, uid: int) -> None:
             tree.touched.add(dst)
 
 
-def prepare(root: Path, epoch: int) -> dict:
-    """Adds what an aenv guest needs to the image tree at `root` (see the module docstring);
-    returns what it did (recorded in the disk's JSON). Runs as root (file owners)."""
+def add_kernel_modules(tree: _Tree, modules) -> dict:
+    """Copies ``modules`` (a vmm.oci.kmods.KernelModules) to /lib/modules/<release>/ unless
+    the image has that directory; returns what happened (never raises for the tree's shape:
+    a disk without them only cannot mount volumes)."""
+    target = f"/lib/modules/{modules.release}"
+    done = {"release": modules.release, "id": modules.id, "modules": list(modules.modules)}
+    if tree.path(target).exists():
+        return {**done, "added": False, "why": "the image has its own"}
+    try:
+        for rel in modules.files():
+            tree.write_bytes(f"{target}/{rel}", (modules.dir / rel).read_bytes())
+    except OciError as exc:
+        return {**done, "added": False, "why": str(exc)}
+    return {**done, "added": True}
+
+
+def prepare(root: Path, epoch: int, modules=None) -> dict:
+    """Adds what an aenv guest needs to the image tree at `root` (see the module docstring),
+    with ``modules`` (vmm.oci.kmods.KernelModules) when given; returns what it did (recorded
+    in the disk's JSON). Runs as root (file owners)."""
     if os.geteuid() != 0:
         raise OciError("preparing a guest root filesystem needs root (file owners)")
     tree = _Tree(root)
@@ -261,5 +287,8 @@ def prepare(root: Path, epoch: int) -> dict:
         tree.mkdir("/etc/sudoers.d", 0o755)
     tree.write("/etc/sudoers.d/aenv-user", SUDOERS, mode=0o440)
     os.chmod(tree.path("/etc/sudoers.d/aenv-user"), 0o440)
+    done = {"user": user, "created": created}
+    if modules is not None:
+        done["kernel_modules"] = add_kernel_modules(tree, modules)
     tree.stamp(epoch)
-    return {"user": user, "created": created}
+    return done

@@ -1,0 +1,71 @@
+"""A volume with a size limit is a filesystem of its own (volumes.image); a paused guest's NFS
+handles name it, so they must stay good when it is mounted again on another loop device (a
+node's reboot, a resume on another node of the machine): ganesha's filesystem id comes from
+the ext4's UUID, not from the device. Real image, real server, a stand-in guest
+(test_volume_server_confinement.py's)."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+from tests.nfs3_client import OK, Nfs3Client
+from tests.unit.test_volume_server_confinement import POOL, SECRET, in_netns, stand_in_guest
+from vmm.net import nfs_guard, slots
+from vmm.net import volume_server as vs
+from vmm.net.slots import GATEWAY_IP
+from volumes import image
+
+
+def _loop_of(root) -> str:
+    """The device mounted at ``root`` (mountinfo: the source after the `` - `` separator)."""
+    with open("/proc/self/mountinfo") as f:
+        return next(line.split(" - ")[1].split()[1] for line in f if line.split()[4] == str(root))
+
+
+def test_handles_outlive_a_remount_on_another_loop_device(tmp_path, slot_prefix):
+    root, other = tmp_path / "team" / "vol", tmp_path / "team" / "other"
+    image.create(root, 8, 1000, 1000)
+    image.create(other, 8, 1000, 1000)
+    (other / "secret").write_text("other volume\n")
+    key = nfs_guard.volume_key(SECRET, "team/vol")
+    exports = [vs.Export(3, str(root), "/3", key)]
+    slot = slots.create(slots.Slot(slot_prefix, 1, POOL))
+    guest = stand_in_guest(slot)
+    run_dir = tmp_path / "server"
+    spare = None
+    try:
+        vs.start(slot, exports, run_dir)
+        vs.open_ports(slot)
+
+        def first():
+            with Nfs3Client(GATEWAY_IP) as nfs:
+                _, mounted = nfs.mnt("/3")
+                _, fh = nfs.create(mounted, "kept.txt")
+                return mounted, fh, nfs.write(fh, b"before")
+
+        mounted, fh, status = in_netns(guest, first)
+        assert status == OK
+        vs.stop(run_dir)
+        before = _loop_of(root)
+        subprocess.run(["umount", str(root)], check=True)
+        # hold the loop device it had, so the mount again gets another one
+        spare = subprocess.run(["losetup", "--find", "--show", str(image.image_of(other))], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        assert image.ensure_mounted(root) and _loop_of(root) != before
+        vs.start(slot, exports, run_dir)
+        vs.open_ports(slot)
+
+        def again():
+            with Nfs3Client(GATEWAY_IP) as nfs:
+                nfs.mnt("/3")
+                return nfs.write(fh, b"+after", 6), nfs.read(fh)[1]
+
+        assert in_netns(guest, again) == (OK, b"before+after")
+    finally:
+        vs.stop(run_dir)
+        subprocess.run(["ip", "netns", "del", guest], check=False)
+        if spare:
+            subprocess.run(["losetup", "-d", spare], check=False)
+        image.remove(root)
+        image.remove(other)
+    assert not os.path.exists(root)
