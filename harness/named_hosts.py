@@ -125,7 +125,7 @@ class NamedHosts:
 
 @contextmanager
 def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None = None,
-                secrets: dict | None = None):
+                secrets: dict | None = None, allow_private_upstream: bool = False):
     """The node's egress proxy without a VM, for its tests and benchmark: an external host
     (harness.networld) serving good.test (EXT_A) and evil.test (EXT_B), a node resolver
     (vmm.net.dns) for a resolver instance of ``pool`` that answers those names only
@@ -136,7 +136,9 @@ def proxy_world(pool: str, clients: tuple[str, ...], max_connections: int | None
     ``SO_ORIGINAL_DST``, as a slot's and the node's DNATs deliver a guest's. Yields the
     EgressProxy; removes everything. The proxy gets a node CA of its own (``egress.ca``, a
     vmm.egress_ca.NodeCA: what intercepted TLS is signed with), trusts the named hosts' test
-    CA upstream, and fills secrets with ``secrets`` (``{"url", "headers"}``) when given."""
+    CA upstream, and fills secrets with ``secrets`` (``{"url", "headers"}``) when given;
+    ``allow_private_upstream``: sandboxes' upstream proxies may be namespace addresses
+    (``egress.ext_netns`` names the external host's namespace, where a test may run them)."""
     from harness.networld import EXT_A, EXT_B, ExternalHost  # noqa: PLC0415
     from vmm.net.dns import NodeDNS, _on_lo, service_ip  # noqa: PLC0415
     from vmm.net.egress import EgressProxy  # noqa: PLC0415
@@ -176,8 +178,10 @@ table ip {table} {{
         egress = EgressProxy(prefix, service_ip(pool), work / "net", reopened=(f"{EXT_A}/32", f"{EXT_B}/32"),
                              ca_pem=ca.mitmproxy_pem(), secrets=secrets,
                              upstream_ca=str(work / "hosts" / "hosts-ca.pem"),
+                             allow_private_upstream=allow_private_upstream,
                              **({"max_connections": max_connections} if max_connections else {}))
         egress.ca = ca
+        egress.ext_netns = ext.name
         egress.ensure()
         yield egress
     finally:

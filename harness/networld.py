@@ -2,9 +2,12 @@
 own, node services that must stay unreachable, and a probe run inside a guest.
 
 Only loopback and namespaces made here are ever targets (the brief's rule). The external
-host X is joined to the node by a veth: the node is 198.51.100.1, X answers HTTP on
-198.51.100.10 and .20 (TEST-NET-2: outside every always-denied range, so the egress policy
-alone decides). Nothing else on the machine uses that range.
+host X is joined to the node by a veth: the node is NET.1, X answers HTTP on NET.10 and .20,
+where NET is a /24 of 198.19.0.0/16 (RFC 2544's benchmarking range, always denied to guests, so
+the test stacks reopen those two addresses and the egress policy alone decides). Each test run
+takes its own /24 (``AENV_TEST_EXT_NET``, inherited by its workers and the stacks it starts),
+because the external host routes NET in the root namespace: two runs on one machine sharing
+one range reached each other's servers.
 """
 from __future__ import annotations
 
@@ -15,9 +18,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-NODE_SIDE = "198.51.100.1"
-EXT_A = "198.51.100.10"
-EXT_B = "198.51.100.20"
+# the run's /24: from the pytest controller's session number (tests/conftest.py), else this process
+_NET = int(os.environ.setdefault(
+    "AENV_TEST_EXT_NET", str(int(os.environ.get("AENV_TEST_NET_SESSION") or os.getpid()) % 250)))
+NET = f"198.19.{_NET}"
+NODE_SIDE = f"{NET}.1"
+EXT_A = f"{NET}.10"
+EXT_B = f"{NET}.20"
 
 
 def _sh(*argv: str) -> None:

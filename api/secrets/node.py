@@ -32,7 +32,7 @@ class ResolveView(APIView):
                               **{c: OpenApiResponse(ErrorSerializer) for c in (400, 401, 403, 404)}})
     async def post(self, request):
         body = valid(ResolveRequestSerializer, body_of(request)).validated_data
-        claimed = request.META.get("HTTP_" + node_auth.NODE_HEADER.upper().replace("-", "_"), "").strip()
+        claimed = node_auth.claimed_id(request.META)
         answer = await sync_to_async(_resolve)(request.user.secret, claimed, body["sandboxID"], body["name"],
                                                body["host"])
         return Response(answer, headers={"Cache-Control": "no-store"})

@@ -13,9 +13,15 @@ What aenv does with each field:
   proxy (``vmm.net.egress``), which judges each new TCP connection that no CIDR allows (any
   port) by its TLS SNI or HTTP Host and connects only to the address the node's resolver gives
   for it.
-- ``dnsServers``: checked (IPv4 addresses, at most 10) and kept. In E2B it opens the firewall
-  to those resolvers when allowOut names a domain; aenv sends a domain sandbox's DNS to the
-  node's resolver only (what the proxy pins connections to), so it has no effect.
+- ``dnsServers`` (IPv4 addresses, at most 10): the resolvers the sandbox's DNS (53, and 853
+  for DNS over TLS) may reach whatever the CIDRs say, enforced by its slot (``vmm.net.policy``
+  has the semantics). As in E2B, omitted means 8.8.8.8 (the guest's resolv.conf; the slot
+  sends it to the node's resolver) when allowOut names a domain and ``[]`` none; DNS to any
+  other address is then dropped. aenv also honours a list without domains (E2B ignores it)
+  and opens only DNS ports, not every port. An address no guest can ever reach (loopback,
+  link-local such as the metadata service, multicast, reserved) is refused (400); a private
+  one is kept and stays unreachable unless the node's operator reopened its range
+  (AENV_NET_ALLOW_EXTRA, e.g. an internal resolver), like a private allowOut entry.
 - ``allowPublicTraffic: false``: the sandbox gets a ``trafficAccessToken`` that the data plane
   requires on every port but envd's; ``maskRequestHost``: kept, the data plane applies it.
   An update leaves both alone.
@@ -26,13 +32,17 @@ What aenv does with each field:
   allowOut to name domains (only then does the sandbox's traffic pass the proxy: E2B too
   says a host in rules must be in allowOut); a node whose proxy cannot apply them refuses
   them (400), like domains.
-- refused with 400: any ``egressProxy`` (the egress proxy does not chain to an upstream proxy
-  yet) and non-empty ``httpsPorts`` (the data plane speaks plain HTTP to guest ports).
+- ``egressProxy`` (E2B's upstream SOCKS5 proxy; aenv also chains to an HTTP proxy): checked
+  and stored with its password sealed (``lifecycle.sandboxes.egress_proxy``, which also says
+  where the password may go); every TCP connection the policy lets out leaves through it from
+  the node's egress proxy. An update replaces it like the other egress fields (omitted: the
+  sandbox's traffic goes out directly again). ``egressProxy.tls``: the node speaks TLS to the
+  upstream, verifying its certificate (an IPv6 upstream is refused: nodes reach it over IPv4).
+- refused with 400: non-empty ``httpsPorts`` (the data plane speaks plain HTTP to guest ports).
 """
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import re
 import secrets
@@ -48,7 +58,7 @@ from vmm.net import domains, policy
 from vmm.net.spec import NetworkSpec
 
 from sandboxes.models import Sandbox, SandboxEvent, Team
-from lifecycle.sandboxes import core
+from lifecycle.sandboxes import core, egress_proxy
 from lifecycle.sandboxes.core import S
 from sandboxes.errors import Conflict, Invalid, NotFound, Unavailable
 
@@ -59,10 +69,9 @@ NODE_DEADLINE = 30.0
 # Updates of one sandbox go one at a time: a later one waits while an earlier one's event
 # says "started" (at most this long: an API process that died mid-update frees it then).
 IN_FLIGHT_WINDOW = NODE_DEADLINE + 15
-MAX_DNS_SERVERS = 10
 
 # What an update replaces (omitted = cleared) and what it keeps from the create.
-EGRESS_KEYS = ("allowOut", "denyOut", "dnsServers", "rules")
+EGRESS_KEYS = ("allowOut", "denyOut", "dnsServers", "rules", "egressProxy")
 # network.rules limits: a rule's headers go into every matching request
 MAX_RULE_HOSTS = 64
 MAX_RULES_PER_HOST = 16
@@ -73,12 +82,6 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")
 _RESERVED_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "upgrade",
                                "te", "trailer", "keep-alive", "proxy-connection"})
 KEPT_BY_UPDATE = ("allowPublicTraffic", "maskRequestHost")
-
-_UNSUPPORTED = {
-    "egressProxy": "an egress proxy is not supported yet: aenv cannot chain a sandbox's egress through an "
-                   "upstream SOCKS5 or HTTP proxy",
-}
-
 
 def camel(key: str) -> str:
     head, *rest = key.split("_")
@@ -106,17 +109,18 @@ def _strings(value, what: str) -> list[str]:
 
 
 def _dns_servers(value) -> list[str] | None:
-    if value is None:
-        return None
-    servers = _strings(value, "dnsServers")
-    if len(servers) > MAX_DNS_SERVERS:
-        raise Invalid(f"dnsServers takes at most {MAX_DNS_SERVERS} entries")
-    for server in servers:
-        try:
-            ipaddress.IPv4Address(server)
-        except ValueError:
-            raise Invalid(f"invalid DNS server {server}: must be an IPv4 address") from None
-    return servers
+    """E2B's ``dnsServers`` as stored (normalised; None: not given), or Invalid: an address no
+    guest can ever reach is refused here rather than accepted and left unreachable."""
+    try:
+        servers = policy.nameservers(_strings(value, "dnsServers") if value is not None else None)
+    except policy.PolicyError as exc:
+        raise Invalid(str(exc)) from None
+    for server in servers or ():
+        denied = policy.never_reachable(server)
+        if denied:
+            raise Invalid(f"invalid DNS server {server}: sandboxes can never reach {denied} (loopback, link-local, "
+                          "multicast and reserved addresses); name a resolver on the internet")
+    return None if servers is None else list(servers)
 
 
 def _headers(value, where: str) -> dict[str, str]:
@@ -179,9 +183,6 @@ def _rules(value, domain_entries: tuple[str, ...]) -> dict:
 def _egress(fields: dict, allow_internet_access: bool | None) -> dict:
     """The egress part of a create's ``network`` or an update's body (camelCase), checked;
     returns what is stored of it (only what says something)."""
-    for key, why in _UNSUPPORTED.items():
-        if fields.get(key) not in (None, {}):
-            raise Invalid(f"network.{key}: {why}")
     allow_out = _strings(fields.get("allowOut"), "allowOut")
     deny_out = _strings(fields.get("denyOut"), "denyOut")
     try:
@@ -189,7 +190,8 @@ def _egress(fields: dict, allow_internet_access: bool | None) -> dict:
     except policy.PolicyError as exc:
         raise Invalid(str(exc)) from None
     stored = {"allowOut": allow_out, "denyOut": deny_out, "dnsServers": _dns_servers(fields.get("dnsServers")),
-              "rules": _rules(fields.get("rules"), parsed.domains)}
+              "rules": _rules(fields.get("rules"), parsed.domains),
+              "egressProxy": egress_proxy.checked(fields.get("egressProxy"))}
     return {k: v for k, v in stored.items() if v or (k == "dnsServers" and v is not None)}
 
 
@@ -263,12 +265,15 @@ def spec_of(sandbox) -> dict:
     ``allow_internet_access: false`` as deny-all with allowOut kept."""
     network = sandbox.network or {}
     try:
-        egress = policy.parse(network.get("allowOut"), network.get("denyOut"), sandbox.allow_internet_access)
+        egress = policy.parse(network.get("allowOut"), network.get("denyOut"), sandbox.allow_internet_access,
+                              network.get("dnsServers"))
     except policy.PolicyError as exc:
         raise Invalid(str(exc)) from None
     return NetworkSpec(allow_internet_access=sandbox.allow_internet_access is not False,
                        allow_out=(*egress.allow, *egress.domains), deny_out=egress.deny,
-                       rules=rules_spec(network.get("rules"))).to_json()
+                       rules=rules_spec(network.get("rules")),
+                       egress_proxy=tuple(sorted((egress_proxy.spec(network.get("egressProxy")) or {}).items())),
+                       dns_servers=egress.dns_servers).to_json()
 
 
 def is_private(network: dict | None) -> bool:
@@ -324,7 +329,7 @@ async def update_network(team: Team, sandbox_id: str, update: NetworkUpdate, act
 
 
 def _details(values: tuple) -> dict:
-    return {"allow_internet_access": values[0], "network": values[1]}
+    return {"allow_internet_access": values[0], "network": egress_proxy.public(values[1])}
 
 
 @sync_to_async

@@ -2,7 +2,8 @@
 reaches good.test's HTTP and HTTPS servers (names served by the node's resolver, hosts in a
 namespace of the test's own; HTTPS on 443 and on 8443) and fails every dodge — connecting by IP, an SNI that differs
 from the Host, DNS over TCP and DNS over TLS to another resolver, a raw socket on 443 to a
-denied address; the policy holds across pause / resume, in a fork child, and changes live."""
+denied address; the policy holds across pause / resume, in a fork child, and changes live,
+``dnsServers`` included (DNS to the listed resolver only)."""
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from e2b import ALL_TRAFFIC, Sandbox
 
 from harness.named_hosts import NamedHosts
+from harness import guest_probe
 from harness.networld import EXT_A, EXT_B, ExternalHost
 from vmm.net import slots
 from vmm.net.egress import EgressProxy
@@ -19,50 +21,8 @@ pytestmark = [pytest.mark.vm,
               pytest.mark.skipif(not EgressProxy("x", "127.0.0.1", "/tmp").available(),
                                  reason="mitmproxy is not installed in .venv-egress (scripts/setup.sh)")]
 
-PROBE = r"""
-import json, socket, ssl, sys, threading
+PROBE = guest_probe.LIB + r"""
 GOOD_IP, EVIL_IP = sys.argv[1:3]
-
-def read(sock):
-    out = b""
-    try:
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            out += chunk
-    except Exception:
-        pass
-    return out.decode(errors="replace")
-
-def https(ip, sni, host, port=443):
-    try:
-        raw = socket.create_connection((ip, port), timeout=15)
-        ctx = ssl.create_default_context()
-        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-        tls = ctx.wrap_socket(raw, server_hostname=sni)
-        tls.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        return read(tls)
-    except Exception as exc:
-        return f"failed: {exc!r}"
-
-def http(ip, host):
-    try:
-        s = socket.create_connection((ip, 80), timeout=15)
-        s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        return read(s)
-    except Exception as exc:
-        return f"failed: {exc!r}"
-
-def tcp(ip, port, send=b""):
-    try:
-        s = socket.create_connection((ip, port), timeout=8)
-        s.settimeout(8)
-        if send:
-            s.sendall(send)
-        return read(s) or "closed"
-    except Exception as exc:
-        return f"failed: {exc!r}"
 
 checks = {
     "resolved": lambda: socket.gethostbyname("good.test"),
@@ -78,16 +38,7 @@ checks = {
     "dot_evil": lambda: tcp(EVIL_IP, 853),
     "other_port_evil": lambda: tcp(EVIL_IP, 8053),
 }
-results = {}
-def run(name):
-    try:
-        results[name] = checks[name]()
-    except Exception as exc:
-        results[name] = f"failed: {exc!r}"
-threads = [threading.Thread(target=run, args=(n,)) for n in checks]
-for t in threads: t.start()
-for t in threads: t.join()
-print(json.dumps(results))
+print(json.dumps(run_checks(checks, checks)))
 """
 
 
@@ -161,6 +112,14 @@ def test_a_guest_allowed_one_domain_reaches_it_and_fails_every_dodge(sdk_env, na
         assert "good.test host=good.test" in r["https_good"], r
         assert r["other_port_evil"] == "evil.test:8053\n" and "evil.test host=evil.test" in r["http_evil"], r
         assert r["dns_tcp_evil"].startswith("failed") and r["dot_evil"].startswith("failed"), r
+
+        # dnsServers: DNS (53, 853) to evil.test's address goes straight to it (not to the proxy),
+        # its other ports stay with the policy, and 8.8.8.8 (the node's resolver) is shut: not listed
+        sandbox.update_network({"allow_out": ["good.test"], "deny_out": [ALL_TRAFFIC], "dns_servers": [EXT_B]})
+        r = _probe(sandbox)
+        assert r["dns_tcp_evil"] == "evil.test:53\n" and r["dot_evil"] == "evil.test:853\n", r
+        assert "evil.test" not in r["other_port_evil"] and r["resolved"].startswith("failed"), r
+        assert "good.test host=good.test" in r["https_good"], r
 
         sandbox.update_network({})  # open again: the same probes now reach evil.test (they can succeed)
         assert _proxy_lists(sandbox.sandbox_id) == []  # the proxy's list goes with the domains

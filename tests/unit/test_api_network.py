@@ -20,9 +20,9 @@ E2B_DOMAIN_MESSAGE = ("When specifying allowed domains in allow out, you must in
                       "to block all other traffic.")
 
 
-def _spec(allow=(), deny=(), internet=True) -> dict:
+def _spec(allow=(), deny=(), internet=True, dns=None) -> dict:
     return {"allow_internet_access": internet, "allow_out": list(allow), "deny_out": list(deny),
-            "forward_ports": [ENVD]}
+            "forward_ports": [ENVD], **({"dns_servers": list(dns)} if dns is not None else {})}
 
 
 @pytest.fixture
@@ -119,11 +119,15 @@ BAD_POLICIES = [
     ({"network": {**RULED, "rules": {"api.example.com": [{"transform": {"body": "x"}}]}}}, "takes only headers"),
     ({"network": {**RULED, "rules": {"api.example.com": {"transform": {}}}}}, "must be a list"),
     ({"network": {**RULED, "rules": ["api.example.com"]}}, "network.rules must be an object"),
-    ({"network": {"egressProxy": {"address": "proxy.example.com:1080"}}}, "network.egressProxy"),
-    ({"network": {"egress_proxy": {"address": "proxy.example.com:1080"}}}, "network.egressProxy"),
+    ({"network": {"egressProxy": {"address": "10.1.2.3:1080"}}}, "10.1.2.3 is a loopback or private address"),
+    ({"network": {"egress_proxy": {"address": "[2001:db8::1]:1080"}}}, "IPv6 upstream proxies are not supported"),
     ({"network": {"httpsPorts": [3000]}}, "network.httpsPorts is not supported"),
     ({"network": {"dnsServers": ["dns.example"]}}, "invalid DNS server dns.example"),
     ({"network": {"dnsServers": ["1.1.1.1"] * 11}}, "at most 10"),
+    ({"network": {"dnsServers": ["1.1.1.1", "224.0.0.251"]}}, "sandboxes can never reach 224.0.0.0/4"),
+    ({"network": {"dns_servers": ["169.254.169.254"]}}, "sandboxes can never reach 169.254.0.0/16"),
+    ({"network": {"dnsServers": ["127.0.0.53"]}}, "sandboxes can never reach 127.0.0.0/8"),
+    ({"network": {"dnsServers": "1.1.1.1"}}, "dnsServers must be a list of strings"),
     ({"network": {"allowPublicTraffic": "no"}}, "allowPublicTraffic must be a boolean"),
     ({"network": {"maskRequestHost": 3}}, "maskRequestHost must be a string"),
     ({"network": {"allowOut": ["1.1.1.1"], "allow_out": ["2.2.2.2"]}}, "given twice"),
@@ -267,8 +271,9 @@ async def test_put_network_on_a_paused_sandbox_is_409_and_on_a_killed_one_404(ap
     ({"allowOut": ["example.com"]}, E2B_DOMAIN_MESSAGE),
     ({"allowOut": ["*.*.example.com"], "denyOut": ["0.0.0.0/0"]}, "invalid allowed address"),
     ({"rules": {"x.example.com": [{"transform": {"headers": {"a": "b"}}}]}}, "network.rules apply to requests"),
-    ({"egressProxy": {"address": "p:1080"}}, "network.egressProxy"),
+    ({"egressProxy": {"address": "127.0.0.1:1080"}}, "127.0.0.1 is a loopback or private address"),
     ({"allow_internet_access": "no"}, "allow_internet_access must be a boolean"),
+    ({"dnsServers": ["127.0.0.1"]}, "sandboxes can never reach 127.0.0.0/8"),
     (["1.1.1.1"], "JSON object"),
 ])
 async def test_put_network_bad_policy_is_400_and_changes_nothing(api, create, net_mock, assert_error, body, message):
@@ -379,6 +384,53 @@ async def test_put_waits_out_a_transitional_state(api, create, net_mock):
     net_mock.client.update_network.assert_awaited_once()
 
 
+# --------------------------------------------------------------------------- dnsServers
+
+
+async def test_dns_servers_reach_the_node_as_given_and_omitted_is_not_empty(api, create, nodes_mock):
+    """The node enforces them (vmm.net.slots); ``[]`` (no resolver) and omitted (E2B's default)
+    must stay apart all the way to the node."""
+    domains = {"allowOut": ["api.example.com"], "denyOut": ["0.0.0.0/0"]}
+    cases = [({**domains, "dnsServers": [" 1.1.1.1", "9.9.9.9", "1.1.1.1"]}, ["1.1.1.1", "9.9.9.9"]),
+             ({**domains, "dnsServers": []}, []), (domains, None),
+             ({"dnsServers": ["1.1.1.1"]}, ["1.1.1.1"]),  # no domains: aenv still honours it
+             # a private resolver: kept; the slot shuts it unless the operator reopened its range
+             ({"dnsServers": ["10.0.0.2"]}, ["10.0.0.2"])]
+    for network, expected in cases:
+        sb = await create(network=network)
+        spec = nodes_mock.client.boot_sandbox.await_args.kwargs["network"]
+        assert spec.get("dns_servers", "absent") == ("absent" if expected is None else expected), network
+        row = await Sandbox.objects.aget(pk=sb["sandboxID"])
+        assert row.network.get("dnsServers", "absent") == ("absent" if expected is None else expected)
+
+
+async def test_put_network_sets_and_clears_dns_servers_and_resume_and_fork_keep_them(api, create, net_mock):
+    sb = await create(allow_internet_access=False)
+    sid = sb["sandboxID"]
+    resp = await api.put(f"/sandboxes/{sid}/network", json={"dns_servers": ["1.1.1.1"], "allow_internet_access": False})
+    assert resp.status_code == 204, resp.text
+    kept = _spec(deny=["0.0.0.0/0"], internet=False, dns=["1.1.1.1"])
+    assert net_mock.client.update_network.await_args.kwargs["network"] == kept
+    assert (await Sandbox.objects.aget(pk=sid)).network == {"dnsServers": ["1.1.1.1"]}
+    assert (await api.post(f"/sandboxes/{sid}/pause", json={})).status_code == 204
+    assert (await api.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})).status_code == 201
+    assert net_mock.client.resume_sandbox.await_args.kwargs["network"] == kept
+
+    async def fork(node, *, sandbox_id, env_vars, access_token, children, deadline=None):
+        return {"parent": {"ok": True}, "timings": {}, "children": [
+            {"sandbox_id": c["sandbox_id"], "ok": True, "envd_host": "127.0.0.1", "envd_port": 41000, "pid": 1,
+             "timings": {}} for c in children]}
+
+    net_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork)
+    kid = (await api.post(f"/sandboxes/{sid}/fork", json={"count": 1})).json()[0]["sandbox"]
+    assert [c["network"] for c in net_mock.client.fork_sandbox.await_args.kwargs["children"]] == [kept]
+    assert (await Sandbox.objects.aget(pk=kid["sandboxID"])).network == {"dnsServers": ["1.1.1.1"]}
+    # an update that leaves them out clears them (E2B: back to the default), like the other egress fields
+    assert (await api.put(f"/sandboxes/{sid}/network", json={"allow_internet_access": False})).status_code == 204
+    assert net_mock.client.update_network.await_args.kwargs["network"] == _spec(deny=["0.0.0.0/0"], internet=False)
+    assert (await Sandbox.objects.aget(pk=sid)).network is None
+
+
 # --------------------------------------------------------------------------- resume, fork, routes
 
 
@@ -469,7 +521,8 @@ async def test_sdk_2_63_create_and_update_bodies_are_accepted_and_answers_parse(
     assert resp.status_code == 201, resp.text
     created = to_sandbox_create_response(CreatedSandbox.from_dict(resp.json()))
     assert created.traffic_access_token and created.traffic_access_token == resp.json()["trafficAccessToken"]
-    assert nodes_mock.client.boot_sandbox.await_args.kwargs["network"] == _spec(["1.1.1.1/32"], [ALL_TRAFFIC])
+    assert nodes_mock.client.boot_sandbox.await_args.kwargs["network"] == _spec(["1.1.1.1/32"], [ALL_TRAFFIC],
+                                                                                dns=["8.8.8.8"])
     sid = created.sandbox_id
 
     info = SandboxDetail.from_dict((await api.get(f"/sandboxes/{sid}")).json())

@@ -9,6 +9,7 @@ The slot's nftables side is in test_vmm_net_policy.py; a real guest in
 tests/integration/test_egress_domains.py."""
 import json
 import os
+import pwd
 import socket
 import ssl
 import stat
@@ -26,8 +27,8 @@ from vmm.net import slots
 from vmm.net.dns import service_ip
 from vmm.net.egress import EgressProxy
 
-# one worker for the module (xdist --dist loadgroup): its world (an external host on
-# 198.51.100.0/24, a resolver on its pool's base + 1) exists once per machine
+# one worker for the module (xdist --dist loadgroup): its world (an external host on the run's
+# external /24, a resolver on its pool's base + 1) exists once per run
 pytestmark = [pytest.mark.xdist_group("egress_proxy"),
               pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)"),
               pytest.mark.skipif(not EgressProxy("x", "127.0.0.1", Path("/tmp")).available(),
@@ -395,6 +396,31 @@ def test_secrets_through_the_real_api_from_create_to_the_request(proxy, live_ser
     finally:
         proxy.secrets = before
         proxy.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
+        proxy.ensure()
+
+
+def test_an_upstream_ca_bundle_in_a_folder_of_roots_alone_still_verifies(proxy, ruled, tmp_path):
+    """The proxy runs as nobody: it verifies against its own copy of the bundle (the real VM
+    test's CA sat in pytest's 0700 folder, and every intercepted request was a 502)."""
+    ruled({})
+    private = tmp_path / "root-only"
+    private.mkdir(mode=0o700)
+    bundle = private / "ca.pem"
+    bundle.write_text(_hosts_ca(proxy))
+    bundle.chmod(0o600)
+    trusted, proxy.upstream_ca = proxy.upstream_ca, str(bundle)
+    try:
+        proxy.ensure()
+        assert "x-aenv-rule: one" in _https("good.test", "good.test", cadata=proxy.ca.cert_pem.decode())
+        copy = proxy.conf / "upstream-ca.pem"
+        assert copy.read_text() == bundle.read_text() and stat.S_IMODE(copy.stat().st_mode) == 0o600
+        assert copy.stat().st_uid == pwd.getpwnam("nobody").pw_uid
+        bundle.write_text(_hosts_ca(proxy) + "\n")  # a new content: the next ensure() restarts the proxy
+        pid = proxy.pid()
+        proxy.ensure()
+        assert proxy.pid() != pid and copy.read_text() == bundle.read_text()
+    finally:
+        proxy.upstream_ca = trusted
         proxy.ensure()
 
 

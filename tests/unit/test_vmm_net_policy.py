@@ -87,7 +87,7 @@ def test_a_domain_policy_sends_tcp_to_the_proxy_port_kept_and_dns_to_the_node_on
     text = slots.ruleset(slot, dns_ip="10.12.0.1")
     order = [text.index(r) for r in (
         "ip daddr @always_deny ip daddr != @site_allow drop",
-        "ip daddr 8.8.8.8 meta l4proto { tcp, udp } th dport 53 th dport @dns_only accept",
+        "meta l4proto { tcp, udp } ip daddr . th dport @dns_servers accept",
         "meta l4proto { tcp, udp } th dport @dns_only drop",
         "ip daddr @user_allow accept", "tcp dport @proxied accept", "ip daddr @user_deny drop")]
     assert order == sorted(order)  # DNS elsewhere is dropped even where a CIDR allows it
@@ -101,6 +101,7 @@ def test_a_domain_policy_sends_tcp_to_the_proxy_port_kept_and_dns_to_the_node_on
     domains = slots.policy_script(policy.parse(["good.test"], ["0.0.0.0/0"]))
     assert "add element inet aenv proxied { 1-65535 }" in domains
     assert "add element inet aenv dns_only { 53, 853 }" in domains
+    assert "add element inet aenv dns_servers { 8.8.8.8 . 53 }" in domains  # E2B's default: the node's resolver
 
 
 def test_the_node_table_hands_a_slots_tcp_to_the_proxy_but_not_its_dns():
@@ -108,7 +109,7 @@ def test_the_node_table_hands_a_slots_tcp_to_the_proxy_but_not_its_dns():
 
     text = host_table.ruleset("aenvq", "10.12.0.0/16", ("aenvqv1",), "10.12.0.1")
     assert "iifname @veths ip daddr 10.12.0.1 tcp dport != 53 dnat ip to 10.12.0.1:15000" in text
-    assert text.index("tcp dport 15000 accept") < text.index("iifname @veths drop")
+    assert text.index("tcp dport { 15000, 15001 } accept") < text.index("iifname @veths drop")  # the proxy, its relay
     assert "to_proxy" not in host_table.ruleset("aenvq", "10.12.0.0/16", (), None)  # no resolver, no proxy
 
 
@@ -139,3 +140,43 @@ def test_a_node_whose_egress_proxy_is_not_running_refuses_domains_but_not_cidrs(
     backend.egress, backend.egress_error = EgressProxy("nope" + tmp_path.name[-6:], "127.0.0.1", tmp_path), ""
     with pytest.raises(UnsupportedNetworkPolicy, match="not running here: it stopped"):
         backend.check(domains)  # installed perhaps, but no process answers
+
+
+def test_dns_servers_default_to_e2bs_nameserver_only_with_domains():
+    domains = (["good.test"], ["0.0.0.0/0"])
+    assert policy.parse(*domains).resolvers == ("8.8.8.8",)  # omitted: E2B's default
+    assert policy.parse(*domains, dns_servers=[]).resolvers == ()  # []: none
+    assert policy.parse(*domains, dns_servers=[" 1.1.1.1", "1.1.1.1", "9.9.9.9"]).resolvers == ("1.1.1.1", "9.9.9.9")
+    assert policy.parse([], [], False).resolvers == ()  # no domains, none given: nothing opened
+    assert policy.parse([], [], False, ["1.1.1.1"]).resolvers == ("1.1.1.1",)
+    assert slots.resolver_elements(policy.parse(*domains, dns_servers=["8.8.8.8", "1.1.1.1"])) == [
+        "8.8.8.8 . 53", "1.1.1.1 . 53", "1.1.1.1 . 853"]  # the node's resolver serves 53 only
+    for bad, words in ((["dns.example"], "invalid DNS server dns.example"), (["::1"], "must be an IPv4"),
+                       (["1.1.1.1"] * 11, "at most 10"), ("1.1.1.1", "must be a list")):
+        with pytest.raises(policy.PolicyError, match=words):
+            policy.parse(dns_servers=bad)
+    assert policy.never_reachable("169.254.169.254") == "169.254.0.0/16" and policy.never_reachable("1.1.1.1") is None
+    assert policy.never_reachable("10.0.0.2") is None  # private: shut by the slot unless the operator reopened it
+
+
+def test_a_spec_keeps_omitted_and_empty_dns_servers_apart():
+    for given in (None, (), ("1.1.1.1",)):
+        spec = NetworkSpec(deny_out=("0.0.0.0/0",), dns_servers=given)
+        assert NetworkSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+        assert egress_of(spec).dns_servers == given
+    assert "dns_servers" not in NetworkSpec().to_json()
+
+
+@pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter")
+def test_a_slot_table_from_before_dns_servers_refuses_other_resolvers_but_not_the_default(slot_prefix):
+    slot = slots.create(slots.Slot(slot_prefix, 9))
+    try:
+        subprocess.run(slot.nsenter("nft", "flush", "chain", "inet", "aenv", "guard"), check=True)
+        subprocess.run(slot.nsenter("nft", "add", "rule", "inet", "aenv", "guard", "tcp", "dport", "@proxied",
+                                    "accept"), check=True)  # what an older table's guard knew of
+        slots.apply_policy(slot, egress_of(NetworkSpec(allow_out=("good.test",), deny_out=("0.0.0.0/0",))))
+        with pytest.raises(slots.SlotError, match="before dnsServers"):
+            slots.apply_policy(slot, egress_of(NetworkSpec(deny_out=("0.0.0.0/0",), dns_servers=("1.1.1.1",))))
+        assert _set(slot, "proxied") == ["1-65535"]  # the refused policy changed nothing
+    finally:
+        slots.destroy(slot)

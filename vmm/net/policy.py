@@ -15,6 +15,17 @@ allowOut. A bare IP is a /32. Domain names (vmm.net.domains) are allowed only wi
 ``0.0.0.0/0`` denied (E2B's rule): the slot sends such a sandbox's new TCP connections (any
 port) that no CIDR allows through the node's egress proxy (vmm.net.egress), which
 judges each by its TLS SNI or HTTP Host.
+
+``dnsServers`` (E2B SDK 2.63: "DNS servers the sandbox can reach when allowOut contains a
+domain", default 8.8.8.8, ``[]`` none): the resolvers the guest's DNS (udp/tcp 53, and 853
+for DNS over TLS) may go to whatever the CIDRs say; with domains in allowOut, DNS anywhere
+else is dropped. Where aenv differs: E2B opens every port of those addresses, aenv only DNS
+(other ports stay with the policy: list the address in allowOut to open them), and it also
+honours a list given without domains (E2B ignores it there), so ``allow_internet_access:
+false`` with ``dnsServers`` keeps name lookups. The always-denied ranges still win (a private
+resolver stays unreachable unless the operator reopened its range; the API refuses one
+``never_reachable``); 8.8.8.8 is the guest's resolv.conf address, which the slot sends to the
+node's resolver (port 53 only).
 """
 from __future__ import annotations
 
@@ -24,6 +35,19 @@ from dataclasses import dataclass
 from . import domains as domain_names
 
 ALL_TRAFFIC = "0.0.0.0/0"
+DEFAULT_NAMESERVER = "8.8.8.8"  # E2B's, the guest's resolv.conf; its DNS goes to the node's resolver
+MAX_DNS_SERVERS = 10  # E2B's limit
+# E2B's DeniedSandboxCIDRs (IPv4) plus "this network", IETF protocol assignments, the
+# benchmarking range, the documentation TEST-NETs, multicast and reserved (RFC 6890: none is
+# the internet); the slot pool is inside 10/8. The slot table drops them first (vmm.net.slots;
+# the node's own addresses are added per node).
+ALWAYS_DENIED = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+                 "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15",
+                 "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4")
+# Of those, what no operator setting reopens (AENV_NET_ALLOW_EXTRA refuses the guests'
+# link-local side and the node's loopback) or where no resolver can be: this network,
+# loopback, link-local (a cloud's metadata service), multicast and reserved.
+NEVER_REACHABLE = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
 
 
 class PolicyError(ValueError):
@@ -38,10 +62,19 @@ class EgressPolicy:
     allow: tuple[str, ...] = ()
     deny: tuple[str, ...] = ()
     domains: tuple[str, ...] = ()
+    dns_servers: tuple[str, ...] | None = None  # E2B dnsServers as given (None: not given)
 
     @property
     def open(self) -> bool:
         return not self.deny
+
+    @property
+    def resolvers(self) -> tuple[str, ...]:
+        """Where the guest's DNS may go whatever the CIDRs say: dnsServers, else E2B's default
+        (8.8.8.8 when allowOut names domains, none otherwise)."""
+        if self.dns_servers is not None:
+            return self.dns_servers
+        return (DEFAULT_NAMESERVER,) if self.domains else ()
 
 
 def _is_domain(entry: str) -> bool:
@@ -66,7 +99,32 @@ def _network(entry: str, what: str) -> str:
     return str(net)
 
 
-def parse(allow_out=None, deny_out=None, allow_internet_access: bool | None = None) -> EgressPolicy:
+def nameservers(value) -> tuple[str, ...] | None:
+    """E2B's ``dnsServers`` → IPv4 addresses (None: not given), or PolicyError."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(e, str) for e in value):
+        raise PolicyError("dnsServers must be a list of strings")
+    if len(value) > MAX_DNS_SERVERS:
+        raise PolicyError(f"dnsServers takes at most {MAX_DNS_SERVERS} entries")
+    out = []
+    for entry in value:
+        try:
+            out.append(str(ipaddress.IPv4Address(entry.strip())))
+        except ValueError:
+            raise PolicyError(f"invalid DNS server {entry}: must be an IPv4 address") from None
+    return tuple(dict.fromkeys(out))
+
+
+def never_reachable(address: str) -> str | None:
+    """The range holding ``address`` if no guest can ever reach it (None: a guest may, though
+    the rest of the always-denied ranges stay shut unless the node's operator reopened them)."""
+    ip = ipaddress.ip_address(address)
+    return next((c for c in NEVER_REACHABLE if ip in ipaddress.ip_network(c)), None)
+
+
+def parse(allow_out=None, deny_out=None, allow_internet_access: bool | None = None,
+          dns_servers=None) -> EgressPolicy:
     """E2B's create / update fields → an EgressPolicy, or PolicyError with E2B's message."""
     allow_out = [] if allow_out is None else allow_out
     deny_out = [] if deny_out is None else deny_out
@@ -87,4 +145,5 @@ def parse(allow_out=None, deny_out=None, allow_internet_access: bool | None = No
     if allow_internet_access is False:
         deny = [ALL_TRAFFIC]
     allow = [_network(e, "allowed address") for e in allow_out if not _is_domain(e.strip())]
-    return EgressPolicy(tuple(dict.fromkeys(allow)), tuple(dict.fromkeys(deny)), tuple(dict.fromkeys(names)))
+    return EgressPolicy(tuple(dict.fromkeys(allow)), tuple(dict.fromkeys(deny)), tuple(dict.fromkeys(names)),
+                        nameservers(dns_servers))

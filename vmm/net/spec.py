@@ -33,6 +33,13 @@ class NetworkSpec:
     # E2B network.rules as the egress proxy applies them: (host pattern, (headers, ...)) with
     # each headers a tuple of (name, value); values may hold ``${e2b.secrets.NAME}`` markers
     rules: tuple[tuple[str, tuple[tuple[tuple[str, str], ...], ...]], ...] = ()
+    # E2B network.egressProxy as the node needs it: (key, value) pairs of scheme ("socks5" /
+    # "http"), host, port, username and credential (names the sealed password the node's proxy
+    # asks the API for; never the password itself); empty: egress goes out directly
+    egress_proxy: tuple[tuple[str, object], ...] = ()
+    # E2B network.dnsServers: resolvers the guest's DNS may go to (vmm.net.policy); None: not
+    # given (E2B's default, 8.8.8.8 when allow_out names domains), (): none
+    dns_servers: tuple[str, ...] | None = None
 
     def restrictions(self) -> list[str]:
         """The egress restrictions this spec asks for, in words (empty: none)."""
@@ -45,7 +52,16 @@ class NetworkSpec:
             out.append(f"no egress to {', '.join(self.deny_out)} (denyOut)")
         if self.rules:
             out.append(f"request rules for {', '.join(p for p, _ in self.rules)} (rules)")
+        if self.dns_servers is not None and out:
+            out.append(f"DNS to {', '.join(self.dns_servers) or 'no resolver'} (dnsServers)")
+        if self.egress_proxy:
+            upstream = self.upstream()
+            out.append(f"egress through the proxy {upstream['host']}:{upstream['port']} (egressProxy)")
         return out
+
+    def upstream(self) -> dict | None:
+        """The upstream proxy as a dict (None: none)."""
+        return dict(self.egress_proxy) if self.egress_proxy else None
 
     def rules_json(self) -> dict[str, list[dict[str, str]]]:
         """The rules as the proxy's slot file holds them: ``{pattern: [{header: value}]}``."""
@@ -54,7 +70,9 @@ class NetworkSpec:
     def to_json(self) -> dict:
         return {"allow_internet_access": self.allow_internet_access, "allow_out": list(self.allow_out),
                 "deny_out": list(self.deny_out), "forward_ports": list(self.forward_ports),
-                **({"rules": self.rules_json()} if self.rules else {})}
+                **({"rules": self.rules_json()} if self.rules else {}),
+                **({"egress_proxy": self.upstream()} if self.egress_proxy else {}),
+                **({"dns_servers": list(self.dns_servers)} if self.dns_servers is not None else {})}
 
     @classmethod
     def from_json(cls, data: dict | None) -> "NetworkSpec":
@@ -64,4 +82,6 @@ class NetworkSpec:
                    forward_ports=tuple(int(p) for p in data.get("forward_ports") or (ENVD_PORT,)),
                    rules=tuple((str(pattern), tuple(tuple((str(k), str(v)) for k, v in headers.items())
                                                     for headers in sets))
-                               for pattern, sets in (data.get("rules") or {}).items()))
+                               for pattern, sets in (data.get("rules") or {}).items()),
+                   egress_proxy=tuple(sorted((data.get("egress_proxy") or {}).items())),
+                   dns_servers=None if data.get("dns_servers") is None else tuple(str(a) for a in data["dns_servers"]))
