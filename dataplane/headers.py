@@ -18,6 +18,8 @@ TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 E2B_SANDBOX_HEADER, E2B_PORT_HEADER = b"e2b-sandbox-id", b"e2b-sandbox-port"
 AGENTENV_SANDBOX_HEADER, AGENTENV_PORT_HEADER = b"x-agentenv-sandbox-id", b"x-agentenv-target-port"
 API_KEY_HEADER = b"x-api-key"
+# Marks the requests the hot path (HAProxy) sends back here (dataplane.hotpath_config).
+VIA_HEADER = b"x-aenv-via-hotpath"
 # In a sandbox's maskRequestHost, replaced by the port the request is for.
 MASK_PORT_PLACEHOLDER = "${PORT}"
 
@@ -27,7 +29,7 @@ HOP_BY_HOP = frozenset({
 })
 # Never sent upstream: they address the data plane, not the guest (Host is set per port).
 ROUTING_HEADERS = frozenset({E2B_SANDBOX_HEADER, E2B_PORT_HEADER, AGENTENV_SANDBOX_HEADER, AGENTENV_PORT_HEADER,
-                             b"host", TRAFFIC_TOKEN_HEADER})
+                             b"host", TRAFFIC_TOKEN_HEADER, VIA_HEADER})
 # uvicorn writes its own; the upstream's would be duplicates.
 RESPONSE_DROP = frozenset({b"date", b"server"})
 

@@ -19,10 +19,11 @@ upstream, ``dataplane.headers``; a sandbox's route, ``dataplane.routes``.
 Routes are read from the database on every request, never from a cache: a pause,
 resume or kill changes the VM process behind a sandbox, and a route (or a pooled
 connection) from before it would reach a process that is gone or, worse, whatever
-now listens at its address. Upstream connections are pooled per sandbox and VM
-generation (``dataplane.pools``) for the same reason.
+now listens at its address. Concurrent requests share those reads, never one older than
+the request (``dataplane.routes.RouteTable``). Upstream connections are pooled per
+sandbox and VM generation (``dataplane.pools``) for the same reason.
 
-Note: the upstream client (httpx/httpcore) is half-duplex over HTTP/1.1 — it reads
+Note: the upstream client (httpx's transport over httpcore) is half-duplex over HTTP/1.1 — it reads
 the response after the request body is complete. The request body is still
 forwarded chunk by chunk as it arrives; E2B clients are half-duplex too.
 """
@@ -40,6 +41,7 @@ from envd import ENVD_PORT
 from dataplane import access, addressing, answers
 from dataplane import cookies as proxy_cookies
 from dataplane.answers import ResumeFailed, Refused, Why
+from dataplane.handoff import Handoff
 from dataplane.headers import API_KEY_HEADER, response_headers, upstream_headers, with_cors
 from dataplane.pools import UpstreamPools
 from dataplane.routes import Route, RouteTable, close_unusable
@@ -74,12 +76,16 @@ class EnvdProxy:
         self.pools = UpstreamPools(CONNECT_TIMEOUT)
         self.websockets = WebSocketBridge(self)
         self.watch = RouteWatch(self.routes)
+        # The hot path (HAProxy), when dataplane.serve started this process behind one.
+        self.handoff = Handoff.from_env()
         # sandbox id → the auto-resume in progress, so concurrent requests join one.
         self._resuming: dict[str, asyncio.Future] = {}
 
     async def aclose(self) -> None:
         await self.watch.aclose()
         await self.pools.aclose()
+        if self.handoff is not None:
+            await self.handoff.aclose()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -93,6 +99,8 @@ class EnvdProxy:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                if self.handoff is not None:
+                    self.handoff.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.aclose()
@@ -259,7 +267,7 @@ class EnvdProxy:
         body_queue: asyncio.Queue = asyncio.Queue(maxsize=8)
         disconnected = asyncio.Event()
         pump = asyncio.create_task(_pump_request(receive, body_queue, disconnected))
-        exchange = asyncio.create_task(self._exchange(scope, send, route, port, headers, body_queue))
+        exchange = asyncio.create_task(self._exchange(scope, send, route, port, headers, body_queue, receive))
         watch = asyncio.create_task(disconnected.wait())
         try:
             await asyncio.wait({exchange, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -278,7 +286,7 @@ class EnvdProxy:
                 task.cancel()
             await asyncio.gather(pump, watch, return_exceptions=True)
 
-    async def _exchange(self, scope, send, route: Route, port: int, headers: dict, body_queue):
+    async def _exchange(self, scope, send, route: Route, port: int, headers: dict, body_queue, receive=None):
         async def body():
             while True:
                 chunk = await body_queue.get()
@@ -296,14 +304,13 @@ class EnvdProxy:
                 async for route in attempts:
                     host, upstream_port = route.address(port)
                     url = httpx.URL(scheme="http", host=host, port=upstream_port, raw_path=target)
-                    async with self.pools.use(route.sandbox_id, route.upstream) as client:
+                    async with self.pools.use(route.sandbox_id, route.upstream, _lane(scope)) as pool:
                         request = httpx.Request(
                             scope["method"], url, headers=upstream_headers(scope["headers"], route, port),
                             content=body() if _has_body(headers) else None,
-                            extensions={"timeout": client.timeout.as_dict()},
                         )
                         try:
-                            upstream = await client.send(request, stream=True)
+                            upstream = await pool.send(request)
                         except NOT_SENT as exc:
                             log.info("upstream %s:%s of %s refused (%r)", host, upstream_port, route.sandbox_id, exc)
                             failures.append(exc)
@@ -312,8 +319,12 @@ class EnvdProxy:
                             log.info("upstream %s:%s of %s failed: %r", host, upstream_port, route.sandbox_id, exc)
                             raise await self._gone(route, port)
                         # inside the lease: a pool in use is never retired as idle
+                        handoff = (self.handoff if self.handoff is not None and receive is not None
+                                   and _keeps_alive(upstream)
+                                   and await self.handoff.ready(scope, headers, route, port) else None)
                         with self.watch.moved(route) as moved:
-                            return await _relay(send, upstream, route, moved, cors=port == ENVD_PORT, scope=scope)
+                            return await _relay(send, upstream, route, moved, cors=port == ENVD_PORT, scope=scope,
+                                                handoff=handoff and (handoff, receive))
         except Refused as refused:
             return await _send_simple(send, *refused.answer_in(addressing.dialect_of(scope)))
 
@@ -332,6 +343,12 @@ SLOW_CONNECT = (httpx.ConnectTimeout, TimeoutError)  # unanswered, not refused (
 SENT_MAYBE = (httpx.PoolTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
+def _lane(scope):
+    """The client connection a request came on (``dataplane.pools``' lanes): its address."""
+    client = scope.get("client")
+    return tuple(client) if client else None
+
+
 def _has_body(headers: dict[bytes, bytes]) -> bool:
     if b"transfer-encoding" in headers:
         return True
@@ -339,19 +356,27 @@ def _has_body(headers: dict[bytes, bytes]) -> bool:
     return length.isdigit() and int(length) > 0
 
 
-async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Event, cors: bool, scope):
+async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Event, cors: bool, scope,
+                 handoff: tuple[Handoff, object] | None = None):
     """Streams the upstream response to the client until it ends, the upstream breaks, or
     ``moved`` says the sandbox's VM is gone (killed, paused, moved: ``dataplane.watch``).
     In the last two cases the client's connection is reset (UpstreamBroken, then
     ``_reset_on_close``), as E2B's proxy resets the stream of a sandbox that died: both E2B
     SDKs take a reset connection for "the sandbox may be gone", probe ``/health`` (then 502
     "was not found") and report that it was killed or reached its end of life.
-    The guest's cookies are confined to its own host (``dataplane.cookies``)."""
+    The guest's cookies are confined to its own host (``dataplane.cookies``). With
+    ``handoff`` (the hot path's, and the request's ``receive``), the client's connection
+    may go to HAProxy after this answer (``dataplane.handoff``)."""
     gone = asyncio.ensure_future(moved.wait())
     chunks = upstream.aiter_raw()
-    read = None
+    read = held = None
+    # The client must not be able to send its next request before the connection's reading
+    # is paused for a handoff: paused before the write that completes the answer.
+    length = _body_length(upstream, scope) if handoff else None
     try:
         headers = proxy_cookies.confine(response_headers(upstream.headers.raw), scope)
+        if length == 0:
+            held = handoff[0].hold(handoff[1])
         await send({"type": "http.response.start", "status": upstream.status_code,
                     "headers": with_cors(headers) if cors else headers})
         while True:
@@ -363,8 +388,16 @@ async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Ev
             if chunk is None:
                 break
             if chunk:
+                if length is not None and held is None:
+                    length -= len(chunk)
+                    if length <= 0:
+                        held = handoff[0].hold(handoff[1])
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if handoff and held is None and length is None:
+            held = handoff[0].hold(handoff[1])
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if held is not None:
+            handoff[0].release(held)
     except (httpx.HTTPError, _VMGone) as exc:
         # Raising makes uvicorn close the connection (reset: _forward), so the client sees
         # a broken stream (and probes /health) instead of a clean end.
@@ -377,6 +410,23 @@ async def _relay(send, upstream: httpx.Response, route: Route, moved: asyncio.Ev
             await asyncio.gather(read, return_exceptions=True)
         await chunks.aclose()
         await upstream.aclose()
+
+
+def _keeps_alive(upstream: httpx.Response) -> bool:
+    """The guest answered in HTTP/1.1 and keeps its connection (what a handoff needs)."""
+    connection = upstream.headers.get("connection", "").lower()
+    return upstream.http_version == "HTTP/1.1" and "close" not in connection
+
+
+def _body_length(upstream: httpx.Response, scope) -> int | None:
+    """How many body bytes the client will read before the answer is complete to it, when it
+    knows that from the head (no body, or a Content-Length); None: until the chunked end."""
+    if scope.get("method") == "HEAD" or upstream.status_code in (204, 304) or upstream.status_code < 200:
+        return 0
+    lengths = upstream.headers.get_list("content-length")
+    if len(lengths) == 1 and lengths[0].strip().isdigit():
+        return int(lengths[0])
+    return None
 
 
 class _VMGone(Exception):

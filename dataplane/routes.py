@@ -8,6 +8,7 @@ headers sent upstream (``dataplane.headers``) all judge by it. It is also where 
 plane reads the database: the team of a platform API key, and closing the connections
 its executor threads leave behind (``close_unusable``).
 """
+import asyncio
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
@@ -84,10 +85,45 @@ def _lookup_sync(sandbox_ids: list[str]) -> dict[str, Route]:
 
 
 class RouteTable:
-    """The current route of a sandbox, read from the database each time it is asked."""
+    """The current route of a sandbox, read from the database each time it is asked.
+
+    Concurrent asks share queries: every ``get`` waits for the next query to *start* (one
+    query for all sandboxes asked meanwhile), so its answer is never older than the ask,
+    yet 64 clients cost one or two queries in flight rather than 64 (each a trip to an
+    executor thread and the database: most of the data plane's per-request cost)."""
+
+    def __init__(self):
+        self._asked: dict[str, list[asyncio.Future]] = {}
+        self._querying: asyncio.Task | None = None
 
     async def get(self, sandbox_id: str) -> Route | None:
-        return (await self.get_many([sandbox_id])).get(sandbox_id)
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        self._asked.setdefault(sandbox_id, []).append(answer)
+        if self._querying is None or self._querying.done() or self._querying.get_loop() is not loop:
+            self._querying = loop.create_task(self._answer_asked())
+        return await answer
+
+    async def _answer_asked(self) -> None:
+        """Queries for everything asked so far, then for what was asked during that query."""
+        while self._asked:
+            asked, self._asked = self._asked, {}
+            try:
+                routes = await self.get_many(list(asked))
+            except asyncio.CancelledError:  # the loop is shutting down: so are the askers
+                for answer in (a for answers in (*asked.values(), *self._asked.values()) for a in answers):
+                    answer.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - each asker gets it, as from its own query
+                routes, failure = None, exc
+            for sandbox_id, answers in asked.items():
+                for answer in answers:
+                    if answer.done():  # its asker went away
+                        continue
+                    if routes is None:
+                        answer.set_exception(failure)
+                    else:
+                        answer.set_result(routes.get(sandbox_id))
 
     async def get_many(self, sandbox_ids: list[str]) -> dict[str, Route]:
         """The routes of those of ``sandbox_ids`` that exist, in one query."""

@@ -4,7 +4,8 @@ Why: a state change must be legal (``sandboxes.states``), must win against concu
 requests (a conditional ``UPDATE … WHERE state IN expected``) and must be on disk with
 its ``SandboxEvent`` before anyone is answered. Doing all three in one primitive keeps
 the lifecycle code, fork, snapshot and the node's reconcile from each growing their
-own slightly different write.
+own slightly different write. Each committed write nudges this host's data planes
+(``sandboxes.route_nudge``): a sandbox leaving ``running`` loses its hot-path route at once.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from asgiref.sync import sync_to_async
 from django.db import models, transaction
 from django.utils import timezone
 
+from sandboxes import route_nudge
 from sandboxes.models import Sandbox, SandboxEvent
 from sandboxes.states import S, is_legal
 
@@ -43,18 +45,40 @@ def transition_sync(sandbox_id: str, from_states, to_state: str, event: SandboxE
     records ``event`` (whose ``operation`` names the transition) in the same transaction.
     Returns False if another request won. Raises IllegalTransition for a write the table
     does not allow."""
+    with transaction.atomic():
+        return _write(sandbox_id, from_states, to_state, event, where, fields)
+
+
+def _write(sandbox_id: str, from_states, to_state: str, event: SandboxEvent, where: dict | None,
+           fields: dict) -> bool:
+    """The update and its event; the caller holds the transaction."""
     from_states = list(from_states)
     check(event.operation, from_states, to_state)
-    with transaction.atomic():
-        updated = Sandbox.objects.filter(pk=sandbox_id, state__in=from_states, **(where or {})).update(
-            state=to_state, updated_at=timezone.now(), **with_route_generation(fields))
-        if updated:
-            event.to_state = to_state
-            event.save()
+    updated = Sandbox.objects.filter(pk=sandbox_id, state__in=from_states, **(where or {})).update(
+        state=to_state, updated_at=timezone.now(), **with_route_generation(fields))
+    if updated:
+        event.to_state = to_state
+        event.save()
+        # the data planes of this host read the routes again once this is committed
+        transaction.on_commit(lambda: route_nudge.nudge(sandbox_id))
     return bool(updated)
 
 
 transition = sync_to_async(transition_sync)
+
+
+def transition_row_sync(sandbox_id: str, from_states, to_state: str, event: SandboxEvent, *,
+                        where: dict | None = None, **fields) -> Sandbox | None:
+    """``transition_sync`` that hands back the row as the write left it (with its template),
+    read in the same transaction, or None if another request won: the caller answers with it
+    without a second round (issue 26: a reload was a query and a thread hop per operation)."""
+    with transaction.atomic():
+        if not _write(sandbox_id, from_states, to_state, event, where, fields):
+            return None
+        return Sandbox.objects.select_related("template").get(pk=sandbox_id)
+
+
+transition_row = sync_to_async(transition_row_sync)
 
 
 def insert_creating(event: SandboxEvent, **fields) -> Sandbox:

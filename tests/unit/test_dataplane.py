@@ -1,5 +1,5 @@
-"""The data plane as deployed — `uvicorn config.dataplane_asgi:application` in its own
-process on the test database — in front of a real envd on the host, driven by the
+"""The data plane as deployed — `python -m dataplane.serve` (uvicorn serving
+`config.dataplane_asgi:application`, its hot path beside it) in its own process on the test database — in front of a real envd on the host, driven by the
 official e2b SDK (debug mode: no control plane; E2B_SANDBOX_URL = the data plane)."""
 import os
 import socket
@@ -14,6 +14,7 @@ from django.db import connection
 from django.utils import timezone
 
 from envd import ENVD_PORT
+from harness.processes import stop
 from sandboxes.models import Sandbox, Team, Template
 from tests.envd.conftest import ROOT, EnvdServer, sandbox_user  # noqa: F401 (fixture)
 
@@ -41,8 +42,8 @@ def dataplane(tmp_path):
     log = open(tmp_path / "dataplane.log", "wb")
     env = {**os.environ, "DATABASE_URL": _test_database_url(), "AENV_HOME": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "config.dataplane_asgi:application", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "dataplane.serve", "--host", "127.0.0.1", "--port", str(port),
+         "--", "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
@@ -58,12 +59,7 @@ def dataplane(tmp_path):
             raise RuntimeError(f"data plane did not start:\n{(tmp_path / 'dataplane.log').read_text()}")
         time.sleep(0.1)
     yield url
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop(proc)
     log.close()
 
 

@@ -15,6 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from sandboxes.models import Sandbox, Team, Template
+from dataplane import pools
 from dataplane.proxy import EnvdProxy, Route
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -100,7 +101,7 @@ class Upstream:
             if not msg.get("more_body"):
                 break
         out = {"method": scope["method"], "path": path, "query": scope["query_string"].decode(),
-               "headers": headers, "body": body.decode()}
+               "headers": headers, "body": body.decode(), "connection": list(scope["client"])}
         return await self.reply(send, 200, json.dumps(out).encode())
 
     @staticmethod
@@ -213,6 +214,25 @@ async def test_connections_are_pooled_per_vm_generation(stack):
     await sync_to_async(Sandbox.objects.filter(pk=sbx.pk).update)(vm_generation=F("vm_generation") + 1)
     assert (await stack.client.get("/health", headers=hdr(sbx))).status_code == 204
     assert len(set(stack.upstream.clients)) == 2  # never the connection of the old generation
+
+
+async def test_each_client_connection_keeps_its_own_upstream_connection(stack):
+    """Many clients at once: every answer right, and each client connection's requests reuse
+    one upstream connection of its own (dataplane.pools' lanes) — no churn, no sharing."""
+    sbx = await make_sandbox(stack.up_port)
+
+    async def one_client(n):
+        used = set()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{stack.px_port}", timeout=10) as c:
+            for i in range(4):
+                r = await c.post("/echo", content=f"{n}-{i}".encode(), headers=hdr(sbx))
+                assert r.status_code == 200 and r.json()["body"] == f"{n}-{i}"
+                used.add(tuple(r.json()["connection"]))
+        return used
+
+    used = await asyncio.gather(*(one_client(n) for n in range(20)))
+    assert all(len(u) == 1 for u in used)  # a client connection's requests: one upstream connection
+    assert len(set().union(*used)) == 20  # of its own
 
 
 async def test_route_that_moved_between_lookup_and_connect_is_retried(stack):
@@ -499,16 +519,16 @@ async def test_traffic_right_after_a_pause_auto_resumes_onto_the_new_vm(stack, n
 def _connects_time_out(monkeypatch, port: int, times: int) -> list:
     """The first ``times`` connects to ``port`` time out, as to a guest too busy to
     answer its SYN; returns the list of connect attempts seen."""
-    real_send = httpx.AsyncClient.send
+    real_send = pools.Connections.send
     seen = []
 
-    async def send(self, request, **kw):
+    async def send(self, request):
         if request.url.port == port:
             seen.append(request.url.path)
             if len(seen) <= times:
                 raise httpx.ConnectTimeout("timed out", request=request)
-        return await real_send(self, request, **kw)
-    monkeypatch.setattr(httpx.AsyncClient, "send", send)
+        return await real_send(self, request)
+    monkeypatch.setattr(pools.Connections, "send", send)
     return seen
 
 
@@ -534,14 +554,14 @@ async def test_a_refused_connect_is_not_retried_for_patience(stack, monkeypatch)
     free.bind(("127.0.0.1", 0))
     closed_port = free.getsockname()[1]
     free.close()
-    real_send = httpx.AsyncClient.send
+    real_send = pools.Connections.send
     seen = []
 
-    async def send(self, request, **kw):
+    async def send(self, request):
         if request.url.port == closed_port:
             seen.append(1)
-        return await real_send(self, request, **kw)
-    monkeypatch.setattr(httpx.AsyncClient, "send", send)
+        return await real_send(self, request)
+    monkeypatch.setattr(pools.Connections, "send", send)
     sbx = await make_sandbox(closed_port)
     r = await stack.client.get("/health", headers=hdr(sbx))
     assert r.status_code == 502 and "port is not open" in r.json()["message"]
