@@ -5,6 +5,7 @@ The one table from domain errors (``sandboxes.errors``) to HTTP lives here:
 the lifecycle never speaks HTTP, the views never pick status codes for it."""
 import logging
 
+from django.conf import settings
 from django.db import OperationalError
 from django.http import Http404
 from rest_framework import exceptions, status
@@ -24,6 +25,7 @@ STATUS = {
     domain.RateLimited: 429,
     domain.Failed: 500,
     domain.Unavailable: 503,
+    domain.NoRoom: 503,  # an admission refusal: with Retry-After (headers_of)
     domain.Timeout: 504,
     domain.StorageFull: 507,
 }
@@ -38,6 +40,16 @@ def status_of(exc: domain.LifecycleError) -> int:
         if kind in STATUS:
             return STATUS[kind]
     return 500
+
+
+def headers_of(exc: domain.LifecycleError) -> dict | None:
+    """``Should-Retry: false`` where the SDK's own quick retries cannot help; an admission
+    refusal (``NoRoom``) also says when a new try may find room (``Retry-After``, seconds),
+    so clients back off instead of hammering a full cluster."""
+    headers = {} if exc.retry else dict(NO_RETRY)
+    if isinstance(exc, domain.NoRoom):
+        headers["Retry-After"] = str(settings.AENV_ADMISSION_RETRY_AFTER)
+    return headers or None
 
 
 class ApiError(exceptions.APIException):
@@ -75,9 +87,7 @@ def e2b_exception_handler(exc, context):
     if isinstance(exc, ApiError):
         return error_response(exc.status_code, str(exc.detail), exc.error_code, exc.extra_headers)
     if isinstance(exc, domain.LifecycleError):
-        code = status_of(exc)
-        return error_response(code, exc.message, exc.code,
-                              None if exc.retry else NO_RETRY)
+        return error_response(status_of(exc), exc.message, exc.code, headers_of(exc))
     if isinstance(exc, exceptions.ParseError):
         return error_response(400, f"malformed JSON body: {exc.detail}")
     if isinstance(exc, OperationalError):  # no connection to be had (pool exhausted, database down or locked)

@@ -55,6 +55,13 @@ def default_timeout() -> int:
     return settings.AENV_DEFAULT_TIMEOUT
 
 
+# The last second (and millisecond) a date can say, 9999-12-31T23:59:59Z: a query's timestamp
+# past it overflowed datetime (a 500) before these bounds.
+MAX_UNIX_S = 253402300799
+MAX_UNIX_MS = MAX_UNIX_S * 1000 + 999
+INT32_MAX = 2**31 - 1  # E2B's int32 offsets; an SQL OFFSET past int64 overflowed the driver
+
+
 class StringMapField(serializers.DictField):
     """A JSON object mapping strings to strings (metadata, envVars)."""
 
@@ -64,6 +71,19 @@ class StringMapField(serializers.DictField):
         kwargs.setdefault("required", False)
         kwargs.setdefault("allow_null", True)
         super().__init__(**kwargs)
+
+
+class EnvVarsField(StringMapField):
+    """``envVars``: names a process environment can hold (not empty, no ``=``): ``{"A=B": "x"}``
+    would reach the guest as ``A=B=x``, variable ``A``, silently another one."""
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        bad = [name for name in value if not name or "=" in name]
+        if bad:
+            raise serializers.ValidationError(f"environment variable names must be non-empty and without '=': "
+                                              f"{', '.join(map(repr, bad[:5]))}")
+        return value
 
 
 class JsonObjectField(serializers.JSONField):

@@ -2,7 +2,7 @@
 for ``scripts/cluster.sh`` and the tests.
 
 What runs where: the root namespace holds PostgreSQL and Redis (the machine's own, on
-loopback), the API (daphne), the data plane (uvicorn) and the sweeper; each node worker runs
+loopback), the API (daphne), the data plane (dataplane.serve: uvicorn and its hot path) and the sweeper; each node worker runs
 in its own namespace with its own home, address and slot pool (``layout``, ``hostnet``).
 Every step checks before it acts, so ``up`` on a running cluster starts only what is
 missing and ``down`` on a stopped one does nothing.
@@ -131,9 +131,9 @@ class Cluster:
         self.procs.start(Spec("sweeper", (self.python, "manage.py", "run_lifecycle"), control))
         self.procs.start(Spec("api", (self.python, "-m", "daphne", "-b", "127.0.0.1", "-p", str(layout.api_port),
                                       "config.asgi:application"), control))
-        self.procs.start(Spec("dataplane", (self.python, "-m", "uvicorn", "config.dataplane_asgi:application",
-                                            "--host", "127.0.0.1", "--port", str(layout.dataplane_port),
-                                            "--no-access-log", "--timeout-keep-alive", "300"), control))
+        self.procs.start(Spec("dataplane", (self.python, "-m", "dataplane.serve", "--host", "127.0.0.1",
+                                            "--port", str(layout.dataplane_port),
+                                            "--", "--no-access-log", "--timeout-keep-alive", "300"), control))
         self._wait_ready(wait)
         return self.status()
 

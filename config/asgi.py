@@ -11,6 +11,12 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 django_asgi_app = get_asgi_application()
 
+from django.conf import settings  # noqa: E402
+
+from config.daphne_idle import lengthen_idle_timeout  # noqa: E402
+
+lengthen_idle_timeout(settings.AENV_API_IDLE_TIMEOUT)
+
 from config.request_body import BoundedRequestBody  # noqa: E402
 
 http_app = BoundedRequestBody(django_asgi_app)

@@ -109,6 +109,12 @@ if AENV_METRICS_TOKEN and len(AENV_METRICS_TOKEN) < 32:
 # Sandbox metrics (E2B's GET /sandboxes/{id}/metrics): each node asks every running
 # sandbox's envd for its CPU, memory and disk this often (s), and samples are kept this long (s).
 AENV_SANDBOX_METRICS_INTERVAL = float(_env("AENV_SANDBOX_METRICS_INTERVAL", "5"))
+# An idle sandbox (its last sample under 5 % CPU and its VM under 3 % of a host core) is asked
+# only this often (s; agent.metrics): each request is emulated work in the guest. Up to 30 keeps
+# envd's CPU % the average since the previous sample; at most the interval: every round.
+AENV_SANDBOX_METRICS_IDLE_INTERVAL = float(_env("AENV_SANDBOX_METRICS_IDLE_INTERVAL", "25"))
+if AENV_SANDBOX_METRICS_INTERVAL <= 0 or AENV_SANDBOX_METRICS_IDLE_INTERVAL <= 0:
+    raise ImproperlyConfigured("AENV_SANDBOX_METRICS_INTERVAL and AENV_SANDBOX_METRICS_IDLE_INTERVAL must be > 0")
 AENV_SANDBOX_METRICS_RETENTION = _env_int("AENV_SANDBOX_METRICS_RETENTION", 6 * 3600)
 # Sandbox logs (E2B's GET /sandboxes/{id}/logs): each node reads its running sandboxes' guest
 # consoles this often (s) (and once more before a pause or kill); lines are kept this long (s),
@@ -179,6 +185,9 @@ if AENV_FORK_CHILD_MEMORY_MB < 1 or AENV_FORK_VCPU_OVERCOMMIT < 1:
 # Guest RAM lives in tmpfs (/dev/shm) and a guest whose tmpfs fills up dies: a node starts a
 # VM only while the tmpfs has its memory plus this much (MiB) free for the running ones.
 AENV_SHM_HEADROOM_MB = _env_int("AENV_SHM_HEADROOM_MB", 1024)
+# Where that tmpfs is: the RAM files of guests, captures and forks (a tmpfs of its own bounds
+# what guests may take of the host's memory; tests fill a small private one).
+AENV_SHM_DIR = Path(_env("AENV_SHM_DIR", "/dev/shm"))
 # RAM files a node makes ahead, per recently used booted template (its two most recent), so a
 # create renames one into place instead of copying the template's memory (0: copy each time).
 # They live in the same tmpfs and are freed first when a VM needs the room.
@@ -202,6 +211,11 @@ AENV_SNAPSHOT_DEADLINE = _env_int("AENV_SNAPSHOT_DEADLINE", AENV_LIFECYCLE_DEADL
 AENV_FORK_DEADLINE = _env_int("AENV_FORK_DEADLINE", AENV_NODE_TASK_DEADLINE)
 AENV_KILL_DEADLINE = _env_int("AENV_KILL_DEADLINE", 30)
 AENV_IDEMPOTENCY_WINDOW = _env_int("AENV_IDEMPOTENCY_WINDOW", 24 * 3600)
+# Seconds an admission refusal (503: no node has room now) tells clients to wait before trying
+# again (Retry-After): about one create's time here, when a finished cycle may have freed room.
+AENV_ADMISSION_RETRY_AFTER = _env_int("AENV_ADMISSION_RETRY_AFTER", 5)
+if AENV_ADMISSION_RETRY_AFTER < 1:
+    raise ImproperlyConfigured("AENV_ADMISSION_RETRY_AFTER must be at least 1 (seconds)")
 # how long a paused sandbox is kept before it is killed and its files deleted (0: forever),
 AENV_PAUSED_RETENTION = _env_int("AENV_PAUSED_RETENTION", 30 * 24 * 3600)
 # how often the sweeper looks for expired sandboxes, and how many it handles at once,
@@ -253,6 +267,17 @@ AENV_CHUNK_READ_DEADLINE = float(_env("AENV_CHUNK_READ_DEADLINE", "30"))
 # (config.request_body answers 413 past it); Django's own form limit follows it.
 AENV_API_MAX_BODY_BYTES = _env_int("AENV_API_MAX_BODY_BYTES", 2621440)
 DATA_UPLOAD_MAX_MEMORY_SIZE = AENV_API_MAX_BODY_BYTES
+# Seconds the API (daphne) keeps an idle kept-alive connection open: longer than the E2B SDKs
+# keep pooled ones (300 s), so the client closes first (config.daphne_idle).
+AENV_API_IDLE_TIMEOUT = float(_env("AENV_API_IDLE_TIMEOUT", "330"))
+if not 1 <= AENV_API_IDLE_TIMEOUT <= 86400:
+    raise ImproperlyConfigured("AENV_API_IDLE_TIMEOUT must be between 1 and 86400 seconds")
+# How long an API process keeps a live API key it has looked up (sandboxes.key_cache): a key
+# revoked elsewhere (another API process) is refused here within this many seconds; the process
+# that revokes it refuses it at once. 0: every request reads the key from the database.
+AENV_API_KEY_CACHE_SECONDS = float(_env("AENV_API_KEY_CACHE_SECONDS", "2"))
+if AENV_API_KEY_CACHE_SECONDS < 0 or AENV_API_KEY_CACHE_SECONDS > 60:
+    raise ImproperlyConfigured("AENV_API_KEY_CACHE_SECONDS must be between 0 and 60")
 # The operators' credential for GET /nodes in full (E2B's X-Admin-Token; api.auth): every
 # node's address, metrics port, host figures and every team's load. Empty: none accepted, and
 # a team's key sees only node ids, statuses and its own sandboxes' counts. 32 characters at least.
@@ -309,6 +334,10 @@ AENV_SECRETS_KEY_FILE = Path(_env("AENV_SECRETS_KEY_FILE", str(AENV_HOME / "secr
 AENV_EGRESS_SECRET_CACHE_TTL = _env_int("AENV_EGRESS_SECRET_CACHE_TTL", 60)
 AENV_EGRESS_CA_DIR = Path(_env("AENV_EGRESS_CA_DIR", str(AENV_HOME / "egress-ca")))
 AENV_EGRESS_UPSTREAM_CA = _env("AENV_EGRESS_UPSTREAM_CA", "") or None
+# network.egressProxy (lifecycle.sandboxes.egress_proxy): an upstream proxy a user names must be
+# public unless this is on (an operator's proxies in the same network; the tests' namespace
+# proxies); the API checks it at create / update and the node's egress proxy again at each dial.
+AENV_EGRESS_PROXY_ALLOW_PRIVATE = _env_bool("AENV_EGRESS_PROXY_ALLOW_PRIVATE", False)
 AENV_API_PUBLIC_URL = _env("AENV_API_PUBLIC_URL", "http://127.0.0.1:3000")
 AENV_SANDBOX_PUBLIC_URL = _env("AENV_SANDBOX_PUBLIC_URL", "http://127.0.0.1:3001")
 # Template builds (template_builds): the shape a build may ask for (E2B's checks: CPUs 1 or
@@ -362,6 +391,14 @@ AENV_VOLUME_GID = _env_int("AENV_VOLUME_GID", 1000)
 AENV_VOLUME_MAX_FILE_BYTES = _env_int("AENV_VOLUME_MAX_FILE_BYTES", 1 << 30)
 AENV_VOLUME_MAX_LIST_ENTRIES = _env_int("AENV_VOLUME_MAX_LIST_ENTRIES", 10000)
 AENV_VOLUME_MAX_MOUNTS = _env_int("AENV_VOLUME_MAX_MOUNTS", 8)
+# A new volume's size limit in MiB (volumes.image: an ext4 image of that size, sparse, loop-mounted
+# at its directory; the API and nodes must run as root); 0: plain directories without a limit
+# (a store shared between machines, whose own quotas must bound it). Unset: 10240 where this
+# process can make limited volumes (root, a local filesystem), else 0 (volumes.models.default_size_mb),
+# so an API run as an unprivileged user or over a shared store keeps working as before limits.
+AENV_VOLUME_MAX_MB = int(os.environ["AENV_VOLUME_MAX_MB"]) if os.environ.get("AENV_VOLUME_MAX_MB") else None
+if AENV_VOLUME_MAX_MB and AENV_VOLUME_MAX_MB < 4:
+    raise ImproperlyConfigured(f"AENV_VOLUME_MAX_MB={AENV_VOLUME_MAX_MB}: 0 (no limit) or at least 4 (MiB)")
 # How guests mount volumes: "nfs" (an NFSv3 server in each sandbox's slot, vmm.net.volume_server)
 # or "off" (a create with volumeMounts is refused with 400; the volume and content APIs still work).
 AENV_VOLUME_TRANSPORT = _env("AENV_VOLUME_TRANSPORT", "nfs")
@@ -403,15 +440,16 @@ MIDDLEWARE = [
     "config.prometheus.RequestMetricsMiddleware",
     # First: answers the E2B API's CORS preflights before anything else runs (not the dashboard's).
     "api.cors.ApiCorsMiddleware",
-    "django.middleware.security.SecurityMiddleware",
+    # Django's own, run in the event loop while they have no I/O (config.inline_middleware).
+    "config.inline_middleware.Security",
     "config.middleware.AsyncWhiteNoiseMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    "config.inline_middleware.Session",
+    "config.inline_middleware.Common",
+    "config.inline_middleware.Csrf",
+    "config.inline_middleware.Authentication",
+    "config.inline_middleware.Messages",
     # Browser security headers on every answer of this port (config.security_headers).
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "config.inline_middleware.XFrameOptions",
     "config.security_headers.ContentSecurityPolicyMiddleware",
 ]
 # What browsers are told (config.security_headers): never framed; nosniff; the origin only
@@ -496,7 +534,7 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["api.auth.ApiKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["api.parsers.JSONParser"],  # DRF's, deep nesting a 400
     "EXCEPTION_HANDLER": "api.errors.e2b_exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
@@ -508,6 +546,8 @@ SPECTACULAR_SETTINGS = {
     # One name for E2B's build status wherever it appears (status, buildStatus).
     "ENUM_NAME_OVERRIDES": {"TemplateBuildStatusEnum": "template_builds.models.BuildStatus",
                             "NodeStatusEnum": "nodes.summary.STATUSES"},
+    # OpenAPI links (which answer's id feeds which operation): api/schema_links.py.
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "api.schema_links.add_links"],
 }
 
 STATIC_URL = "/static/"

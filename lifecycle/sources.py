@@ -5,7 +5,9 @@ Why its own module: ``lifecycle.sandboxes.create`` needs this, and the rest of t
 snapshot lifecycle builds on the sandbox lifecycle; here neither imports the other."""
 from __future__ import annotations
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db.models import Q
 
 from nodes import placement
 from nodes.models import Node
@@ -27,7 +29,7 @@ def normalize_ref(team: Team, ref: str) -> str:
     return ref
 
 
-async def snapshot_of(team: Team, ref: str, states=None, build_result: bool = False) -> Snapshot | None:
+def snapshot_of_sync(team: Team, ref: str, states=None, build_result: bool = False) -> Snapshot | None:
     """The team's snapshot by id, else the newest by that name (optionally in ``states``).
     ``build_result``: a template build's snapshot instead (only its template's delete
     touches those)."""
@@ -38,19 +40,57 @@ async def snapshot_of(team: Team, ref: str, states=None, build_result: bool = Fa
                                                                        fork_capture=False)
     if states is not None:
         qs = qs.filter(state__in=list(states))
-    found = await qs.filter(pk=ref).afirst()
+    found = qs.filter(pk=ref).first()
     if found is None:
-        found = await qs.filter(name=ref).order_by("-created_at", "-id").afirst()
+        found = qs.filter(name=ref).order_by("-created_at", "-id").first()
     return found
 
 
-async def resolve_snapshot(team: Team, ref: str) -> Snapshot | None:
+snapshot_of = sync_to_async(snapshot_of_sync)
+
+
+# How many candidate rows ``resolve_snapshot`` reads in its one narrow query before it falls
+# back to the exact lookups (many snapshots of one name).
+CANDIDATES = 20
+
+
+def resolve_snapshot_sync(team: Team, ref: str) -> Snapshot | None:
     """The team's snapshot a create's ``templateID`` names, or None if it names none
-    (then it is a template). One that exists but is not ready yet is a Conflict."""
-    snapshot = await snapshot_of(team, ref, states=[SS.READY])
-    if snapshot is None and await snapshot_of(team, ref, states=[SS.CREATING]) is not None:
+    (then it is a template). One that exists but is not ready yet is a Conflict.
+
+    The same answer as ``snapshot_of`` ready, then ``snapshot_of`` being created, but a create
+    from a template (the common case: no snapshot has that id or name) costs one narrow query
+    instead of four full ones (issue 26). Sync (``resolve_snapshot`` is the async one): a
+    create resolves its ``templateID`` in one thread hop (``lifecycle.resolve``)."""
+    name = normalize_ref(team, ref)
+    if not name:
+        return None
+    rows = list(Snapshot.objects.filter(
+        Q(pk=name) | Q(name=name), team=team, build_result=False, fork_capture=False,
+        state__in=[SS.READY, SS.CREATING]).order_by("-created_at", "-id").values_list("pk", "name", "state")
+        [:CANDIDATES])
+    if len(rows) == CANDIDATES:  # more than it read: the exact lookups decide
+        return _resolve_exactly_sync(team, ref)
+    ready = ([pk for pk, _, state in rows if pk == name and state == SS.READY]
+             or [pk for pk, row_name, state in rows if row_name == name and state == SS.READY])
+    if ready:  # by id first, else the newest of that name
+        snapshot = (Snapshot.objects.select_related("template", "node")
+                    .filter(pk=ready[0], state=SS.READY).first())
+        return snapshot if snapshot is not None else _resolve_exactly_sync(team, ref)  # (changed meanwhile)
+    if rows:
+        raise Conflict(f'snapshot "{name}" is still being created')
+    return None
+
+
+def _resolve_exactly_sync(team: Team, ref: str) -> Snapshot | None:
+    snapshot = snapshot_of_sync(team, ref, states=[SS.READY])
+    if snapshot is None and snapshot_of_sync(team, ref, states=[SS.CREATING]) is not None:
         raise Conflict(f'snapshot "{normalize_ref(team, ref)}" is still being created')
     return snapshot
+
+
+resolve_snapshot = sync_to_async(resolve_snapshot_sync)
+_resolve_exactly = sync_to_async(_resolve_exactly_sync)
 
 
 async def snapshot_still_ready(snapshot_id: str) -> bool:

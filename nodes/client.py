@@ -2,10 +2,11 @@
 its result without blocking a thread.
 
 Sending goes through Celery (a short blocking publish, done on a small private
-thread pool). Waiting does not use ``AsyncResult.get()``: it subscribes with
-``redis.asyncio`` to the channel the Redis result backend publishes each result
-on, with a GET fallback, so a result is seen within a millisecond or so of being
-stored and no thread is held while a VM boots.
+thread pool). Waiting does not use ``AsyncResult.get()``: before sending, it subscribes
+with ``redis.asyncio`` to the channel the Redis result backend publishes the result on,
+on one subscription connection per event loop that every waiting call shares
+(``_Listener``), with a GET fallback, so a result is seen within a millisecond or so of
+being stored and no thread is held while a VM boots.
 """
 import asyncio
 import logging
@@ -75,22 +76,30 @@ _sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix="aenv-node-send",
 _RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 
 
-def _publish(task: str, queue: str, kwargs: dict, expires: float) -> str:
+def _publish(task: str, queue: str, kwargs: dict, expires: float, task_id: str | None = None) -> str:
     # Secrets sealed (nodes.sealed); the claims bind the signed body to this task, queue, id
     # and expiry, so the node can tell a replayed or re-aimed message (nodes.signing).
-    task_id = uuid()
+    task_id = task_id or uuid()
     body = signing.outgoing(task, queue, task_id, kwargs, expires, settings.SECRET_KEY)
     # The serializer named: the configuration's (``auth`` when signing), never one a task class
     # registered in this process captured before signing was set up.
+    # What the message's headers show of it (the worker's "received" log, monitoring): which
+    # sandbox or snapshot, not the body. Celery would otherwise repr the whole signed body, sealed
+    # fields and all, for every message: a third of building one (issue 26).
+    shown = repr({k: kwargs[k] for k in _SHOWN if k in kwargs})
     result = celery_app.send_task(task, kwargs=body, queue=queue, task_id=task_id, expires=expires, retry=True,
-                                  retry_policy=_RETRY_POLICY, serializer=celery_app.conf.task_serializer)
+                                  retry_policy=_RETRY_POLICY, serializer=celery_app.conf.task_serializer,
+                                  argsrepr="()", kwargsrepr=shown)
     return result.id
 
 
-async def _send(task: str, node: Node, kwargs: dict, deadline: float) -> str:
+_SHOWN = ("sandbox_id", "snapshot_id", "build_id", "template_id")
+
+
+async def _send(task: str, node: Node, kwargs: dict, deadline: float, task_id: str | None = None) -> str:
     loop = asyncio.get_running_loop()
     # expires: a node that comes back after the caller gave up must not run it.
-    fut = loop.run_in_executor(_sender, _publish, task, node.queue, kwargs, deadline)
+    fut = loop.run_in_executor(_sender, _publish, task, node.queue, kwargs, deadline, task_id)
     try:
         return await asyncio.wait_for(fut, timeout=min(SEND_TIMEOUT, deadline))
     except asyncio.TimeoutError:
@@ -102,6 +111,7 @@ async def _send(task: str, node: Node, kwargs: dict, deadline: float) -> str:
 # --- waiting ---------------------------------------------------------------
 
 _redis_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = weakref.WeakKeyDictionary()
+_listener_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Listener]" = weakref.WeakKeyDictionary()
 _redis_lock = threading.Lock()
 
 
@@ -119,6 +129,69 @@ def _result_redis() -> aioredis.Redis:
         return client
 
 
+class _Listener:
+    """One subscription connection per event loop, shared by every call waiting there: a
+    call subscribes to its result's channel on it (a command on an open connection, not a
+    connection of its own: connect + SUBSCRIBE + close per call was ~1/3 of the Celery round
+    trip, docs/benchmarks.md) and one reader hands each published result to its waiter. The
+    reader runs while someone waits; a broken connection ends it with the error, every
+    waiter falls back to its GET poll and the next call opens a new connection."""
+
+    def __init__(self, redis: aioredis.Redis):
+        self.pubsub = redis.pubsub()
+        self.waiters: dict[str, asyncio.Future] = {}
+        self.reader: asyncio.Task | None = None
+
+    async def subscribe(self, key: str) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self.waiters[key] = future
+        try:
+            await self.pubsub.subscribe(key)
+        except BaseException:
+            self.waiters.pop(key, None)
+            raise
+        if self.reader is None or self.reader.done():
+            self.reader = asyncio.ensure_future(self._read())
+        return future
+
+    async def unsubscribe(self, key: str) -> None:
+        self.waiters.pop(key, None)
+        try:
+            await self.pubsub.unsubscribe(key)
+        except (aioredis.RedisError, OSError):
+            pass  # the connection is gone, and the subscription with it
+
+    async def _read(self) -> None:
+        try:
+            while self.waiters:
+                msg = await self.pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_FALLBACK)
+                if msg is None or msg.get("type") != "message":
+                    continue
+                channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
+                future = self.waiters.get(channel)
+                if future is not None and not future.done():
+                    future.set_result(msg["data"])
+        except Exception as exc:  # noqa: BLE001 - the waiters poll; the next call reconnects
+            log.warning("result subscription failed, waiting calls poll: %s", exc)
+            with _redis_lock:
+                if _listener_by_loop.get(asyncio.get_running_loop()) is self:
+                    del _listener_by_loop[asyncio.get_running_loop()]
+            try:
+                await self.pubsub.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _listener() -> _Listener:
+    loop = asyncio.get_running_loop()
+    redis = _result_redis()
+    with _redis_lock:
+        listener = _listener_by_loop.get(loop)
+        if listener is None:
+            listener = _listener_by_loop[loop] = _Listener(redis)
+        return listener
+
+
 def _result_key(task_id: str) -> str:
     key = celery_app.backend.get_key_for_task(task_id)
     return key.decode() if isinstance(key, bytes) else key
@@ -131,34 +204,70 @@ def _ready_meta(raw) -> dict | None:
     return meta if meta.get("status") in states.READY_STATES else None
 
 
-async def _wait(node: Node, task_id: str, deadline: float, what: str) -> dict:
-    r = _result_redis()
+async def _dispatch(node: Node, task: str, kwargs: dict, deadline: float, what: str) -> dict:
+    """Subscribes to the task's result channel, sends the task, then waits for the result:
+    the subscription is in place before the node can answer, and a GET right after the send
+    (and every POLL_FALLBACK) catches a result published before it took effect."""
+    task_id = uuid()
     key = _result_key(task_id)
     end = time.monotonic() + deadline
     try:
-        async with r.pubsub() as ps:
-            await ps.subscribe(key)
-            meta = _ready_meta(await r.get(key))  # stored before we subscribed?
-            next_poll = time.monotonic() + POLL_FALLBACK
-            while meta is None:
-                now = time.monotonic()
-                if now >= end:
-                    raise NodeTimeout(
-                        f"node {node.id} did not finish {what} within {deadline:g}s "
-                        "(node down, stuck or overloaded)"
-                    )
-                msg = await ps.get_message(ignore_subscribe_messages=True, timeout=max(0.0, min(end, next_poll) - now))
-                if msg is not None and msg.get("type") == "message":
-                    meta = _ready_meta(msg["data"])
-                elif time.monotonic() >= next_poll:
-                    meta = _ready_meta(await r.get(key))
-                    next_poll = time.monotonic() + POLL_FALLBACK
-            await r.delete(key)  # forget: nobody else reads it
+        listener = _listener()
+        published = await listener.subscribe(key)
+    except (aioredis.RedisError, OSError) as exc:
+        raise NodeUnavailable(f"node {node.id}: cannot reach the result store: {exc}") from exc
+    done = False
+    try:
+        await _send(task, node, kwargs, deadline, task_id=task_id)
+        r = _result_redis()
+        meta = _ready_meta(await r.get(key))
+        while meta is None:
+            now = time.monotonic()
+            if now >= end:
+                raise NodeTimeout(
+                    f"node {node.id} did not finish {what} within {deadline:g}s "
+                    "(node down, stuck or overloaded)"
+                )
+            try:
+                raw = await asyncio.wait_for(asyncio.shield(published), timeout=min(end - now, POLL_FALLBACK))
+                meta = _ready_meta(raw)
+            except asyncio.TimeoutError:
+                meta = _ready_meta(await r.get(key))
+            if meta is None and published.done():  # a message that was not a final state
+                published = asyncio.get_running_loop().create_future()
+                listener.waiters[key] = published
+        done = True
     except NodeError:
         raise
     except (aioredis.RedisError, OSError) as exc:
         raise NodeUnavailable(f"node {node.id}: cannot reach the result store: {exc}") from exc
+    finally:
+        listener.waiters.pop(key, None)
+        if done:  # the caller goes on at once; forgetting the result is not its business (issue 26)
+            _later(_forget(listener, key))
+        else:
+            await listener.unsubscribe(key)
     return meta
+
+
+_cleanups: set = set()
+
+
+def _later(coro) -> None:
+    """Runs ``coro`` on this loop after the caller has its answer (kept referenced until done)."""
+    task = asyncio.ensure_future(coro)
+    _cleanups.add(task)
+    task.add_done_callback(_cleanups.discard)
+
+
+async def _forget(listener: "_Listener", key: str) -> None:
+    """After a result was read: its channel unsubscribed and its key deleted (nobody else reads
+    it; a delete that fails leaves it to the result store's expiry)."""
+    await listener.unsubscribe(key)
+    try:
+        await _result_redis().delete(key)
+    except (aioredis.RedisError, OSError) as exc:
+        log.debug("result %s not deleted (it expires): %s", key, exc)
 
 
 def _raise_failure(node: Node, meta: dict, what: str):
@@ -180,17 +289,35 @@ def _raise_failure(node: Node, meta: dict, what: str):
 async def _call(node: Node, task: str, kwargs: dict, deadline: float | None, what: str):
     deadline = float(deadline if deadline is not None else settings.AENV_NODE_TASK_DEADLINE)
     fresh = await _sendable(node)
-    task_id = await _send(task, fresh, kwargs, deadline)
-    meta = await _wait(fresh, task_id, deadline, what)
+    meta = await _dispatch(fresh, task, kwargs, deadline, what)
     if meta["status"] != states.SUCCESS:
         _raise_failure(fresh, meta, what)
     return meta["result"]
 
 
+# A node row its caller read from the database this recently (``read_now``) is checked as it
+# is before a send, not read again: the lifecycle reads the node with the sandbox (or in the
+# placement's claim) a millisecond or two before, and a second read was a query and a thread
+# hop per node call (issue 26). A revocation landing in between is as late as one landing just
+# after the send's own read would have been.
+FRESH_FOR = 1.0
+
+
+def read_now(node: Node | None) -> Node | None:
+    """Marks ``node`` as read from the database just now by the caller (see FRESH_FOR)."""
+    if node is not None:
+        node._aenv_read_at = time.monotonic()
+    return node
+
+
 async def _sendable(node: Node) -> Node:
     """The node's fresh row if a task may be sent to it: not revoked (nor unjoined where
     joining is required: NodeRefused), and alive (else NodeUnavailable)."""
-    fresh = await Node.objects.filter(pk=node.pk).afirst()
+    read_at = getattr(node, "_aenv_read_at", None)
+    if read_at is not None and time.monotonic() - read_at <= FRESH_FOR:
+        fresh = node
+    else:
+        fresh = next(iter([n async for n in Node.objects.filter(pk=node.pk).order_by()[:1]]), None)
     reason = join.refusal(fresh) if fresh is not None else None
     if reason:
         raise NodeRefused(f"{reason}: no task is sent to it")

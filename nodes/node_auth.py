@@ -28,6 +28,11 @@ _INFO = b"aenv node identity v1:"
 NODE_HEADER = "X-Aenv-Node-Id"
 
 
+def claimed_id(meta: dict) -> str:
+    """The node id a request claims in ``NODE_HEADER`` (a WSGI/ASGI ``META``), "" without one."""
+    return meta.get("HTTP_" + NODE_HEADER.upper().replace("-", "_"), "").strip()
+
+
 def derived_token(secret_key: str, node_id: str) -> str:
     """The bearer token of node ``node_id`` that never joined (64 hex digits)."""
     if not secret_key:

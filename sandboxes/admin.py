@@ -61,7 +61,12 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def revoke(self, request, queryset):
         from django.utils import timezone  # noqa: PLC0415
 
-        n = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
+        from sandboxes import key_cache  # noqa: PLC0415
+
+        live = queryset.filter(revoked_at__isnull=True)
+        hashes = list(live.values_list("key_hash", flat=True))
+        n = live.update(revoked_at=timezone.now())
+        key_cache.forget(*hashes)  # refused at once in this process (and within the cache's bound elsewhere)
         self.message_user(request, f"revoked {n} key(s)")
 
 

@@ -18,6 +18,7 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.utils import timezone
 
+from sandboxes import key_cache
 from sandboxes.errors import Conflict, Invalid, NotFound
 from sandboxes.models import AccessToken, ApiKey, Team
 
@@ -112,3 +113,4 @@ def _revoke_unless_last(team: Team, key: ApiKey) -> None:
         if not ApiKey.objects.filter(team=team, revoked_at__isnull=True).exists():  # rolled back
             raise Conflict(f"API key '{key.uid}' is the team's last API key; create another one before "
                            "deleting it")
+        transaction.on_commit(lambda: key_cache.forget(key.key_hash))  # refused at once here (key_cache)

@@ -46,6 +46,12 @@ class Unavailable(LifecycleError):
     """No node can do it now (none alive, none with room, node unreachable)."""
 
 
+class NoRoom(Unavailable):
+    """Admission refused it: no node has room for it now (placement found none that fits, or
+    the node's own memory check said no). Nothing was started and room frees as sandboxes
+    end, so the API answers 503 with ``Retry-After`` (``AENV_ADMISSION_RETRY_AFTER``)."""
+
+
 class Timeout(LifecycleError):
     """The node did not finish within its deadline (the outcome is recorded when it does)."""
 

@@ -45,7 +45,8 @@ async def kill_sandbox(team: Team, sandbox_id: str, actor: str = "", *, from_sta
     if node_id is None:
         outcome = {"ok": True, "killed": False, "note": "no node: nothing was running"}
     else:
-        node = await Node.objects.filter(pk=node_id).afirst()
+        # read with the sandbox (visible()), as fresh as a read here would be
+        node = sandbox.node if Sandbox.node.is_cached(sandbox) else await Node.objects.filter(pk=node_id).afirst()
         outcome = (await core.kill_on_node(node, sandbox_id, settings.AENV_KILL_DEADLINE) if node is not None
                    else {"ok": False, "error": f"node {node_id} no longer exists"})
     failure = "" if outcome["ok"] else f"VM kill not confirmed by node {node_id}: {outcome['error']}"
@@ -57,5 +58,5 @@ async def kill_sandbox(team: Team, sandbox_id: str, actor: str = "", *, from_sta
     fields = {"killed_at": timezone.now()}
     if failure:
         fields["error_reason"] = failure
-    await core.transition(sandbox_id, [S.KILLING], S.KILLED, done, **fields)
-    return await Sandbox.objects.aget(pk=sandbox_id)
+    killed = await core.transition_row(sandbox_id, [S.KILLING], S.KILLED, done, **fields)
+    return killed if killed is not None else await Sandbox.objects.aget(pk=sandbox_id)

@@ -24,7 +24,7 @@ from sandboxes.transitions import transition_sync
 from lifecycle.sandboxes import core, network
 from lifecycle.volumes import mounts
 from lifecycle.sandboxes.core import S, Result
-from sandboxes.errors import GUEST_UNRESPONSIVE_CODE, Conflict, NotFound, Unavailable
+from sandboxes.errors import GUEST_UNRESPONSIVE_CODE, Conflict, NoRoom, NotFound, Unavailable
 from lifecycle.sandboxes.ttl import set_end_at
 
 log = logging.getLogger(__name__)
@@ -128,12 +128,14 @@ async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str
         details["envd_unresponsive"] = True
     event = core.event(sandbox.id, "pause", from_state=S.PAUSING, started_at=started, duration_ms=core.ms(t0),
                        actor=actor, details={**details, "timings": timings, "phases": phases})
-    if not await core.transition(sandbox.id, [S.PAUSING], S.PAUSED, event, envd_unresponsive_at_pause=unresponsive):
+    paused = await core.transition_row(sandbox.id, [S.PAUSING], S.PAUSED, event,
+                                       envd_unresponsive_at_pause=unresponsive)
+    if paused is None:
         await core.record(core.event(sandbox.id, "pause", outcome="aborted", from_state=S.PAUSING, started_at=started,
                                      duration_ms=core.ms(t0), actor=actor, message="sandbox was killed while pausing",
                                      details=details))
         raise NotFound(f'sandbox "{sandbox.id}" not found (killed while pausing)')
-    return Result(await core.reload(sandbox), phases)
+    return Result(paused, phases)
 
 
 async def resume_sandbox(team: Team, sandbox_id: str, timeout: int | None = None, actor: str = "") -> Result:
@@ -204,11 +206,15 @@ async def _resume_or_running(team, sandbox_id, timeout, actor, operation, memory
         event = core.event(sandbox_id, "resume", outcome="started", from_state=S.PAUSED, actor=actor,
                            details={"via": operation, "timeout": timeout, "memory": memory})
 
-        def claim(target, event=event) -> None:
+        read = {}
+
+        def claim(target, event=event, read=read) -> None:
             # resumed, its memory is its own: it reserves its whole shape (no fork child's charge)
             if not transition_sync(sandbox_id, [S.PAUSED], S.RESUMING, event, node=target,
                                    reserved_vcpus=None, reserved_memory_mb=None):
                 raise _Moved
+            # what the node is given, read in the placement's thread hop, not one of its own (issue 26)
+            read["volumes"] = mounts.node_volumes(sandbox_id)
 
         need = (sandbox.cpu_count, sandbox.memory_mb)
         try:
@@ -216,17 +222,19 @@ async def _resume_or_running(team, sandbox_id, timeout, actor, operation, memory
                 node = await placement.place(*need, on=home, claim=claim)
             except placement.NoNodeAvailable as exc:
                 if memory is False or sandbox.pause_image_at is None or not _shared_store():
-                    raise Unavailable(f'sandbox "{sandbox_id}" cannot be resumed now: {exc}; it stays paused '
+                    raise NoRoom(f'sandbox "{sandbox_id}" cannot be resumed now: {exc}; it stays paused '
                                       "(its memory is on that node)") from None
                 try:
                     node = await placement.place(*need, claim=claim)  # moves: restored from the store
                 except placement.NoNodeAvailable as elsewhere:
-                    raise Unavailable(f'sandbox "{sandbox_id}" cannot be resumed now: {exc}, and {elsewhere}; '
+                    raise NoRoom(f'sandbox "{sandbox_id}" cannot be resumed now: {exc}, and {elsewhere}; '
                                       "it stays paused") from None
         except _Moved:
             continue  # another request changed it meanwhile: look again
         break
-    return True, await core.shielded(_resume_on_node(sandbox, node, timeout, actor, operation, memory, home=home))
+    core.fresh(node)  # the claim's row, read in its transaction: sent to without a second read
+    return True, await core.shielded(_resume_on_node(sandbox, node, timeout, actor, operation, memory, home=home,
+                                                     volumes=read.get("volumes")))
 
 
 def _shared_store() -> bool:
@@ -234,10 +242,11 @@ def _shared_store() -> bool:
 
 
 async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, operation: str,
-                          memory: bool | None = None, home=None) -> Result:
+                          memory: bool | None = None, home=None, volumes: list[dict] | None = None) -> Result:
     """Resumes it on ``node``: its own (the driver continues the saved VM), or another one
     (``home`` is its own): that node restores the pause image from the store under the same
-    id, with the same envd token. A failure leaves it paused, on its own node."""
+    id, with the same envd token. A failure leaves it paused, on its own node. ``volumes``:
+    its mounts for the node if the caller read them already."""
     client, _ = core.node_api()
     deadline = settings.AENV_LIFECYCLE_DEADLINE
     t0, started = time.monotonic(), timezone.now()
@@ -250,7 +259,8 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
     if moving:
         details.update(mode="moved", from_node=home.pk)
     token = sandbox.envd_access_token or None
-    volumes = await sync_to_async(mounts.node_volumes)(sandbox.id)
+    if volumes is None:
+        volumes = await sync_to_async(mounts.node_volumes)(sandbox.id)
     if volumes:
         reboot = {**reboot, "volumes": volumes}  # its new slot's server (the guest has them mounted)
     try:
@@ -296,14 +306,14 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
     now = timezone.now()
     event = core.event(sandbox.id, "resume", from_state=S.RESUMING, started_at=started, duration_ms=core.ms(t0),
                        actor=actor, details={**details, "pid": result.get("pid"), "timings": timings, "phases": phases})
-    won = await core.transition(sandbox.id, [S.RESUMING], S.RUNNING, event, envd_host=result["envd_host"],
-                                envd_port=result["envd_port"], guest_host=result.get("guest_host") or "",
-                                end_at=now + timedelta(seconds=timeout), pause_image_at=None,
-                                envd_unresponsive_at_pause=False)
-    if not won:
+    running = await core.transition_row(sandbox.id, [S.RESUMING], S.RUNNING, event, envd_host=result["envd_host"],
+                                        envd_port=result["envd_port"], guest_host=result.get("guest_host") or "",
+                                        end_at=now + timedelta(seconds=timeout), pause_image_at=None,
+                                        envd_unresponsive_at_pause=False)
+    if running is None:
         cleanup = await core.kill_on_node(node, sandbox.id, core.CLEANUP_DEADLINE)
         await core.record(core.event(sandbox.id, "resume", outcome="aborted", from_state=S.RESUMING, started_at=started,
                                      duration_ms=core.ms(t0), actor=actor, message="sandbox was killed while resuming",
                                      details={**details, "cleanup": cleanup}))
         raise NotFound(f'sandbox "{sandbox.id}" not found (killed while resuming)')
-    return Result(await core.reload(sandbox), phases)
+    return Result(running, phases)

@@ -71,7 +71,7 @@ def decode_page_token(token: str) -> tuple[datetime, str]:
         if not isinstance(pk, str) or when.tzinfo is None:
             raise ValueError("bad token contents")
         return when, pk
-    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError, RecursionError) as exc:
         raise Invalid("invalid nextToken") from exc
 
 

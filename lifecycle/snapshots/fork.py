@@ -17,7 +17,7 @@ from nodes import placement
 from lifecycle.sandboxes import core, network
 from lifecycle.volumes import mounts
 from lifecycle.sandboxes.core import S, Result
-from sandboxes.errors import LifecycleError, Unavailable
+from sandboxes.errors import LifecycleError, NoRoom, Unavailable
 from sandboxes.models import Sandbox, Team
 
 from lifecycle.snapshots.common import fail_capture
@@ -80,7 +80,7 @@ async def fork_sandbox(team: Team, sandbox_id: str, *, count: int | None = 1, ti
     except placement.NoNodeAvailable as exc:
         where = ("on the parent's node first, the rest on other nodes" if spill
                  else "forks start on their parent's node")
-        raise Unavailable(f"{exc} ({count} fork child(ren) of a {parent.cpu_count} vCPU / {parent.memory_mb} MiB "
+        raise NoRoom(f"{exc} ({count} fork child(ren) of a {parent.cpu_count} vCPU / {parent.memory_mb} MiB "
                           f"sandbox, each reserving {vcpus} vCPU / {memory_mb} MiB while it shares its parent's "
                           f"memory; {where})", retry=False) from None
     begun = made[0] if made else None

@@ -123,18 +123,19 @@ async def _snapshot_on_node(sandbox: Sandbox, snapshot: Snapshot, node, memory, 
                        duration_ms=core.ms(t0), actor=actor,
                        details={**details, "size_bytes": result.get("size_bytes"), "timings": timings,
                                 "phases": phases})
-    running = await _finish_snapshot(snapshot, result, event)
+    running, done = await _finish_snapshot(snapshot, result, event)
     if not running:
         log.info("sandbox %s was killed while snapshotting; snapshot %s is kept", sandbox.id, snapshot.id)
-    return Taken(await Snapshot.objects.aget(pk=snapshot.pk), phases)
+    return Taken(done, phases)
 
 
 @sync_to_async
-def _finish_snapshot(snapshot: Snapshot, result: dict, event) -> bool:
+def _finish_snapshot(snapshot: Snapshot, result: dict, event) -> tuple[bool, Snapshot]:
     """Snapshot ``ready`` (a name moves here from an older snapshot of the team) and the
     sandbox back to ``running``, in one transaction (a snapshot the node's reconcile failed
-    meanwhile stays failed). False if the sandbox was killed meanwhile (the snapshot is
-    complete and kept all the same)."""
+    meanwhile stays failed). Returns whether the sandbox is running again (False: killed
+    meanwhile; the snapshot is complete and kept all the same) and the snapshot's row as
+    the transaction left it (read in it: no second thread hop for the answer)."""
     with transaction.atomic():
         size = int(result.get("size_bytes") or 0)
         if not snapshot_transitions.transition_sync(snapshot.pk, "complete", actor=event.actor,
@@ -150,4 +151,4 @@ def _finish_snapshot(snapshot: Snapshot, result: dict, event) -> bool:
             event.outcome, event.message = "aborted", "sandbox was killed while snapshotting; the snapshot is kept"
             event.to_state = ""
             event.save()
-    return moved
+        return moved, Snapshot.objects.get(pk=snapshot.pk)

@@ -17,7 +17,7 @@ import logging
 from django.utils import timezone
 
 from lifecycle.sandboxes import core
-from sandboxes.errors import Invalid, LifecycleError, NotFound, Unavailable
+from sandboxes.errors import Invalid, LifecycleError, NoRoom, NotFound, Unavailable
 from sandboxes.models import Team
 
 from lifecycle import resolve
@@ -151,7 +151,7 @@ async def start_waiting_build(team: Team, build: TemplateBuild, body: dict, acto
     try:
         node = await placement.place(build.cpu_count, build.memory_mb, claim=claim)
     except placement.NoNodeAvailable as exc:
-        raise Unavailable(f"no node can build the template now ({exc}); start the build again later") from exc
+        raise NoRoom(f"no node can build the template now ({exc}); start the build again later") from exc
     spec = node_spec(team, build, body, steps, base, uploaded)
     await core.shielded(_dispatch(client, node, build, spec, actor))
     return await TemplateBuild.objects.select_related("template").aget(pk=build.pk)

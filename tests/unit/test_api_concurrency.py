@@ -74,6 +74,8 @@ async def test_50_creates_racing_for_20_slots_get_exactly_20(api, nodes_mock):
     assert statuses == [201] * 20 + [503] * 30, statuses
     refused = [r.json() for r in responses if r.status_code == 503]
     assert all(body["code"] == 503 and "no node available" in body["message"] for body in refused), refused[:2]
+    # admission refusals (issue 27): each says when to try again
+    assert {r.headers.get("Retry-After") for r in responses if r.status_code == 503} == {"5"}
 
     @sync_to_async
     def per_node():

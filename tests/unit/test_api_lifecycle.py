@@ -190,11 +190,23 @@ async def test_pause_memory_false_is_filesystem_only_when_the_node_supports_it(a
         assert done.details["mode"] == mode
 
 
+async def test_resume_without_room_is_an_admission_refusal(api, paused, nodes_mock, assert_error):
+    """A paused sandbox whose node is full now: 503 + Retry-After (issue 27), it stays paused."""
+    sb = await paused()
+    nodes_mock.placement.place.side_effect = nodes_mock.placement.NoNodeAvailable("node n1 has no room")
+    resp = await api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={})
+    assert_error(resp, 503, "cannot be resumed now")
+    assert resp.headers["Retry-After"] == "5"
+    assert await _state(sb["sandboxID"]) == "paused"
+
+
 async def test_pause_on_dead_node_is_503_and_changes_nothing(api, create, nodes_mock, assert_error):
     sb = await create()
     await nodes_mock.node.__class__.objects.filter(pk="n1").aupdate(
         last_heartbeat_at=timezone.now() - timedelta(hours=1))
-    assert_error(await api.post(f"/sandboxes/{sb['sandboxID']}/pause"), 503, "not alive")
+    resp = await api.post(f"/sandboxes/{sb['sandboxID']}/pause")
+    assert_error(resp, 503, "not alive")
+    assert "Retry-After" not in resp.headers  # a dead node is no admission refusal: no promise of room
     assert await _state(sb["sandboxID"]) == "running"
     assert await _events(sb["sandboxID"], "pause") == []
     nodes_mock.client.pause_sandbox.assert_not_awaited()
@@ -463,6 +475,8 @@ async def test_a_node_whose_tmpfs_is_full_is_503_not_500(api, nodes_mock, assert
         kind="HostMemoryFull")
     resp = await api.post("/v2/sandboxes", json={"templateID": "base"})
     assert_error(resp, 503, "has no room for this sandbox now")
+    # an admission refusal: clients are told when to try again, the SDK not to retry at once
+    assert resp.headers["Retry-After"] == "5" and resp.headers["Should-Retry"] == "false"
     from sandboxes.models import Sandbox  # noqa: PLC0415
 
     row = await Sandbox.objects.aget()

@@ -24,6 +24,19 @@ def test_every_kind_is_in_the_table_and_no_retry_is_said():
     response = e2b_exception_handler(domain.Unavailable("no node", retry=False), {})
     assert response.status_code == 503 and response.headers["Should-Retry"] == "false"
     assert response.data == {"code": 503, "message": "no node"}
+    assert "Retry-After" not in response.headers  # not an admission refusal: room is no matter
+
+
+def test_an_admission_refusal_says_when_to_try_again():
+    """NoRoom (issue 27): 503 + Retry-After (AENV_ADMISSION_RETRY_AFTER), whatever its retry flag."""
+    from django.test import override_settings  # noqa: PLC0415
+
+    with override_settings(AENV_ADMISSION_RETRY_AFTER=7):
+        refused = e2b_exception_handler(domain.NoRoom("no node has room", retry=False), {})
+        resume = e2b_exception_handler(domain.NoRoom("cannot be resumed now"), {})
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "7"
+    assert refused.headers["Should-Retry"] == "false"
+    assert resume.headers["Retry-After"] == "7" and "Should-Retry" not in resume.headers
 
 
 def test_no_database_connection_is_503_not_500():

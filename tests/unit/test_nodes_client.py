@@ -146,7 +146,8 @@ async def test_boot_returns_endpoint_and_inits_envd(node_worker, envd_stub, monk
     assert "defaultUser" not in body and "defaultWorkdir" not in body  # the template's disk says them
     assert body["timestamp"].endswith("Z")
     assert elapsed < 2.0
-    # the result was forgotten after reading
+    # the result is forgotten after reading (once the answer is out: the call does not wait for it)
+    await asyncio.gather(*client._cleanups)
     assert len(sent) == 1 and not await client._result_redis().exists(client._result_key(sent[0]))
 
 
@@ -183,6 +184,47 @@ async def test_kill(node_worker):
     await boot_sandbox(node, sandbox_id="sbx5", env_vars={}, access_token=None, **BOOT)
     assert await kill_sandbox(node, sandbox_id="sbx5") == {"killed": True}
     assert await kill_sandbox(node, sandbox_id="sbx5") == {"killed": False}
+
+
+async def test_calls_share_one_result_subscription(node_worker, monkeypatch):
+    """Concurrent and later calls wait on the loop's one subscription connection (no
+    connection of their own per call), and leave no waiter behind."""
+    from redis.asyncio.connection import AbstractConnection  # noqa: PLC0415
+
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    await kill_sandbox(node, sandbox_id="warm")  # the loop's clients exist now
+    opened = []
+    real_connect = AbstractConnection.connect
+
+    async def counting(self, *a, **k):
+        if self._reader is None:
+            opened.append(self)
+        return await real_connect(self, *a, **k)
+
+    monkeypatch.setattr(AbstractConnection, "connect", counting)
+    listener = client._listener()
+    outs = await asyncio.gather(*[kill_sandbox(node, sandbox_id=f"none{i}") for i in range(6)])
+    outs.append(await kill_sandbox(node, sandbox_id="none6"))
+    assert outs == [{"killed": False}] * 7
+    assert client._listener() is listener and listener.waiters == {}
+    await asyncio.gather(*client._cleanups)  # (every result channel unsubscribed, every key deleted)
+    # concurrent GETs may open a few pooled connections; before, every call opened one more
+    assert len(opened) < 6, opened
+
+
+async def test_a_broken_subscription_falls_back_to_polling(node_worker, monkeypatch):
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    await kill_sandbox(node, sandbox_id="warm")
+    listener = client._listener()
+
+    async def broken(*a, **k):
+        raise redis.ConnectionError("gone")
+
+    monkeypatch.setattr(listener.pubsub, "get_message", broken)
+    t0 = time.perf_counter()
+    assert await kill_sandbox(node, sandbox_id="sbx-poll") == {"killed": False}
+    assert time.perf_counter() - t0 < 5
+    assert client._listener() is not listener  # the next call gets a fresh connection
 
 
 async def test_concurrent_boots_run_in_parallel(node_worker):
@@ -264,3 +306,36 @@ async def test_network_spec_reaches_the_driver_and_update_network_round_trips(no
     with pytest.raises(NodeTaskFailed) as missing:
         await update_network(node, sandbox_id="nope", network={})
     assert missing.value.kind == "VMNotFound"
+
+
+async def test_a_row_just_read_is_checked_as_it_is_an_older_one_is_read_again(monkeypatch):
+    """``read_now``: the lifecycle read the node a moment ago (with the sandbox, in the
+    placement's claim), so the send checks that row without a second query; a row older
+    than FRESH_FOR (or never marked) is read again, and a revocation since is refused."""
+    from django.utils import timezone as tz  # noqa: PLC0415
+
+    node = await sync_to_async(alive_node)(f"unit-fresh-{uuid.uuid4().hex[:6]}")
+    now = [1000.0]
+    monkeypatch.setattr(client.time, "monotonic", lambda: now[0])
+    await Node.objects.filter(pk=node.pk).aupdate(revoked_at=tz.now())  # the database has moved on
+    client.read_now(node)
+    assert await client._sendable(node) is node  # no read: the row as the caller had it
+    now[0] += client.FRESH_FOR + 0.1
+    with pytest.raises(client.NodeRefused, match="revoked"):
+        await client._sendable(node)
+    unmarked = await sync_to_async(alive_node)(f"unit-fresh-{uuid.uuid4().hex[:6]}")
+    await Node.objects.filter(pk=unmarked.pk).aupdate(revoked_at=tz.now())
+    with pytest.raises(client.NodeRefused):
+        await client._sendable(unmarked)
+
+
+def test_the_message_headers_show_which_sandbox_not_the_body(monkeypatch):
+    """kwargsrepr names the sandbox / snapshot only: no sealed field, token or env var of the
+    body in the headers a worker logs (and no repr of the whole body built per send)."""
+    seen = {}
+    monkeypatch.setattr(client.celery_app, "send_task",
+                        lambda name, **kw: seen.update(kw) or SimpleNamespace(id=kw["task_id"]))
+    client._publish("agent.tasks.boot_sandbox", "node.x",
+                    {"sandbox_id": "sbx9", "env_vars": {"SECRET": "v"}, "access_token": "tok-123"}, 30)
+    assert seen["kwargsrepr"] == "{'sandbox_id': 'sbx9'}" and seen["argsrepr"] == "()"
+    assert "tok-123" not in seen["kwargsrepr"] and "SECRET" not in seen["kwargsrepr"]

@@ -168,6 +168,47 @@ def test_placements_racing_for_the_last_room_never_overcommit_a_node():
     assert Node.objects.get(pk="race").placements == 10  # a placement that found no room left no trace
 
 
+def test_a_request_that_cannot_fit_is_refused_without_waiting_for_the_placement_lock():
+    """Issue 27: while one placement holds the node rows (its claim blocks here), a request
+    that fits nowhere even without the lock is refused at once instead of queueing behind it;
+    one that may fit waits for the lock and is decided there."""
+    import threading  # noqa: PLC0415
+
+    from nodes.placement import place_sync  # noqa: PLC0415
+
+    from harness.polling import until  # noqa: PLC0415
+
+    node = make_node("held", vcpus=6, memory=100_000)
+    add_sandbox(node, cpu=4, mem=512)  # room for 2 vCPUs left
+    inside, release, outcomes = threading.Event(), threading.Event(), {}
+
+    def blocking_claim(n) -> None:
+        inside.set()
+        release.wait(60)
+
+    def run(name: str, cpu: int, claim=None) -> None:
+        try:
+            place_sync(cpu, 512, claim=claim)
+            outcomes[name] = "placed"
+        except NoNodeAvailable as exc:
+            outcomes[name] = f"refused: {exc}"
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=run, args=("holder", 2, blocking_claim))
+    holder.start()
+    try:
+        assert inside.wait(30), "the holder never got the placement lock"
+        too_big = threading.Thread(target=run, args=("too_big", 4))
+        too_big.start()
+        until(lambda: "too_big" in outcomes, "the refusal, while the lock is held", deadline=30)
+        assert outcomes["too_big"].startswith("refused: no node has room for 4 vCPU") and "holder" not in outcomes
+    finally:
+        release.set()
+        holder.join(60)
+    assert outcomes["holder"] == "placed"
+
+
 async def test_a_claim_that_fails_leaves_no_reservation():
     node = await sync_to_async(make_node)("n-claim", vcpus=4, memory=4096)
 
@@ -222,3 +263,28 @@ def test_racing_creates_spread_over_the_nodes():
     assert errors == []
     counts = sorted(Sandbox.objects.filter(node_id=f"s{i}").count() for i in range(3))
     assert sum(counts) == 30 and counts[-1] - counts[0] <= 2, counts
+
+
+def test_the_prepared_reservations_query_answers_as_the_queryset():
+    """``reserved_on`` (its SQL built once per number of nodes) gives the rows, fields and
+    reservations ``with_reservations`` gives, for other ids and other counts of nodes too."""
+    from nodes.placement import reserved_on, with_reservations
+    from template_builds.models import TemplateBuild
+
+    a, b, c = make_node("a"), make_node("b", vcpus=16), make_node("c", memory=8192)
+    add_sandbox(a, cpu=2, mem=512)
+    add_sandbox(a, cpu=1, mem=256, state="creating")
+    add_sandbox(b, cpu=4, mem=1024, state="killed")  # holds nothing
+    add_sandbox(b, cpu=3, mem=768, state="resuming")
+    TemplateBuild.objects.create(template=Template.objects.get(id="base"), status="building", node_id="c",
+                                 cpu_count=2, memory_mb=1024)
+    fields = [f.attname for f in Node._meta.concrete_fields] + ["cpu_reserved", "memory_reserved"]
+
+    def rows(nodes):
+        return sorted([getattr(n, f) for f in fields] for n in nodes)
+
+    for ids in (["a"], ["b"], ["a", "b"], ["b", "c"], ["a", "b", "c"], ["c"]):
+        assert rows(reserved_on(ids)) == rows(with_reservations(Node.objects.filter(pk__in=ids))), ids
+    reserved = {n.pk: (n.cpu_reserved, n.memory_reserved) for n in reserved_on(["a", "b", "c"])}
+    assert reserved == {"a": (3, 768), "b": (3, 768), "c": (2, 1024)}
+    assert reserved_on([]) == []
