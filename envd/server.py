@@ -3,6 +3,7 @@
 import argparse
 import logging
 import socket
+import sys
 
 from . import ENVD_PORT
 from .state import DEFAULT_USER, ENVD_VERSION, Settings
@@ -27,12 +28,20 @@ def parse_args(argv=None):
                         "(as in the guest) or --forward-address is given")
     p.add_argument("--forward-address", default=None,
                    help="IPv4 address to re-expose loopback services on instead of the interface's (tests)")
-    p.add_argument("--forward-interval", type=float, default=1.0, help="seconds between listener scans")
+    p.add_argument("--forward-interval", type=float, default=1.0,
+                   help="seconds between listener scans while the sandbox is in use")
+    p.add_argument("--forward-idle-interval", type=float, default=None,
+                   help="seconds between listener scans once no request came for a minute "
+                        "(default 10, or --forward-interval if that is longer)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--version", action="version", version=ENVD_VERSION)
     args = p.parse_args(argv)
     if not args.forward_interval > 0:
         p.error("--forward-interval must be positive")
+    if args.forward_idle_interval is None:
+        args.forward_idle_interval = max(10.0, args.forward_interval)
+    elif not args.forward_idle_interval >= args.forward_interval:
+        p.error("--forward-idle-interval must be at least --forward-interval")
     if args.forward_address is not None:
         try:
             socket.inet_aton(args.forward_address)
@@ -51,6 +60,7 @@ def _port_forwarder(args):
     from .port_forward import PortForwarder
 
     return PortForwarder(listen_address=args.forward_address, interval=args.forward_interval,
+                         idle_interval=args.forward_idle_interval,
                          skip_ports={ENVD_PORT, args.port})
 
 
@@ -72,9 +82,15 @@ def main(argv=None):
     settings.load_template_defaults()
     settings.load_trust()
     app = EnvdApp(settings, port_forwarder=_port_forwarder(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=False, http=H11Protocol, loop="asyncio", ws="none", lifespan="on",
-                timeout_keep_alive=75, timeout_graceful_shutdown=2)
+    from .quiet_server import QuietServer
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            access_log=False, http=H11Protocol, loop="asyncio", ws="none", lifespan="on",
+                            timeout_keep_alive=75, timeout_graceful_shutdown=2)
+    server = QuietServer(config)  # uvicorn.run's Server, without the 10 Hz tick (envd.quiet_server)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # what uvicorn.run exits with when the server could not start
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 
 from lifecycle.sandboxes import logs
-from api.fields import ErrorSerializer
+from api.fields import MAX_UNIX_MS, ErrorSerializer
 
 ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404)}
 MAX_V1_LIMIT = 10000  # E2B sets none; a sandbox keeps at most AENV_SANDBOX_LOG_MAX_LINES anyway
@@ -43,12 +43,14 @@ class LogLineSerializer(serializers.Serializer):
 
 
 class LogsV1QuerySerializer(serializers.Serializer):
-    start = serializers.IntegerField(required=False, min_value=0, help_text="ms since the epoch, inclusive")
+    start = serializers.IntegerField(required=False, min_value=0, max_value=MAX_UNIX_MS,
+                                     help_text="ms since the epoch, inclusive")
     limit = serializers.IntegerField(required=False, min_value=0, max_value=MAX_V1_LIMIT, default=1000)
 
 
 class LogsV2QuerySerializer(serializers.Serializer):
-    cursor = serializers.IntegerField(required=False, min_value=0, help_text="ms since the epoch, inclusive")
+    cursor = serializers.IntegerField(required=False, min_value=0, max_value=MAX_UNIX_MS,
+                                      help_text="ms since the epoch, inclusive")
     limit = serializers.IntegerField(required=False, min_value=0, max_value=MAX_V2_LIMIT, default=1000)
     direction = serializers.ChoiceField(choices=[logs.FORWARD, logs.BACKWARD], required=False, default=logs.FORWARD)
     level = serializers.ChoiceField(choices=list(logs.LEVELS), required=False)

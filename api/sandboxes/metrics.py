@@ -15,7 +15,7 @@ from rest_framework.response import Response
 
 from lifecycle.sandboxes import metrics
 from api.errors import ApiError
-from api.fields import ErrorSerializer
+from api.fields import MAX_UNIX_S, ErrorSerializer
 
 ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404)}
 MAX_SANDBOX_IDS = 100
@@ -39,8 +39,8 @@ class SandboxMetricSerializer(serializers.Serializer):
 class MetricsWindowSerializer(serializers.Serializer):
     """``start`` / ``end``: unix seconds, optional, start not after end."""
 
-    start = serializers.IntegerField(required=False, min_value=0)
-    end = serializers.IntegerField(required=False, min_value=0)
+    start = serializers.IntegerField(required=False, min_value=0, max_value=MAX_UNIX_S)
+    end = serializers.IntegerField(required=False, min_value=0, max_value=MAX_UNIX_S)
 
     def validate(self, attrs):
         if "start" in attrs and "end" in attrs and attrs["start"] > attrs["end"]:

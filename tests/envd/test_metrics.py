@@ -109,7 +109,8 @@ def test_sampler_stores_one_sample_per_running_sandbox_of_its_node(sampled):
     from sandboxes.models import SandboxMetric  # noqa: PLC0415
 
     rounds = []
-    sampler = MetricsSampler("sampler-node", 2.0, 3600, on_round=lambda asked, stored: rounds.append((asked, stored)))
+    # interval 10 s: a 2 s round (the most a round waits), which a loaded host's envd answers within
+    sampler = MetricsSampler("sampler-node", 10.0, 3600, on_round=lambda asked, stored: rounds.append((asked, stored)))
     assert sampler.sample_once() == 2
     assert rounds == [(3, 2)]  # asked: open, secure, dead_envd; stored: the two that answered
     rows = {m.sandbox_id: m for m in SandboxMetric.objects.all()}
