@@ -63,6 +63,7 @@ STATE = "state.json"
 # How long an insert waits for others still writing their chunk files when only their
 # reservations fill the cache (each takes milliseconds; the bound is for a stuck disk).
 RESERVED_WAIT = 10.0
+RETRIES = 2  # fetches after the first when a source gives wrong bytes (then ChunkCorrupt: EIO)
 A1IN_FRACTION = 0.25
 A1OUT_FRACTION = 0.5
 
@@ -87,7 +88,7 @@ class _Flight:
 
 
 class ChunkCache:
-    def __init__(self, root: Path, limit_bytes: int, *, retries: int = 2, state_interval: float = 30.0,
+    def __init__(self, root: Path, limit_bytes: int, *, retries: int = RETRIES, state_interval: float = 30.0,
                  a1in_fraction: float = A1IN_FRACTION, a1out_fraction: float = A1OUT_FRACTION):
         """``retries``: fetches after the first when the source gives wrong bytes.
         ``state_interval``: seconds between state saves (0: only at ``flush``/``close``)."""

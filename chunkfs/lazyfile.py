@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .digests import check_sha
 from .errors import ChunkError
+from .sparse import ZERO_PIECE, pwrite_nonzero
 
 DEFAULT_READ_DEADLINE = 30.0
 DEFAULT_READAHEAD = 4
@@ -380,7 +381,7 @@ class LazyFile:
             with self._lock:
                 self._prefetching.discard(index)
 
-    def copy_into(self, fd_out: int, *, workers: int, zero_piece: int = 64 << 10) -> int:
+    def copy_into(self, fd_out: int, *, workers: int, zero_piece: int = ZERO_PIECE) -> int:
         """Writes this file's bytes into the open file ``fd_out`` (already of this size, all
         zeros) at the same offsets, ``workers`` chunks at once, leaving holes: chunks the
         manifest lacks are never read, all-zero ``zero_piece`` pieces never written. What a
@@ -390,18 +391,11 @@ class LazyFile:
         with self._lock:
             written_over = bool(len(self._written))
         indices = range(self.chunk_count) if written_over else sorted(self._chunks)
-        zero = bytes(zero_piece)
 
         def one(index: int) -> int:
             offset = index * self.chunk_size
-            data = self.read(offset, min(self.chunk_size, self.size - offset))
-            out = 0
-            for i in range(0, len(data), zero_piece):
-                piece = data[i:i + zero_piece]
-                if piece != zero[:len(piece)]:
-                    os.pwrite(fd_out, piece, offset + i)
-                    out += len(piece)
-            return out
+            return pwrite_nonzero(fd_out, self.read(offset, min(self.chunk_size, self.size - offset)), offset,
+                                  zero_piece)
 
         pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="chunkfs-copy", initializer=_blocking_signals)
         try:

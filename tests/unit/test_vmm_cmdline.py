@@ -6,7 +6,7 @@ import pytest
 
 from vmm.hostinfo import _mhz_from_cpuinfo, lpj
 from vmm.net import ENVD_PORT, Attachment
-from vmm.qemu.cmdline import VMPaths, kernel_cmdline, qemu_command
+from vmm.qemu.cmdline import IDLE_KERNEL_ARGS, VMPaths, kernel_cmdline, qemu_command
 
 
 def make(accel="tcg", **kw):
@@ -68,6 +68,13 @@ def test_kernel_cmdline_has_tsc_fix():
     assert "tsc=reliable" in line.split()  # TSC clocksource with several vCPUs
     assert "aenv.resize" not in line and "aenv.resize=1" in kernel_cmdline(1, resize=True)
     assert lpj(2000000) == 8000000
+
+
+def test_kernel_cmdline_quietens_an_idle_guest():
+    words = kernel_cmdline(2445406, net_mode="netns").split()
+    for arg in ("sysctl.vm.compaction_proactiveness=0", "nowatchdog", "psi=0", "sysctl.vm.stat_interval=10"):
+        assert arg in words and arg in IDLE_KERNEL_ARGS
+    assert "tsc=reliable" in words and "clocksource=jiffies" not in words  # the clock is untouched
 
 
 def test_cpuinfo_parsing():

@@ -55,7 +55,8 @@ def test_copy_parallel_into_equals_the_source_and_skips_zero_pieces(tmp_path):
 
     import pytest
 
-    from vmm.qemu.ramfile import ZERO_PIECE, copy_parallel_into, on_fuse
+    from chunkfs.sparse import ZERO_PIECE
+    from vmm.qemu.ramfile import copy_parallel_into, on_fuse
 
     src = tmp_path / "src"
     size = (40 << 20) + 3 * PAGE  # segments of 4 MiB below: ten full, one short

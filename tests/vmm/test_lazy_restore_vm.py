@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from agent.stores.s3 import S3Store
+from chunkfs.cache import RETRIES
 from chunkfs.client import ChunkfsClient, ChunkfsError
 from harness.moto_s3 import REGION, moto_server, silenced, default_credentials
 from harness.moto_s3 import client as s3_client
@@ -273,6 +274,21 @@ def _uncached_disk_spots(driver, vm, doc: dict, home: Path, count: int) -> list[
     raise AssertionError(f"found {len(spots)} of {count} uncached base-disk chunks")
 
 
+def _settled(home: Path, awaited: str, timeout: float = 60.0, quiet: float = 2.0) -> set[str]:
+    """The node's cached chunks once ``awaited`` arrived (or ``timeout`` passed) and no chunk
+    came for ``quiet`` seconds: fetches left running by a failed read are done."""
+    deadline = time.monotonic() + timeout
+    cached, still = _cached(home), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = _cached(home)
+        if now != cached:
+            cached, still = now, time.monotonic()
+        elif awaited in cached and time.monotonic() - still >= quiet:
+            break
+    return cached
+
+
 def _read_disk(ep, offset: int) -> tuple[float, str]:
     """The guest reads 4 KiB of its disk at ``offset`` past every cache (O_DIRECT); (seconds, output)."""
     t0 = time.monotonic()
@@ -286,13 +302,15 @@ def _the_store_goes_away(url: str, prefix: str, b, store_b: S3Store, vm, doc: di
 
     ep = endpoint(vm)
     sid = vm.sandbox_id
-    gone, corrupt = _uncached_disk_spots(b, vm, doc, home, 2)
+    gone, neighbour = _uncached_disk_spots(b, vm, doc, home, 2)  # the next uncached chunk: see step 2
     client = store_b.lazy.running_client()
     assert client is not None
     assert vm_watch.failure(b, sid) is None and b.disk_errors(sid) == 0
+    assert client.stats()["fetches"]["peers"] == 0, "node B asks no peers here (node C's step gives it none)"
 
     # 1. the store stops answering while the guest reads a disk chunk the node lacks
     assert "rc=0" in _read_disk(ep, 0)[1]  # dd itself (its binary) is in the guest's page cache now
+    cached_before = _cached(home)
     with silenced(url):
         result = {}
         reader = threading.Thread(target=lambda: result.update(zip(("took", "out"), _read_disk(ep, gone[0]))))
@@ -316,18 +334,33 @@ def _the_store_goes_away(url: str, prefix: str, b, store_b: S3Store, vm, doc: di
     assert reason.startswith("the guest's disk failed") and details["disk_errors"] == failed
     assert vm_watch.lazy_read_errors(store_b.lazy, b.files_in_use(sid)).get(vm_watch_mount(store_b, sid), 0) >= 1
 
-    # 2. a chunk overwritten with wrong bytes in the store: refused (EIO), never handed to the guest
+    # 2. a chunk overwritten with wrong bytes in the store: refused (EIO), never handed to the guest.
+    # Step 1's fetches (the failed read's chunk, read-ahead after it) hung on the silent store
+    # and complete, with the right bytes, once it answers again: the chunk to corrupt is picked
+    # after they settled, not before step 1 (the next uncached chunk then was often among them).
+    arrived = _settled(home, gone[1]) - cached_before
+    print(f"after the store came back: {len(arrived)} chunks arrived (the failed read's and read-ahead's); "
+          f"the next uncached chunk before step 1 among them: {neighbour[1] in arrived}")
+    corrupt = _uncached_disk_spots(b, vm, doc, home, 1)[0]
+    length = next(c[1] for f in doc["files"].values() for c in f["chunks"] if c[2] == corrupt[1])
+    assert not store_b.on_disk.locate([[0, length, corrupt[1]]]), "node B's own files hold the chunk"
     s3 = s3_client(url)
     key = f"{prefix}/chunks/{corrupt[1]}"
     stored = s3.get_object(Bucket=BUCKET, Key=key)
     good, marker = stored["Body"].read(), stored["Metadata"]  # maybe compressed (chunkfs.compression)
     s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(len(good)))
     try:
-        before = client.stats()["cache"]["corrupt"]
+        assert corrupt[1] not in _cached(home), "the chunk was fetched before it was overwritten"
+        before = client.stats()
         took, out = _read_disk(ep, corrupt[0])
-        print(f"corrupt chunk in the store: the guest's read failed after {took:.1f} s: {out!r}")
+        after = client.stats()
+        wrong = after["cache"]["corrupt"] - before["cache"]["corrupt"]
+        asked = after["fetches"]["store_chunks"] - before["fetches"]["store_chunks"]
+        print(f"corrupt chunk in the store: the guest's read failed after {took:.1f} s ({wrong} wrong answers of "
+              f"{asked} store fetches): {out!r}")
         assert "Input/output error" in out and "rc=1" in out
-        assert client.stats()["cache"]["corrupt"] > before
+        assert wrong >= 1 + RETRIES and asked >= wrong  # the store asked each time, and wrong each time
+        assert after["fetches"]["peer_chunks"] == before["fetches"]["peer_chunks"] == 0
         assert corrupt[1] not in _cached(home)
     finally:
         s3.put_object(Bucket=BUCKET, Key=key, Body=good, Metadata=marker)

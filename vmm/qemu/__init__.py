@@ -21,7 +21,9 @@ File ownership:
 
 Modules: driver (QemuDriver: construction, fingerprint, boot, kill, queries), lifecycle (pause /
 resume, to disk and back), ram_moves (a saved VM's RAM to disk in the background; its disk
-copy deleted on resume), snapshots (snapshot / restore / fork, fork captures), host (inspect,
+copy deleted on resume), snapshots (snapshot / restore / fork, fork captures), live_capture
+(a snapshot's or fork's memory captured while the guest runs: pre-copy or background-snapshot
+into a vessel QEMU; uffd probes the kernel's userfaultfd), host (inspect,
 leftovers, files in use, adopting a downloaded snapshot for reconcile and the stores), process
 (spawn and health plumbing), cmdline (the pure command-line builder), qmp, state (vm.json; its
 status moves by vmm.vm_status's table), ramfile, accel (KVM probe). Only this package knows

@@ -38,14 +38,25 @@ class VMPaths:
                    ram=shm_dir / f"aenv-{sandbox_id}.ram")
 
 
+# Fewer wakeups of an idle guest (issue 26; bench/idle.py, docs/benchmarks.md "Idle guests"): under
+# TCG every guest timer interrupt costs the host emulated kernel code. Proactive compaction
+# (kcompactd every 0.5 s), the soft/hard lockup watchdogs (a timer per vCPU every 4 s, and false
+# "soft lockup" reports when the host is busy), pressure-stall averaging (every 2 s) and the
+# per-CPU vmstat fold (1 s -> 10 s) are off or slowed; on-demand compaction still runs.
+IDLE_KERNEL_ARGS = ("sysctl.vm.compaction_proactiveness=0", "nowatchdog", "psi=0", "sysctl.vm.stat_interval=10")
+
+
 def kernel_cmdline(tsc_khz: int, resize: bool = False, net_mode: str = "slirp") -> str:
     """Guest kernel arguments; the TSC pair prevents the microvm calibration hang, and
     tsc=reliable keeps the TSC as clocksource with several vCPUs (under TCG the boot-time sync
     check fails, the kernel falls back to jiffies and the guest clock then loses time when the
     host is busy). ``aenv.net=`` tells the guest init which addresses its network has (the
-    Debian kernel has no CONFIG_IP_PNP, so ``ip=`` would do nothing)."""
+    Debian kernel has no CONFIG_IP_PNP, so ``ip=`` would do nothing). ``IDLE_KERNEL_ARGS``
+    quieten an idle guest; they act at boot, so a template snapshot or pause image keeps the
+    settings of the boot it was taken from."""
     args = ["console=ttyS0", "panic=-1", "quiet", "net.ifnames=0", "8250.nr_uarts=1",
-            f"tsc_early_khz={tsc_khz}", f"lpj={lpj(tsc_khz)}", "tsc=reliable", f"aenv.net={net_mode}"]
+            f"tsc_early_khz={tsc_khz}", f"lpj={lpj(tsc_khz)}", "tsc=reliable", f"aenv.net={net_mode}",
+            *IDLE_KERNEL_ARGS]
     if resize:
         args.append("aenv.resize=1")
     return " ".join(args)

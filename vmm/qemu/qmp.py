@@ -28,6 +28,7 @@ class QMP:
             self.sock.close()
             raise QMPError(f"cannot connect to {path}: {e}") from e
         self.file = self.sock.makefile("rb")
+        self.events: list[dict] = []  # asynchronous events seen while waiting for replies (STOP, RESUME, ...)
         try:
             self._read()  # greeting (late while another client holds the monitor: it takes one)
             self.execute("qmp_capabilities")
@@ -43,6 +44,8 @@ class QMP:
             msg = json.loads(line)
             if "event" not in msg:
                 return msg
+            if len(self.events) < 1000:
+                self.events.append(msg)
 
     def execute(self, command: str, **arguments) -> object:
         req = {"execute": command}

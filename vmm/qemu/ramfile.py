@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from chunkfs.sparse import pwrite_nonzero
 from vmm.errors import VMError
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -38,7 +39,6 @@ FUSE_SUPER_MAGIC = 0x65735546
 COPY_READERS = 4
 COPY_SEGMENT = 16 << 20  # what one reader copies in one go (sequential reads: read-ahead works)
 COPY_BLOCK = 1 << 20  # a FUSE read is at most 1 MiB
-ZERO_PIECE = 64 << 10  # all-zero pieces of this size are not written: the copy stays sparse
 
 LazyCopier = Callable[[Path, Path], bool]
 """Copies the lazily filled file ``src`` into ``dst`` (an existing file of its size, all holes)
@@ -152,7 +152,6 @@ def copy_parallel_into(src, fd_out: int, readers: int = COPY_READERS, segment: i
     pieces are skipped (holes read as zeros, without a fetch, on a lazy file). Returns the bytes
     written. The first error stops the others and is raised."""
     size = os.stat(src).st_size
-    zero_block, zero_piece = bytes(COPY_BLOCK), bytes(ZERO_PIECE)
     lock = threading.Lock()
     state = {"next": 0, "written": 0, "error": None}
 
@@ -178,13 +177,7 @@ def copy_parallel_into(src, fd_out: int, readers: int = COPY_READERS, segment: i
                     data = os.pread(fd_in, COPY_BLOCK, off)
                     if len(data) != min(COPY_BLOCK, size - off):
                         raise OSError(errno.EIO, f"short read of {src} at {off}")
-                    if data == zero_block[:len(data)]:
-                        continue
-                    for i in range(0, len(data), ZERO_PIECE):
-                        piece = data[i:i + ZERO_PIECE]
-                        if piece != zero_piece[:len(piece)]:
-                            os.pwrite(fd_out, piece, off + i)
-                            written += len(piece)
+                    written += pwrite_nonzero(fd_out, data, off)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             with lock:
                 state["error"] = state["error"] or e

@@ -6,8 +6,12 @@ driver's and go with their last child.
 
 from __future__ import annotations
 
+import logging
 import os
+import shlex
 import shutil
+import subprocess
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -15,30 +19,36 @@ from pathlib import Path
 
 from vmm.driver import BootSpec, SealedLayer, SnapshotManifest, SnapshotUnusable, VMError, VMInfo
 from vmm.net import ENVD_PORT, NetworkSpec
-from vmm.qemu import ramfile
+from vmm.qemu import live_capture, ramfile, uffd
 from vmm.qemu.cmdline import VMPaths
-from vmm.qemu.process import run
-from vmm.qemu.qmp import QMP, migrate_to_file
+from vmm.qemu.process import qemu_version, run
+from vmm.qemu.qmp import QMP, QMPError, migrate_to_file
 from vmm.qemu.state import VMState, other_forwards, valid_sandbox_id
 from vmm.qemu.tops import create_top
 from vmm.vm_status import VmLifecycle
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotMixin:
     """snapshot / restore / fork of QemuDriver (needs its _lock, _load, _paths, _cleanup,
     _spawn_incoming, _guest_sync, _to_info, fingerprint, check_snapshot)."""
 
+    # How a memory capture stops the guest (_capture_how): "auto", "background" or "stop-copy".
+    capture_mode = os.environ.get("AENV_CAPTURE_MODE", "auto")
+
     def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True,
                  with_base: bool = False) -> SnapshotManifest:
         return self._snapshot(sandbox_id, dest_dir, memory=memory, with_base=with_base)
 
     def _snapshot(self, sandbox_id: str, dest_dir: Path, memory_file: Path | None = None,
-                  memory: bool = True, with_base: bool = False) -> SnapshotManifest:
+                  memory: bool = True, with_base: bool = False, for_fork: bool = False) -> SnapshotManifest:
         """memory_file: where the RAM copy goes (default dest_dir/memory.ram); fork captures put
         it on /dev/shm, where the copy is a page-cache-speed memcpy and children map it.
         memory=False: the guest syncs first and only the disk layers are captured (no device
         state, no RAM copy: a pause of a few ms); the manifest's memory and device state
-        files are "" and sandboxes start from it with BootSpec(layers=manifest.layers)."""
+        files are "" and sandboxes start from it with BootSpec(layers=manifest.layers).
+        for_fork: a fork's capture (see _capture_how: "auto" captures those stopped)."""
         dest = Path(dest_dir).absolute()
         dest.mkdir(parents=True, exist_ok=True)
         if any(dest.iterdir()):
@@ -52,42 +62,267 @@ class SnapshotMixin:
             ram_copy = Path(memory_file) if memory_file else dest / "memory.ram"
             # filesystem-only: the page cache must reach the disk first
             resumed_for_sync = self._sync_running(state, paths) if not memory else False
+            t0 = time.monotonic()
             with QMP(paths.qmp, timeout=30.0) as q:
                 was_running = q.execute("query-status").get("status") == "running" and not resumed_for_sync
-                t0 = time.monotonic()
-                q.execute("stop")
-                t_stop = time.monotonic()
-                try:
-                    self._switch_top(q, state, paths)
-                    t_disk = time.monotonic()
-                    if memory:
-                        migrate_to_file(q, device_state)
-                    t_dev = time.monotonic()
-                    if not memory:
-                        pass
-                    elif state.ram_share:
-                        run(["cp", "--sparse=always", state.ram, str(ram_copy)])
-                    else:  # copy-on-write RAM is all in the device state; restores only need a base
-                        with open(ram_copy, "wb") as f:
-                            f.truncate(state.memory_mb << 20)
-                    t_mem = time.monotonic()
-                finally:
-                    if was_running:
-                        q.execute("cont")
+                how = self._capture_how(state, was_running, for_fork) if memory else "disk-only"
+                timings = None
+                if how in ("background", "pre-copy"):
+                    try:
+                        timings = self._capture_live(q, state, paths, was_running, ram_copy, device_state, how)
+                    except live_capture.CaptureRefused as e:  # nothing touched yet: today's way
+                        log.warning("sandbox %s: background capture refused, stop-and-copy instead: %s",
+                                    sandbox_id, e)
+                        how = "stop-copy"
+                if timings is None:
+                    timings = self._capture_stopped(q, state, paths, was_running, ram_copy, device_state, memory)
                 t_cont = time.monotonic()
+            log.info("sandbox %s: %s capture, vCPUs stopped %.1f ms", sandbox_id, how, timings["pause_ms"])
             # Outside the pause: copy the sealed layers (immutable now) so the snapshot dir does
             # not depend on the sandbox, and point each copy at the previous one.
             layers = _copy_chain(state.chain, dest, with_base)
             t_done = time.monotonic()
-            timings = {"stop_ms": (t_stop - t0) * 1e3, "disk_ms": (t_disk - t_stop) * 1e3,
-                       "device_ms": (t_dev - t_disk) * 1e3, "memory_copy_ms": (t_mem - t_dev) * 1e3,
-                       "pause_ms": (t_cont - t0) * 1e3, "layers_copy_ms": (t_done - t_cont) * 1e3,
-                       "total_ms": (t_done - t0) * 1e3}
+            timings.update({"capture_background": 1.0 if how == "background" else 0.0,
+                            "capture_precopy": 1.0 if how == "pre-copy" else 0.0,
+                            "layers_copy_ms": (t_done - t_cont) * 1e3, "total_ms": (t_done - t0) * 1e3})
             manifest = self._manifest(state, dest, layers, str(ram_copy) if memory else "",
                                       str(device_state) if memory else "", timings)
             state.timings.update({f"snapshot.{k}": v for k, v in timings.items()})
             state.save()
             return manifest
+
+    def _capture_how(self, state: VMState, running: bool = True, for_fork: bool = False) -> str:
+        """How a memory capture stops the guest (capture_mode, AENV_CAPTURE_MODE; see
+        vmm.qemu.live_capture): "background" (QEMU's background-snapshot: userfaultfd
+        write-protect, where the kernel catches a write to a protected tmpfs page,
+        vmm.qemu.uffd), "pre-copy" (RAM copied while the guest runs; only where QEMU's dirty
+        tracking is sound: KVM, or TCG from QEMU 9.0 on) or "stop-copy" (the vCPUs stop while
+        the whole RAM is copied). "auto": background, else pre-copy, else stop-copy; a way that
+        cannot work here falls back the same way, with a warning. A copy-on-write VM is captured
+        stopped: live, its RAM would stream straight into the device state, a path no VM test
+        covers yet. A VM that is not running
+        (paused in memory) has no pause to shorten: stop-and-copy, which also leaves QEMU as it
+        was (a finished migration would leave its disks handed over until a cont).
+        A fork under "auto" is captured stopped too: a live capture streams the RAM through a
+        second QEMU, which made a 256 MiB fork's whole call 2-3x longer here (1.8-2.5 s against
+        0.8 s, bench/capture_window.py), and a rollout batch waits for its children, not for the
+        parent's window; "background" asks for it on forks as well."""
+        mode = self.capture_mode
+        if mode not in live_capture.MODES:
+            raise VMError(f"capture mode {mode!r} is none of {', '.join(live_capture.MODES)}")
+        if not running or mode == "stop-copy" or (for_fork and mode == "auto"):
+            return "stop-copy"
+        background = uffd.tmpfs_write_protect(self.shm_dir)
+        precopy = live_capture.precopy_safe(state.accel, self._qemu_version(state))
+        if not state.ram_share:  # copy-on-write RAM (a fork child, a restored snapshot): see below
+            return "stop-copy"
+        if mode == "background" and background or mode == "pre-copy" and precopy:
+            return mode
+        how = "background" if background else "pre-copy" if precopy and mode == "auto" else "stop-copy"
+        if mode != "auto":
+            log.warning("sandbox %s: capture mode %s cannot work here (%s), %s instead", state.sandbox_id, mode,
+                        "QEMU's dirty tracking under TCG loses writes before QEMU 9.0" if mode == "pre-copy"
+                        else "the kernel does not write-protect tmpfs pages", how)
+        return how
+
+    def _qemu_version(self, state: VMState) -> str:
+        """The VM's QEMU's --version line, asked once per binary."""
+        cache = self.__dict__.setdefault("_qemu_versions", {})
+        qemu = state.qemu or "qemu-system-x86_64"
+        if qemu not in cache:
+            try:
+                cache[qemu] = qemu_version(qemu)
+            except (OSError, subprocess.SubprocessError):
+                cache[qemu] = ""
+        return cache[qemu]
+
+    def _capture_stopped(self, q: QMP, state: VMState, paths: VMPaths, was_running: bool, ram_copy: Path,
+                         device_state: Path, memory: bool) -> dict:
+        """Stop, new disk top, device state, RAM copy (share=on RAM: the file; copy-on-write
+        RAM is in the device state), cont."""
+        prepared = self._prepare_top(q, state, paths)
+        del q.events[:]
+        t0 = time.monotonic()
+        try:
+            q.execute("stop")
+        except BaseException:
+            self._drop_top(q, state, paths, prepared)
+            raise
+        t_stop = time.monotonic()
+        try:
+            self._switch_top(q, state, paths, prepared)
+            t_disk = time.monotonic()
+            if memory:
+                migrate_to_file(q, device_state)
+            t_dev = time.monotonic()
+            if not memory:
+                pass
+            elif state.ram_share:
+                run(["cp", "--sparse=always", state.ram, str(ram_copy)])
+            else:  # copy-on-write RAM is all in the device state; restores only need a base
+                with open(ram_copy, "wb") as f:
+                    f.truncate(state.memory_mb << 20)
+            t_mem = time.monotonic()
+        finally:
+            if was_running:
+                q.execute("cont")
+        t_cont = time.monotonic()
+        return {"stop_ms": (t_stop - t0) * 1e3, "disk_ms": (t_disk - t_stop) * 1e3,
+                "device_ms": (t_dev - t_disk) * 1e3, "memory_copy_ms": (t_mem - t_dev) * 1e3,
+                "pause_ms": _stopped(q, t_cont - t0, was_running), "pause_wall_ms": (t_cont - t0) * 1e3}
+
+    def _capture_live(self, q: QMP, state: VMState, paths: VMPaths, was_running: bool, ram_copy: Path,
+                      device_state: Path, how: str = "background") -> dict:
+        """The live captures (vmm.qemu.live_capture), the same files as _capture_stopped.
+        background: the vCPUs stopped for the disk switch, the device state and the
+        write-protect; pre-copy: RAM copied while the guest runs, the vCPUs stopped (by QEMU)
+        for the disk switch, the last dirty pages and the device state. Raises CaptureRefused
+        (nothing changed) when QEMU or the vessel refuses before the stop."""
+        t0 = time.monotonic()
+        cow = not state.ram_share
+        precopy = how == "pre-copy"
+        vessel = None
+        prefilled = 0
+        # The vessel's RAM is on tmpfs even for a snapshot kept on disk (moved there after): a
+        # guest write waits for its page to be in the stream, and the stream for the vessel.
+        vessel_ram = ram_copy if _same_fs(ram_copy.parent, self.shm_dir) else (
+            self.shm_dir / f"aenv-capture-{state.sandbox_id}-{uuid.uuid4().hex[:8]}.ram")
+        if not cow:  # the vessel's loader reads (on tmpfs: allocates) every page before the punch
+            free = shutil.disk_usage(vessel_ram.parent).free
+            if free < state.memory_mb << 20:
+                raise live_capture.CaptureRefused(f"{vessel_ram.parent} has {free >> 20} MiB free, less than the "
+                                                  f"guest's {state.memory_mb} MiB")
+        try:
+            if not cow and not precopy:  # QEMU's populate inside the stop then maps pages only
+                prefilled = live_capture.prefill(Path(state.ram))
+            t_prefilled = time.monotonic()
+            if not cow:  # the stream is loaded into ram_copy by a vessel QEMU
+                work = Path(tempfile.mkdtemp(prefix="capture-", dir=paths.state_dir))
+                argv = live_capture.vessel_argv(self._argv(state, incoming=True), ram=vessel_ram,
+                                                qmp=work / "qmp.sock", console=work / "console.log",
+                                                disk_bytes=state.disk_size_mb << 20,
+                                                tools_bytes=Path(state.tools).stat().st_size)
+                vessel = live_capture.Vessel(argv, work, netns=state.net_mode == "netns")
+                vessel.start_incoming()
+            t_ready = time.monotonic()
+            if precopy:  # copy-on-write RAM is not shared: in the stream with x-ignore-shared on
+                live_capture.set_precopy(q, True, ignore_shared=cow)
+            else:
+                live_capture.set_background(q, True, ignore_shared=cow)
+        except live_capture.CaptureRefused:
+            if vessel is not None:
+                vessel.close()
+            _drop(vessel_ram, ram_copy)
+            raise
+        except (VMError, OSError) as e:
+            if vessel is not None:
+                vessel.close()
+            _drop(vessel_ram, ram_copy)
+            try:
+                live_capture.set_precopy(q, False) if precopy else None
+            except QMPError:
+                pass
+            raise live_capture.CaptureRefused(f"capture vessel: {e}") from e
+        uri = f"unix:{vessel.sock}" if vessel else f"exec:cat > {shlex.quote(str(device_state))}"
+        try:
+            prepared = self._prepare_top(q, state, paths)
+        except BaseException:
+            live_capture.set_precopy(q, False) if precopy else live_capture.set_background(q, False, True)
+            if vessel is not None:
+                vessel.close()
+            _drop(vessel_ram, ram_copy)
+            raise
+        switched = False
+        del q.events[:]
+        who, rest = "", 0
+        try:
+            if precopy:
+                t_copy0 = time.monotonic()
+                q.execute("migrate", uri=uri)
+                who, rest = live_capture.wait_switchover(q)
+                t_stop0 = t_stop = time.monotonic()  # QEMU stopped it (STOP event: stopped_ms below)
+                try:
+                    self._switch_top(q, state, paths, prepared)
+                    switched = True
+                    t_disk = time.monotonic()
+                    q.execute("migrate-continue", state="pre-switchover")
+                    done = live_capture.wait_completed(q, timeout=60.0, poll=0.0005)  # the guest waits
+                    t_armed = time.monotonic()
+                finally:
+                    if was_running:
+                        q.execute("cont")
+                t_cont = t_streamed = time.monotonic()
+            else:
+                t_stop0 = time.monotonic()
+                q.execute("stop")
+                t_stop = time.monotonic()
+                try:
+                    self._switch_top(q, state, paths, prepared)
+                    switched = True
+                    t_disk = time.monotonic()
+                    q.execute("migrate", uri=uri)
+                    live_capture.wait_armed(q)
+                    t_armed = time.monotonic()
+                finally:
+                    if was_running:
+                        q.execute("cont")
+                t_cont = time.monotonic()
+                done = live_capture.wait_completed(q)
+                t_streamed = time.monotonic()
+            if vessel is not None:
+                vessel.wait_loaded()
+                t_loaded = time.monotonic()
+                vessel.save_device_state(device_state)
+            t_saved = time.monotonic()
+        except BaseException:
+            try:  # a migration still running would keep write-protecting the guest's RAM
+                q.execute("migrate_cancel")
+                if was_running and q.execute("query-status").get("status") != "running":
+                    q.execute("cont")
+            except (QMPError, OSError):
+                pass
+            if not switched:
+                self._drop_top(q, state, paths, prepared)
+            _drop(vessel_ram, ram_copy)
+            raise
+        finally:
+            try:
+                if precopy:
+                    live_capture.set_precopy(q, False)
+                else:
+                    live_capture.set_background(q, False, ignore_shared=True)
+            except QMPError as e:  # still migrating (cancelled above): the next capture sets it again
+                log.warning("sandbox %s: resetting the capture capabilities: %s", state.sandbox_id, e)
+            if vessel is not None:
+                vessel.close()
+        timings = {"prefill_ms": (t_prefilled - t0) * 1e3, "prefill_mb": prefilled / 2**20,
+                   "vessel_ms": (t_ready - t_prefilled) * 1e3, "stop_ms": (t_stop - t_stop0) * 1e3,
+                   "disk_ms": (t_disk - t_stop) * 1e3, "device_ms": (t_armed - t_disk) * 1e3,
+                   "memory_copy_ms": (t_streamed - t_cont) * 1e3,
+                   "pause_ms": _stopped(q, t_cont - t_stop0, was_running), "pause_wall_ms": (t_cont - t_stop0) * 1e3,
+                   "qemu_downtime_ms": float(done.get("downtime", 0)),
+                   "qemu_setup_ms": float(done.get("setup-time", 0))}
+        if precopy:
+            timings.update({"precopy_ms": (t_stop - t_copy0) * 1e3,
+                            "precopy_stopped_by_driver": 0.0 if who == "qemu" else 1.0,
+                            "precopy_timed_out": 1.0 if who == "timeout" else 0.0,
+                            "precopy_rest_mb": rest / 2**20,
+                            "precopy_dirty_syncs": float((done.get("ram") or {}).get("dirty-sync-count", 0))})
+        if vessel is not None:
+            t_punch = time.monotonic()
+            try:
+                freed = ramfile.punch_zero_pages(vessel_ram)
+                t_move = time.monotonic()
+                if vessel_ram != ram_copy:
+                    _move_sparse(vessel_ram, ram_copy)
+            finally:
+                if vessel_ram != ram_copy:
+                    vessel_ram.unlink(missing_ok=True)
+            timings.update({"vessel_load_ms": (t_loaded - t_streamed) * 1e3,
+                            "device_save_ms": (t_saved - t_loaded) * 1e3,
+                            "punch_ms": (t_move - t_punch) * 1e3, "punched_mb": freed / 2**20,
+                            "move_ms": (time.monotonic() - t_move) * 1e3})
+        return timings
 
     def _manifest(self, state: VMState, dest: Path, layers: list[str], memory_file: str, device_state_file: str,
                   timings: dict) -> SnapshotManifest:
@@ -133,14 +368,48 @@ class SnapshotMixin:
             return self._manifest(state, dest, layers, str(ram), str(dest / "device.state"), timings)
 
     @staticmethod
-    def _switch_top(q: QMP, state: VMState, paths: VMPaths) -> str:
-        """With the VM stopped: seals its current top (read-only from now on, owned by the
-        sandbox) and continues on a new empty ``top-N.qcow2`` over it. Returns the sealed file."""
+    def _prepare_top(q: QMP, state: VMState, paths: VMPaths) -> str:
+        """While the VM runs: the next ``top-N.qcow2`` made (over the current top, without
+        opening it) and opened in QEMU without a backing, so the switch inside the stop is
+        only a graph change (blockdev-snapshot), not a file created and opened (~10 ms).
+        Returns its node name; _drop_top undoes it."""
         gen = state.generation + 1
         new_top = paths.state_dir / f"top-{gen}.qcow2"
         node = f"top{gen}"
-        q.execute("blockdev-snapshot-sync", **{"node-name": state.top_node, "snapshot-file": str(new_top),
-                                                "snapshot-node-name": node, "format": "qcow2"})
+        new_top.unlink(missing_ok=True)
+        run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", state.top, "-F", "qcow2", str(new_top),
+             f"{state.disk_size_mb}M"])
+        try:
+            q.execute("blockdev-add", **{"driver": "qcow2", "node-name": node, "backing": None,
+                                         "file": {"driver": "file", "node-name": f"{node}file",
+                                                  "filename": str(new_top)}})
+        except BaseException:
+            new_top.unlink(missing_ok=True)
+            raise
+        return node
+
+    @staticmethod
+    def _drop_top(q: QMP, state: VMState, paths: VMPaths, node: str) -> None:
+        """A prepared top that was not switched to (the capture failed before its stop)."""
+        try:
+            q.execute("blockdev-del", **{"node-name": node})
+        except (QMPError, OSError):
+            pass
+        (paths.state_dir / f"top-{state.generation + 1}.qcow2").unlink(missing_ok=True)
+
+    @staticmethod
+    def _switch_top(q: QMP, state: VMState, paths: VMPaths, prepared: str | None = None) -> str:
+        """With the VM stopped: seals its current top (read-only from now on, owned by the
+        sandbox) and continues on a new empty ``top-N.qcow2`` over it (``prepared``: the node
+        of _prepare_top, else made here). Returns the sealed file."""
+        gen = state.generation + 1
+        new_top = paths.state_dir / f"top-{gen}.qcow2"
+        node = f"top{gen}"
+        if prepared:
+            q.execute("blockdev-snapshot", node=state.top_node, overlay=prepared)
+        else:
+            q.execute("blockdev-snapshot-sync", **{"node-name": state.top_node, "snapshot-file": str(new_top),
+                                                    "snapshot-node-name": node, "format": "qcow2"})
         sealed = state.top
         state.chain.append(sealed)
         state.top, state.top_node, state.generation = str(new_top), node, gen
@@ -298,7 +567,7 @@ class SnapshotMixin:
         capture_ram = self.shm_dir / f"aenv-fork-{sandbox_id}-{tag}.ram"
         t0 = time.monotonic()
         try:
-            manifest = self._snapshot(sandbox_id, capture, memory_file=capture_ram)
+            manifest = self._snapshot(sandbox_id, capture, memory_file=capture_ram, for_fork=True)
         except BaseException:
             shutil.rmtree(capture, ignore_errors=True)
             capture_ram.unlink(missing_ok=True)
@@ -340,6 +609,39 @@ class SnapshotMixin:
         shutil.rmtree(capture, ignore_errors=True)
 
     # -- queries ----------------------------------------------------------------------------
+
+
+def _same_fs(a: Path, b: Path) -> bool:
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
+
+
+def _drop(vessel_ram: Path, ram_copy: Path) -> None:
+    """A failed capture's vessel RAM file on tmpfs (the caller removes ram_copy)."""
+    if vessel_ram != ram_copy:
+        vessel_ram.unlink(missing_ok=True)
+
+
+def _move_sparse(src: Path, dest: Path) -> None:
+    """``src`` (tmpfs) copied, holes kept, into the new file ``dest`` on another file system."""
+    fd = os.open(dest, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.ftruncate(fd, src.stat().st_size)
+        ramfile.copy_sparse_into(src, fd)
+    except BaseException:
+        os.close(fd)
+        dest.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+
+
+def _stopped(q: QMP, wall_s: float, was_running: bool) -> float:
+    """The parent's vCPU stop in ms: QEMU's STOP to RESUME events where it ran before (QEMU
+    stops it itself in a pre-copy), else the driver's own clock around its stop and cont."""
+    ms = live_capture.stopped_ms(q.events) if was_running else None
+    return ms if ms is not None else wall_s * 1e3
 
 
 def _copy_chain(chain: list[str], dest: Path, with_base: bool) -> list[str]:
