@@ -1,13 +1,12 @@
 """The envd ASGI application: routing, access-token checks, /health, /init, /metrics, /files, RPC."""
 
 import asyncio
-import errno
 import json
 import logging
 import os
 import time
 
-from . import files_http, trust
+from . import files_http, oserrors, trust
 from .auth import UNAUTHORIZED_MESSAGE as UNAUTHORIZED, AuthError, check_signature, token_matches
 from .clock import maybe_set_clock
 from .connect import ConnectError
@@ -99,6 +98,8 @@ class EnvdApp:
         headers = _headers(scope)
         path = scope["path"]
         method = scope["method"]
+        if self.port_forwarder is not None and path not in ("/health", "/metrics"):
+            self.port_forwarder.poke()  # someone's work: listeners are scanned every second for a while
         try:
             if path == "/health":
                 await _empty(send, 204)
@@ -136,11 +137,12 @@ class EnvdApp:
         except files_http.HTTPError as err:
             await files_http.send_http_error(send, err)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                await files_http.send_json(send, 507, {"code": 507, "message": "not enough disk space"})
-            else:
+            # the kernel's refusal of a file operation is the caller's to act on (envd.oserrors)
+            status = oserrors.http_status(exc)
+            if status >= 500:
                 log.exception("request %s %s failed", method, path)
-                await files_http.send_json(send, 500, {"code": 500, "message": str(exc)})
+            text = "not enough disk space" if status == 507 else oserrors.message(exc)
+            await files_http.send_json(send, status, {"code": status, "message": text})
 
     # -- auth ---------------------------------------------------------------
     def _authorize(self, headers):

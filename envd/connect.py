@@ -10,6 +10,7 @@ host-side ``envd_client``); this module re-exports them for envd's own modules.
 
 from google.protobuf import json_format
 
+from .oserrors import classify
 from .wire import (  # noqa: F401  (re-exported: envd's modules import them from here)
     CODE_TO_HTTP,
     FLAG_COMPRESSED,
@@ -25,16 +26,13 @@ from .wire import (  # noqa: F401  (re-exported: envd's modules import them from
 
 
 def error_from_exception(exc):
-    """Map an arbitrary exception to a ConnectError (OS errors get sensible codes)."""
+    """Map an arbitrary exception to a ConnectError: OS errors by ``envd.oserrors``' table."""
     if isinstance(exc, ConnectError):
         return exc
-    if isinstance(exc, FileNotFoundError):
-        return ConnectError("not_found", str(exc))
-    if isinstance(exc, FileExistsError):
-        return ConnectError("already_exists", str(exc))
-    if isinstance(exc, PermissionError):
-        return ConnectError("permission_denied", str(exc))
-    if isinstance(exc, (NotADirectoryError, IsADirectoryError, ValueError)):
+    found = classify(exc)
+    if found is not None:
+        return ConnectError(found[1], str(exc))
+    if isinstance(exc, ValueError):
         return ConnectError("invalid_argument", str(exc))
     return ConnectError("internal", f"{type(exc).__name__}: {exc}")
 

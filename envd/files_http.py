@@ -4,6 +4,8 @@ Bodies are processed chunk by chunk straight to/from disk (multipart via
 python-multipart's callback parser), so file size never costs memory.
 """
 
+import asyncio
+import errno
 import json
 import logging
 import os
@@ -11,7 +13,7 @@ import stat
 import zlib
 from urllib.parse import parse_qs
 
-from . import permissions
+from . import oserrors, permissions
 from .fsinfo import make_dirs, write_metadata
 from .users import UnknownUser, ensure_home, request_user, resolve_path
 
@@ -80,40 +82,54 @@ async def download(scope, receive, send, settings, headers):
     path = _resolve(params["path"], pw)
     try:
         permissions.check_read(pw, path)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise HTTPError(404, f"path '{path}' does not exist") from None
-    except NotADirectoryError:
+        # O_NONBLOCK: opening a FIFO nobody writes would block the whole event loop until
+        # someone does (and a read of a FIFO or a terminal waits in _read, not in the kernel).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except (FileNotFoundError, NotADirectoryError):
         raise HTTPError(404, f"path '{path}' does not exist") from None
     except IsADirectoryError:
         raise HTTPError(400, f"path '{path}' is a directory") from None
     except PermissionError as exc:
-        raise HTTPError(403, str(exc)) from None
+        raise HTTPError(403, oserrors.message(exc)) from None
+    # Noticing the client leave is ours to do: once it is gone uvicorn's send returns at once,
+    # so a loop over an endless file (/dev/zero) would never yield again and starve envd.
+    gone = asyncio.ensure_future(_disconnected(receive))
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
             raise HTTPError(400, f"path '{path}' is a directory")
-        gz = _wants_gzip(headers)
-        out_headers = [(b"content-type", b"application/octet-stream")]
-        name = os.path.basename(path).replace('"', "")
-        out_headers.append((b"content-disposition", f'attachment; filename="{name}"'.encode("utf-8", "replace")))
-        # st_size is not the length of every file: /proc reports 0 and sysfs 4096
-        # whatever the content. Whatever fits in the first read is sent with its true
-        # length; a longer file streams to its end (a regular file's st_size is then the
-        # length, and a file that shrinks meanwhile breaks the response, never pads it).
-        head, ended = _read_head(fd)
-        limit = None
-        if gz:
-            out_headers.append((b"content-encoding", b"gzip"))
-            compressor = zlib.compressobj(6, zlib.DEFLATED, 31)
-        elif ended:
-            out_headers.append((b"content-length", str(len(head)).encode()))
-        elif stat.S_ISREG(st.st_mode) and st.st_size > len(head):
-            limit = st.st_size
-            out_headers.append((b"content-length", str(limit).encode()))
-        await send({"type": "http.response.start", "status": 200, "headers": out_headers})
+        await _send_file(fd, st, path, send, _wants_gzip(headers), gone)
+    finally:
+        gone.cancel()
+        os.close(fd)
+
+
+async def _send_file(fd, st, path, send, gz, gone):
+    out_headers = [(b"content-type", b"application/octet-stream")]
+    name = os.path.basename(path).replace('"', "")
+    out_headers.append((b"content-disposition", f'attachment; filename="{name}"'.encode("utf-8", "replace")))
+    regular = stat.S_ISREG(st.st_mode)
+    # st_size is not the length of every file: /proc reports 0 and sysfs 4096 whatever the
+    # content. Whatever fits in the first read of a regular file is sent with its true length;
+    # a longer one streams to its end (its st_size is then the length, and a file that shrinks
+    # meanwhile breaks the response, never pads it). A device or a FIFO may never end, or wait
+    # for its writer: it streams at once, for as long as the client reads.
+    head, ended = (await _read_head(fd, gone)) if regular else (b"", False)
+    if head is None:
+        return  # the client left before the first byte
+    limit = None
+    if gz:
+        out_headers.append((b"content-encoding", b"gzip"))
+        compressor = zlib.compressobj(6, zlib.DEFLATED, 31)
+    elif ended:
+        out_headers.append((b"content-length", str(len(head)).encode()))
+    elif regular and st.st_size > len(head):
+        limit = st.st_size
+        out_headers.append((b"content-length", str(limit).encode()))
+    await send({"type": "http.response.start", "status": 200, "headers": out_headers})
+    try:
         sent = 0
-        chunk = head
+        chunk = head if regular else await _read(fd, CHUNK, gone)
         while chunk:
             if limit is not None:
                 chunk = chunk[:limit - sent]
@@ -124,26 +140,79 @@ async def download(scope, receive, send, settings, headers):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if ended or (limit is not None and sent >= limit):
                 break
-            chunk = os.read(fd, CHUNK)
+            # send() yields only when the socket's buffer is full: give other requests (and the
+            # disconnect watcher) their turn on every chunk.
+            await asyncio.sleep(0)
+            chunk = await _read(fd, CHUNK, gone)
+        if chunk is None:
+            log.debug("client left during the download of %s after %d bytes", path, sent)
+            return
         if limit is not None and sent < limit:
-            raise ConnectionError(f"{path} shrank while it was read ({sent} of {limit} bytes)")
+            log.warning("%s shrank while it was read (%d of %d bytes): response cut", path, sent, limit)
+            return  # returning with the response unfinished makes uvicorn close the connection
         tail = compressor.flush() if gz else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+    except OSError as exc:  # the status line is out: all that is left is to cut the response
+        log.warning("download of %s failed after its start: %s", path, exc)
+
+
+async def _disconnected(receive):
+    """Returns once the client is gone (a GET's only message before that is its empty body)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read(fd, size, gone):
+    """``os.read`` that waits for a FIFO or a device without blocking the event loop; None once
+    the client is gone (``gone`` done)."""
+    while not gone.done():
+        try:
+            return os.read(fd, size)
+        except BlockingIOError:
+            await _readable(fd, gone)
+    return None
+
+
+async def _readable(fd, gone):
+    """Waits until ``fd`` has something to read or the client left."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    try:
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    except PermissionError:  # epoll refuses a file that cannot be polled: look again shortly
+        await asyncio.wait({gone}, timeout=0.1)
+        return
+    try:
+        await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        os.close(fd)
+        loop.remove_reader(fd)
+        ready.cancel()
 
 
-def _read_head(fd) -> tuple[bytes, bool]:
-    """The first CHUNK bytes of a file, and whether that is all of it (reads until
-    CHUNK bytes or end of file: pseudo-files may return short reads)."""
+async def _read_head(fd, gone) -> tuple[bytes | None, bool]:
+    """The first CHUNK bytes of a regular file, and whether that is all of it (reads until
+    CHUNK bytes or end of file: pseudo-files may return short reads); None if the client left."""
     parts, size = [], 0
     while size < CHUNK:
-        part = os.read(fd, CHUNK - size)
+        part = await _read(fd, CHUNK - size, gone)
+        if part is None:
+            return None, False
         if not part:
             return b"".join(parts), True
         parts.append(part)
         size += len(part)
     return b"".join(parts), False
+
+
+def _pseudo_devices():
+    """st_dev of /proc and /sys: their files are the kernel's settings and state, not data."""
+    out = set()
+    for top in ("/proc", "/sys"):
+        try:
+            out.add(os.stat(top).st_dev)
+        except OSError:
+            pass
+    return out
 
 
 class _Sink:
@@ -166,17 +235,36 @@ class _Sink:
         except (NotADirectoryError, FileExistsError):
             raise HTTPError(400, f"a parent of '{path}' is not a directory") from None
         try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            # O_NONBLOCK: a FIFO nobody reads is ENXIO here instead of a wait that blocks envd
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NONBLOCK
+                              | os.O_NOCTTY, 0o644)
         except IsADirectoryError:
             raise HTTPError(400, f"path '{path}' is a directory") from None
         except NotADirectoryError:
             raise HTTPError(400, f"a parent of '{path}' is not a directory") from None
-        except PermissionError as exc:
-            raise HTTPError(403, str(exc)) from None
-        if os.geteuid() == 0:
-            os.fchown(self.fd, pw.pw_uid, pw.pw_gid)
-        if stat.S_IMODE(os.fstat(self.fd).st_mode) != 0o644:
-            os.fchmod(self.fd, 0o644)
+        self.kernel_file = False
+        self.removable = False  # what abort() may unlink: never a device nor a /proc or /sys file
+        try:
+            self._prepare(path, pw, metadata)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, path, pw, metadata):
+        st = os.fstat(self.fd)
+        if stat.S_ISFIFO(st.st_mode):
+            # a reader that stops reading would block envd's event loop in write()
+            raise HTTPError(400, f"path '{path}' is a FIFO: an upload never writes to one")
+        # The written file becomes the user's, 0644 (E2B's rule), but only a regular file of a
+        # real file system: a device (/dev/null) or a /proc or /sys file keeps its owner and mode
+        # (chown of /proc/sys/... would hand a kernel setting to the user).
+        self.kernel_file = stat.S_ISREG(st.st_mode) and st.st_dev in _pseudo_devices()
+        if stat.S_ISREG(st.st_mode) and not self.kernel_file:
+            self.removable = True
+            if os.geteuid() == 0:
+                os.fchown(self.fd, pw.pw_uid, pw.pw_gid)
+            if stat.S_IMODE(st.st_mode) != 0o644:
+                os.fchmod(self.fd, 0o644)
         self.metadata_set = write_metadata(self.fd, metadata) and bool(metadata)
 
     def write(self, data):
@@ -185,7 +273,12 @@ class _Sink:
             raise HTTPError(413, f"upload exceeds the limit of {self.limit} bytes")
         view = memoryview(data)
         while view:
-            n = os.write(self.fd, view)
+            try:
+                n = os.write(self.fd, view)
+            except OSError as exc:
+                if exc.errno == errno.EIO and self.kernel_file:  # a /proc or /sys file that takes no writes
+                    raise HTTPError(403, f"'{self.path}' cannot be written: {exc.strerror}") from None
+                raise
             view = view[n:]
 
     def close(self):
@@ -195,6 +288,8 @@ class _Sink:
 
     def abort(self):
         self.close()
+        if not self.removable:
+            return
         try:
             os.unlink(self.path)
         except OSError:

@@ -4,6 +4,7 @@ import asyncio
 import os
 import shutil
 import stat
+import subprocess
 
 from . import permissions
 from .connect import ConnectError
@@ -66,7 +67,14 @@ def remove_path(path):
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
+        try:
+            shutil.rmtree(path)
+        except RecursionError:
+            # a tree deeper than Python's recursion (a user may make one: mkdir -p a/a/a/…):
+            # coreutils' rm walks it with openat, never following links, at any depth
+            done = subprocess.run(["rm", "-rf", "--one-file-system", "--", path], capture_output=True)
+            if done.returncode != 0:
+                raise OSError(f"could not remove {path!r}: {done.stderr.decode(errors='replace')[-300:]}") from None
     else:
         os.unlink(path)
 

@@ -8,6 +8,14 @@ on the interface address, relays ``<interface address>:<port>`` to the loopback 
 listens on. The forwarder's listening socket is closed when the loopback listener goes away;
 connections already relayed finish on their own.
 
+The scan runs every ``interval`` (1 s) while the sandbox is in use, and every ``idle_interval``
+(10 s) once nothing has happened for ``ACTIVE_FOR`` seconds: envd calls ``poke()`` on every
+request that is someone's work (not /health or /metrics), and a scan that changed the forwards
+counts too. A poke during an idle wait brings the next scan to one ``interval`` later. Why: each
+scan wakes the guest and runs Python over /proc, which under TCG cost the host about as much
+as the rest of an idle guest together (docs/benchmarks.md, "Idle guests"); a service started
+while nobody talks to envd is forwarded within ``idle_interval``.
+
 Only the standard library, nothing imported that envd does not already load: envd's start time
 matters. Errors are logged and never escape into envd; ports and relayed connections are capped.
 """
@@ -31,6 +39,8 @@ SIOCGIFADDR = 0x8915
 DEFAULT_INTERFACE = "eth0"
 INTERFACE_ENV = "AENV_ENVD_FORWARD_IFACE"
 DEFAULT_INTERVAL = 1.0
+DEFAULT_IDLE_INTERVAL = 10.0
+ACTIVE_FOR = 60.0  # seconds of fast scans after envd starts, a poke or a change
 MAX_FORWARDS = 256  # forwarded ports at once
 MAX_CONNECTIONS = 1024  # relayed connections at once, over all ports
 CONNECT_TIMEOUT = 5.0  # to the loopback service
@@ -182,14 +192,21 @@ class PortForwarder:
     ``interface`` (env ``AENV_ENVD_FORWARD_IFACE``, default eth0) is read at every scan, and the
     forwarder idles while there is none. ``skip_ports`` always includes envd's port."""
 
-    def __init__(self, *, listen_address=None, interface=None, interval=DEFAULT_INTERVAL, skip_ports=(),
+    def __init__(self, *, listen_address=None, interface=None, interval=DEFAULT_INTERVAL,
+                 idle_interval=DEFAULT_IDLE_INTERVAL, active_for=ACTIVE_FOR, skip_ports=(),
                  max_forwards=MAX_FORWARDS, max_connections=MAX_CONNECTIONS, proc_files=PROC_FILES):
         if listen_address is not None:
             socket.inet_aton(listen_address)  # OSError unless an IPv4 address
         if not interval > 0:
             raise ValueError("interval must be positive")
+        if not idle_interval >= interval:
+            raise ValueError("idle_interval must be at least interval")
         self.interface = interface or os.environ.get(INTERFACE_ENV) or DEFAULT_INTERFACE
         self.interval = float(interval)
+        self.idle_interval = float(idle_interval)
+        self.active_for = float(active_for)
+        self._active_until = time.monotonic() + self.active_for
+        self._idle_wait = None  # the future an idle wait sleeps on (a poke resolves it)
         self.skip_ports = frozenset(skip_ports) | {ENVD_PORT}
         self.max_forwards = max_forwards
         self.max_connections = max_connections
@@ -221,6 +238,37 @@ class PortForwarder:
             relay.abort()
         self._relays.clear()
 
+    def poke(self):
+        """Someone is using the sandbox: scan every ``interval`` for the next ``active_for``
+        seconds (the next scan one ``interval`` from now if an idle wait was running)."""
+        self._active_until = time.monotonic() + self.active_for
+        wait, self._idle_wait = self._idle_wait, None
+        if wait is not None and not wait.done():
+            wait.set_result(None)
+
+    @property
+    def active(self):
+        """True while scans run every ``interval`` (else every ``idle_interval``)."""
+        return time.monotonic() < self._active_until
+
+    async def _pause(self):
+        """Waits until the next scan is due: ``interval`` while active, else ``idle_interval``
+        cut short by a poke (then one ``interval`` more, as if the sandbox had been active)."""
+        if self.active:
+            await asyncio.sleep(self.interval)
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._idle_wait = loop.create_future()
+        timer = loop.call_later(self.idle_interval, lambda: wait.done() or wait.set_result(None))
+        try:
+            await wait
+        finally:
+            timer.cancel()
+            if self._idle_wait is wait:
+                self._idle_wait = None
+        if self.active:
+            await asyncio.sleep(self.interval)
+
     @property
     def address(self):
         """The address the forwards listen on now (None while idle)."""
@@ -237,9 +285,12 @@ class PortForwarder:
 
     async def _run(self):
         while True:
-            await asyncio.sleep(self.interval)
+            await self._pause()
             try:
+                before = (self._address, dict(self.forwards))
                 await self.scan_once()
+                if (self._address, self.forwards) != before:
+                    self._active_until = time.monotonic() + self.active_for
                 self._last_error = None
             except asyncio.CancelledError:
                 raise
