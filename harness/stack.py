@@ -1,16 +1,19 @@
-"""Starts a real aenv stack for end-to-end tests: daphne (API), uvicorn (data plane)
-and optionally a node worker booting real QEMU VMs, each in its own process group,
-sharing a fresh AENV_HOME (SQLite) and the cached guest images."""
+"""Starts a real aenv stack for end-to-end tests: daphne (API), uvicorn (data plane),
+optionally a node worker booting real QEMU VMs, the lifecycle sweeper and the events worker
+(webhook deliveries), each in its own process group, sharing a fresh AENV_HOME (SQLite) and
+the cached guest images."""
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -18,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from cluster.processes import qemu_pids
+from volumes.image import unmount_under
 
 from harness.networld import EXT_A, EXT_B
 
@@ -45,6 +49,9 @@ class Stack:
     home: Path
     with_node: bool = True
     with_lifecycle: bool = True
+    # manage.py run_events_worker (webhook deliveries, as scripts/up.sh starts it): off unless a
+    # test delivers webhooks, one process less on a 2-core machine for every other stack.
+    with_events: bool = False
     extra_env: dict = field(default_factory=dict)
     procs: dict = field(default_factory=dict)
     log_offsets: dict = field(default_factory=dict)
@@ -67,13 +74,37 @@ class Stack:
         first, second = os.environ.get("AENV_NET_POOL", "10.13.0.0/20").split(".")[:2]
         return f"{first}.{second}.{16 * (1 + (self.net_instance - 1) % 15)}.0/20"
 
+    @property
+    def webhook_queue(self) -> str:
+        return f"control.events-{self.home.name}"
+
     def shutdown(self) -> None:
-        """Everything the stack started, gone: its processes, VMs left running, and its network
-        instance (slots, nftables table, resolver). Its home stays (callers decide)."""
+        """Everything the stack started, gone: its processes, VMs left running, its webhook
+        queue and its network instance (slots, nftables table, resolver). Its home stays
+        (callers decide)."""
         self.stop()
+        if self.with_events:
+            self.drop_webhook_queue()
         self.kill_vm_leftovers()
         stop_chunkfs(self.home)
+        unmount_under(self.home)  # volumes with a limit: their filesystems (volumes.image)
         self.remove_network()
+
+    def drop_webhook_queue(self) -> None:
+        """The stack's webhook queue out of the shared broker (tasks left when it stopped)."""
+        import redis  # noqa: PLC0415 - the broker's client, only for stacks that used it
+
+        from nodes.celery_app import app  # noqa: PLC0415 - the broker URL the stack's processes use
+
+        try:
+            redis.Redis.from_url(app.conf.broker_url).delete(self.webhook_queue)
+        except redis.RedisError:
+            pass  # a broker that is gone took the queue with it
+
+    def events_alive(self) -> bool:
+        """The events worker runs (a test that waits for a delivery says why it saw none)."""
+        proc = self.procs.get("events")
+        return proc is not None and proc.poll() is None
 
     def remove_network(self) -> None:
         """Once its VMs are gone: the stack's slots, nftables table and resolver."""
@@ -101,9 +132,14 @@ class Stack:
             # signed node tasks (nodes.signing): the stack's key pair, made at start; a second
             # node (harness.second_node) inherits it as another machine is given the certificate
             AENV_TASK_SIGNING_DIR=str(self.home / "task-signing"),
+            # the control plane's webhook queue, the stack's own: stacks share the broker, and
+            # one stack's events worker must not take (and lose) another's deliveries
+            AENV_WEBHOOK_QUEUE=self.webhook_queue,
             DJANGO_SETTINGS_MODULE="config.settings",
             PYTHONUNBUFFERED="1",
         )
+        if self.api_url:  # where the node asks for secret values and egressProxy passwords
+            env["AENV_API_PUBLIC_URL"] = self.api_url
         env.update(self.extra_env)
         return env
 
@@ -156,10 +192,13 @@ class Stack:
             self.start_node(wait=False)
         if self.with_lifecycle:
             self._spawn("lifecycle", [PY, "manage.py", "run_lifecycle"])
+        if self.with_events:
+            self._spawn("events", [PY, "manage.py", "run_events_worker", "--concurrency", "2",
+                                   "--loglevel", "WARNING"])
         self._spawn("api", [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(api_port), "config.asgi:application"])
         self._spawn("dataplane", [
-            PY, "-m", "uvicorn", "config.dataplane_asgi:application", "--host", "127.0.0.1",
-            "--port", str(sandbox_port), "--no-access-log", "--timeout-keep-alive", "300",
+            PY, "-m", "dataplane.serve", "--host", "127.0.0.1", "--port", str(sandbox_port),
+            "--", "--no-access-log", "--timeout-keep-alive", "300",
         ])
         self._wait_http(f"{self.api_url}/health", "api")
         self._wait_port(sandbox_port, "dataplane")
@@ -266,6 +305,21 @@ class Stack:
     def qemu_pids(self, sandbox_id: str) -> list[int]:
         """This stack's QEMU processes of one sandbox."""
         return qemu_pids(str(self.home), sandbox_id)
+
+
+@contextmanager
+def running_stack(prefix: str = "e2e", **kwargs):
+    """A started Stack (``kwargs`` go to Stack) under a fresh home in var/test-runs; stopped,
+    its VMs killed and its home removed after (kept with AENV_KEEP_TEST_HOME)."""
+    home = ROOT / "var" / "test-runs" / f"{prefix}-{uuid.uuid4().hex[:8]}"
+    s = Stack(home=home, **kwargs)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.shutdown()
+        if not os.environ.get("AENV_KEEP_TEST_HOME"):
+            shutil.rmtree(home, ignore_errors=True)
 
 
 def stop_chunkfs(home: Path, timeout: float = 15) -> None:

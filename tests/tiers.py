@@ -47,7 +47,9 @@ TIERS: dict[str, Tier] = {
                            "tests/unit/test_vmm_net_policy.py", "tests/unit/test_vmm_net_conntrack.py",
                            "tests/unit/test_cluster_layout.py", "tests/unit/test_pool_routes.py",
                            "tests/unit/test_vmm_net_dns.py", "tests/unit/test_vmm_host_firewall.py",
-                           "tests/unit/test_vmm_net_egress.py", "tests/integration/test_egress_domains.py",
+                           "tests/unit/test_vmm_net_egress.py", "tests/unit/test_vmm_net_egress_upstream.py",
+                           "tests/unit/test_vmm_net_dns_servers.py",
+                           "tests/integration/test_egress_domains.py",
                            "tests/integration/test_network_e2e.py", "tests/integration/test_network_faults.py",
                            "tests/integration/test_network_with_docker.py",
                            "tests/integration/test_cluster.py")),
@@ -56,22 +58,29 @@ TIERS: dict[str, Tier] = {
     "browser": Tier("Debian's chromium and the xterm.js packages (scripts/setup_frontend.sh)",
                     paths=("tests/browser/",)),
     "ts-sdk": Tier("node and the npm E2B SDKs (scripts/setup_ts_sdk.sh, scripts/setup_ts_code_interpreter.sh)",
-                   paths=("tests/integration/test_ts_sdk.py", "tests/code_interpreter/test_js_sdk.py")),
+                   paths=("tests/integration/test_ts_sdk.py", "tests/code_interpreter/test_js_sdk.py",
+                          "tests/unit/test_ts_sdk_api.py")),
+    "old-sdk": Tier("the pre-2.51 Python SDK, e2b==2.45.1, in its own venv (scripts/test.sh installs it and sets "
+                    "AENV_OLD_SDK_PYTHON)", paths=("tests/unit/test_old_sdk_calls.py",)),
     "code-interpreter": Tier("node for the JavaScript kernel and the Jupyter kernels (the test extra)",
                              paths=("tests/code_interpreter/",)),
     "envd": Tier("root and a 'user' account (envd runs commands as both)", paths=("tests/envd/",)),
     "oci": Tier("root, skopeo, umoci and docker-registry (scripts/setup.sh)",
                 paths=("tests/vmm/test_oci_images.py", "tests/unit/test_oci_prepare.py")),
+    "volumes": Tier("root and nfs-ganesha with rpcbind (scripts/setup.sh): the volume server and its confinement",
+                    paths=("tests/unit/test_volume_server_confinement.py", "tests/unit/test_volume_limits.py")),
     "compose": Tier("Docker's engine (Debian's docker.io, which scripts/setup.sh installs and starts) and "
                     "debootstrap: deploy/compose.yaml started for real", paths=("tests/compose/",)),
     "host-tools": Tier("root and the host tools scripts/setup.sh and the test extra install (patchelf, readelf, "
-                       "resize2fs, qemu-img, busybox-static, docker-compose, systemd-analyze, shellcheck, unshare, "
+                       "resize2fs, debugfs, qemu-img, busybox-static, docker-compose, systemd-analyze, shellcheck, unshare, "
                        "redis-server) "
                        "and the base image's root file system stage",
                        paths=("tests/unit/test_toolsdrive.py", "tests/unit/test_vmm_ready_made.py",
                               "tests/unit/test_deploy.py", "tests/unit/test_builder_scripts.py",
                               "tests/unit/test_shell_scripts.py", "tests/unit/test_host_venv.py",
-                              "tests/unit/test_broker_acl.py", "tests/unit/test_task_signing.py")),
+                              "tests/unit/test_broker_acl.py", "tests/unit/test_task_signing.py",
+                              "tests/unit/test_oci_kmods.py", "tests/unit/test_syscall_fence.py",
+                              "tests/unit/test_fuzz_stateful.py")),
 }
 
 # Skips that say something about the machine no setup script changes, not about a missing

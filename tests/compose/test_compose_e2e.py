@@ -6,7 +6,8 @@ guest, the data plane routed to each node's pool by its routes sidecar): each gu
 service of the stack, no API port and not the other node's guest, while its node container
 reaches the services and the data plane's container the other guest (so the addresses are
 right); a guest with internet access sends out through its node's uplink, one without does not.
-Then one is paused and resumed on the other node from the S3 store, with its file. Before that:
+Then one is paused and resumed on the other node from the S3 store, with its file. Both node
+containers can start the egress proxy (its venv is in the node image). Before that:
 each node joined with the token the one-shot join-tokens left it, and works as a PostgreSQL role
 of its own that cannot read API keys (it never had the control plane's database password).
 ``docker compose down -v`` afterwards. The timings go to the output (docs/deployment.md)."""
@@ -71,11 +72,18 @@ def create_on(stack, node: str, **options) -> Sandbox:
     return sandbox
 
 
-def closed_from(sandbox: Sandbox, host: str, port: int) -> bool:
-    """Whether a TCP connection from inside the guest to host:port fails."""
-    done = sandbox.commands.run(f"timeout 5 bash -c 'echo > /dev/tcp/{host}/{port}' && echo OPEN || echo CLOSED",
-                                timeout=30)
-    return done.stdout.strip().endswith("CLOSED")
+def closed_from(sandbox: Sandbox, targets: dict[str, tuple[str, int]]) -> dict[str, bool]:
+    """For each named host:port, whether a TCP connection from inside the guest to it fails:
+    one command, every attempt at once (each gives up after 5 s)."""
+    names = list(targets)
+    tries = " ".join(f"{i}={host}:{port}" for i, (host, port) in enumerate(targets.values()))
+    done = sandbox.commands.run(
+        f"for t in {tries}; do (a=${{t#*=}}; if timeout 5 bash -c \"echo > /dev/tcp/${{a%:*}}/${{a##*:}}\" "
+        f"2>/dev/null; then echo \"${{t%%=*}} OPEN\"; else echo \"${{t%%=*}} CLOSED\"; fi) & done; wait",
+        timeout=60)
+    seen = {names[int(i)]: verdict for i, verdict in (line.split() for line in done.stdout.splitlines() if line.strip())}
+    assert set(seen) == set(targets), done.stdout
+    return {name: verdict == "CLOSED" for name, verdict in seen.items()}
 
 
 PUBLIC = "192.0.43.8"  # a public address (IANA's): no private range, so a guest's policy decides on it
@@ -151,6 +159,19 @@ def test_nodes_joined_with_tokens_and_work_as_their_own_database_roles(stack):
         assert users == {role}, (node, address, users)
 
 
+def test_node_containers_can_start_the_egress_proxy(stack):
+    """Each node image carries the egress proxy's venv (.venv-egress: domain allowOut, rules,
+    secrets): the node sees it as available, and the proxy's starter imports mitmproxy and
+    aenv's addon as the user it runs as (nobody)."""
+    for node in NODES:
+        seen = stack.manage("from vmm.net.egress import EgressProxy\n"
+                            "print('AVAILABLE', EgressProxy('check', '127.0.0.1', '/tmp').available())", service=node)
+        assert "AVAILABLE True" in seen, (node, seen)
+        started = stack.exec(node, "setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                             ".venv-egress/bin/python", "vmm/net/egress_proxy/run.py", "--help", check=False)
+        assert started.returncode == 0 and "--listen" in started.stdout, (node, started.stdout, started.stderr)
+
+
 def test_two_nodes_a_move_through_s3_and_a_guest_reaches_nothing(sdk):
     stack = sdk
     t0 = time.monotonic()
@@ -170,13 +191,14 @@ def test_two_nodes_a_move_through_s3_and_a_guest_reaches_nothing(sdk):
                     "dataplane": (stack.address("dataplane"), 3001)}
         placed = {node: row(stack, s.sandbox_id) for s, node in ((one, "node-1"), (two, "node-2"))}
         for guest, node, other in ((one, "node-1", "node-2"), (two, "node-2", "node-1")):
-            assert not closed_from(guest, "127.0.0.1", ENVD_PORT)  # the probe can say OPEN: its own envd
             targets = {**services, f"{other}'s guest": (placed[other]["envd_host"], placed[other]["envd_port"])}
             for name, (host, port) in targets.items():
                 prober = "dataplane" if name.endswith("guest") else node
                 probe = stack.exec(prober, "bash", "-c", f"timeout 5 bash -c 'echo > /dev/tcp/{host}/{port}'", check=False)
                 assert probe.returncode == 0, f"{prober} does not reach {name} at {host}:{port}: the probe proves nothing"
-                assert closed_from(guest, host, port), f"the guest on {node} reaches {name} at {host}:{port}"
+            closed = closed_from(guest, {**targets, "its own envd": ("127.0.0.1", ENVD_PORT)})
+            assert not closed.pop("its own envd")  # the probe can say OPEN
+            assert [name for name, shut in closed.items() if not shut] == [], f"the guest on {node} reaches them"
 
         # egress: a public address (offline it answers nothing, so what counts is the packet leaving
         # the node's container toward its uplink, counted there): node-1's guest has internet

@@ -1,36 +1,25 @@
-"""A real aenv stack (daphne + uvicorn + node worker + lifecycle sweeper + QEMU VMs) for
-the whole session, and `running_stack` for modules that need their own settings; a local
-OCI registry with one test image for the template-build tests (Python and TypeScript SDK)."""
+"""A real aenv stack (daphne + uvicorn + node worker + lifecycle sweeper + events worker + QEMU VMs) for
+the whole session, and `running_stack` for modules that need their own settings; a two-node
+stack on the S3 store shared by the cross-node tests (`s3_two_nodes`); a local OCI registry with
+one test image for the template-build tests (Python and TypeScript SDK)."""
 import os
 import shutil
+import time
 import uuid
-from contextlib import contextmanager
 
 import pytest
 
 from harness import oci_images, oci_registry
-
-from harness.stack import ROOT, Stack
+from harness.moto_s3 import CREDENTIALS, moto_server
+from harness.second_node import SecondNode
+from harness.stack import ROOT, running_stack  # noqa: F401 - the modules' own stacks import it from here
 from .tls_ingress import TlsIngress
-
-
-@contextmanager
-def running_stack(prefix: str = "e2e", **kwargs):
-    """A started Stack under a fresh home; stopped, its VMs killed and its home removed after."""
-    home = ROOT / "var" / "test-runs" / f"{prefix}-{uuid.uuid4().hex[:8]}"
-    s = Stack(home=home, **kwargs)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.shutdown()
-        if not os.environ.get("AENV_KEEP_TEST_HOME"):
-            shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def stack():
-    with running_stack() as s:
+    # With the events worker, and webhooks allowed to reach the tests' receivers on 127.0.0.1.
+    with running_stack(with_events=True, extra_env={"AENV_WEBHOOK_ALLOW_PRIVATE": "1"}) as s:
         yield s
 
 
@@ -72,3 +61,76 @@ def app_image(registry):
     token = f"tpl-{uuid.uuid4().hex[:8]}"
     return oci_images.make_test_image(registry.host, "aenv-test/app", "v1", token,
                                       base_layer=oci_images.debootstrap_layer(oci_images.debian_rootfs()))
+
+
+# ------------------------------------------------------------------ the shared S3 two-node stack
+
+S3_TWO_NODES = "s3_two_nodes"
+S3_TWO_NODES_BUCKET = "aenv-two-nodes"
+
+
+@pytest.fixture(scope="package")
+def _s3_two_nodes_stack():
+    """One moto server, one stack on the S3 store (node A) and a second node worker (node B: a
+    home, images dir and network instance of its own, the base disk hard-linked in) for the
+    cross-node tests of this package: starting them is ~20 s for the stack and ~15 s for node B
+    under the VM pass's load, and their stops ~6 s each, once instead of once per module. Its
+    settings are every user's: AENV_FORK_MAX_PER_NODE=2 (a fork of four spans the nodes), lazy
+    restores where FUSE works (the default). Tests that kill a node or need other settings keep
+    their own stack (test_node_death.py, test_snapshot_s3_e2e.py)."""
+    with moto_server(S3_TWO_NODES_BUCKET) as url:
+        prefix = f"two-{uuid.uuid4().hex[:6]}"
+        env = {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_S3_ENDPOINT": url, "AENV_S3_BUCKET": S3_TWO_NODES_BUCKET,
+               "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": prefix, **CREDENTIALS,
+               "AENV_FORK_MAX_PER_NODE": "2"}
+        with running_stack("s3two", extra_env=env) as s:
+            root = ROOT / "var" / "test-runs" / f"xn-{uuid.uuid4().hex[:6]}"  # QMP paths stay short
+            root.mkdir(parents=True)
+            node_b = None
+            try:
+                node_b = SecondNode(s, root)
+                s.s3, s.node_b = (url, prefix), node_b
+                yield s
+            finally:
+                if node_b is not None:
+                    node_b.stop()
+                shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def s3_two_nodes(_s3_two_nodes_stack, monkeypatch):
+    """The shared S3 two-node stack (``.node_b``: its SecondNode, ``.s3``: (endpoint, prefix)),
+    the E2B SDK pointed at it. Each test starts with both nodes taking sandboxes and must kill
+    what it made; after it, neither node is left draining and no sandbox is left running."""
+    stack = _s3_two_nodes_stack
+    for key, value in (("E2B_API_URL", stack.api_url), ("E2B_SANDBOX_URL", stack.sandbox_url),
+                       ("E2B_API_KEY", stack.api_key)):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    yield stack
+    left = stack.db("from nodes.models import Node; from sandboxes.models import Sandbox as S; "
+                    "Node.objects.update(draining=False); "
+                    "print(S.objects.filter(state__in=['running', 'paused']).count())").strip()
+    deadline = time.monotonic() + 30  # kills answered; the rows follow
+    while left != "0" and time.monotonic() < deadline:
+        time.sleep(1)
+        left = stack.db("from sandboxes.models import Sandbox as S; "
+                        "print(S.objects.filter(state__in=['running', 'paused']).count())").strip()
+    assert left == "0", "a test on the shared S3 two-node stack left sandboxes behind"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules on the shared S3 two-node stack run together, after this package's other
+    tests: its package-scoped stack starts once for them and stops right after them, instead of
+    idling (heartbeats, sweeps) beside every test between the first and the last of them."""
+    here = os.path.dirname(__file__)
+    shared = {str(i.path) for i in items if S3_TWO_NODES in getattr(i, "fixturenames", ())}
+    if not shared:
+        return
+    group = [i for i in items if str(i.path) in shared]
+    rest = [i for i in items if str(i.path) not in shared]
+    at = items.index(group[0])  # where the first of them was: the rest before it stay before
+    for n, item in enumerate(rest):
+        if os.path.dirname(str(item.path)) == here:
+            at = max(at, n + 1)  # after this package's last other test
+    items[:] = rest[:at] + group + rest[at:]

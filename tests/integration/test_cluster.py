@@ -1,7 +1,8 @@
 """A real 3-node cluster on this machine (``cluster``, what ``scripts/cluster.sh``
 runs): each node worker in a network namespace of its own with its own address, home and
 slot pool, against one PostgreSQL and one Redis, the API, data plane and sweeper in the root
-namespace. 30 sandboxes created at once through the official SDK spread over the nodes;
+namespace. 12 sandboxes (30 in the slow suite) created at once through the official SDK
+spread over the nodes;
 every one answers a command through the data plane and a shell through the dashboard's
 terminal WebSocket (both in the root namespace, reaching each guest in its node's
 namespace); a guest reaches neither the gateway, nor another node, nor another node's
@@ -31,7 +32,10 @@ from harness.stack import ROOT, free_port, shared_images_dir
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1500)]
 
-COUNT = 30  # sandboxes created at once
+# Sandboxes created at once: 12 in the default run (CI time), the full 30 in the slow suite
+# (AENV_TEST_SLOW=1 scripts/test.sh) or with AENV_TEST_CLUSTER_SANDBOXES (a multiple of 3).
+COUNT = int(os.environ.get("AENV_TEST_CLUSTER_SANDBOXES",
+                           "30" if os.environ.get("AENV_TEST_SLOW") == "1" else "12"))
 # Each node is sized for exactly COUNT / 3 base sandboxes (2 vCPU each: 2 cores × OVERCOMMIT
 # vCPUs), so the concurrent creates fill every node to the last slot and a fork on a full node
 # is reachable with real VMs.
@@ -127,7 +131,7 @@ async def terminal_answers(cluster, session: str, sandbox_id: str, n: int) -> bo
         return False
 
 
-def test_thirty_sandboxes_spread_reachable_and_kills_free_capacity(sdk):
+def test_sandboxes_created_at_once_spread_reachable_and_kills_free_capacity(sdk):
     from e2b import Sandbox  # noqa: PLC0415
 
     cluster = sdk
@@ -225,6 +229,14 @@ def test_thirty_sandboxes_spread_reachable_and_kills_free_capacity(sdk):
     assert all(final[n]["metrics"]["allocatedCPU"] == 0 for n in node_ids), final
 
 
+def _opens(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
 def test_a_guest_reaches_no_gateway_node_or_other_nodes_guest(sdk):
     """From inside a guest on node 1: its gateway's service ports, a listener on every root
     namespace address, its own node, node 2 and a guest on node 2 are all closed — while the
@@ -243,13 +255,16 @@ def test_a_guest_reaches_no_gateway_node_or_other_nodes_guest(sdk):
         guest = next(s for s in sandboxes if where[s.sandbox_id][0] == one.node_id)
         other_guest_host = next(h for s in sandboxes for n, h in [where[s.sandbox_id]] if n == two.node_id)
         metrics = 9464  # each node's Prometheus port, on its own address (the cluster sets AENV_METRICS_TOKEN)
-        root_ips = [a.split("/")[0] for a in hostnet.root_addresses()]
+        # the root namespace's addresses that answer from there: another test run's namespaces may
+        # come and go meanwhile (their addresses are not this cluster's to check)
+        root_ips = [ip for ip in (a.split("/")[0] for a in hostnet.root_addresses()) if _opens(ip, service.port)]
+        assert root_ips, hostnet.root_addresses()  # the machine's own address at least
         targets = [(one.gateway_ip, layout.pg_port), (one.gateway_ip, layout.redis_port),
                    (one.gateway_ip, service.port), (two.gateway_ip, service.port),
                    *((ip, service.port) for ip in root_ips),
                    (one.address, metrics), (two.address, metrics), (other_guest_host, 49983)]
         # from the root namespace these are open (so "closed" below is the fence, not nothing there)
-        for host, port in [(two.address, metrics), (other_guest_host, 49983), *((ip, service.port) for ip in root_ips)]:
+        for host, port in [(two.address, metrics), (other_guest_host, 49983)]:
             with socket.create_connection((host, port), timeout=5):
                 pass
         seen = probe(guest, targets)

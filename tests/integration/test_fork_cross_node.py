@@ -3,34 +3,19 @@ VMs and the S3 store (a moto server): with AENV_FORK_MAX_PER_NODE=2 a fork ×4 t
 official SDK puts two children on the parent's node and two on node B, which restores them
 lazily from the fork's stored capture. Every child has the parent's file and its running
 process (the same pid, still counting); killing the parent leaves node B's children running;
-once every child is gone the sweeper releases the capture (its row, node B's lazy mount)."""
+once every child is gone the sweeper releases the capture (its row, node B's lazy mount). The
+two nodes and the store are the package's shared S3 two-node stack (conftest.s3_two_nodes, whose
+settings include AENV_FORK_MAX_PER_NODE=2)."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 from e2b import Sandbox
 
-from harness.moto_s3 import CREDENTIALS, moto_server
-
-from .conftest import running_stack
-from .guest_counter import read_counter, start_counter
-from harness.second_node import SecondNode, short_root  # noqa: F401 - a fixture
+from harness.guest_counter import read_counter, start_counter
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
-
-BUCKET = "aenv-forkx"
-
-
-@pytest.fixture(scope="module")
-def forkx_stack():
-    with moto_server(BUCKET) as url:
-        env = {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_S3_ENDPOINT": url, "AENV_S3_BUCKET": BUCKET,
-               "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": f"fx-{uuid.uuid4().hex[:6]}", **CREDENTIALS,
-               "AENV_FORK_MAX_PER_NODE": "2"}
-        with running_stack("forkx", extra_env=env) as s:
-            yield s
 
 
 def _db(stack, code: str) -> str:
@@ -43,17 +28,16 @@ def _nodes_of(stack, ids: list[str]) -> dict[str, str]:
     return dict(pair.split("=") for pair in out.split(";") if pair)
 
 
-def test_a_fork_of_four_with_two_a_node_spans_two_nodes(forkx_stack, short_root, monkeypatch):
-    stack = forkx_stack
-    for key, value in (("E2B_API_URL", stack.api_url), ("E2B_SANDBOX_URL", stack.sandbox_url),
-                       ("E2B_API_KEY", stack.api_key)):
-        monkeypatch.setenv(key, value)
-    node_b = SecondNode(stack, short_root)
+def test_a_fork_of_four_with_two_a_node_spans_two_nodes(s3_two_nodes):
+    stack = s3_two_nodes
+    node_b = stack.node_b
     parent, children = None, []
     try:
         _db(stack, f"from nodes.models import Node; Node.objects.filter(pk='{node_b.id}').update(draining=True)")
-        parent = Sandbox.create(timeout=600)
-        _db(stack, f"from nodes.models import Node; Node.objects.filter(pk='{node_b.id}').update(draining=False)")
+        try:
+            parent = Sandbox.create(timeout=600)
+        finally:
+            _db(stack, f"from nodes.models import Node; Node.objects.filter(pk='{node_b.id}').update(draining=False)")
         parent.files.write("/home/user/state.txt", "from the parent")
         pid, _ = start_counter(parent)
 
@@ -107,4 +91,3 @@ def test_a_fork_of_four_with_two_a_node_spans_two_nodes(forkx_stack, short_root,
                 parent.kill()
             except Exception:  # noqa: BLE001 - killed above
                 pass
-        node_b.stop()

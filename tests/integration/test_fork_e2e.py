@@ -12,7 +12,7 @@ from e2b import Sandbox
 
 from cluster.processes import qemu_pids
 
-from .guest_counter import read_counter, start_counter
+from harness.guest_counter import read_counter, start_counter
 from .test_snapshot_e2e import _shm_files
 
 pytestmark = pytest.mark.vm

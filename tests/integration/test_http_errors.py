@@ -1,12 +1,11 @@
 """Raw HTTP checks of the status codes and JSON error bodies on both planes."""
-import uuid
 
 import httpx
 import pytest
 
 from envd import ENVD_PORT
 
-from harness.stack import ROOT, Stack
+from harness.stack import running_stack
 
 
 def assert_error(resp: httpx.Response, status: int, text: str | None = None) -> dict:
@@ -112,10 +111,7 @@ def test_files_bad_requests_through_the_data_plane(stack):
 
 def test_no_alive_node_gives_clear_error_fast():
     """A stack without any node worker: create answers 503 JSON at once, never hangs."""
-    s = Stack(home=ROOT / "var" / "test-runs" / f"nonode-{uuid.uuid4().hex[:8]}", with_node=False,
-              extra_env={"AENV_NODE_TASK_DEADLINE": "3"})
-    try:
-        s.start()
+    with running_stack("nonode", with_node=False, extra_env={"AENV_NODE_TASK_DEADLINE": "3"}) as s:
         h = {**s.headers(), "Content-Type": "application/json"}
         resp = httpx.post(f"{s.api_url}/v2/sandboxes", json={"templateID": "base"}, headers=h, timeout=30)
         assert_error(resp, 503, "node")
@@ -129,7 +125,3 @@ def test_no_alive_node_gives_clear_error_fast():
         assert_error(resp, 504)
         listed = httpx.get(f"{s.api_url}/v2/sandboxes", headers=h).json()
         assert listed == [], "a failed create must not show up as a live sandbox"
-    finally:
-        s.stop()
-        import shutil  # noqa: PLC0415
-        shutil.rmtree(s.home, ignore_errors=True)

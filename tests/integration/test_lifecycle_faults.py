@@ -10,7 +10,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from .guest_counter import read_counter, start_counter
+from harness.guest_counter import read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 

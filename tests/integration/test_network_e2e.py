@@ -5,6 +5,8 @@ reaches (an external host in a namespace of the test's own), live and across pau
 """
 import ipaddress
 import json
+import os
+import subprocess
 import time
 
 import pytest
@@ -13,6 +15,7 @@ from e2b import Sandbox
 from vmm.net import slots
 
 from harness.networld import EXT_A, EXT_B, NODE_SIDE, ExternalHost, NodeService, dns_ask, node_addresses, probe
+from harness.stack import ROOT
 
 pytestmark = [pytest.mark.vm,
               pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)")]
@@ -128,6 +131,19 @@ def _reach(sandbox) -> tuple[bool, bool]:
     return r[(EXT_A, 80)], r[(EXT_B, 80)]
 
 
+def _ts_update(stack, sandbox_id: str, step: str, address: str) -> dict:
+    """tests/ts/net/update_network.mjs: the npm SDK's updateNetwork on a running sandbox (no new
+    one); what getInfo showed after it."""
+    setup = subprocess.run([str(ROOT / "scripts" / "setup_ts_sdk.sh")], capture_output=True, text=True, timeout=600)
+    assert setup.returncode == 0, setup.stdout + setup.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(E2B_API_URL=stack.api_url, E2B_SANDBOX_URL=stack.sandbox_url, E2B_API_KEY=stack.api_key)
+    out = subprocess.run(["node", str(ROOT / "tests" / "ts" / "net" / "update_network.mjs"), sandbox_id, step, address],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_egress_policy_as_e2b_defines_it(stack, sdk_env, world):
     boxes = []
     try:
@@ -151,6 +167,13 @@ def test_egress_policy_as_e2b_defines_it(stack, sdk_env, world):
         assert _reach(only_b) == (False, True)
         only_b.update_network({})
         assert _reach(only_b) == (True, True)
+        # the TypeScript SDK's updateNetwork, on the same guest: the instance call with a
+        # selector callback, then the class call with allowInternetAccess
+        assert _ts_update(stack, only_b.sandbox_id, "allow-only", EXT_A)["network"] == {
+            "allowOut": [EXT_A], "denyOut": ["0.0.0.0/0"]}
+        assert _reach(only_b) == (True, False)
+        assert _ts_update(stack, only_b.sandbox_id, "closed", EXT_A)["allowInternetAccess"] is False
+        assert _reach(only_b) == (False, False)
         only_b.update_network({"deny_out": ["0.0.0.0/0"]})
         assert _reach(only_b) == (False, False)
 

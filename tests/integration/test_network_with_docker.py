@@ -44,7 +44,7 @@ def docker():
 
 @pytest.fixture(scope="module")
 def world(stack, docker):
-    """The external host (198.51.100.10 and .20) and a service on every node address."""
+    """The external host (EXT_A and EXT_B) and a service on every node address."""
     ext = ExternalHost().start()
     service = NodeService()
     try:

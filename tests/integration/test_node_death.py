@@ -26,7 +26,7 @@ from cluster.processes import qemu_pids
 from harness.moto_s3 import CREDENTIALS, moto_server, silenced
 
 from .conftest import running_stack
-from .guest_counter import read_counter, start_counter
+from harness.guest_counter import read_counter, start_counter
 from harness.second_node import SecondNode, short_root  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]

@@ -13,7 +13,7 @@ import pytest
 from e2b import Sandbox
 
 from .conftest import running_stack
-from .guest_counter import read_counter, start_counter
+from harness.guest_counter import read_counter, start_counter
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 

@@ -9,7 +9,7 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 
 from cluster.processes import qemu_pids
 
-from .guest_counter import read_counter, start_counter
+from harness.guest_counter import read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 

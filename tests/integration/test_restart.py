@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from e2b import Sandbox
 
-from .guest_counter import read_counter, start_counter
+from harness.guest_counter import read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 

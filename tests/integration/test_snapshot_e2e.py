@@ -12,7 +12,7 @@ from e2b.exceptions import SandboxException
 
 from cluster.processes import qemu_pids
 
-from .guest_counter import read_counter, start_counter
+from harness.guest_counter import read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 

@@ -16,7 +16,7 @@ from harness.moto_s3 import CREDENTIALS, moto_server
 from harness.moto_s3 import client as s3_client
 
 from .conftest import running_stack
-from .guest_counter import read_counter, start_counter
+from harness.guest_counter import read_counter, start_counter
 
 pytestmark = pytest.mark.vm
 

@@ -4,7 +4,8 @@ nothing but the base image's kernel, initrd and tools drive, its own network ins
 the same database and broker — restores the template snapshot from the bucket (a moto
 server) because A is drained: the sandbox has the built files and the start command's
 server running. Nothing depends on the two nodes' paths being equal. The build recorded the
-template snapshot's prefetch list (issue 24), and node B's first create prefetches it."""
+template snapshot's prefetch list (issue 24), and node B's first create prefetches it. The two
+nodes and the store are the package's shared S3 two-node stack (conftest.s3_two_nodes)."""
 from __future__ import annotations
 
 import json
@@ -15,35 +16,25 @@ import pytest
 from e2b import Sandbox, Template, wait_for_port
 
 from chunkfs.client import ChunkfsClient
-from harness.moto_s3 import CREDENTIALS, client, moto_server
-from .conftest import running_stack
-from harness.second_node import SecondNode, short_root  # noqa: F401 - a fixture
+from harness.moto_s3 import client
+from .conftest import S3_TWO_NODES_BUCKET as BUCKET
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 
-BUCKET = "aenv-tpl"
 
-
-@pytest.fixture(scope="module")
-def s3_stack():
-    with moto_server(BUCKET) as url:
-        env = {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_S3_ENDPOINT": url, "AENV_S3_BUCKET": BUCKET,
-               "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": f"tpl-{uuid.uuid4().hex[:6]}", **CREDENTIALS}
-        with running_stack("tplx", extra_env=env) as s:
-            s.s3 = (url, env["AENV_S3_PREFIX"])
-            yield s
-
-
-def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_stack, app_image, short_root, monkeypatch):
-    stack = s3_stack
-    for key, value in (("E2B_API_URL", stack.api_url), ("E2B_SANDBOX_URL", stack.sandbox_url),
-                       ("E2B_API_KEY", stack.api_key)):
-        monkeypatch.setenv(key, value)
+def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_two_nodes, app_image):
+    stack = s3_two_nodes
+    node_b = stack.node_b
     name = f"xnode-{uuid.uuid4().hex[:6]}"
     template = (Template().from_image(app_image.ref)
                 .run_cmd("echo built-on-a > /home/user/where.txt")
                 .set_start_cmd("python3 -m http.server 8000", wait_for_port(8000)))
-    Template.build(template, name)
+    # node A builds it: node B drains meanwhile (placement would otherwise take the emptier one)
+    stack.db(f"from nodes.models import Node; Node.objects.filter(pk='{node_b.id}').update(draining=True)")
+    try:
+        Template.build(template, name)
+    finally:
+        stack.db(f"from nodes.models import Node; Node.objects.filter(pk='{node_b.id}').update(draining=False)")
     built_on = stack.db(f"from template_builds.models import TemplateBuild as B; "
                         f"print(B.objects.get(template__alias='{name}', status='ready').node_id)").strip()
     assert built_on == stack.node_id
@@ -52,7 +43,6 @@ def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_stack, app_im
         return stack.db(f"from sandboxes.models import Sandbox as S; print(S.objects.get(pk='{sbx.sandbox_id}')"
                         ".node_id)").strip()
 
-    node_b = SecondNode(stack, short_root)
     try:
         # Locality: both creates restore on A, which has the template snapshot, although after the
         # first one the spread policy alone would send the second to the emptier node B.
@@ -71,13 +61,13 @@ def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_stack, app_im
             assert "http.server" in sbx.commands.run("ps -eo args").stdout
             # node B never pulled the image: the snapshot carried its disk
             assert not (node_b.images / "oci").exists()
+            snap = stack.db(f"from template_builds.models import TemplateBuild as B; "
+                            f"print(B.objects.get(template__alias='{name}', status='ready').snapshot_id)").strip()
             # ...nor downloaded the snapshot: it runs from lazily filled files (AENV_LAZY_RESTORE)
-            assert list((node_b.home / "lazy" / "snapshots").glob("*/manifest.json"))
+            assert (node_b.home / "lazy" / "snapshots" / snap / "manifest.json").is_file()
             assert not (node_b.home / "cache" / "snapshots").exists() or not list(
                 (node_b.home / "cache" / "snapshots").glob("*/manifest.json"))
             # ...and its heartbeat now tells placement that it has the template snapshot too
-            snap = stack.db(f"from template_builds.models import TemplateBuild as B; "
-                            f"print(B.objects.get(template__alias='{name}', status='ready').snapshot_id)").strip()
             # the build recorded what a restore reads first, and this first create here fetched it ahead
             url, prefix = stack.s3
             order = json.loads(client(url).get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/{snap}/prefetch.json")
@@ -102,4 +92,3 @@ def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_stack, app_im
             sbx.kill()
     finally:
         stack.db(f"from nodes.models import Node; Node.objects.filter(pk='{stack.node_id}').update(draining=False)")
-        node_b.stop()

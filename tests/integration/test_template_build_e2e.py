@@ -3,7 +3,8 @@ image in a local registry (Debian's docker-registry on 127.0.0.1, holding an ima
 here from a small debootstrap rootfs), the node's builder runs the steps in a real VM,
 and a sandbox created from the template has the copied files, the env var, the workdir,
 the user and the start command's server already running (reached through the data
-plane). Also: a rebuild reuses every cached layer, a failing RUN fails at its step with
+plane), and mounts a volume (the image has no kernel modules: the build gave its disk the guest
+kernel's NFS client). Also: a rebuild reuses every cached layer, a failing RUN fails at its step with
 its exit status and output, a failed rebuild leaves the previous build in service,
 ``fromTemplate`` builds on a built template, tags, exists and delete."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox, Template, wait_for_port
+from e2b import Sandbox, Template, Volume, wait_for_port
 from e2b.exceptions import BuildException
 
 from harness import oci_registry
@@ -56,8 +57,9 @@ def _build(template: Template, name: str, **kwargs):
     return info, lines, time.monotonic() - t0
 
 
-def test_build_create_run_rebuild_fail_and_delete(sdk_env, app_image, context):
+def test_build_create_run_rebuild_fail_and_delete(sdk_env, app_image, context, monkeypatch):
     name = f"e2e-app-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setenv("E2B_VOLUME_API_URL", sdk_env.api_url)
     assert Template.exists(name) is False
     info, lines, first_s = _build(definition(app_image.ref, context), f"{name}:v1", tags=["extra"], cpu_count=2,
                                   memory_mb=1024)
@@ -67,8 +69,16 @@ def test_build_create_run_rebuild_fail_and_delete(sdk_env, app_image, context):
     assert not any(line.startswith("CACHED") for line in lines)
     assert Template.exists(name) and Template.exists(f"{name}:v1") and not Template.exists(f"{name}:nope")
 
-    sbx = Sandbox.create(f"{name}:v1", timeout=300)
+    vol = Volume.create(f"oci-{uuid.uuid4().hex[:8]}")
+    vol.write_file("/seed.txt", "from the content API")
+    sbx = Sandbox.create(f"{name}:v1", timeout=300, volume_mounts={"/mnt/data": vol})
     try:
+        # the image (Debian minbase) has no kernel modules and no modprobe: the build put the
+        # guest kernel's NFS client on its disk, the drive's busybox loaded it
+        assert sbx.commands.run("cat /mnt/data/seed.txt").stdout.strip() == "from the content API"
+        sbx.commands.run("echo from-the-oci-template > /mnt/data/guest.txt")
+        assert vol.read_file("/guest.txt").strip() == "from-the-oci-template"
+        assert sbx.commands.run("ls /lib/modules/*/kernel/fs/nfs").stdout.split() == ["nfs.ko", "nfsv3.ko"]
         assert sbx.commands.run("pwd").stdout.strip() == "/srv/site"  # WORKDIR persists
         assert sbx.commands.run("whoami").stdout.strip() == "user"
         assert sbx.commands.run("echo $GREETING").stdout.strip() == "hello from the template"  # ENV persists
@@ -85,6 +95,7 @@ def test_build_create_run_rebuild_fail_and_delete(sdk_env, app_image, context):
         assert page.status_code == 200 and "built by aenv" in page.text
     finally:
         sbx.kill()
+    Volume.destroy(vol.volume_id)
 
     info2, lines2, second_s = _build(definition(app_image.ref, context), f"{name}:v1")
     assert info2.template_id == info.template_id and info2.build_id != info.build_id

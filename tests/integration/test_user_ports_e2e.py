@@ -3,11 +3,12 @@ guest reached with the SDK's host form and with the routing headers, a WebSocket
 round-tripping text and binary frames, a server bound to 127.0.0.1 in the guest (envd
 re-exposes it), four fork children each serving their own port, a closed port's 502, and a
 private sandbox's traffic token."""
-import time
 
 import httpx
 import pytest
 from e2b import Sandbox
+
+from harness.polling import until
 
 pytestmark = pytest.mark.vm
 
@@ -61,18 +62,6 @@ while True:
 '''
 
 
-def _until(fn, what: str, deadline: float = 30):
-    end = time.monotonic() + deadline
-    while True:
-        try:
-            result = fn()
-            if result:
-                return result
-        except (httpx.HTTPError, OSError):
-            pass
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.3)
-
 
 def _headers(sbx, port: int, **extra) -> dict:
     return {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(port), **extra}
@@ -92,14 +81,14 @@ def test_http_websocket_and_loopback_services_through_the_data_plane(stack, sdk_
         # the SDK's host form: <port>-<id>.<domain>
         host = sbx.get_host(8080)
         assert host.startswith(f"8080-{sbx.sandbox_id}.")
-        r = _until(lambda: (x := httpx.get(f"{stack.sandbox_url}/hello.txt", headers={"Host": host}, timeout=10))
+        r = until(lambda: (x := httpx.get(f"{stack.sandbox_url}/hello.txt", headers={"Host": host}, timeout=10))
                    .status_code == 200 and x, "the guest's HTTP server (host form)")
         assert r.text == "hello from the guest"
         # the routing headers
         r = httpx.get(f"{stack.sandbox_url}/hello.txt", headers=_headers(sbx, 8080), timeout=10)
         assert r.status_code == 200 and r.text == "hello from the guest"
         # a service bound to 127.0.0.1 in the guest, re-exposed by envd
-        r = _until(lambda: (x := httpx.get(f"{stack.sandbox_url}/hello.txt", headers=_headers(sbx, 8081),
+        r = until(lambda: (x := httpx.get(f"{stack.sandbox_url}/hello.txt", headers=_headers(sbx, 8081),
                                            timeout=10)).status_code == 200 and x, "the loopback-bound server")
         assert r.text == "hello from the guest"
         # a closed port: E2B's 502 body
@@ -111,7 +100,7 @@ def test_http_websocket_and_loopback_services_through_the_data_plane(stack, sdk_
         def open_ws():
             return connect(ws_url, additional_headers=_headers(sbx, 8765), subprotocols=["chat"], open_timeout=10)
 
-        ws = _until(open_ws, "the guest's WebSocket server")
+        ws = until(open_ws, "the guest's WebSocket server")
         with ws:
             assert ws.subprotocol == "chat"
             ws.send("ping through the proxy")
@@ -134,7 +123,7 @@ def test_four_fork_children_each_serve_their_own_port(stack, sdk_env):
         for child in children:  # each writes its own id where its server (forked, already running) serves
             child.files.write("/tmp/www/who.txt", child.sandbox_id)
         for child in children:
-            r = _until(lambda: (x := httpx.get(f"{stack.sandbox_url}/who.txt", headers=_headers(child, 8080),
+            r = until(lambda: (x := httpx.get(f"{stack.sandbox_url}/who.txt", headers=_headers(child, 8080),
                                                timeout=10)).status_code == 200 and x, f"{child.sandbox_id}:8080")
             assert r.text == child.sandbox_id
     finally:
@@ -157,7 +146,7 @@ def test_private_sandbox_needs_its_traffic_token_on_user_ports(stack, sdk_env):
         wrong = httpx.get(f"{stack.sandbox_url}/p.txt", timeout=10,
                           headers=_headers(sbx, 8080, **{"e2b-traffic-access-token": "nope"}))
         assert wrong.status_code == 403
-        ok = _until(lambda: (x := httpx.get(f"{stack.sandbox_url}/p.txt", timeout=10, headers=_headers(
+        ok = until(lambda: (x := httpx.get(f"{stack.sandbox_url}/p.txt", timeout=10, headers=_headers(
             sbx, 8080, **{"e2b-traffic-access-token": token}))).status_code == 200 and x, "the private port")
         assert ok.text == "private\n"
         # envd's own port keeps its own token: the SDK works as ever
@@ -187,11 +176,11 @@ def test_the_guest_sees_the_host_it_was_asked_for_or_the_masked_one(stack, sdk_e
             sbx.files.write("/tmp/echo_headers.py", HEADERS_ECHO)
             sbx.commands.run("python3 /tmp/echo_headers.py 8080 >/dev/null 2>&1", background=True)
         host = plain.get_host(8080)
-        seen = _until(lambda: (x := httpx.get(stack.sandbox_url, headers={"Host": host}, timeout=10))
+        seen = until(lambda: (x := httpx.get(stack.sandbox_url, headers={"Host": host}, timeout=10))
                       .status_code == 200 and x.json(), "the plain sandbox's header echo")
         assert seen["host"] == host and seen["xfh"] is None
         host = masked.get_host(8080)
-        seen = _until(lambda: (x := httpx.get(stack.sandbox_url, headers={"Host": host}, timeout=10))
+        seen = until(lambda: (x := httpx.get(stack.sandbox_url, headers={"Host": host}, timeout=10))
                       .status_code == 200 and x.json(), "the masked sandbox's header echo")
         assert seen["host"] == "custom-host.example.com:8080" and seen["xfh"] == host
     finally:

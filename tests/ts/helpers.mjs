@@ -34,6 +34,10 @@ const entry = sdkEntry()
 const e2b = await import(entry.url)
 export const SDK_VERSION = entry.version
 export const {
+  ALL_TRAFFIC,
+  ApiClient,
+  ConnectionConfig,
+  E2B,
   Sandbox,
   Template,
   BuildError,
@@ -46,8 +50,13 @@ export const {
   SandboxError,
   SandboxNotFoundError,
   Secret,
+  SecretNotFoundError,
   TimeoutError,
   Volume,
+  VolumeError,
+  VolumeFileType,
+  VolumeNotFoundError,
+  VolumePathNotFoundError,
 } = e2b
 
 /** A call to aenv's REST API with the suite's key (for what the SDK has no method for). */

@@ -197,3 +197,16 @@ def slot_prefix():
     for name in slots.stray_veths(prefix):
         slots.remove_link(name)
     host_table.remove(prefix)
+
+
+@pytest.fixture(autouse=True)
+def _volumes_without_limits():
+    """Unit tests' volumes are plain directories in their tmp_path (a volume with a limit is a
+    loop mount, volumes.image, which a tmp_path's removal would leave behind); the tests of
+    limits set AENV_VOLUME_MAX_MB themselves."""
+    from django.conf import settings  # noqa: PLC0415
+
+    old = getattr(settings, "AENV_VOLUME_MAX_MB", 0)
+    settings.AENV_VOLUME_MAX_MB = 0
+    yield
+    settings.AENV_VOLUME_MAX_MB = old

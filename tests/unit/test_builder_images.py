@@ -240,7 +240,7 @@ def test_a_build_from_an_image_marks_it_used_after_the_pull_and_after_the_disk(n
     pulled = store.load(images_dir, disk.digest)
     seen = []
 
-    def ensure_disk(_images_dir, image, progress):
+    def ensure_disk(_images_dir, image, progress, modules=None):
         seen.append(images.last_used(images_dir, image.digest))
         t = time.time() - 5000
         os.utime(usage.used_marker(images_dir, image.digest), (t, t))

@@ -280,6 +280,22 @@ def test_node_image_installs_no_test_extra():
     assert missing.returncode != 0 and "no no-such-package" in missing.stderr
 
 
+def test_node_image_carries_the_egress_proxy_venv():
+    """The node's egress proxy runs from .venv-egress beside the checkout (vmm.net.egress): the
+    node image makes it with setup.sh's own step (its pins) before the source is copied, and the
+    host's never enters the build context (it would replace the image's)."""
+    from vmm.net import egress
+
+    assert egress.DEFAULT_MITMDUMP.relative_to(egress.ROOT) == Path(".venv-egress/bin/mitmdump")
+    text = (DEPLOY / "docker" / "Dockerfile.node").read_text()
+    made = text.index("setup_egress_proxy_env")
+    assert text.index("COPY scripts/setup.sh") < made < text.index("COPY . .")
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    assert ".venv-egress" in ignored
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert re.search(r"^setup_egress_proxy_env\(\) \(", setup, re.M) and ".venv-egress/bin/pip install" in setup
+
+
 def test_compose_ci_override_runs_two_nodes_on_moto():
     """deploy/compose.ci.yaml (tests/compose/): moto instead of MinIO (no registry), two nodes by
     default, each seeded from the host's images at the same path; and `config` accepts the pair."""
@@ -373,7 +389,7 @@ def test_systemd_units_run_what_up_sh_runs():
     """The same five processes, the same apps and entry points as scripts/up.sh."""
     up = (ROOT / "scripts" / "up.sh").read_text()
     for unit, needle in (("aenv-api.service", "config.asgi:application"),
-                         ("aenv-dataplane.service", "config.dataplane_asgi:application"),
+                         ("aenv-dataplane.service", "-m dataplane.serve"),
                          ("aenv-sweeper.service", "manage.py run_lifecycle"),
                          ("aenv-events.service", "manage.py run_events_worker"),
                          ("aenv-node.service", "manage.py run_node")):

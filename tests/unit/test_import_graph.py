@@ -164,7 +164,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("team_secrets",),  # a team's sealed secrets and who may resolve them (above Team, Sandbox)
     ("sandboxes",),  # Team, ApiKey, Template, Sandbox; the sandbox states and their writer
     ("code_interpreter", "aenv_cli"),
-    ("vmm", "chunkfs"),  # chunkfs: lazily filled files over the node's chunk cache (no Django)
+    ("vmm",),
+    ("chunkfs",),  # lazily filled files over the node's chunk cache (no Django; vmm's RAM copies use it)
     ("envd_client",),
     ("envd",),
 ]
@@ -232,7 +233,7 @@ def test_control_plane_and_node_agent_meet_only_at_the_protocol():
                        if any(d == e or d.startswith(e + ".") for e in edge))
     assert into_edge == []
     assert not [d for m, deps in graph.items() if m.split(".")[0] == "vmm" for d in deps
-                if d.split(".")[0] not in ("vmm", "envd", "envd_client")], "vmm must stay Django-free"
+                if d.split(".")[0] not in ("vmm", "chunkfs", "envd", "envd_client")], "vmm must stay Django-free"
 
 
 def test_the_standalone_cli_needs_only_what_cli_pyproject_packages():

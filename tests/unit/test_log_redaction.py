@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from config.log_redaction import REDACTED, redact
+from harness.processes import stop
 from harness.stack import free_port
 from tests.unit.test_dataplane import _test_database_url
 
@@ -54,12 +55,7 @@ def _serve_and_ask(tmp_path, argv, ready_status, requests) -> str:
             httpx.request(method, url + path, headers=headers, timeout=10)
         time.sleep(0.5)  # the access log line is written after the response
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     return out.read_text(errors="replace")
 
 

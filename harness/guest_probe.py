@@ -1,0 +1,62 @@
+"""Python the egress tests run inside a guest: plain sockets that report what a connection got
+(the bytes, ``closed`` or ``failed: …``, never an exception) and a runner of named checks in
+parallel. A test's script is ``LIB`` followed by its own checks, ending with
+``print(json.dumps(run_checks(checks, names)))``: one JSON object, check -> what the guest got."""
+
+LIB = r'''
+import json, socket, ssl, sys, threading
+
+def read(sock):
+    out = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    except Exception:
+        pass
+    return out.decode(errors="replace")
+
+def https(ip, sni, host=None, port=443, timeout=15):
+    # TLS naming ``sni`` to ip:port (certificates not checked), then a GET with Host ``host``
+    try:
+        raw = socket.create_connection((ip, port), timeout=timeout)
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        tls = ctx.wrap_socket(raw, server_hostname=sni)
+        tls.sendall(f"GET / HTTP/1.1\r\nHost: {host or sni}\r\nConnection: close\r\n\r\n".encode())
+        return read(tls)
+    except Exception as exc:
+        return f"failed: {exc!r}"
+
+def http(ip, host, timeout=15):
+    try:
+        s = socket.create_connection((ip, 80), timeout=timeout)
+        s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        return read(s)
+    except Exception as exc:
+        return f"failed: {exc!r}"
+
+def tcp(ip, port, send=b"", timeout=8):
+    try:
+        s = socket.create_connection((ip, port), timeout=timeout)
+        s.settimeout(timeout)
+        if send:
+            s.sendall(send)
+        return read(s) or "closed"
+    except Exception as exc:
+        return f"failed: {exc!r}"
+
+def run_checks(checks, names):
+    results = {}
+    def run(name):
+        try:
+            results[name] = checks[name]()
+        except Exception as exc:
+            results[name] = f"failed: {exc!r}"
+    threads = [threading.Thread(target=run, args=(n,)) for n in names]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    return results
+'''
