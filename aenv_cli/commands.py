@@ -94,6 +94,14 @@ def pair(text: str) -> tuple[str, str]:
     return key, value
 
 
+def mount(text: str) -> dict:
+    """``NAME:/path``: a volume mounted at an absolute path (E2B's ``volumeMounts`` entry)."""
+    name, sep, path = text.partition(":")
+    if not sep or not name or not path.startswith("/"):
+        raise argparse.ArgumentTypeError(f"expected VOLUME:/absolute/path, not {text!r}")
+    return {"name": name, "path": path}
+
+
 def states(text: str) -> list[str]:
     """``running``, ``paused`` or both comma-joined."""
     values = [s.strip() for s in text.split(",") if s.strip()]
@@ -167,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     _processes(sub)
     _files(sub)
     _snapshots(sub, out, act)
+    _volumes(sub, out, act)
     _observe(sub, out)
     _templates(sub, out, act)
     _build_command(sub, "build")  # AgentENV's spelling of template build
@@ -239,6 +248,8 @@ def _sandboxes(sub, out, act) -> None:
         p.add_argument("--no-internet", action="store_true", help="no outbound network at all")
         p.add_argument("--allow-out", action="append", metavar="CIDR", help="allowed outbound destination (repeatable)")
         p.add_argument("--deny-out", action="append", metavar="CIDR", help="denied outbound destination (repeatable)")
+        p.add_argument("-v", "--volume", type=mount, action="append", metavar="VOLUME:PATH",
+                       help="mount a volume (name) at an absolute path (repeatable)")
         if not detach:
             p.add_argument("-d", "--detach", action="store_true", help="print the id and return (no shell)")
             p.add_argument("--rm", action="store_true", help="kill the sandbox when the shell exits")
@@ -347,6 +358,47 @@ def _snapshots(sub, out, act) -> None:
     c = _command(ssub, "rm", "snapshots:cmd_rm", "delete snapshots", aliases=["delete"], parents=[act],
                  description="Deletes snapshots by id or name (refused while sandboxes still use their files).")
     c.add_argument("snapshots", nargs="+", metavar="SNAPSHOT")
+
+
+def _volumes(sub, out, act) -> None:
+    p = _command(sub, "volume", "volumes:cmd_ls", "create, list and delete volumes; their files",
+                 aliases=["volumes", "vol"],
+                 description="Volumes: persistent team storage that sandboxes mount (aenv start -v NAME:/path),\n"
+                             "kept when they end. A volume is named by its name or id; its files are reached\n"
+                             "without a sandbox through the volume content API.")
+    vsub = p.add_subparsers(dest="volume_action", required=True, metavar="{ls,create,rm,mkdir,put,get}")
+    c = _command(vsub, "ls", "volumes:cmd_ls", "list volumes, or the files of one", aliases=["list"], parents=[out],
+                 description="Without VOLUME: the team's volumes. With VOLUME: the files under PATH (default /).")
+    c.add_argument("volume", nargs="?", metavar="VOLUME", help="a volume's name or id")
+    c.add_argument("path", nargs="?", default="/", metavar="PATH", help="a directory of the volume (default /)")
+    c.add_argument("-d", "--depth", type=positive, default=1, metavar="N", help="levels listed (1-32, default 1)")
+    c = _command(vsub, "create", "volumes:cmd_create", "create a volume (prints its id)", parents=[act])
+    c.add_argument("name", metavar="NAME", help="letters, digits, _ and -; unique in the team")
+    c = _command(vsub, "rm", "volumes:cmd_rm", "delete volumes and their files", aliases=["delete"], parents=[act],
+                 description="Deletes volumes by name or id with every file in them (refused, exit 5, while a\n"
+                             "live sandbox or a snapshot mounts one).")
+    c.add_argument("volumes", nargs="+", metavar="VOLUME")
+    c = _command(vsub, "mkdir", "volumes:cmd_mkdir", "make a directory in a volume")
+    c.add_argument("volume", metavar="VOLUME")
+    c.add_argument("path", metavar="PATH")
+    c.add_argument("-p", "--parents", action="store_true", help="make missing parents too")
+    c = _command(vsub, "put", "volumes:cmd_put", "copy a file or directory into a volume",
+                 description="Copies a local file or directory into a volume. A REMOTE_PATH ending in / or an\n"
+                             "existing directory receives LOCAL_PATH under its own name. Each file is written\n"
+                             "whole (replacing one of the same name). Symlinks and special files are refused.")
+    c.add_argument("volume", metavar="VOLUME")
+    c.add_argument("local_path", metavar="LOCAL_PATH")
+    c.add_argument("remote_path", nargs="?", default="/", metavar="REMOTE_PATH", help="default: the volume's root")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    c = _command(vsub, "get", "volumes:cmd_get", "copy a file or directory out of a volume",
+                 description="Copies a file or directory of a volume into LOCAL_PATH (default: .). An existing\n"
+                             "local directory receives it under its own name. Nothing is replaced without\n"
+                             "--force; each file appears under its name only once complete.")
+    c.add_argument("volume", metavar="VOLUME")
+    c.add_argument("remote_path", metavar="REMOTE_PATH")
+    c.add_argument("local_path", nargs="?", default=".", metavar="LOCAL_PATH")
+    c.add_argument("-f", "--force", action="store_true", help="replace local files that are in the way")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def _observe(sub, out) -> None:

@@ -89,6 +89,8 @@ def create_body(args, template: str) -> dict:
                **({"denyOut": args.deny_out} if args.deny_out else {})}
     if network:
         body["network"] = network
+    if getattr(args, "volume", None):
+        body["volumeMounts"] = args.volume
     return body
 
 

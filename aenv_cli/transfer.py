@@ -111,8 +111,9 @@ def _make_dir(envd: EnvdClient, path: str, user: str | None) -> str:
     return entry.path
 
 
-def cmd_upload(args, config: Config) -> int:
-    source = Path(args.local_path)
+def local_source_mode(source: Path) -> int:
+    """The mode of a local file or directory to send: a missing path, a symlink or anything
+    else is refused (the sandbox upload's and the volume put's one rule)."""
     try:
         mode = os.lstat(source).st_mode
     except FileNotFoundError:
@@ -121,22 +122,32 @@ def cmd_upload(args, config: Config) -> int:
         raise CliError(f"symbolic links are not supported: {source}", errors.USAGE)
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise CliError(f"not a regular file or directory: {source}", errors.USAGE)
+    return mode
+
+
+def upload_destination(remote: str, name: str, *, into: bool, exists: bool, tree: bool) -> str:
+    """Where an upload of ``name`` lands (the sandbox upload's and the volume put's one rule):
+    under its own name ``into`` a directory, else at ``remote`` itself; a tree never replaces
+    an existing non-directory."""
+    if into:
+        return posixpath.join(remote, name)
+    if exists and tree:
+        raise CliError(f"remote destination exists and is not a directory: {remote}", errors.CONFLICT)
+    return remote
+
+
+def cmd_upload(args, config: Config) -> int:
+    source = Path(args.local_path)
+    mode = local_source_mode(source)
     remote = args.remote_path
     if not remote:
         raise CliError("the remote destination is empty", errors.USAGE)
     name = source.resolve().name
     tree = local_tree(source) if stat.S_ISDIR(mode) else None
     with sandbox_envd(config, args.sandbox_id) as envd:
-        if remote.endswith("/"):
-            dest = posixpath.join(remote, name)
-        else:
-            existing = _stat_or_none(envd, remote, args.user)
-            if existing is not None and existing.type == "dir":
-                dest = posixpath.join(remote, name)
-            elif existing is not None and tree is not None:
-                raise CliError(f"remote destination exists and is not a directory: {remote}", errors.CONFLICT)
-            else:
-                dest = remote
+        existing = None if remote.endswith("/") else _stat_or_none(envd, remote, args.user)
+        dest = upload_destination(remote, name, into=remote.endswith("/") or getattr(existing, "type", "") == "dir",
+                                  exists=existing is not None, tree=tree is not None)
         if tree is None:
             with output.Progress(os.path.getsize(source), "Uploading", quiet=args.quiet) as progress:
                 final = upload_one(envd, source, dest, args.user, progress)
@@ -158,15 +169,21 @@ def cmd_upload(args, config: Config) -> int:
 
 def download_one(envd: EnvdClient, entry: EntryInfo, dest: Path, *, force: bool, user: str | None,
                  progress: output.Progress) -> None:
-    """Fetches ``entry`` into a hidden twin of ``dest``, then gives it ``dest``'s name
-    (never over an existing file unless ``force``)."""
+    """Fetches ``entry`` into ``dest`` (``land_file``)."""
     progress.describe(entry.name)
+    land_file(dest, lambda sink: envd.download_file(entry.path, sink, user=user, on_chunk=progress.advance),
+              force=force, mode=entry.mode)
+
+
+def land_file(dest: Path, fetch, *, force: bool, mode: int | None = None) -> None:
+    """Writes what ``fetch(sink)`` writes into a hidden twin of ``dest``, then gives it
+    ``dest``'s name (never over an existing file unless ``force``); also ``aenv volume get``'s."""
     fd, twin = tempfile.mkstemp(prefix=f".{dest.name}.aenv-download-", dir=dest.parent)
     try:
         with os.fdopen(fd, "wb") as sink:
-            envd.download_file(entry.path, sink, user=user, on_chunk=progress.advance)
-        if entry.mode:
-            os.chmod(twin, entry.mode & 0o777)
+            fetch(sink)
+        if mode:
+            os.chmod(twin, mode & 0o777)
         if force:
             os.replace(twin, dest)
         else:
@@ -181,7 +198,7 @@ def download_one(envd: EnvdClient, entry: EntryInfo, dest: Path, *, force: bool,
         raise
 
 
-def _local_destination(local: str, name: str) -> Path:
+def local_destination(local: str, name: str) -> Path:
     dest = Path(local)
     if local.endswith(("/", os.sep)) or dest.is_dir():
         dest = dest / name
@@ -192,11 +209,27 @@ def _local_destination(local: str, name: str) -> Path:
     return dest
 
 
-def _check_file_target(dest: Path, force: bool) -> None:
+def check_file_target(dest: Path, force: bool) -> None:
     if dest.is_symlink() or (dest.exists() and not dest.is_file()):
         raise CliError(f"local path exists and is not a regular file: {dest}", errors.CONFLICT)
     if dest.exists() and not force:
         raise CliError(f"local file exists: {dest}; --force replaces it", errors.CONFLICT)
+
+
+def prepare_tree(dest: Path, dirs: list[str], files: list[str], force: bool) -> None:
+    """Checks that nothing local is in the way of a tree of relative ``dirs`` and ``files``
+    landing at ``dest`` (CliError before anything moves), then makes its directories."""
+    if dest.exists() and (dest.is_symlink() or not dest.is_dir()):
+        raise CliError(f"local path exists and is not a directory: {dest}", errors.CONFLICT)
+    for rel in dirs:
+        target = dest / rel
+        if target.is_symlink() or (target.exists() and not target.is_dir()):
+            raise CliError(f"local path exists and is not a directory: {target}", errors.CONFLICT)
+    for rel in files:
+        check_file_target(dest / rel, force)
+    dest.mkdir(exist_ok=True)
+    for rel in dirs:
+        (dest / rel).mkdir(parents=True, exist_ok=True)
 
 
 def remote_tree(envd: EnvdClient, root: EntryInfo, user: str | None) -> tuple[list[str], list[EntryInfo]]:
@@ -222,9 +255,9 @@ def cmd_download(args, config: Config) -> int:
         if entry is None:
             raise CliError(f"remote path does not exist: {args.remote_path}", errors.NOT_FOUND)
         name = posixpath.basename(entry.path.rstrip("/")) or "root"
-        dest = _local_destination(args.local_path, name)
+        dest = local_destination(args.local_path, name)
         if entry.type == "file":
-            _check_file_target(dest, args.force)
+            check_file_target(dest, args.force)
             with output.Progress(entry.size, "Downloading", quiet=args.quiet) as progress:
                 download_one(envd, entry, dest, force=args.force, user=args.user, progress=progress)
             print(f"Downloaded {args.sandbox_id}:{entry.path} to {dest}", flush=True)
@@ -232,17 +265,7 @@ def cmd_download(args, config: Config) -> int:
         if entry.type != "dir":
             raise CliError(f"not a regular file or directory: {entry.path}", errors.USAGE)
         dirs, files = remote_tree(envd, entry, args.user)
-        if dest.exists() and (dest.is_symlink() or not dest.is_dir()):
-            raise CliError(f"local path exists and is not a directory: {dest}", errors.CONFLICT)
-        for rel in dirs:
-            target = dest / rel
-            if target.is_symlink() or (target.exists() and not target.is_dir()):
-                raise CliError(f"local path exists and is not a directory: {target}", errors.CONFLICT)
-        for file in files:
-            _check_file_target(dest / posixpath.relpath(file.path, entry.path), args.force)
-        dest.mkdir(exist_ok=True)
-        for rel in dirs:
-            (dest / rel).mkdir(parents=True, exist_ok=True)
+        prepare_tree(dest, dirs, [posixpath.relpath(file.path, entry.path) for file in files], args.force)
         total = sum(f.size for f in files)
         with output.Progress(total, "Downloading", quiet=args.quiet) as progress:
             for file in files:

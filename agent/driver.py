@@ -42,19 +42,21 @@ def _qemu_options() -> dict:
             "net_prefix": settings.AENV_NET_PREFIX, "net_pool": settings.AENV_NET_POOL,
             "net_warm": settings.AENV_NET_WARM_SLOTS, "net_deny_extra": settings.AENV_NET_DENY_EXTRA,
             "net_allow_extra": settings.AENV_NET_ALLOW_EXTRA, "net_ingress_from": settings.AENV_NET_INGRESS_FROM,
-            "shm_headroom_mb": settings.AENV_SHM_HEADROOM_MB, "warm_ram_copies": settings.AENV_WARM_RAM_COPIES,
+            "shm_headroom_mb": settings.AENV_SHM_HEADROOM_MB, "shm_dir": settings.AENV_SHM_DIR, "warm_ram_copies": settings.AENV_WARM_RAM_COPIES,
             "disk_limits": DiskLimits(bps=settings.AENV_DISK_BPS_MAX_MB << 20, iops=settings.AENV_DISK_IOPS_MAX),
             "net_egress_options": _egress_options()}
 
 
 def _egress_options() -> dict:
     """What the node's egress proxy needs for network.rules: the node's CA (its key too: the
-    proxy signs intercepted hosts' certificates with it), how to ask the API for secret values,
-    and the CA bundle upstream servers are verified against (None: the public CAs)."""
+    proxy signs intercepted hosts' certificates with it), how to ask the API for secret values
+    (and egress proxy passwords), the CA bundle upstream servers are verified against (None:
+    the public CAs), and whether a sandbox's upstream proxy may be a private address."""
     from agent import egress_secrets, egress_trust  # noqa: PLC0415 - Django-side helpers, used at driver start
 
     return {"ca_pem": egress_trust.node_ca().mitmproxy_pem(), "secrets": egress_secrets.proxy_config(),
-            "upstream_ca": settings.AENV_EGRESS_UPSTREAM_CA}
+            "upstream_ca": settings.AENV_EGRESS_UPSTREAM_CA,
+            "allow_private_upstream": settings.AENV_EGRESS_PROXY_ALLOW_PRIVATE}
 
 
 def get_templates():

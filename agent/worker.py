@@ -18,7 +18,7 @@ from agent.heartbeat import Heartbeat, register_node
 from agent import egress_trust
 from agent.join import ensure_joined
 from agent.host_usage import HostSampler
-from agent.metrics import MetricsSampler
+from agent.metrics import MetricsSampler, vm_cpu_seconds
 from agent.prometheus import NodeCollector, count_round, start_exporter
 from agent.reconcile import Reconciler, purge_queue, reconcile_node
 from agent.shutdown import pause_all
@@ -65,7 +65,8 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     def count_running() -> int:
         return len(driver.list())
 
-    host_sampler = HostSampler(["/", str(settings.AENV_HOME), str(settings.AENV_IMAGES_DIR), "/dev/shm"])
+    host_sampler = HostSampler(["/", str(settings.AENV_HOME), str(settings.AENV_IMAGES_DIR),
+                                str(settings.AENV_SHM_DIR)])
     host_sampler.probes["chunkCache"] = lambda: get_store().chunk_cache_figures()  # lazy restores
     getattr(get_store(), "warm_up", lambda: None)()  # lazy restores: the chunkfs daemon, the own-chunk index
     chunk_peers = start_chunk_peers(node_id, get_store())  # AENV_CHUNK_PEER_FETCH
@@ -99,7 +100,8 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     reconciler = Reconciler(node_id, driver, settings.AENV_RECONCILE_INTERVAL, settings.AENV_RECONCILE_STALE)
     watch = VmWatch(node_id, driver, settings.AENV_VM_WATCH_INTERVAL, lazy=lambda: getattr(get_store(), "lazy", None))
     sampler = MetricsSampler(node_id, settings.AENV_SANDBOX_METRICS_INTERVAL, settings.AENV_SANDBOX_METRICS_RETENTION,
-                             on_round=count_round)
+                             on_round=count_round, idle_interval=settings.AENV_SANDBOX_METRICS_IDLE_INTERVAL,
+                             host_cpu=lambda: vm_cpu_seconds(driver))
     consoles = ConsoleCollector(node_id, driver, settings.AENV_SANDBOX_LOGS_INTERVAL,
                                 settings.AENV_SANDBOX_LOGS_RETENTION)
     try:

@@ -23,10 +23,13 @@ NODE_APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-stat
 # The shellcheck package checks every shell script of the repository (tests/unit/test_shell_scripts.py, beside the test extra's).
 # docker.io is the Docker engine tests/compose/ starts deploy/compose.yaml on (the Compose CLI is the test extra's).
 TEST_APT_PACKAGES=(docker-registry apache2-utils bash-static shellcheck docker.io)
+# The data plane's hot path (dataplane.serve starts it beside uvicorn; its own config, no listening port of
+# its own): not on a node-only install, which runs no data plane.
+DATAPLANE_APT_PACKAGES=(haproxy)
 
 setup_system_packages() {  # --node: only what a node runs; --all: also the tests' registry, shells and shellcheck
   local packages=("${NODE_APT_PACKAGES[@]}") missing=() p
-  [ "${1:-}" = "--node" ] || packages+=("${TEST_APT_PACKAGES[@]}")
+  [ "${1:-}" = "--node" ] || packages+=("${DATAPLANE_APT_PACKAGES[@]}" "${TEST_APT_PACKAGES[@]}")
   python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv python3-dev)
   for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -38,6 +41,10 @@ setup_system_packages() {  # --node: only what a node runs; --all: also the test
     # Only the tests run registries (on 127.0.0.1, their own config): not the package's service on *:5000.
     if [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
       $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true
+    fi
+    # The data plane starts its own HAProxy: never the package's system-wide one.
+    if [[ " ${missing[*]} " == *" haproxy "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+      $SUDO systemctl disable --now haproxy >/dev/null 2>&1 || true
     fi
     # Volume servers run per sandbox in its slot: never the packages' host-wide NFS server and portmapper.
     if [[ " ${missing[*]} " == *" nfs-ganesha "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
@@ -85,7 +92,7 @@ setup_python_env() (  # the venv in .venv, re-installed only when pyproject.toml
   fi
 )
 
-EGRESS_PROXY_PACKAGES="mitmproxy==11.0.2 dnspython==2.9.2"
+EGRESS_PROXY_PACKAGES="mitmproxy==11.0.2 dnspython==2.9.2 python-socks==3.2.1"
 setup_egress_proxy_env() (  # mitmproxy for the node's egress proxy (vmm/net/egress.py) in .venv-egress:
   cd "$ROOT"                 # a venv of its own, as its pins (cryptography, pyOpenSSL) differ from aenv's
   stamp=".venv-egress/.aenv-installed-$(echo "$EGRESS_PROXY_PACKAGES" | sha256sum | cut -c1-16)"

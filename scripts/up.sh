@@ -28,8 +28,9 @@ start node .venv/bin/python manage.py run_node
 start lifecycle .venv/bin/python manage.py run_lifecycle
 start events .venv/bin/python manage.py run_events_worker  # webhook deliveries
 start api .venv/bin/daphne -b "$BIND" -p "$API_PORT" config.asgi:application
-start dataplane .venv/bin/uvicorn config.dataplane_asgi:application --host "$BIND" --port "$SANDBOX_PORT" \
-  --no-access-log --timeout-keep-alive 300
+# uvicorn serving config.dataplane_asgi:application, with its hot path (HAProxy) when installed
+start dataplane .venv/bin/python -m dataplane.serve --host "$BIND" --port "$SANDBOX_PORT" \
+  -- --no-access-log --timeout-keep-alive 300
 
 wait_http() {  # url, what
   for _ in $(seq 300); do

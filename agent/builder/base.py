@@ -3,8 +3,9 @@ context its first step sees.
 
 - ``fromImage``: the image is pulled from its registry into the node's OCI layout
   (``vmm.oci``: skopeo, with the request's credentials), made a root disk identified by
-  its content digest, and booted with aenv's kernel, initrd and tools drive. Context:
-  user root, no workdir, the image config's env vars (E2B's rule).
+  its content digest and the boot kernel's NFS client modules (``vmm.oci.kmods``: what
+  its sandboxes mount volumes with), and booted with aenv's kernel, initrd and tools
+  drive. Context: user root, no workdir, the image config's env vars (E2B's rule).
 - ``fromTemplate``: a ready build's template snapshot, whose disk layers the VM boots on
   (fetched from the snapshot store like a restore's, so any node can build on it);
   its context and its start / ready commands are inherited. A template without builds
@@ -118,8 +119,9 @@ def from_image(ref: str, registry: dict | None, images_dir: Path, insecure_list:
                 "invalid": "not a valid image reference"}.get(exc.kind, "the pull failed")
         raise StepFailed(f"error pulling image {ref}: {hint}: {exc.message}") from None
     images.touch(images_dir, pulled.digest)  # the newest in the image cache while its disk is made
+    modules = kernel_modules(images_dir, say)
     try:
-        disk = ensure_disk(images_dir, pulled, progress=say)
+        disk = ensure_disk(images_dir, pulled, progress=say, modules=modules)
         images.touch(images_dir, pulled.digest)
     except OciError as exc:
         raise StepFailed(f"error preparing image {ref} as a root disk: {exc}") from None
@@ -127,7 +129,22 @@ def from_image(ref: str, registry: dict | None, images_dir: Path, insecure_list:
     # The disk is the VM's whole root; kernel, initrd and tools drive are the node's own
     # (``BOOT_IMAGE``'s): what a template snapshot then needs of another node is only those.
     return Base(image=BOOT_IMAGE, layers=[str(disk.rootfs)], ctx=ctx, id=f"image:{pulled.digest};disk:{disk.id}",
-                details={"from_image": ref, "digest": pulled.digest, "disk": disk.id})
+                details={"from_image": ref, "digest": pulled.digest, "disk": disk.id,
+                         "kernel_modules": modules.id if modules is not None else ""})
+
+
+def kernel_modules(images_dir: Path, say):
+    """The boot kernel's NFS client modules for the disk (vmm.oci.kmods), or None: then the
+    build goes on, and its sandboxes' volume mounts are refused (the log says so)."""
+    from vmm.images import ImageNotFound, find_image
+    from vmm.oci import OciError, kmods
+
+    try:
+        return kmods.for_image(images_dir, find_image(images_dir, BOOT_IMAGE), progress=say)
+    except (OciError, ImageNotFound) as exc:
+        log.warning("no NFS client modules for OCI disks: %s", exc)
+        say(f"no NFS client modules of the guest kernel ({exc}): sandboxes of this template cannot mount volumes")
+        return None
 
 
 def from_template(source: dict, store, images_dir: Path) -> Base:

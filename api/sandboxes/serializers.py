@@ -9,11 +9,12 @@ from django.conf import settings
 from rest_framework import serializers
 from rest_framework.settings import api_settings
 
+from lifecycle.sandboxes import egress_proxy
 from lifecycle.sandboxes import network as sandbox_network
 from sandboxes.errors import Invalid
 from lifecycle.sandboxes.options import SandboxOptions
 from sandboxes.models import Sandbox
-from api.fields import AutoResumeField, JsonObjectField, StrictBooleanField, StrictCharField, StringMapField, TimeoutField, default_timeout
+from api.fields import AutoResumeField, EnvVarsField, JsonObjectField, StrictBooleanField, StrictCharField, StringMapField, TimeoutField, default_timeout
 
 
 # --------------------------------------------------------------------------- requests
@@ -34,7 +35,7 @@ class NewSandboxV2Serializer(serializers.Serializer):
     templateID = StrictCharField(max_length=255)
     timeout = TimeoutField(required=False)
     metadata = StringMapField()
-    envVars = StringMapField()
+    envVars = EnvVarsField()
     # What happens at the end of the TTL: absent → pause (aenv keeps work by default),
     # false → kill (old SDKs always send false, which keeps E2B's kill for them).
     autoPause = StrictBooleanField(required=False, default=True)
@@ -50,7 +51,7 @@ class NewSandboxV2Serializer(serializers.Serializer):
 
     def validate(self, data):
         # What aenv enforces (egress allow / deny, no internet, private ports) is stored as
-        # checked; what it cannot (egressProxy, httpsPorts) is a 400, never ignored.
+        # checked; what it cannot (httpsPorts, egressProxy.tls) is a 400, never ignored.
         data["network"] = _checked(sandbox_network.checked_create, data.get("network"),
                                    data.get("allow_internet_access"))
         return data
@@ -80,8 +81,12 @@ class NetworkUpdateSerializer(serializers.Serializer):
 
     allowOut = serializers.ListField(child=serializers.CharField(), required=False)
     denyOut = serializers.ListField(child=serializers.CharField(), required=False)
-    dnsServers = serializers.ListField(child=serializers.CharField(), required=False)
-    egressProxy = serializers.JSONField(required=False, allow_null=True, help_text="not supported (400)")
+    dnsServers = serializers.ListField(child=serializers.CharField(), required=False,
+                                       help_text="IPv4 resolvers the sandbox's DNS (53, 853) may reach whatever the "
+                                                 "CIDRs say; omitted: 8.8.8.8 when allowOut names domains, []: none")
+    egressProxy = serializers.JSONField(required=False, allow_null=True,
+                                        help_text="{address, username, password}: an upstream SOCKS5 (or http://) "
+                                                  "proxy every allowed TCP connection leaves through; tls refused")
     rules = serializers.JSONField(required=False,
                                   help_text="{host: [{transform: {headers}}]}: needs allowOut to name domains")
     allow_internet_access = serializers.BooleanField(required=False, allow_null=True)
@@ -266,4 +271,6 @@ class SandboxDetailSerializer(ListedSandboxSerializer):
             data.pop("envdAccessToken", None)
         if data.get("network") is None:
             data.pop("network", None)  # optional object: omit rather than send null
+        else:
+            data["network"] = egress_proxy.public(data["network"])  # never the sealed password
         return data

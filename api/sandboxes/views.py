@@ -4,7 +4,7 @@ domain errors become HTTP in ``api.errors``.
 
 The views are async (adrf) so a create that waits tens of seconds for a VM does
 not hold one of the server's few sync threads."""
-from adrf.views import APIView
+from api.loop_views import APIView
 from asgiref.sync import sync_to_async
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema

@@ -1,6 +1,6 @@
 """E2B snapshot and fork endpoints (spec §2.6): a serializer checks the input, a
 function of ``lifecycle.snapshots`` does the work, a serializer renders the answer."""
-from adrf.views import APIView
+from api.loop_views import APIView
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import status
 from rest_framework.response import Response

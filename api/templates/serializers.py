@@ -5,7 +5,7 @@ some, e.g. ``resolveSymlinks`` / ``gzip`` on COPY steps)."""
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from api.fields import JsonObjectField, StrictBooleanField, StrictCharField, StrictIntegerField
+from api.fields import INT32_MAX, MAX_UNIX_MS, JsonObjectField, StrictBooleanField, StrictCharField, StrictIntegerField
 
 from template_builds.models import BuildStatus, LogLevel
 
@@ -77,6 +77,12 @@ class BuildStartSerializer(serializers.Serializer):
             raise serializers.ValidationError(f"a {kind} registry needs {', '.join(missing)}")
         return {"type": kind, **{f: value[f] for f in REGISTRY_FIELDS[kind]}}
 
+    def validate_steps(self, value):
+        # allow_null reaches the list's items too: a null step is refused here, not a 500 later
+        if value is not None and any(step is None for step in value):
+            raise serializers.ValidationError("a step must be an object, not null")
+        return value
+
     def validate(self, data):
         image, template = data.get("fromImage") or "", data.get("fromTemplate") or ""
         if bool(image) == bool(template):
@@ -97,7 +103,7 @@ class BuildStartSerializer(serializers.Serializer):
 class BuildStatusQuerySerializer(serializers.Serializer):
     """Query of ``GET /templates/{id}/builds/{buildID}/status``."""
 
-    logsOffset = serializers.IntegerField(required=False, min_value=0, default=0)
+    logsOffset = serializers.IntegerField(required=False, min_value=0, max_value=INT32_MAX, default=0)
     limit = serializers.IntegerField(required=False, min_value=0, default=100, help_text="capped at 100")
     level = serializers.ChoiceField(choices=LogLevel.choices, required=False, help_text="minimum level")
 
@@ -105,7 +111,8 @@ class BuildStatusQuerySerializer(serializers.Serializer):
 class BuildLogsQuerySerializer(serializers.Serializer):
     """Query of ``GET /templates/{id}/builds/{buildID}/logs``."""
 
-    cursor = serializers.IntegerField(required=False, min_value=0, help_text="Unix time in ms to start from")
+    cursor = serializers.IntegerField(required=False, min_value=0, max_value=MAX_UNIX_MS,
+                                      help_text="Unix time in ms to start from")
     limit = serializers.IntegerField(required=False, min_value=0, default=100, help_text="capped at 100")
     direction = serializers.ChoiceField(choices=["forward", "backward"], required=False, default="forward")
     level = serializers.ChoiceField(choices=LogLevel.choices, required=False, help_text="minimum level")

@@ -116,8 +116,8 @@ node_pool() {
 
 case "${1:-}" in
   api) exec .venv/bin/daphne --bind 0.0.0.0 --port 3000 config.asgi:application ;;
-  dataplane) exec .venv/bin/uvicorn config.dataplane_asgi:application --host 0.0.0.0 --port 3001 \
-               --no-access-log --timeout-keep-alive 300 ;;
+  # uvicorn serving config.dataplane_asgi:application, with its hot path (HAProxy) beside it
+  dataplane) exec "$PY" -m dataplane.serve --host 0.0.0.0 --port 3001 -- --no-access-log --timeout-keep-alive 300 ;;
   sweeper) exec "$PY" manage.py run_lifecycle --heartbeat "$SWEEPER_HEARTBEAT" ;;
   events) exec "$PY" manage.py run_events_worker --heartbeat "$EVENTS_HEARTBEAT" ;;  # webhook deliveries
   migrate) "$PY" manage.py migrate --noinput; exec "$PY" manage.py bootstrap ;;

@@ -26,7 +26,7 @@ import subprocess
 
 from . import conntrack, host_firewall
 from .cidrs import checked_ipv4
-from .slots import PROXY_PORT
+from .slots import CHAIN_PORT, PROXY_PORT
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +50,34 @@ def ingress_sources(cidrs, pool: str) -> tuple[str, ...]:
     return checked_ipv4(cidrs, forbidden, "ingress source", "a guest must never be a gateway", HostTableError)
 
 
+def _names(veths: tuple[str, ...]) -> str:
+    quoted = ", ".join('"' + v + '"' for v in veths)
+    return f"elements = {{ {quoted} }}" if veths else ""
+
+
 def ruleset(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None,
-            ingress: tuple[str, ...] = ()) -> str:
+            ingress: tuple[str, ...] = (), chained: tuple[str, ...] = ()) -> str:
     """The whole table, replacing any earlier one of this instance (one ``nft -f``).
     ``ingress``: sources that may open connections into a slot besides the node. A slot sends
     a domain sandbox's TCP to ``dns_ip`` with the guest's port kept (vmm.net.slots); here it
-    goes on to the egress proxy's one listener (vmm.net.egress), DNS (53) excepted."""
+    goes on to the egress proxy's one listener (vmm.net.egress), DNS (53) excepted.
+    ``chained``: the veths of slots whose sandbox has an upstream proxy (``network.egressProxy``):
+    every TCP connection their table lets out by address (not sent to ``dns_ip`` for a name
+    to be judged) goes to the egress proxy's relay (``CHAIN_PORT``), its destination unchanged
+    until here (``SO_ORIGINAL_DST`` gives it the address and port the guest dialled), so it
+    leaves through the upstream as well."""
     name = table_name(prefix)
-    quoted = ", ".join('"' + v + '"' for v in veths)
-    elements = f"elements = {{ {quoted} }}" if veths else ""
+    elements = _names(veths)
     sources = ingress_sources(ingress, pool)
     ingress_elements = f"elements = {{ {', '.join(sources)} }}" if sources else ""
     dns = (f'        iifname @veths ip daddr {dns_ip} udp dport 53 accept\n'
            f'        iifname @veths ip daddr {dns_ip} tcp dport 53 accept\n') if dns_ip else ""
     if dns_ip:
-        dns += f'        iifname @veths ip daddr {dns_ip} tcp dport {PROXY_PORT} accept\n'
+        dns += f'        iifname @veths ip daddr {dns_ip} tcp dport {{ {PROXY_PORT}, {CHAIN_PORT} }} accept\n'
     to_proxy = (f"""    chain to_proxy {{
         type nat hook prerouting priority dstnat; policy accept;
         iifname @veths ip daddr {dns_ip} tcp dport != 53 dnat ip to {dns_ip}:{PROXY_PORT}
+        iifname @chained ip daddr != {dns_ip} meta l4proto tcp dnat ip to {dns_ip}:{CHAIN_PORT}
     }}
 """ if dns_ip else "")
     return f"""
@@ -75,6 +85,7 @@ table inet {name}
 delete table inet {name}
 table inet {name} {{
     set veths {{ type ifname; {elements} }}
+    set chained {{ type ifname; {_names(chained)} }}
     set ingress {{ type ipv4_addr; flags interval; auto-merge; {ingress_elements} }}
 {conntrack.node_timeout_object()}    chain timeouts {{
         type filter hook prerouting priority -150; policy accept;
@@ -107,10 +118,11 @@ def _nft(script: str) -> None:
 
 
 def install(prefix: str, pool: str, veths: tuple[str, ...] = (), dns_ip: str | None = None,
-            ingress: tuple[str, ...] = ()) -> None:
-    """(Re)builds the instance's table with the given slot veths, atomically, and puts the
-    slots' accepts into the host's firewall where it drops forwarded traffic."""
-    _nft(ruleset(prefix, pool, veths, dns_ip, ingress))
+            ingress: tuple[str, ...] = (), chained: tuple[str, ...] = ()) -> None:
+    """(Re)builds the instance's table with the given slot veths (``chained``: those whose
+    TCP goes through the egress proxy to an upstream), atomically, and puts the slots'
+    accepts into the host's firewall where it drops forwarded traffic."""
+    _nft(ruleset(prefix, pool, veths, dns_ip, ingress, chained))
     try:
         host_firewall.ensure(prefix, pool)
     except host_firewall.HostFirewallError as exc:  # the slot pool checks again (vmm.net.slot_pool)
@@ -135,7 +147,32 @@ def add_veth(prefix: str, veth: str) -> None:
 
 
 def remove_veth(prefix: str, veth: str) -> None:
-    _nft(f'delete element inet {table_name(prefix)} veths {{ "{veth}" }}\n')
+    """Takes a slot's veth out of ``veths`` and ``chained`` (a later slot of that name must not
+    inherit an upstream: the add makes the delete from ``chained`` succeed when it is absent)."""
+    name = table_name(prefix)
+    try:
+        _nft(f'add element inet {name} chained {{ "{veth}" }}\ndelete element inet {name} chained {{ "{veth}" }}\n'
+             f'delete element inet {name} veths {{ "{veth}" }}\n')
+    except HostTableError:
+        _nft(f'delete element inet {name} veths {{ "{veth}" }}\n')  # a table from before ``chained``
+
+
+def has_chained(prefix: str) -> bool:
+    """Whether the instance's table can send a slot's TCP to an upstream proxy (tables made
+    before ``chained`` existed cannot: the node refuses egressProxy until it restarts)."""
+    done = subprocess.run(["nft", "list", "set", "inet", table_name(prefix), "chained"], capture_output=True,
+                          text=True, timeout=30)
+    return done.returncode == 0
+
+
+def set_chained(prefix: str, veth: str, on: bool) -> None:
+    """Puts a slot's veth into the ``chained`` set (its TCP through the egress proxy) or takes
+    it out (absent already: nothing to do)."""
+    name = table_name(prefix)
+    script = f'add element inet {name} chained {{ "{veth}" }}\n'
+    if not on:
+        script += f'delete element inet {name} chained {{ "{veth}" }}\n'
+    _nft(script)
 
 
 def remove(prefix: str) -> bool:

@@ -82,7 +82,9 @@ class NetnsBackend(NetworkBackend):
             except (EgressProxyError, OSError, KeyError) as exc:
                 self.egress_error = str(exc)
                 log.warning("egress proxy: %s: domain names in allowOut are refused on this node", exc)
-        removed = self.slots.adopt(in_use)
+        chained = self.egress.chained() if self.egress is not None else set()
+        removed = self.slots.adopt(in_use, {i for i in in_use
+                                            if Slot(self.prefix, i, self.pool_cidr).address in chained})
         self.slots.start()
         return removed
 
@@ -109,6 +111,15 @@ class NetnsBackend(NetworkBackend):
                 raise UnsupportedNetworkPolicy(
                     "network.rules need the node's egress proxy with the node's CA, which this node does not run: "
                     f"{self.egress_error or 'no CA was given to it'}")
+        if spec.egress_proxy:
+            if not self._proxy_ready():
+                raise UnsupportedNetworkPolicy(
+                    "network.egressProxy needs the node's egress proxy, which is not running here: "
+                    f"{self.egress_error or 'it stopped'}")
+            if not self.egress.chains() or not host_table.has_chained(self.prefix):
+                raise UnsupportedNetworkPolicy(
+                    "network.egressProxy: this node's egress proxy cannot chain to an upstream proxy (python-socks "
+                    "missing from .venv-egress, or a node table from before: restart the node worker)")
 
     def _proxy_ready(self) -> bool:
         if self.egress is None or self.egress.pid() is None:
@@ -116,16 +127,27 @@ class NetnsBackend(NetworkBackend):
         self.egress_error = ""
         return True
 
-    def _set_policy(self, slot: Slot, sandbox_id: str, policy: egress.EgressPolicy, rules: dict | None = None) -> None:
-        """The slot's policy, and the proxy's list (and rules) for it: a domain list is written
-        before the slot sends anything to the proxy and removed after it stops."""
-        if policy.domains:
-            self.egress.allow(slot.address, sandbox_id, policy.domains, rules)
+    def _set_policy(self, slot: Slot, sandbox_id: str, policy: egress.EgressPolicy, rules: dict | None = None,
+                    upstream: dict | None = None) -> None:
+        """The slot's policy, and the proxy's file (domains, rules, upstream proxy) for it: the
+        file is written before the slot or the node's table send anything to the proxy and
+        removed after they stop. ``upstream``: every TCP connection the policy lets out goes
+        to the proxy (the node's ``chained`` set), which chains it to that proxy."""
+        was_chained = self.egress is not None and self.egress.upstream_of(slot.address)
+        if policy.domains or upstream:
+            # the relay sees TCP DNS to the resolvers too (the slot lets only DNS ports out to them)
+            resolvers = tuple(f"{r}/32" for r in policy.resolvers)
+            self.egress.allow(slot.address, sandbox_id, policy.domains, rules, upstream, (*policy.allow, *resolvers),
+                              policy.deny)
         try:
+            if not upstream and was_chained:
+                host_table.set_chained(self.prefix, slot.host_veth, False)
             slots.apply_policy(slot, policy)
-        except slots.SlotError as exc:
+            if upstream:
+                host_table.set_chained(self.prefix, slot.host_veth, True)
+        except (slots.SlotError, host_table.HostTableError) as exc:
             raise UnsupportedNetworkPolicy(str(exc)) from None
-        if not policy.domains and self.egress is not None:
+        if not policy.domains and not upstream and self.egress is not None:
             self.egress.forget(slot.address)
 
     def slot(self, attachment: Attachment) -> Slot:
@@ -140,8 +162,8 @@ class NetnsBackend(NetworkBackend):
         policy = egress_of(spec)  # a bad policy is refused before a slot is taken
         slot = self.slots.acquire()
         try:
-            if not policy.open or policy.allow:  # a new slot's policy sets are empty: open
-                self._set_policy(slot, sandbox_id, policy, spec.rules_json())
+            if not policy.open or policy.allow or policy.resolvers or spec.egress_proxy:  # a new slot's: open
+                self._set_policy(slot, sandbox_id, policy, spec.rules_json(), spec.upstream())
         except BaseException:
             self.slots.release(slot)
             if self.egress is not None:
@@ -162,7 +184,8 @@ class NetnsBackend(NetworkBackend):
     def apply_egress(self, attachment: Attachment, spec: NetworkSpec) -> None:
         self.check(spec)
         if attachment.slot:
-            self._set_policy(self.slot(attachment), attachment.sandbox_id, egress_of(spec), spec.rules_json())
+            self._set_policy(self.slot(attachment), attachment.sandbox_id, egress_of(spec), spec.rules_json(),
+                             spec.upstream())
 
     def detach(self, attachment: Attachment, state_dir: Path) -> None:
         if attachment.slot:
@@ -177,7 +200,7 @@ class NetnsBackend(NetworkBackend):
 
 def egress_of(spec: NetworkSpec) -> egress.EgressPolicy:
     """The slot policy of a NetworkSpec (vmm.net.policy: E2B's semantics)."""
-    return egress.parse(list(spec.allow_out), list(spec.deny_out), spec.allow_internet_access)
+    return egress.parse(list(spec.allow_out), list(spec.deny_out), spec.allow_internet_access, spec.dns_servers)
 
 
 def remove_instance(prefix: str, pool: str, home: Path) -> dict:

@@ -50,9 +50,10 @@ class SlotPool:
 
     # -- node start -------------------------------------------------------------------------------
 
-    def adopt(self, in_use: set[int]) -> list[Slot]:
+    def adopt(self, in_use: set[int], chained: set[int] = frozenset()) -> list[Slot]:
         """At node start: (re)builds the node's table, keeps the slots in ``in_use`` (VMs that
-        outlived the worker) and removes every other slot and stray veth of this instance.
+        outlived the worker; ``chained``: those of them whose TCP goes to an upstream proxy,
+        host_table) and removes every other slot and stray veth of this instance.
         Returns the slots removed."""
         removed = []
         for slot in slots.list_slots(self.prefix, self.pool):
@@ -62,7 +63,8 @@ class SlotPool:
         for name in slots.stray_veths(self.prefix):
             slots.remove_link(name)
         kept = tuple(Slot(self.prefix, i, self.pool).host_veth for i in sorted(in_use))
-        host_table.install(self.prefix, self.pool, kept, self.dns_ip, self.ingress)  # with the accepts
+        upstream = tuple(Slot(self.prefix, i, self.pool).host_veth for i in sorted(set(chained) & set(in_use)))
+        host_table.install(self.prefix, self.pool, kept, self.dns_ip, self.ingress, upstream)  # with the accepts
         self._table_ready = True
         self._firewall_checked = time.monotonic()
         with self._lock:

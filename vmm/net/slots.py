@@ -28,7 +28,7 @@ from . import conntrack
 from .cidrs import checked_ipv4
 from .conntrack import GuestLimits
 from .dns import DNSLimits
-from .policy import EgressPolicy
+from .policy import ALWAYS_DENIED, EgressPolicy
 
 # The guest's view, the same in every slot (a snapshot's ABI: never per slot).
 GUEST_IP = "169.254.0.21"
@@ -40,13 +40,6 @@ TAP = "tap0"
 PEER = "vpeer"
 DEFAULT_POOL = "10.12.0.0/16"
 DEFAULT_PREFIX = "aenv"
-# E2B's DeniedSandboxCIDRs (IPv4) plus "this network", IETF protocol assignments, the
-# benchmarking range, the documentation TEST-NETs, multicast and reserved (RFC 6890: none is
-# the internet); the slot pool is inside 10/8; the node's own addresses are added per node
-# (``deny_extra``).
-ALWAYS_DENIED = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-                 "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15",
-                 "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4")
 # What AENV_NET_ALLOW_EXTRA may never reopen besides the node's addresses and the pool: the
 # guests' link-local side (every slot's gateway, a cloud's metadata service at 169.254.169.254).
 NEVER_ALLOWED = ("169.254.0.0/16",)
@@ -104,9 +97,13 @@ GUEST_DNS = "8.8.8.8"  # the guest's resolv.conf (E2B's); the slot DNATs it to t
 # A sandbox whose allowOut names domains (vmm.net.egress): its new TCP connections that no
 # CIDR allows go to the node's resolver address, port kept; the node hands them to its egress
 # proxy (vmm.net.host_table: a DNAT to PROXY_PORT, where SO_ORIGINAL_DST gives the guest's port
-# back). If the node's table is gone they reach nothing. DNS goes to the node's resolver only
-# (no DoT either).
+# back). If the node's table is gone they reach nothing. DNS goes only to the policy's resolvers
+# (``dns_servers``: E2B's dnsServers, by default 8.8.8.8, i.e. the node's resolver).
 PROXY_PORT = 15000
+# A sandbox with network.egressProxy: its TCP that the policy lets out by address (no name to
+# judge) goes to the egress proxy's plain relay here, which chains it to the upstream
+# (vmm.net.host_table's ``chained`` DNAT keeps the destination for SO_ORIGINAL_DST).
+CHAIN_PORT = 15001
 PROXIED_PORTS = "1-65535"
 DNS_PORTS = (53, 853)
 DEFAULT_DNS_IP = "192.0.2.1"  # the node's resolver, on a dummy interface (vmm.net.dns)
@@ -141,12 +138,15 @@ def ruleset(slot: Slot, deny_extra: tuple[str, ...] = (), policy: EgressPolicy =
     refused; never to the node (``deny_extra``: its addresses and the operator's extra
     ranges; the resolver is reached only through the DNAT of 8.8.8.8:53); never to an
     always-denied range unless the operator allowed it (``allow_extra``, e.g. a package
-    mirror); then E2B's policy (allow list wins over deny list, else allowed); never start a
-    connection to the node; and the node's connections to the slot address reach the guest."""
+    mirror); then DNS to the policy's resolvers (``dns_servers``, limited like the node's
+    resolver) and no other DNS when allowOut names domains; then E2B's policy (allow list wins
+    over deny list, else allowed); never start a connection to the node; and the node's
+    connections to the slot address reach the guest."""
     node = ", ".join((*deny_extra, *((f"{dns_ip}/32",) if dns_ip else ()))) or "255.255.255.255/32"
     deny = ", ".join(ALWAYS_DENIED)
     dns = (f"""        iifname "{TAP}" ip daddr {GUEST_DNS} udp dport 53 dnat ip to {dns_ip}
         iifname "{TAP}" ip daddr {GUEST_DNS} tcp dport 53 dnat ip to {dns_ip}
+        iifname "{TAP}" ip daddr . tcp dport @dns_servers accept
         iifname "{TAP}" ip daddr != @user_allow tcp dport @proxied dnat ip to {dns_ip}
 """ if dns_ip else "")
     proxied, dns_only = _proxy_elements(policy)
@@ -155,6 +155,8 @@ def ruleset(slot: Slot, deny_extra: tuple[str, ...] = (), policy: EgressPolicy =
         type filter hook prerouting priority -160; policy accept;
         iifname "{TAP}" ip daddr {GUEST_DNS} meta l4proto {{ tcp, udp }} th dport 53 limit rate over {dns_limits.rate}/second burst {dns_limits.burst} packets drop
         iifname "{TAP}" ip daddr {GUEST_DNS} tcp dport 53 ct state new ct count over {dns_limits.tcp} reject with tcp reset
+        iifname "{TAP}" ip daddr != {GUEST_DNS} meta l4proto {{ tcp, udp }} ip daddr . th dport @dns_servers limit rate over {dns_limits.rate}/second burst {dns_limits.burst} packets drop
+        iifname "{TAP}" ip daddr != {GUEST_DNS} ip daddr . tcp dport @dns_servers ct state new ct count over {dns_limits.tcp} reject with tcp reset
     }}
 """ if dns_ip else "")
     return f"""
@@ -168,6 +170,7 @@ table inet aenv {{
     set user_deny {{ type ipv4_addr; flags interval; auto-merge; {_elements(policy.deny)} }}
     set proxied {{ type inet_service; flags interval; {_elements(proxied)} }}
     set dns_only {{ type inet_service; {_elements(dns_only)} }}
+    set dns_servers {{ type ipv4_addr . inet_service; {_elements(resolver_elements(policy))} }}
 {dns_guard}    chain guard {{
         type filter hook prerouting priority -150; policy accept;
         iifname != "{TAP}" accept
@@ -178,7 +181,7 @@ table inet aenv {{
         ct state new jump ct_limits
         ip daddr @node_deny drop
         ip daddr @always_deny ip daddr != @site_allow drop
-        ip daddr {GUEST_DNS} meta l4proto {{ tcp, udp }} th dport 53 th dport @dns_only accept
+        meta l4proto {{ tcp, udp }} ip daddr . th dport @dns_servers accept
         meta l4proto {{ tcp, udp }} th dport @dns_only drop
         ip daddr @user_allow accept
         tcp dport @proxied accept
@@ -219,6 +222,12 @@ def _proxy_elements(policy: EgressPolicy) -> tuple[list[str], list[str]]:
     return [PROXIED_PORTS], [str(p) for p in DNS_PORTS]
 
 
+def resolver_elements(policy: EgressPolicy) -> list[str]:
+    """The slot's ``dns_servers`` set (address . port) for a policy: DNS and DNS over TLS to
+    each resolver it names; 8.8.8.8 is the node's resolver (the DNAT above), which serves 53 only."""
+    return [f"{r} . {port}" for r in policy.resolvers for port in (DNS_PORTS[:1] if r == GUEST_DNS else DNS_PORTS)]
+
+
 def policy_script(policy: EgressPolicy) -> str:
     """Replaces the slot's policy sets in one transaction (atomic: no packet sees a half
     policy). Only new flows are judged, as on E2B: an established connection stays."""
@@ -226,29 +235,41 @@ def policy_script(policy: EgressPolicy) -> str:
     # upgrade) then takes a policy without domains as before (apply_policy refuses domains there)
     lines = ["add set inet aenv proxied { type inet_service; flags interval; }",
              "add set inet aenv dns_only { type inet_service; }",
+             "add set inet aenv dns_servers { type ipv4_addr . inet_service; }",
              "flush set inet aenv user_allow", "flush set inet aenv user_deny", "flush set inet aenv proxied",
-             "flush set inet aenv dns_only"]
+             "flush set inet aenv dns_only", "flush set inet aenv dns_servers"]
     proxied, dns_only = _proxy_elements(policy)
     for name, elements in (("user_allow", policy.allow), ("user_deny", policy.deny), ("proxied", proxied),
-                           ("dns_only", dns_only)):
+                           ("dns_only", dns_only), ("dns_servers", resolver_elements(policy))):
         if elements:
             lines.append(f"add element inet aenv {name} {{ {', '.join(elements)} }}")
     return "\n".join(lines) + "\n"
 
 
+def _guard(slot: Slot) -> str:
+    done = subprocess.run(slot.nsenter("nft", "list", "chain", "inet", "aenv", "guard"), capture_output=True,
+                          text=True, timeout=30)
+    return done.stdout if done.returncode == 0 else ""
+
+
 def has_proxy_rules(slot: Slot) -> bool:
     """Whether the slot's table sends proxied ports to the egress proxy (slots made before
     the proxy existed do not)."""
-    done = subprocess.run(slot.nsenter("nft", "list", "chain", "inet", "aenv", "guard"), capture_output=True,
-                          text=True, timeout=30)
-    return done.returncode == 0 and "@proxied" in done.stdout
+    return "@proxied" in _guard(slot)
 
 
 def apply_policy(slot: Slot, policy: EgressPolicy) -> None:
-    """Sets the slot's egress policy now (running guests included); SlotError if it names
-    domains and the slot's table is too old to send connections to the egress proxy."""
-    if policy.domains and not has_proxy_rules(slot):
+    """Sets the slot's egress policy now (running guests included); SlotError if the slot's
+    table is too old for it: domains need it to send connections to the egress proxy, and
+    resolvers other than the default its ``dns_servers`` rules (before them, a domain
+    sandbox's DNS went to 8.8.8.8 only, anyone else's by the CIDRs)."""
+    legacy = policy.resolvers == ((GUEST_DNS,) if policy.domains else ())
+    guard = _guard(slot) if policy.domains or not legacy else ""
+    if policy.domains and "@proxied" not in guard:
         raise SlotError(f"slot {slot.netns} was made before the egress proxy: domain rules cannot be enforced "
+                        "there (restart the sandbox from a pause)")
+    if not legacy and "@dns_servers" not in guard:
+        raise SlotError(f"slot {slot.netns} was made before dnsServers were enforced: they cannot be applied "
                         "there (restart the sandbox from a pause)")
     _run_in(slot, "nft", "-f", "-", stdin=policy_script(policy))
 
