@@ -109,24 +109,9 @@ class ClusterDb:
         return self.cluster.manage("shell", "-v", "0", "-c", code)
 
 
-@contextmanager
 def cluster_of(nodes: int):
-    from cluster import Cluster, ClusterLayout  # noqa: PLC0415
-    from harness.stack import free_port, shared_images_dir  # noqa: PLC0415
-
-    layout = ClusterLayout(nodes=nodes, name="acb", link_net="10.216.0.0/16", pool_net="10.217.0.0/16",
-                           state_dir=ROOT / "var" / "bench-runs" / "cluster-acb",  # fixed: a crashed run's is found
-                           images_dir=shared_images_dir(), database="aenv_cluster_bench", redis_db=7,
-                           api_port=free_port(), dataplane_port=free_port())
-    cluster = Cluster(layout, progress=lambda m: print(f"[cluster] {m}", flush=True))
-    cluster.down(purge=True, node_timeout=60)  # what a crashed run may have left
-    try:
-        t0 = time.monotonic()
-        cluster.up()
-        print(f"[cluster] {nodes} node(s) up in {time.monotonic() - t0:.0f} s", flush=True)
-        yield cluster
-    finally:
-        cluster.down(purge=True, node_timeout=120)
+    return parts.started_cluster(nodes, name="acb", link_net="10.216.0.0/16", pool_net="10.217.0.0/16",
+                                 database="aenv_cluster_bench", redis_db=7)
 
 
 def stop_second_node(node) -> None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench import cluster_host as host
@@ -19,7 +21,35 @@ from bench.cluster_api import Api, create_burst
 from bench.lifecycle_common import MIB, mem_available, percentile, run_cmd
 from bench.templates_runs import db_json
 
+ROOT = Path(__file__).resolve().parents[1]
 TARGET_IDLE = 60  # issue 12: a default node here runs at least 60 idle sandboxes of the default template
+
+
+
+@contextmanager
+def started_cluster(nodes: int, keep_logs: str | None = None, **layout):
+    """A one-machine cluster (``cluster/``) of ``nodes`` node workers, up; ``layout``: the rest of
+    its ClusterLayout (name, networks, database, Redis db…; its state under var/bench-runs/cluster-<name>,
+    fixed so that what a crashed run left is found and purged first). Purged again at the end;
+    ``keep_logs``: its logs copied first to var/bench-runs/<keep_logs>-<time> (an unexpected
+    error's trail: the purge removes the state dir)."""
+    from cluster import Cluster, ClusterLayout  # noqa: PLC0415
+    from harness.stack import free_port, shared_images_dir  # noqa: PLC0415
+
+    layout = ClusterLayout(nodes=nodes, state_dir=ROOT / "var" / "bench-runs" / f"cluster-{layout['name']}",
+                           images_dir=shared_images_dir(), api_port=free_port(), dataplane_port=free_port(), **layout)
+    cluster = Cluster(layout, progress=lambda m: print(f"[cluster] {m}", flush=True))
+    cluster.down(purge=True, node_timeout=60)  # what a crashed run may have left
+    try:
+        t0 = time.monotonic()
+        cluster.up()
+        print(f"[cluster] {nodes} node(s) up in {time.monotonic() - t0:.0f} s", flush=True)
+        yield cluster
+    finally:
+        logs = layout.state_dir / "logs"
+        if keep_logs is not None and logs.is_dir():
+            shutil.copytree(logs, ROOT / "var" / "bench-runs" / f"{keep_logs}-{int(time.time())}", dirs_exist_ok=True)
+        cluster.down(purge=True, node_timeout=120)
 
 
 def dist(values: list[float]) -> dict:

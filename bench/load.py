@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 import time
 import uuid
 from collections import Counter
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -40,6 +38,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cluster_parts import started_cluster  # noqa: E402
 from bench.lifecycle_common import MIB, LoadMonitor, finish_run  # noqa: E402
 from bench.load_client import Settings, run_clients  # noqa: E402
 from bench.load_report import summarize, write_results  # noqa: E402
@@ -48,28 +47,9 @@ from bench.templates import git_state  # noqa: E402
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-@contextmanager
 def cluster_of(nodes: int, extra_env: dict):
-    from cluster import Cluster, ClusterLayout  # noqa: PLC0415
-    from harness.stack import free_port, shared_images_dir  # noqa: PLC0415
-
-    layout = ClusterLayout(nodes=nodes, name="acl", link_net="10.219.0.0/16", pool_net="10.220.0.0/16",
-                           state_dir=ROOT / "var" / "bench-runs" / "cluster-acl",  # fixed: a crashed run's is found
-                           images_dir=shared_images_dir(), database="aenv_load_bench", redis_db=13,
-                           api_port=free_port(), dataplane_port=free_port(), extra_env=extra_env)
-    cluster = Cluster(layout, progress=lambda m: print(f"[cluster] {m}", flush=True))
-    cluster.down(purge=True, node_timeout=60)
-    try:
-        t0 = time.monotonic()
-        cluster.up()
-        print(f"[cluster] {nodes} node(s) up in {time.monotonic() - t0:.0f} s", flush=True)
-        yield cluster
-    finally:
-        logs = layout.state_dir / "logs"  # kept: an unexpected error's trail (the purge removes the state dir)
-        if logs.is_dir():
-            shutil.copytree(logs, ROOT / "var" / "bench-runs" / f"load-logs-{nodes}n-{int(time.time())}",
-                            dirs_exist_ok=True)
-        cluster.down(purge=True, node_timeout=120)
+    return started_cluster(nodes, keep_logs=f"load-logs-{nodes}n", name="acl", link_net="10.219.0.0/16",
+                           pool_net="10.220.0.0/16", database="aenv_load_bench", redis_db=13, extra_env=extra_env)
 
 
 # -- what the cluster's processes cost ---------------------------------------------------------
