@@ -17,9 +17,27 @@ from nodes import node_auth
 from team_secrets import resolve
 
 
-def _resolve(bearer: str, claimed_id: str, sandbox_id: str, name: str, host: str) -> dict:
-    node = node_auth.authenticate(bearer, claimed_id)
-    found = resolve.resolve(node.pk, sandbox_id, name, host)
+def node_schema(operation_id: str, request, answer):
+    """The OpenAPI schema of a node-only resolve route: ``request`` in, ``answer`` out, or an error."""
+    return extend_schema(operation_id=operation_id, request=request,
+                         responses={200: answer, **{c: OpenApiResponse(ErrorSerializer) for c in (400, 401, 403, 404)}})
+
+
+async def node_answer(request, serializer, answer) -> Response:
+    """A node's ask: its body validated with ``serializer``, the node authenticated (its bearer
+    and the id it claims, ``nodes.node_auth``), then ``answer(node, body)`` (in a thread: the ORM);
+    the reply is never cached."""
+    body = valid(serializer, body_of(request)).validated_data
+    claimed = node_auth.claimed_id(request.META)
+
+    def run(bearer: str) -> dict:
+        return answer(node_auth.authenticate(bearer, claimed), body)
+
+    return Response(await sync_to_async(run)(request.user.secret), headers={"Cache-Control": "no-store"})
+
+
+def _resolve(node, body: dict) -> dict:
+    found = resolve.resolve(node.pk, body["sandboxID"], body["name"], body["host"])
     return {"value": found.value, "version": found.version, "secretID": found.secret_id,
             "ttl": settings.AENV_EGRESS_SECRET_CACHE_TTL}
 
@@ -27,12 +45,6 @@ def _resolve(bearer: str, claimed_id: str, sandbox_id: str, name: str, host: str
 class ResolveView(APIView):
     authentication_classes = [NodeBearerAuthentication]
 
-    @extend_schema(operation_id="node_secret_resolve", request=ResolveRequestSerializer,
-                   responses={200: ResolvedSerializer,
-                              **{c: OpenApiResponse(ErrorSerializer) for c in (400, 401, 403, 404)}})
+    @node_schema("node_secret_resolve", ResolveRequestSerializer, ResolvedSerializer)
     async def post(self, request):
-        body = valid(ResolveRequestSerializer, body_of(request)).validated_data
-        claimed = node_auth.claimed_id(request.META)
-        answer = await sync_to_async(_resolve)(request.user.secret, claimed, body["sandboxID"], body["name"],
-                                               body["host"])
-        return Response(answer, headers={"Cache-Control": "no-store"})
+        return await node_answer(request, ResolveRequestSerializer, _resolve)
