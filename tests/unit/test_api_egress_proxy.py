@@ -8,7 +8,6 @@ and the nodes' password route."""
 import json
 from unittest import mock
 
-import httpx
 import pytest
 from django.conf import settings as django_settings
 from django.utils import timezone
@@ -17,6 +16,9 @@ from lifecycle.sandboxes import egress_proxy
 from nodes import node_auth
 from nodes.models import Node
 from sandboxes.models import Sandbox, SandboxEvent
+from tests.unit.test_api_network import fork_each_child
+from tests.unit.test_secrets_resolve import _ask as _node_ask
+from tests.unit.test_secrets_resolve import _headers
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -230,12 +232,7 @@ async def test_resume_and_fork_keep_it(api, create, net_mock):
     assert (await api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 60})).status_code == 201
     assert net_mock.client.resume_sandbox.await_args.kwargs["network"]["egress_proxy"] == sent
 
-    async def fork(node, *, sandbox_id, env_vars, access_token, children, deadline=None):
-        return {"parent": {"ok": True}, "timings": {}, "children": [
-            {"sandbox_id": c["sandbox_id"], "ok": True, "envd_host": "127.0.0.1", "envd_port": 41000, "pid": 1,
-             "timings": {}} for c in children]}
-
-    net_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork)
+    net_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork_each_child)
     kid = (await api.post(f"/sandboxes/{sb['sandboxID']}/fork", json={"count": 1})).json()[0]["sandbox"]
     assert [c["network"]["egress_proxy"] for c in net_mock.client.fork_sandbox.await_args.kwargs["children"]] == [sent]
     row = await Sandbox.objects.aget(pk=kid["sandboxID"])
@@ -245,14 +242,8 @@ async def test_resume_and_fork_keep_it(api, create, net_mock):
 # --------------------------------------------------------------------------- the nodes' route
 
 
-def _headers(node_id: str) -> dict:
-    return {"Authorization": f"Bearer {node_auth.derived_token(django_settings.SECRET_KEY, node_id)}",
-            node_auth.NODE_HEADER: node_id}
-
-
-async def _ask(app, headers, **body) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c:
-        return await c.post("/nodes/egress-proxy/resolve", json=body, headers=headers)
+def _ask(app, headers, **body):
+    return _node_ask(app, headers, route="/nodes/egress-proxy/resolve", **body)
 
 
 @pytest.fixture

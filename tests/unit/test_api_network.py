@@ -25,6 +25,13 @@ def _spec(allow=(), deny=(), internet=True, dns=None) -> dict:
             "forward_ports": [ENVD], **({"dns_servers": list(dns)} if dns is not None else {})}
 
 
+async def fork_each_child(node, *, sandbox_id, env_vars, access_token, children, deadline=None):
+    """The node's fork answer, every child up (on 127.0.0.1, without a guest_host: slirp)."""
+    return {"parent": {"ok": True}, "timings": {}, "children": [
+        {"sandbox_id": c["sandbox_id"], "ok": True, "envd_host": "127.0.0.1", "envd_port": 41000, "pid": 1,
+         "timings": {}} for c in children]}
+
+
 @pytest.fixture
 def net_mock(nodes_mock):
     nodes_mock.client.update_network = mock.AsyncMock(return_value={"timings": {"total_ms": 1.5}})
@@ -416,12 +423,7 @@ async def test_put_network_sets_and_clears_dns_servers_and_resume_and_fork_keep_
     assert (await api.post(f"/sandboxes/{sid}/connect", json={"timeout": 60})).status_code == 201
     assert net_mock.client.resume_sandbox.await_args.kwargs["network"] == kept
 
-    async def fork(node, *, sandbox_id, env_vars, access_token, children, deadline=None):
-        return {"parent": {"ok": True}, "timings": {}, "children": [
-            {"sandbox_id": c["sandbox_id"], "ok": True, "envd_host": "127.0.0.1", "envd_port": 41000, "pid": 1,
-             "timings": {}} for c in children]}
-
-    net_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork)
+    net_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork_each_child)
     kid = (await api.post(f"/sandboxes/{sid}/fork", json={"count": 1})).json()[0]["sandbox"]
     assert [c["network"] for c in net_mock.client.fork_sandbox.await_args.kwargs["children"]] == [kept]
     assert (await Sandbox.objects.aget(pk=kid["sandboxID"])).network == {"dnsServers": ["1.1.1.1"]}
@@ -481,12 +483,7 @@ async def test_fork_children_inherit_the_policy_and_get_their_own_traffic_tokens
 
 
 async def test_fork_of_a_public_sandbox_has_no_traffic_tokens(api, create, nodes_mock):
-    async def fork(node, *, sandbox_id, env_vars, access_token, children, deadline=None):
-        return {"parent": {"ok": True}, "timings": {}, "children": [
-            {"sandbox_id": c["sandbox_id"], "ok": True, "envd_host": "127.0.0.1", "envd_port": 41000, "pid": 1,
-             "timings": {}} for c in children]}
-
-    nodes_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork)
+    nodes_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork_each_child)
     parent = await create()
     kid = (await api.post(f"/sandboxes/{parent['sandboxID']}/fork", json={"count": 1})).json()[0]["sandbox"]
     assert kid["trafficAccessToken"] is None
@@ -595,12 +592,7 @@ async def test_resume_and_fork_keep_the_rules(api, create, net_mock):
     assert (await api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 60})).status_code == 201
     assert net_mock.client.resume_sandbox.await_args.kwargs["network"] == _ruled_spec()
 
-    async def fork(node, *, sandbox_id, env_vars, access_token, children, deadline=None):
-        return {"parent": {"ok": True}, "timings": {}, "children": [
-            {"sandbox_id": c["sandbox_id"], "ok": True, "envd_host": "127.0.0.1", "envd_port": 41000, "pid": 1,
-             "timings": {}} for c in children]}
-
-    net_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork)
+    net_mock.client.fork_sandbox = mock.AsyncMock(side_effect=fork_each_child)
     kid = (await api.post(f"/sandboxes/{sb['sandboxID']}/fork", json={"count": 1})).json()[0]["sandbox"]
     assert [c["network"] for c in net_mock.client.fork_sandbox.await_args.kwargs["children"]] == [_ruled_spec()]
     assert (await Sandbox.objects.aget(pk=kid["sandboxID"])).network["rules"] == STORED_RULES

@@ -60,9 +60,10 @@ def _headers(node_id: str) -> dict:
             node_auth.NODE_HEADER: node_id}
 
 
-async def _ask(app, headers, **body) -> httpx.Response:
+async def _ask(app, headers, route: str = "/nodes/secrets/resolve", **body) -> httpx.Response:
+    """A node's POST to one of its resolve routes (``headers``: whose, see ``_headers``)."""
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c:
-        return await c.post("/nodes/secrets/resolve", json=body, headers=headers)
+        return await c.post(route, json=body, headers=headers)
 
 
 async def test_the_sandboxs_node_gets_the_value_for_an_allowed_host(asgi_app, setup):
