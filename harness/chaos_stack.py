@@ -5,7 +5,6 @@ SIGKILLed and started again on the same port: the faults, by name (``FAULTS``)."
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 import uuid
@@ -16,7 +15,7 @@ import httpx
 
 from harness.chaos_services import LoopFs, PrivatePostgres, PrivateRedis, PrivateTmpfs
 from harness.polling import until
-from harness.stack import PY, Stack
+from harness.stack import PY, Stack, started
 
 # Every fault the bench knows, in the order it injects them.
 FAULTS = ("api", "dataplane", "node", "sweeper", "redis", "postgres", "disk", "shm")
@@ -162,13 +161,8 @@ def chaos_world(clients: int, root: Path | None = None):
     root = root or Path("/tmp") / f"aenv-chaos-{uuid.uuid4().hex[:6]}"
     root.mkdir(parents=True, exist_ok=True)
     world = ChaosWorld(root, clients)
-    try:
-        world.start()
+    with started(world, world.close, root):
         yield world
-    finally:
-        world.close()
-        if not os.environ.get("AENV_KEEP_TEST_HOME"):
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def wait_healthy(stack: ChaosStack, deadline: float = 180) -> float:

@@ -313,13 +313,26 @@ def running_stack(prefix: str = "e2e", **kwargs):
     its VMs killed and its home removed after (kept with AENV_KEEP_TEST_HOME)."""
     home = ROOT / "var" / "test-runs" / f"{prefix}-{uuid.uuid4().hex[:8]}"
     s = Stack(home=home, **kwargs)
-    try:
-        s.start()
+    with started(s, s.shutdown, home):
         yield s
+
+
+@contextmanager
+def started(thing, stop, home: Path):
+    """``thing`` started (its ``start()``) for the block; after it (also when starting failed),
+    ``stop()`` and ``thing``'s ``home`` removed (see remove_test_home)."""
+    try:
+        thing.start()
+        yield thing
     finally:
-        s.shutdown()
-        if not os.environ.get("AENV_KEEP_TEST_HOME"):
-            shutil.rmtree(home, ignore_errors=True)
+        stop()
+        remove_test_home(home)
+
+
+def remove_test_home(home: Path) -> None:
+    """A test run's home removed, unless AENV_KEEP_TEST_HOME asks to keep it (a failure's trail)."""
+    if not os.environ.get("AENV_KEEP_TEST_HOME"):
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def stop_chunkfs(home: Path, timeout: float = 15) -> None:

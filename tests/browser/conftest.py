@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.stack import ROOT, Stack
+from harness.stack import ROOT, Stack, remove_test_home
 
 CHROMIUM = Path(os.environ.get("AENV_CHROMIUM", "/usr/bin/chromium"))
 XTERM = ROOT / "vendor" / "node_modules" / "@xterm" / "xterm" / "lib" / "xterm.js"
@@ -53,8 +53,7 @@ def dashboard_stack(prefix: str, username: str, password: str, **kwargs):
         yield stack
     finally:
         stack.shutdown()
-        if not os.environ.get("AENV_KEEP_TEST_HOME"):
-            shutil.rmtree(home, ignore_errors=True)
+        remove_test_home(home)
 
 
 @pytest.fixture(scope="session")
