@@ -88,9 +88,11 @@ def csp_violations(pg) -> list[str]:
     return seen
 
 
-@pytest.fixture
-def page(browser, web_stack):
-    context = browser.new_context(viewport={"width": 1360, "height": 1000}, base_url=web_stack.api_url)
+@contextlib.contextmanager
+def dashboard_page(browser, stack):
+    """A page of a fresh browser context on ``stack``'s API URL; the block fails on any CSP
+    violation the page saw."""
+    context = browser.new_context(viewport={"width": 1360, "height": 1000}, base_url=stack.api_url)
     pg = context.new_page()
     pg.set_default_timeout(30_000)
     violations = csp_violations(pg)
@@ -99,3 +101,9 @@ def page(browser, web_stack):
     finally:
         context.close()
     assert violations == [], violations
+
+
+@pytest.fixture
+def page(browser, web_stack):
+    with dashboard_page(browser, web_stack) as pg:
+        yield pg

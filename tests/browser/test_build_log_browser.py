@@ -12,7 +12,8 @@ import pytest
 
 from harness.stack import Stack
 
-from .conftest import csp_violations, dashboard_stack
+from .conftest import dashboard_page, dashboard_stack
+from .test_dashboard_browser import shot
 
 PASSWORD = "pw-builds-" + uuid.uuid4().hex[:8]
 NODE = "browser-builder"
@@ -59,19 +60,8 @@ def new_build(stack: Stack) -> str:
 
 @pytest.fixture
 def page(browser, log_stack):
-    context = browser.new_context(viewport={"width": 1360, "height": 1000}, base_url=log_stack.api_url)
-    pg = context.new_page()
-    pg.set_default_timeout(30_000)
-    violations = csp_violations(pg)
-    try:
+    with dashboard_page(browser, log_stack) as pg:
         yield pg
-    finally:
-        context.close()
-    assert violations == [], violations
-
-
-def shot(page, shots_dir, name: str) -> None:
-    page.screenshot(path=str(shots_dir / f"{name}.png"), full_page=True)
 
 
 def log_texts(page) -> list[str]:
