@@ -39,22 +39,21 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.lifecycle_common import percentile  # noqa: E402
+from harness.api_stand_in import StandIn, served  # noqa: E402
 from harness.named_hosts import proxy_world  # noqa: E402
 from harness.networld import EXT_A  # noqa: E402
-from harness.upstream_proxies import HTTP_PROXY, SOCKS, SOCKS_TLS, TLS_NAME, UPSTREAM, Upstreams  # noqa: E402
+from harness.upstream_proxies import (HTTP_PROXY, SOCKS, SOCKS_TLS, TLS_NAME, UPSTREAM, Upstreams,  # noqa: E402
+                                      chained_dnat)
 from vmm.net import slots  # noqa: E402
 from vmm.net.dns import service_ip  # noqa: E402
-from vmm.net.slots import CHAIN_PORT  # noqa: E402
 
 POOL = "10.23.0.0/24"
 OPEN_SOCKS, OPEN_HTTP, BY_NAME, BY_NAME_SOCKS = "10.23.0.3", "10.23.0.5", "10.23.0.7", "10.23.0.9"
@@ -79,17 +78,9 @@ while True:
 """
 
 
-class Passwords(BaseHTTPRequestHandler):
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        raw = json.dumps({"password": PASSWORD.get(body.get("credential"), ""), "ttl": 600}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def log_message(self, *args):
-        pass
+class Passwords(StandIn):
+    def answer(self, body: dict) -> tuple[int, dict]:
+        return 200, {"password": PASSWORD.get(body.get("credential"), ""), "ttl": 600}
 
 
 def _read_all(sock) -> bytes:
@@ -149,25 +140,13 @@ def main() -> int:
     if not slots.netns_supported():
         print("needs root, nft and nsenter", file=sys.stderr)
         return 2
-    api = ThreadingHTTPServer(("127.0.0.1", 0), Passwords)
-    threading.Thread(target=api.serve_forever, daemon=True).start()
-    config = {"url": f"http://127.0.0.1:{api.server_address[1]}", "headers": {"Authorization": "Bearer bench"}}
     ip = service_ip(POOL)
-    table = "aenvupbench"
     samples: dict[str, list[float]] = {}
     rates: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory() as work, \
+    with served(Passwords, bearer="bench") as config, tempfile.TemporaryDirectory() as work, \
             proxy_world(POOL, (OPEN_SOCKS, OPEN_HTTP, BY_NAME, BY_NAME_SOCKS, OPEN_TLS, BY_NAME_TLS), secrets=config,
-                        allow_private_upstream=True) as egress:
-        chained = f"{OPEN_SOCKS}, {OPEN_HTTP}, {OPEN_TLS}"  # the node's chained DNAT, for locally made connections
-        subprocess.run(["nft", "-f", "-"], check=True, capture_output=True, text=True, timeout=30, input=f"""
-table ip {table} {{
-    chain out {{
-        type nat hook output priority -100; policy accept;
-        ip saddr {{ {chained} }} ip daddr != {{ {ip}, 127.0.0.0/8 }} meta l4proto tcp dnat ip to {ip}:{CHAIN_PORT}
-    }}
-}}
-""")
+                        allow_private_upstream=True) as egress, \
+            chained_dnat(POOL, (OPEN_SOCKS, OPEN_HTTP, OPEN_TLS), "aenvupbench"):
         ups = Upstreams(egress.ext_netns, Path(work), f"alice:{PASSWORD['c-socks']}", f"bob:{PASSWORD['c-http']}")
         bulk = None
         try:
@@ -209,8 +188,6 @@ table ip {table} {{
                 bulk.kill()
                 bulk.wait(timeout=10)
             ups.stop()
-            subprocess.run(["nft", "delete", "table", "ip", table], capture_output=True, timeout=30)
-            api.shutdown()
     summary = {name: {"median_ms": round(statistics.median(v), 3), "p95_ms": round(percentile(v, 95), 3),
                       "n": len(v)} for name, v in samples.items()}
     print("| connection (connect + GET + close) | median ms | p95 ms | n |\n|---|---:|---:|---:|")

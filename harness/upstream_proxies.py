@@ -13,17 +13,41 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from harness.named_hosts import make_cert
 from harness.networld import EXT_A, EXT_B, NET
+from vmm.net.dns import service_ip
 from vmm.net.egress import DEFAULT_MITMDUMP
+from vmm.net.slots import CHAIN_PORT
 
 UPSTREAM = f"{NET}.30"  # the upstreams' address, in the external host's namespace
 SOCKS, HTTP_PROXY = 1080, 3128
 SOCKS_TLS, HTTP_PROXY_TLS = 1443, 3129  # the same proxies behind TLS
 TLS_NAME = "proxy.test"  # the name on the TLS fronts' certificate (not the address)
 FRONT = Path(__file__).with_name("tls_front.py")
+
+
+@contextmanager
+def chained_dnat(pool: str, clients: tuple[str, ...], table: str):
+    """The node's ``chained`` DNAT (vmm.net.slots) for connections made on the node itself, in an
+    nft table ``table`` of its own for the block: any TCP of ``clients`` ("slot addresses") to
+    another address than ``pool``'s resolver goes to the proxy's relay (CHAIN_PORT), its
+    destination kept for ``SO_ORIGINAL_DST``."""
+    ip = service_ip(pool)
+    try:
+        subprocess.run(["nft", "-f", "-"], check=True, capture_output=True, text=True, timeout=30, input=f"""
+table ip {table} {{
+    chain out {{
+        type nat hook output priority -100; policy accept;
+        ip saddr {{ {", ".join(clients)} }} ip daddr != {{ {ip}, 127.0.0.0/8 }} meta l4proto tcp dnat ip to {ip}:{CHAIN_PORT}
+    }}
+}}
+""")
+        yield
+    finally:
+        subprocess.run(["nft", "delete", "table", "ip", table], capture_output=True, timeout=30)
 
 
 def _in(netns: str, *argv: str) -> None:

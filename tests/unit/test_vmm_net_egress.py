@@ -7,20 +7,18 @@ address the node's resolver gives for them, at the port asked for; TLS to a host
 filled from a stand-in for the API's resolve route.
 The slot's nftables side is in test_vmm_net_policy.py; a real guest in
 tests/integration/test_egress_domains.py."""
-import json
 import os
 import pwd
 import socket
 import ssl
 import stat
-import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from harness.api_stand_in import StandIn, served
 from harness.named_hosts import proxy_world
 from harness.networld import EXT_B
 from vmm.net import slots
@@ -45,45 +43,29 @@ MAX = 6  # connections per sandbox through the proxy
 SECRET = "s3cret-value"
 
 
-class SecretsAPI(BaseHTTPRequestHandler):
+class SecretsAPI(StandIn):
     """Stands in for the API's ``POST /nodes/secrets/resolve``: ``tok`` for good.test only,
     ``down`` fails (503), anything else is refused (403). Every ask is recorded."""
 
     asked: list = []
 
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.asked.append({**body, "auth": self.headers.get("Authorization")})
+    def answer(self, body: dict) -> tuple[int, dict]:
         if body["name"] == "tok" and body["host"] == "good.test":
-            status, answer = 200, {"value": SECRET, "version": 1, "ttl": 0}
-        elif body["name"] == "down":
-            status, answer = 503, {"message": "unavailable"}
-        else:
-            status, answer = 403, {"message": "not for that host"}
-        raw = json.dumps(answer).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def log_message(self, *args):
-        pass
+            return 200, {"value": SECRET, "version": 1, "ttl": 0}
+        if body["name"] == "down":
+            return 503, {"message": "unavailable"}
+        return 403, {"message": "not for that host"}
 
 
 @pytest.fixture(scope="module")
 def api():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), SecretsAPI)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
+    with served(SecretsAPI) as secrets:
+        yield secrets
 
 
 @pytest.fixture(scope="module")
 def proxy(api):
-    secrets = {"url": f"http://127.0.0.1:{api.server_address[1]}", "headers": {"Authorization": "Bearer node-cred"}}
-    with proxy_world(POOL, (CLIENT, OTHER_CLIENT), max_connections=MAX, secrets=secrets) as egress:
+    with proxy_world(POOL, (CLIENT, OTHER_CLIENT), max_connections=MAX, secrets=api) as egress:
         egress.allow(CLIENT, "sbx-test", ("good.test", "loop.test"))
         try:
             yield egress

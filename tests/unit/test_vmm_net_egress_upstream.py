@@ -20,15 +20,15 @@ import os
 import socket
 import ssl
 import subprocess
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from harness.api_stand_in import StandIn, served
 from harness.named_hosts import proxy_world
-from harness.upstream_proxies import HTTP_PROXY, HTTP_PROXY_TLS, SOCKS, SOCKS_TLS, TLS_NAME, UPSTREAM, Upstreams
+from harness.upstream_proxies import (HTTP_PROXY, HTTP_PROXY_TLS, SOCKS, SOCKS_TLS, TLS_NAME, UPSTREAM, Upstreams,
+                                      chained_dnat)
 from harness.networld import EXT_A, EXT_B
 from vmm.net import slots
 from vmm.net.dns import service_ip
@@ -51,69 +51,45 @@ SOCKS_UP = {"scheme": "socks5", "host": UPSTREAM, "port": SOCKS, "username": "al
 HTTP_UP = {"scheme": "http", "host": UPSTREAM, "port": HTTP_PROXY, "username": "bob", "credential": "c-http"}
 
 
-class PasswordsAPI(BaseHTTPRequestHandler):
+class PasswordsAPI(StandIn):
     """Stands in for the API's ``POST /nodes/egress-proxy/resolve`` (``wrong``: a password the
     upstream refuses). Every ask is recorded."""
 
     asked: list = []
 
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.asked.append({**body, "auth": self.headers.get("Authorization")})
+    def answer(self, body: dict) -> tuple[int, dict]:
         password = PASSWORDS.get(body.get("credential")) or ("nope" if body.get("credential") == "wrong" else None)
         status, answer = (200, {"password": password, "ttl": 60}) if password else (404, {"message": "no"})
         if self.path != "/nodes/egress-proxy/resolve":
             status, answer = 404, {"message": "not this route"}
-        raw = json.dumps(answer).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def log_message(self, *args):
-        pass
+        return status, answer
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    api = ThreadingHTTPServer(("127.0.0.1", 0), PasswordsAPI)
-    threading.Thread(target=api.serve_forever, daemon=True).start()
-    config = {"url": f"http://127.0.0.1:{api.server_address[1]}", "headers": {"Authorization": "Bearer node-cred"}}
     work = tmp_path_factory.mktemp("upstreams")
     table = f"aenvupt{uuid.uuid4().hex[:6]}"
-    ip = service_ip(POOL)
     ups = None
-    try:
-        with proxy_world(POOL, (OPEN, VIA_HTTP, DOMAINS, VIA_TLS), secrets=config,
-                         allow_private_upstream=True) as egress:
-            # the node's ``chained`` DNAT, for locally made connections: any TCP of these "slots"
-            # to another address than the resolver's goes to the proxy's relay, its destination kept
-            clients = f"{OPEN}, {VIA_HTTP}, {DOMAINS}, {VIA_TLS}"
-            subprocess.run(["nft", "-f", "-"], check=True, capture_output=True, text=True, timeout=30, input=f"""
-table ip {table} {{
-    chain out {{
-        type nat hook output priority -100; policy accept;
-        ip saddr {{ {clients} }} ip daddr != {{ {ip}, 127.0.0.0/8 }} meta l4proto tcp dnat ip to {ip}:{CHAIN_PORT}
-    }}
-}}
-""")
-            ups = Upstreams(egress.ext_netns, work, f"alice:{PASSWORDS['c-socks']}",
-                            f"bob:{PASSWORDS['c-http']}").start()
-            egress.allow(OPEN, "sbx-open", (), upstream=SOCKS_UP)
-            egress.allow(VIA_HTTP, "sbx-http", (), upstream=HTTP_UP)
-            egress.allow(DOMAINS, "sbx-dom", ("good.test",), rules={"good.test": [{"X-Aenv-Rule": "ruled"}]},
-                         upstream=SOCKS_UP, allow=(f"{EXT_B}/32",), deny=("0.0.0.0/0",))
-            egress.upstreams, egress.api = ups, PasswordsAPI
-            try:
-                yield egress
-            finally:
-                if egress.log_file.exists():
-                    print(egress.log_file.read_text()[-3000:])  # shown when a test failed
-    finally:
-        if ups is not None:
-            ups.stop()
-        subprocess.run(["nft", "delete", "table", "ip", table], capture_output=True, timeout=30)
-        api.shutdown()
+    with served(PasswordsAPI) as config:
+        try:
+            with proxy_world(POOL, (OPEN, VIA_HTTP, DOMAINS, VIA_TLS), secrets=config,
+                             allow_private_upstream=True) as egress, \
+                    chained_dnat(POOL, (OPEN, VIA_HTTP, DOMAINS, VIA_TLS), table):
+                ups = Upstreams(egress.ext_netns, work, f"alice:{PASSWORDS['c-socks']}",
+                                f"bob:{PASSWORDS['c-http']}").start()
+                egress.allow(OPEN, "sbx-open", (), upstream=SOCKS_UP)
+                egress.allow(VIA_HTTP, "sbx-http", (), upstream=HTTP_UP)
+                egress.allow(DOMAINS, "sbx-dom", ("good.test",), rules={"good.test": [{"X-Aenv-Rule": "ruled"}]},
+                             upstream=SOCKS_UP, allow=(f"{EXT_B}/32",), deny=("0.0.0.0/0",))
+                egress.upstreams, egress.api = ups, PasswordsAPI
+                try:
+                    yield egress
+                finally:
+                    if egress.log_file.exists():
+                        print(egress.log_file.read_text()[-3000:])  # shown when a test failed
+        finally:
+            if ups is not None:
+                ups.stop()
 
 
 def _connect(address: str, port: int, source: str) -> socket.socket:
