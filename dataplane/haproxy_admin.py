@@ -1,5 +1,6 @@
 """HAProxy's runtime API (its admin socket), as the hot path uses it: map entries set and
-deleted, a guest port's server added and (its streams shut) deleted, the counters read.
+deleted, a guest port's server added, retired (maintenance, its streams shut) and deleted once
+no connection to it is left, the counters read.
 
 Why a module: ``dataplane.steer`` changes HAProxy's maps while it serves, with no reload (a
 reload would drop the handed-off connections), and tests read its counters to show which
@@ -13,6 +14,11 @@ import re
 
 # What a key or value sent here may look like: sandbox ids, IPv4/IPv6 addresses, hex digests.
 SAFE = re.compile(r"[A-Za-z0-9_.:\[\]-]{1,128}")
+# A guest server's idle connection pool (servers added at run time get none by default: no
+# purge delay, no room): kept idle up to this long between HAProxy's purges, at most so many.
+POOL = "pool-purge-delay 5s pool-max-conn 1000"
+# A backend connection in ``show fd``: "... sv=<backend>/<server> mux=..."
+_FD_SERVER = re.compile(r" sv=([^/ ]+)/(\S+) ")
 
 
 # How HAProxy's runtime API says no (its successes are empty or say what was done).
@@ -73,16 +79,28 @@ class Admin:
     @staticmethod
     def add_server(backend: str, name: str, address: str, port: int) -> list[str]:
         """A server for one guest port, taking traffic only by name (``use-server``; weight
-        0: no balancing ever picks it), enabled (new servers start in maintenance)."""
+        0: no balancing ever picks it), with an idle connection pool (``POOL``), enabled (new
+        servers start in maintenance)."""
         host = f"[{address}]" if ":" in address else address
-        return [f"add server {backend}/{_checked(name)} {_checked(host)}:{int(port)} weight 0",
+        return [f"add server {backend}/{_checked(name)} {_checked(host)}:{int(port)} weight 0 {POOL}",
                 f"enable server {backend}/{name}"]
 
     @staticmethod
-    def drop_server(backend: str, name: str) -> list[str]:
-        """Maintenance (no new request), its streams shut, then deleted."""
+    def retire_server(backend: str, name: str) -> list[str]:
+        """Maintenance (no new request; its pooled idle connections closed), its streams shut.
+        Not deleted: a client's session may still hold an idle connection to it."""
         target = f"{backend}/{_checked(name)}"
-        return [f"set server {target} state maint", f"shutdown sessions server {target}", f"del server {target}"]
+        return [f"set server {target} state maint", f"shutdown sessions server {target}"]
+
+    @staticmethod
+    def del_server(backend: str, name: str) -> str:
+        return f"del server {backend}/{_checked(name)}"
+
+    async def connected_servers(self, backend: str) -> set[str]:
+        """The servers of ``backend`` that a connection HAProxy holds open leads to (``show
+        fd``: every backend connection with its server, in a session, a pool or a stream)."""
+        text = await self.run("show fd", check=False)
+        return {m.group(2) for m in _FD_SERVER.finditer(text) if m.group(1) == backend}
 
     async def stat(self, proxy: str, side: str = "BACKEND") -> dict[str, str]:
         """One line of ``show stat`` (``proxy``'s ``BACKEND`` or ``FRONTEND``) as a dict."""

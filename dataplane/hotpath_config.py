@@ -40,7 +40,7 @@ from envd import ENVD_PORT
 from dataplane.answers import MSG_PORT_CLOSED
 from dataplane.headers import VIA_HEADER as _VIA
 
-PORTS_MAP = "ports.map"  # "<sandbox id>_<port>" (its server's name) → guest address
+PORTS_MAP = "ports.map"  # "<sandbox id>_<port>" → its server's name ("<sandbox id>_<port>.<serial>")
 TOKENS_MAP = "tokens.map"  # sandbox id → sha256 hex of its traffic access token
 # Set on every request HAProxy sends to the data plane (and removed from clients'): the data
 # plane never hands such a connection back (dataplane.handoff); never forwarded to a guest.
@@ -53,16 +53,22 @@ CONNECT_RETRIES = 1
 KEEPALIVE_TIMEOUT = "300s"
 # Streams (server-sent events, long polls) may stay quiet for long: no inactivity cut.
 STREAM_TIMEOUT = "24h"
-# Why the guest backend keeps no guest connection between requests (``option
-# http-server-close``): HAProxy 2.6 keeps a client's idle server connection in the client's
-# session, bound to the server object; neither ``shutdown sessions`` nor ``del server``
-# closes it, and it never expires (neither ``timeout server`` nor ``timeout http-keep-alive``
-# ends an idle one). It is reused for the next request routed to a server at that same place
-# in memory, which a server added later often gets (the same sandbox port after a pause and
-# a resume, or another one): that request went to the paused VM's old address, where nothing
-# answers, and waited out ``timeout server`` (a stream's 24 h) — a client hung. No deletion
-# order or delay makes such connections safe; a connection per request costs the guest one
-# TCP handshake per request (docs/benchmarks.md, the hot path).
+REUSE = "safe"
+# Guest connections are kept alive and shared between a port's clients (``http-reuse safe``,
+# an idle pool per server: ``haproxy_admin.POOL``), which is what lets the hot path come near
+# a straight connection to the guest. Why that is safe across a pause and a resume: HAProxy
+# 2.6 keeps some idle guest connections in the client's session instead of the server's pool
+# (every one under ``http-reuse never``; in any mode, one the guest answered with an NTLM or
+# Negotiate challenge), bound to the server object; ``del server`` does not always close
+# them, and a server added later at the freed object's place in memory reused them: a
+# request went to the paused VM's old address and waited out ``timeout server`` (24 h). So a
+# server is never freed while a connection to it exists: each route gets a server of its own
+# name (``<id>_<port>.<serial>``, never reused; ``PORTS_MAP`` says which), and a server taken
+# out is only put in maintenance (its pooled connections closed, its streams shut) and
+# deleted once HAProxy shows no connection to it (``dataplane.steer``). A session's idle
+# connection to a stopped VM is found dead by TCP keep-alive probes (``SRV_TCP_KEEPALIVE``),
+# so a retired server waits at most about that long, or until its clients leave.
+SRV_TCP_KEEPALIVE = ("30s", "10s", 3)  # srvtcpka-idle, -intvl, -cnt
 
 
 def _json(text: str) -> str:
@@ -138,10 +144,10 @@ frontend hotpath
     acl port_range var(txn.port) -m int 1:65535
     acl port_envd var(txn.port) -m int {ENVD_PORT}
     # the sandbox port's server and the sandbox's token, as dataplane.steer keeps them
-    http-request set-var(txn.srv) var(txn.sid),concat(_,txn.port) if port_digits port_range !port_envd
-    http-request set-var(txn.addr) var(txn.srv),map({ports}) if {{ var(txn.srv) -m found }}
-    http-request set-var(txn.want) var(txn.sid),map({tokens}) if {{ var(txn.addr) -m found }}
-    acl routed var(txn.addr) -m found
+    http-request set-var(txn.route) var(txn.sid),concat(_,txn.port) if port_digits port_range !port_envd
+    http-request set-var(txn.srv) var(txn.route),map({ports}) if {{ var(txn.route) -m found }}
+    http-request set-var(txn.want) var(txn.sid),map({tokens}) if {{ var(txn.srv) -m found }}
+    acl routed var(txn.srv) -m found
     acl token_needed var(txn.want) -m found
     acl token_one req.hdr_cnt(e2b-traffic-access-token) eq 1
     http-request set-var(txn.given) req.fhdr(e2b-traffic-access-token),sha2(256),hex,lower if token_needed token_one
@@ -160,10 +166,13 @@ frontend hotpath
 
 backend {GUEST_BACKEND}
     retries {CONNECT_RETRIES}
-    # a guest connection per request, closed once it is answered (see above the module's
-    # timeouts: an idle one would outlive its server and be reused for a later one)
-    option http-server-close
-    http-reuse never
+    # guest connections kept alive, shared by the port's clients; their servers outlive them
+    # (see above the module's timeouts)
+    http-reuse {REUSE}
+    option srvtcpka
+    srvtcpka-idle {SRV_TCP_KEEPALIVE[0]}
+    srvtcpka-intvl {SRV_TCP_KEEPALIVE[1]}
+    srvtcpka-cnt {SRV_TCP_KEEPALIVE[2]}
     use-server %[var(txn.srv)] if TRUE
     # the guest's cookies (dataplane.cookies): host-only on its own host, else dropped
     http-response del-header set-cookie2

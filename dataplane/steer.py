@@ -18,7 +18,11 @@ instead of an auto-resume). No tenant can reach another through it: a guest addr
 handed to another sandbox before the node has made (and warmed) every other slot of its pool
 (``vmm.net.slot_pool``: slots are destroyed, never reused, and the index cursor goes round
 the pool). The servers of a sandbox that left are put in maintenance, their streams shut
-(as ``dataplane.watch`` breaks the data plane's own) and deleted.
+(as ``dataplane.watch`` breaks the data plane's own), and deleted only once HAProxy shows no
+connection to them (``_collect``): a server is never freed while a client's session may still
+hold an idle connection to it, and every route gets a server of its own name
+(``<id>_<port>.<serial>``), so a sandbox back at once never waits for its old server
+(``dataplane.hotpath_config``, above its timeouts, says why).
 
 Order of writes, so that no request ever finds a port without its sandbox's token: a token
 entry is written in the round that publishes its sandbox, before any of its ports can be
@@ -31,6 +35,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
@@ -44,6 +49,13 @@ from sandboxes.states import ROUTABLE
 log = logging.getLogger(__name__)
 
 INTERVAL = 0.1
+# How often the retired servers' connections are looked for (``show fd``, a line per
+# descriptor); a server is deleted after two looks in a row found none.
+RETIRED_CHECK = 0.5
+# Retired servers waiting for their last connection beyond this many: said in the log (each is
+# a few kB of HAProxy's memory; they wait for their clients' sessions, or for TCP keep-alive to
+# find a stopped VM's connection dead).
+RETIRED_WARN = 1000
 
 
 @dataclass(frozen=True)
@@ -91,8 +103,12 @@ class Steer:
         self.ports_map, self.tokens_map = f"{maps_dir}/{PORTS_MAP}", f"{maps_dir}/{TOKENS_MAP}"
         self._read = read or sync_to_async(read_entries, thread_sensitive=False)
         self.pushed: dict[str, Entry] | None = None  # None: HAProxy's maps are unknown (clear them first)
-        self.servers: dict[str, tuple[str, str]] = {}  # server name → (sandbox id, address)
-        self.doomed: set[str] = set()  # servers taken out whose deletion HAProxy has not done yet
+        # route key "<id>_<port>" → (sandbox id, address, its server's name)
+        self.servers: dict[str, tuple[str, str, str]] = {}
+        # servers taken out, not deleted yet → whether in maintenance, and unconnected so far
+        self.retired: dict[str, Retired] = {}
+        self._serial = 0  # the last server name's suffix: names are never used twice
+        self._checked_at = 0.0
         self._lock = asyncio.Lock()  # one writer at a time: the order of writes is the safety
         self.nudge_path = f"{maps_dir}/{NUDGE}"
         self._nudged = asyncio.Event()  # a state write was announced: read the database now
@@ -103,23 +119,27 @@ class Steer:
         entry = (self.pushed or {}).get(sandbox_id)
         if entry is None or entry.address != address or entry.generation != generation:
             return False
-        return port is None or self.servers.get(server_name(sandbox_id, port)) == (sandbox_id, address)
+        return port is None or self.servers.get(route_key(sandbox_id, port), ())[:2] == (sandbox_id, address)
 
     async def ensure_port(self, sandbox_id: str, address: str, generation: int, port: int) -> bool:
         """Makes HAProxy able to serve ``port`` of the sandbox (its server, then its map
         entry), if the sandbox is published at this address and generation. True when it can."""
-        name = server_name(sandbox_id, port)
+        key = route_key(sandbox_id, port)
         if self.published(sandbox_id, address, generation, port):
             return True
         async with self._lock:
-            if not self.published(sandbox_id, address, generation) or name in self.servers or name in self.doomed:
+            if not self.published(sandbox_id, address, generation) or key in self.servers:
                 return self.published(sandbox_id, address, generation, port)
+            self._serial += 1
+            name = f"{key}.{self._serial}"
             try:
                 await self.admin.run(*self.admin.add_server(GUEST_BACKEND, name, address, port))
-                self.servers[name] = (sandbox_id, address)
-                await self.admin.run(self.admin.set_entry(self.ports_map, name, address, known=False))
+                self.servers[key] = (sandbox_id, address, name)
+                await self.admin.run(self.admin.set_entry(self.ports_map, key, name, known=False))
             except AdminError as exc:
                 log.info("hot path: could not add %s: %r", name, exc)
+                self.servers.pop(key, None)
+                self.retired[name] = Retired()  # maybe added: taken out as any other
                 return False
         return True
 
@@ -132,41 +152,72 @@ class Steer:
         have = self.pushed
         if have is None:
             await self.admin.run(self.admin.clear(self.ports_map), self.admin.clear(self.tokens_map))
-            self.doomed |= set(self.servers)
-            self.servers = {}
+            self._retire(self.servers)
             have = {}
         gone = {sid: e for sid, e in have.items() if want.get(sid) != e}
         if gone:
             # out first: no handoff trusts them, no request finds their ports, their servers
             # (and so the streams HAProxy relays to them) are shut, then their tokens go
             self.pushed = {sid: e for sid, e in have.items() if sid not in gone}
-            names = [n for n, (sid, _) in self.servers.items() if sid in gone]
-            if names:
-                await self.admin.run(*(self.admin.del_entry(self.ports_map, n) for n in names))
-                for n in names:
-                    del self.servers[n]
-                self.doomed |= set(names)
+            keys = [k for k, (sid, _, _) in self.servers.items() if sid in gone]
+            if keys:
+                await self.admin.run(*(self.admin.del_entry(self.ports_map, k) for k in keys))
+                self._retire(keys)
             tokens = [self.admin.del_entry(self.tokens_map, sid) for sid, e in gone.items() if e.token_digest]
             if tokens:
                 await self.admin.run(*tokens)
-        await self._delete_doomed()
+        await self._collect()
         adding = [self.admin.set_entry(self.tokens_map, sid, e.token_digest, known=False)
                   for sid, e in want.items() if e.token_digest and have.get(sid) != e]
         if adding:
             await self.admin.run(*adding)
         self.pushed = want
 
-    async def _delete_doomed(self) -> None:
-        for name in sorted(self.doomed):
-            try:
-                await self.admin.run(*self.admin.drop_server(GUEST_BACKEND, name))
-            except AdminError as exc:  # busy still: the next round tries again
-                if "No such server" in str(exc):
-                    self.doomed.discard(name)
-                else:
-                    log.info("hot path: %s not deleted yet: %r", name, exc)
+    def _retire(self, keys) -> None:
+        """These routes' servers leave ``servers`` for ``retired`` (``_collect`` does the rest)."""
+        for key in list(keys):
+            _, _, name = self.servers.pop(key)
+            self.retired[name] = Retired()
+
+    async def _collect(self, now: float | None = None) -> None:
+        """Retired servers: put in maintenance and their streams shut at once; deleted once two
+        looks at HAProxy's descriptors, ``RETIRED_CHECK`` s apart, found no connection to them
+        (none can appear meanwhile: in maintenance and out of ``PORTS_MAP``, nothing picks them)."""
+        for name, state in sorted(self.retired.items()):
+            if state.maint:
                 continue
-            self.doomed.discard(name)
+            try:
+                await self.admin.run(*self.admin.retire_server(GUEST_BACKEND, name))
+            except AdminError as exc:
+                if "No such server" in str(exc):
+                    del self.retired[name]
+                else:  # the next round tries again
+                    log.info("hot path: %s not retired yet: %r", name, exc)
+                continue
+            state.maint = True
+        now = time.monotonic() if now is None else now
+        waiting = [name for name, state in self.retired.items() if state.maint]
+        if not waiting or now - self._checked_at < RETIRED_CHECK:
+            return
+        self._checked_at = now
+        connected = await self.admin.connected_servers(GUEST_BACKEND)
+        for name in sorted(waiting):
+            state = self.retired[name]
+            if name in connected:
+                state.unconnected = 0
+                continue
+            state.unconnected += 1
+            if state.unconnected < 2:
+                continue
+            try:
+                await self.admin.run(self.admin.del_server(GUEST_BACKEND, name))
+            except AdminError as exc:
+                if "No such server" not in str(exc):  # busy still: the next look tries again
+                    log.info("hot path: %s not deleted yet: %r", name, exc)
+                    continue
+            del self.retired[name]
+        if len(self.retired) > RETIRED_WARN:
+            log.warning("hot path: %d retired servers still have connections", len(self.retired))
 
     async def fail_closed(self) -> None:
         """The database or HAProxy could not be read: empty maps (everything goes to the data
@@ -175,8 +226,7 @@ class Steer:
         try:
             async with self._lock:
                 await self.admin.run(self.admin.clear(self.ports_map), self.admin.clear(self.tokens_map))
-                self.doomed |= set(self.servers)
-                self.servers = {}
+                self._retire(self.servers)
                 self.pushed = {}
         except AdminError:
             pass
@@ -240,6 +290,13 @@ class Steer:
             pass
 
 
-def server_name(sandbox_id: str, port: int) -> str:
-    """HAProxy's server for one port of one sandbox (ids have no '/'; the port is last)."""
+def route_key(sandbox_id: str, port: int) -> str:
+    """One port of one sandbox in ``PORTS_MAP`` (ids have no '/'; the port is last); its
+    server's name is this and a serial."""
     return f"{sandbox_id}_{port}"
+
+
+@dataclass
+class Retired:
+    maint: bool = False  # in maintenance, its streams shut
+    unconnected: int = 0  # looks in a row that found no connection to it
