@@ -3,6 +3,7 @@ rewrites /home/user/counter.txt ("<pid> <n>") every 0.2 s. Its pid shows whether
 process survived (pause, snapshot, fork, worker restart); its count, that it still runs."""
 import time
 
+COUNTER_FILE = "/home/user/counter.txt"
 COUNTER = """\
 import os, time
 n = 0
@@ -16,7 +17,7 @@ while True:
 
 
 def read_counter(sbx) -> tuple[int, int]:
-    pid, n = sbx.files.read("/home/user/counter.txt").split()
+    pid, n = sbx.files.read(COUNTER_FILE).split()
     return int(pid), int(n)
 
 
@@ -25,7 +26,7 @@ def start_counter(sbx) -> tuple[int, int]:
     sbx.files.write("/home/user/counter.py", COUNTER)
     sbx.commands.run("setsid python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
     deadline = time.monotonic() + 30
-    while not sbx.files.exists("/home/user/counter.txt") and time.monotonic() < deadline:
+    while not sbx.files.exists(COUNTER_FILE) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1)
     return read_counter(sbx)

@@ -24,7 +24,7 @@ from unittest import mock
 
 import pytest
 
-from tests.vmm.test_lifecycle_vm import real_driver, sh
+from tests.vmm.test_lifecycle_vm import real_driver, run_detached, sh
 from tests.vmm.test_qemu_vm import endpoint
 from vmm.driver import BootSpec
 from vmm.qemu import live_capture, qemu_version, snapshots, uffd
@@ -85,8 +85,7 @@ def driver(tmp_path_factory):
 def parent(driver):
     info = driver.boot(BootSpec("cap-parent", cpu_count=1, memory_mb=256))
     ep = endpoint(info)
-    sh(ep, f"cat > /home/user/sweeper.py <<'EOF'\n{SWEEPER}EOF")
-    sh(ep, "setsid nohup python3 /home/user/sweeper.py >/dev/null 2>&1 </dev/null &")
+    run_detached(ep, "sweeper", SWEEPER)
     deadline = time.monotonic() + 60
     while sweep(info)[2] < 2:  # a first whole sweep done: every page written once
         assert time.monotonic() < deadline, "the sweeper did not start"

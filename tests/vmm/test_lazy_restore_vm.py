@@ -37,7 +37,7 @@ from chunkfs.cache import RETRIES
 from chunkfs.client import ChunkfsClient, ChunkfsError
 from harness.moto_s3 import REGION, moto_server, silenced, default_credentials
 from harness.moto_s3 import client as s3_client
-from tests.vmm.test_lifecycle_vm import COUNTER, assert_continues, counter, exists, real_driver, sh
+from tests.vmm.test_lifecycle_vm import assert_continues, counter, real_driver, sh, start_counting
 from tests.vmm.test_qemu_vm import endpoint
 from tests.vmm.test_qemu_vm import url as envd_url
 from vmm.driver import BootSpec, SnapshotManifest, VMStatus, get_driver
@@ -110,14 +110,10 @@ def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
         store_a = _store(url, prefix, root / "a", a, lazy=False)
         info = a.boot(BootSpec("lz-src", cpu_count=1, memory_mb=256))
         ep = endpoint(info)
-        sh(ep, f"cat > /home/user/counter.py <<'EOF'\n{COUNTER}EOF\necho from-node-a > /home/user/state.txt")
-        sh(ep, "setsid nohup python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
+        sh(ep, "echo from-node-a > /home/user/state.txt")
+        start_counting(ep)
         # memory the restored guest does not touch until asked (tmpfs pages: node B's RAM failure)
         sh(ep, f"head -c {SHM_MB}M /dev/urandom > /dev/shm/ram.bin")
-        deadline = time.monotonic() + 30
-        while not exists(ep, "/home/user/count"):
-            assert time.monotonic() < deadline, "counter did not start"
-            time.sleep(0.3)
         before = counter(ep)
         manifest_a = a.snapshot(info.sandbox_id, store_a.prepare(sid), with_base=True)
         committed = store_a.commit(sid)

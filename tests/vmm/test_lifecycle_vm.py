@@ -1,7 +1,7 @@
 """Real QEMU microVMs: pause/resume (in memory and to disk), snapshot/restore and fork.
 
 One parent VM per module (a TCG boot is ~10 s) runs a background Python counter that rewrites
-/home/user/count ("<pid> <n>") every 0.2 s. Every check reads that counter: the same pid with a
+/home/user/counter.txt ("<pid> <n>", harness/guest_counter.py) every 0.2 s. Every check reads that counter: the same pid with a
 count that keeps growing from the old value proves the process (guest RAM + CPU state) survived;
 a restarted guest would show another pid or no file. Timings are printed (run with -s).
 
@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.guest_counter import COUNTER, COUNTER_FILE
+from harness.polling import until
 from tests.vmm.test_qemu_vm import (IMAGES_DIR, Endpoint, assert_no_slot, endpoint, fresh_sdk_connections,
                                     live_qemu_processes, start_vm, url)
 from vmm.driver import BootSpec, SnapshotManifest, get_driver
@@ -26,18 +28,6 @@ from vmm.images import ensure_image
 from vmm.qemu import envd_healthy
 
 pytestmark = pytest.mark.vm
-
-COUNTER = """\
-import os, time
-n = 0
-while True:
-    n += 1
-    with open('/home/user/count.tmp', 'w') as f:
-        f.write(f'{os.getpid()} {n}')
-    os.replace('/home/user/count.tmp', '/home/user/count')
-    time.sleep(0.2)
-"""
-
 
 def sh(vm: Endpoint | object, cmd: str, user: str = "user", timeout: float = 60) -> str:
     """Runs cmd as `user` through the envd at vm's endpoint (a (host, port) pair or a VMInfo;
@@ -59,12 +49,25 @@ def sh(vm: Endpoint | object, cmd: str, user: str = "user", timeout: float = 60)
 
 
 def counter(vm) -> tuple[int, int]:
-    pid, n = sh(vm, "cat /home/user/count").split()
+    pid, n = sh(vm, f"cat {COUNTER_FILE}").split()
     return int(pid), int(n)
 
 
 def exists(vm, path: str) -> bool:
     return sh(vm, f"test -e {path} && echo yes || echo no").strip() == "yes"
+
+
+def run_detached(vm, name: str, script: str) -> None:
+    """``script`` written to /home/user/<name>.py in the guest at vm's endpoint and started there
+    detached from envd (it outlives the command that started it)."""
+    sh(vm, f"cat > /home/user/{name}.py <<'EOF'\n{script}EOF")
+    sh(vm, f"setsid nohup python3 /home/user/{name}.py >/dev/null 2>&1 </dev/null &")
+
+
+def start_counting(vm) -> None:
+    """The guest counter (COUNTER) started at vm's endpoint; returns once it has counted."""
+    run_detached(vm, "counter", COUNTER)
+    until(lambda: exists(vm, COUNTER_FILE), "the guest's counter to start", 30, tolerate=())
 
 
 def assert_continues(vm, before: tuple[int, int]) -> tuple[int, int]:
@@ -122,12 +125,8 @@ def driver(tmp_path_factory):
 def parent(driver):
     info = driver.boot(BootSpec("lc-parent", cpu_count=1, memory_mb=256))
     ep = endpoint(info)
-    sh(ep, f"cat > /home/user/counter.py <<'EOF'\n{COUNTER}EOF\necho parent-data > /home/user/data.txt")
-    sh(ep, "setsid nohup python3 /home/user/counter.py >/dev/null 2>&1 </dev/null &")
-    deadline = time.monotonic() + 30
-    while not exists(ep, "/home/user/count"):
-        assert time.monotonic() < deadline, "counter did not start"
-        time.sleep(0.3)
+    sh(ep, "echo parent-data > /home/user/data.txt")
+    start_counting(ep)
     yield info
     driver.kill(info.sandbox_id)
 
