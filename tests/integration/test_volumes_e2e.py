@@ -7,7 +7,6 @@ reach ganesha behind the guard."""
 import json
 import os
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +14,8 @@ import httpx
 import pytest
 from e2b import Sandbox, Volume
 from e2b.exceptions import VolumeException, VolumePathNotFoundException
+
+from harness.polling import until
 
 pytestmark = pytest.mark.vm
 
@@ -27,17 +28,6 @@ def servers_of(stack, sandbox_id: str) -> list[str]:
     """Processes of the sandbox's volume server still alive (ganesha.nfsd, rpcbind)."""
     out = subprocess.run(["pgrep", "-f", f"volume-servers/{sandbox_id}/"], capture_output=True, text=True).stdout
     return out.split()
-
-
-def wait_for(what: str, check, timeout: float = 90.0):
-    """Polls ``check()`` until it returns something true; fails naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.25)
 
 
 # A long-running writer in the guest (its user): one file opened for append before a pause and
@@ -159,8 +149,8 @@ def test_two_sandboxes_share_a_volume_across_pause_and_fork(stack, sdk_env, monk
         refused = put(stack, small_id, small_token, "/up.bin", b"u" * (1 << 20))
         assert refused.status_code == 413 and "its limit is 8 MiB" in refused.json()["message"], refused.text
         run(b, "rm /mnt/small/fill")
-        wait_for("room after the guest's delete",  # ext4 frees the blocks at its next commit
-                 lambda: put(stack, small_id, small_token, "/up.bin", b"u" * (1 << 20)).status_code == 201)
+        until(lambda: put(stack, small_id, small_token, "/up.bin", b"u" * (1 << 20)).status_code == 201,
+              "room after the guest's delete", 90, tolerate=())  # ext4 frees the blocks at its next commit
         assert run(b, "stat -c %s /mnt/small/up.bin") == str(1 << 20)
         assert run(a, "stat -c %u /home/user/data/b.txt") == "1000"
 
@@ -190,7 +180,7 @@ def test_two_sandboxes_share_a_volume_across_pause_and_fork(stack, sdk_env, monk
 
         a.files.write("/tmp/appender.py", APPENDER)
         a.commands.run("python3 /tmp/appender.py /home/user/data/appended.log", background=True)
-        wait_for("the appender's first lines", lambda: len(appended(vol)) >= 3)
+        until(lambda: len(appended(vol)) >= 3, "the appender's first lines", 90, tolerate=())
         assert a.pause() is True
         assert servers_of(stack, a.sandbox_id) == []  # the slot went with the pause, and its server
         at_pause = len(appended(vol))
@@ -199,7 +189,8 @@ def test_two_sandboxes_share_a_volume_across_pause_and_fork(stack, sdk_env, monk
         assert run(a, "cat /home/user/data/while-paused.txt") == "written while a was paused"
         # the file opened before the pause keeps growing on the node, every line once, in order
         # (the bug: each write after the resume was refused and the guest kept rewriting one offset)
-        lines = wait_for("appends after the resume", lambda: (got := appended(vol)) and len(got) >= at_pause + 5 and got)
+        lines = until(lambda: (got := appended(vol)) and len(got) >= at_pause + 5 and got, "appends after the resume",
+                      90, tolerate=())
         assert lines == [f"line {i}" for i in range(1, len(lines) + 1)], lines
         assert int(run(a, "wc -l < /home/user/data/appended.log")) >= len(lines)  # and the guest sees them
         run(a, "pkill -f '/tmp/appende[r].py' || true")  # (the pattern does not match this shell)

@@ -10,21 +10,12 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 
+from harness.polling import until
 from tests.vmm.test_lifecycle_vm import start_vm as start
 from tests.vmm.test_template_snapshot_vm import driver, init, run, template  # noqa: F401 (fixtures)
 from vmm.driver import BootSpec
 
 pytestmark = pytest.mark.vm
-
-
-def _until(check, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def _answers(url: str) -> bool:
@@ -59,4 +50,5 @@ def test_idle_settings_in_a_restored_guest(driver):  # noqa: F811 (the imported 
     # the sandbox is in use) and reachable at the guest's address.
     run(resumed.envd_url, "mkdir -p /tmp/w && echo hi > /tmp/w/x && cd /tmp/w && "
                           "(setsid python3 -m http.server 8099 --bind 127.0.0.1 >/dev/null 2>&1 &)", token="tok")
-    _until(lambda: _answers(f"http://{resumed.guest_host}:8099/x"), "the loopback server forwarded")
+    until(lambda: _answers(f"http://{resumed.guest_host}:8099/x"), "the loopback server forwarded", 60, interval=0.5,
+          tolerate=())
