@@ -18,22 +18,26 @@ def read(sock):
         pass
     return out.decode(errors="replace")
 
-def https(ip, sni, host=None, port=443, timeout=15):
-    # TLS naming ``sni`` to ip:port (certificates not checked), then a GET with Host ``host``
+def https(ip, sni, host=None, port=443, timeout=15, cafile=None, headers=""):
+    # TLS naming ``sni`` to ip:port (the certificate checked against ``cafile`` if given, else
+    # not), then a GET with Host ``host`` and ``headers`` (lines, each ending in CRLF)
     try:
         raw = socket.create_connection((ip, port), timeout=timeout)
-        ctx = ssl.create_default_context()
-        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        if cafile:
+            ctx = ssl.create_default_context(cafile=cafile)
+        else:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
         tls = ctx.wrap_socket(raw, server_hostname=sni)
-        tls.sendall(f"GET / HTTP/1.1\r\nHost: {host or sni}\r\nConnection: close\r\n\r\n".encode())
+        tls.sendall(f"GET / HTTP/1.1\r\nHost: {host or sni}\r\n{headers}Connection: close\r\n\r\n".encode())
         return read(tls)
     except Exception as exc:
         return f"failed: {exc!r}"
 
-def http(ip, host, timeout=15):
+def http(ip, host, timeout=15, headers=""):
     try:
         s = socket.create_connection((ip, 80), timeout=timeout)
-        s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n".encode())
         return read(s)
     except Exception as exc:
         return f"failed: {exc!r}"

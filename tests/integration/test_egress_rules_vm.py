@@ -79,26 +79,10 @@ NODE_CA = "/etc/aenv/egress-ca.pem"
 SHAPE = re.compile(rb"aenvsecret-[0-9a-f]{32}")
 
 def tls(ip, sni, host, probe, cafile=None):
-    try:
-        raw = socket.create_connection((ip, 443), timeout=20)
-        if cafile:
-            ctx = ssl.create_default_context(cafile=cafile)
-        else:
-            ctx = ssl.create_default_context()
-            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-        s = ctx.wrap_socket(raw, server_hostname=sni)
-        s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nX-Aenv-Probe: {probe}\r\nConnection: close\r\n\r\n".encode())
-        return read(s)
-    except Exception as exc:
-        return f"failed: {exc!r}"
+    return https(ip, sni, host, timeout=20, cafile=cafile, headers=f"X-Aenv-Probe: {probe}\r\n")
 
 def http_probe(ip, host, probe):
-    try:
-        s = socket.create_connection((ip, 80), timeout=20)
-        s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nX-Aenv-Probe: {probe}\r\nConnection: close\r\n\r\n".encode())
-        return read(s)
-    except Exception as exc:
-        return f"failed: {exc!r}"
+    return http(ip, host, timeout=20, headers=f"X-Aenv-Probe: {probe}\r\n")
 
 def keepalive(ip, *hosts):
     # one connection, a request per Host (each judged on its own): each answer's status and body
