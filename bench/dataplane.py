@@ -11,10 +11,13 @@ plane (E2b-Sandbox-Id / E2b-Sandbox-Port headers, a traffic access token unless
 ``--no-traffic-token``), through a second data plane without its hot path ("python only", unless
 ``--no-python-only``) and through a bare HAProxy (the reference, when installed) from 1, 8 and 64
 keep-alive clients of a separate load process (raw sockets on asyncio: a light client, so the
-two cores go to what is measured).
+two cores go to what is measured). ``--baseline DIR`` adds, in the same run and alternating, a
+data plane with its hot path started from another checkout (e.g. an older commit's ``git
+archive``): before / after a change of the hot path under the same load.
 
     .venv/bin/python bench/dataplane.py [--requests 3000] [--runs 3] [--clients 1,8,64]
         [--uvicorn-args "--loop uvloop --http httptools"] [--workers 1] [--hotpath on|off]
+        [--baseline /tmp/aenv-before]
 
 Prints the table and writes JSON + markdown to bench/results/dataplane-<UTC stamp>.{json,md};
 the host's load average and its CPU use by others are recorded per run.
@@ -235,6 +238,12 @@ class Stack:
             self.python_only = self.start("python-only", [
                 py, "-m", "dataplane.serve", "--host", "127.0.0.1", "--port", str(self.py_port), "--hotpath", "off",
                 "--", *uvicorn], self.py_port)
+        self.base_port = None
+        if self.args.baseline:
+            self.base_port = free_port()
+            self.baseline = self.start("baseline", [
+                py, "-m", "dataplane.serve", "--host", "127.0.0.1", "--port", str(self.base_port), "--hotpath", "on",
+                "--", *uvicorn], self.base_port, cwd=self.args.baseline)
         self.haproxy_port = None
         if self.args.haproxy:
             self.haproxy_port = free_port()
@@ -290,6 +299,8 @@ def main() -> None:
     p.add_argument("--label", default="", help="a name for this configuration in the results")
     p.add_argument("--haproxy", action=argparse.BooleanOptionalAction, default=bool(shutil.which("haproxy")),
                    help="also measure HAProxy in front of the same server (default: when installed)")
+    p.add_argument("--baseline", default="", help="also measure a data plane with its hot path started from this "
+                                                   "checkout (before / after a change), in the same run")
     p.add_argument("--source", default="", help="run the data plane from this checkout (e.g. an older commit's "
                                                  "`git archive`), to compare in the same conditions")
     args = p.parse_args()
@@ -304,6 +315,8 @@ def main() -> None:
                 targets = [("raw", stack.guest_port, {}), ("dataplane", stack.dp_port, stack.headers)]
                 if stack.py_port:
                     targets.append(("python_only", stack.py_port, stack.headers))
+                if stack.base_port:
+                    targets.append(("baseline", stack.base_port, stack.headers))
                 if stack.haproxy_port:
                     targets.append(("haproxy", stack.haproxy_port, stack.headers))
                 data = {name: ([], [], []) for name, _, _ in targets}
@@ -317,9 +330,11 @@ def main() -> None:
                 raw, dp = summarize(*data["raw"][:2]), summarize(*data["dataplane"][:2])
                 hap = summarize(*data["haproxy"][:2]) if "haproxy" in data else None
                 pyo = summarize(*data["python_only"][:2]) if "python_only" in data else None
+                base = summarize(*data["baseline"][:2]) if "baseline" in data else None
                 loads = [run["loadavg1"] for name in data for run in data[name][2]]
                 busy = [run["host_busy_pct"] for name in data for run in data[name][2]]
                 rows.append({"clients": clients, "raw": raw, "dataplane": dp, "haproxy": hap, "python_only": pyo,
+                             "baseline": base,
                              "p50_ratio": dp["p50_ms"] / raw["p50_ms"], "rps_ratio": dp["rps"] / raw["rps"],
                              "loadavg1": [min(loads), max(loads)], "host_busy_pct": statistics.median(busy),
                              "runs": {n: data[n][2] for n in data}})
@@ -329,7 +344,7 @@ def main() -> None:
     result = {"benchmark": "dataplane", "stamp": stamp, "label": args.label, "uvicorn_args": args.uvicorn_args,
               "serve_args": args.serve_args,
               "hotpath": args.hotpath if not args.source else "as in the source",
-              "source": args.source or "this checkout",
+              "source": args.source or "this checkout", "baseline": args.baseline,
               "workers": args.workers, "requests": args.requests, "runs": args.runs,
               "traffic_token": not args.no_traffic_token, "cpus": os.cpu_count(),
               "database": "given" if args.database_url else "sqlite",
@@ -349,8 +364,8 @@ def report(result: dict) -> str:
              f"x {result['runs']} runs per row)", "",
              "| clients | raw p50 / p99 ms | data plane p50 / p99 ms | p50 ratio | raw req/s | data plane req/s "
              "| req/s ratio | python only p50 ms, req/s (ratios) | bare HAProxy p50 ms, req/s (ratios) "
-             "| load avg (1 min) | host busy % |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| baseline p50 ms, req/s (ratios) | load avg (1 min) | host busy % |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         raw, dp = r["raw"], r["dataplane"]
         ok_p = "" if r["p50_ratio"] <= TARGET_P50_RATIO else " ✗"
@@ -358,6 +373,7 @@ def report(result: dict) -> str:
         lines.append(f"| {r['clients']} | {raw['p50_ms']:.2f} / {raw['p99_ms']:.2f} | {dp['p50_ms']:.2f} / "
                      f"{dp['p99_ms']:.2f} | {r['p50_ratio']:.2f}×{ok_p} | {raw['rps']:.0f} | {dp['rps']:.0f} | "
                      f"{r['rps_ratio']:.2f}×{ok_r} | {_other(r, 'python_only')} | {_other(r, 'haproxy')} | "
+                     f"{_other(r, 'baseline')} | "
                      f"{r['loadavg1'][0]:.2f}–{r['loadavg1'][1]:.2f} | "
                      f"{r['host_busy_pct']:.0f} |")
     return "\n".join(lines)
