@@ -30,6 +30,7 @@ from harness.named_hosts import proxy_world
 from harness.upstream_proxies import (HTTP_PROXY, HTTP_PROXY_TLS, SOCKS, SOCKS_TLS, TLS_NAME, UPSTREAM, Upstreams,
                                       chained_dnat)
 from harness.networld import EXT_A, EXT_B
+from tests.unit.test_vmm_net_egress import _read
 from vmm.net import slots
 from vmm.net.dns import service_ip
 from vmm.net.egress import EgressProxy
@@ -96,19 +97,6 @@ def _connect(address: str, port: int, source: str) -> socket.socket:
     sock = socket.create_connection((address, port), timeout=15, source_address=(source, 0))
     sock.settimeout(15)
     return sock
-
-
-def _read(sock) -> str:
-    out = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except (ssl.SSLError, ConnectionError, OSError):
-            break
-        if not chunk:
-            break
-        out += chunk
-    return out.decode(errors="replace")
 
 
 def _http(address: str, host: str, source: str, port: int = 80) -> str:
