@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from vmm.oci import ext4, prepare, tools, unpack
-from vmm.oci.filelock import locked
+from vmm.oci.filelock import built_once, locked
 from vmm.oci.store import PulledImage
 
 FORMAT = 1  # bump when what a disk contains changes in a way the sources below do not show
@@ -167,27 +165,14 @@ def ensure_disk(images_dir: Path, image: PulledImage, progress=lambda m: None, m
     when given), built first if missing (idempotent, safe across processes)."""
     key = disk_key(modules)
     final = disk_dir(images_dir, image.digest, key)
-    if (final / "disk.json").is_file():
-        return OciDisk.from_dir(final)
-    parent = final.parent
-    with locked(parent / ".build.lock"):
-        if (final / "disk.json").is_file():
-            return OciDisk.from_dir(final)
-        for stale in list(parent.glob(".tmp-*")) + list(parent.glob(".work-*")):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
-        work = Path(tempfile.mkdtemp(prefix=".work-", dir=parent))
+
+    def make(tmp: Path, work: Path) -> None:
         t0 = time.monotonic()
-        try:
-            build(image, tmp, work, progress, key, modules)
-            (tmp / "rootfs.qcow2").chmod(0o444)
-            tmp.chmod(0o755)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(work, ignore_errors=True)
+        build(image, tmp, work, progress, key, modules)
+        (tmp / "rootfs.qcow2").chmod(0o444)
         progress(f"disk {final.name} built in {time.monotonic() - t0:.1f}s")
-        return OciDisk.from_dir(final, reused=False)
+
+    return built_once(final, "disk.json", make, lambda built: OciDisk.from_dir(final, reused=not built))
 
 
 def remove_disk(images_dir: Path, digest: str) -> int:

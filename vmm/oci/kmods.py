@@ -34,16 +34,14 @@ import json
 import lzma
 import os
 import re
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from vmm.oci import tools
 from vmm.oci.errors import OciError
-from vmm.oci.filelock import locked
+from vmm.oci.filelock import built_once
 
 FORMAT = 1
 ROOTS = ("nfsv3",)  # what the guest's mount loads (vmm.net.volume_server.mount_script)
@@ -223,23 +221,10 @@ def for_image(images_dir: Path, image, progress=lambda m: None) -> KernelModules
     release = image.kernel_release
     if not _RELEASE.match(release or ""):
         raise OciError(f"image {image.name} names no kernel release (image.json kernel_release)")
-    parent = Path(images_dir).resolve() / "oci" / "kmods"
-    final = parent / f"{release}-{kernel_sha256(image.kernel)[:12]}"
-    if (final / "kmods.json").is_file():
-        return KernelModules.load(final)
-    with locked(parent / ".build.lock"):
-        if (final / "kmods.json").is_file():
-            return KernelModules.load(final)
-        for stale in list(parent.glob(".tmp-*")) + list(parent.glob(".work-*")):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
-        work = Path(tempfile.mkdtemp(prefix=".work-", dir=parent))
-        try:
-            progress(f"extracting the NFS client modules of kernel {release} from image {image.name}")
-            extract(image.rootfs, release, tmp, work)
-            tmp.chmod(0o755)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(work, ignore_errors=True)
-        return KernelModules.load(final)
+    final = Path(images_dir).resolve() / "oci" / "kmods" / f"{release}-{kernel_sha256(image.kernel)[:12]}"
+
+    def build(tmp: Path, work: Path) -> None:
+        progress(f"extracting the NFS client modules of kernel {release} from image {image.name}")
+        extract(image.rootfs, release, tmp, work)
+
+    return built_once(final, "kmods.json", build, lambda built: KernelModules.load(final))
