@@ -18,7 +18,7 @@ What HAProxy serves itself — only what ``dataplane.proxy`` would forward uncha
   ``E2b-Sandbox-Id`` and a ``{port}-{id}.`` host (lower-cased, as ``dataplane.addressing``);
   a port of 1–65535 in ASCII digits that is not envd's;
 - a sandbox port in ``PORTS_MAP`` (running, with a guest address, no ``maskRequestHost``; a
-  port is added, with its server ``<id>_<port>``, when the data plane hands off a connection
+  port is added, with its server ``<id>_<port>.<serial>``, when the data plane hands off a connection
   that used it);
 - when it is in ``TOKENS_MAP``: exactly one ``e2b-traffic-access-token`` whose SHA-256 is the
   map's value;

@@ -1,5 +1,5 @@
 """Keeps the hot path's HAProxy equal to the database: which sandbox ports HAProxy may serve
-itself (a server per port, ``<id>_<port>``, and its entry in ``PORTS_MAP``), at which guest
+itself (a server per port, ``<id>_<port>.<serial>``, named by its entry in ``PORTS_MAP``), at which guest
 address, behind which traffic-token digest (``TOKENS_MAP``).
 
 Why the database, and when: every state write goes through ``sandboxes.transitions`` in
