@@ -23,3 +23,15 @@ async def served(app):
     finally:
         server.should_exit = True
         await task
+
+
+@contextlib.asynccontextmanager
+async def served_to_sdk(app, monkeypatch, api_key: str, volumes: bool = False):
+    """``served``, with the E2B SDK pointed at it through its environment: E2B_API_URL (with
+    ``volumes`` E2B_VOLUME_API_URL too, the volume content API's) and ``api_key``."""
+    async with served(app) as url:
+        monkeypatch.setenv("E2B_API_URL", url)
+        if volumes:
+            monkeypatch.setenv("E2B_VOLUME_API_URL", url)
+        monkeypatch.setenv("E2B_API_KEY", api_key)
+        yield url

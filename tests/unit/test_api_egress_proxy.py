@@ -305,11 +305,9 @@ async def test_a_named_upstream_is_resolved_at_the_edge_within_a_budget(api, nod
 
 @pytest.fixture
 async def sdk_server(asgi_app, base_template, raw_key, net_mock, monkeypatch):
-    from tests.unit.asgi_server import served  # noqa: PLC0415
+    from tests.unit.asgi_server import served_to_sdk  # noqa: PLC0415
 
-    async with served(asgi_app) as url:
-        monkeypatch.setenv("E2B_API_URL", url)
-        monkeypatch.setenv("E2B_API_KEY", raw_key)
+    async with served_to_sdk(asgi_app, monkeypatch, raw_key) as url:
         yield url
 
 

@@ -13,7 +13,7 @@ from e2b import ALL_TRAFFIC, AsyncSandbox, Sandbox, SandboxException, Secret
 from e2b_code_interpreter import Sandbox as CodeInterpreterSandbox
 
 from sandboxes.models import Sandbox as SandboxRow
-from tests.unit.asgi_server import served
+from tests.unit.asgi_server import served_to_sdk
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -30,9 +30,7 @@ def node_network(nodes_mock):
 @pytest.fixture
 async def server(asgi_app, base_template, raw_key, node_network, monkeypatch):
     """The API on a free port; the SDK pointed at it with team A's key."""
-    async with served(asgi_app) as url:
-        monkeypatch.setenv("E2B_API_URL", url)
-        monkeypatch.setenv("E2B_API_KEY", raw_key)
+    async with served_to_sdk(asgi_app, monkeypatch, raw_key) as url:
         yield url
 
 

@@ -13,7 +13,7 @@ from e2b.exceptions import SandboxException
 
 from sandboxes.models import Sandbox as SandboxRow
 from snapshots.models import Snapshot
-from tests.unit.asgi_server import served
+from tests.unit.asgi_server import served_to_sdk
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -24,9 +24,7 @@ async def test_async_list_and_delete_snapshot(asgi_app, raw_key, team, base_temp
     used = await Snapshot.objects.acreate(team=team, template=base_template, node=node, name="used", state="ready")
     await SandboxRow.objects.acreate(team=team, template=base_template, node=node, state="running",
                                      source_snapshot=used, end_at=timezone.now() + timedelta(hours=1))
-    async with served(asgi_app) as url:
-        monkeypatch.setenv("E2B_API_URL", url)
-        monkeypatch.setenv("E2B_API_KEY", raw_key)
+    async with served_to_sdk(asgi_app, monkeypatch, raw_key) as url:
         listed = await AsyncSandbox.list_snapshots().next_items()
         assert sorted(s.snapshot_id for s in listed) == sorted([kept.id, used.id])
         async with httpx.AsyncClient(base_url=url, headers={"X-API-Key": raw_key}) as api:

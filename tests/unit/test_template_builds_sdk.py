@@ -14,7 +14,7 @@ from e2b.exceptions import BuildException, FileUploadException, RateLimitExcepti
 from sandboxes.models import Sandbox, Template as TemplateRow
 from template_builds.models import TemplateBuild, TemplateFile
 from tests.unit.template_builder_double import FakeBuilder, fail_at_last_step
-from tests.unit.asgi_server import served
+from tests.unit.asgi_server import served_to_sdk
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -22,9 +22,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 @pytest.fixture
 async def server(asgi_app, base_template, raw_key, monkeypatch):
     """The API on a free port; the SDK pointed at it with team A's key."""
-    async with served(asgi_app) as url:
-        monkeypatch.setenv("E2B_API_URL", url)
-        monkeypatch.setenv("E2B_API_KEY", raw_key)
+    async with served_to_sdk(asgi_app, monkeypatch, raw_key) as url:
         yield url
 
 

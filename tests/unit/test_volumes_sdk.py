@@ -8,7 +8,7 @@ import uuid
 import pytest
 from e2b import AsyncVolume, Volume, VolumeFileType
 from e2b.exceptions import AuthenticationException, NotFoundException, VolumeException, VolumeNotFoundException
-from tests.unit.asgi_server import served
+from tests.unit.asgi_server import served_to_sdk
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -17,10 +17,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 async def server(asgi_app, base_template, raw_key, monkeypatch, settings, tmp_path):
     """The API on a free port; the SDK pointed at it (API and volume content) with team A's key."""
     settings.AENV_VOLUMES_DIR = tmp_path / "volumes"
-    async with served(asgi_app) as url:
-        monkeypatch.setenv("E2B_API_URL", url)
-        monkeypatch.setenv("E2B_VOLUME_API_URL", url)
-        monkeypatch.setenv("E2B_API_KEY", raw_key)
+    async with served_to_sdk(asgi_app, monkeypatch, raw_key, volumes=True) as url:
         yield url
 
 
