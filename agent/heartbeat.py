@@ -27,7 +27,7 @@ def register_node(*, node_id: str, address: str, driver_name: str, accel: str,
     now = timezone.now()
     defaults = dict(address=address, driver=driver_name, accel=accel, vcpu_capacity=vcpu_capacity,
                     memory_mb_capacity=memory_mb_capacity, sandboxes_running=sandboxes_running,
-                    version=version, started_at=now, last_heartbeat_at=now)
+                    version=version, started_at=now, last_heartbeat_at=now, stopped_at=None)
     if host is not None:
         defaults["host"] = host
     if snapshots_here is not None:
@@ -52,6 +52,12 @@ def beat(node_id: str, count_running, host: dict | None = None, history: list | 
         revoked = Node.objects.filter(pk=node_id, revoked_at__isnull=False).first()
         if revoked is not None:
             raise NodeRevoked(revoked)
+
+
+def mark_stopped(node_id: str) -> None:
+    """The worker stopped cleanly (its beats too): placement leaves the node from now on, not
+    once its last heartbeat is older than AENV_NODE_HEARTBEAT_TIMEOUT (nodes.models)."""
+    Node.objects.filter(pk=node_id).update(stopped_at=timezone.now())
 
 
 class Heartbeat(Periodic):

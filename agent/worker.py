@@ -14,7 +14,7 @@ from agent import tasks  # noqa: F401 - registers the node tasks with the Celery
 from agent.console_logs import ConsoleCollector
 from agent.driver import get_driver, get_templates
 from agent.chunk_peers import start_chunk_peers
-from agent.heartbeat import Heartbeat, register_node
+from agent.heartbeat import Heartbeat, mark_stopped, register_node
 from agent import egress_trust
 from agent.join import ensure_joined
 from agent.host_usage import HostSampler
@@ -113,6 +113,10 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
         consoles.start()
         celery_app.worker_main(worker_argv(node_id, concurrency, loglevel))
     finally:
+        try:
+            mark_stopped(node_id)  # no new placement while it pauses its sandboxes and leaves
+        except Exception:  # noqa: BLE001 - then its heartbeat ages out as before
+            log.exception("could not record node %s as stopped", node_id)
         consoles.stop()
         sampler.stop()
         watch.stop()

@@ -39,6 +39,11 @@ class Node(models.Model):
                                    related_name="nodes")
     credential_hash = models.CharField(max_length=64, blank=True, default="", db_index=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Set by a node worker that stopped cleanly (agent.worker), cleared when it registers again:
+    # placement and nodes.client leave a stopped node at once instead of choosing it until its
+    # last heartbeat ages out. The heartbeat is kept, so a node that never comes back still has
+    # what it left running declared lost after AENV_NODE_LOST_AFTER (lifecycle.lost).
+    stopped_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["id"]
@@ -51,7 +56,7 @@ class Node(models.Model):
         return protocol.queue_of(self.pk)
 
     def is_alive(self, now=None) -> bool:
-        if self.last_heartbeat_at is None:
+        if self.last_heartbeat_at is None or self.stopped_at is not None:
             return False
         now = now or timezone.now()
         return now - self.last_heartbeat_at <= timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)

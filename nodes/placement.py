@@ -93,7 +93,7 @@ def fork_child_charge(cpu_count: int, memory_mb: int) -> tuple[int, int]:
 
 def _alive():
     cutoff = timezone.now() - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
-    return join.usable(Node.objects.filter(draining=False, last_heartbeat_at__gte=cutoff))
+    return join.usable(Node.objects.filter(draining=False, stopped_at__isnull=True, last_heartbeat_at__gte=cutoff))
 
 
 def _candidates():

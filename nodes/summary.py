@@ -52,8 +52,8 @@ class NodeSummary:
 
 
 def status_of(node: Node, now=None) -> str:
-    """``dead`` once its heartbeat is older than AENV_NODE_HEARTBEAT_TIMEOUT (whatever
-    else), ``draining`` when the operator drains it, else ``ready``."""
+    """``dead`` once its heartbeat is older than AENV_NODE_HEARTBEAT_TIMEOUT or its worker
+    stopped (whatever else), ``draining`` when the operator drains it, else ``ready``."""
     if not node.is_alive(now):
         return DEAD
     return DRAINING if node.draining else READY

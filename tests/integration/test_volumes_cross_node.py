@@ -59,4 +59,7 @@ def test_a_volume_written_on_one_node_is_read_on_another(stack, sdk_env, short_r
             if sbx is not None:
                 sbx.kill()
         node_b.stop()
+    # a worker that stopped cleanly leaves placement at once (the next test must not be placed there)
+    assert stack.db(f"from nodes.models import Node; print(Node.objects.get(pk='{node_b.id}').stopped_at is not None)"
+                    ).strip() == "True"
     assert Volume.destroy(vol.volume_id) is True
