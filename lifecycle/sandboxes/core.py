@@ -163,11 +163,13 @@ def op_phases(t0: float, node_ms: float | None) -> dict:
 
 class Moved(Exception):
     """While we waited for the node, the sandbox left the transitional state this
-    operation put it in: a kill, or the node reconciling it after a restart."""
+    operation put it in: a kill, the node reconciling it after a restart, or the sweeper
+    declaring it lost with its silent node."""
 
-    def __init__(self, state: str | None):
+    def __init__(self, state: str | None, reason: str = ""):
         super().__init__(state)
         self.state = state
+        self.reason = reason  # the row's error_reason, when whoever moved it gave one
 
 
 async def await_node(call, sandbox_id: str, state: str, tolerate: tuple = ()):
@@ -183,9 +185,10 @@ async def await_node(call, sandbox_id: str, state: str, tolerate: tuple = ()):
             done, _ = await asyncio.wait({task}, timeout=WATCH_POLL)
             if done:
                 return task.result()
-            current = await Sandbox.objects.filter(pk=sandbox_id).values_list("state", flat=True).afirst()
+            row = await Sandbox.objects.filter(pk=sandbox_id).values_list("state", "error_reason").afirst()
+            current, reason = row if row is not None else (None, "")
             if current != state and current not in tolerate:
-                raise Moved(current)
+                raise Moved(current, reason or "")
     finally:
         if not task.done():
             task.cancel()

@@ -190,8 +190,10 @@ async def _boot(sandbox: Sandbox, image: str, timeout: int, actor: str, snapshot
         ), sandbox.id, S.CREATING, tolerate=(S.KILLING, S.KILLED))
     except core.Moved as moved:
         # A restarted node worker reconciled the row (creating → error) and owns the
-        # cleanup of whatever VM was half-booted: answer now, not at the deadline.
-        reason = f"node {node.id} restarted while the sandbox was being created (now {moved.state})"
+        # cleanup of whatever VM was half-booted, or the sweeper declared the silent node's
+        # sandbox lost: answer now, not at the deadline, saying which.
+        why = moved.reason or "the node restarted while the sandbox was being created"
+        reason = f"node {node.id}: {why} (now {moved.state})"
         await core.record(core.event(sandbox.id, "create", outcome="error", from_state=S.CREATING,
                                      started_at=started, duration_ms=core.ms(t0), actor=actor, message=reason,
                                      details={"node": node.id}))

@@ -225,3 +225,24 @@ async def test_idempotency_key_too_long_is_400(api, nodes_mock, assert_error):
 async def test_the_api_edge_validates_timeout(api, nodes_mock, assert_error, seconds):
     assert_error(await api.post("/v2/sandboxes", json={"templateID": "base", "timeout": seconds}), 400)
     nodes_mock.client.boot_sandbox.assert_not_awaited()
+
+
+async def test_a_create_whose_node_goes_silent_answers_why_once_the_sandbox_is_lost(api, nodes_mock, assert_error):
+    """The node never answers the boot; the sweeper declares the sandbox lost with its node:
+    the create answers at once with the sweeper's reason, not a guess that the node restarted."""
+    answered = asyncio.Event()
+
+    async def never(node, **kw):
+        await answered.wait()  # cancelled by the create once the row moved
+
+    async def sweeper():
+        while not await Sandbox.objects.filter(state="creating").aexists():
+            await asyncio.sleep(0.05)
+        sb = await Sandbox.objects.aget()
+        reason = "lost: node n1 stopped answering (no heartbeat for 121 s)"
+        assert await core.transition(sb.id, ["creating"], "error", core.event(sb.id, "lost"), error_reason=reason)
+
+    nodes_mock.client.boot_sandbox.side_effect = never
+    resp, _ = await asyncio.gather(api.post("/v2/sandboxes", json={"templateID": "base"}), sweeper())
+    assert_error(resp, 503, "node n1: lost: node n1 stopped answering (no heartbeat for 121 s) (now error)")
+    assert (await _only_sandbox()).state == "error"
