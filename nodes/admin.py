@@ -4,11 +4,10 @@ Everything but ``draining`` is reported by the node worker itself and read-only
 here; draining (no new sandboxes placed on the node) is the operator's switch."""
 from django.contrib import admin
 from django.db.models import Count, Q
-from django.utils import timezone
 
 from sandboxes.states import LIVE
 
-from nodes.models import Node, NodeJoinToken
+from nodes.models import Node, NodeJoinToken, alive_q
 
 
 class AliveFilter(admin.SimpleListFilter):
@@ -19,15 +18,10 @@ class AliveFilter(admin.SimpleListFilter):
         return [("yes", "alive"), ("no", "stale or never")]
 
     def queryset(self, request, queryset):
-        from datetime import timedelta  # noqa: PLC0415
-
-        from django.conf import settings  # noqa: PLC0415
-
-        cutoff = timezone.now() - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
         if self.value() == "yes":
-            return queryset.filter(last_heartbeat_at__gte=cutoff)
-        if self.value() == "no":
-            return queryset.filter(Q(last_heartbeat_at__lt=cutoff) | Q(last_heartbeat_at__isnull=True))
+            return queryset.filter(alive_q())
+        if self.value() == "no":  # stale, never beat, or stopped: what Node.is_alive calls not alive
+            return queryset.exclude(alive_q())
         return queryset
 
 

@@ -3,6 +3,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import models
+from django.db.models import Q
 
 from nodes import protocol
 from django.utils import timezone
@@ -56,10 +57,21 @@ class Node(models.Model):
         return protocol.queue_of(self.pk)
 
     def is_alive(self, now=None) -> bool:
+        """``alive_q`` for one row already read."""
         if self.last_heartbeat_at is None or self.stopped_at is not None:
             return False
-        now = now or timezone.now()
-        return now - self.last_heartbeat_at <= timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
+        return self.last_heartbeat_at >= heartbeat_cutoff(now)
+
+
+def heartbeat_cutoff(now=None):
+    """The oldest heartbeat of a node still counted alive."""
+    return (now or timezone.now()) - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
+
+
+def alive_q(now=None) -> Q:
+    """Which nodes are alive, as a query (``Node.is_alive`` row by row): a recent heartbeat and
+    a worker that did not stop."""
+    return Q(stopped_at__isnull=True, last_heartbeat_at__gte=heartbeat_cutoff(now))
 
 
 JOIN_TOKEN_STATES = ("active", "used", "expired", "revoked")

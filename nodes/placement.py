@@ -12,17 +12,15 @@ over-commit a node.
 import math
 import random
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connections, router, transaction
 from django.db.models import F, IntegerField, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
-from django.utils import timezone
 
 from nodes import join
-from nodes.models import Node
+from nodes.models import Node, alive_q
 from sandboxes.states import RESERVING
 from template_builds.models import BuildStatus, TemplateBuild
 
@@ -92,8 +90,7 @@ def fork_child_charge(cpu_count: int, memory_mb: int) -> tuple[int, int]:
 
 
 def _alive():
-    cutoff = timezone.now() - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
-    return join.usable(Node.objects.filter(draining=False, stopped_at__isnull=True, last_heartbeat_at__gte=cutoff))
+    return join.usable(Node.objects.filter(alive_q(), draining=False))
 
 
 def _candidates():

@@ -60,3 +60,20 @@ def test_what_a_stopped_node_left_running_is_lost_once_it_stays_away(settings):
     Node.objects.filter(pk="n2").update(last_heartbeat_at=timezone.now() - timedelta(seconds=61))
     assert [n.pk for n in lost.dead_nodes(timezone.now())] == ["n2"]
     assert [row[0] for row in lost.mark_lost.func()] == [sbx.pk]
+
+
+def test_the_admins_heartbeat_filter_agrees_with_is_alive():
+    from nodes.admin import AliveFilter  # noqa: PLC0415
+
+    _register("up")
+    _register("stopped")
+    mark_stopped("stopped")
+    Node.objects.create(id="never", address="127.0.0.1")
+
+    def listed(value):
+        chosen = AliveFilter(None, {"alive": [value]}, Node, None)  # as the admin passes request.GET
+        return sorted(n.pk for n in chosen.queryset(None, Node.objects.all()))
+
+    assert listed("yes") == ["up"]
+    assert listed("no") == ["never", "stopped"]
+    assert sorted(n.pk for n in Node.objects.all() if n.is_alive()) == listed("yes")
