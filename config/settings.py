@@ -508,16 +508,20 @@ CELERY_BROKER_URL = _env("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
 CELERY_RESULT_BACKEND = _env("CELERY_RESULT_BACKEND", "redis://127.0.0.1:6379/1")
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
-CELERY_ACCEPT_CONTENT = ["json"]  # nodes.signing makes it ["auth"] (signed only) when signing is on
+CELERY_ACCEPT_CONTENT = ["json"]  # nodes.signing makes it ["aenv-signed"] (signed only) when signing is on
 CELERY_RESULT_ACCEPT_CONTENT = ["json"]
-# Signed node tasks (nodes.signing): the control plane signs every task with this RSA key
-# (PEM; only control-plane processes have it) and its certificate; a node given the
-# certificate runs only tasks signed by that key. Unset: the files ``manage.py
+# Signed node tasks (nodes.signing): the control plane signs every task with this key (PEM,
+# Ed25519; an RSA key made before still signs; only control-plane processes have it) and
+# its certificate; a node given the certificate file (one certificate or several, during a
+# key rotation) runs only tasks signed by those keys. Unset: the files ``manage.py
 # task_signing_keys`` makes in AENV_TASK_SIGNING_DIR, when they exist (the single-machine
 # default); a path that is set must exist.
 AENV_TASK_SIGNING_KEY = _env("AENV_TASK_SIGNING_KEY", "")
 AENV_TASK_SIGNING_CERT = _env("AENV_TASK_SIGNING_CERT", "")
 AENV_TASK_SIGNING_DIR = Path(_env("AENV_TASK_SIGNING_DIR", str(AENV_HOME / "task-signing"))).resolve()
+# A node (no key, an RSA certificate) also accepting Celery's ``auth`` content: for an upgrade
+# from a control plane that still signs that way only; off, it refuses such messages.
+AENV_TASK_SIGNING_ACCEPT_CELERY_AUTH = _env_bool("AENV_TASK_SIGNING_ACCEPT_CELERY_AUTH", False)
 CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_RESULT_EXPIRES = 3600

@@ -22,4 +22,5 @@ def setup_signing() -> str:
 
     key, cert = signing.resolve(settings.AENV_TASK_SIGNING_KEY, settings.AENV_TASK_SIGNING_CERT,
                                 settings.AENV_TASK_SIGNING_DIR)
-    return signing.configure(app, key=key, cert=cert)
+    return signing.configure(app, key=key, cert=cert,
+                             accept_celery_auth=settings.AENV_TASK_SIGNING_ACCEPT_CELERY_AUTH)

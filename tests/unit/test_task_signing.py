@@ -203,32 +203,76 @@ def test_an_unsigned_task_pushed_into_redis_is_refused_logged_and_not_run(node):
     assert node.worker.poll() is None, log  # the worker goes on
 
 
+def signed_by(key_dir: Path, body, *, kid: str | None = None, algorithm: str | None = None) -> str:
+    """``body`` in aenv's signed format, signed with the private key in ``key_dir``; ``kid`` /
+    ``algorithm``: what the message says it is instead (a forgery naming the trusted key)."""
+    signer = signing.Signer((key_dir / signing.KEY_FILE).read_bytes(), (key_dir / signing.CERT_FILE).read_bytes())
+    kid, algorithm = kid or signer.id, algorithm or signer.algorithm
+    text = json.dumps(body)
+    signature = signer.key.sign(signer._signed(algorithm, kid, text.encode()))
+    return f"{signing.VERSION}.{algorithm}.{kid}.{signing._b64(signature)}.{text}"
+
+
+def push(node, task_id: str, payload, content_type: str = signing.CONTENT_TYPE) -> None:
+    redis.Redis(host="127.0.0.1", port=node.port).lpush("node.x", raw_message(task_id, payload, content_type))
+
+
+def trusted_id(keys) -> str:
+    return signing.Signer(None, (keys["trusted"] / signing.CERT_FILE).read_bytes()).trusted.popitem()[0]
+
+
 def test_a_task_signed_by_an_untrusted_key_is_refused(node, keys):
+    task_id = str(uuid.uuid4())
+    value = f"untrusted-{task_id}"
+    push(node, task_id, signed_by(keys["other"], task_body(value, task_id)))
+    wait_log(node, f"REFUSED task message {task_id} (task nodes.echo) on queue node.x: signature not valid")
+    wait_log(node, "which is not a trusted certificate's")
+
+    # A message naming the trusted key (its id, its algorithm), signed by the attacker's own:
+    # the trusted key is found, but it did not sign.
+    forged_id = str(uuid.uuid4())
+    push(node, forged_id, signed_by(keys["other"], task_body(f"forged-{forged_id}", forged_id), kid=trusted_id(keys)))
+    log = wait_log(node, f"REFUSED task message {forged_id} (task nodes.echo) on queue node.x: signature not valid")
+    assert f"bad signature for key {trusted_id(keys)}" in log
+    time.sleep(1)
+    assert value not in node.ran.read_text() and "forged-" not in node.ran.read_text()
+    assert results(node.port).get(f"celery-task-meta-{task_id}") is None
+
+
+def test_a_tampered_body_or_a_wrong_key_type_is_refused(node, keys):
+    """A message of the control plane whose body was changed after signing (another value,
+    the claims kept), and one saying it is RSA-PSS for the trusted Ed25519 key."""
+    task_id = str(uuid.uuid4())
+    good = signed_by(keys["trusted"], task_body(f"original-{task_id}", task_id))
+    head, body = good.rsplit(".", 1)[0], good.split(".", 4)[4]
+    push(node, task_id, head + "." + body.replace(f"original-{task_id}", f"tampered-{task_id}"))
+    log = wait_log(node, f"REFUSED task message {task_id} (task nodes.echo) on queue node.x: signature not valid")
+    assert f"bad signature for key {trusted_id(keys)}" in log
+
+    typed_id = str(uuid.uuid4())
+    push(node, typed_id, signed_by(keys["trusted"], task_body(f"typed-{typed_id}", typed_id),
+                                   algorithm=signing.RSA_PSS))
+    wait_log(node, f"REFUSED task message {typed_id} (task nodes.echo) on queue node.x: signature not valid")
+    wait_log(node, "but the trusted certificate's key is ed25519 (wrong key type)")
+    time.sleep(1)
+    assert "tampered-" not in node.ran.read_text() and "original-" not in node.ran.read_text()
+    assert "typed-" not in node.ran.read_text()
+
+
+def test_a_celery_auth_message_is_refused_without_the_upgrade_setting(node, tmp_path):
+    """Celery's own signed content (how tasks were signed before), even by an RSA key: a node
+    accepts it only with AENV_TASK_SIGNING_ACCEPT_CELERY_AUTH."""
     from celery.security.certificate import Certificate  # noqa: PLC0415
     from celery.security.key import PrivateKey  # noqa: PLC0415
     from celery.security.serialization import SecureSerializer  # noqa: PLC0415
 
-    other = SecureSerializer(PrivateKey((keys["other"] / signing.KEY_FILE).read_text()),
-                             Certificate((keys["other"] / signing.CERT_FILE).read_text()), None, "sha256")
+    key, cert = rsa_pair(tmp_path)
+    old = SecureSerializer(PrivateKey(key.read_text()), Certificate(cert.read_text()), None, "sha256")
     task_id = str(uuid.uuid4())
-    value = f"untrusted-{task_id}"
-    redis.Redis(host="127.0.0.1", port=node.port).lpush(
-        "node.x", raw_message(task_id, other.serialize(task_body(value, task_id)), "application/data"))
-    wait_log(node, f"REFUSED task message {task_id} (task nodes.echo) on queue node.x: signature not valid")
-
-    # A certificate of the attacker's own that names the trusted one (issuer and serial, what
-    # the message's "signer" says): found in the store, but the trusted key did not sign.
-    forged = SecureSerializer(PrivateKey((keys["other"] / signing.KEY_FILE).read_text()),
-                              Certificate((keys["trusted"] / signing.CERT_FILE).read_text()), None, "sha256")
-    forged_id = str(uuid.uuid4())
-    redis.Redis(host="127.0.0.1", port=node.port).lpush(
-        "node.x", raw_message(forged_id, forged.serialize(task_body(f"forged-{forged_id}", forged_id)),
-                              "application/data"))
-    wait_log(node, f"REFUSED task message {forged_id} (task nodes.echo) on queue node.x: signature not valid")
-    wait_log(node, "Bad signature")  # the store found the certificate; the key did not sign
+    push(node, task_id, old.serialize(task_body(f"celery-auth-{task_id}", task_id)), signing.CELERY_AUTH_CONTENT_TYPE)
+    wait_log(node, f"REFUSED task message {task_id} (task nodes.echo) on queue node.x: signed with Celery's auth")
     time.sleep(1)
-    assert value not in node.ran.read_text() and "forged-" not in node.ran.read_text()
-    assert results(node.port).get(f"celery-task-meta-{task_id}") is None
+    assert "celery-auth-" not in node.ran.read_text()
 
 
 # ------------------------------------------------------------------ accepted
@@ -246,19 +290,19 @@ def queued(port: int, queue: str) -> bytes:
 
 
 def inner_kwargs(raw: bytes) -> dict:
-    """Every layer of a signed message undone: kombu's JSON, its base64 body, the auth
-    serializer's base64 fields, the signed JSON body."""
+    """Every layer of a signed message undone: kombu's JSON, its base64 body, the signed
+    format's fields (version, algorithm, key id, signature), the signed JSON body."""
     message = json.loads(raw)
-    assert message["content-type"] == "application/data"  # the auth serializer's
-    fields = base64.b64decode(base64.b64decode(message["body"])).split(b"\x00\x01", 4)
+    assert message["content-type"] == signing.CONTENT_TYPE  # aenv's signed serializer
+    fields = base64.b64decode(message["body"]).decode().split(".", 4)
+    assert fields[:2] == [signing.VERSION, signing.ED25519]
     return json.loads(fields[4])[1]
 
 
 def test_secrets_are_not_in_the_raw_message_in_redis(node, control):
     send(control, "node.idle", "parked")  # nobody consumes node.idle
     raw = queued(node.port, "node.idle")
-    layers = [raw, base64.b64decode(json.loads(raw)["body"]),
-              base64.b64decode(base64.b64decode(json.loads(raw)["body"]))]
+    layers = [raw, base64.b64decode(json.loads(raw)["body"])]
     for layer in layers:
         assert TOKEN.encode() not in layer and PASSWORD.encode() not in layer
     kwargs = inner_kwargs(raw)
@@ -365,6 +409,136 @@ def test_resolve_uses_the_default_files_only_when_they_exist_and_refuses_a_missi
     assert signing.configure(app, key=None, cert=None) == "off" and list(app.conf.accept_content) == ["json"]
 
 
+def rsa_pair(directory: Path) -> tuple[Path, Path]:
+    """An RSA-3072 key and self-signed certificate as ``write_keys`` made them before Ed25519."""
+    import datetime  # noqa: PLC0415
+
+    from cryptography import x509  # noqa: PLC0415
+    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import rsa  # noqa: PLC0415
+    from cryptography.x509.oid import NameOID  # noqa: PLC0415
+
+    directory.mkdir(parents=True, exist_ok=True)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=3072)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "aenv control plane")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=30)).sign(key, hashes.SHA256()))
+    (directory / signing.KEY_FILE).write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (directory / signing.CERT_FILE).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return directory / signing.KEY_FILE, directory / signing.CERT_FILE
+
+
+def pair_signer(key: Path | None, cert: Path) -> signing.Signer:
+    return signing.Signer(key.read_bytes() if key else None, cert.read_bytes())
+
+
+def refused(signer: signing.Signer, payload: str, match: str) -> None:
+    with pytest.raises(signing.SignatureRefused, match=match):
+        signer.decode(payload)
+
+
+def test_write_keys_makes_ed25519_and_rotate_keeps_the_old_pair(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric import ed25519  # noqa: PLC0415
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key  # noqa: PLC0415
+
+    key, cert, _ = signing.write_keys(tmp_path / "ts")
+    assert isinstance(load_pem_private_key(key.read_bytes(), None), ed25519.Ed25519PrivateKey)
+    old_key, old_cert = key.read_bytes(), cert.read_bytes()
+    assert signing.write_keys(tmp_path / "ts", rotate=True)[2] is True
+    assert key.read_bytes() != old_key and stat.S_IMODE(key.stat().st_mode) == 0o600
+    kept = sorted(p.name for p in (tmp_path / "ts").iterdir() if p.name.endswith(".old"))
+    assert [n.split(".")[0] for n in kept] == ["cert", "key"]
+    assert (tmp_path / "ts" / kept[0]).read_bytes() == old_cert and (tmp_path / "ts" / kept[1]).read_bytes() == old_key
+    # An RSA pair made before is kept as it is (no rotate), and still signs.
+    rsa_key, rsa_cert = rsa_pair(tmp_path / "rsa")
+    before = rsa_key.read_bytes()
+    assert signing.write_keys(tmp_path / "rsa") == (rsa_key, rsa_cert, False) and rsa_key.read_bytes() == before
+
+
+def test_an_rsa_pair_made_before_still_signs_and_only_its_certificate_verifies(tmp_path):
+    rsa_key, rsa_cert = rsa_pair(tmp_path / "rsa")
+    control, node = pair_signer(rsa_key, rsa_cert), pair_signer(None, rsa_cert)
+    assert control.algorithm == signing.RSA_PSS
+    body = task_body("rsa", "t1")
+    message = control.encode(body)
+    assert message.split(".")[1] == signing.RSA_PSS and node.decode(message) == body
+    refused(node, message.replace('"rsa"', '"RSA"'), "bad signature")  # the body changed
+    ed_key, ed_cert, _ = signing.write_keys(tmp_path / "ed")
+    refused(pair_signer(None, ed_cert), message, "not a trusted certificate's")  # another node's trust
+    with pytest.raises(ImproperlyConfigured, match="no signing key"):
+        node.encode(task_body("x", "t2"))  # a node verifies only
+
+
+def test_a_certificate_file_with_two_certificates_trusts_both_keys(tmp_path):
+    """A rotation: the node's file holds the old (RSA) and the new (Ed25519) certificate."""
+    rsa_key, rsa_cert = rsa_pair(tmp_path / "rsa")
+    ed_key, ed_cert, _ = signing.write_keys(tmp_path / "ed")
+    both = signing.Signer(None, rsa_cert.read_bytes() + ed_cert.read_bytes())
+    assert sorted(t.algorithm for t in both.trusted.values()) == [signing.ED25519, signing.RSA_PSS]
+    for key, cert in ((rsa_key, rsa_cert), (ed_key, ed_cert)):
+        assert both.decode(pair_signer(key, cert).encode(["ok"])) == ["ok"]
+    other_key, other_cert, _ = signing.write_keys(tmp_path / "other")
+    refused(both, pair_signer(other_key, other_cert).encode(["no"]), "not a trusted certificate's")
+
+
+def test_a_key_of_another_certificate_an_expired_certificate_and_other_formats_are_refused(tmp_path):
+    ed_key, ed_cert, _ = signing.write_keys(tmp_path / "ed")
+    other_key, other_cert, _ = signing.write_keys(tmp_path / "other")
+    with pytest.raises(ImproperlyConfigured, match="does not belong to the certificate"):
+        signing.Signer(ed_key.read_bytes(), other_cert.read_bytes())
+    with pytest.raises(ImproperlyConfigured, match="no valid certificate"):
+        signing.Signer(None, b"not a certificate")
+    node = pair_signer(None, ed_cert)
+    message = pair_signer(ed_key, ed_cert).encode(["late"])
+    for bad in ("v0" + message[2:], "plain json", message.split(".", 1)[1]):
+        refused(node, bad, "not an aenv-signed message")
+    next(iter(node.trusted.values())).not_after = time.time() - 1
+    refused(node, message, "has expired")
+
+
+@pytest.fixture
+def registry_restored():
+    """configure() registers the serializers process-wide: put back what the module's other
+    tests registered."""
+    from kombu.serialization import registry  # noqa: PLC0415
+
+    saved = [dict(d) for d in (registry._encoders, registry._decoders, registry.type_to_name, registry.name_to_type)]
+    yield
+    for d, before in zip((registry._encoders, registry._decoders, registry.type_to_name, registry.name_to_type), saved):
+        d.clear()
+        d.update(before)
+
+
+def test_celery_auth_content_is_accepted_only_when_configured_and_only_for_rsa(tmp_path, registry_restored):
+    from celery.security.certificate import Certificate  # noqa: PLC0415
+    from celery.security.key import PrivateKey  # noqa: PLC0415
+    from celery.security.serialization import SecureSerializer  # noqa: PLC0415
+    from kombu.exceptions import DecodeError  # noqa: PLC0415
+    from kombu.serialization import loads  # noqa: PLC0415
+
+    rsa_key, rsa_cert = rsa_pair(tmp_path / "rsa")
+    ed_key, ed_cert, _ = signing.write_keys(tmp_path / "ed")
+    app = Celery("legacy-test")
+    assert signing.configure(app, key=None, cert=str(rsa_cert)) == "verify"
+    assert list(app.conf.accept_content) == [signing.SERIALIZER]
+    assert signing.configure(app, key=None, cert=str(rsa_cert), accept_celery_auth=True) == "verify"
+    assert list(app.conf.accept_content) == [signing.SERIALIZER, signing.CELERY_AUTH]
+    old = SecureSerializer(PrivateKey(rsa_key.read_text()), Certificate(rsa_cert.read_text()), None, "sha256")
+    accept = {signing.CONTENT_TYPE, signing.CELERY_AUTH_CONTENT_TYPE}
+    assert loads(old.serialize(["old"]), signing.CELERY_AUTH_CONTENT_TYPE, "utf-8", accept=accept) == ["old"]
+    foreign_key, foreign_cert = rsa_pair(tmp_path / "foreign")
+    foreign = SecureSerializer(PrivateKey(foreign_key.read_text()), Certificate(rsa_cert.read_text()), None, "sha256")
+    with pytest.raises(DecodeError):
+        loads(foreign.serialize(["forged"]), signing.CELERY_AUTH_CONTENT_TYPE, "utf-8", accept=accept)
+    with pytest.raises(ImproperlyConfigured, match="RSA only"):  # Celery's auth cannot verify Ed25519
+        signing.configure(Celery("e"), key=None, cert=str(ed_cert), accept_celery_auth=True)
+    with pytest.raises(ImproperlyConfigured, match="for a node"):  # the control plane never accepts it
+        signing.configure(Celery("c"), key=str(rsa_key), cert=str(rsa_cert), accept_celery_auth=True)
+
+
 # ------------------------------------------------------------------ the real client and node tasks
 
 SIGNING_CONF = ("accept_content", "result_serializer", "result_accept_content", "task_serializer", "worker_consumer")
@@ -413,7 +587,7 @@ def test_the_real_client_and_node_tasks_keep_secrets_out_of_the_broker(signed_no
     assert out["pid"] == 4242
     path, body = EnvdStub.bodies[-1]
     assert path == "/init" and body["accessToken"] == TOKEN and body["envVars"] == {"API_KEY": PASSWORD}
-    assert len(pushed) == 1 and json.loads(pushed[0])["content-type"] == "application/data"  # signed
+    assert len(pushed) == 1 and json.loads(pushed[0])["content-type"] == signing.CONTENT_TYPE  # signed
     kwargs = inner_kwargs(pushed[0])
     assert sealed.is_sealed(kwargs["access_token"]) and sealed.is_sealed(kwargs["env_vars"])
     assert kwargs[signing.CLAIMS]["queue"] == node.queue
@@ -422,3 +596,21 @@ def test_the_real_client_and_node_tasks_keep_secrets_out_of_the_broker(signed_no
         assert TOKEN.encode() not in raw and PASSWORD.encode() not in raw
     assert stored
 
+
+
+def test_the_command_makes_ed25519_and_rotates(tmp_path):
+    import io  # noqa: PLC0415
+
+    from django.core.management import call_command  # noqa: PLC0415
+
+    out = io.StringIO()
+    call_command("task_signing_keys", dir=str(tmp_path / "ts"), stdout=out)
+    assert out.getvalue().startswith("created: key") and "(ed25519)" in out.getvalue()
+    rsa_pair(tmp_path / "rsa")
+    out = io.StringIO()
+    call_command("task_signing_keys", dir=str(tmp_path / "rsa"), stdout=out)
+    assert out.getvalue().startswith("kept: key") and f"({signing.RSA_PSS})" in out.getvalue() and "--rotate" in out.getvalue()
+    out = io.StringIO()
+    call_command("task_signing_keys", dir=str(tmp_path / "rsa"), rotate=True, stdout=out)
+    assert out.getvalue().startswith("created: key") and "(ed25519)" in out.getvalue()
+    assert len(list((tmp_path / "rsa").glob("*.old"))) == 2
