@@ -6,9 +6,11 @@ go to Channels consumers. Request bodies reach Django whole whatever their frami
 app here too, with that buffering (dataplane.mount)."""
 import os
 
-from django.core.asgi import get_asgi_application
-
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+
+# Django's handler, each request's sync code on a pooled thread (config.request_threads).
+from config.request_threads import get_asgi_application  # noqa: E402
+
 django_asgi_app = get_asgi_application()
 
 from django.conf import settings  # noqa: E402

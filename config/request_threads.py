@@ -1,0 +1,105 @@
+"""The API's requests run their sync code (ORM calls, Django's signals, sync middleware) on a
+thread lent from a small pool instead of on a thread made for each request.
+
+Django's ASGI handler enters an asgiref ``ThreadSensitiveContext`` per request: every
+``sync_to_async`` call of the request then runs on one thread of its own, made at its first
+call (a ``ThreadPoolExecutor`` with one worker) and joined at the end by yet another thread
+made for that. Two threads started per request cost ~1.2 ms of the API's CPU (in-process,
+loaded host: 1.48 → 0.25 ms per request-like cycle; docs/benchmarks.md, fourth round) —
+several times what the request's SQLite connection costs to open with ``config.sqlite_wal``'s
+keeper (~0.05 ms). ``PooledThreadContext`` is that context with its one-worker executor taken
+from ``POOL`` at the start of a request and given back at its end, so the request still has a
+thread of its own while it runs (its sync calls in order, on one thread; concurrent requests
+on different threads), and the thread lives on for the next one.
+
+What stays as it was: the database connection is still closed at the request's end (Django's
+``request_finished``, CONN_MAX_AGE=0, run on the request's thread), so nothing of a
+connection crosses requests. A task that outlives its request (``lifecycle``'s shielded
+transitions when the client goes away) and calls ``sync_to_async`` after the end gets a new
+thread of its own, as with asgiref's own context (the lent executor is no longer the
+context's). A call of the request still running on the lent thread when the request ends
+(such a shielded task's) finishes before the next request's calls there start: the executor
+has one worker, in order.
+
+``POOL`` keeps at most ``AENV_REQUEST_THREADS_IDLE`` idle threads (default 16); with more
+requests at once, more executors are made and the surplus is shut down when given back."""
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from asgiref.sync import SyncToAsync, ThreadSensitiveContext
+from django.core.handlers.asgi import ASGIHandler
+
+
+class ExecutorPool:
+    """Idle one-worker executors, most recently used first (its thread's caches are warm)."""
+
+    def __init__(self, idle_max: int):
+        self.idle_max = idle_max
+        self._idle: deque[ThreadPoolExecutor] = deque()
+        self._lock = threading.Lock()
+        self.made = 0  # tests and benchmarks: how many executors (threads) were ever made
+
+    def take(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            self.made += 1
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="aenv-request")
+
+    def give(self, executor: ThreadPoolExecutor) -> None:
+        with self._lock:
+            if len(self._idle) < self.idle_max:
+                self._idle.append(executor)
+                return
+        executor.shutdown(wait=False)  # its thread ends once what was queued on it has run
+
+    def idle(self) -> int:
+        return len(self._idle)
+
+
+POOL = ExecutorPool(int(os.environ.get("AENV_REQUEST_THREADS_IDLE", "16")))
+
+
+class PooledThreadContext(ThreadSensitiveContext):
+    """asgiref's per-request context with its executor lent by ``POOL`` (see the module)."""
+
+    _lent: ThreadPoolExecutor | None = None
+
+    async def __aenter__(self):
+        await super().__aenter__()
+        if self.token is not None:  # the outermost context (not inside another one)
+            self._lent = POOL.take()
+            SyncToAsync.context_to_thread_executor[self] = self._lent
+        return self
+
+    async def __aexit__(self, exc, value, tb):
+        if self._lent is None:
+            return await super().__aexit__(exc, value, tb)
+        if SyncToAsync.context_to_thread_executor.get(self) is self._lent:
+            del SyncToAsync.context_to_thread_executor[self]
+        SyncToAsync.thread_sensitive_context.reset(self.token)
+        self.token = None
+        lent, self._lent = self._lent, None
+        POOL.give(lent)
+
+
+class PooledThreadsASGIHandler(ASGIHandler):
+    """Django's ASGI handler with ``PooledThreadContext`` for each request."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
+        async with PooledThreadContext():
+            await self.handle(scope, receive, send)
+
+
+def get_asgi_application() -> PooledThreadsASGIHandler:
+    """``django.core.asgi.get_asgi_application`` with the pooled request threads."""
+    import django  # noqa: PLC0415
+
+    django.setup(set_prefix=False)
+    return PooledThreadsASGIHandler()

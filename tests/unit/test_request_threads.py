@@ -1,0 +1,139 @@
+"""config.request_threads: each API request's sync code on a thread lent from a pool, not on
+two threads made per request (asgiref's ThreadSensitiveContext): one thread per request while
+it runs, concurrent requests on different threads, threads reused, the database connection
+still closed at the request's end, a task outliving its request still served."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connection
+
+from config import request_threads
+from config.request_threads import ExecutorPool, PooledThreadContext
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    fresh = ExecutorPool(idle_max=4)
+    monkeypatch.setattr(request_threads, "POOL", fresh)
+    return fresh
+
+
+async def _idents(n: int = 2) -> list[int]:
+    async with PooledThreadContext():
+        return [await sync_to_async(threading.get_ident)() for _ in range(n)]
+
+
+def test_a_request_runs_on_one_thread_and_the_next_reuses_it(pool):
+    first = asyncio.run(_idents(3))
+    second = asyncio.run(_idents(3))
+    assert len(set(first)) == 1 and first == second
+    assert pool.made == 1 and pool.idle() == 1
+
+
+def test_concurrent_requests_get_threads_of_their_own(pool):
+    barrier = threading.Barrier(2, timeout=10)  # both sync calls at once: deadlocks on one thread
+
+    async def request():
+        async with PooledThreadContext():
+            return await sync_to_async(lambda: barrier.wait() is not None and threading.get_ident())()
+
+    async def both():
+        return await asyncio.gather(request(), request())
+
+    a, b = asyncio.run(both())
+    assert a != b and pool.made == 2 and pool.idle() == 2
+    assert asyncio.run(_idents(1))[0] in (a, b) and pool.made == 2
+
+
+def test_a_nested_context_keeps_the_outer_thread(pool):
+    async def nested():
+        async with PooledThreadContext():
+            outer = await sync_to_async(threading.get_ident)()
+            async with PooledThreadContext():
+                inner = await sync_to_async(threading.get_ident)()
+            return outer, inner, await sync_to_async(threading.get_ident)()
+
+    outer, inner, after = asyncio.run(nested())
+    assert outer == inner == after and pool.made == 1
+
+
+def test_a_task_outliving_its_request_gets_a_thread_of_its_own(pool):
+    async def main():
+        release = asyncio.Event()
+
+        async def shielded():  # as lifecycle's shielded transitions: writes after the request
+            await release.wait()
+            return await sync_to_async(threading.get_ident)()
+
+        async with PooledThreadContext():
+            lent = await sync_to_async(threading.get_ident)()
+            task = asyncio.ensure_future(shielded())
+        release.set()
+        return lent, await asyncio.wait_for(task, 10)
+
+    lent, later = asyncio.run(main())
+    assert later != lent and pool.idle() == 1
+
+
+def test_the_idle_threads_are_capped(pool):
+    async def many():
+        gate = threading.Barrier(6, timeout=10)
+
+        async def request():
+            async with PooledThreadContext():
+                await sync_to_async(gate.wait)()
+
+        await asyncio.gather(*(request() for _ in range(6)))
+
+    asyncio.run(many())
+    assert pool.made == 6 and pool.idle() == 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_api_handler_reuses_threads_and_closes_the_connection_each_request(pool):
+    from config.asgi import django_asgi_app  # noqa: PLC0415
+
+    assert isinstance(django_asgi_app, request_threads.PooledThreadsASGIHandler)
+    opened = []
+
+    async def get(path: str, headers: tuple = ()) -> int:
+        sent, asked = [], []
+
+        async def receive():
+            if asked:  # after the body: the client waits (Django listens for a disconnect)
+                await asyncio.Event().wait()
+            asked.append(1)
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"testserver"), *headers], "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+        await django_asgi_app(scope, receive, send)
+        return sent[0]["status"]
+
+    from django.db.backends.signals import connection_created  # noqa: PLC0415
+
+    def created(sender, connection, **kwargs):
+        opened.append(threading.get_ident())
+
+    connection_created.connect(created)
+    try:
+        key = (b"x-api-key", b"e2b_" + b"0" * 40)  # looked up in the database: a statement per request
+        statuses = [asyncio.run(get("/health")) for _ in range(2)] + [asyncio.run(get("/sandboxes", (key,)))
+                                                                      for _ in range(3)]
+        # The lent thread's connection was closed at the end of the last request.
+        thread = next(iter(pool._idle))
+        still_open = thread.submit(lambda: connection.connection is not None).result(timeout=10)
+    finally:
+        connection_created.disconnect(created)
+    assert statuses == [204, 204, 401, 401, 401]
+    assert pool.made == 1 and not still_open
+    # A connection per request that reads (closed at its end), all on the one lent thread.
+    assert len(opened) == 3 and len(set(opened)) == 1
