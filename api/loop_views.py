@@ -6,12 +6,15 @@ through ``sync_to_async`` for every request, because an authenticator may read t
 database. With the API key cached (``sandboxes.key_cache``) nothing in it does for these
 views, and the hop was ~0.5-1 ms of a lifecycle call's control-plane time on a loaded host
 (issue 26, docs/benchmarks.md). A key that is not cached, or a view with other
-authenticators, permissions or throttles, takes the hop as before."""
+authenticators, permissions or throttles, takes the hop as before. The JSON answer is
+rendered in the loop too (``rendered_in_loop``), not through Django's hop for a sync
+``render``."""
 from inspect import iscoroutinefunction
 
 from adrf.views import APIView as AsyncAPIView
 from asgiref.sync import sync_to_async
 from rest_framework.permissions import AllowAny, IsAuthenticated
+from rest_framework.renderers import JSONRenderer
 
 from api.auth import ApiKeyAuthentication
 
@@ -56,4 +59,23 @@ class APIView(AsyncAPIView):
         except Exception as exc:  # DRF's own error handling, as adrf does
             response = self.handle_exception(exc)
         self.response = self.finalize_response(request, response, *args, **kwargs)
-        return self.response
+        return rendered_in_loop(self.response)
+
+
+PURE_RENDERERS = (JSONRenderer,)
+
+
+def rendered_in_loop(response):
+    """A DRF response whose renderer does no I/O (JSON) rendered here, in the event loop: left
+    to Django, a response with a sync ``render`` is rendered through ``sync_to_async``, a
+    thread hop per request. Django then finds ``render`` a coroutine function and awaits it
+    (it hands the rendered response back). The API defines no template-response middleware,
+    which Django would run before rendering."""
+    if type(getattr(response, "accepted_renderer", None)) in PURE_RENDERERS and not response.is_rendered:
+        response.render()
+
+        async def render():
+            return response
+
+        response.render = render
+    return response

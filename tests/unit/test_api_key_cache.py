@@ -135,3 +135,18 @@ async def test_a_cached_key_is_checked_in_the_event_loop(api, raw_key, assert_er
     assert (await ApiKey.objects.aget()).last_used_at > timezone.now() - timedelta(minutes=1)
     assert_error(await api.get("/v2/sandboxes", headers={"X-API-Key": "e2b_" + "1" * 40}), 401, "invalid")
     assert_error(await api.get("/v2/sandboxes", headers={"X-API-Key": ""}), 401)
+
+
+async def test_an_api_answer_is_rendered_in_the_event_loop(api, raw_key, assert_error, monkeypatch):
+    """api.loop_views.rendered_in_loop: Django renders a DRF response through a thread hop
+    unless its ``render`` is a coroutine function; the JSON answer (and an error's) is
+    rendered in the loop, the same bytes."""
+    from django.core.handlers import base  # noqa: PLC0415
+
+    hopped = []
+    real = base.sync_to_async
+    monkeypatch.setattr(base, "sync_to_async", lambda f, **kw: hopped.append(getattr(f, "__name__", f)) or real(f, **kw))
+    response = await api.get("/v2/sandboxes")
+    assert response.status_code == 200 and response.json() == [] and response.headers["content-type"] == "application/json"
+    assert_error(await api.get("/v2/sandboxes", headers={"X-API-Key": "e2b_" + "1" * 40}), 401, "invalid")
+    assert "render" not in hopped, hopped
