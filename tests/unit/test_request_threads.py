@@ -94,8 +94,12 @@ def test_the_idle_threads_are_capped(pool):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_api_handler_reuses_threads_and_closes_the_connection_each_request(pool):
+def test_the_api_handler_reuses_threads_and_closes_the_connection_each_request(pool, monkeypatch):
     from config.asgi import django_asgi_app  # noqa: PLC0415
+
+    # The API's setting (importing config.dataplane_asgi, as another test may have, keeps
+    # SQLite connections: the data plane's choice, in its own process).
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 0)
 
     assert isinstance(django_asgi_app, request_threads.PooledThreadsASGIHandler)
     opened = []
