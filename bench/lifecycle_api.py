@@ -260,7 +260,9 @@ print("BENCH_JSON " + json.dumps({{"snapshots": snaps, "forks": forks}}))
 
 # The guest's HTTP server for the user-port part: a few bytes per GET, HTTP/1.1 keep-alive
 # (python3 -m http.server answers HTTP/1.0 and closes every connection, which would measure
-# TCP handshakes through the slot rather than the data plane), one thread per connection.
+# TCP handshakes through the slot rather than the data plane), one thread per connection, a
+# listen backlog for 64 clients connecting at once (socketserver's default is 5: the rest
+# of the SYNs are dropped and retried seconds later).
 # Head and body leave in one write (wbufsize; flushed after each request) with Nagle off:
 # written separately, the body waits for the client's delayed ACK, ~40 ms per request.
 GUEST_HTTP_SERVER = """
@@ -277,7 +279,10 @@ class H(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
     def log_message(self, *args):
         pass
-http.server.ThreadingHTTPServer(("0.0.0.0", {port}), H).serve_forever()
+class S(http.server.ThreadingHTTPServer):
+    request_queue_size = 256
+    daemon_threads = True
+S(("0.0.0.0", {port}), H).serve_forever()
 """
 
 
