@@ -61,7 +61,10 @@ def _files_digest(root: Path) -> str:
 
 def recipe_inputs() -> dict:
     """Everything that changes the tools drive: envd sources, guest scripts, this builder, the runtime."""
-    dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    # a set: a checkout with pip's aenv.egg-info lists aenv twice when it is the working
+    # directory (sys.path[0]) and once from elsewhere (a git worktree without one), which would
+    # give two tools drives, two `base` images and no template snapshot for one of them
+    dists = sorted({f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()})
     return {
         "envd": _files_digest(ENVD_DIR),
         "guest": _files_digest(GUEST_DIR),

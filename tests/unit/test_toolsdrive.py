@@ -85,3 +85,16 @@ def test_assemble_relocates_envd_and_resize2fs(tmp_path):
     assert ran.returncode == 0, ran.stderr
     ran = subprocess.run(["chroot", str(root), "/opt/aenv/bin/resize2fs"], capture_output=True, text=True)
     assert "resize2fs" in ran.stderr and "Usage:" in ran.stderr, ran.stderr  # it ran (no device given)
+
+
+def test_recipe_inputs_do_not_depend_on_a_duplicate_distribution(monkeypatch):
+    """A checkout's aenv.egg-info in the working directory lists aenv a second time: the
+    tools drive's recipe (and so `base`'s hash) stays the same as without it."""
+    import importlib.metadata
+
+    once = list(importlib.metadata.distributions())
+    aenv = next(d for d in once if d.metadata["Name"] == "aenv")
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: iter(once))
+    plain = toolsdrive.recipe_inputs()["dists"]
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: iter([*once, aenv]))
+    assert toolsdrive.recipe_inputs()["dists"] == plain
