@@ -63,6 +63,38 @@ def app_image(registry):
                                       base_layer=oci_images.debootstrap_layer(oci_images.debian_rootfs()))
 
 
+# ------------------------------------------------- the shared stack whose node worker tests stop
+
+NODE_KILL_STACK = "node_kill_stack"
+_node_kill = {}  # "exit": the ExitStack of the running stack, closed after its last user
+
+
+@pytest.fixture(scope="package")
+def node_kill_stack():
+    """A stack of default settings for the modules that stop or SIGKILL its node worker and
+    start it again (test_node_stop.py, then test_template_build_faults.py), which the
+    session's stack must not have done to it: one start (~17 s) and stop (~6 s) for both
+    instead of one each. They run one after the other (``pytest_collection_modifyitems``),
+    test_node_stop.py first (it counts the stack's pause events and reads its node log), and
+    the stack stops right after the last of them (``pytest_runtest_teardown``), not at the
+    package's end. A test must leave the node worker running and nothing of its own behind."""
+    from contextlib import ExitStack  # noqa: PLC0415
+
+    with ExitStack() as exit_stack:
+        _node_kill["exit"] = exit_stack
+        yield exit_stack.enter_context(running_stack("nodekill"))
+        _node_kill.pop("exit", None)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if NODE_KILL_STACK in getattr(item, "fixturenames", ()) and (
+            nextitem is None or NODE_KILL_STACK not in getattr(nextitem, "fixturenames", ())):
+        exit_stack = _node_kill.pop("exit", None)
+        if exit_stack is not None:
+            exit_stack.close()
+
+
 # ------------------------------------------------------------------ the shared S3 two-node stack
 
 S3_TWO_NODES = "s3_two_nodes"
@@ -120,17 +152,22 @@ def s3_two_nodes(_s3_two_nodes_stack, monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules on the shared S3 two-node stack run together, after this package's other
-    tests: its package-scoped stack starts once for them and stops right after them, instead of
-    idling (heartbeats, sweeps) beside every test between the first and the last of them."""
+    """The modules on a shared package-scoped stack run together, after this package's other
+    tests: the stack starts once for them and stops right after them, instead of idling
+    (heartbeats, sweeps) beside every test between the first and the last of them; within
+    the node kill stack's, test_node_stop.py first."""
     here = os.path.dirname(__file__)
-    shared = {str(i.path) for i in items if S3_TWO_NODES in getattr(i, "fixturenames", ())}
-    if not shared:
-        return
-    group = [i for i in items if str(i.path) in shared]
-    rest = [i for i in items if str(i.path) not in shared]
-    at = items.index(group[0])  # where the first of them was: the rest before it stay before
-    for n, item in enumerate(rest):
-        if os.path.dirname(str(item.path)) == here:
-            at = max(at, n + 1)  # after this package's last other test
-    items[:] = rest[:at] + group + rest[at:]
+    for name, first in ((NODE_KILL_STACK, "test_node_stop.py"), (S3_TWO_NODES, None)):
+        shared = {str(i.path) for i in items if name in getattr(i, "fixturenames", ())}
+        if not shared:
+            continue
+        group = [i for i in items if str(i.path) in shared]
+        if first:
+            group.sort(key=lambda i: i.path.name != first)  # stable: the modules' own order stays
+        rest = [i for i in items if str(i.path) not in shared]
+        at = items.index(group[0])  # where the first of them was: the rest before it stay before
+        for n, item in enumerate(rest):
+            if os.path.dirname(str(item.path)) == here and not (
+                    {NODE_KILL_STACK, S3_TWO_NODES} & set(getattr(item, "fixturenames", ()))):
+                at = max(at, n + 1)  # after this package's last other test
+        items[:] = rest[:at] + group + rest[at:]

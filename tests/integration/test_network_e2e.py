@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from e2b import Sandbox
@@ -60,19 +61,43 @@ def _forbidden(stack, service: NodeService, neighbours: list[str]) -> list[tuple
     return targets
 
 
-def _assert_isolated(stack, service: NodeService, sandbox: Sandbox, neighbours: list[str]) -> None:
+def _at_once(*calls):
+    """The calls' results, the calls run at once (each waits on its guest or the node, not
+    the test's CPU): a denied probe waits out its timeout, so guests probed together cost
+    one timeout, not one each."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
+def _create(*options: dict) -> list[Sandbox]:
+    """One sandbox per ``options`` (Sandbox.create's keywords), created at once; if one
+    create fails, the others are killed before the error is raised."""
+    with ThreadPoolExecutor(len(options)) as pool:
+        futures = [pool.submit(Sandbox.create, timeout=600, **o) for o in options]
+    made = [f.result() for f in futures if f.exception() is None]
+    if len(made) < len(options):
+        for s in made:
+            s.kill()
+        next(f.result() for f in futures if f.exception() is not None)  # raises the first error
+    return made
+
+
+def _assert_isolated(stack, service: NodeService, guests: list[tuple[Sandbox, list[str]]]) -> None:
+    """Each guest (with its neighbours' addresses) reaches none of its forbidden targets;
+    all guests probed at once."""
     before = service.accepted
-    reached = probe(sandbox, _forbidden(stack, service, neighbours) + [(EXT_A, 80)])
-    # the probe works: the external host (allowed by default) answers from the same guest
-    assert reached.pop((EXT_A, 80)), "the guest cannot reach the external test host: the probe proves nothing"
-    assert [t for t, ok in reached.items() if ok] == []
+    results = _at_once(*[lambda g=g, n=n: probe(g, _forbidden(stack, service, n) + [(EXT_A, 80)])
+                         for g, n in guests])
+    for (guest, _), reached in zip(guests, results):
+        # the probe works: the external host (allowed by default) answers from the same guest
+        assert reached.pop((EXT_A, 80)), f"{guest.sandbox_id} cannot reach the external test host: the probe proves nothing"
+        assert [t for t, ok in reached.items() if ok] == [], guest.sandbox_id
     assert service.accepted == before
 
 
 def test_guests_reach_nothing_of_the_node_nor_each_other(stack, sdk_env, world):
     ext, service = world
-    a = Sandbox.create(timeout=600)
-    b = Sandbox.create(timeout=600)
+    a, b = _create({}, {})
     try:
         b.commands.run("cd /tmp && python3 -m http.server 8080 >/dev/null 2>&1", background=True)
         info = a.commands.run("ip -4 -o addr show eth0; cat /etc/resolv.conf").stdout
@@ -89,7 +114,7 @@ def test_guests_reach_nothing_of_the_node_nor_each_other(stack, sdk_env, world):
             except httpx.HTTPError:
                 assert time.monotonic() < deadline, "the node cannot reach B's port 8080"
                 time.sleep(0.5)
-        _assert_isolated(stack, service, a, [addr_b])
+        _assert_isolated(stack, service, [(a, [addr_b])])
         # DNS through the node's resolver: a name it serves, and only via 8.8.8.8
         assert EXT_A in a.commands.run("getent hosts ext-a.test").stdout
     finally:
@@ -113,9 +138,9 @@ def test_restored_and_forked_guests_are_isolated_too(stack, sdk_env, world):
         addresses = {s.sandbox_id: _route(stack, s.sandbox_id) for s in [parent, *made]}
         assert len(set(addresses.values())) == 4, addresses  # each its own slot
         for guest in made:
-            others = [a for sid, a in addresses.items() if sid != guest.sandbox_id]
             assert "169.254.0.21/30" in guest.commands.run("ip -4 -o addr show eth0").stdout
-            _assert_isolated(stack, service, guest, others)
+        _assert_isolated(stack, service, [
+            (guest, [a for sid, a in addresses.items() if sid != guest.sandbox_id]) for guest in made])
     finally:
         for s in [*made, parent]:
             try:
@@ -147,20 +172,26 @@ def _ts_update(stack, sandbox_id: str, step: str, address: str) -> dict:
 def test_egress_policy_as_e2b_defines_it(stack, sdk_env, world):
     boxes = []
     try:
-        closed = Sandbox.create(timeout=600, allow_internet_access=False)
-        boxes.append(closed)
-        assert _reach(closed) == (False, False)
-        # DNS is egress too: denied with everything else (as on E2B)
-        lookup = closed.commands.run("getent hosts ext-a.test || echo no-answer", timeout=90).stdout
-        assert lookup.strip() == "no-answer"
-
-        deny_b = Sandbox.create(timeout=600, network={"deny_out": [f"{EXT_B}/32"]})
-        boxes.append(deny_b)
-        assert _reach(deny_b) == (True, False)
-
-        only_b = Sandbox.create(timeout=600, network={"allow_out": [EXT_B], "deny_out": ["0.0.0.0/0"]})
-        boxes.append(only_b)
-        assert _reach(only_b) == (False, True)  # allow wins over deny
+        # four policies given at create, the four guests made and probed at once
+        boxes += _create(dict(allow_internet_access=False),
+                         dict(network={"deny_out": [f"{EXT_B}/32"]}),
+                         dict(network={"allow_out": [EXT_B], "deny_out": ["0.0.0.0/0"]}),
+                         # always-denied ranges stay denied even when allowOut names them
+                         dict(network={"allow_out": ["10.0.0.0/8", NODE_SIDE]}))
+        closed, deny_b, only_b, private = boxes
+        gateway = _route(stack, private.sandbox_id)
+        reached = _at_once(
+            lambda: _reach(closed),
+            # DNS is egress too: denied with everything else (as on E2B)
+            lambda: closed.commands.run("getent hosts ext-a.test || echo no-answer", timeout=90).stdout,
+            lambda: _reach(deny_b),
+            lambda: _reach(only_b),
+            lambda: probe(private, [(gateway, 22), ("10.0.2.2", 6379), (EXT_A, 80)]))
+        assert reached[0] == (False, False)
+        assert reached[1].strip() == "no-answer"
+        assert reached[2] == (True, False)
+        assert reached[3] == (False, True)  # allow wins over deny
+        assert reached[4] == {(gateway, 22): False, ("10.0.2.2", 6379): False, (EXT_A, 80): True}
 
         # live updates replace the whole policy; {} opens it again
         only_b.update_network({"deny_out": [EXT_A]})
@@ -180,17 +211,10 @@ def test_egress_policy_as_e2b_defines_it(stack, sdk_env, world):
         # the policy survives a pause (a new slot on resume) and is inherited by forks
         only_b.pause()
         again = Sandbox.connect(only_b.sandbox_id, timeout=600)
-        assert _reach(again) == (False, False)
         child = [c for c in again.fork(count=1, timeout=300) if not isinstance(c, Exception)]
         boxes += child
-        assert len(child) == 1 and _reach(child[0]) == (False, False)
-
-        # always-denied ranges stay denied even when allowOut names them
-        private = Sandbox.create(timeout=600, network={"allow_out": ["10.0.0.0/8", NODE_SIDE]})
-        boxes.append(private)
-        gateway = _route(stack, private.sandbox_id)
-        r = probe(private, [(gateway, 22), ("10.0.2.2", 6379), (EXT_A, 80)])
-        assert r == {(gateway, 22): False, ("10.0.2.2", 6379): False, (EXT_A, 80): True}
+        assert len(child) == 1
+        assert _at_once(lambda: _reach(again), lambda: _reach(child[0])) == [(False, False), (False, False)]
     finally:
         for s in boxes:
             try:

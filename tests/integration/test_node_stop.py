@@ -12,20 +12,14 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
-from .conftest import running_stack
 from harness.guest_counter import read_counter, start_counter
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="module")
-def stop_stack():
-    with running_stack("stop") as s:
-        yield s
-
-
-def test_a_stopped_node_pauses_its_sandboxes_and_serves_them_after_restart(stop_stack, monkeypatch):
-    stack = stop_stack
+def test_a_stopped_node_pauses_its_sandboxes_and_serves_them_after_restart(node_kill_stack, monkeypatch):
+    """On the conftest's node kill stack (default settings), before its other users."""
+    stack = node_kill_stack
     for key, value in (("E2B_API_URL", stack.api_url), ("E2B_SANDBOX_URL", stack.sandbox_url),
                        ("E2B_API_KEY", stack.api_key)):
         monkeypatch.setenv(key, value)

@@ -1,6 +1,6 @@
-"""Template builds that end badly, with real VMs (a stack of their own, since one test
-kills its node worker): the template deleted while a RUN step runs, and the node worker
-SIGKILLed mid-build. Each ends the build ``error`` with a reason saying what happened,
+"""Template builds that end badly, with real VMs (on the conftest's node kill stack, not the
+session's, since one test kills its node worker): the template deleted while a RUN step
+runs, and the node worker SIGKILLed mid-build. Each ends the build ``error`` with a reason saying what happened,
 and leaves no build VM, no template snapshot and nothing a create could start from."""
 from __future__ import annotations
 
@@ -12,23 +12,15 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.exceptions import SandboxException
 
-from .conftest import running_stack
-
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 
 
-@pytest.fixture(scope="module")
-def fault_stack():
-    with running_stack("tplf") as s:
-        yield s
-
-
 @pytest.fixture
-def sdk(fault_stack, monkeypatch):
-    monkeypatch.setenv("E2B_API_URL", fault_stack.api_url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", fault_stack.sandbox_url)
-    monkeypatch.setenv("E2B_API_KEY", fault_stack.api_key)
-    return fault_stack
+def sdk(node_kill_stack, monkeypatch):
+    monkeypatch.setenv("E2B_API_URL", node_kill_stack.api_url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", node_kill_stack.sandbox_url)
+    monkeypatch.setenv("E2B_API_KEY", node_kill_stack.api_key)
+    return node_kill_stack
 
 
 def _start_long_build(image: str):
