@@ -33,7 +33,8 @@ from vmm.qemu.host import HostMixin
 from vmm.qemu.iolimits import DiskLimits
 from vmm.qemu.lifecycle import LifecycleMixin
 from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, BootAttemptFailed, attempts_error, cmdline_digest,
-                              console_tail, envd_healthy, qemu_version, run, virtual_size_mb)
+                              console_tail, envd_healthy, qemu_version, release_mismatch, run,
+                              virtual_size_mb)
 from vmm.qemu.qmp import QMP, QMPError, prepare_migration
 from vmm.qemu.ram_moves import RamMovesMixin
 from vmm.qemu.snapshots import SnapshotMixin
@@ -135,14 +136,16 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
                     self._accel = detect_accel(self.images_dir, image.kernel, image.initrd)
             return self._accel
 
+    def _version_here(self) -> str:
+        try:
+            return qemu_version(self.qemu)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise VMError(f"cannot run {self.qemu} --version: {e}") from None
+
     def fingerprint(self) -> dict:
         """A memory snapshot restores only into the identical machine: same accelerator, same
         QEMU (device state format) and the same command line (see vmm.qemu.cmdline)."""
-        try:
-            version = qemu_version(self.qemu)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise VMError(f"cannot run {self.qemu} --version: {e}") from None
-        return {"driver": self.name, "accel": self.accel, "qemu": version, "cmdline": cmdline_digest(),
+        return {"driver": self.name, "accel": self.accel, "qemu": self._version_here(), "cmdline": cmdline_digest(),
                 "net": self.net.name}
 
     def check_snapshot(self, manifest: SnapshotManifest) -> None:
@@ -153,6 +156,12 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
         taken_by = (manifest.fingerprint or {}).get("driver", self.name)
         if taken_by != self.name:
             raise SnapshotUnusable(f"snapshot was taken by the {taken_by} driver; this host runs {self.name}")
+        taken_with = (manifest.fingerprint or {}).get("qemu", "")
+        why = release_mismatch(taken_with, self._version_here()) if taken_with else ""
+        if why:  # QEMU would only say "load of migration failed" after starting (issue 26's QEMU 10 move)
+            raise SnapshotUnusable(f"snapshot cannot be restored on this node: {why}; take it again on a node "
+                                   "with this QEMU (booted templates are rebuilt by themselves: their key holds "
+                                   "the QEMU version)")
         taken_on = (manifest.fingerprint or {}).get("net", "slirp")
         if taken_on != self.net.name:  # the guest configured its network for the other one
             raise SnapshotUnusable(f"snapshot was taken on the {taken_on} network; this node runs {self.net.name} "

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 from envd_client import EnvdClient, EnvdError, EnvdUnavailable
-from vmm.driver import VMError, VMInfo
+from vmm.driver import SnapshotUnusable, VMError, VMInfo
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
-from vmm.qemu.process import GUEST_SYNC_TIMEOUT, BootAttemptFailed, attempts_error
+from vmm.qemu.process import GUEST_SYNC_TIMEOUT, BootAttemptFailed, attempts_error, release_mismatch
 from vmm.qemu.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, set_ignore_shared
 from vmm.qemu.state import VMState, process_alive, read_pidfile, reap
 from vmm.vm_status import VmLifecycle
@@ -123,6 +123,7 @@ class LifecycleMixin:
                 state.move(VmLifecycle.PAUSED_DISK)
                 state.device_state = str(device_state)
                 state.device_state_full_ram = full_ram
+                state.device_state_qemu = self._qemu_version(state)
                 state.save()
                 try:
                     q.execute("quit")
@@ -226,6 +227,7 @@ class LifecycleMixin:
             Path(state.ram).unlink(missing_ok=True)  # or its copy on disk (_spill)
         state.move(VmLifecycle.PAUSED_FS)
         state.device_state = ""
+        state.device_state_qemu = ""
         state.ram = str(VMPaths.for_sandbox(paths.state_dir, state.sandbox_id, self.shm_dir).ram)
         state.ram_share = state.ram_owned = True
         state.pid = 0
@@ -275,6 +277,10 @@ class LifecycleMixin:
         back on a share=on RAM file of its own that the stream fills, so its next pause or
         snapshot saves only the device state again."""
         device_state = Path(state.device_state)
+        why = release_mismatch(state.device_state_qemu, self._qemu_version(state)) if state.device_state_qemu else ""
+        if why:  # QEMU would start and then exit with "load of migration failed"
+            raise SnapshotUnusable(f"sandbox {state.sandbox_id} cannot resume with its memory: {why}; "
+                                   "resume it without its memory (a cold boot on its own disk) instead")
         saved = (state.ram, state.ram_share, state.ram_owned)
         converting = not state.ram_share and state.device_state_full_ram
         on_disk = Path(state.ram) if Path(state.ram).parent == Path(state.state_dir) else None
@@ -331,6 +337,7 @@ class LifecycleMixin:
             pass
         state.device_state = ""
         state.device_state_full_ram = False
+        state.device_state_qemu = ""
         return timings
 
     def resume(self, sandbox_id: str, memory: bool = True) -> VMInfo:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,26 @@ def envd_healthy(host: str, port: int, timeout: float = 1.0) -> bool:
 def qemu_version(qemu: str = QEMU) -> str:
     out = subprocess.run([qemu, "--version"], capture_output=True, text=True, check=True).stdout
     return out.splitlines()[0].strip()
+
+
+def qemu_release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a ``qemu_version`` line ("QEMU emulator version 10.0.2 (Debian ...)"),
+    None if it names none. A device state loads only into the QEMU release that saved it: the
+    microvm machine has no versioned machine types, so QEMU promises no migration between
+    releases (7.2's does not load in 10.0). Stable and distribution updates of one release
+    (7.2.x, Debian's +debNuM) keep the device state format."""
+    m = re.search(r"version (\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def release_mismatch(saved_by: str, here: str) -> str:
+    """Why a device state saved by QEMU ``saved_by`` does not load here (``here``), or ""
+    (same release, or either unknown: an old record without the version is tried)."""
+    a, b = qemu_release(saved_by), qemu_release(here)
+    if a is None or b is None or a == b:
+        return ""
+    return (f"its device state was saved by {saved_by.split(' (')[0]} and this node runs "
+            f"{here.split(' (')[0]}: QEMU loads a device state only from its own release")
 
 
 def cmdline_digest() -> str:

@@ -51,6 +51,7 @@ class VMState(MovesByTable):
     ram_owned: bool = True  # kill() deletes `ram` only if the sandbox owns it
     device_state: str = ""  # saved device state of a pause_to_disk (in state_dir)
     device_state_full_ram: bool = False  # that device state carries the RAM (x-ignore-shared off)
+    device_state_qemu: str = ""  # the --version line of the QEMU that saved it (loads only in its release)
     chain: list[str] = field(default_factory=list)  # read-only disk layers under `top`, base first
     top_node: str = "root"  # QMP node name of the current top in the running QEMU
     generation: int = 0  # counts sealed layers, names the next top
