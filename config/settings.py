@@ -499,7 +499,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     }
 elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # Under ASGI every request runs its ORM calls on a thread of its own, so without a
-    # pool each request would open (and close) a new PostgreSQL connection.
+    # pool each request would open (and close) a new PostgreSQL connection. Django's backend
+    # with a pool that reconnects at most 1 s apart and checks each connection it hands out
+    # (config/postgresql/base.py): after a database restart requests go on at once.
+    DATABASES["default"]["ENGINE"] = "config.postgresql"
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": 1, "max_size": _env_int("AENV_DB_POOL_SIZE", 48), "timeout": 30}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
