@@ -67,9 +67,11 @@ def reconcile_sandbox(driver, row: Sandbox, actor: str) -> str | None:
                                         actor=actor)
         return "removed"
     if row.state == S.CREATING:
+        # the row first, the VM only once it is ours: a create that ended meanwhile keeps its VM
+        if not move(row, S.ERROR, actor, "node restarted while the sandbox was being created", details,
+                    error_reason="node worker restarted while the sandbox was being created"):
+            return "changed meanwhile"
         driver.kill(row.pk)
-        move(row, S.ERROR, actor, "node restarted while the sandbox was being created", details,
-              error_reason="node worker restarted while the sandbox was being created")
         return "create abandoned"
     if not present:
         driver.kill(row.pk)  # whatever files are left
@@ -125,6 +127,13 @@ def reconcile_node(node_id: str, driver, *, older_than: datetime, settled: bool)
         log.info("reconcile: sandbox %s runs on node %s now; removed its copy here", sid, other)
         done.append((sid, "moved", f"removed: it runs on node {other} now"))
     for row in rows:
+        # Read again: the pass acts on one row after another (each may take seconds: a kill,
+        # a save), and an operation may have finished since the rows were listed; acting on
+        # the listed copy killed or saved VMs of sandboxes that were running by then.
+        fresh = Sandbox.objects.filter(pk=row.pk, state=row.state, updated_at=row.updated_at).first()
+        if fresh is None:
+            continue
+        row = fresh
         try:
             what = reconcile_sandbox(driver, row, actor)
         except Exception as exc:  # noqa: BLE001 - reported, the others still run

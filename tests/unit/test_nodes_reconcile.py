@@ -187,3 +187,28 @@ def test_a_process_left_after_a_save_is_stopped_by_the_driver(fake, make):
     assert _state(sb) == "paused" and fake.status(sb.pk) == "saved"
     event = SandboxEvent.objects.get(sandbox_id=sb.pk, operation="reconcile")
     assert event.details == {"vm": "saved", "stray_process_stopped": True}
+
+
+@pytest.mark.parametrize("state, verb", [("creating", "kill"), ("resuming", "pause_to_disk")])
+def test_a_row_whose_operation_ended_while_the_pass_ran_is_left_alone(fake, make, monkeypatch, state, verb):
+    """The pass lists its rows, then acts on one after another (seconds each under load): a
+    sandbox whose create or resume finished meanwhile is running, and its VM stays (the chaos
+    bench with 20 clients: the listed copy's "creating" killed a running sandbox's VM)."""
+    a, b = make(state, "running", fake), make(state, "running", fake)
+    acted = []
+    original = getattr(fake, verb)
+
+    def act_and_finish_the_other(sid, *args, **kwargs):
+        if not acted:  # while the first is handled, the other's operation ends
+            other = b.pk if sid == a.pk else a.pk
+            Sandbox.objects.filter(pk=other).update(state="running", updated_at=timezone.now())
+        acted.append(sid)
+        return original(sid, *args, **kwargs)
+
+    monkeypatch.setattr(fake, verb, act_and_finish_the_other)
+    _run(fake)
+    first = acted[0]
+    other = b if first == a.pk else a
+    assert acted == [first], f"{verb} reached the sandbox that was running by then"
+    assert _state(other) == "running" and fake.status(other.pk) == "running"
+    assert _reconcile_events(other) == []
