@@ -3,7 +3,8 @@ made ``error`` (its reason, a ``reconcile`` event) at the next look, and what is
 VM removed. A VM has failed when
 
 - its process is gone (QEMU died: e.g. SIGBUS on a page of a memory snapshot read lazily
-  from a store that could not deliver it, or the OOM killer), or
+  from a store that could not deliver it, or the OOM killer), or nothing of it is left on
+  the node at all (removed by something that took the row for another state's), or
 - its guest's disk requests failed on the host (the guest got I/O errors: a lazily read disk
   whose store went away or keeps giving wrong bytes, a failing host disk). Its file systems
   and programs are then in a state nobody knows, so it is stopped, not left half-working.
@@ -44,6 +45,8 @@ def failure(driver, sandbox_id: str) -> tuple[str, dict] | None:
     status = driver.inspect(sandbox_id).status
     if status is VMStatus.STOPPED:
         return "VM died: its process exited while the sandbox was running", {"vm": status.value}
+    if status is VMStatus.UNKNOWN:  # nothing of it left on the node: its commands would hang
+        return "VM lost: the node has no VM for this sandbox (it was running)", {"vm": None}
     if status in (VMStatus.RUNNING, VMStatus.PAUSED):
         errors = driver.disk_errors(sandbox_id)
         if errors:

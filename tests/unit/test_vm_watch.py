@@ -151,3 +151,18 @@ def test_with_suspects_a_failing_disk_waits_one_look_and_a_dead_vm_does_not(rows
     assert watch.suspects == {other} and _state(other)[0] == "running"
     watch.round()
     assert _state(other)[0] == "error"
+
+
+def test_a_running_sandbox_with_no_vm_left_on_the_node_is_lost(rows):
+    """Nothing of the VM on the node (the chaos bench: a reconcile acting on a stale row
+    removed a running sandbox's VM): error with its event at the next look, not running
+    with commands that hang until the worker's next start."""
+    driver, make = rows
+    gone, healthy = make(), make()
+    driver.kill(gone)
+    done = dict(vm_watch.watch_node("n1", driver))
+    assert set(done) == {gone}
+    assert _state(gone) == ("error", "VM lost: the node has no VM for this sandbox (it was running)")
+    event = SandboxEvent.objects.get(sandbox_id=gone, operation="reconcile")
+    assert (event.from_state, event.to_state, event.details) == ("running", "error", {"vm": None})
+    assert _state(healthy) == ("running", "")
