@@ -68,6 +68,9 @@ class Failed(LifecycleError):
 # there, not that the node broke: an egress policy its network backend cannot enforce (the
 # slirp fallback cannot filter). They are Invalid (400), never Failed.
 REFUSED_BY_NODE = frozenset({"UnsupportedNetworkPolicy", "VolumesUnavailable"})
+# The node has no VM for the sandbox (vmm.errors.VMNotFound) although its row says it runs: the
+# sandbox is lost (its row goes to error with the event). A 409 saying so, never a 500.
+VM_GONE = frozenset({"VMNotFound"})
 # A node's refusals for want of room (vmm.errors.HostMemoryFull): another node, or later, may do it.
 FULL_NODE = frozenset({"HostMemoryFull"})
 # The node found the guest agent (envd) not answering and was told not to pause it then

@@ -22,7 +22,7 @@ from nodes.models import Node
 from sandboxes.models import Sandbox, SandboxEvent, Team
 from sandboxes.states import LIVE, SETTLING, SandboxState
 from sandboxes.transitions import transition, transition_row  # noqa: F401 - the one writer, re-exported
-from sandboxes.errors import (FULL_NODE, REFUSED_BY_NODE, UNRESPONSIVE_GUEST, Conflict, Failed, Invalid, LifecycleError,
+from sandboxes.errors import (FULL_NODE, REFUSED_BY_NODE, UNRESPONSIVE_GUEST, VM_GONE, Conflict, Failed, Invalid, LifecycleError,
                               NoRoom, NotFound, Timeout, Unavailable)
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,9 @@ def node_failure(client, exc: BaseException, node, what: str, deadline: float) -
             error = NoRoom(f"node {node.id} has no room for this {what} now: {exc}")
         elif isinstance(exc, client.NodeTaskFailed) and kind in UNRESPONSIVE_GUEST:
             error = Unavailable(f"no {what}: {exc}")
+        elif isinstance(exc, client.NodeTaskFailed) and kind in VM_GONE:
+            error = Conflict(f"no {what}: the sandbox is lost, node {node.id} has no VM for it ({exc})",
+                             code="sandbox_lost", retry=False)
         else:
             error = Failed(f"{what} failed on node {node.id}: {kind}: {exc}", code=snake(kind))
     error.kind = kind

@@ -7,7 +7,7 @@ import logging
 
 from lifecycle.sandboxes import core
 from lifecycle.sandboxes.core import S
-from sandboxes.errors import LifecycleError, StorageFull
+from sandboxes.errors import VM_GONE, LifecycleError, StorageFull
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,12 @@ async def delete_files_quietly(node, snapshot_id: str) -> dict:
 async def fail_capture(client, exc: BaseException, node, sandbox_id: str, operation: str, from_state: str, *,
                        details: dict, started, t0: float, actor: str, deadline: float):
     """A snapshot's or fork's node call failed: the domain error, whether the VM still runs
-    (the node answered: its driver continued the VM) and whether this request moved the
+    (the node answered: its driver continued the VM; not when it had no VM at all) and whether this request moved the
     sandbox (to running, or to error when nobody knows what the VM is) →
     ``(error, vm_runs, moved)``."""
     error = node_error(client, exc, node, operation, deadline)
     log.warning("%s of sandbox %s failed: %s", operation, sandbox_id, error.message)
-    vm_runs = isinstance(exc, client.NodeTaskFailed)
+    vm_runs = isinstance(exc, client.NodeTaskFailed) and error.kind not in VM_GONE  # no VM: lost
     failed = core.event(sandbox_id, operation, outcome="error", from_state=from_state, started_at=started,
                         duration_ms=core.ms(t0), message=error.message, actor=actor,
                         details={**details, "kind": error.kind})

@@ -306,10 +306,19 @@ async def test_put_network_the_node_cannot_enforce_is_400_and_the_row_goes_back(
 
 async def test_put_network_other_node_failure_is_500_and_the_row_goes_back(api, create, net_mock, assert_error):
     sb = await create(allow_internet_access=False)
-    net_mock.client.update_network.side_effect = net_mock.client.NodeTaskFailed("no VM", kind="VMNotFound")
-    assert_error(await api.put(f"/sandboxes/{sb['sandboxID']}/network", json={}), 500, "VMNotFound")
+    net_mock.client.update_network.side_effect = net_mock.client.NodeTaskFailed("nft broke", kind="VMError")
+    assert_error(await api.put(f"/sandboxes/{sb['sandboxID']}/network", json={}), 500, "VMError")
     row = await Sandbox.objects.aget(pk=sb["sandboxID"])
     assert row.allow_internet_access is False and row.network is None
+
+
+async def test_put_network_on_a_sandbox_whose_vm_is_gone_is_409_lost(api, create, net_mock, assert_error):
+    """The node has no VM for it: a 409 saying the sandbox is lost (the node's VM watch makes
+    the row error), never a 500."""
+    sb = await create(allow_internet_access=False)
+    net_mock.client.update_network.side_effect = net_mock.client.NodeTaskFailed("no VM", kind="VMNotFound")
+    body = assert_error(await api.put(f"/sandboxes/{sb['sandboxID']}/network", json={}), 409, "lost")
+    assert body["error_code"] == "sandbox_lost"
 
 
 async def test_put_network_without_an_answer_keeps_the_new_policy_says_so_and_resume_applies_it(

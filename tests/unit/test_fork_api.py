@@ -264,3 +264,17 @@ def test_fork_child_charge_never_exceeds_the_shape(settings):
     assert fork_child_charge(1, 64) == (1, 64)
     settings.AENV_FORK_VCPU_OVERCOMMIT = 3
     assert fork_child_charge(4, 2048) == (2, 128) and fork_child_charge(1, 512) == (1, 128)
+
+
+async def test_fork_of_a_sandbox_whose_vm_is_gone_is_409_and_the_sandbox_lost(api, create, fork_mock, assert_error):
+    """The node has no VM for a sandbox its row says runs (the chaos bench with 20 clients: a
+    500 "VMNotFound"): a 409 saying the sandbox is lost, its row error with the fork's event."""
+    parent = await create()
+    fork_mock.client.fork_sandbox.side_effect = fork_mock.client.NodeTaskFailed(
+        "unknown sandbox 'x'", kind="VMNotFound")
+    body = assert_error(await _fork(api, parent["sandboxID"], count=1), 409, "lost")
+    assert body["error_code"] == "sandbox_lost"
+    row = await Sandbox.objects.aget(pk=parent["sandboxID"])
+    assert row.state == "error" and "no VM" in row.error_reason
+    assert await SandboxEvent.objects.filter(sandbox_id=row.pk, operation="fork", outcome="error",
+                                             to_state="error").aexists()
