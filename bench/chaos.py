@@ -19,6 +19,7 @@ import platform
 import signal
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -85,6 +86,9 @@ def main() -> int:
     parser.add_argument("--busy", type=float, default=20, help="seconds of client work before each fault")
     parser.add_argument("--hold", type=float, default=10, help="seconds each fault lasts before its repair")
     parser.add_argument("--after", type=float, default=20, help="seconds of client work after each repair")
+    parser.add_argument("--minutes", type=float, default=0,
+                        help="begin no fault that would end later than this many minutes after the start, "
+                             "going by the longest so far (0: no limit); the VM lock's 15 min slots: ~11")
     parser.add_argument("--tag", default="", help="a word for the result files' names")
     args = parser.parse_args()
     faults = [f for f in args.faults.split(",") if f]
@@ -108,15 +112,18 @@ def main() -> int:
         print(f"{row['fault']}: {outcome_cell(row)}", flush=True)
         (out_dir / f"{name}.partial.json").write_text(json.dumps(partial, indent=2, default=str))
 
+    stop_at = time.monotonic() + 60 * args.minutes if args.minutes else None
     with chaos_world(args.clients) as world:
-        result = run(world, args.clients, faults, busy=args.busy, hold=args.hold, after=args.after, on_row=on_row)
+        result = run(world, args.clients, faults, busy=args.busy, hold=args.hold, after=args.after, on_row=on_row,
+                     stop_at=stop_at)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     result.update({"benchmark": "chaos", "when": stamp, "commit": commit, "clients": args.clients,
                    "busy_s": args.busy, "hold_s": args.hold, "after_s": args.after,
                    "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release()}})
+    skipped = f"not run (--minutes): {', '.join(result['skipped'])}\n\n" if result["skipped"] else ""
     text = (f"# Chaos {stamp} (commit {commit}, {args.clients} clients, {os.cpu_count()} CPUs)\n\n"
-            f"{table(result)}\n\n{details(result)}\n\ncycles {result['cycles']}, sandboxes acknowledged "
+            f"{table(result)}\n\n{details(result)}\n\n{skipped}cycles {result['cycles']}, sandboxes acknowledged "
             f"{result['acknowledged']}; requests per operation: {json.dumps(result['requests'])}\n")
     print(text)
     (out_dir / f"{name}.partial.json").unlink(missing_ok=True)

@@ -20,8 +20,11 @@ from harness.stack import PY, Stack, started
 # Every fault the bench knows, in the order it injects them.
 FAULTS = ("api", "dataplane", "node", "sweeper", "redis", "postgres", "disk", "shm")
 # What the chaos stack sets beyond its private services: a node that looks for abandoned
-# operations and dead VMs often, so a check after a fault need not wait minutes.
-CHAOS_ENV = {"AENV_RECONCILE_INTERVAL": "5", "AENV_RECONCILE_STALE": "90", "AENV_VM_WATCH_INTERVAL": "2",
+# operations and dead VMs often, so a check after a fault need not wait minutes. An operation
+# is abandoned only after the node's own deadline for it (AENV_NODE_TASK_DEADLINE) and a
+# minute more, as the defaults keep it: at 90 s the node's reconcile ended creates that 20
+# clients' load made take longer and that were still booting.
+CHAOS_ENV = {"AENV_RECONCILE_INTERVAL": "5", "AENV_RECONCILE_STALE": "240", "AENV_VM_WATCH_INTERVAL": "2",
              "AENV_SHM_HEADROOM_MB": "128", "AENV_NODE_HEARTBEAT_INTERVAL": "2",
              "AENV_NODE_HEARTBEAT_TIMEOUT": "20", "AENV_LIFECYCLE_DEADLINE": "120",
              "AENV_NODE_TASK_DEADLINE": "180", "AENV_NET_WARM_SLOTS": "4"}
