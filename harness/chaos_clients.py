@@ -108,10 +108,10 @@ class Client(threading.Thread):
     ``hold`` is set (the bench quiesces the clients for its checks)."""
 
     def __init__(self, n: int, api_url: str, sandbox_url: str, api_key: str, ledger: Ledger,
-                 stop: threading.Event, hold: threading.Event, idle: threading.Semaphore):
+                 stop: threading.Event, hold: threading.Event, idle: threading.Semaphore, rounds: list[int]):
         super().__init__(daemon=True, name=f"chaos-client-{n}")
         self.n, self.api_url, self.sandbox_url, self.ledger = n, api_url, sandbox_url, ledger
-        self.stop, self.hold, self.idle = stop, hold, idle
+        self.stop, self.hold, self.idle, self.rounds = stop, hold, idle, rounds
         self.http = httpx.Client(base_url=api_url, headers={"X-API-Key": api_key}, timeout=LIFECYCLE_TIMEOUT)
         self.cycles = 0
 
@@ -157,8 +157,11 @@ class Client(threading.Thread):
     def run(self) -> None:
         while not self.stop.is_set():
             if self.hold.is_set():
+                held = self.rounds[0]
                 self.idle.release()
-                while self.hold.is_set() and not self.stop.is_set():
+                # a new quiesce right after a release (the run's last) may set ``hold`` again
+                # before this thread saw it clear: the round's number tells it to report again
+                while self.hold.is_set() and self.rounds[0] == held and not self.stop.is_set():
                     time.sleep(0.2)
                 continue
             try:
@@ -214,9 +217,10 @@ class Clients:
 
     def __init__(self, count: int, stack, ledger: Ledger):
         self.stop, self.hold, self.idle = threading.Event(), threading.Event(), threading.Semaphore(0)
+        self.rounds = [0]  # quiesces so far: each client reports idle once per round
         self.ledger = ledger
         self.clients = [Client(n, stack.api_url, stack.sandbox_url, stack.api_key, ledger, self.stop, self.hold,
-                               self.idle) for n in range(count)]
+                               self.idle, self.rounds) for n in range(count)]
 
     def start(self) -> "Clients":
         for c in self.clients:
@@ -224,6 +228,7 @@ class Clients:
         return self
 
     def quiesce(self, deadline: float = 900) -> bool:
+        self.rounds[0] += 1
         self.hold.set()
         end = time.monotonic() + deadline
         for _ in self.clients:
