@@ -10,7 +10,7 @@ from envd_client import EnvdClient, EnvdError
 
 from harness.chaos_checks import db_rows, orphan_findings, running_ids, sandbox_findings, settle
 from harness.chaos_clients import FINDINGS, Clients, Ledger
-from harness.chaos_stack import WARM_SLOTS, ChaosWorld, wait_healthy
+from harness.chaos_stack import ORPHAN_WAIT, WARM_SLOTS, ChaosWorld, wait_healthy
 
 
 def _commands_answer(stack, ids: list[str]) -> list[str]:
@@ -32,8 +32,10 @@ def _commands_answer(stack, ids: list[str]) -> list[str]:
     return out
 
 
-def check(world: ChaosWorld, ledger: Ledger, orphan_deadline: float = 90) -> dict:
-    """The invariants now (the clients must be holding)."""
+def check(world: ChaosWorld, ledger: Ledger, orphan_deadline: float = ORPHAN_WAIT) -> dict:
+    """The invariants now (the clients must be holding). Orphans may take up to
+    ``orphan_deadline`` to go: a create whose API was killed mid-boot leaves a VM the node's
+    reconcile removes once the create counts as abandoned (AENV_RECONCILE_STALE)."""
     stack = world.stack
     rows = settle(stack, list(ledger.acked))
     sandboxes = sandbox_findings(stack, dict(ledger.acked), rows)

@@ -21,14 +21,16 @@ from harness.stack import PY, Stack, started
 FAULTS = ("api", "dataplane", "node", "sweeper", "redis", "postgres", "disk", "shm")
 # What the chaos stack sets beyond its private services: a node that looks for abandoned
 # operations and dead VMs often, so a check after a fault need not wait minutes. An operation
-# is abandoned only after the node's own deadline for it (AENV_NODE_TASK_DEADLINE) and a
-# minute more, as the defaults keep it: at 90 s the node's reconcile ended creates that 20
-# clients' load made take longer and that were still booting.
-CHAOS_ENV = {"AENV_RECONCILE_INTERVAL": "5", "AENV_RECONCILE_STALE": "240", "AENV_VM_WATCH_INTERVAL": "2",
+# is abandoned a minute after the API's deadline for it (AENV_LIFECYCLE_DEADLINE), as the
+# defaults keep it: at 90 s the node's reconcile ended creates that 20 clients' load made take
+# longer while their API requests still waited. The checks wait that long for orphans (a
+# create whose API was killed is the node's to end: ORPHAN_WAIT).
+CHAOS_ENV = {"AENV_RECONCILE_INTERVAL": "5", "AENV_RECONCILE_STALE": "180", "AENV_VM_WATCH_INTERVAL": "2",
              "AENV_SHM_HEADROOM_MB": "128", "AENV_NODE_HEARTBEAT_INTERVAL": "2",
              "AENV_NODE_HEARTBEAT_TIMEOUT": "20", "AENV_LIFECYCLE_DEADLINE": "120",
              "AENV_NODE_TASK_DEADLINE": "180", "AENV_NET_WARM_SLOTS": "4"}
 WARM_SLOTS = 4
+ORPHAN_WAIT = int(CHAOS_ENV["AENV_RECONCILE_STALE"]) + 6 * int(CHAOS_ENV["AENV_RECONCILE_INTERVAL"])
 # The chaos stack's network instance, never a test session's or another bench's (docs/benchmarks.md).
 NET_PREFIX, NET_POOL = "aenvq", "10.28.0.0/20"
 
