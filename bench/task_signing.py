@@ -29,29 +29,8 @@ sys.path.insert(0, str(ROOT))
 from celery import Celery  # noqa: E402
 from kombu.serialization import dumps, loads  # noqa: E402
 
+from harness.legacy_keys import rsa_pair  # noqa: E402
 from nodes import signing  # noqa: E402
-
-
-def rsa_pair(directory: Path) -> tuple[Path, Path]:
-    """An RSA-3072 key and self-signed certificate, as ``write_keys`` made them before."""
-    import datetime  # noqa: PLC0415
-
-    from cryptography import x509  # noqa: PLC0415
-    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
-    from cryptography.hazmat.primitives.asymmetric import rsa  # noqa: PLC0415
-    from cryptography.x509.oid import NameOID  # noqa: PLC0415
-
-    directory.mkdir(parents=True, exist_ok=True)
-    key = rsa.generate_private_key(public_exponent=65537, key_size=3072)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "aenv control plane")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=3650)).sign(key, hashes.SHA256()))
-    (directory / signing.KEY_FILE).write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    (directory / signing.CERT_FILE).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return directory / signing.KEY_FILE, directory / signing.CERT_FILE
 
 
 def body() -> list:

@@ -24,6 +24,7 @@ import redis
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
+from harness.legacy_keys import rsa_pair
 from harness.stack import free_port
 from nodes import sealed, signing
 # The real node tasks on a worker thread with a stub VM driver (the last test here).
@@ -407,28 +408,6 @@ def test_resolve_uses_the_default_files_only_when_they_exist_and_refuses_a_missi
         signing.resolve(str(key), "", tmp_path / "none")
     app = Celery("resolve-test")
     assert signing.configure(app, key=None, cert=None) == "off" and list(app.conf.accept_content) == ["json"]
-
-
-def rsa_pair(directory: Path) -> tuple[Path, Path]:
-    """An RSA-3072 key and self-signed certificate as ``write_keys`` made them before Ed25519."""
-    import datetime  # noqa: PLC0415
-
-    from cryptography import x509  # noqa: PLC0415
-    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
-    from cryptography.hazmat.primitives.asymmetric import rsa  # noqa: PLC0415
-    from cryptography.x509.oid import NameOID  # noqa: PLC0415
-
-    directory.mkdir(parents=True, exist_ok=True)
-    key = rsa.generate_private_key(public_exponent=65537, key_size=3072)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "aenv control plane")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=30)).sign(key, hashes.SHA256()))
-    (directory / signing.KEY_FILE).write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    (directory / signing.CERT_FILE).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return directory / signing.KEY_FILE, directory / signing.CERT_FILE
 
 
 def pair_signer(key: Path | None, cert: Path) -> signing.Signer:
