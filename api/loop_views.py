@@ -13,6 +13,7 @@ from inspect import iscoroutinefunction
 
 from adrf.views import APIView as AsyncAPIView
 from asgiref.sync import sync_to_async
+from django.core.handlers.asgi import ASGIRequest
 from rest_framework.permissions import AllowAny, IsAuthenticated
 from rest_framework.renderers import JSONRenderer
 
@@ -59,18 +60,22 @@ class APIView(AsyncAPIView):
         except Exception as exc:  # DRF's own error handling, as adrf does
             response = self.handle_exception(exc)
         self.response = self.finalize_response(request, response, *args, **kwargs)
-        return rendered_in_loop(self.response)
+        return rendered_in_loop(self.response, request._request)
 
 
 PURE_RENDERERS = (JSONRenderer,)
 
 
-def rendered_in_loop(response):
+def rendered_in_loop(response, django_request):
     """A DRF response whose renderer does no I/O (JSON) rendered here, in the event loop: left
     to Django, a response with a sync ``render`` is rendered through ``sync_to_async``, a
     thread hop per request. Django then finds ``render`` a coroutine function and awaits it
     (it hands the rendered response back). The API defines no template-response middleware,
-    which Django would run before rendering."""
+    which Django would run before rendering. Only for a request that came through ASGI:
+    Django's WSGI handler (the test client, a WSGI server) calls ``render`` without awaiting
+    it, so there the response is left as it is."""
+    if not isinstance(django_request, ASGIRequest):
+        return response
     if type(getattr(response, "accepted_renderer", None)) in PURE_RENDERERS and not response.is_rendered:
         response.render()
 
