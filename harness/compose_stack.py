@@ -23,7 +23,6 @@ import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.docker_daemon import DockerUnavailable, ensure_dockerd
+from harness.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -166,12 +166,6 @@ def build_images(stack: "ComposeStack") -> dict:
                     if old.startswith(f"{repo}:{KEY_TAG}") and old != _keyed(image, key):
                         _run(["docker", "rmi", old], timeout=120, check=False)
     return {"build_s": time.monotonic() - t0, "built": True, "key": key}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

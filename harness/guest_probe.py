@@ -1,10 +1,23 @@
 """Python the egress tests run inside a guest: plain sockets that report what a connection got
 (the bytes, ``closed`` or ``failed: …``, never an exception) and a runner of named checks in
 parallel. A test's script is ``LIB`` followed by its own checks, ending with
-``print(json.dumps(run_checks(checks, names)))``: one JSON object, check -> what the guest got."""
+``print(json.dumps(run_checks(checks, names)))``: one JSON object, check -> what the guest got.
+
+A connection waits at most ``CONNECT`` seconds to be accepted: a permitted one is accepted within
+milliseconds (by the server, or by the node's egress proxy that a guest's traffic is redirected
+to), a denied one is dropped and never is, and the checks of a round run at once, so a round with
+checks that must fail costs ``CONNECT`` once, not their exchange's longer timeout (the
+handshakes and answers that follow keep it)."""
 
 LIB = r'''
 import json, socket, ssl, sys, threading
+
+CONNECT = 3  # seconds: a SYN and its retransmission
+
+def connect(ip, port, timeout):
+    s = socket.create_connection((ip, port), timeout=min(timeout, CONNECT))
+    s.settimeout(timeout)
+    return s
 
 def read(sock):
     out = b""
@@ -22,7 +35,7 @@ def https(ip, sni, host=None, port=443, timeout=15, cafile=None, headers=""):
     # TLS naming ``sni`` to ip:port (the certificate checked against ``cafile`` if given, else
     # not), then a GET with Host ``host`` and ``headers`` (lines, each ending in CRLF)
     try:
-        raw = socket.create_connection((ip, port), timeout=timeout)
+        raw = connect(ip, port, timeout)
         if cafile:
             ctx = ssl.create_default_context(cafile=cafile)
         else:
@@ -36,7 +49,7 @@ def https(ip, sni, host=None, port=443, timeout=15, cafile=None, headers=""):
 
 def http(ip, host, timeout=15, headers=""):
     try:
-        s = socket.create_connection((ip, 80), timeout=timeout)
+        s = connect(ip, 80, timeout)
         s.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n".encode())
         return read(s)
     except Exception as exc:
@@ -44,8 +57,7 @@ def http(ip, host, timeout=15, headers=""):
 
 def tcp(ip, port, send=b"", timeout=8):
     try:
-        s = socket.create_connection((ip, port), timeout=timeout)
-        s.settimeout(timeout)
+        s = connect(ip, port, timeout)
         if send:
             s.sendall(send)
         return read(s) or "closed"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import boto3
 
+from harness.ports import free_port as _free_port
+
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 REGION = "us-east-1"
 # The same credentials as boto3's keyword arguments (chunkfs.sources.s3_client takes them).
@@ -24,12 +26,6 @@ def default_credentials() -> None:
     without keys (the S3 store's, the chunkfs daemon's) find them there."""
     for name, value in CREDENTIALS.items():
         os.environ.setdefault(name, value)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client(url: str):

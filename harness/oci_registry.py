@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from harness.ports import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = REPO / "var" / "oci-registry" / "default"
@@ -68,12 +69,6 @@ def available() -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} not installed (scripts/setup.sh installs docker-registry and apache2-utils)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(port: int, timeout: float = 1.0) -> bool:

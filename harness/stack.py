@@ -24,17 +24,12 @@ from cluster.processes import qemu_pids
 from volumes.image import unmount_under
 
 from harness.networld import EXT_A, EXT_B
+from harness.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 # The stacks' operators' token (AENV_ADMIN_TOKEN): what GET /nodes needs to show every figure.
 ADMIN_TOKEN = "test-operators-" + uuid.uuid4().hex
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shared_images_dir() -> Path:
@@ -211,6 +206,19 @@ class Stack:
         self._spawn("node", [PY, "manage.py", "run_node"])
         if wait:
             self._wait_node(fresh=True)
+
+    def restart_lifecycle(self, deadline: float = 60) -> None:
+        """The lifecycle sweeper stopped and started again with the stack's settings as they
+        are now (``extra_env``: a test's retention or period, then the stack's own again), until
+        the new one says it runs. Seconds, where a stack of its own takes ~20 to start and stop."""
+        self.stop("lifecycle")
+        self._spawn("lifecycle", [PY, "manage.py", "run_lifecycle"])
+        end = time.monotonic() + deadline
+        while "lifecycle sweeper running" not in self.new_log("lifecycle"):
+            self._check_alive("lifecycle")
+            if time.monotonic() > end:
+                raise RuntimeError(f"the lifecycle sweeper did not start:\n{self.log('lifecycle')}")
+            time.sleep(0.2)
 
     def kill_node(self) -> None:
         """SIGKILLs the node worker's process group, as a crash would (its VMs run on)."""

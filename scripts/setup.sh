@@ -27,16 +27,61 @@ TEST_APT_PACKAGES=(docker-registry apache2-utils bash-static shellcheck docker.i
 # its own): not on a node-only install, which runs no data plane.
 DATAPLANE_APT_PACKAGES=(haproxy)
 
+# QEMU 9.0 or newer (its dirty tracking under TCG is sound, so a snapshot's pre-copy capture
+# stops even a 2 GiB guest for ~10 ms: docs/benchmarks.md "QEMU 10.0"). Debian 12 ships 7.2:
+# there QEMU and the few packages its backport needs newer come from bookworm-backports (10.0,
+# what Debian 13 ships), pinned so nothing else leaves bookworm. Elsewhere the distribution's.
+QEMU_MIN_VERSION="1:9.0"
+QEMU_BACKPORTS_SOURCE=/etc/apt/sources.list.d/aenv-bookworm-backports.sources
+QEMU_BACKPORTS_PIN=/etc/apt/preferences.d/aenv-qemu
+QEMU_BACKPORTS_PACKAGES=(qemu-system-x86 qemu-system-common qemu-system-data qemu-system-gui
+                         qemu-system-modules-opengl qemu-system-modules-spice qemu-utils qemu-block-extra seabios
+                         libpipewire-0.3-0 libpipewire-0.3-common libspa-0.2-modules)
+
+setup_qemu_backports() {  # bookworm only: writes the backports source and the pin (0: changed, 1: as it was)
+  local codename want_source want_pin changed=1
+  # shellcheck source=/dev/null
+  codename="$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")"
+  [ "$codename" = bookworm ] || return 1
+  want_source="$(printf '%s\n' "Types: deb" "URIs: http://deb.debian.org/debian" "Suites: bookworm-backports" \
+                 "Components: main" "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg")"
+  want_pin="$(printf '%s\n' "Package: ${QEMU_BACKPORTS_PACKAGES[*]}" "Pin: release n=bookworm-backports" \
+              "Pin-Priority: 990")"
+  if [ "$(cat "$QEMU_BACKPORTS_SOURCE" 2>/dev/null)" != "$want_source" ]; then
+    echo "==> adding bookworm-backports for QEMU ($QEMU_BACKPORTS_SOURCE)"
+    printf '%s\n' "$want_source" | $SUDO tee "$QEMU_BACKPORTS_SOURCE" >/dev/null
+    changed=0
+  fi
+  if [ "$(cat "$QEMU_BACKPORTS_PIN" 2>/dev/null)" != "$want_pin" ]; then
+    printf '%s\n' "$want_pin" | $SUDO tee "$QEMU_BACKPORTS_PIN" >/dev/null
+    changed=0
+  fi
+  return $changed
+}
+
+qemu_too_old() {  # an installed qemu-system-x86 older than QEMU_MIN_VERSION (none installed: no)
+  local version
+  version="$(dpkg-query -W -f='${Version}' qemu-system-x86 2>/dev/null)" || return 1
+  [ -n "$version" ] && dpkg --compare-versions "$version" lt "$QEMU_MIN_VERSION"
+}
+
 setup_system_packages() {  # --node: only what a node runs; --all: also the tests' registry, shells and shellcheck
-  local packages=("${NODE_APT_PACKAGES[@]}") missing=() p
+  local packages=("${NODE_APT_PACKAGES[@]}") missing=() p updated=""
   [ "${1:-}" = "--node" ] || packages+=("${DATAPLANE_APT_PACKAGES[@]}" "${TEST_APT_PACKAGES[@]}")
   python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv python3-dev)
+  if setup_qemu_backports; then $SUDO apt-get update -qq; updated=1; fi
+  if [ -f "$QEMU_BACKPORTS_PIN" ] && qemu_too_old; then
+    echo "==> upgrading QEMU to bookworm-backports' ($(dpkg-query -W -f='${Version}' qemu-system-x86) is older than 9.0)"
+    [ -n "$updated" ] || $SUDO apt-get update -qq
+    updated=1
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq qemu-system-x86 qemu-utils >/dev/null
+  fi
   for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if [ ${#missing[@]} -gt 0 ]; then
     echo "==> installing system packages: ${missing[*]}"
-    $SUDO apt-get update -qq
+    [ -n "$updated" ] || $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
     # Only the tests run registries (on 127.0.0.1, their own config): not the package's service on *:5000.
     if [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run). Installs what the tests need (scripts/setup.sh
 # plus PostgreSQL and a second E2B SDK generation), then runs:
-#   1. the tests without VMs on SQLite (unit, envd on the host with the E2B SDK, the code
-#      interpreter's server with its SDKs, the CLI, deploy files), in parallel workers;
-#   2. the tests with real QEMU VMs on SQLite: drivers, the end-to-end server + node worker
+#   1. the tests with real QEMU VMs on SQLite: drivers, the end-to-end server + node worker
 #      + VMs driven by the E2B SDKs, networks, the cluster, the browser;
-#   3. the unit tests that use the database again, on PostgreSQL;
+#   2. beside them, niced: the tests without VMs on SQLite (unit, envd on the host with the E2B
+#      SDK, the code interpreter's server with its SDKs, the CLI, deploy files), in parallel
+#      workers, and then the unit tests that use the database again, on PostgreSQL;
 # before them, the docs site (mkdocs build --strict: a broken link fails the run). The compose
-# tier's Docker images are built in the background meanwhile (start_compose_images below).
+# tier's Docker images and the code interpreter template's steps are built in the background
+# meanwhile (start_compose_images, start_template_prebuild below).
 # Extra arguments go to both SQLite runs (e.g. a file or `-k name`) and narrow them: a narrowed
 # run may select no tests of a pass (pytest's exit status 5). Without arguments every pass must
 # run tests, and every tier of tests/tiers.py (VMs, network, PostgreSQL, browser, TS SDK, ...) must
@@ -21,6 +22,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 install_test_dependencies() {
   "$ROOT/scripts/setup.sh"
   start_compose_images  # Docker's engine and the venv are there now
+  start_template_prebuild  # the base image and the code interpreter's venv are there now
   "$ROOT/scripts/setup_ts_sdk.sh"  # the TypeScript E2B SDK for tests/ts/ (tests/integration/test_ts_sdk.py)
   "$ROOT/scripts/setup_ts_code_interpreter.sh"  # npm @e2b/code-interpreter (tests/code_interpreter/test_js_sdk.py)
 
@@ -53,7 +55,7 @@ install_test_dependencies() {
 # from setup.sh's end until the VM pass, beside the other installs, the docs and the pass without
 # VMs (an un-narrowed run only). They are keyed by a hash of their inputs: a machine that built
 # them for this tree builds nothing; a cold build (debootstrap, apt, pip, npm in containers) is
-# about five minutes that were the VM pass's. Niced: it mostly waits on downloads. The compose
+# about five minutes that were the VM pass's. The VM pass waits for it (not niced). The compose
 # test takes the same lock, so a build still running then is waited for, never repeated.
 COMPOSE_PREBUILD=0
 COMPOSE_IMAGES_PID=""
@@ -61,7 +63,7 @@ start_compose_images() {
   [ "$COMPOSE_PREBUILD" = 1 ] && command -v docker >/dev/null || return 0
   mkdir -p "$AENV_HOME/docker"
   echo "==> the compose tier's images, in the background (log: $AENV_HOME/docker/compose-images.log)"
-  nice -n 10 "$ROOT/.venv/bin/python" -m harness.compose_stack build >"$AENV_HOME/docker/compose-images.log" 2>&1 &
+  "$ROOT/.venv/bin/python" -m harness.compose_stack build >"$AENV_HOME/docker/compose-images.log" 2>&1 &
   COMPOSE_IMAGES_PID=$!
 }
 wait_compose_images() {
@@ -73,6 +75,27 @@ wait_compose_images() {
       "$AENV_HOME/docker/compose-images.log" >&2
   fi
   COMPOSE_IMAGES_PID=""
+}
+
+# The system templates' steps (code-interpreter-v1: the venv's COPY, ~49 s of the VM pass under
+# TCG, and the server's) built into the node layer cache by a throwaway stack
+# (harness/template_prebuild.py) in the background of the rest of the installs and the docs (an
+# un-narrowed run only, on a machine that runs VMs); the VM pass's build of the recipe then only
+# finalizes. Not niced: the VM pass waits for it (it never shares the cores with the VM tests),
+# while the pass without VMs beside it is. If it failed, that build does every step, as before.
+TEMPLATE_PREBUILD=0
+TEMPLATE_PREBUILD_PID=""
+start_template_prebuild() {
+  [ "$TEMPLATE_PREBUILD" = 1 ] && [ "$(id -u)" = 0 ] && command -v qemu-system-x86_64 >/dev/null || return 0
+  echo "==> the system templates' steps into the layer cache, in the background (log: $AENV_HOME/template-prebuild.log)"
+  "$ROOT/.venv/bin/python" -m harness.template_prebuild >"$AENV_HOME/template-prebuild.log" 2>&1 &
+  TEMPLATE_PREBUILD_PID=$!
+}
+wait_template_prebuild() {
+  [ -n "$TEMPLATE_PREBUILD_PID" ] || return 0
+  wait "$TEMPLATE_PREBUILD_PID" || true  # the log's last line says why; the VM pass builds every step then
+  echo "==> $(tail -n 1 "$AENV_HOME/template-prebuild.log")"
+  TEMPLATE_PREBUILD_PID=""
 }
 
 status=0
@@ -91,11 +114,22 @@ run_pass() {  # name, narrowed (1: the caller's arguments narrowed this pass), c
   return 0
 }
 
+logged() {  # log, command...: the command's output shown and kept in log; its own exit status
+  local log=$1
+  shift
+  PYTHONUNBUFFERED=1 "$@" 2>&1 | tee "$log"  # unbuffered: into a pipe Python would hold it back
+  return "${PIPESTATUS[0]}"
+}
+
+failed_tests() {  # logs...: pytest's short summary lines of what failed (-rfE), for the run's last lines
+  grep -hE '^(FAILED|ERROR) ' "$@" 2>/dev/null | head -n 60
+}
+
 main() {
   cd "$ROOT"
   export AENV_HOME="${AENV_HOME:-$ROOT/var}"
   export AENV_IMAGES_DIR="${AENV_IMAGES_DIR:-$AENV_HOME/images}"
-  [ $# -gt 0 ] || COMPOSE_PREBUILD=1
+  [ $# -gt 0 ] || { COMPOSE_PREBUILD=1; TEMPLATE_PREBUILD=1; }
   install_test_dependencies
 
   # Long repeats of what the default run covers (200 pause cycles, a 400 MiB image, twelve cold
@@ -112,22 +146,49 @@ main() {
     run_pass "docs site" 0 env NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir var/site
   fi
 
-  # Tests without VMs wait more than they compute (servers, subprocesses, timeouts): three
-  # pytest-xdist workers; the VM tests share two emulated cores, so they run one at a time.
-  echo "==> tests without VMs on SQLite (unit, envd, code interpreter, CLI, deploy files), 3 workers"
-  run_pass "tests without VMs" "$narrowed" .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --dist loadgroup \
-    --durations=15 "${strict[@]}" -m "not vm and ($slow)" "$@"
+  # Tests without VMs wait more than they compute (servers, subprocesses, timeouts), and the VM
+  # pass leaves the cores idle between guests' bursts: the pass without VMs and then the
+  # PostgreSQL pass run beside the VM pass, niced, two pytest-xdist workers each, their output
+  # into a log shown when the VM pass ends (~15 min of CI less than one after another). The VM
+  # tests run one at a time: they share two emulated cores.
+  local beside_log="$AENV_HOME/test-logs/beside-the-vm-pass.log" beside_failed="$AENV_HOME/test-logs/beside-failed"
+  local vm_log="$AENV_HOME/test-logs/vm-pass.log"
+  mkdir -p "$AENV_HOME/test-logs"
+  rm -f "$beside_log" "$beside_failed" "$vm_log"
+  echo "==> tests without VMs on SQLite (unit, envd, code interpreter, CLI, deploy files), then the unit tests" \
+    "that use the database on PostgreSQL: beside the VM pass (log: $beside_log)"
+  (
+    run_pass "tests without VMs" "$narrowed" nice -n 10 .venv/bin/pytest -p no:cacheprovider -q -rfEs -n 2 \
+      --dist loadgroup --durations=15 "${strict[@]}" -m "not vm and ($slow)" "$@"
+    # Never narrowed: all of tests/unit's database tests, so it always runs tests and its tiers.
+    # Pools of 16 (not 48) per process: the VM pass's cluster shares the server's 100 connections.
+    run_pass "unit tests on PostgreSQL" 0 env DATABASE_URL="${AENV_TEST_PG_URL:-postgres://postgres@127.0.0.1:5432/aenv}" \
+      AENV_DB_POOL_SIZE=16 \
+      nice -n 10 .venv/bin/pytest -p no:cacheprovider -q -rfEs -n 2 --dist loadgroup --require-tiers \
+      --database-tests-only tests/unit
+    if [ ${#failed[@]} -gt 0 ]; then printf '%s\n' "${failed[@]}" >"$beside_failed"; fi
+    exit "$status"
+  ) >"$beside_log" 2>&1 &
+  local beside=$! beside_status=0
   wait_compose_images  # before the VMs: they share the two cores
+  wait_template_prebuild
   echo "==> tests with real VMs on SQLite (drivers, the stack end to end with the SDKs, networks, cluster, browser)"
-  run_pass "tests with VMs" "$narrowed" .venv/bin/pytest -p no:cacheprovider -q -rs --durations=40 "${strict[@]}" \
+  run_pass "tests with VMs" "$narrowed" logged "$vm_log" .venv/bin/pytest -p no:cacheprovider -q -rfEs --durations=40 \
+    "${strict[@]}" \
     -m "vm and ($slow)" "$@"
-  # Never narrowed: all of tests/unit's database tests, so it always runs tests and its tiers.
-  echo "==> unit tests that use the database, on PostgreSQL, 3 workers"
-  run_pass "unit tests on PostgreSQL" 0 env DATABASE_URL="${AENV_TEST_PG_URL:-postgres://postgres@127.0.0.1:5432/aenv}" \
-    .venv/bin/pytest -p no:cacheprovider -q -rs -n 3 --dist loadgroup --require-tiers --database-tests-only tests/unit
+  wait "$beside" || beside_status=$?
+  echo "==> the passes beside the VM pass ($beside_log):"
+  cat "$beside_log"
+  if [ "$beside_status" != 0 ]; then
+    status=$beside_status
+    if [ -s "$beside_failed" ]; then mapfile -t -O "${#failed[@]}" failed <"$beside_failed"
+    else failed+=("the passes beside the VM pass (exit status $beside_status)"); fi
+  fi
 
   if [ ${#failed[@]} -gt 0 ]; then
     printf '==> failed: %s\n' "${failed[@]}" >&2
+    # the failed tests by name last: a CI page that shows only the run's head and tail names them
+    failed_tests "$vm_log" "$beside_log" | sed 's/^/==>   /' >&2
   fi
   return "$status"
 }

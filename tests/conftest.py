@@ -41,15 +41,14 @@ def pytest_report_header(config):
 # the contract suite) share its slots, never a running node's nor another session's (two
 # sessions may run at once). Each test stack of the session is yet another instance inside the
 # session's /16 (harness/stack.py). Names stay within Linux's 15-character limit.
-# pytest-xdist workers inherit the controller's environment: each takes the number after the
-# controller's (plus its index), or two workers' stacks would make the same instance.
+# Each process (an xdist worker too) claims a number no other running process holds
+# (harness/net_sessions.py); AENV_TEST_NET_SESSION stays the controller's, the run's number
+# (harness/networld.py's outside world is one per run).
 if "AENV_NET_PREFIX" not in os.environ or os.environ.get("AENV_TEST_NET_SESSION"):
-    _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if _WORKER and os.environ.get("AENV_TEST_NET_SESSION"):
-        _SESSION = (int(os.environ["AENV_TEST_NET_SESSION"]) + 1 + int(_WORKER.lstrip("gw") or 0)) % 100
-    else:
-        _SESSION = os.getpid() % 100
-        os.environ["AENV_TEST_NET_SESSION"] = str(_SESSION)
+    from harness.net_sessions import claim as _claim_net_session  # noqa: E402
+
+    _SESSION = _claim_net_session()
+    os.environ.setdefault("AENV_TEST_NET_SESSION", str(_SESSION))
     os.environ["AENV_NET_PREFIX"] = f"at{_SESSION}"
     os.environ["AENV_NET_POOL"] = f"10.{100 + _SESSION}.0.0/20"
 

@@ -48,7 +48,7 @@ TIERS: dict[str, Tier] = {
                            "tests/unit/test_cluster_layout.py", "tests/unit/test_pool_routes.py",
                            "tests/unit/test_vmm_net_dns.py", "tests/unit/test_vmm_host_firewall.py",
                            "tests/unit/test_vmm_net_egress.py", "tests/unit/test_vmm_net_egress_upstream.py",
-                           "tests/unit/test_vmm_net_dns_servers.py",
+                           "tests/unit/test_vmm_net_dns_servers.py", "tests/unit/test_networld_probe.py",
                            "tests/integration/test_egress_domains.py",
                            "tests/integration/test_network_e2e.py", "tests/integration/test_network_faults.py",
                            "tests/integration/test_network_with_docker.py",
@@ -78,7 +78,8 @@ TIERS: dict[str, Tier] = {
                        paths=("tests/unit/test_toolsdrive.py", "tests/unit/test_vmm_ready_made.py",
                               "tests/unit/test_deploy.py", "tests/unit/test_builder_scripts.py",
                               "tests/unit/test_shell_scripts.py", "tests/unit/test_host_venv.py",
-                              "tests/unit/test_broker_acl.py", "tests/unit/test_task_signing.py",
+                              "tests/unit/test_broker_acl.py", "tests/unit/test_broker_transport.py",
+                              "tests/unit/test_task_signing.py",
                               "tests/unit/test_oci_kmods.py", "tests/unit/test_syscall_fence.py",
                               "tests/unit/test_fuzz_stateful.py")),
 }

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,14 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SANDBOX_ENV = {"SBX_VAR": "from-the-sandbox", "QUOTED": "it's \"quoted\""}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EnvdStub:

@@ -5,7 +5,6 @@ PyInstaller build instead of ``python -m envd``.
 """
 import os
 import pwd
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ import time
 import httpx
 import pytest
 
+from harness.ports import free_port as _free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EnvdServer:

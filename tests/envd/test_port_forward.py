@@ -19,6 +19,7 @@ from envd import ENVD_PORT
 from envd import port_forward as pf
 from envd.server import _port_forwarder, parse_args
 from tests.envd.conftest import EnvdServer
+from harness.ports import free_port as _free_port
 
 ALIAS = "127.0.0.2"  # the in-process forwarder's "eth0 address"
 ENVD_ALIAS = "127.0.0.3"  # the envd subprocess's
@@ -212,12 +213,6 @@ def test_cli_enables_forwarding_in_the_guest_only():
 
 
 # -- relaying (in process) ----------------------------------------------------------------------
-
-def _free_port():
-    # Free on 127.0.0.1 and on the aliases (nothing else binds those here).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _eventually(check, timeout=10.0, what="condition"):

@@ -63,26 +63,47 @@ def app_image(registry):
                                       base_layer=oci_images.debootstrap_layer(oci_images.debian_rootfs()))
 
 
-# ------------------------------------------------- the shared stack whose node worker tests stop
+# ------------------------------------------- the second shared stack: node kills and own settings
 
 NODE_KILL_STACK = "node_kill_stack"
 _node_kill = {}  # "exit": the ExitStack of the running stack, closed after its last user
+# Settings the session's stack must not have, each for one module of this stack's:
+METRICS_TOKEN = "metrics-e2e-" + "0" * 32  # test_metrics_e2e.py: /metrics of all three wants it
+WARM_SLOTS = 2  # test_network_faults.py counts the instance's slots: the warm pool is all that is left
+NODE_KILL_STACK_ENV = {
+    "AENV_SANDBOX_METRICS_INTERVAL": "1",  # test_metrics_e2e.py: samples within its test
+    "AENV_METRICS_TOKEN": METRICS_TOKEN,
+    "AENV_NET_WARM_SLOTS": str(WARM_SLOTS),
+    # test_egress_proxy_vm.py: its upstream proxies are on the test world's private addresses
+    "AENV_EGRESS_PROXY_ALLOW_PRIVATE": "1",
+}
 
 
 @pytest.fixture(scope="package")
 def node_kill_stack():
-    """A stack of default settings for the modules that stop or SIGKILL its node worker and
-    start it again (test_node_stop.py, then test_template_build_faults.py), which the
-    session's stack must not have done to it: one start (~17 s) and stop (~6 s) for both
-    instead of one each. They run one after the other (``pytest_collection_modifyitems``),
-    test_node_stop.py first (it counts the stack's pause events and reads its node log), and
-    the stack stops right after the last of them (``pytest_runtest_teardown``), not at the
-    package's end. A test must leave the node worker running and nothing of its own behind."""
+    """The second stack of the package, for the modules that stop or SIGKILL its node worker
+    and start it again (test_node_stop.py, test_network_faults.py, test_template_build_faults.py),
+    which the session's stack must not have done to it, and for those that need settings the
+    session's must not have (``NODE_KILL_STACK_ENV``: test_metrics_e2e.py, test_egress_proxy_vm.py;
+    test_ttl.py restarts only its sweeper with a short retention, ``restart_lifecycle``): one
+    start (~17 s) and stop (~6 s) for all of them instead of one each. Its node's Prometheus
+    endpoint is at ``.node_metrics_url``. They run one after the other
+    (``pytest_collection_modifyitems``), test_node_stop.py first (it counts the stack's pause
+    events and reads its node log), and the stack stops right after the last of them
+    (``pytest_runtest_teardown``), not at the package's end. A test must leave the node worker
+    running with the stack's settings, and nothing of its own behind: no sandbox, no file in
+    the node's hosts.d."""
     from contextlib import ExitStack  # noqa: PLC0415
 
+    from harness.stack import free_port  # noqa: PLC0415
+
+    port = free_port()
     with ExitStack() as exit_stack:
         _node_kill["exit"] = exit_stack
-        yield exit_stack.enter_context(running_stack("nodekill"))
+        s = exit_stack.enter_context(running_stack(
+            "nodekill", extra_env={**NODE_KILL_STACK_ENV, "AENV_NODE_METRICS_PORT": str(port)}))
+        s.node_metrics_url = f"http://127.0.0.1:{port}/metrics"
+        yield s
         _node_kill.pop("exit", None)
 
 

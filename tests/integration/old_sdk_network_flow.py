@@ -1,25 +1,29 @@
 """Runs under e2b==2.45.1 in its own venv (see scripts/test.sh): the network options of that
-SDK generation against the external test host given in argv; prints one JSON line."""
+SDK generation against the external test host given in argv; prints one JSON line. Its probe is
+harness/networld.py's (stdlib only at import), loaded from its file: the repository on the path
+would shadow the venv's packages (its packaging/ directory)."""
+import importlib.util
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
+from pathlib import Path
 
 from e2b import Sandbox
+
+_spec = importlib.util.spec_from_file_location(
+    "networld", Path(__file__).resolve().parents[2] / "harness" / "networld.py")
+networld = sys.modules["networld"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(networld)
+probe = networld.probe
 
 ext_a, ext_b = sys.argv[1], sys.argv[2]
 
 
-def reach(sbx, address):
-    cmd = f"timeout 6 bash -c 'exec 3<>/dev/tcp/{address}/80' && echo open || echo closed"
-    return sbx.commands.run(cmd, timeout=60).stdout.strip() == "open"
-
-
 def reach_both(sbx):
-    """[A, B] probed at once: a denied probe waits out its timeout, two at once wait one."""
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda address: reach(sbx, address), [ext_a, ext_b]))
+    """[A, B] probed at once: a denied probe waits out the probe's one deadline, both together."""
+    seen = probe(sbx, [(ext_a, 80), (ext_b, 80)])
+    return [seen[(ext_a, 80)], seen[(ext_b, 80)]]
 
 
 result = {"version": version("e2b")}

@@ -5,8 +5,9 @@ by address (a server-first protocol too) and, with domain rules, by name — its
 never shown back; the upstream going away fails the guest's connections (no direct
 fallback); PUT /network switches it to an HTTP upstream, to the SOCKS5 one over TLS (its
 certificate verified against the test's CA given in ``tls``; with the system store instead
-nothing gets through) and back to direct; pause / resume and a fork child keep it. Its own stack: upstreams on namespace addresses need
-AENV_EGRESS_PROXY_ALLOW_PRIVATE, and the node's proxy asks the stack's API for passwords."""
+nothing gets through) and back to direct; pause / resume and a fork child keep it. On the
+conftest's second stack: upstreams on namespace addresses need AENV_EGRESS_PROXY_ALLOW_PRIVATE,
+which the session's stack must not have."""
 import json
 import uuid
 
@@ -19,8 +20,6 @@ from harness.networld import EXT_A, EXT_B, ExternalHost
 from harness.upstream_proxies import HTTP_PROXY, SOCKS, SOCKS_TLS, TLS_NAME, UPSTREAM, Upstreams
 from vmm.net import slots
 from vmm.net.egress import EgressProxy
-
-from .conftest import running_stack
 
 pytestmark = [pytest.mark.vm,
               pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)"),
@@ -45,29 +44,28 @@ print(json.dumps(run_checks(checks, checks)))
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """Its own stack (the private-upstream setting), the named hosts and the two upstreams."""
+def world(node_kill_stack, tmp_path_factory):
+    """The conftest's second stack (its settings allow upstreams on private addresses; its node
+    asks its API for the upstream's password, AENV_API_PUBLIC_URL), the named hosts and the
+    two upstreams."""
+    stack = node_kill_stack
     ext = ExternalHost().start()
     for proc in ext.procs:  # its plain servers make way for the named ones
         proc.kill()
         proc.wait(timeout=10)
     ext.procs = []
     hosts = ups = None
+    hosts_file = stack.home / "net" / "hosts.d" / "egress-world"
     try:
         hosts = NamedHosts(ext.name, {EXT_A: "good.test", EXT_B: "evil.test"}, tmp_path_factory.mktemp("named")).start()
         ups = Upstreams(ext.name, tmp_path_factory.mktemp("upstreams"), f"alice:{SOCKS_PW}", f"bob:{HTTP_PW}").start()
-        with running_stack("egressup", extra_env={"AENV_EGRESS_PROXY_ALLOW_PRIVATE": "1"}) as stack:
-            # the node's proxy asks this stack's API for the upstream's password (its URL is
-            # known only once the stack runs): the node restarted with it
-            stack.extra_env.update(AENV_API_PUBLIC_URL=stack.api_url)
-            stack.kill_node()
-            stack.start_node()
-            hosts_dir = stack.home / "net" / "hosts.d"
-            hosts_dir.mkdir(parents=True, exist_ok=True)
-            (hosts_dir / "egress-world").write_text(hosts.hosts_file())
-            stack.upstreams = ups
-            yield stack
+        hosts_file.parent.mkdir(parents=True, exist_ok=True)
+        hosts_file.write_text(hosts.hosts_file())
+        stack.upstreams = ups
+        yield stack
     finally:
+        hosts_file.unlink(missing_ok=True)
+        stack.upstreams = None
         if ups is not None:
             ups.stop()
         if hosts is not None:

@@ -12,28 +12,24 @@ import pytest
 from e2b import Sandbox
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import running_stack
-from harness.stack import free_port
+from .conftest import METRICS_TOKEN
 
 pytestmark = pytest.mark.vm
 
 MIB = 2**20
-METRICS_TOKEN = "metrics-e2e-" + "0" * 32
 
 
 @pytest.fixture(scope="module")
-def metrics_stack():
-    port = free_port()
-    with running_stack("metrics", extra_env={"AENV_NODE_METRICS_PORT": str(port),
-                                             "AENV_SANDBOX_METRICS_INTERVAL": "1",
-                                             "AENV_METRICS_TOKEN": METRICS_TOKEN}) as s:
-        s.node_metrics_url = f"http://127.0.0.1:{port}/metrics"
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("E2B_API_URL", s.api_url)
-            mp.setenv("E2B_SANDBOX_URL", s.sandbox_url)
-            mp.setenv("E2B_API_KEY", s.api_key)
-            mp.delenv("E2B_DEBUG", raising=False)
-            yield s
+def metrics_stack(node_kill_stack):
+    """The conftest's second stack: its node's /metrics on a port of its own, samples every
+    second, AENV_METRICS_TOKEN (settings the session's stack must not have)."""
+    s = node_kill_stack
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("E2B_API_URL", s.api_url)
+        mp.setenv("E2B_SANDBOX_URL", s.sandbox_url)
+        mp.setenv("E2B_API_KEY", s.api_key)
+        mp.delenv("E2B_DEBUG", raising=False)
+        yield s
 
 
 def scrape(url: str) -> dict:

@@ -12,19 +12,17 @@ from e2b import Sandbox
 
 from vmm.net import host_table, slots
 
-from .conftest import running_stack
+from .conftest import WARM_SLOTS as WARM
 from harness.networld import EXT_A, ExternalHost, NodeService, probe
 
 pytestmark = [pytest.mark.vm,
               pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)")]
 
-WARM = 2
-
 
 @pytest.fixture(scope="module")
-def netstack():
-    with running_stack("netfault", extra_env={"AENV_NET_WARM_SLOTS": str(WARM)}) as s:
-        yield s
+def netstack(node_kill_stack):
+    """The conftest's second stack (its node is killed here; its warm pool is WARM slots)."""
+    return node_kill_stack
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """TTL, retention and autoResume end to end, with real VMs, the lifecycle sweeper
-process and the official SDK plus raw HTTP, on a stack of their own (tiny retention).
+process and the official SDK plus raw HTTP, on the conftest's second stack (its sweeper with a tiny
+retention).
 
 - no autoPause field: the sandbox is paused (QEMU process gone, files kept) within a
   few seconds of its end, then deleted with its files when the retention runs out;
@@ -16,18 +17,25 @@ from e2b import Sandbox
 
 from envd import ENVD_PORT
 
-from .conftest import running_stack
-
 pytestmark = pytest.mark.vm
 
 RETENTION = 20
 
 
 @pytest.fixture(scope="module")
-def ttl_stack():
-    with running_stack("ttl", extra_env={"AENV_PAUSED_RETENTION": str(RETENTION),
-                                         "AENV_LIFECYCLE_PERIOD": "0.5"}) as s:
+def ttl_stack(node_kill_stack):
+    """The conftest's second stack, its lifecycle sweeper restarted with a tiny retention and a
+    short period for this module (only the sweeper reads them), then with the stack's own."""
+    s = node_kill_stack
+    before = dict(s.extra_env)
+    s.extra_env.update(AENV_PAUSED_RETENTION=str(RETENTION), AENV_LIFECYCLE_PERIOD="0.5")
+    try:
+        s.restart_lifecycle()
         yield s
+    finally:
+        s.extra_env.clear()
+        s.extra_env.update(before)
+        s.restart_lifecycle()
 
 
 def _create(stack, body: dict) -> dict:

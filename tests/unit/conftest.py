@@ -8,6 +8,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
+from harness.polling import until
 from sandboxes.models import ApiKey, Team, Template
 
 
@@ -153,16 +154,48 @@ def create(api, nodes_mock):
     return _create
 
 
+def _pool_handed_out():
+    """(PostgreSQL's connection pool, how many of its connections threads other than this one
+    hold), or None without a pool (SQLite)."""
+    from django.db import connections  # noqa: PLC0415
+
+    main = connections["default"]
+    pool = type(main)._connection_pools.get("default") if hasattr(type(main), "_connection_pools") else None
+    if pool is None or pool.closed:
+        return None
+    stats = pool.get_stats()
+    return pool, stats["pool_size"] - stats["pool_available"] - (main.connection is not None)
+
+
 @pytest.fixture(autouse=True)
 def _close_async_db_connections():
     """Async ORM calls made outside a request run on asgiref's shared sync thread,
     whose DB connection would stay open and stop pytest-django from dropping the
-    PostgreSQL test database at the end."""
+    PostgreSQL test database at the end.
+
+    With PostgreSQL, also: a test must not leave more pooled connections held by other
+    threads than it found. A thread that ran ORM calls and never closed its connection (an
+    executor's, a server's) keeps it for its life, and its pool slot beyond that: the product's
+    calls off the request thread close theirs (channels' ``database_sync_to_async``), a test's
+    own threads must too. Such leftovers made the end of the run fail to drop the test
+    database ("being accessed by other users"), a warning far from its cause; this names the test."""
+    before = _pool_handed_out()
     yield
     from asgiref.sync import SyncToAsync  # noqa: PLC0415
     from django.db import connections  # noqa: PLC0415
 
     SyncToAsync.single_thread_executor.submit(connections.close_all).result(timeout=10)
+
+    def held_since() -> int:  # a pool made during the test (the first one, or after close_pool) starts at 0
+        now = _pool_handed_out()
+        return 0 if now is None else now[1] - (before[1] if before and now[0] is before[0] else 0)
+
+    try:  # a request's thread gives its connection back as the request ends: a moment
+        until(lambda: held_since() <= 0, "the pooled connections given back", deadline=5, interval=0.05)
+    except AssertionError:
+        pytest.fail(f"{held_since()} pooled database connection(s) opened during the test "
+                    "are still held by a thread other than the test's: close them on the thread that opened "
+                    "them (connections.close_all() there, or channels' database_sync_to_async)", pytrace=False)
 
 
 @pytest.fixture

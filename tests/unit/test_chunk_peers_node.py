@@ -149,7 +149,9 @@ def lazy_home():
 def test_lazy_restores_tell_their_daemon_its_peers_and_report_the_figures(lazy_home):
     lazy = LazyRestores(lazy_home, limit_mb=16, files_in_use=lambda: [],
                         daemon_env={"AENV_S3_BUCKET": "b", "AENV_S3_ENDPOINT": "http://127.0.0.1:9",
-                                    "AENV_S3_REGION": "us-east-1"})
+                                    "AENV_S3_REGION": "us-east-1",  # credentials of its own: not the
+                                    "AWS_ACCESS_KEY_ID": "test",  # ones another test left (or not)
+                                    "AWS_SECRET_ACCESS_KEY": "test"})
     assert lazy.running_client() is None
     assert lazy.set_peers("", "", [], start=False) == ""  # no daemon: nothing started to turn off
     assert lazy.running_client() is None

@@ -19,6 +19,7 @@ from chunkfs.errors import ChunkCorrupt, ChunkUnavailable
 from chunkfs.sources import (ChunkSource, DirChunkSource, FallbackSource, S3ChunkSource, s3_client,
                              signed_getter, source_from_spec)
 from harness.moto_s3 import REGION, moto_server, default_credentials, CLIENT_KEYS
+from harness.ports import free_port as _free_port
 
 BUCKET = "aenv-chunks"
 CHUNK = 64 << 10
@@ -41,12 +42,6 @@ def _source(endpoint: str, bucket: str, prefix: str = "", lean: bool = False, **
     client = s3_client(endpoint, REGION, **bounds, **CLIENT_KEYS)
     getter = signed_getter(endpoint, bucket, REGION, **bounds, **CLIENT_KEYS) if lean else None
     return S3ChunkSource(client, bucket, prefix, getter=getter)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("lean", [False, True], ids=["boto3", "signed-getter"])

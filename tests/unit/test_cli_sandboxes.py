@@ -8,6 +8,7 @@ import json
 from datetime import timedelta
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from aenv_cli.main import main
@@ -204,7 +205,7 @@ async def test_metrics_table_and_json(cli, team, base_template):
     from tests.unit.test_api_sandbox_metrics import _samples  # noqa: PLC0415
 
     sid = await _start(cli)
-    await asyncio.to_thread(_samples, await Sandbox.objects.aget(pk=sid), 3)
+    await sync_to_async(_samples)(await Sandbox.objects.aget(pk=sid), 3)  # the thread conftest closes after
     code, out, err = await cli("metrics", sid)
     assert code == 0, err
     assert [m["cpuUsedPct"] for m in json.loads(out)] == [10.0, 11.0, 12.0]

@@ -2,7 +2,6 @@
 `config.dataplane_asgi:application`, its hot path beside it) in its own process on the test database — in front of a real envd on the host, driven by the
 official e2b SDK (debug mode: no control plane; E2B_SANDBOX_URL = the data plane)."""
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,11 @@ from envd import ENVD_PORT
 from harness.processes import stop
 from sandboxes.models import Sandbox, Team, Template
 from tests.envd.conftest import ROOT, EnvdServer, sandbox_user  # noqa: F401 (fixture)
+from harness.ports import free_port as _free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 SANDBOX_ID = "debug_sandbox_id"  # what the SDK sends in debug mode
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _test_database_url() -> str:

@@ -155,14 +155,18 @@ def test_a_failed_read_empties_the_maps():
     steer.admin.batches.clear()
     state["now"] = RuntimeError("database down")
 
+    wanted = ["clear map /maps/ports.map", "clear map /maps/tokens.map"]
+
     async def one_round():
         task = asyncio.ensure_future(steer.run())
-        await asyncio.sleep(0.05)
+        deadline = asyncio.get_running_loop().time() + 30  # a round, however slow the host
+        while wanted not in steer.admin.batches and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(one_round())
-    assert ["clear map /maps/ports.map", "clear map /maps/tokens.map"] in steer.admin.batches
+    assert wanted in steer.admin.batches
     assert not steer.published("sb1", "10.12.0.3", 1)
 
 

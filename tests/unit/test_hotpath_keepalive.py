@@ -26,6 +26,7 @@ import threading
 import pytest
 
 from harness.polling import until
+from harness.ports import free_port
 from sandboxes.models import Sandbox
 from tests.unit.test_dataplane_hotpath import SID, TOKEN, Conn, admin, guest, hot, map_has, sandbox  # noqa: F401
 
@@ -110,9 +111,7 @@ class Generation:
 def _port_free_for_generations() -> int:
     """A port free on 127.0.0.1 … 127.0.0.ROUNDS."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         try:
             for n in range(2, ROUNDS + 1):
                 with socket.socket() as s:

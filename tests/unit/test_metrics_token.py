@@ -14,17 +14,13 @@ import pytest
 from django.test import override_settings
 from prometheus_client import REGISTRY
 
+from harness.ports import free_port as _free_port
+
 TOKEN = "t0ken-" + "x" * 40
 GOOD = {"Authorization": f"Bearer {TOKEN}"}
 WRONG = [{}, {"Authorization": "Bearer " + "y" * 46}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"},
          {"Authorization": f"Bearer {TOKEN[:-1]}"}]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening_addresses(port: int) -> set[str]:

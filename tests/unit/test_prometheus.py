@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from sandboxes.models import Sandbox, SandboxEvent
+from harness.ports import free_port as _free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -139,7 +140,13 @@ async def test_dataplane_counts_by_route_and_status():
     assert moved(route="envd", method="GET", status="none") == 1
 
 
-def test_the_deployed_dataplane_is_instrumented():
+def test_the_deployed_dataplane_is_instrumented(monkeypatch):
+    from django.conf import settings  # noqa: PLC0415
+
+    # Importing the entry point makes SQLite connections persistent (the data plane's own
+    # process wants that): give the rest of this test process the API's setting back.
+    for key in ("CONN_MAX_AGE", "CONN_HEALTH_CHECKS"):
+        monkeypatch.setitem(settings.DATABASES["default"], key, settings.DATABASES["default"].get(key))
     from config import dataplane_asgi as dataplane  # noqa: PLC0415
     from config.prometheus import InstrumentedDataPlane  # noqa: PLC0415
     from dataplane.proxy import EnvdProxy  # noqa: PLC0415
@@ -149,11 +156,6 @@ def test_the_deployed_dataplane_is_instrumented():
 
 
 # --- a node ------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import socket
 import uuid
 
 import pytest
+from django.db import connections
 from e2b import Template, wait_for_port
 from e2b.exceptions import BuildException, FileUploadException, RateLimitException, TemplateException
 
@@ -141,8 +142,14 @@ async def test_the_node_builder_reports_a_base_failure_through_the_sdk(server, n
     settings.AENV_NODE_ID = nodes_mock.node.id
     settings.AENV_PRIVATE_REGISTRIES = ["127.0.0.1"]
 
+    def as_the_worker(**kwargs):
+        try:
+            build_template(**kwargs)
+        finally:
+            connections.close_all()  # as Celery's Django fixup does after each task
+
     async def node_runs_the_task(node, **kwargs):
-        await asyncio.to_thread(build_template, **kwargs)
+        await asyncio.to_thread(as_the_worker, **kwargs)
         return "task-id"
 
     with socket.socket() as s:

@@ -240,12 +240,59 @@ def test_test_sh_requires_the_tiers_only_when_not_narrowed(tmp_path):
     def commands(*args: str) -> list[str]:
         script = ('source "$1"; shift; install_test_dependencies() { :; }; run_pass() { shift 2; echo "$*"; }; '
                   'main "$@"')
-        done = subprocess.run(["bash", "-c", script, "_", str(copy), *args], capture_output=True, text=True, timeout=30)
+        # an AENV_HOME of its own: main writes its logs there (the real one's may be in use by a
+        # scripts/test.sh whose pass runs this test)
+        done = subprocess.run(["bash", "-c", script, "_", str(copy), *args], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "AENV_HOME": str(tmp_path / "var")})
         assert done.returncode == 0, done.stderr
-        return [line for line in done.stdout.splitlines() if "pytest" in line]
+        return [line for line in done.stdout.splitlines() if "pytest" in line and not line.startswith("==>")]
 
     full = commands()
     assert len(full) == 3 and all("--require-tiers" in c for c in full), full
     narrowed = commands("tests/unit/test_states.py")
     assert len(narrowed) == 3 and ["--require-tiers" in c for c in narrowed] == [False, False, True], narrowed
     assert all(c.endswith("tests/unit/test_states.py") for c in narrowed[:2])
+
+
+def _main_with_a_fake_pytest(tmp_path: Path, failing: str) -> subprocess.CompletedProcess:
+    """test.sh's main with its installs left out and a `.venv/bin/pytest` that writes its
+    arguments to the output and fails when they contain `failing`."""
+    copy = copied_test_sh(tmp_path)
+    fake = tmp_path / ".venv" / "bin" / "pytest"
+    fake.parent.mkdir(parents=True)
+    fake.write_text('#!/bin/bash\necho "pytest $*"\n'
+                    f'case "$*" in *"{failing}"*) echo "the {failing} run failed"\n'
+                    f'  echo "FAILED tests/fake.py::test_in_{failing.split()[-1].strip("-")} - boom"; exit 1;; esac\n')
+    fake.chmod(0o755)
+    fake_mkdocs = fake.parent / "mkdocs"
+    fake_mkdocs.write_text("#!/bin/sh\nexit 0\n")
+    fake_mkdocs.chmod(0o755)
+    script = 'source "$1"; install_test_dependencies() { :; }; main'
+    return subprocess.run(["bash", "-c", script, "_", str(copy)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "AENV_HOME": str(tmp_path / "var")})
+
+
+@pytest.mark.parametrize("failing", ["not vm", "--database-tests-only", "-m vm and"])
+def test_a_failure_beside_the_vm_pass_fails_the_run_and_is_shown(tmp_path, failing):
+    """The passes without VMs run in the background beside the VM pass: their failure must still
+    fail the run, be named, and their output be shown (after the VM pass's)."""
+    names = {"not vm": "tests without VMs", "--database-tests-only": "unit tests on PostgreSQL",
+             "-m vm and": "tests with VMs"}
+    done = _main_with_a_fake_pytest(tmp_path, failing)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert f"==> failed: {names[failing]} (exit status 1)" in done.stderr
+    assert f"the {failing} run failed" in done.stdout
+    # the failed test by name among the run's last lines (a CI page may show only the tail)
+    tail = done.stderr.splitlines()[-2:]
+    assert f"==>   FAILED tests/fake.py::test_in_{failing.split()[-1].strip('-')} - boom" in tail, tail
+    lines = [line for line in done.stdout.splitlines() if line.startswith("pytest ")]
+    assert len(lines) == 3 and "-m vm and" in lines[0], lines  # the VM pass's output first, then the log
+    assert "--database-tests-only" in lines[2]
+
+
+def test_every_pass_passing_passes_the_run(tmp_path):
+    done = _main_with_a_fake_pytest(tmp_path, "nothing fails")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "==> failed" not in done.stderr
+    log = tmp_path / "var" / "test-logs" / "beside-the-vm-pass.log"  # under the run's AENV_HOME
+    assert "--database-tests-only" in log.read_text()
