@@ -86,7 +86,7 @@ def _start_vm(driver, spec):
     the image, shape and driver fingerprint (``vmm.templates``) → ``driver.restore(...,
     template=True)`` (~0.3 s); none, or its restore failed (e.g. a damaged template) → a
     cold boot (seconds). ``timings["from_template_snapshot"]`` says which (1 / 0)."""
-    from vmm.driver import UnsupportedNetworkPolicy, VMError
+    from vmm.driver import HostDiskFull, UnsupportedNetworkPolicy, VMError
 
     template = get_templates().find(driver, spec)
     if template is not None:
@@ -94,8 +94,8 @@ def _start_vm(driver, spec):
             info = driver.restore(template, spec, template=True)
             info.timings["from_template_snapshot"] = 1
             return info
-        except UnsupportedNetworkPolicy:
-            raise  # a cold boot could not enforce it either
+        except (UnsupportedNetworkPolicy, HostDiskFull):
+            raise  # a cold boot could not enforce it / find room either
         except (VMError, OSError) as exc:  # the driver removed what it started; a cold boot still works
             log.warning("sandbox %s: template restore failed, cold booting: %s", spec.sandbox_id, exc)
     info = driver.boot(spec)

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vmm.errors import (BootTimeout, HostMemoryFull,  # noqa: F401 - re-exported: callers import them here
-                        SnapshotUnusable, UnsupportedNetworkPolicy, VMError, VMNotFound)
+from vmm.errors import (BootTimeout, HostDiskFull, HostMemoryFull,  # noqa: F401 - re-exported: callers import them here
+                        SnapshotUnusable, StateLoadTimeout, UnsupportedNetworkPolicy, VMError, VMNotFound)
 from vmm.images import ImageNotFound  # re-exported: part of the driver contract
 from vmm.net.spec import NetworkSpec
 
 __all__ = ["BootSpec", "SealedLayer", "VMInfo", "VMStatus", "VMInspection", "Leftover", "SnapshotManifest", "VMDriver", "VMError",
-           "VMNotFound", "ImageNotFound", "BootTimeout", "SnapshotUnusable", "UnsupportedNetworkPolicy",
-           "HostMemoryFull",
+           "VMNotFound", "ImageNotFound", "BootTimeout", "SnapshotUnusable", "StateLoadTimeout",
+           "UnsupportedNetworkPolicy", "HostMemoryFull", "HostDiskFull",
            "NetworkSpec", "get_driver", "register_driver", "driver_names", "valid_sandbox_id"]
 
 

@@ -24,6 +24,13 @@ class BootTimeout(VMError):
         self.console_tail = console_tail
 
 
+class StateLoadTimeout(VMError):
+    """A saved state (a pause's or a snapshot's device state) did not finish loading before
+    its deadline: a host too loaded to schedule the incoming QEMU. The guest never ran, so
+    the saved state is intact and the new process was stopped: later, or on another node,
+    the same start may work (503, like a full node)."""
+
+
 class SnapshotUnusable(VMError):
     """A snapshot cannot be restored on this host: it was taken by another driver or under
     another accelerator, or something it needs (its files, the image build it was taken
@@ -39,3 +46,9 @@ class HostMemoryFull(VMError):
     """The host cannot hold another guest's RAM without eating its own headroom (QEMU: the
     tmpfs guest RAM files live in has less free than the guest's memory plus the headroom):
     refused before anything starts, because a guest whose tmpfs fills up dies."""
+
+
+class HostDiskFull(VMError):
+    """The node's disk (its AENV_HOME) has no room for what the operation must write (e.g. a
+    pause's device state): nothing changed, the VM runs on as it was; another node, or later,
+    may do it (503, like HostMemoryFull)."""

@@ -84,7 +84,7 @@ def system_inputs() -> dict:
     """Everything that changes kernel/initramfs/qcow2 on top of a given debootstrap."""
     init = (GUEST_DIR / "initramfs_init.sh").read_text()
     return {"modules": INITRAMFS_MODULES, "size_mb": ROOTFS_SIZE_MB, "bytes_per_inode": ROOTFS_BYTES_PER_INODE,
-            "initramfs_init": init, "v": 1}
+            "initramfs_init": init, "initrd_addr_max": INITRD_ADDR_MAX, "v": 1}
 
 
 def debootstrap(out: Path, progress) -> None:
@@ -165,11 +165,43 @@ def write_cpio(tree: Path, out: Path) -> None:
         entry(f, 0, "TRAILER!!!", 0, b"")
 
 
+# Linux x86 boot protocol: the setup header's magic "HdrS" at 0x202, its version at 0x206 and,
+# from 2.03 on, initrd_addr_max (the highest byte a boot loader may put the initrd at) at 0x22c.
+BOOT_HEADER_MAGIC = (0x202, b"HdrS")
+BOOT_PROTOCOL_OFFSET = 0x206
+INITRD_ADDR_MAX_OFFSET = 0x22C
+# Why: QEMU 10 (microvm) reserves the last 4 KiB below 2 GiB for its ACPI tables yet, when the
+# kernel's initrd_addr_max is exactly the last byte of RAM (0x7fffffff, Debian's kernels, a
+# 2048 MiB guest), loads the initrd right up to it: the tables overwrite the initramfs's tail
+# and the guest boots without its disks (docs/benchmarks.md, "QEMU 10.0"). 64 KiB lower, no
+# RAM size in whole MiB ends there, and QEMU keeps its usual 64 KiB gap below the top.
+INITRD_ADDR_MAX = 0x7FFEFFFF
+
+
+def cap_initrd_addr_max(kernel: Path, cap: int = INITRD_ADDR_MAX) -> bool:
+    """Lowers a bzImage's initrd_addr_max to ``cap`` in place (True if it changed). Only the
+    boot loader (QEMU) reads the field; the kernel itself does not. Not a bzImage, or a boot
+    protocol before 2.03: unchanged."""
+    with open(kernel, "r+b") as f:
+        header = f.read(INITRD_ADDR_MAX_OFFSET + 4)
+        at, magic = BOOT_HEADER_MAGIC
+        if len(header) < INITRD_ADDR_MAX_OFFSET + 4 or header[at:at + 4] != magic:
+            return False
+        if int.from_bytes(header[BOOT_PROTOCOL_OFFSET:BOOT_PROTOCOL_OFFSET + 2], "little") < 0x203:
+            return False
+        if int.from_bytes(header[INITRD_ADDR_MAX_OFFSET:INITRD_ADDR_MAX_OFFSET + 4], "little") <= cap:
+            return False
+        f.seek(INITRD_ADDR_MAX_OFFSET)
+        f.write(cap.to_bytes(4, "little"))
+    return True
+
+
 def build_system(rootfs: Path, out: Path, work: Path, progress) -> str:
     """Writes out/{vmlinuz,initrd.cpio,rootfs.qcow2}; returns the guest kernel release."""
     release = kernel_release(rootfs)
     progress(f"guest kernel {release}; building mini initramfs")
     shutil.copy2(rootfs / "boot" / f"vmlinuz-{release}", out / "vmlinuz")
+    cap_initrd_addr_max(out / "vmlinuz")
     build_initramfs(rootfs, out / "initrd.cpio", work)
     raw = work / "rootfs.ext4"
     progress(f"mkfs.ext4 -d rootfs into {ROOTFS_SIZE_MB} MiB sparse file")

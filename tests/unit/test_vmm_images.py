@@ -76,3 +76,38 @@ def test_cpio_writer(tmp_path):
 def test_unknown_template(tmp_path):
     with pytest.raises(ImageNotFound):
         images.ensure_image(tmp_path, "nope")
+
+
+def _bzimage(tmp_path, protocol=0x20F, addr_max=0x7FFFFFFF, magic=b"HdrS"):
+    data = bytearray(0x400)
+    data[0x202:0x206] = magic
+    data[0x206:0x208] = protocol.to_bytes(2, "little")
+    data[0x22C:0x230] = addr_max.to_bytes(4, "little")
+    data[0x300:0x304] = b"body"
+    path = tmp_path / "vmlinuz"
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_initrd_addr_max_lowered_below_qemu_10_acpi_page(tmp_path):
+    """QEMU 10 microvm put a 2048 MiB guest's initrd over its ACPI page when the kernel allowed
+    it up to 0x7fffffff: the image's kernel says 64 KiB lower, and only that field changes."""
+    from vmm.rootfs import INITRD_ADDR_MAX, cap_initrd_addr_max
+    kernel = _bzimage(tmp_path)
+    before = kernel.read_bytes()
+    assert cap_initrd_addr_max(kernel)
+    after = kernel.read_bytes()
+    assert int.from_bytes(after[0x22C:0x230], "little") == INITRD_ADDR_MAX == 0x7FFEFFFF
+    assert (INITRD_ADDR_MAX + 1) % (1 << 20) != 0  # no guest RAM size in whole MiB ends there
+    assert after[:0x22C] == before[:0x22C] and after[0x230:] == before[0x230:]
+    assert not cap_initrd_addr_max(kernel)  # already low enough: untouched
+    assert "initrd_addr_max" in images.rootfs_stage.system_inputs()
+
+
+@pytest.mark.parametrize("kw", [dict(magic=b"MZ\0\0"), dict(protocol=0x202), dict(addr_max=0x37FFFFFF)])
+def test_initrd_addr_max_left_alone(tmp_path, kw):
+    from vmm.rootfs import cap_initrd_addr_max
+    kernel = _bzimage(tmp_path, **kw)
+    before = kernel.read_bytes()
+    assert not cap_initrd_addr_max(kernel)
+    assert kernel.read_bytes() == before

@@ -72,7 +72,10 @@ class FakeDriver(snapshots.SnapshotMixin):
     shm_dir = Path("/dev/shm")
 
     def __init__(self, version="QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)"):
-        self._qemu_versions = {"qemu-system-x86_64": version}
+        self.version = version
+
+    def _qemu_version(self, state=None, *, required=False):
+        return self.version
 
 
 def vm(accel="tcg", share=True):
@@ -80,7 +83,8 @@ def vm(accel="tcg", share=True):
 
 
 @pytest.mark.parametrize("mode,uffd_ok,accel,want", [
-    ("auto", True, "tcg", "background"),
+    ("auto", True, "tcg", "background"),  # QEMU 7.2 under TCG: pre-copy unsafe
+    ("auto", True, "kvm", "pre-copy"),  # where pre-copy is safe it comes first: a shorter stop
     ("auto", False, "tcg", "stop-copy"),  # pre-copy is not safe under TCG before QEMU 9.0
     ("auto", False, "kvm", "pre-copy"),
     ("pre-copy", True, "kvm", "pre-copy"),
@@ -107,11 +111,16 @@ def test_a_copy_on_write_vm_is_captured_stopped(monkeypatch):
     assert d._capture_how(vm("tcg", share=True)) == "background"
 
 
-def test_precopy_under_tcg_from_qemu_9(monkeypatch):
-    monkeypatch.setattr(uffd, "tmpfs_write_protect", lambda shm_dir: False)
-    d = FakeDriver("QEMU emulator version 9.2.0")
-    d.capture_mode = "auto"
-    assert d._capture_how(vm("tcg")) == "pre-copy"
+@pytest.mark.parametrize("uffd_ok", [False, True])
+def test_precopy_under_tcg_from_qemu_9(monkeypatch, uffd_ok):
+    """From QEMU 9.0 "auto" takes pre-copy under TCG too, even where background-snapshot
+    works: QEMU 10.0 stopped a 2 GiB guest 9-13 ms that way against 81-130 ms."""
+    monkeypatch.setattr(uffd, "tmpfs_write_protect", lambda shm_dir: uffd_ok)
+    for version in ("QEMU emulator version 9.2.0", "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)"):
+        d = FakeDriver(version)
+        d.capture_mode = "auto"
+        assert d._capture_how(vm("tcg")) == "pre-copy"
+        assert d._capture_how(vm("tcg"), for_fork=True) == "stop-copy"
 
 
 @pytest.mark.parametrize("accel,version,safe", [

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from vmm.driver import SnapshotManifest, SnapshotUnusable
+from vmm.driver import SnapshotManifest, SnapshotUnusable, VMError
 from vmm.qemu import driver as qemu_driver
+from vmm.qemu import process, snapshots
 from vmm.qemu.driver import QemuDriver
 from vmm.qemu.process import qemu_release, release_mismatch
 from vmm.qemu.state import VMState
@@ -35,12 +36,11 @@ def test_release_mismatch():
 
 def bare_driver(monkeypatch, tmp_path, version):
     """A QemuDriver without its constructor (no network, no QEMU on PATH needed)."""
-    monkeypatch.setattr(qemu_driver, "qemu_version", lambda qemu: version)
+    monkeypatch.setattr(snapshots, "qemu_version", lambda qemu: version)
     d = object.__new__(QemuDriver)
     d.qemu = "qemu-system-x86_64"
     d.net = SimpleNamespace(name="slirp")
     d.images_dir = tmp_path
-    d._qemu_versions = {"qemu-system-x86_64": version}
     return d
 
 
@@ -104,3 +104,30 @@ def test_a_pause_image_of_this_release_resumes(monkeypatch, tmp_path):
     d._resume_incoming(state)
     assert spawned == [Path(tmp_path / "sandboxes" / "sb1" / "device.state")]
     assert state.device_state == "" and state.device_state_qemu == ""
+
+
+def test_the_version_is_asked_once_per_binary_and_again_when_it_changes(tmp_path):
+    """Fingerprints and capture choices ask it on every snapshot: one --version run per
+    binary, and a fresh one after a package upgrade replaced the file under a running node."""
+    calls = tmp_path / "calls"
+    qemu = tmp_path / "qemu-system-x86_64"
+    qemu.write_text(f'#!/bin/sh\necho run >> {calls}\necho "QEMU emulator version 7.2.22 (Debian)"\n')
+    qemu.chmod(0o755)
+    assert process.qemu_version(str(qemu)) == "QEMU emulator version 7.2.22 (Debian)"
+    assert process.qemu_version(str(qemu)) == "QEMU emulator version 7.2.22 (Debian)"
+    assert calls.read_text().count("run") == 1
+    upgraded = tmp_path / "new"
+    upgraded.write_text(f'#!/bin/sh\necho run >> {calls}\necho "QEMU emulator version 10.0.2 (Debian)"\n')
+    upgraded.chmod(0o755)
+    upgraded.replace(qemu)  # as dpkg does: a new file (inode) under the same name
+    assert process.qemu_version(str(qemu)) == "QEMU emulator version 10.0.2 (Debian)"
+    assert calls.read_text().count("run") == 2
+
+
+def test_a_fingerprint_needs_the_version_and_says_why_it_has_none(monkeypatch, tmp_path):
+    d = bare_driver(monkeypatch, tmp_path, Q10)
+    d.qemu = str(tmp_path / "no-such-qemu")
+    monkeypatch.setattr(snapshots, "qemu_version", process.qemu_version)
+    with pytest.raises(VMError, match="cannot run .*no-such-qemu --version"):
+        d._qemu_version(required=True)
+    assert d._qemu_version() == ""  # a capture choice only falls back to the safe way

@@ -12,7 +12,7 @@ import pytest
 
 from tests.vmm.test_lifecycle_vm import assert_gone, current, exists, real_driver, sh
 from tests.vmm.test_qemu_vm import IMAGES_DIR, endpoint, live_qemu_processes
-from vmm.driver import BootSpec, VMError, get_driver
+from vmm.driver import BootSpec, BootTimeout, VMError, get_driver
 from vmm.qemu import envd_healthy
 
 pytestmark = pytest.mark.vm
@@ -143,3 +143,35 @@ def test_resume_without_memory_reboots_on_the_disk(driver):
     driver.kill(info.sandbox_id)
     assert not state_dir.exists()
     assert not list(Path(driver.shm_dir).glob(f"aenv-{info.sandbox_id}*"))
+
+
+def test_a_resume_that_fails_after_the_guest_ran_gives_up_the_memory_not_the_disk(driver, monkeypatch):
+    """Once a resumed guest runs on its RAM file (still in tmpfs: the pause's copy to disk had not
+    happened), the saved device state no longer matches that memory. A resume that fails after
+    that (here envd never answers) must not leave the pair to be loaded again (a corrupt guest):
+    the memory is given up, the disk kept, and the next resume cold-boots on it."""
+    info = driver.boot(BootSpec("fs-ran", cpu_count=1, memory_mb=256))
+    sh(endpoint(info), "echo kept > /home/user/synced.txt && sync")
+    monkeypatch.setattr(driver, "_spill_later", lambda sandbox_id: None)  # its RAM stays in tmpfs
+    driver.pause_to_disk(info.sandbox_id)
+    state_dir = driver.sandboxes_dir / info.sandbox_id
+    assert (state_dir / "device.state").exists() and driver.inspect(info.sandbox_id).memory is True
+
+    def envd_silent(state, timeout):
+        raise BootTimeout(f"sandbox {state.sandbox_id}: no /health (test)")
+
+    monkeypatch.setattr(driver, "_wait_health", envd_silent)
+    with pytest.raises(VMError, match="its memory is lost"):
+        driver.resume(info.sandbox_id)
+    monkeypatch.undo()
+    saved = driver.info(info.sandbox_id)
+    assert saved.status == "saved" and saved.pid == 0
+    assert driver.inspect(info.sandbox_id).memory is False
+    assert not (state_dir / "device.state").exists()
+    assert live_qemu_processes(str(state_dir)) == []
+    assert not list(Path(driver.shm_dir).glob(f"aenv-{info.sandbox_id}*"))
+    resumed = driver.resume(info.sandbox_id)
+    assert resumed.status == "running" and resumed.timings.get("cold_boot") == 1
+    assert sh(resumed, "cat /home/user/synced.txt").strip() == "kept"
+    driver.kill(info.sandbox_id)
+    assert not state_dir.exists()

@@ -145,6 +145,22 @@ def test_boot_exec_kill(driver, monkeypatch):
     assert driver.kill("vmtest-1") is False
 
 
+def test_a_2048_mib_guest_boots_with_its_disks_and_cpus(driver, monkeypatch):
+    """QEMU 10's microvm loaded a 2048 MiB guest's initrd over its ACPI page (the guest came up
+    without /proc or its disks): the image's kernel caps where the initrd may go
+    (vmm.rootfs.cap_initrd_addr_max). A cold boot (no template of this shape)."""
+    info = start_vm(driver, BootSpec("vm2g", cpu_count=2, memory_mb=2048))
+    try:
+        code, out = run_in_guest(info, monkeypatch, "nproc; awk '/MemTotal/ {print $2}' /proc/meminfo; "
+                                                    "findfs LABEL=aenv-root", user="root")
+        cpus, mem_kib, root = out.split()
+        assert code == 0 and cpus == "2" and root.startswith("/dev/vd")
+        assert 1900 * 1024 < int(mem_kib) <= 2048 * 1024
+    finally:
+        driver.kill("vm2g")
+    assert_gone(driver, info)
+
+
 def test_three_concurrent_boots(driver):
     ids = [f"vmconc-{i}" for i in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:

@@ -123,3 +123,30 @@ def test_broken_template_snapshot_falls_back_to_cold_boot(driver, template, tmp_
     assert run(c.envd_url, "echo ok").strip() == "ok"
     assert driver.kill("tp-c")
     assert_gone(driver, c)
+
+
+def test_shared_template_ram_maps_the_template_copy_on_write(driver, template, monkeypatch):
+    """AENV_TEMPLATE_RAM=shared: a create from the template maps the template's RAM file
+    copy-on-write instead of copying it (no RAM file of its own on /dev/shm); what it writes
+    stays its own, a second sandbox from the same template does not see it, and its pause to
+    disk carries its whole RAM (the copy-on-write path) and resumes with its memory. The
+    template's file is left as it was."""
+    monkeypatch.setattr(driver, "template_ram", "shared")
+    before = Path(template.memory_file).stat()
+    d = start(driver, BootSpec("tp-d"))
+    e = start(driver, BootSpec("tp-e"))
+    assert d.timings["from_template_snapshot"] == 1 == e.timings["from_template_snapshot"]
+    assert not Path(f"/dev/shm/aenv-{d.sandbox_id}.ram").exists()
+    init(d.envd_url, "tok-d")
+    init(e.envd_url, "tok-e")
+    run(d.envd_url, "echo only-d > /dev/shm/d.txt", token="tok-d")  # in the guest's RAM only
+    assert run(e.envd_url, "cat /dev/shm/d.txt 2>/dev/null || echo none", token="tok-e").strip() == "none"
+    driver.pause_to_disk("tp-d")
+    assert (d.state_dir / "device.state").stat().st_size > 64 << 20  # its RAM went with it
+    resumed = driver.resume("tp-d")
+    assert run(resumed.envd_url, "cat /dev/shm/d.txt", token="tok-d").strip() == "only-d"
+    for vm in (d, e):
+        assert driver.kill(vm.sandbox_id)
+        assert_gone(driver, vm)
+    after = Path(template.memory_file).stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)

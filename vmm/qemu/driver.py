@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vmm import hostinfo
-from vmm.driver import (BootSpec, BootTimeout, HostMemoryFull, SnapshotManifest, SnapshotUnusable, VMDriver,
+from vmm.driver import (BootSpec, BootTimeout, HostDiskFull, HostMemoryFull, SnapshotManifest, SnapshotUnusable, VMDriver,
                         VMError, VMInfo, VMNotFound)
 from vmm.hostinfo import kvm_openable
 from vmm.images import find_image
@@ -31,9 +31,9 @@ from vmm.qemu.accel import detect_accel
 from vmm.qemu.cmdline import QEMU, VMPaths, qemu_command
 from vmm.qemu.host import HostMixin
 from vmm.qemu.iolimits import DiskLimits
-from vmm.qemu.lifecycle import LifecycleMixin
+from vmm.qemu.lifecycle import LifecycleMixin, disk_full
 from vmm.qemu.process import (DEFAULT_BOOT_TIMEOUT, BootAttemptFailed, attempts_error, cmdline_digest,
-                              console_tail, envd_healthy, qemu_version, release_mismatch, run,
+                              console_tail, envd_healthy, release_mismatch, run,
                               virtual_size_mb)
 from vmm.qemu.qmp import QMP, QMPError, prepare_migration
 from vmm.qemu.ram_moves import RamMovesMixin
@@ -61,6 +61,7 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
                  net_egress_options: dict | None = None):
         if shutil.which(qemu) is None:
             raise VMError(f"{qemu} not found on PATH (apt-get install qemu-system-x86)")
+        self.check_template_ram()  # a node with a bad setting does not start (creates would cold-boot)
         self.home = Path(home).absolute()  # QEMU -daemonize chdirs to /: every path must be absolute
         self.images_dir = Path(images_dir).resolve()  # recorded paths must not go through a symlink that may vanish
         self.sandboxes_dir = self.home / "sandboxes"
@@ -136,17 +137,11 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
                     self._accel = detect_accel(self.images_dir, image.kernel, image.initrd)
             return self._accel
 
-    def _version_here(self) -> str:
-        try:
-            return qemu_version(self.qemu)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise VMError(f"cannot run {self.qemu} --version: {e}") from None
-
     def fingerprint(self) -> dict:
         """A memory snapshot restores only into the identical machine: same accelerator, same
         QEMU (device state format) and the same command line (see vmm.qemu.cmdline)."""
-        return {"driver": self.name, "accel": self.accel, "qemu": self._version_here(), "cmdline": cmdline_digest(),
-                "net": self.net.name}
+        return {"driver": self.name, "accel": self.accel, "qemu": self._qemu_version(required=True),
+                "cmdline": cmdline_digest(), "net": self.net.name}
 
     def check_snapshot(self, manifest: SnapshotManifest) -> None:
         """The snapshot is QEMU's, and this host has what it needs from outside its own dir:
@@ -157,7 +152,7 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
         if taken_by != self.name:
             raise SnapshotUnusable(f"snapshot was taken by the {taken_by} driver; this host runs {self.name}")
         taken_with = (manifest.fingerprint or {}).get("qemu", "")
-        why = release_mismatch(taken_with, self._version_here()) if taken_with else ""
+        why = release_mismatch(taken_with, self._qemu_version(required=True)) if taken_with else ""
         if why:  # QEMU would only say "load of migration failed" after starting (issue 26's QEMU 10 move)
             raise SnapshotUnusable(f"snapshot cannot be restored on this node: {why}; take it again on a node "
                                    "with this QEMU (booted templates are rebuilt by themselves: their key holds "
@@ -440,16 +435,27 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
         if state.net_mode != "netns" or state.net_slot:
             return
         network = self.net.attach(state.sandbox_id, Path(state.state_dir), NetworkSpec.from_json(state.network))
+        before = state.host_address, state.host_port
         state.net_slot, state.host_address, state.host_port = network.slot, network.host_address, ENVD_PORT
-        state.save()
+        try:
+            state.save()
+        except BaseException:  # not recorded (a full disk): given back, or no record would ever name it
+            state.net_slot, (state.host_address, state.host_port) = 0, before
+            self.net.detach(network, Path(state.state_dir))
+            raise
 
     def _give_back_slot(self, state: VMState) -> None:
         """A netns VM whose process is gone (paused to disk, a failed resume) returns its slot."""
         if state.net_mode != "netns" or not state.net_slot:
             return
         attachment = self._attachment(state)
+        slot, address = state.net_slot, state.host_address
         state.net_slot, state.host_address = 0, ""
-        state.save()
+        try:
+            state.save()
+        except OSError:  # not recorded as given back (a full disk): it stays the VM's
+            state.net_slot, state.host_address = slot, address
+            raise
         self.net.detach(attachment, Path(state.state_dir))
 
     def start_network(self) -> dict:
@@ -491,10 +497,20 @@ class QemuDriver(LifecycleMixin, RamMovesMixin, SnapshotMixin, HostMixin, VMDriv
         with self._lock(sandbox_id):
             state = self._load(sandbox_id)
             attachment = self._attachment(state)
+            recorded = state.network
             if attachment.slot:  # has a network now: applied before it is recorded
                 self.net.apply_egress(attachment, network)
             state.network = network.to_json()
-            state.save()
+            try:
+                state.save()
+            except OSError as exc:  # not recorded: the recorded policy stays the one in force
+                if attachment.slot:
+                    self.net.apply_egress(attachment, NetworkSpec.from_json(recorded))
+                full = disk_full(exc, Path(state.state_dir))
+                if full:  # e.g. a resume's first step (agent.tasks.resume_sandbox): 503, it stays as it was
+                    raise HostDiskFull(f"sandbox {sandbox_id}: network policy not changed, no room on the "
+                                       f"node's disk ({full})") from exc
+                raise
 
     @staticmethod
     def _to_info(state: VMState) -> VMInfo:

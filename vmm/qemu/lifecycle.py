@@ -10,18 +10,53 @@ vmm.qemu.ram_moves's job; the verbs here only hand it over.
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 from envd_client import EnvdClient, EnvdError, EnvdUnavailable
-from vmm.driver import SnapshotUnusable, VMError, VMInfo
+from vmm.driver import HostDiskFull, SnapshotUnusable, VMError, VMInfo
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
 from vmm.qemu.process import GUEST_SYNC_TIMEOUT, BootAttemptFailed, attempts_error, release_mismatch
 from vmm.qemu.qmp import QMP, QMPError, migrate_from_file, migrate_to_file, set_ignore_shared
 from vmm.qemu.state import VMState, process_alive, read_pidfile, reap
 from vmm.vm_status import VmLifecycle
+
+log = logging.getLogger(__name__)
+# Below this much free room on the state dir's filesystem a failed save of the device state
+# (QEMU's "migrate ... failed": its writer got ENOSPC) counts as the disk being full.
+DISK_FULL_BELOW = 64 << 20
+
+
+# What a host tool (qemu-img: a new disk top, a capture's layer) prints for ENOSPC / EDQUOT; its
+# failure reaches us as a VMError with its stderr (vmm.qemu.process.run).
+_NO_ROOM_TEXTS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def disk_full(exc: BaseException, where: Path) -> str:
+    """Why ``exc`` (a failed save into ``where``) is the disk being full, or "" if it is not."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return str(exc)
+    # QEMU's writer got ENOSPC (migrate ... failed), or a host tool did: a plain VMError from
+    # vmm.qemu.process.run with its stderr, which says so (qemu-img create) or not (qemu-img
+    # rebase: "No space left in the file header"), then judged by the room left. Never another
+    # kind of VMError: a lost VM stays lost, and a boot's error carries the guest's console,
+    # whose text the guest writes.
+    if not (isinstance(exc, QMPError) or type(exc) is VMError):
+        return ""
+    first = str(exc).splitlines()[0][:500] if str(exc) else ""
+    if type(exc) is VMError and any(text in str(exc) for text in _NO_ROOM_TEXTS):
+        return first
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return ""
+    return f"{first}; {free >> 20} MiB free" if free < DISK_FULL_BELOW else ""
 
 
 class LifecycleMixin:
@@ -112,19 +147,25 @@ class LifecycleMixin:
                     if full_ram:  # plain format, so a share=on destination loads it (see _resume_incoming)
                         set_ignore_shared(q, False)
                     migrate_to_file(q, device_state)
-                except BaseException:
+                    t_saved = time.monotonic()
+                    # From here the device state + RAM file are the VM: record that before QEMU exits.
+                    state.move(VmLifecycle.PAUSED_DISK)
+                    state.device_state = str(device_state)
+                    state.device_state_full_ram = full_ram
+                    state.device_state_qemu = self._qemu_version(state)
+                    state.save()
+                except BaseException as exc:
+                    # vm.json still says it runs: so it does again (the caller relies on it)
                     if full_ram:
                         set_ignore_shared(q, True)
                     if was_running:
                         q.execute("cont")
+                    full = disk_full(exc, paths.state_dir)  # before its partial file frees room
+                    device_state.unlink(missing_ok=True)
+                    if full:
+                        raise HostDiskFull(f"sandbox {sandbox_id}: not paused, no room on the node's disk for its "
+                                           f"saved state ({full}); it runs on") from exc
                     raise
-                t_saved = time.monotonic()
-                # From here the device state + RAM file are the VM: record that before QEMU exits.
-                state.move(VmLifecycle.PAUSED_DISK)
-                state.device_state = str(device_state)
-                state.device_state_full_ram = full_ram
-                state.device_state_qemu = self._qemu_version(state)
-                state.save()
                 try:
                     q.execute("quit")
                 except QMPError:
@@ -132,12 +173,20 @@ class LifecycleMixin:
             self._wait_exit(state, paths)
             t_exit = time.monotonic()
             state.pid = 0
-            self._give_back_slot(state)
+            # The VM is paused to disk now: what is left is bookkeeping, which a full disk must
+            # not turn into a failed pause (the caller would call the sandbox running again).
+            try:
+                self._give_back_slot(state)
+            except OSError as exc:  # its record keeps the slot: the resume runs in it, a kill frees it
+                log.warning("sandbox %s: paused to disk; its network slot is kept: %s", sandbox_id, exc)
             timings = {"stop_ms": (t_stop - t0) * 1e3, "save_ms": (t_saved - t_stop) * 1e3,
                        "pause_to_disk_ms": (t_saved - t0) * 1e3, "exit_ms": (t_exit - t_saved) * 1e3,
                        "total_ms": (t_exit - t0) * 1e3}
             state.timings.update({f"pause_to_disk.{k}": v for k, v in timings.items()})
-            state.save()
+            try:
+                state.save()
+            except OSError as exc:
+                log.warning("sandbox %s: paused to disk; its timings were not recorded: %s", sandbox_id, exc)
         self._spill_later(sandbox_id)
         return timings
 
@@ -297,19 +346,30 @@ class LifecycleMixin:
             except FileNotFoundError:
                 pass
             state.ram, state.ram_share, state.ram_owned = str(own), True, True
+        ran = []  # the guest ran: from then on its RAM file is newer than the saved device state
         try:
             punched = {}
 
-            def give_back_zero_pages():  # loading the stream touched (allocated) every page
-                t = time.monotonic()
-                punched["ram_zero_punched_mb"] = ramfile.punch_zero_pages(state.ram) / (1 << 20)
-                punched["ram_punch_ms"] = (time.monotonic() - t) * 1e3
+            def before_cont():
+                if converting:  # loading the stream touched (allocated) every page
+                    t = time.monotonic()
+                    punched["ram_zero_punched_mb"] = ramfile.punch_zero_pages(state.ram) / (1 << 20)
+                    punched["ram_punch_ms"] = (time.monotonic() - t) * 1e3
+                ran.append(True)
 
             timings = self._spawn_incoming(state, device_state, ignore_shared=not state.device_state_full_ram,
-                                           before_cont=give_back_zero_pages if converting else None,
+                                           before_cont=before_cont,
                                            before_incoming=copy.wait if copy is not None else None)
             timings.update(punched)
-        except BaseException:
+        except BaseException as exc:
+            if ran and copy is None and not converting:
+                # The guest ran on the only copy of its memory and then failed (envd silent, QEMU
+                # died): loading the saved device state again would pair it with a newer memory, a
+                # corrupt guest. The memory is given up, the disk kept: the next resume cold-boots.
+                self._discard_memory(state)
+                raise VMError(f"sandbox {state.sandbox_id}: not resumed, and its memory is lost (the guest ran "
+                              f"before the resume failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                              "its disk is kept and the next resume cold-boots on it") from exc
             if copy is not None:  # the disk copy stays the VM's memory
                 copy.wait(raise_error=False)
                 Path(state.ram).unlink(missing_ok=True)
@@ -350,12 +410,19 @@ class LifecycleMixin:
                                 and Path(state.ram).parent == self.shm_dir)
                 if not ram_in_tmpfs:  # a RAM file is made in tmpfs (back from disk, or a new one)
                     self._check_shm(state.memory_mb, sandbox_id)
-                self._take_slot(state)
                 try:
-                    timings = (self._resume_cold(state) if state.status is VmLifecycle.PAUSED_FS
-                               else self._resume_incoming(state))
-                except BaseException:
-                    self._give_back_slot(state)
+                    self._take_slot(state)
+                    try:
+                        timings = (self._resume_cold(state) if state.status is VmLifecycle.PAUSED_FS
+                                   else self._resume_incoming(state))
+                    except BaseException:
+                        self._give_back_slot(state)
+                        raise
+                except OSError as exc:
+                    full = disk_full(exc, Path(state.state_dir))
+                    if full:  # nothing ran: it stays paused, as it was
+                        raise HostDiskFull(f"sandbox {sandbox_id}: not resumed, no room on the node's disk "
+                                           f"({full}); it stays paused") from exc
                     raise
             else:
                 t0 = time.monotonic()

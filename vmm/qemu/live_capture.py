@@ -46,7 +46,7 @@ from vmm.qemu.qmp import QMP, QMPError, migrate_to_file, prepare_migration, set_
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "background", "pre-copy", "stop-copy")  # auto: background, else pre-copy where safe
+MODES = ("auto", "background", "pre-copy", "stop-copy")  # auto: pre-copy where safe, else background
 PRECOPY_DOWNTIME_MS = 5  # pre-copy: QEMU stops the guest once the dirty rest fits this
 PRECOPY_REST = 2 << 20  # ... or the driver does once no more than this is left after a first whole pass
 PRECOPY_CONVERGE_S = 2.0  # ... or this long after that pass (a guest dirtying faster than the copy)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 import subprocess
-from functools import lru_cache
 from pathlib import Path
 
 from envd_client import EnvdClient
@@ -29,10 +30,20 @@ def envd_healthy(host: str, port: int, timeout: float = 1.0) -> bool:
         return envd.health(timeout)
 
 
-@lru_cache(maxsize=8)
+_VERSIONS: dict[tuple, str] = {}
+
+
 def qemu_version(qemu: str = QEMU) -> str:
-    out = subprocess.run([qemu, "--version"], capture_output=True, text=True, check=True).stdout
-    return out.splitlines()[0].strip()
+    """The first line of ``qemu --version`` (snapshot fingerprints, capture choices, release
+    checks), asked once per binary and again only when the binary file changes (a package
+    upgrade under a running node). Raises OSError or SubprocessError."""
+    path = shutil.which(qemu) or qemu
+    info = os.stat(path)
+    key = (os.path.realpath(path), info.st_ino, info.st_mtime_ns, info.st_size)
+    if key not in _VERSIONS:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
+        _VERSIONS[key] = out.splitlines()[0].strip()
+    return _VERSIONS[key]
 
 
 def qemu_release(version: str) -> tuple[int, int] | None:

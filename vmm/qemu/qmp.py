@@ -11,7 +11,7 @@ import json
 import socket
 from pathlib import Path
 
-from vmm.driver import VMError
+from vmm.driver import StateLoadTimeout, VMError
 
 
 class QMPError(VMError):
@@ -96,26 +96,52 @@ def _shell_path(path: Path) -> str:
     return shlex.quote(str(path))
 
 
+# How long the writer may take to say how it ended once QEMU says it sent everything (cat
+# reads the pipe's last bytes and exits: milliseconds; longer only if its status cannot be
+# written either, on a disk with no room at all).
+WRITER_EXIT_TIMEOUT = 10.0
+
+
 def migrate_to_file(q: QMP, path: Path, timeout: float = 60.0) -> None:
-    """Saves the (stopped) VM's device state to `path` and waits for status completed."""
+    """Saves the (stopped) VM's device state to `path`: QEMU says completed once it wrote all of
+    it into its pipe to ``cat``, whose own failure (a full disk: a short file) QEMU never sees,
+    so the command also writes cat's exit status beside the file and a state counts as saved
+    only when that says 0 (issue 27's chaos: a short device state hung its resume)."""
     import time
 
-    q.execute("migrate", uri=f"exec:cat > {_shell_path(path)}")
+    status_file = path.with_name(path.name + ".exit")
+    status_file.unlink(missing_ok=True)
+    q.execute("migrate", uri=f"exec:cat > {_shell_path(path)}; echo $? > {_shell_path(status_file)}")
     deadline = time.monotonic() + timeout
     while True:
         status = q.execute("query-migrate").get("status")
         if status == "completed":
-            return
+            break
         if status in ("failed", "cancelled"):
             raise QMPError(f"migrate to {path}: {status}")
         if time.monotonic() > deadline:
             raise QMPError(f"migrate to {path}: still {status} after {timeout}s")
         time.sleep(0.001)
+    deadline = time.monotonic() + WRITER_EXIT_TIMEOUT
+    while True:
+        try:
+            written = status_file.read_text()
+        except FileNotFoundError:
+            written = ""
+        if written.endswith("\n"):
+            break
+        if time.monotonic() > deadline:
+            raise QMPError(f"migrate to {path}: its writer did not say how it ended within {WRITER_EXIT_TIMEOUT}s")
+        time.sleep(0.001)
+    status_file.unlink(missing_ok=True)
+    if written.strip() != "0":
+        raise QMPError(f"migrate to {path}: writing the file failed (cat exit status {written.strip()})")
 
 
 def migrate_from_file(q: QMP, path: Path, timeout: float = 60.0, before_cont=None) -> None:
     """On a `-incoming defer -S` VM: loads the device state from `path`, calls `before_cont()`
-    (the VM is loaded but stopped), then makes sure it runs."""
+    (the VM is loaded but stopped), then makes sure it runs. Not loaded within ``timeout``:
+    StateLoadTimeout (the guest has not run)."""
     import time
 
     q.execute("migrate-incoming", uri=f"exec:cat {_shell_path(path)}")
@@ -137,6 +163,6 @@ def migrate_from_file(q: QMP, path: Path, timeout: float = 60.0, before_cont=Non
         mig = q.execute("query-migrate").get("status")
         if mig in ("failed", "cancelled"):
             raise QMPError(f"incoming from {path}: migration {mig}")
-        if time.monotonic() > deadline:
-            raise QMPError(f"incoming from {path}: still {status} after {timeout}s")
+        if time.monotonic() > deadline:  # the guest has not run: what was saved is intact
+            raise StateLoadTimeout(f"incoming from {path}: still {status} after {timeout}s")
         time.sleep(0.001)

@@ -17,10 +17,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vmm.driver import BootSpec, SealedLayer, SnapshotManifest, SnapshotUnusable, VMError, VMInfo
+from vmm.driver import BootSpec, HostDiskFull, SealedLayer, SnapshotManifest, SnapshotUnusable, VMError, VMInfo
 from vmm.net import ENVD_PORT, NetworkSpec
 from vmm.qemu import live_capture, ramfile, uffd
 from vmm.qemu.cmdline import VMPaths
+from vmm.qemu.lifecycle import disk_full
 from vmm.qemu.process import qemu_version, run
 from vmm.qemu.qmp import QMP, QMPError, migrate_to_file
 from vmm.qemu.state import VMState, other_forwards, valid_sandbox_id
@@ -36,6 +37,12 @@ class SnapshotMixin:
 
     # How a memory capture stops the guest (_capture_how): "auto", "background" or "stop-copy".
     capture_mode = os.environ.get("AENV_CAPTURE_MODE", "auto")
+    # What a create from a booted template does with the template's RAM (restore(template=True)):
+    # "copy" (its own share=on file: later pauses and snapshots save only the device state) or
+    # "shared" (copy-on-write over the template's file: a sandbox owns only the pages it writes,
+    # more idle sandboxes per node, but its pauses and snapshots carry its whole RAM).
+    template_ram = os.environ.get("AENV_TEMPLATE_RAM", "copy")
+    TEMPLATE_RAM_WAYS = ("copy", "shared")
 
     def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True,
                  with_base: bool = False) -> SnapshotManifest:
@@ -97,8 +104,11 @@ class SnapshotMixin:
         write-protect, where the kernel catches a write to a protected tmpfs page,
         vmm.qemu.uffd), "pre-copy" (RAM copied while the guest runs; only where QEMU's dirty
         tracking is sound: KVM, or TCG from QEMU 9.0 on) or "stop-copy" (the vCPUs stop while
-        the whole RAM is copied). "auto": background, else pre-copy, else stop-copy; a way that
-        cannot work here falls back the same way, with a warning. A copy-on-write VM is captured
+        the whole RAM is copied). "auto": pre-copy, else background, else stop-copy; a way that
+        cannot work here falls back the same way, with a warning. Pre-copy first: its stop is
+        the dirty rest plus the device state (a 2 GiB guest under QEMU 10.0: 9-13 ms), while
+        background-snapshot still reads and write-protects every page inside its stop (81-130 ms;
+        docs/benchmarks.md, "QEMU 10.0"). A copy-on-write VM is captured
         stopped: live, its RAM would stream straight into the device state, a path no VM test
         covers yet. A VM that is not running
         (paused in memory) has no pause to shorten: stop-and-copy, which also leaves QEMU as it
@@ -118,23 +128,23 @@ class SnapshotMixin:
             return "stop-copy"
         if mode == "background" and background or mode == "pre-copy" and precopy:
             return mode
-        how = "background" if background else "pre-copy" if precopy and mode == "auto" else "stop-copy"
+        how = "pre-copy" if precopy and mode == "auto" else "background" if background else "stop-copy"
         if mode != "auto":
             log.warning("sandbox %s: capture mode %s cannot work here (%s), %s instead", state.sandbox_id, mode,
                         "QEMU's dirty tracking under TCG loses writes before QEMU 9.0" if mode == "pre-copy"
                         else "the kernel does not write-protect tmpfs pages", how)
         return how
 
-    def _qemu_version(self, state: VMState) -> str:
-        """The VM's QEMU's --version line, asked once per binary."""
-        cache = self.__dict__.setdefault("_qemu_versions", {})
-        qemu = state.qemu or "qemu-system-x86_64"
-        if qemu not in cache:
-            try:
-                cache[qemu] = qemu_version(qemu)
-            except (OSError, subprocess.SubprocessError):
-                cache[qemu] = ""
-        return cache[qemu]
+    def _qemu_version(self, state: VMState | None = None, *, required: bool = False) -> str:
+        """The --version line of the VM's QEMU (or this driver's, without a VM): "" when it
+        cannot be asked, a VMError instead when ``required`` (a fingerprint must name it)."""
+        qemu = (state.qemu if state is not None else "") or self.qemu
+        try:
+            return qemu_version(qemu)
+        except (OSError, subprocess.SubprocessError) as e:
+            if required:
+                raise VMError(f"cannot run {qemu} --version: {e}") from None
+            return ""
 
     def _capture_stopped(self, q: QMP, state: VMState, paths: VMPaths, was_running: bool, ram_copy: Path,
                          device_state: Path, memory: bool) -> dict:
@@ -473,9 +483,15 @@ class SnapshotMixin:
         if manifest.memory_file:
             self.warm_ram.prepare(Path(manifest.memory_file))
 
+    def check_template_ram(self) -> None:
+        if self.template_ram not in self.TEMPLATE_RAM_WAYS:
+            raise VMError(f"AENV_TEMPLATE_RAM={self.template_ram!r} is none of {', '.join(self.TEMPLATE_RAM_WAYS)}")
+
     def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
-        # A template's RAM is copied into the sandbox's own share=on file (see _restore_locked).
-        return self._restore(manifest, spec, capture_ref="", own_ram=template)
+        # A template's RAM is copied into the sandbox's own share=on file (see _restore_locked),
+        # unless template_ram says "shared".
+        self.check_template_ram()
+        return self._restore(manifest, spec, capture_ref="", own_ram=template and self.template_ram == "copy")
 
     def _restore(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str,
                  own_ram: bool = False) -> VMInfo:
@@ -491,8 +507,11 @@ class SnapshotMixin:
         with self._lock(sid) as lock:
             try:
                 return self._restore_locked(manifest, spec, capture_ref, own_ram)
-            except BaseException:
+            except BaseException as exc:
                 lock.discard()
+                full = disk_full(exc, self.sandboxes_dir)
+                if full:  # nothing of it is left; a cold boot would not find room either
+                    raise HostDiskFull(f"sandbox {sid}: not started, no room on the node's disk ({full})") from exc
                 raise
 
     def _restore_locked(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str, own_ram: bool) -> VMInfo:
@@ -551,7 +570,12 @@ class SnapshotMixin:
             self.warm_ram.refill_later(Path(manifest.memory_file))  # for the next create, now that this one runs
         timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3}
         state.timings = timings  # its status: RUNNING since its record was made
-        state.save()
+        try:
+            state.save()  # its pid: without it no verb finds the VM, so it must not outlive a failure here
+        except BaseException:
+            self._cleanup(state_dir, paths, unlink_ram=own_ram)
+            self.net.detach(network, state_dir)
+            raise
         return self._to_info(state)
 
     def fork(self, sandbox_id: str, count: int, child_ids: list[str] | None = None) -> list[VMInfo | Exception]:
@@ -568,9 +592,13 @@ class SnapshotMixin:
         t0 = time.monotonic()
         try:
             manifest = self._snapshot(sandbox_id, capture, memory_file=capture_ram, for_fork=True)
-        except BaseException:
+        except BaseException as exc:
+            full = disk_full(exc, capture.parent)  # before the partial capture frees room
             shutil.rmtree(capture, ignore_errors=True)
             capture_ram.unlink(missing_ok=True)
+            if full:  # the capture's failure left the parent as it was (as for any other cause)
+                raise HostDiskFull(f"sandbox {sandbox_id}: not forked, no room on the node's disk for the "
+                                   f"capture ({full})") from exc
             raise
         t_cap = time.monotonic()
 
