@@ -13,6 +13,7 @@ from nodes import placement
 from nodes.models import Node
 from sandboxes.errors import Conflict
 from sandboxes.models import Team
+from sandboxes.prepared import PreparedQuery
 
 from snapshots.models import Snapshot, SnapshotState as SS
 
@@ -65,21 +66,30 @@ def resolve_snapshot_sync(team: Team, ref: str) -> Snapshot | None:
     name = normalize_ref(team, ref)
     if not name:
         return None
-    rows = list(Snapshot.objects.filter(
-        Q(pk=name) | Q(name=name), team=team, build_result=False, fork_capture=False,
-        state__in=[SS.READY, SS.CREATING]).order_by("-created_at", "-id").values_list("pk", "name", "state")
-        [:CANDIDATES])
+    rows = _CANDIDATE_ROWS.rows(team=team.pk, name=name)
     if len(rows) == CANDIDATES:  # more than it read: the exact lookups decide
         return _resolve_exactly_sync(team, ref)
     ready = ([pk for pk, _, state in rows if pk == name and state == SS.READY]
              or [pk for pk, row_name, state in rows if row_name == name and state == SS.READY])
     if ready:  # by id first, else the newest of that name
-        snapshot = (Snapshot.objects.select_related("template", "node")
-                    .filter(pk=ready[0], state=SS.READY).first())
+        snapshot = _READY.first(pk=ready[0])
         return snapshot if snapshot is not None else _resolve_exactly_sync(team, ref)  # (changed meanwhile)
     if rows:
         raise Conflict(f'snapshot "{name}" is still being created')
     return None
+
+
+# resolve_snapshot's reads with their SQL compiled once (sandboxes.prepared; issue 26: compiling
+# them cost more than running them, on every create).
+_CANDIDATE_ROWS = PreparedQuery(
+    lambda team, name: Snapshot.objects.filter(
+        Q(pk=name) | Q(name=name), team=team, build_result=False, fork_capture=False,
+        state__in=[SS.READY, SS.CREATING]).order_by("-created_at", "-id").values_list("pk", "name", "state")
+    [:CANDIDATES],
+    team=Team._meta.pk, name=Snapshot._meta.get_field("name"))
+_READY = PreparedQuery(
+    lambda pk: Snapshot.objects.select_related("template", "node").filter(pk=pk, state=SS.READY).order_by("pk")[:1],
+    pk=Snapshot._meta.pk)
 
 
 def _resolve_exactly_sync(team: Team, ref: str) -> Snapshot | None:

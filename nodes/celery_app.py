@@ -3,12 +3,19 @@ import os
 
 from celery import Celery
 
-from nodes import signing
+from nodes import broker, signing
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 app = Celery("aenv")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+
+
+@app.on_after_configure.connect
+def _broker_transport(sender, source, **_):
+    broker.use_for(source)  # a Redis broker: one command client per channel (nodes.broker)
+
+
 # The node agent registers its tasks itself (agent.worker imports agent.tasks): the
 # control plane only sends them by name (nodes.protocol) and never imports the agent.
 

@@ -68,10 +68,11 @@ def heartbeat_cutoff(now=None):
     return (now or timezone.now()) - timedelta(seconds=settings.AENV_NODE_HEARTBEAT_TIMEOUT)
 
 
-def alive_q(now=None) -> Q:
+def alive_q(now=None, *, cutoff=None) -> Q:
     """Which nodes are alive, as a query (``Node.is_alive`` row by row): a recent heartbeat and
-    a worker that did not stop."""
-    return Q(stopped_at__isnull=True, last_heartbeat_at__gte=heartbeat_cutoff(now))
+    a worker that did not stop. ``cutoff``: the oldest heartbeat counted (``heartbeat_cutoff``)
+    given instead of ``now``."""
+    return Q(stopped_at__isnull=True, last_heartbeat_at__gte=heartbeat_cutoff(now) if cutoff is None else cutoff)
 
 
 JOIN_TOKEN_STATES = ("active", "used", "expired", "revoked")

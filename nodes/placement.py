@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterable
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connections, router, transaction
+from django.db import router, transaction
 from django.db.models import F, IntegerField, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from nodes import join
-from nodes.models import Node, alive_q
+from nodes.models import Node, alive_q, heartbeat_cutoff
+from sandboxes.prepared import PreparedQuery, PreparedUpdate
 from sandboxes.states import RESERVING
 from template_builds.models import BuildStatus, TemplateBuild
 
@@ -50,8 +51,8 @@ def with_reservations(nodes):
     )
 
 
-# with_reservations' SQL over N given nodes, per database and N: (sql, params, where each node id goes)
-_PREPARED: dict[tuple[str, int], tuple[str, list, list[int]]] = {}
+# with_reservations' rows over N given nodes, per number of nodes (sandboxes.prepared).
+_PREPARED: dict[int, PreparedQuery] = {}
 
 
 def reserved_on(ids: list[str]) -> list[Node]:
@@ -59,23 +60,17 @@ def reserved_on(ids: list[str]) -> list[Node]:
     database and number of nodes and run with these ids. Why: Django building that query
     (the aggregate, its filter, the builds' subqueries, the grouping) cost ~3 ms of CPU a
     placement, running it ~0.1 ms (issue 26: create and resume place every time). The SQL
-    is the ORM's own, so it is exactly what the queryset would run."""
+    is the ORM's own, so it is exactly what the queryset would run; the rows are built as
+    the queryset builds them (``sandboxes.prepared.PreparedQuery``)."""
     if not ids:
         return []
-    db = router.db_for_read(Node)
-    key = (db, len(ids))
-    prepared = _PREPARED.get(key)
+    prepared = _PREPARED.get(len(ids))
     if prepared is None:
-        marks = [f"\x00aenv-node-{i}\x00" for i in range(len(ids))]  # no node id looks like these
-        sql, params = with_reservations(Node.objects.filter(pk__in=marks)).query.get_compiler(using=db).as_sql()
-        index = {mark: i for i, mark in enumerate(marks)}
-        slots = [index.get(p) if isinstance(p, str) else None for p in params]
-        if sorted(i for i in slots if i is not None) != list(range(len(ids))):
-            raise RuntimeError("placement: the reservations query does not take each node id once")
-        prepared = _PREPARED[key] = (sql, list(params), slots)
-    sql, params, slots = prepared
-    values = [ids[i] if i is not None else p for p, i in zip(params, slots)]
-    return list(Node.objects.raw(sql, values, using=db))
+        names = [f"node{i}" for i in range(len(ids))]
+        prepared = _PREPARED.setdefault(len(ids), PreparedQuery(
+            lambda **marks: with_reservations(Node.objects.filter(pk__in=[marks[n] for n in names])),
+            **{name: Node._meta.pk for name in names}))
+    return prepared.rows(router.db_for_read(Node), **{f"node{i}": pk for i, pk in enumerate(ids)})
 
 
 def fork_child_charge(cpu_count: int, memory_mb: int) -> tuple[int, int]:
@@ -89,8 +84,30 @@ def fork_child_charge(cpu_count: int, memory_mb: int) -> tuple[int, int]:
     return min(cpu_count, vcpus), min(memory_mb, int(settings.AENV_FORK_CHILD_MEMORY_MB))
 
 
-def _alive():
-    return join.usable(Node.objects.filter(alive_q(), draining=False))
+def _alive(cutoff=None):
+    return join.usable(Node.objects.filter(alive_q(cutoff=cutoff), draining=False))
+
+
+# The ids of the nodes that may take work, in id order (locked: their rows locked for the
+# placement's transaction), per AENV_NODE_JOIN_REQUIRED; and a node's placement count. Their
+# SQL compiled once (sandboxes.prepared; issue 26: compiling cost more than running them, on
+# every create and resume).
+_ALIVE_IDS: dict[tuple, PreparedQuery] = {}
+_count_placement = PreparedUpdate(lambda pk: (Node.objects.filter(pk=pk), {"placements": F("placements") + 1}),
+                                  pk=Node._meta.pk)
+
+
+def alive_ids(locked: bool = False) -> list[str]:
+    """``_alive()``'s ids in id order (``select_for_update`` when ``locked``)."""
+    key = (bool(settings.AENV_NODE_JOIN_REQUIRED), locked)
+    prepared = _ALIVE_IDS.get(key)
+    if prepared is None:
+        def make(cutoff, locked=locked):
+            nodes = _alive(cutoff)
+            return (nodes.select_for_update() if locked else nodes).order_by("pk").values_list("pk", flat=True)
+        prepared = _ALIVE_IDS.setdefault(key, PreparedQuery(make, cutoff=Node._meta.get_field("last_heartbeat_at")))
+    db = router.db_for_write(Node) if locked else router.db_for_read(Node)
+    return prepared.rows(db, cutoff=heartbeat_cutoff())
 
 
 def _candidates():
@@ -138,12 +155,12 @@ def place_sync(cpu_count: int, memory_mb: int, on_id: str | None = None, prefer_
     27's load run: 4 of 4.6 busy database sessions waiting on that lock, refusals taking 1-4 s,
     the admitted creates' scheduling as long). A refusal so decided is one a placement a moment
     earlier would have made; a request that may fit still takes the lock and is decided there."""
-    ids = list(_alive().order_by("pk").values_list("pk", flat=True))
+    ids = alive_ids()
     _choose({n.pk: n for n in reserved_on(ids)}, cpu_count, memory_mb, on_id, prefer_ids)
     with transaction.atomic():
-        locked = list(_alive().select_for_update().order_by("pk").values_list("pk", flat=True))
+        locked = alive_ids(locked=True)
         node = _choose({n.pk: n for n in reserved_on(locked)}, cpu_count, memory_mb, on_id, prefer_ids)
-        Node.objects.filter(pk=node.pk).update(placements=F("placements") + 1)
+        _count_placement(pk=node.pk)
         if claim is not None:
             claim(node)
         return node
@@ -183,7 +200,7 @@ def place_fork_sync(cpu_count: int, memory_mb: int, count: int, home_id: str, *,
     ``[(node, n)]``, the parent's node first (``n`` may be 0 there). ``claim(allotment)`` writes
     the reservation. Raises NoNodeAvailable when they do not all fit (nothing is reserved)."""
     with transaction.atomic():
-        locked = list(_alive().select_for_update().order_by("pk").values_list("pk", flat=True))
+        locked = alive_ids(locked=True)
         nodes = {n.pk: n for n in reserved_on(locked)}
         home = nodes.get(home_id)
         if home is None:

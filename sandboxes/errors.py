@@ -71,8 +71,13 @@ REFUSED_BY_NODE = frozenset({"UnsupportedNetworkPolicy", "VolumesUnavailable"})
 # The node has no VM for the sandbox (vmm.errors.VMNotFound) although its row says it runs: the
 # sandbox is lost (its row goes to error with the event). A 409 saying so, never a 500.
 VM_GONE = frozenset({"VMNotFound"})
-# A node's refusals for want of room (vmm.errors.HostMemoryFull): another node, or later, may do it.
-FULL_NODE = frozenset({"HostMemoryFull"})
+# A node's refusals for want of room (vmm.errors.HostMemoryFull, HostDiskFull): another node, or
+# later, may do it.
+FULL_NODE = frozenset({"HostMemoryFull", "HostDiskFull"})
+# A start the node undid because the saved state did not load in time on a loaded host
+# (vmm.errors.StateLoadTimeout): nothing ran and the saved state is intact, so it is answered
+# like a full node (503 with Retry-After), never as a node that broke.
+BUSY_NODE = frozenset({"StateLoadTimeout"})
 # The node found the guest agent (envd) not answering and was told not to pause it then
 # (agent.guest.GuestUnresponsive): the sandbox keeps running; later, it may answer.
 UNRESPONSIVE_GUEST = frozenset({"GuestUnresponsive"})

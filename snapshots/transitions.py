@@ -13,6 +13,7 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.utils import timezone
 
+from sandboxes.prepared import insert
 from snapshots.models import Snapshot, SnapshotEvent
 from snapshots.states import TRANSITIONS
 
@@ -48,8 +49,9 @@ def transition_sync(snapshot_id: str, operation: str, *, from_states=None, where
         for src in froms:  # one conditional write per start state: the event names the one it left
             if Snapshot.objects.filter(pk=snapshot_id, state=src, **(where or {})).update(
                     state=to, updated_at=timezone.now(), **fields):
-                SnapshotEvent.objects.create(snapshot_id=snapshot_id, operation=operation, from_state=src,
-                                             to_state=to, actor=actor, message=message, details=details or {})
+                # SnapshotEvent.objects.create(), its INSERT built once (sandboxes.prepared)
+                insert(SnapshotEvent(snapshot_id=snapshot_id, operation=operation, from_state=src, to_state=to,
+                                     actor=actor, message=message, details=details or {}))
                 return True
     return False
 

@@ -7,6 +7,7 @@ sends it without an API key (the signed token is its authorisation) and its body
 archive, streamed to a file rather than parsed."""
 from adrf.views import APIView
 from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from django.http import HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.types import OpenApiTypes
@@ -264,7 +265,9 @@ async def upload_view(request, files_hash: str):
     if not request.headers.get("Content-Length"):
         return _json_error(411, "the upload needs a Content-Length")
     try:
-        await sync_to_async(uploads.receive_upload, thread_sensitive=False)(
+        # off the request's thread (the store may be slow), its connection closed there after
+        # (lifecycle.templates.uploads._present says why)
+        await database_sync_to_async(uploads.receive_upload, thread_sensitive=False)(
             request.GET.get("token", ""), files_hash, _chunks(request))
     except LifecycleError as exc:
         return _json_error(status_of(exc), exc.message)

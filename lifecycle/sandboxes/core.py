@@ -20,10 +20,11 @@ from django.utils import timezone
 from nodes import client as node_client, placement
 from nodes.models import Node
 from sandboxes.models import Sandbox, SandboxEvent, Team
+from sandboxes.prepared import PreparedQuery
 from sandboxes.states import LIVE, SETTLING, SandboxState
 from sandboxes.transitions import transition, transition_row  # noqa: F401 - the one writer, re-exported
-from sandboxes.errors import (FULL_NODE, REFUSED_BY_NODE, UNRESPONSIVE_GUEST, VM_GONE, Conflict, Failed, Invalid, LifecycleError,
-                              NoRoom, NotFound, Timeout, Unavailable)
+from sandboxes.errors import (BUSY_NODE, FULL_NODE, REFUSED_BY_NODE, UNRESPONSIVE_GUEST, VM_GONE, Conflict, Failed, Invalid,
+                              LifecycleError, NoRoom, NotFound, Timeout, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +74,30 @@ def snake(kind: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in kind).lstrip("_")
 
 
+# The team's sandbox and its node by the sandbox's id, per set of states: the SQL compiled once
+# (sandboxes.prepared; compiling this select of ~70 columns cost more than running it, issue 26).
+_VISIBLE: dict[tuple, PreparedQuery] = {}
+
+
+def visible_sync(team: Team, sandbox_id: str, states=None) -> Sandbox | None:
+    """``visible``'s read: the row (its node cached on it) or None."""
+    states = tuple(sorted(states or LIVE))
+    prepared = _VISIBLE.get(states)
+    if prepared is None:
+        # One row by its key: no ORDER BY (first() would add one, and ordering a select of the
+        # sandbox's and the node's ~70 columns cost Django more than the rest of the query).
+        prepared = _VISIBLE.setdefault(states, PreparedQuery(
+            lambda key, team: Sandbox.objects.select_related("node")
+            .filter(pk=key, team=team, state__in=list(states)).order_by()[:1],
+            key=Sandbox._meta.pk, team=Team._meta.pk))
+    return prepared.first(key=sandbox_id, team=team.pk)
+
+
 async def visible(team: Team, sandbox_id: str, states=None) -> Sandbox:
     """A sandbox of this team that the E2B API still shows; anything else is NotFound
     (including other teams' sandboxes, so ids cannot be probed). Its node comes in the same
     query (``node_of`` then needs no second one: one thread hop less per operation)."""
-    # One row by its key: no ORDER BY (first() would add one, and ordering a select of the
-    # sandbox's and the node's ~70 columns cost Django more than the rest of the query).
-    found = [s async for s in Sandbox.objects.select_related("node")
-             .filter(pk=sandbox_id, team=team, state__in=states or LIVE).order_by()[:1]]
-    sandbox = found[0] if found else None
+    sandbox = await sync_to_async(visible_sync)(team, sandbox_id, states)
     if sandbox is None:
         raise NotFound(f'sandbox "{sandbox_id}" not found')
     fresh(sandbox.node)  # a node call right after needs no second read of it
@@ -145,6 +161,8 @@ def node_failure(client, exc: BaseException, node, what: str, deadline: float) -
             error = Invalid(f"node {node.id} cannot do this {what}: {exc}", code=snake(kind))
         elif isinstance(exc, client.NodeTaskFailed) and kind in FULL_NODE:
             error = NoRoom(f"node {node.id} has no room for this {what} now: {exc}")
+        elif isinstance(exc, client.NodeTaskFailed) and kind in BUSY_NODE:
+            error = NoRoom(f"node {node.id} is too busy for this {what} now (undone, nothing changed): {exc}")
         elif isinstance(exc, client.NodeTaskFailed) and kind in UNRESPONSIVE_GUEST:
             error = Unavailable(f"no {what}: {exc}")
         elif isinstance(exc, client.NodeTaskFailed) and kind in VM_GONE:

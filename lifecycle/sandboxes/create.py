@@ -24,7 +24,8 @@ from sandboxes.models import Sandbox, Team, new_envd_access_token
 from sandboxes.transitions import insert_creating
 from lifecycle.sandboxes import core, network
 from lifecycle.sandboxes.core import S, Result
-from sandboxes.errors import FULL_NODE, REFUSED_BY_NODE, Conflict, Failed, Invalid, LifecycleError, NoRoom, Timeout, Unavailable
+from sandboxes.errors import (BUSY_NODE, FULL_NODE, REFUSED_BY_NODE, Conflict, Failed, Invalid, LifecycleError, NoRoom, Timeout,
+                              Unavailable)
 from lifecycle.sandboxes.options import SandboxOptions
 from lifecycle.volumes import mounts
 
@@ -242,6 +243,8 @@ def _boot_failure(client, exc: BaseException, node) -> tuple[LifecycleError, str
         return Invalid(f"node {node.id} cannot start this sandbox: {exc}", code=code, retry=False), kind
     if code and kind in FULL_NODE:
         return NoRoom(f"node {node.id} has no room for this sandbox now: {exc}", retry=False), kind
+    if code and kind in BUSY_NODE:
+        return NoRoom(f"node {node.id} is too busy to start this sandbox now (undone): {exc}", retry=False), kind
     return Failed(f"boot failed on node {node.id}: {kind}: {exc}", code=code, retry=False), kind
 
 

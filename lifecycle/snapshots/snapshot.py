@@ -17,6 +17,7 @@ from lifecycle.sandboxes import core
 from lifecycle.sandboxes.core import S
 from sandboxes.errors import Unavailable
 from sandboxes.models import Sandbox, Team
+from sandboxes.prepared import PreparedGet, insert
 from sandboxes.transitions import transition_sync
 
 from snapshots import transitions as snapshot_transitions
@@ -71,7 +72,7 @@ def _begin_snapshot(sandbox: Sandbox, node, name: str, memory, actor: str) -> Sn
                            details={"snapshot": snapshot.id, "name": name, "memory": memory, "mode": _mode(memory)})
         if not transition_sync(sandbox.pk, [S.RUNNING], S.SNAPSHOTTING, event):
             return None
-        snapshot.save(force_insert=True)
+        insert(snapshot)  # save(force_insert=True), its INSERT built once (sandboxes.prepared)
         # What starts from it mounts the same volumes again (its memory expects them).
         mounts.record_snapshot(snapshot.id, mounts.of_sandbox(sandbox.pk))
     return snapshot
@@ -151,4 +152,8 @@ def _finish_snapshot(snapshot: Snapshot, result: dict, event) -> tuple[bool, Sna
             event.outcome, event.message = "aborted", "sandbox was killed while snapshotting; the snapshot is kept"
             event.to_state = ""
             event.save()
-        return moved, Snapshot.objects.get(pk=snapshot.pk)
+        return moved, _snapshot_row(snapshot.pk)
+
+
+# The snapshot's row for the answer, its SQL compiled once (sandboxes.prepared; issue 26).
+_snapshot_row = PreparedGet(lambda: Snapshot.objects.all())

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from django.conf import settings
 from django.core import signing
 from django.utils import timezone
@@ -57,14 +57,20 @@ async def upload_link(team: Team, template_ref: str, files_hash: str, base_url: 
     return UploadLink(present, upload_url(base_url, team, files_hash, template.pk))
 
 
-@sync_to_async(thread_sensitive=False)
-def _present(team: Team, files_hash: str) -> bool:
+def _present_sync(team: Team, files_hash: str) -> bool:
     if not TemplateFile.objects.filter(team=team, hash=files_hash).exists():
         return False
     try:
         return files.get_file_store().exists(team.pk, files_hash)
     except files.FileStoreError as exc:
         raise Unavailable(str(exc)) from exc
+
+
+# The store may be slow (S3): off the request's thread, on the loop's default executor. That
+# thread outlives the request, and Django closes a request's connection only on the request's
+# own thread, so the call closes (with PostgreSQL: gives back to the pool) what it opened there
+# (channels' database_sync_to_async): else each such thread kept a connection for its life.
+_present = database_sync_to_async(_present_sync, thread_sensitive=False)
 
 
 def upload_team(token: str, files_hash: str) -> tuple[Team, str]:

@@ -481,3 +481,16 @@ async def test_a_node_whose_tmpfs_is_full_is_503_not_500(api, nodes_mock, assert
 
     row = await Sandbox.objects.aget()
     assert row.state == "error" and "/dev/shm has 100 MiB free" in row.error_reason
+
+
+async def test_a_resume_whose_saved_state_did_not_load_in_time_is_503_and_stays_paused(api, paused, nodes_mock,
+                                                                                         assert_error):
+    """A loaded host's incoming QEMU missed its deadline (vmm.errors.StateLoadTimeout): the node
+    stopped it before the guest ran, so it is a refusal with Retry-After, not a node that broke."""
+    sb = await paused()
+    nodes_mock.client.resume_sandbox.side_effect = nodes_mock.client.NodeTaskFailed(
+        "incoming from /x/device.state: still inmigrate after 60.0s", kind="StateLoadTimeout")
+    resp = await api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 60})
+    assert_error(resp, 503, "too busy for this resume now")
+    assert resp.headers["Retry-After"]
+    assert await _state(sb["sandboxID"]) == "paused"

@@ -51,6 +51,17 @@ def echo(value):
 '''
 
 
+def stop_worker(worker: subprocess.Popen) -> str:
+    """A Celery worker subprocess stopped (SIGTERM, then SIGKILL after 30 s): its output."""
+    worker.terminate()
+    try:
+        out, _ = worker.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        out, _ = worker.communicate()
+    return out
+
+
 @dataclass
 class Broker:
     port: int
@@ -198,12 +209,7 @@ def round_trip(broker: Broker, tmp_path: Path, queue: str = "node.x", user: str 
         result = producer.send_task("nodes.echo", kwargs={"value": "hello"}, queue=queue, expires=60)
         answer = result.get(timeout=60)
     finally:
-        worker.terminate()
-        try:
-            out, _ = worker.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            out, _ = worker.communicate()
+        out = stop_worker(worker)
         producer.close()
     assert worker.returncode in (0, -15), out
     assert "NOPERM" not in out and "Traceback" not in out, out

@@ -82,3 +82,51 @@ async def test_template_order_in_one_query(team, other_team, base_template):
     mine.deleted_at = timezone.now()
     await mine.asave()
     assert (await resolve.find_template(team, parse("base"))).pk == base_template.pk
+
+
+def _ready_build_by_orm(template, tag):
+    """ready_build as the ORM read it before its SQL was prepared (issue 26)."""
+    from template_builds.models import BuildStatus as B, TemplateBuild, TemplateTag  # noqa: PLC0415
+
+    assignment = (TemplateTag.objects.filter(template=template, tag=tag or "default", build__status=B.READY)
+                  .order_by("-created_at", "-id").values_list("build_id", flat=True).first())
+    if not assignment:
+        return None
+    return (TemplateBuild.objects.select_related("snapshot", "snapshot__node", "snapshot__template")
+            .filter(pk=assignment).first())
+
+
+def test_ready_build_and_pick_as_the_orm(team, base_template, node):
+    """The newest ready assignment of a tag wins (a failed or pending rebuild leaves the one
+    before in service), with its snapshot, the snapshot's node and template read along; a
+    template without builds boots its image; other templates' tags do not count."""
+    from sandboxes.errors import NotFound  # noqa: PLC0415
+    from template_builds.models import BuildStatus as B, TemplateBuild, TemplateTag  # noqa: PLC0415
+
+    tmpl = Template.objects.create(id="tbuilt", team=team, alias="built", image="img")
+    other = Template.objects.create(id="tother", team=team, alias="other", image="img")
+    assert resolve.pick_build_sync(tmpl, None, "built") is None  # no builds: its image
+    snap = _snap(team, tmpl, build_result=True, node=node)
+    first = TemplateBuild.objects.create(template=tmpl, status=B.READY, snapshot=snap)
+    TemplateTag.objects.create(template=tmpl, tag="default", build=first, created_at=timezone.now() - timedelta(60))
+    failed = TemplateBuild.objects.create(template=tmpl, status=B.ERROR)
+    TemplateTag.objects.create(template=tmpl, tag="default", build=failed)
+    v2 = TemplateBuild.objects.create(template=tmpl, status=B.READY, image="img2")
+    TemplateTag.objects.create(template=tmpl, tag="v2", build=v2)
+    theirs = TemplateBuild.objects.create(template=other, status=B.READY)
+    TemplateTag.objects.create(template=other, tag="v3", build=theirs)
+
+    def fields(obj):
+        return None if obj is None else {f.attname: getattr(obj, f.attname) for f in obj._meta.concrete_fields}
+
+    for tag in (None, "default", "v2", "v3", "nope"):
+        got, orm = resolve.ready_build_sync(tmpl, tag), _ready_build_by_orm(tmpl, tag)
+        assert fields(got) == fields(orm), tag
+    got = resolve.ready_build_sync(tmpl, None)
+    assert got.pk == first.pk and fields(got.snapshot) == fields(snap) and got.snapshot.node.pk == node.pk
+    assert got.snapshot.template.pk == tmpl.pk
+    assert resolve.ready_build_sync(tmpl, "v2").snapshot is None
+    with pytest.raises(NotFound):
+        resolve.pick_build_sync(tmpl, "v3", "built:v3")
+    with pytest.raises(NotFound):  # builds, none tagged default: not its image
+        resolve.pick_build_sync(other, None, "other")

@@ -288,3 +288,35 @@ def test_the_prepared_reservations_query_answers_as_the_queryset():
     reserved = {n.pk: (n.cpu_reserved, n.memory_reserved) for n in reserved_on(["a", "b", "c"])}
     assert reserved == {"a": (3, 768), "b": (3, 768), "c": (2, 1024)}
     assert reserved_on([]) == []
+
+
+def test_the_prepared_alive_ids_answer_as_the_queryset(settings):
+    """``alive_ids`` (its SQL built once per join rule and lock) lists the ids ``_alive()``
+    lists, in id order, at each call's own cutoff: not a silent, stopped, draining or revoked
+    node, nor (with AENV_NODE_JOIN_REQUIRED) one that never joined; and a placement counts."""
+    from nodes.placement import _alive, _count_placement, alive_ids
+    from django.db import transaction
+
+    now = timezone.now()
+    make_node("b"), make_node("a"), make_node("joined")
+    Node.objects.filter(pk="joined").update(credential_hash="x")
+    make_node("silent")
+    Node.objects.filter(pk="silent").update(last_heartbeat_at=now - timedelta(hours=1))
+    for name, change in [("stopped", {"stopped_at": now}), ("draining", {"draining": True}),
+                         ("revoked", {"revoked_at": now})]:
+        make_node(name)
+        Node.objects.filter(pk=name).update(**change)
+
+    def orm():
+        return list(_alive().order_by("pk").values_list("pk", flat=True))
+
+    for required in (False, True, False):
+        settings.AENV_NODE_JOIN_REQUIRED = required
+        assert alive_ids() == orm() == (["joined"] if required else ["a", "b", "joined"])
+        with transaction.atomic():
+            assert alive_ids(locked=True) == orm()
+    Node.objects.filter(pk="b").update(last_heartbeat_at=now - timedelta(hours=1))  # went silent since
+    assert alive_ids() == orm() == ["a", "joined"]
+    before = Node.objects.get(pk="a").placements
+    assert _count_placement(pk="a") == 1 and _count_placement(pk="nope") == 0
+    assert Node.objects.get(pk="a").placements == before + 1 and Node.objects.get(pk="b").placements == 0

@@ -104,14 +104,17 @@ async def test_killed_while_creating_kills_the_vm(team, base_template, nodes_moc
 
 
 async def test_cancelled_request_still_finishes_the_boot(team, base_template, nodes_mock):
+    booting = asyncio.Event()
+
     async def slow_boot(node, **kw):
+        booting.set()
         await asyncio.sleep(0.3)
         return {"envd_host": "127.0.0.1", "envd_port": 1, "pid": 1, "accel": "tcg", "timings": {}}
 
     nodes_mock.client.boot_sandbox.side_effect = slow_boot
     task = asyncio.create_task(_new(team))
-    await asyncio.sleep(0.1)
-    task.cancel()
+    await asyncio.wait_for(booting.wait(), 30)  # cancelled while the node boots (not before: under load
+    task.cancel()                               # placement alone can take longer than any fixed wait)
     with pytest.raises(asyncio.CancelledError):
         await task
     deadline = asyncio.get_running_loop().time() + 15  # the boot's own 0.3 s, then the commit (slow under load)
@@ -230,14 +233,16 @@ async def test_the_api_edge_validates_timeout(api, nodes_mock, assert_error, sec
 async def test_a_create_whose_node_goes_silent_answers_why_once_the_sandbox_is_lost(api, nodes_mock, assert_error):
     """The node never answers the boot; the sweeper declares the sandbox lost with its node:
     the create answers at once with the sweeper's reason, not a guess that the node restarted."""
-    answered = asyncio.Event()
+    answered, booting = asyncio.Event(), asyncio.Event()
 
     async def never(node, **kw):
+        booting.set()
         await answered.wait()  # cancelled by the create once the row moved
 
     async def sweeper():
-        while not await Sandbox.objects.filter(state="creating").aexists():
-            await asyncio.sleep(0.05)
+        # the sweeper declares lost what a silent node holds: a sandbox placed, its boot sent
+        # (earlier, under load, the move could beat the placement's claim: a kill's 409 instead)
+        await asyncio.wait_for(booting.wait(), 30)
         sb = await Sandbox.objects.aget()
         reason = "lost: node n1 stopped answering (no heartbeat for 121 s)"
         assert await core.transition(sb.id, ["creating"], "error", core.event(sb.id, "lost"), error_reason=reason)

@@ -422,3 +422,13 @@ async def test_a_kill_during_the_capture_still_waits_for_the_node(api, create, s
     gate.set()
     resp = await asyncio.wait_for(request, 5)
     assert resp.status_code == 201, resp.text
+
+
+async def test_a_restore_whose_saved_state_did_not_load_in_time_is_503(api, create, snap_mock, assert_error):
+    sb = await create()
+    snap_id = (await _snap(api, sb["sandboxID"]))["snapshotID"]
+    snap_mock.client.restore_sandbox.side_effect = snap_mock.client.NodeTaskFailed(
+        "incoming from /x/device.state: still inmigrate after 60.0s", kind="StateLoadTimeout")
+    resp = await api.post("/v2/sandboxes", json={"templateID": snap_id})
+    assert_error(resp, 503, "too busy to start this sandbox now")
+    assert resp.headers["Retry-After"]

@@ -102,13 +102,18 @@ def test_derived_sets():
 
 
 def _state_writes(path: Path):
-    """Calls like Sandbox.objects…update(state=…) / create(state=…) in a module."""
+    """Calls like Sandbox.objects…update(state=…) / create(state=…) in a module, and a new row
+    made with its state (``Sandbox(state=…)``: what ``save()`` or ``sandboxes.prepared.insert``
+    then writes)."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        if not isinstance(node, ast.Call) or not any(k.arg == "state" for k in node.keywords):
+            continue
+        if (isinstance(node.func, ast.Attribute)
                 and node.func.attr in ("update", "aupdate", "create", "acreate", "bulk_create")
-                and any(k.arg == "state" for k in node.keywords)
                 and "Sandbox.objects" in ast.unparse(node.func.value)):
+            yield node.lineno
+        elif ast.unparse(node.func) in ("Sandbox", "models.Sandbox", "sandboxes.models.Sandbox"):
             yield node.lineno
 
 

@@ -3,16 +3,19 @@ the builder reporting through ``template_builds.progress``: registration (names,
 limits, rebuild in place), the COPY upload flow, start (what the node gets, second start,
 failures found at start), status and logs paging, resolution at create, tags, exists,
 lists, publish, delete, other teams, stale builds."""
+import asyncio
 import gzip
 import io
 import tarfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import connections
 from django.utils import timezone
 
 from nodes.models import Node
@@ -247,6 +250,35 @@ async def test_uploads_larger_than_the_api_body_limit_pass(api, anon, settings, 
     archive = tar_bytes({"blob": bytes(range(256)) * 40}, compress=False)
     assert len(archive) > 1000
     assert (await anon.put(url, content=archive)).status_code == 200
+
+
+async def test_the_upload_calls_off_the_request_thread_give_their_connection_back(api, anon, home, monkeypatch):
+    """The files link (is the archive stored?) and the PUT run their ORM calls on the event
+    loop's default executor, a thread that outlives the request: Django closes a request's
+    connection on the request's own thread only, so each call must close (with PostgreSQL:
+    give back to the pool) what it opened there, or the thread keeps it for its life (a pool
+    slot gone, never checked again, dead after a database restart)."""
+    # The API's setting: a connection lives for one call (the data plane's entry point, if a
+    # test imported it, makes SQLite connections persistent for its own process).
+    monkeypatch.setitem(connections["default"].settings_dict, "CONN_MAX_AGE", 0)
+    loop = asyncio.get_running_loop()
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-default-executor")
+    loop.set_default_executor(worker)  # every thread_sensitive=False call on one thread we can look at
+
+    def worker_holds_a_connection() -> bool:
+        return any(conn.connection is not None for conn in connections.all(initialized_only=True))
+
+    try:
+        reg = await register(api)
+        link = await api.get(f"/templates/{reg['templateID']}/files/{HASH}")
+        assert link.status_code == 201, link.text
+        assert not await loop.run_in_executor(None, worker_holds_a_connection), "after the files link"
+        assert (await anon.put(link.json()["url"], content=tar_bytes({"a": b"1"}))).status_code == 200
+        assert not await loop.run_in_executor(None, worker_holds_a_connection), "after the upload"
+        assert (await api.get(f"/templates/{reg['templateID']}/files/{HASH}")).json()["present"] is True
+        assert not await loop.run_in_executor(None, worker_holds_a_connection), "after the files link (present)"
+    finally:
+        await loop.run_in_executor(None, connections.close_all)  # the test's own leftovers, pass or fail
 
 
 async def test_files_link_errors(api, other_api, assert_error):
