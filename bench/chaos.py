@@ -1,7 +1,8 @@
 """Chaos (issue 27, item 2): while C clients create, run commands, pause, resume and fork,
-each fault in turn — kill -9 of the API, the data plane, the node worker, the sweeper and
-Redis, a crash-restart of PostgreSQL, the node home's disk full, the guest-RAM tmpfs full —
-then, once repaired and the node reconciled, the invariants (harness/chaos_checks.py).
+each fault in turn — kill -9 of the API, the data plane, the node worker (and with ``--nodes 2``
+the second node's, ``node-b``), the sweeper and Redis, a crash-restart of PostgreSQL, the node
+home's disk full, the guest-RAM tmpfs full — then, once repaired and the nodes reconciled, the
+invariants (harness/chaos_checks.py, on every node).
 Prints a fault × outcome table; writes JSON and markdown to bench/results/.
 
 Everything it breaks is its own: a private redis-server and PostgreSQL cluster, a loop-mounted
@@ -9,6 +10,7 @@ filesystem for AENV_HOME and a tmpfs for AENV_SHM_DIR (harness/chaos_services.py
 and real VMs: run under the VM lock, e.g.
 
     flock /tmp/aenv-vm.lock .venv/bin/python bench/chaos.py --clients 3 --faults api,dataplane,node,sweeper
+    flock /tmp/aenv-vm.lock .venv/bin/python bench/chaos.py --nodes 2 --faults node,node-b --busy 40
 """
 from __future__ import annotations
 
@@ -72,6 +74,10 @@ def details(result: dict) -> str:
             f"{r['op']} {r['outcome']} {r['status']} after {r['took']} s: {r['detail']}" for r in row["bad_requests"]]
         if notes:
             out.append(f"- **{row['fault']}**: " + "; ".join(notes[:12]))
+        answers = [f"{a['count']} × {a['op']} {a['outcome']} {a['status'] or ''} {a['detail']!r}".replace("  ", " ")
+                   for a in row.get("answers", [])]
+        if answers:
+            out.append(f"- {row['fault']}, answers not ok: " + "; ".join(answers[:10]))
     final = result["final"]
     for key in ("sandboxes", "orphans", "serving"):
         if final[key]:
@@ -82,19 +88,27 @@ def details(result: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=20, help="concurrent E2B clients (default 20)")
-    parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {','.join(FAULTS)}")
+    parser.add_argument("--faults", help=f"comma-separated, of {','.join(FAULTS)} (default: all; node-b with "
+                                          "--nodes 2)")
     parser.add_argument("--busy", type=float, default=20, help="seconds of client work before each fault")
     parser.add_argument("--hold", type=float, default=10, help="seconds each fault lasts before its repair")
     parser.add_argument("--after", type=float, default=20, help="seconds of client work after each repair")
     parser.add_argument("--minutes", type=float, default=0,
                         help="begin no fault that would end later than this many minutes after the start, "
                              "going by the longest so far (0: no limit); the VM lock's 15 min slots: ~11")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                        help="node workers (2: a second one, and the node-b fault kills it)")
     parser.add_argument("--tag", default="", help="a word for the result files' names")
     args = parser.parse_args()
-    faults = [f for f in args.faults.split(",") if f]
+    if args.faults is None:  # every fault this world has
+        faults = [f for f in FAULTS if f != "node-b" or args.nodes > 1]
+    else:
+        faults = [f for f in args.faults.split(",") if f]
     unknown = set(faults) - set(FAULTS)
     if unknown:
         parser.error(f"unknown fault(s) {sorted(unknown)}")
+    if "node-b" in faults and args.nodes < 2:
+        parser.error("node-b needs --nodes 2")
 
     from harness.chaos_run import run  # noqa: PLC0415 - the stack's modules only when running
     from harness.chaos_stack import chaos_world  # noqa: PLC0415
@@ -113,16 +127,16 @@ def main() -> int:
         (out_dir / f"{name}.partial.json").write_text(json.dumps(partial, indent=2, default=str))
 
     stop_at = time.monotonic() + 60 * args.minutes if args.minutes else None
-    with chaos_world(args.clients) as world:
+    with chaos_world(args.clients, nodes=args.nodes) as world:
         result = run(world, args.clients, faults, busy=args.busy, hold=args.hold, after=args.after, on_row=on_row,
                      stop_at=stop_at)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    result.update({"benchmark": "chaos", "when": stamp, "commit": commit, "clients": args.clients,
+    result.update({"benchmark": "chaos", "when": stamp, "commit": commit, "clients": args.clients, "nodes": args.nodes,
                    "busy_s": args.busy, "hold_s": args.hold, "after_s": args.after,
                    "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release()}})
     skipped = f"not run (--minutes): {', '.join(result['skipped'])}\n\n" if result["skipped"] else ""
-    text = (f"# Chaos {stamp} (commit {commit}, {args.clients} clients, {os.cpu_count()} CPUs)\n\n"
+    text = (f"# Chaos {stamp} (commit {commit}, {args.clients} clients, {args.nodes} node(s), {os.cpu_count()} CPUs)\n\n"
             f"{table(result)}\n\n{details(result)}\n\n{skipped}cycles {result['cycles']}, sandboxes acknowledged "
             f"{result['acknowledged']}; requests per operation: {json.dumps(result['requests'])}\n")
     print(text)

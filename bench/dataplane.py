@@ -44,17 +44,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.lifecycle_api import GUEST_HTTP_SERVER  # noqa: E402
 from bench.lifecycle_common import percentile  # noqa: E402
+from harness.ports import free_port  # noqa: E402
 
 TARGET_P50_RATIO, TARGET_RPS_RATIO = 1.3, 0.8  # issue 26: data plane vs straight to the guest
 SANDBOX_ID = "benchdataplane"
 TRAFFIC_TOKEN = "bench-traffic-token"
 BODY = b"ok\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, proc: subprocess.Popen, what: str, log: Path) -> None:

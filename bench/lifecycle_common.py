@@ -3,10 +3,14 @@ missed, timing and memory helpers, the load monitor, how a run's result ends, th
 snapshot the runs restore from."""
 from __future__ import annotations
 
+import json
 import os
 import platform
+import shutil
 import statistics
 import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -120,6 +124,48 @@ def finish_run(result: dict, load: dict, t_start: float, load0, **host_extra) ->
                   host={"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release(),
                         **host_extra, "loadavg_at_start": [round(x, 2) for x in load0],
                         "loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "load_during": load})
+
+
+@contextmanager
+def own_stack(name: str, result: dict, **kwargs):
+    """A started harness Stack (``kwargs`` go to it) under var/bench-runs/<name>-<id> for the
+    block; after it a note in ``result`` if QEMU processes outlived the block's kills, then the
+    stack stopped and its home removed."""
+    from harness.stack import Stack  # noqa: PLC0415
+
+    stack = Stack(home=ROOT / "var" / "bench-runs" / f"{name}-{uuid.uuid4().hex[:6]}", **kwargs)
+    try:
+        stack.start()
+        yield stack
+        left = stack.vm_leftovers()
+        if left["processes"]:
+            result["notes"].append(f"QEMU processes left after every sandbox was killed: {left}")
+    finally:
+        stack.shutdown()
+        shutil.rmtree(stack.home, ignore_errors=True)
+
+
+def parse_stack_args(parser, net_prefix: str, net_pool: str):
+    """The parser's arguments plus what every benchmark with a stack of its own takes: its
+    network instance (set in the environment, where the stack's processes read it; the stack
+    takes the next /20 of the pool's /16) and where its results go."""
+    parser.add_argument("--net-prefix", default=net_prefix)
+    parser.add_argument("--net-pool", default=net_pool, help="the stack takes the next /20 of its /16")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    os.environ["AENV_NET_PREFIX"], os.environ["AENV_NET_POOL"] = args.net_prefix, args.net_pool
+    return args
+
+
+def write_results(out_dir: Path, name: str, result: dict, markdown: str) -> Path:
+    """``<out_dir>/<name>-<result's when>.json`` and its ``.md``; the table printed too."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{name}-{result['when']}.json"
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown)
+    print(markdown)
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} (+ .md)")
+    return out
 
 
 class LoadMonitor:

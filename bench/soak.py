@@ -17,12 +17,9 @@ the /20 after --net-pool (default aenvk, 10.27.16.0/20), removed at the end. Nee
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
 import time
-import uuid
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.lifecycle_common import LoadMonitor, finish_run  # noqa: E402
+from bench.lifecycle_common import LoadMonitor, finish_run, own_stack, parse_stack_args, write_results  # noqa: E402
 from bench.templates import git_state  # noqa: E402
 
 WATCHED = ("node", "api", "dataplane", "lifecycle")
@@ -121,14 +118,9 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=0, help="stop the cycles after this long (0: no limit): "
                                                               "chunks that fit a slot of the VM lock")
     p.add_argument("--max-errors", type=int, default=25, help="stop early after this many failures")
-    p.add_argument("--net-prefix", default="aenvk")
-    p.add_argument("--net-pool", default="10.27.0.0/20", help="the stack takes the next /20 of its /16")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    args = p.parse_args()
-    os.environ["AENV_NET_PREFIX"], os.environ["AENV_NET_POOL"] = args.net_prefix, args.net_pool
+    args = parse_stack_args(p, "aenvk", "10.27.0.0/20")
 
     from bench.soak_run import Config, Soak  # noqa: PLC0415
-    from harness.stack import Stack  # noqa: PLC0415
 
     cfg = Config(cycles=args.cycles, sandboxes=args.sandboxes, warmup=min(args.warmup, args.cycles),
                  window=args.window, sdk_retries=args.sdk_retries, max_errors=args.max_errors,
@@ -136,19 +128,11 @@ def main() -> int:
     t_start, load0 = time.monotonic(), os.getloadavg()
     monitor = LoadMonitor().start()
     result = {"benchmark": "soak", "git": git_state(), "notes": []}
-    stack = Stack(home=ROOT / "var" / "bench-runs" / f"soak-{uuid.uuid4().hex[:6]}")
-    try:
-        stack.start()
+    with own_stack("soak", result) as stack:
         os.environ.update(E2B_API_URL=stack.api_url, E2B_SANDBOX_URL=stack.sandbox_url, E2B_API_KEY=stack.api_key)
         os.environ.pop("E2B_DEBUG", None)
         monitor.phase = "soak"
         res = Soak(cfg, leaders_of(stack), stack.home, log=lambda m: print(m, flush=True)).run()
-        left = stack.vm_leftovers()
-        if left["processes"]:
-            result["notes"].append(f"QEMU processes left after every sandbox was killed: {left}")
-    finally:
-        stack.shutdown()
-        shutil.rmtree(stack.home, ignore_errors=True)
     summary = summarize(cfg, res)
     result["when"] = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     result.update(summary=summary, verdict=verdict(summary), samples=res.samples)
@@ -156,13 +140,7 @@ def main() -> int:
                            "its five operations every round; measurements taken with every worker stopped at an "
                            "operation boundary")
     finish_run(result, monitor.stop(), t_start, load0)
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"soak-{result['when']}.json"
-    out.write_text(json.dumps(result, indent=1))
-    md = markdown(result)
-    out.with_suffix(".md").write_text(md)
-    print(md)
-    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} (+ .md)")
+    write_results(args.out, "soak", result, markdown(result))
     return 1 if result["verdict"] else 0
 
 

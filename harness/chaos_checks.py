@@ -12,11 +12,32 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.processes import qemu_pids
 
 SETTLED = ("running", "paused", "killed", "error")
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as the checks look at it: its id, home (its VMs' command lines hold it) and
+    network instance."""
+
+    node_id: str
+    home: Path
+    net_prefix: str
+    net_pool: str
+
+    @classmethod
+    def of(cls, stack) -> "NodeView":
+        """A stack's own node."""
+        return cls(stack.node_id, stack.home, stack.net_prefix, stack.net_pool)
+
+    def state_dirs(self) -> list[str]:
+        sandboxes = self.home / "sandboxes"
+        return sorted(p.name for p in sandboxes.iterdir()) if sandboxes.exists() else []
 
 
 def db_rows(stack, ids: list[str]) -> dict:
@@ -32,9 +53,12 @@ def db_rows(stack, ids: list[str]) -> dict:
     return json.loads(stack.db(code).strip().splitlines()[-1])
 
 
-def running_ids(stack) -> list[str]:
+def running_ids(stack, node_id: str | None = None) -> list[str]:
+    """The running sandboxes of one node (default: the stack's own), or of every node (``"*"``)."""
+    node_id = stack.node_id if node_id is None else node_id
+    where = "" if node_id == "*" else f"node_id='{node_id}', "
     code = ("from sandboxes.models import Sandbox as S\n"
-            f"print(' '.join(S.objects.filter(node_id='{stack.node_id}', state='running').values_list('pk', flat=True)))")
+            f"print(' '.join(S.objects.filter({where}state='running').values_list('pk', flat=True)))")
     return stack.db(code).split()
 
 
@@ -57,7 +81,7 @@ def sandbox_findings(stack, acked: dict, rows: dict) -> list[str]:
             out.append(f"{sid}: acknowledged ({seen['via']}) but no row: silently gone")
             continue
         state, events = row["state"], row["events"]
-        qemu = stack.qemu_pids(sid)
+        qemu = qemu_pids(sid)  # on whichever node it is
         if state == "running" and len(qemu) != 1:
             out.append(f"{sid}: running but {len(qemu)} QEMU process(es)")
         elif state == "paused" and qemu:
@@ -71,39 +95,46 @@ def sandbox_findings(stack, acked: dict, rows: dict) -> list[str]:
     return out
 
 
-def orphan_findings(stack, shm_dir: Path, warm_slots: int) -> list[str]:
-    """What breaks the second invariant on the stack's node."""
+def orphan_findings(stack, shm_dir: Path, warm_slots: int, nodes: list[NodeView] | None = None) -> list[str]:
+    """What breaks the second invariant on each node (default: the stack's own); the RAM
+    tmpfs is the nodes' shared one."""
     from vmm.net import slots  # noqa: PLC0415 - the node's network modules, only when checking
 
-    running = set(running_ids(stack))
-    out = []
-    owned = {pid for sid in running for pid in stack.qemu_pids(sid)}
-    stray = sorted(set(qemu_pids(str(stack.home))) - owned)
-    if stray:
-        out.append(f"orphan QEMU processes {stray}")
-    rows = db_rows(stack, sorted(stack.vm_leftovers()["state_dirs"]))
-    for sid in stack.vm_leftovers()["state_dirs"]:
-        state = rows.get(sid, {}).get("state", "no row")
-        if state not in ("running", "paused"):
-            out.append(f"orphan state dir {sid} ({state})")
+    nodes = nodes or [NodeView.of(stack)]
+    many = len(nodes) > 1
+    out, running_anywhere = [], set()
+    for node in nodes:
+        running = set(running_ids(stack, node.node_id))
+        running_anywhere |= running
+        on = f" on node {node.node_id}" if many else ""
+        owned = {pid for sid in running for pid in qemu_pids(str(node.home), sid)}
+        stray = sorted(set(qemu_pids(str(node.home))) - owned)
+        if stray:
+            out.append(f"orphan QEMU processes {stray}{on}")
+        dirs = node.state_dirs()
+        rows = db_rows(stack, dirs)
+        for sid in dirs:
+            state = rows.get(sid, {}).get("state", "no row")
+            if state not in ("running", "paused"):
+                out.append(f"orphan state dir {sid} ({state}){on}")
+        if slots.netns_supported():
+            used = set()
+            for sid in running:
+                try:
+                    used.add(json.loads((node.home / "sandboxes" / sid / "vm.json").read_text())["net_slot"])
+                except (OSError, KeyError, ValueError):
+                    pass
+            spare = [s.index for s in slots.list_slots(node.net_prefix, node.net_pool) if s.index not in used]
+            if len(spare) > warm_slots:
+                out.append(f"{len(spare)} slots (netns + nftables table) beyond the running sandboxes', "
+                           f"more than the {warm_slots} warm ones{on}")
+            veths = slots.stray_veths(node.net_prefix)
+            if veths:
+                out.append(f"stray veths {veths}{on}")
     for ram in sorted(Path(shm_dir).glob("aenv-*.ram")):
         if ram.name.startswith("aenv-warm-"):
-            continue  # the node's ready-made copies (vmm.qemu.warm_ram), its own to keep
+            continue  # the nodes' ready-made copies (vmm.qemu.warm_ram), theirs to keep
         sid = ram.name.removeprefix("aenv-").removesuffix(".ram")
-        if sid not in running:
+        if sid not in running_anywhere:
             out.append(f"orphan RAM file {ram.name}")
-    if slots.netns_supported():
-        used = set()
-        for sid in running:
-            try:
-                used.add(json.loads((stack.home / "sandboxes" / sid / "vm.json").read_text())["net_slot"])
-            except (OSError, KeyError, ValueError):
-                pass
-        spare = [s.index for s in slots.list_slots(stack.net_prefix, stack.net_pool) if s.index not in used]
-        if len(spare) > warm_slots:
-            out.append(f"{len(spare)} slots (netns + nftables table) beyond the running sandboxes', "
-                       f"more than the {warm_slots} warm ones")
-        veths = slots.stray_veths(stack.net_prefix)
-        if veths:
-            out.append(f"stray veths {veths}")
     return out

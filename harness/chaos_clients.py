@@ -15,6 +15,7 @@ tell a sandbox the client killed from one that went silently."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import Counter, defaultdict
@@ -29,6 +30,8 @@ FINDINGS = ("hang", "5xx", "shape")
 # stack's AENV_NODE_TASK_DEADLINE, 180 s) plus room; a command's is its own.
 LIFECYCLE_TIMEOUT = 240.0
 COMMAND_TIMEOUT = 60.0
+# Sandbox / task ids (letters and digits mixed) and numbers, blanked when answers are grouped.
+_IDS = re.compile(r"\b(?=[0-9a-z-]*\d)[0-9a-z-]*[a-z][0-9a-z-]{6,}\b|\d+(\.\d+)?")
 
 
 def _shaped(resp: httpx.Response) -> bool:
@@ -94,6 +97,19 @@ class Ledger:
     def since(self, start: int) -> list[Record]:
         with self.lock:
             return self.records[start:]
+
+    @staticmethod
+    def kinds(records: list[Record], width: int = 90) -> list[dict]:
+        """Every answer that was not ``ok``, grouped by operation, outcome, status and the start
+        of its text (ids and numbers blanked), most frequent first: what a row's refusals,
+        clean 5xx, ``down`` and ``cut`` were, not only how many."""
+        groups: Counter = Counter()
+        for r in records:
+            if r.outcome != "ok":
+                text = _IDS.sub("#", r.detail)[:width]
+                groups[(r.op, r.outcome, r.status, text)] += 1
+        return [{"op": op, "outcome": outcome, "status": status, "detail": text, "count": n}
+                for (op, outcome, status, text), n in groups.most_common()]
 
     def summary(self, records: list[Record]) -> dict:
         """Per operation: outcome counts; the findings' records listed."""

@@ -41,11 +41,11 @@ def check(world: ChaosWorld, ledger: Ledger, orphan_deadline: float = ORPHAN_WAI
     sandboxes = sandbox_findings(stack, dict(ledger.acked), rows)
     end = time.monotonic() + orphan_deadline
     while True:  # the node's reconcile runs every AENV_RECONCILE_INTERVAL
-        orphans = orphan_findings(stack, world.shm.mnt, WARM_SLOTS)
+        orphans = orphan_findings(stack, world.shm.mnt, WARM_SLOTS, world.node_views())
         if not orphans or time.monotonic() > end:
             break
         time.sleep(3)
-    running = running_ids(stack)
+    running = running_ids(stack, "*")
     states: dict[str, int] = {}
     for row in db_rows(stack, list(ledger.acked)).values():
         states[row["state"]] = states.get(row["state"], 0) + 1
@@ -73,7 +73,8 @@ def one_fault(world: ChaosWorld, clients: Clients, ledger: Ledger, fault: str, *
     bad = [r.__dict__ for r in records if r.outcome in FINDINGS]
     return {"fault": fault, "action": action, "hold_s": hold, "answering_after_repair_s": round(recovered, 1),
             "back_after_fault_s": back_s, "collateral_deaths": died, "clients_quiesced": quiet,
-            "requests": ledger.summary(records), "bad_requests": bad[:50], "bad_count": len(bad), **found}
+            "requests": ledger.summary(records), "answers": Ledger.kinds(records),
+            "bad_requests": bad[:50], "bad_count": len(bad), **found}
 
 
 def run(world: ChaosWorld, clients_n: int, faults: list[str], *, busy: float = 20, hold: float = 10,

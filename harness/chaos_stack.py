@@ -17,8 +17,8 @@ from harness.chaos_services import LoopFs, PrivatePostgres, PrivateRedis, Privat
 from harness.polling import until
 from harness.stack import PY, Stack, started
 
-# Every fault the bench knows, in the order it injects them.
-FAULTS = ("api", "dataplane", "node", "sweeper", "redis", "postgres", "disk", "shm")
+# Every fault the bench knows, in the order it injects them; node-b only with a second node.
+FAULTS = ("api", "dataplane", "node", "node-b", "sweeper", "redis", "postgres", "disk", "shm")
 # What the chaos stack sets beyond its private services: a node that looks for abandoned
 # operations and dead VMs often, so a check after a fault need not wait minutes. An operation
 # is abandoned a minute after the API's deadline for it (AENV_LIFECYCLE_DEADLINE), as the
@@ -81,10 +81,15 @@ class ChaosStack(Stack):
 
 
 class ChaosWorld:
-    """The stack and what it breaks: ``inject(fault)`` breaks, ``recover(fault)`` repairs."""
+    """The stack and what it breaks: ``inject(fault)`` breaks, ``recover(fault)`` repairs.
+    ``nodes=2``: a second node worker (harness.second_node: its own home, images and network
+    instance; the same private database, Redis and RAM tmpfs) that placement spreads the
+    clients' sandboxes over, so one node's death meets sandboxes on both."""
 
-    def __init__(self, root: Path, clients: int):
+    def __init__(self, root: Path, clients: int, nodes: int = 1):
         self.root = Path(root)
+        self.nodes = nodes
+        self.peer = None  # the second node (harness.second_node.SecondNode)
         self.redis = PrivateRedis(self.root)
         self.pg = PrivatePostgres(self.root)
         # a home big enough for the clients' paused sandboxes (memory files up to the guest's 512 MiB)
@@ -100,7 +105,21 @@ class ChaosWorld:
         env = {**CHAOS_ENV, **self.redis.env(), **self.pg.env(), "AENV_SHM_DIR": str(self.shm.mnt)}
         self.stack = ChaosStack(home=self.disk.mnt / "home", extra_env=env)
         self.stack.start()
+        if self.nodes > 1:
+            from harness.second_node import SecondNode  # noqa: PLC0415
+
+            self.peer = SecondNode(self.stack, self.root, name="b")
         return self.stack
+
+    def node_views(self) -> list:
+        """Each node as the checks see it (harness.chaos_checks.NodeView)."""
+        from harness.chaos_checks import NodeView  # noqa: PLC0415
+
+        views = [NodeView.of(self.stack)]
+        if self.peer is not None:
+            e = self.peer.env
+            views.append(NodeView(self.peer.id, self.peer.home, e["AENV_NET_PREFIX"], e["AENV_NET_POOL"]))
+        return views
 
     def inject(self, fault: str) -> str:
         """Breaks ``fault``; returns what was done (for the table)."""
@@ -108,6 +127,11 @@ class ChaosWorld:
         if fault in ("api", "dataplane", "node"):
             s.kill9(fault)
             return f"kill -9 {fault}"
+        if fault == "node-b":
+            if self.peer is None:
+                raise ValueError("node-b needs a second node (nodes=2)")
+            self.peer.kill9()
+            return "kill -9 node B's worker"
         if fault == "sweeper":
             s.kill9("lifecycle")
             return "kill -9 run_lifecycle"
@@ -127,6 +151,8 @@ class ChaosWorld:
         s = self.stack
         if fault in ("api", "dataplane", "node"):
             s.restart(fault)
+        elif fault == "node-b":
+            self.peer.start()
         elif fault == "sweeper":
             s.restart("lifecycle")
         elif fault == "redis":
@@ -148,9 +174,17 @@ class ChaosWorld:
                 died.append(name)
                 s.procs.pop(name, None)
                 s.restart(name)
+        if self.peer is not None and self.peer.proc.poll() is not None:
+            died.append("node-b")
+            self.peer.start()
         return died
 
     def close(self) -> None:
+        if self.peer is not None:
+            try:
+                self.peer.stop()
+            except Exception:  # noqa: BLE001 - teardown: the rest still goes
+                pass
         if self.stack is not None:
             self.stack.shutdown()
         for part in (self.shm, self.disk, self.pg, self.redis):
@@ -161,11 +195,11 @@ class ChaosWorld:
 
 
 @contextmanager
-def chaos_world(clients: int, root: Path | None = None):
+def chaos_world(clients: int, root: Path | None = None, nodes: int = 1):
     """A started ChaosWorld under a short root (Unix socket paths stay under 108 bytes)."""
     root = root or Path("/tmp") / f"aenv-chaos-{uuid.uuid4().hex[:6]}"
     root.mkdir(parents=True, exist_ok=True)
-    world = ChaosWorld(root, clients)
+    world = ChaosWorld(root, clients, nodes)
     with started(world, world.close, root):
         yield world
 

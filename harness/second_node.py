@@ -48,7 +48,8 @@ class SecondNode:
                     "AENV_IMAGES_DIR": str(self.images), "AENV_NODE_ID": self.id,
                     "AENV_NET_PREFIX": f"{stack.net_prefix}{self.name}",
                     "AENV_NET_POOL": net_pool or f"{first}.{second}.{third}.0/21",
-                    "DATABASE_URL": f"sqlite:///{stack.home / 'db.sqlite3'}",
+                    # the stack's database: its SQLite file unless it was given another
+                    "DATABASE_URL": stack.env.get("DATABASE_URL") or f"sqlite:///{stack.home / 'db.sqlite3'}",
                     # one DJANGO_SECRET_KEY per deployment: it opens the task secrets the stack seals
                     "DJANGO_SECRET_KEY": (stack.home / "secret_key").read_text().strip(),
                     # another machine joins with an operator's token for its id (nodes.join)
@@ -56,12 +57,23 @@ class SecondNode:
                     "AENV_NODE_JOIN_TOKEN": stack.manage("node_tokens", "create", "--node-id", self.id,
                                                          "--ttl", "1h").strip()}
         self.log = open(self.home / "node.log", "ab")
+        self.start()
+
+    def start(self) -> None:
+        """Its node worker started (again: the same id, home and settings), once it says ready."""
+        offset = self.log.tell()
         self.proc = subprocess.Popen([PY, "manage.py", "run_node"], cwd=ROOT, env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
-        while "ready." not in (self.home / "node.log").read_text(errors="replace"):
+        while b"ready." not in (self.home / "node.log").read_bytes()[offset:]:
             assert self.proc.poll() is None and time.monotonic() < deadline, (self.home / "node.log").read_text()
             time.sleep(0.5)
+
+    def kill9(self) -> None:
+        """Its node worker killed as a crash kills it (its VMs run on)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(timeout=10)
 
     def stop(self):
         if self.proc.poll() is None:
