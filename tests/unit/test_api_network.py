@@ -3,6 +3,7 @@ egress policy (what the node is given, what is stored, E2B's 400s), trafficAcces
 PUT /sandboxes/{id}/network (replace semantics, states, failures at the node), resume and
 fork passing the row's policy on, and the SDK 2.63 request bodies and response models."""
 import asyncio
+import contextvars
 from unittest import mock
 
 import httpx
@@ -355,12 +356,16 @@ async def test_updates_of_one_sandbox_go_one_at_a_time(api, create, net_mock):
     sb = await create()
     sid = sb["sandboxID"]
     calls, second = [], {}
+    # B is another client's request: started in the test's context, not in A's (a task made
+    # inside A's request would inherit A's per-request thread context, and asgiref would run B's
+    # ORM calls on A's lent thread: a connection left open there, now and then, after A ended)
+    outside = contextvars.copy_context()
 
     async def node_call(node, *, sandbox_id, network, deadline, access_token=None):
         calls.append(network)
         if len(calls) == 1:
-            second["task"] = asyncio.ensure_future(
-                api.put(f"/sandboxes/{sid}/network", json={"denyOut": ["7.7.7.7"]}))
+            second["task"] = asyncio.get_running_loop().create_task(
+                api.put(f"/sandboxes/{sid}/network", json={"denyOut": ["7.7.7.7"]}), context=outside)
             await asyncio.sleep(0.5)
             assert len(calls) == 1 and not second["task"].done()  # B waits for A
         return {"timings": {}}
