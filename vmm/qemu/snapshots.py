@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vmm.driver import BootSpec, HostDiskFull, SealedLayer, SnapshotManifest, SnapshotUnusable, VMError, VMInfo
 from vmm.net import ENVD_PORT, NetworkSpec
-from vmm.qemu import live_capture, ramfile, uffd
+from vmm.qemu import disk_chain, live_capture, ramfile, uffd
 from vmm.qemu.cmdline import VMPaths
 from vmm.qemu.lifecycle import disk_full
 from vmm.qemu.process import qemu_version, run
@@ -43,6 +43,10 @@ class SnapshotMixin:
     # more idle sandboxes per node, but its pauses and snapshots carry its whole RAM).
     template_ram = os.environ.get("AENV_TEMPLATE_RAM", "copy")
     TEMPLATE_RAM_WAYS = ("copy", "shared")
+    # How many sealed layers a VM's disk chain may hold above its base before a snapshot
+    # streams them into the top (vmm.qemu.disk_chain): each one costs every later capture a copy.
+    max_disk_layers = int(os.environ.get("AENV_MAX_DISK_LAYERS", "16"))
+    chain_stream_timeout = float(os.environ.get("AENV_CHAIN_STREAM_TIMEOUT", "600"))
 
     def snapshot(self, sandbox_id: str, dest_dir: Path, memory: bool = True,
                  with_base: bool = False) -> SnapshotManifest:
@@ -88,15 +92,39 @@ class SnapshotMixin:
             # Outside the pause: copy the sealed layers (immutable now) so the snapshot dir does
             # not depend on the sandbox, and point each copy at the previous one.
             layers = _copy_chain(state.chain, dest, with_base)
+            t_copied = time.monotonic()
+            if len(state.chain) - 1 > self.max_disk_layers:
+                self._shorten_chain(state, paths)
             t_done = time.monotonic()
-            timings.update({"capture_background": 1.0 if how == "background" else 0.0,
+            timings.update({"chain_stream_ms": (t_done - t_copied) * 1e3,"capture_background": 1.0 if how == "background" else 0.0,
                             "capture_precopy": 1.0 if how == "pre-copy" else 0.0,
-                            "layers_copy_ms": (t_done - t_cont) * 1e3, "total_ms": (t_done - t0) * 1e3})
+                            "layers_copy_ms": (t_copied - t_cont) * 1e3, "total_ms": (t_done - t0) * 1e3})
             manifest = self._manifest(state, dest, layers, str(ram_copy) if memory else "",
                                       str(device_state) if memory else "", timings)
             state.timings.update({f"snapshot.{k}": v for k, v in timings.items()})
             state.save()
             return manifest
+
+    def _shorten_chain(self, state: VMState, paths: VMPaths) -> None:
+        """The sealed layers above the base streamed into the running top (vmm.qemu.disk_chain), the
+        state then naming the base alone under it, and the layers the sandbox owns deleted (a
+        restored sandbox's lower layers are its snapshot's, left alone). A stream that fails
+        leaves the chain as it was: the snapshot already holds its copy, so it only logs."""
+        dropped = state.chain[1:]
+        try:
+            with QMP(paths.qmp, timeout=30.0) as q:
+                disk_chain.stream_into_top(q, state.top_node, state.chain[0], self.chain_stream_timeout)
+        except (VMError, OSError) as e:
+            log.warning("sandbox %s: its disk chain of %d layers stays as it is: %s", state.sandbox_id,
+                        len(dropped), e)
+            return
+        state.chain = state.chain[:1]
+        state.save()
+        own = Path(state.state_dir)
+        for layer in dropped:
+            if Path(layer).parent == own:
+                Path(layer).unlink(missing_ok=True)
+        log.info("sandbox %s: %d disk layers streamed into its top", state.sandbox_id, len(dropped))
 
     def _capture_how(self, state: VMState, running: bool = True, for_fork: bool = False) -> str:
         """How a memory capture stops the guest (capture_mode, AENV_CAPTURE_MODE; see
