@@ -25,6 +25,7 @@ has one worker, in order.
 requests at once, more executors are made and the surplus is shut down when given back."""
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections import deque
@@ -85,6 +86,39 @@ class PooledThreadContext(ThreadSensitiveContext):
         self.token = None
         lent, self._lent = self._lent, None
         POOL.give(lent)
+
+
+class DetachedThreadContext(PooledThreadContext):
+    """A context of its own with a lent thread even inside a request's (``on_a_thread_of_its_own``)."""
+
+    async def __aenter__(self):
+        self.token = SyncToAsync.thread_sensitive_context.set(self)
+        self._lent = POOL.take()
+        SyncToAsync.context_to_thread_executor[self] = self._lent
+        return self
+
+
+async def on_a_thread_of_its_own(coro):
+    """Awaits ``coro`` with its thread-sensitive ``sync_to_async`` calls on a lent thread of its
+    own, not on its caller's request's, and that thread's database connections closed when it
+    is done.
+
+    Why: a task that outlives its request (``lifecycle``'s shielded transitions, when the client
+    goes away mid-transition) would call ``sync_to_async`` in the ended request's context:
+    asgiref then gives that context a new thread which nothing ends and whose connection nothing
+    closes. With PostgreSQL's pool that was one pooled connection lost for good per client that
+    went away mid-transition, until the API's pool ran dry."""
+    context = DetachedThreadContext()
+    async with context:
+        lent = context._lent
+        try:
+            return await coro
+        finally:
+            from django.db import connections  # noqa: PLC0415
+
+            # on the lent thread itself (not through sync_to_async: inside an async_to_sync
+            # bridge that would be the caller's thread, whose connection is not ours to close)
+            await asyncio.wrap_future(lent.submit(connections.close_all))
 
 
 class PooledThreadsASGIHandler(ASGIHandler):

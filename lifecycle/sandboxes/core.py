@@ -17,6 +17,8 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from config import request_threads
+
 from nodes import client as node_client, placement
 from nodes.models import Node
 from sandboxes.models import Sandbox, SandboxEvent, Team
@@ -141,8 +143,10 @@ async def node_of(sandbox: Sandbox):
 
 def shielded(coro):
     """Runs ``coro`` to completion even if the caller is cancelled (the client went
-    away): its outcome is written to the DB either way, never a half-done transition."""
-    task = asyncio.ensure_future(coro)
+    away): its outcome is written to the DB either way, never a half-done transition. Its ORM
+    calls run on a thread of its own whose connection is closed at its end (it may outlive the
+    request: config.request_threads.on_a_thread_of_its_own says why)."""
+    task = asyncio.ensure_future(request_threads.on_a_thread_of_its_own(coro))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return asyncio.shield(task)
 
