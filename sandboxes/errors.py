@@ -83,3 +83,8 @@ BUSY_NODE = frozenset({"StateLoadTimeout"})
 UNRESPONSIVE_GUEST = frozenset({"GuestUnresponsive"})
 # E2B's error_code for a plain resume of a pause taken while the guest agent did not answer.
 GUEST_UNRESPONSIVE_CODE = "sandbox_snapshot_guest_agent_unresponsive"
+# A resume that failed after the guest ran on the only copy of its memory (vmm.errors.MemoryLost):
+# the node gave the memory up and kept the disk; the sandbox stays paused, marked
+# (Sandbox.memory_lost), and only a resume without memory (a cold boot on its disk) is accepted.
+MEMORY_LOST = frozenset({"MemoryLost"})
+MEMORY_LOST_CODE = "sandbox_memory_lost"

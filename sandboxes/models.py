@@ -185,6 +185,9 @@ class Sandbox(models.Model):
     # E2B's envdUnresponsiveAtPause: its (latest) pause kept its memory although its guest
     # agent did not answer; a resume with that memory is refused (409), a reboot is not.
     envd_unresponsive_at_pause = models.BooleanField(default=False)
+    # A resume failed after its guest had run on the only copy of its memory (vmm MemoryLost):
+    # the memory is gone, its disk kept. A plain resume is refused (409), a reboot is not.
+    memory_lost = models.BooleanField(default=False)
     secure = models.BooleanField(default=False)
     envd_access_token = models.CharField(max_length=128, blank=True, default="")
     # E2B's trafficAccessToken: set only when network.allowPublicTraffic is false; the data

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vmm.errors import (BootTimeout, HostDiskFull, HostMemoryFull,  # noqa: F401 - re-exported: callers import them here
-                        SnapshotUnusable, StateLoadTimeout, UnsupportedNetworkPolicy, VMError, VMNotFound)
+                        MemoryLost, SnapshotUnusable, StateLoadTimeout, UnsupportedNetworkPolicy, VMError, VMNotFound)
 from vmm.images import ImageNotFound  # re-exported: part of the driver contract
 from vmm.net.spec import NetworkSpec
 

@@ -31,6 +31,13 @@ class StateLoadTimeout(VMError):
     the same start may work (503, like a full node)."""
 
 
+class MemoryLost(VMError):
+    """A resume failed after the guest had run on the only copy of its memory (envd silent,
+    QEMU gone): loading the saved device state again would pair it with a memory the guest
+    changed since, so the memory was given up and the disk kept. The VM is paused without its
+    memory: its next resume cold-boots on its disk."""
+
+
 class SnapshotUnusable(VMError):
     """A snapshot cannot be restored on this host: it was taken by another driver or under
     another accelerator, or something it needs (its files, the image build it was taken

@@ -24,7 +24,7 @@ from sandboxes.transitions import transition_sync
 from lifecycle.sandboxes import core, network
 from lifecycle.volumes import mounts
 from lifecycle.sandboxes.core import S, Result
-from sandboxes.errors import GUEST_UNRESPONSIVE_CODE, Conflict, NoRoom, NotFound, Unavailable
+from sandboxes.errors import GUEST_UNRESPONSIVE_CODE, MEMORY_LOST, MEMORY_LOST_CODE, Conflict, NoRoom, NotFound, Unavailable
 from lifecycle.sandboxes.ttl import set_end_at
 
 log = logging.getLogger(__name__)
@@ -174,8 +174,8 @@ async def auto_resume(sandbox_id: str) -> Sandbox | None:
     agent did not answer. Raises a LifecycleError on failure."""
     sandbox = await (Sandbox.objects.select_related("team")
                      .filter(pk=sandbox_id, state__in=[S.PAUSING, S.PAUSED, S.RESUMING]).afirst())
-    if sandbox is None or not sandbox.auto_resume or sandbox.envd_unresponsive_at_pause:
-        return None  # (paused while its agent did not answer: only an explicit reboot resume, as E2B)
+    if sandbox is None or not sandbox.auto_resume or sandbox.envd_unresponsive_at_pause or sandbox.memory_lost:
+        return None  # (paused while its agent did not answer, or its memory lost: only an explicit reboot resume)
     _, running = await connect_sandbox(sandbox.team, sandbox_id, settings.AENV_AUTO_RESUME_TIMEOUT,
                                        actor="autoresume")
     return running.sandbox
@@ -202,6 +202,10 @@ async def _resume_or_running(team, sandbox_id, timeout, actor, operation, memory
                            "restoring that memory would bring the unresponsive agent back; resume it without "
                            "memory (memory: false), which cold-boots it from its disk",
                            code=GUEST_UNRESPONSIVE_CODE, retry=False)
+        if sandbox.memory_lost and memory is not False:
+            raise Conflict(f'sandbox "{sandbox_id}" lost its memory when a resume failed after its guest had run; '
+                           "its disk is kept: resume it without memory (memory: false), which cold-boots it "
+                           "from its disk", code=MEMORY_LOST_CODE, retry=False)
         home = await core.node_of(sandbox)
         event = core.event(sandbox_id, "resume", outcome="started", from_state=S.PAUSED, actor=actor,
                            details={"via": operation, "timeout": timeout, "memory": memory})
@@ -292,9 +296,11 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
         # The node re-pauses a VM whose envd did not come back; the memory snapshot is
         # still there, so the sandbox stays paused and a later connect can try again. If
         # the node never answered and resumes it later anyway, its reconcile pauses it again.
+        lost = {"memory_lost": True} if kind in MEMORY_LOST and not moving else {}
         event = core.event(sandbox.id, "resume", outcome="error", from_state=S.RESUMING, started_at=started,
-                           duration_ms=core.ms(t0), message=reason, actor=actor, details={**details, "kind": kind})
-        if not await core.transition(sandbox.id, [S.RESUMING], S.PAUSED, event, node=home):
+                           duration_ms=core.ms(t0), message=reason, actor=actor,
+                           details={**details, "kind": kind, **lost})
+        if not await core.transition(sandbox.id, [S.RESUMING], S.PAUSED, event, node=home, **lost):
             await core.record(event)
         if moving:  # whatever the other node started of it is not the sandbox
             await core.kill_on_node(node, sandbox.id, core.CLEANUP_DEADLINE)
@@ -309,7 +315,7 @@ async def _resume_on_node(sandbox: Sandbox, node, timeout: int, actor: str, oper
     running = await core.transition_row(sandbox.id, [S.RESUMING], S.RUNNING, event, envd_host=result["envd_host"],
                                         envd_port=result["envd_port"], guest_host=result.get("guest_host") or "",
                                         end_at=now + timedelta(seconds=timeout), pause_image_at=None,
-                                        envd_unresponsive_at_pause=False)
+                                        envd_unresponsive_at_pause=False, memory_lost=False)
     if running is None:
         cleanup = await core.kill_on_node(node, sandbox.id, core.CLEANUP_DEADLINE)
         await core.record(core.event(sandbox.id, "resume", outcome="aborted", from_state=S.RESUMING, started_at=started,

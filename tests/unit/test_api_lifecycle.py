@@ -106,6 +106,48 @@ async def test_a_pause_of_an_unresponsive_guest_resumes_only_by_reboot(api, crea
     assert "envdUnresponsiveAtPause" not in (await api.get(f"/sandboxes/{sid}")).json()
 
 
+async def test_a_resume_that_lost_the_memory_leaves_it_paused_for_a_reboot_only(api, create, nodes_mock,
+                                                                                 assert_error):
+    """The node's resume failed after the guest ran on the only copy of its memory (vmm
+    MemoryLost): the answer says so, the sandbox stays paused and is marked; a plain resume is
+    then a 409 saying why (not a cold boot the caller did not ask for), traffic does not
+    auto-resume it, a reboot does and clears the mark."""
+    from lifecycle.sandboxes import pause
+
+    sb = await create(autoResume={"enabled": True})
+    sid = sb["sandboxID"]
+    assert (await api.post(f"/sandboxes/{sid}/pause", json={})).status_code == 204
+    nodes_mock.client.resume_sandbox.side_effect = nodes_mock.client.NodeTaskFailed(
+        "sandbox x: not resumed, and its memory is lost (...)", kind="MemoryLost")
+    resp = await api.post(f"/sandboxes/{sid}/connect", json={"timeout": 30})
+    assert_error(resp, 500, "its memory is lost")
+    row = await Sandbox.objects.aget(pk=sid)
+    assert row.state == "paused" and row.memory_lost
+    failed = await SandboxEvent.objects.filter(sandbox_id=sid, operation="resume", outcome="error").alast()
+    assert failed.details["memory_lost"] is True and failed.details["kind"] == "MemoryLost"
+    calls = nodes_mock.client.resume_sandbox.await_count
+    for path, body in ((f"/sandboxes/{sid}/connect", {"timeout": 30}), (f"/v2/sandboxes/{sid}/connect", {}),
+                       (f"/sandboxes/{sid}/resume", {})):
+        resp = await api.post(path, json=body)
+        assert_error(resp, 409, "lost its memory")
+        assert resp.json()["error_code"] == "sandbox_memory_lost"
+    assert await pause.auto_resume(sid) is None
+    assert nodes_mock.client.resume_sandbox.await_count == calls and await _state(sid) == "paused"
+    nodes_mock.client.resume_sandbox.side_effect = None
+    nodes_mock.client.resume_sandbox.return_value = dict(RESUME_RESULT)
+    resp = await api.post(f"/v2/sandboxes/{sid}/connect", json={"memory": False})
+    assert resp.status_code == 201, resp.text
+    assert nodes_mock.client.resume_sandbox.await_args.kwargs["memory"] is False
+    assert not (await Sandbox.objects.aget(pk=sid)).memory_lost
+
+
+async def test_a_resume_that_failed_otherwise_keeps_the_memory(api, paused, nodes_mock):
+    sb = await paused()
+    nodes_mock.client.resume_sandbox.side_effect = nodes_mock.client.NodeTaskFailed("envd silent", kind="BootTimeout")
+    assert (await api.post(f"/sandboxes/{sb['sandboxID']}/connect", json={"timeout": 30})).status_code == 500
+    assert not (await Sandbox.objects.aget(pk=sb["sandboxID"])).memory_lost
+
+
 async def test_paused_sandbox_is_listed_as_paused(api, paused):
     sb = await paused()
     listed = (await api.get("/v2/sandboxes", params={"state": "paused"})).json()

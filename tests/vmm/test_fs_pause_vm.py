@@ -12,7 +12,7 @@ import pytest
 
 from tests.vmm.test_lifecycle_vm import assert_gone, current, exists, real_driver, sh
 from tests.vmm.test_qemu_vm import IMAGES_DIR, endpoint, live_qemu_processes
-from vmm.driver import BootSpec, BootTimeout, VMError, get_driver
+from vmm.driver import BootSpec, BootTimeout, MemoryLost, VMError, get_driver
 from vmm.qemu import envd_healthy
 
 pytestmark = pytest.mark.vm
@@ -161,7 +161,7 @@ def test_a_resume_that_fails_after_the_guest_ran_gives_up_the_memory_not_the_dis
         raise BootTimeout(f"sandbox {state.sandbox_id}: no /health (test)")
 
     monkeypatch.setattr(driver, "_wait_health", envd_silent)
-    with pytest.raises(VMError, match="its memory is lost"):
+    with pytest.raises(MemoryLost, match="its memory is lost"):
         driver.resume(info.sandbox_id)
     monkeypatch.undo()
     saved = driver.info(info.sandbox_id)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from envd_client import EnvdClient, EnvdError, EnvdUnavailable
-from vmm.driver import HostDiskFull, SnapshotUnusable, VMError, VMInfo
+from vmm.driver import HostDiskFull, MemoryLost, SnapshotUnusable, VMError, VMInfo
 from vmm.qemu import ramfile
 from vmm.qemu.cmdline import VMPaths
 from vmm.qemu.process import GUEST_SYNC_TIMEOUT, BootAttemptFailed, attempts_error, release_mismatch
@@ -367,7 +367,7 @@ class LifecycleMixin:
                 # died): loading the saved device state again would pair it with a newer memory, a
                 # corrupt guest. The memory is given up, the disk kept: the next resume cold-boots.
                 self._discard_memory(state)
-                raise VMError(f"sandbox {state.sandbox_id}: not resumed, and its memory is lost (the guest ran "
+                raise MemoryLost(f"sandbox {state.sandbox_id}: not resumed, and its memory is lost (the guest ran "
                               f"before the resume failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
                               "its disk is kept and the next resume cold-boots on it") from exc
             if copy is not None:  # the disk copy stays the VM's memory
