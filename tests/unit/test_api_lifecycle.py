@@ -76,12 +76,23 @@ async def test_strict_pause_of_an_unresponsive_guest_is_503_and_it_keeps_running
     assert "require_healthy_guest" not in nodes_mock.client.pause_sandbox.await_args.kwargs
 
 
+async def _only_a_reboot_resumes(api, sid, assert_error, text, error_code):
+    """Every plain resume (v1 and v2 connect, resume) is a 409 with ``error_code``, and traffic
+    does not auto-resume the sandbox."""
+    from lifecycle.sandboxes import pause
+
+    for path, body in ((f"/sandboxes/{sid}/connect", {"timeout": 30}), (f"/v2/sandboxes/{sid}/connect", {}),
+                       (f"/sandboxes/{sid}/resume", {})):
+        resp = await api.post(path, json=body)
+        assert_error(resp, 409, text)
+        assert resp.json()["error_code"] == error_code
+    assert await pause.auto_resume(sid) is None
+
+
 async def test_a_pause_of_an_unresponsive_guest_resumes_only_by_reboot(api, create, nodes_mock, assert_error):
     """The node paused with the memory although envd did not answer: the sandbox shows
     envdUnresponsiveAtPause; a plain resume is E2B's 409 with its error_code (the SDK's
     GuestUnresponsiveException), traffic does not auto-resume it, a reboot does."""
-    from lifecycle.sandboxes import pause
-
     sb = await create(autoResume={"enabled": True})
     sid = sb["sandboxID"]
     nodes_mock.client.pause_sandbox.return_value = {**PAUSE_RESULT, "envd_unresponsive": True}
@@ -89,12 +100,7 @@ async def test_a_pause_of_an_unresponsive_guest_resumes_only_by_reboot(api, crea
     assert (await api.get(f"/sandboxes/{sid}")).json()["envdUnresponsiveAtPause"] is True
     listed = (await api.get("/v2/sandboxes", params={"state": "paused"})).json()
     assert listed[0]["envdUnresponsiveAtPause"] is True
-    for path, body in ((f"/sandboxes/{sid}/connect", {"timeout": 30}), (f"/v2/sandboxes/{sid}/connect", {}),
-                       (f"/sandboxes/{sid}/resume", {})):
-        resp = await api.post(path, json=body)
-        assert_error(resp, 409, "guest agent")
-        assert resp.json()["error_code"] == "sandbox_snapshot_guest_agent_unresponsive"
-    assert await pause.auto_resume(sid) is None
+    await _only_a_reboot_resumes(api, sid, assert_error, "guest agent", "sandbox_snapshot_guest_agent_unresponsive")
     assert nodes_mock.client.resume_sandbox.await_count == 0 and await _state(sid) == "paused"
     resp = await api.post(f"/v2/sandboxes/{sid}/connect", json={"memory": False})
     assert resp.status_code == 201, resp.text
@@ -112,8 +118,6 @@ async def test_a_resume_that_lost_the_memory_leaves_it_paused_for_a_reboot_only(
     MemoryLost): the answer says so, the sandbox stays paused and is marked; a plain resume is
     then a 409 saying why (not a cold boot the caller did not ask for), traffic does not
     auto-resume it, a reboot does and clears the mark."""
-    from lifecycle.sandboxes import pause
-
     sb = await create(autoResume={"enabled": True})
     sid = sb["sandboxID"]
     assert (await api.post(f"/sandboxes/{sid}/pause", json={})).status_code == 204
@@ -126,12 +130,7 @@ async def test_a_resume_that_lost_the_memory_leaves_it_paused_for_a_reboot_only(
     failed = await SandboxEvent.objects.filter(sandbox_id=sid, operation="resume", outcome="error").alast()
     assert failed.details["memory_lost"] is True and failed.details["kind"] == "MemoryLost"
     calls = nodes_mock.client.resume_sandbox.await_count
-    for path, body in ((f"/sandboxes/{sid}/connect", {"timeout": 30}), (f"/v2/sandboxes/{sid}/connect", {}),
-                       (f"/sandboxes/{sid}/resume", {})):
-        resp = await api.post(path, json=body)
-        assert_error(resp, 409, "lost its memory")
-        assert resp.json()["error_code"] == "sandbox_memory_lost"
-    assert await pause.auto_resume(sid) is None
+    await _only_a_reboot_resumes(api, sid, assert_error, "lost its memory", "sandbox_memory_lost")
     assert nodes_mock.client.resume_sandbox.await_count == calls and await _state(sid) == "paused"
     nodes_mock.client.resume_sandbox.side_effect = None
     nodes_mock.client.resume_sandbox.return_value = dict(RESUME_RESULT)
