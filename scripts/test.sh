@@ -100,11 +100,21 @@ wait_template_prebuild() {
 
 status=0
 failed=()
+times=()  # "what: N s" of each step, printed at the end: where a CI run's time went
+timed() {  # what, command...: the command, its wall time kept in times
+  local what=$1 t0=$SECONDS
+  shift
+  "$@"
+  local rc=$?
+  times+=("$what: $((SECONDS - t0)) s")
+  return "$rc"
+}
 run_pass() {  # name, narrowed (1: the caller's arguments narrowed this pass), command...
   # "no tests collected" (5) is fine only when the caller's arguments selected none of this pass.
-  local name=$1 narrowed=$2 rc=0
+  local name=$1 narrowed=$2 rc=0 t0=$SECONDS
   shift 2
   "$@" || rc=$?
+  times+=("$name: $((SECONDS - t0)) s")
   if [ "$rc" = 5 ] && [ "$narrowed" = 1 ]; then rc=0; fi
   if [ "$rc" != 0 ]; then
     [ "$rc" = 5 ] && echo "==> $name: no tests collected (exit status 5), and this pass must run tests" >&2
@@ -130,7 +140,8 @@ main() {
   export AENV_HOME="${AENV_HOME:-$ROOT/var}"
   export AENV_IMAGES_DIR="${AENV_IMAGES_DIR:-$AENV_HOME/images}"
   [ $# -gt 0 ] || { COMPOSE_PREBUILD=1; TEMPLATE_PREBUILD=1; }
-  install_test_dependencies
+  local started=$SECONDS
+  timed "test dependencies" install_test_dependencies
 
   # Long repeats of what the default run covers (200 pause cycles, a 400 MiB image, twelve cold
   # boots at once) are marked slow: AENV_TEST_SLOW=1 runs them too.
@@ -152,12 +163,13 @@ main() {
   # into a log shown when the VM pass ends (~15 min of CI less than one after another). The VM
   # tests run one at a time: they share two emulated cores.
   local beside_log="$AENV_HOME/test-logs/beside-the-vm-pass.log" beside_failed="$AENV_HOME/test-logs/beside-failed"
-  local vm_log="$AENV_HOME/test-logs/vm-pass.log"
+  local vm_log="$AENV_HOME/test-logs/vm-pass.log" beside_times="$AENV_HOME/test-logs/beside-times"
   mkdir -p "$AENV_HOME/test-logs"
-  rm -f "$beside_log" "$beside_failed" "$vm_log"
+  rm -f "$beside_log" "$beside_failed" "$vm_log" "$beside_times"
   echo "==> tests without VMs on SQLite (unit, envd, code interpreter, CLI, deploy files), then the unit tests" \
     "that use the database on PostgreSQL: beside the VM pass (log: $beside_log)"
   (
+    times=()  # its own steps only (it was handed the ones before it)
     run_pass "tests without VMs" "$narrowed" nice -n 10 .venv/bin/pytest -p no:cacheprovider -q -rfEs -n 2 \
       --dist loadgroup --durations=15 "${strict[@]}" -m "not vm and ($slow)" "$@"
     # Never narrowed: all of tests/unit's database tests, so it always runs tests and its tiers.
@@ -167,11 +179,12 @@ main() {
       nice -n 10 .venv/bin/pytest -p no:cacheprovider -q -rfEs -n 2 --dist loadgroup --require-tiers \
       --database-tests-only tests/unit
     if [ ${#failed[@]} -gt 0 ]; then printf '%s\n' "${failed[@]}" >"$beside_failed"; fi
+    printf '%s\n' "${times[@]}" >"$beside_times"
     exit "$status"
   ) >"$beside_log" 2>&1 &
   local beside=$! beside_status=0
-  wait_compose_images  # before the VMs: they share the two cores
-  wait_template_prebuild
+  timed "waiting for the compose images" wait_compose_images  # before the VMs: they share the two cores
+  timed "waiting for the template prebuild" wait_template_prebuild
   echo "==> tests with real VMs on SQLite (drivers, the stack end to end with the SDKs, networks, cluster, browser)"
   run_pass "tests with VMs" "$narrowed" logged "$vm_log" .venv/bin/pytest -p no:cacheprovider -q -rfEs --durations=40 \
     "${strict[@]}" \
@@ -185,6 +198,9 @@ main() {
     else failed+=("the passes beside the VM pass (exit status $beside_status)"); fi
   fi
 
+  if [ -s "$beside_times" ]; then mapfile -t -O "${#times[@]}" times < <(sed 's/^/beside the VM pass: /' "$beside_times"); fi
+  times+=("the whole run: $((SECONDS - started)) s")
+  printf '==> time, %s\n' "${times[@]}"
   if [ ${#failed[@]} -gt 0 ]; then
     printf '==> failed: %s\n' "${failed[@]}" >&2
     # the failed tests by name last: a CI page that shows only the run's head and tail names them

@@ -296,3 +296,14 @@ def test_every_pass_passing_passes_the_run(tmp_path):
     assert "==> failed" not in done.stderr
     log = tmp_path / "var" / "test-logs" / "beside-the-vm-pass.log"  # under the run's AENV_HOME
     assert "--database-tests-only" in log.read_text()
+
+
+def test_the_run_ends_saying_where_its_time_went(tmp_path):
+    done = _main_with_a_fake_pytest(tmp_path, "nothing fails")
+    times = [line for line in done.stdout.splitlines() if line.startswith("==> time, ")]
+    steps = [line.removeprefix("==> time, ").rsplit(":", 1)[0] for line in times]
+    assert steps == ["test dependencies", "docs site", "waiting for the compose images",
+                     "waiting for the template prebuild", "tests with VMs",
+                     "beside the VM pass: tests without VMs", "beside the VM pass: unit tests on PostgreSQL",
+                     "the whole run"], times
+    assert all(line.endswith(" s") and line.rsplit(":", 1)[1].strip()[:-2].isdigit() for line in times), times
