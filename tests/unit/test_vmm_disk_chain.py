@@ -98,7 +98,18 @@ def _layers(tmp_path):
     return [str(f) for f in files]
 
 
-def test_shorten_chain_keeps_the_base_and_deletes_only_the_sandboxs_own_layers(tmp_path, monkeypatch):
+def test_own_layers_are_the_ones_above_everything_inherited(tmp_path):
+    from vmm.qemu.snapshots import _own_layers  # noqa: PLC0415
+
+    chain = _layers(tmp_path)
+    assert _own_layers(_state(tmp_path, chain)) == chain[2:]
+    assert _own_layers(_state(tmp_path, chain[:2])) == []
+    # an own-looking layer under an inherited one is not the sandbox's to stream away
+    assert _own_layers(_state(tmp_path, [chain[0], chain[2], chain[1]])) == []
+
+
+def test_shorten_chain_streams_down_to_the_last_inherited_layer_and_deletes_the_own_ones(tmp_path,
+                                                                                      monkeypatch):
     from vmm.qemu.cmdline import VMPaths  # noqa: PLC0415
     from vmm.qemu.snapshots import SnapshotMixin  # noqa: PLC0415
     from vmm.qemu.state import VMState  # noqa: PLC0415
@@ -110,8 +121,8 @@ def test_shorten_chain_keeps_the_base_and_deletes_only_the_sandboxs_own_layers(t
     monkeypatch.setattr(disk_chain, "stream_into_top", lambda q, top, base, timeout: streamed.append((top, base)))
     driver = SnapshotMixin()
     driver._shorten_chain(state, VMPaths.for_sandbox(tmp_path, "sb"))
-    assert streamed == [("top9", chain[0])]
-    assert VMState.load(tmp_path).chain == [chain[0]]  # durable before any file goes
+    assert streamed == [("top9", chain[1])]  # the snapshot's layers stay under the top, shared
+    assert VMState.load(tmp_path).chain == chain[:2]  # durable before any file goes
     assert [Path(c).exists() for c in chain] == [True, True, False, False]  # the snapshot's files stay
 
 

@@ -3,7 +3,8 @@ past ``max_disk_layers`` sealed layers a snapshot streams them into the running 
 (vmm.qemu.disk_chain), the guest carrying on meanwhile, and the sandbox's dropped layer files
 are deleted. What each snapshot held, and what the guest wrote, must all still be there: read
 back through the guest with its page cache dropped (so from the streamed disk), from a cold
-boot over the last snapshot's layers and from a memory restore taken after the stream.
+boot over the last snapshot's layers and from a memory restore taken after the stream. A
+restored sandbox streams only the layers it made: its snapshot's stay, shared, under its top.
 """
 
 from pathlib import Path
@@ -94,6 +95,18 @@ def test_repeated_snapshots_keep_the_chain_short_and_every_write(driver, tmp_pat
         restored = driver.restore(memory, BootSpec("dc-restored"))
         kids.append(restored)
         assert_continues(restored, before)
+        assert files_read_from_disk(restored, SNAPSHOTS) == [f"v{i}" for i in range(SNAPSHOTS)]
+
+        # a restored sandbox streams only its own layers: the snapshot's stay under its top
+        inherited = driver._load("dc-restored").chain
+        for i in range(BOUND + 1):
+            sh(restored, f"echo r{i} > /home/user/r{i}.txt")
+            driver.snapshot("dc-restored", tmp_path / f"restored-snap{i}", memory=False)
+        assert driver._load("dc-restored").chain == inherited
+        assert all(Path(layer).exists() for layer in inherited)
+        sh(restored, "sync; echo 3 > /proc/sys/vm/drop_caches", user="root")
+        assert sh(restored, " ; ".join(f"cat /home/user/r{i}.txt" for i in range(BOUND + 1))).split() == \
+            [f"r{i}" for i in range(BOUND + 1)]
         assert files_read_from_disk(restored, SNAPSHOTS) == [f"v{i}" for i in range(SNAPSHOTS)]
     finally:
         for kid in kids:

@@ -43,8 +43,8 @@ class SnapshotMixin:
     # more idle sandboxes per node, but its pauses and snapshots carry its whole RAM).
     template_ram = os.environ.get("AENV_TEMPLATE_RAM", "copy")
     TEMPLATE_RAM_WAYS = ("copy", "shared")
-    # How many sealed layers a VM's disk chain may hold above its base before a snapshot
-    # streams them into the top (vmm.qemu.disk_chain): each one costs every later capture a copy.
+    # How many sealed layers of its own a VM's disk chain may hold before a snapshot streams
+    # them into the top (vmm.qemu.disk_chain): each one costs every later capture a copy.
     max_disk_layers = int(os.environ.get("AENV_MAX_DISK_LAYERS", "16"))
     chain_stream_timeout = float(os.environ.get("AENV_CHAIN_STREAM_TIMEOUT", "600"))
 
@@ -93,7 +93,7 @@ class SnapshotMixin:
             # not depend on the sandbox, and point each copy at the previous one.
             layers = _copy_chain(state.chain, dest, with_base)
             t_copied = time.monotonic()
-            if len(state.chain) - 1 > self.max_disk_layers:
+            if len(_own_layers(state)) > self.max_disk_layers:
                 self._shorten_chain(state, paths)
             t_done = time.monotonic()
             timings.update({"chain_stream_ms": (t_done - t_copied) * 1e3,"capture_background": 1.0 if how == "background" else 0.0,
@@ -106,24 +106,24 @@ class SnapshotMixin:
             return manifest
 
     def _shorten_chain(self, state: VMState, paths: VMPaths) -> None:
-        """The sealed layers above the base streamed into the running top (vmm.qemu.disk_chain), the
-        state then naming the base alone under it, and the layers the sandbox owns deleted (a
-        restored sandbox's lower layers are its snapshot's, left alone). A stream that fails
-        leaves the chain as it was: the snapshot already holds its copy, so it only logs."""
-        dropped = state.chain[1:]
+        """The sandbox's own sealed layers streamed into the running top (vmm.qemu.disk_chain),
+        down to the last layer it inherited (its image, or the snapshot it was restored from:
+        those are shared, and a template's may hold gigabytes a stream would copy into every
+        sandbox); the state then names the inherited layers alone under the top, and the
+        streamed files are deleted. A stream that fails leaves the chain as it was: the
+        snapshot already holds its copy, so it only logs."""
+        dropped = _own_layers(state)
+        keep = len(state.chain) - len(dropped)
         try:
             with QMP(paths.qmp, timeout=30.0) as q:
-                disk_chain.stream_into_top(q, state.top_node, state.chain[0], self.chain_stream_timeout)
+                disk_chain.stream_into_top(q, state.top_node, state.chain[keep - 1], self.chain_stream_timeout)
         except (VMError, OSError) as e:
-            log.warning("sandbox %s: its disk chain of %d layers stays as it is: %s", state.sandbox_id,
-                        len(dropped), e)
+            log.warning("sandbox %s: its %d disk layers stay as they are: %s", state.sandbox_id, len(dropped), e)
             return
-        state.chain = state.chain[:1]
+        state.chain = state.chain[:keep]
         state.save()
-        own = Path(state.state_dir)
         for layer in dropped:
-            if Path(layer).parent == own:
-                Path(layer).unlink(missing_ok=True)
+            Path(layer).unlink(missing_ok=True)
         log.info("sandbox %s: %d disk layers streamed into its top", state.sandbox_id, len(dropped))
 
     def _capture_how(self, state: VMState, running: bool = True, for_fork: bool = False) -> str:
@@ -698,6 +698,18 @@ def _stopped(q: QMP, wall_s: float, was_running: bool) -> float:
     stops it itself in a pre-copy), else the driver's own clock around its stop and cont."""
     ms = live_capture.stopped_ms(q.events) if was_running else None
     return ms if ms is not None else wall_s * 1e3
+
+
+def _own_layers(state: VMState) -> list[str]:
+    """The sealed layers at the top of the chain that the sandbox made (its state dir holds
+    them), above every layer it inherited; never the chain's first (its image or snapshot base)."""
+    own = Path(state.state_dir)
+    layers = []
+    for layer in reversed(state.chain[1:]):
+        if Path(layer).parent != own:
+            break
+        layers.append(layer)
+    return layers[::-1]
 
 
 def _copy_chain(chain: list[str], dest: Path, with_base: bool) -> list[str]:
