@@ -40,6 +40,7 @@ class SlotPool:
         self._ready: list[Slot] = []
         self._dying: list[Slot] = []  # released, destroyed by the background thread
         self._in_use: set[int] = set()
+        self._making: set[int] = set()  # indexes a _make is creating now (concurrent makers skip them)
         self._refill = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -160,9 +161,12 @@ class SlotPool:
             start = self._cursor
         for step in range(total):
             index = (start - 1 + step) % total + 1
-            with self._lock:
-                if index in self._in_use or any(s.index == index for s in (*self._ready, *self._dying)):
+            with self._lock:  # claimed here, so concurrent makers (refill, acquires) never race for it
+                if (index in self._in_use or index in self._making
+                        or any(s.index == index for s in (*self._ready, *self._dying))):
                     continue
+                self._making.add(index)
+                self._cursor = index % total + 1
             try:
                 slot = slots.create(Slot(self.prefix, index, self.pool), self.deny_extra, self.dns_ip,
                                     self.allow_extra, self.limits, self.dns_limits)
@@ -170,8 +174,9 @@ class SlotPool:
                 if "taken" in str(exc):
                     continue
                 raise
-            with self._lock:
-                self._cursor = index % total + 1
+            finally:
+                with self._lock:
+                    self._making.discard(index)
             try:
                 subprocess.run(["sysctl", "-q", "-w", f"net.ipv4.conf.{slot.host_veth}.forwarding=1"],
                                check=True, capture_output=True, timeout=10)

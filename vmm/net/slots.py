@@ -285,9 +285,13 @@ def create(slot: Slot, deny_extra: tuple[str, ...] = (), dns_ip: str | None = DE
     """Makes the slot: its netns (the claim: SlotError if it exists), the veth pair, tap0,
     addresses, the guest's neighbour entry, routes, sysctls and the nftables table. On any
     failure what was made is removed and SlotError raised."""
+    # Looked for first: pyroute2's netns.create forks a child to make it and, when that child
+    # fails (the name exists), never reaps it, one zombie per try (a soak's node had 2,300).
+    if os.path.exists(slot.netns_path):
+        raise SlotError(f"slot {slot.netns} is taken")
     try:
         netns.create(slot.netns)
-    except FileExistsError:
+    except FileExistsError:  # made meanwhile by another process (its zombie is the one left)
         raise SlotError(f"slot {slot.netns} is taken") from None
     try:
         _configure(slot, deny_extra, dns_ip, allow_extra, limits, dns_limits)
