@@ -88,6 +88,31 @@ def test_concurrent_acquires_on_an_empty_pool_get_distinct_slots_and_leave_no_zo
     assert slots.list_slots(prefix) == []
 
 
+def test_released_slots_do_not_pile_up_behind_a_busy_background_thread(prefix, monkeypatch):
+    """A background thread that cannot keep up (here: never gets to them) holds at most
+    DYING_MAX released slots; the releases past that destroy their own."""
+    from vmm.net import slot_pool  # noqa: PLC0415
+
+    monkeypatch.setattr(slot_pool, "DYING_MAX", 2)
+    pool = SlotPool(prefix, warm=0)
+    pool.adopt(set())
+    got = [pool.acquire() for _ in range(4)]
+    stuck = slot_pool.threading.Event()
+    pool._thread = slot_pool.threading.Thread(target=stuck.wait, daemon=True)  # alive, never destroys
+    pool._thread.start()
+    try:
+        for slot in got:
+            pool.release(slot)
+        assert len(pool._dying) == 2
+        assert [s.index for s in slots.list_slots(prefix)] == sorted(s.index for s in got[:2])
+    finally:
+        stuck.set()
+        pool._thread.join()
+        for slot in list(pool._dying):
+            pool._destroy(slot)
+    assert slots.list_slots(prefix) == []
+
+
 def test_a_restarted_node_keeps_what_its_vms_use(prefix):
     used, spare, claimed = (slots.create(slots.Slot(prefix, i)) for i in (1, 2, 3))
     pool = SlotPool(prefix, warm=0)

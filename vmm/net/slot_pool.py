@@ -26,6 +26,13 @@ from .slots import Slot, SlotError
 log = logging.getLogger(__name__)
 
 
+# Released slots waiting for the background thread at most: past this, a release destroys its
+# slot itself (~40 ms). Without a bound, a background thread that fell behind (the soak's node,
+# busy making warm slots on a loaded host) let 1,600 dead slots pile up until the pool's
+# addresses ran out and creates failed with "no free slot left".
+DYING_MAX = 32
+
+
 class SlotPool:
     def __init__(self, prefix: str = slots.DEFAULT_PREFIX, pool: str = slots.DEFAULT_POOL, warm: int = 4,
                  deny_extra: tuple[str, ...] = (), dns_ip: str | None = None, allow_extra: tuple[str, ...] = (),
@@ -115,11 +122,12 @@ class SlotPool:
     def release(self, slot: Slot) -> None:
         """The VM's process is gone: its slot is destroyed — by the background thread when it
         runs (a pause or kill does not wait ~30 ms for netlink and nft; nothing sends from a
-        slot whose VM is gone, and its index is not handed out until it is destroyed), else
-        here."""
+        slot whose VM is gone, and its index is not handed out until it is destroyed), else,
+        or when DYING_MAX slots already wait for it, here."""
         with self._lock:
             self._in_use.discard(slot.index)
-            later = self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+            later = (self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+                     and len(self._dying) < DYING_MAX)
             if later:
                 self._dying.append(slot)
         if later:
