@@ -73,9 +73,13 @@ class PooledThreadContext(ThreadSensitiveContext):
     async def __aenter__(self):
         await super().__aenter__()
         if self.token is not None:  # the outermost context (not inside another one)
-            self._lent = POOL.take()
-            SyncToAsync.context_to_thread_executor[self] = self._lent
+            self._lend()
         return self
+
+    def _lend(self) -> None:
+        """This context's sync calls to an executor taken from ``POOL``."""
+        self._lent = POOL.take()
+        SyncToAsync.context_to_thread_executor[self] = self._lent
 
     async def __aexit__(self, exc, value, tb):
         if self._lent is None:
@@ -93,8 +97,7 @@ class DetachedThreadContext(PooledThreadContext):
 
     async def __aenter__(self):
         self.token = SyncToAsync.thread_sensitive_context.set(self)
-        self._lent = POOL.take()
-        SyncToAsync.context_to_thread_executor[self] = self._lent
+        self._lend()
         return self
 
 

@@ -111,10 +111,9 @@ timed() {  # what, command...: the command, its wall time kept in times
 }
 run_pass() {  # name, narrowed (1: the caller's arguments narrowed this pass), command...
   # "no tests collected" (5) is fine only when the caller's arguments selected none of this pass.
-  local name=$1 narrowed=$2 rc=0 t0=$SECONDS
+  local name=$1 narrowed=$2 rc=0
   shift 2
-  "$@" || rc=$?
-  times+=("$name: $((SECONDS - t0)) s")
+  timed "$name" "$@" || rc=$?
   if [ "$rc" = 5 ] && [ "$narrowed" = 1 ]; then rc=0; fi
   if [ "$rc" != 0 ]; then
     [ "$rc" = 5 ] && echo "==> $name: no tests collected (exit status 5), and this pass must run tests" >&2

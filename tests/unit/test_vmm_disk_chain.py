@@ -120,7 +120,7 @@ def test_shorten_chain_streams_down_to_the_last_inherited_layer_and_deletes_the_
     monkeypatch.setattr("vmm.qemu.snapshots.QMP", lambda *a, **k: _NullQMP())
     monkeypatch.setattr(disk_chain, "stream_into_top", lambda q, top, base, timeout: streamed.append((top, base)))
     driver = SnapshotMixin()
-    driver._shorten_chain(state, VMPaths.for_sandbox(tmp_path, "sb"))
+    driver._shorten_chain(state, VMPaths.for_sandbox(tmp_path, "sb"), chain[2:])
     assert streamed == [("top9", chain[1])]  # the snapshot's layers stay under the top, shared
     assert VMState.load(tmp_path).chain == chain[:2]  # durable before any file goes
     assert [Path(c).exists() for c in chain] == [True, True, False, False]  # the snapshot's files stay
@@ -139,7 +139,7 @@ def test_a_stream_that_fails_leaves_chain_and_files_as_they_were(tmp_path, monke
         raise VMError("streaming the disk chain into top9 failed: No space left on device")
 
     monkeypatch.setattr(disk_chain, "stream_into_top", fails)
-    SnapshotMixin()._shorten_chain(state, VMPaths.for_sandbox(tmp_path, "sb"))
+    SnapshotMixin()._shorten_chain(state, VMPaths.for_sandbox(tmp_path, "sb"), chain[2:])
     assert VMState.load(tmp_path).chain == chain
     assert all(Path(c).exists() for c in chain)
 

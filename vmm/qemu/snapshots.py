@@ -93,10 +93,12 @@ class SnapshotMixin:
             # not depend on the sandbox, and point each copy at the previous one.
             layers = _copy_chain(state.chain, dest, with_base)
             t_copied = time.monotonic()
-            if len(_own_layers(state)) > self.max_disk_layers:
-                self._shorten_chain(state, paths)
+            own = _own_layers(state)
+            if len(own) > self.max_disk_layers:
+                self._shorten_chain(state, paths, own)
             t_done = time.monotonic()
-            timings.update({"chain_stream_ms": (t_done - t_copied) * 1e3,"capture_background": 1.0 if how == "background" else 0.0,
+            timings.update({"chain_stream_ms": (t_done - t_copied) * 1e3,
+                            "capture_background": 1.0 if how == "background" else 0.0,
                             "capture_precopy": 1.0 if how == "pre-copy" else 0.0,
                             "layers_copy_ms": (t_copied - t_cont) * 1e3, "total_ms": (t_done - t0) * 1e3})
             manifest = self._manifest(state, dest, layers, str(ram_copy) if memory else "",
@@ -105,14 +107,14 @@ class SnapshotMixin:
             state.save()
             return manifest
 
-    def _shorten_chain(self, state: VMState, paths: VMPaths) -> None:
+    def _shorten_chain(self, state: VMState, paths: VMPaths, dropped: list[str]) -> None:
         """The sandbox's own sealed layers streamed into the running top (vmm.qemu.disk_chain),
         down to the last layer it inherited (its image, or the snapshot it was restored from:
         those are shared, and a template's may hold gigabytes a stream would copy into every
         sandbox); the state then names the inherited layers alone under the top, and the
         streamed files are deleted. A stream that fails leaves the chain as it was: the
-        snapshot already holds its copy, so it only logs."""
-        dropped = _own_layers(state)
+        snapshot already holds its copy, so it only logs. ``dropped``: its own layers
+        (``_own_layers``), the top of its chain."""
         keep = len(state.chain) - len(dropped)
         try:
             with QMP(paths.qmp, timeout=30.0) as q:
