@@ -14,10 +14,8 @@ on different threads), and the thread lives on for the next one.
 
 What stays as it was: the database connection is still closed at the request's end (Django's
 ``request_finished``, CONN_MAX_AGE=0, run on the request's thread), so nothing of a
-connection crosses requests. A task that outlives its request (``lifecycle``'s shielded
-transitions when the client goes away) and calls ``sync_to_async`` after the end gets a new
-thread of its own, as with asgiref's own context (the lent executor is no longer the
-context's). A call of the request still running on the lent thread when the request ends
+connection crosses requests. A task that outlives its request runs in a context of its own
+(``lifecycle.own_thread``: ``lifecycle``'s shielded transitions when the client goes away). A call of the request still running on the lent thread when the request ends
 (such a shielded task's) finishes before the next request's calls there start: the executor
 has one worker, in order.
 
@@ -25,7 +23,6 @@ has one worker, in order.
 requests at once, more executors are made and the surplus is shut down when given back."""
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from collections import deque
@@ -73,13 +70,9 @@ class PooledThreadContext(ThreadSensitiveContext):
     async def __aenter__(self):
         await super().__aenter__()
         if self.token is not None:  # the outermost context (not inside another one)
-            self._lend()
+            self._lent = POOL.take()
+            SyncToAsync.context_to_thread_executor[self] = self._lent
         return self
-
-    def _lend(self) -> None:
-        """This context's sync calls to an executor taken from ``POOL``."""
-        self._lent = POOL.take()
-        SyncToAsync.context_to_thread_executor[self] = self._lent
 
     async def __aexit__(self, exc, value, tb):
         if self._lent is None:
@@ -90,38 +83,6 @@ class PooledThreadContext(ThreadSensitiveContext):
         self.token = None
         lent, self._lent = self._lent, None
         POOL.give(lent)
-
-
-class DetachedThreadContext(PooledThreadContext):
-    """A context of its own with a lent thread even inside a request's (``on_a_thread_of_its_own``)."""
-
-    async def __aenter__(self):
-        self.token = SyncToAsync.thread_sensitive_context.set(self)
-        self._lend()
-        return self
-
-
-async def on_a_thread_of_its_own(coro):
-    """Awaits ``coro`` with its thread-sensitive ``sync_to_async`` calls on a lent thread of its
-    own, not on its caller's request's, and that thread's database connections closed when it
-    is done.
-
-    Why: a task that outlives its request (``lifecycle``'s shielded transitions, when the client
-    goes away mid-transition) would call ``sync_to_async`` in the ended request's context:
-    asgiref then gives that context a new thread which nothing ends and whose connection nothing
-    closes. With PostgreSQL's pool that was one pooled connection lost for good per client that
-    went away mid-transition, until the API's pool ran dry."""
-    context = DetachedThreadContext()
-    async with context:
-        lent = context._lent
-        try:
-            return await coro
-        finally:
-            from django.db import connections  # noqa: PLC0415
-
-            # on the lent thread itself (not through sync_to_async: inside an async_to_sync
-            # bridge that would be the caller's thread, whose connection is not ours to close)
-            await asyncio.wrap_future(lent.submit(connections.close_all))
 
 
 class PooledThreadsASGIHandler(ASGIHandler):

@@ -17,8 +17,8 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from config import request_threads
 
+from lifecycle import own_thread
 from nodes import client as node_client, placement
 from nodes.models import Node
 from sandboxes.models import Sandbox, SandboxEvent, Team
@@ -141,14 +141,17 @@ async def node_of(sandbox: Sandbox):
     return node
 
 
-def shielded(coro):
+async def shielded(coro):
     """Runs ``coro`` to completion even if the caller is cancelled (the client went
     away): its outcome is written to the DB either way, never a half-done transition. Its ORM
     calls run on a thread of its own whose connection is closed at its end (it may outlive the
-    request: config.request_threads.on_a_thread_of_its_own says why)."""
-    task = asyncio.ensure_future(request_threads.on_a_thread_of_its_own(coro))
+    request: ``lifecycle.own_thread`` says why); the request gives its own connection back to
+    the pool while it waits (a create waits for its node for seconds: N such requests must not
+    hold N pooled connections)."""
+    task = asyncio.ensure_future(own_thread.on_a_thread_of_its_own(coro))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return asyncio.shield(task)
+    await release_connection()
+    return await asyncio.shield(task)
 
 
 def node_failure(client, exc: BaseException, node, what: str, deadline: float) -> LifecycleError:

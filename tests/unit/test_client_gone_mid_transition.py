@@ -2,7 +2,7 @@
 on the ASGI receive): the transition still ends (its shielded task), and its ORM calls after the
 request ended must not run on a thread nothing ends. They did: asgiref gave the ended request's
 context a new thread whose connection nobody closed, one pooled PostgreSQL connection lost per
-such client until the API's pool ran dry (config.request_threads.on_a_thread_of_its_own). On
+such client until the API's pool ran dry (lifecycle.own_thread). On
 PostgreSQL the autouse check of tests/unit/conftest.py catches the held connection; everywhere,
 the left-over thread context."""
 import asyncio
