@@ -307,7 +307,9 @@ async def update_network(team: Team, sandbox_id: str, update: NetworkUpdate, act
     failed (e.g. its backend cannot enforce the policy: Invalid): the previous policy is
     put back. No answer: the row keeps the new policy (a resume re-applies the row's, and a
     retried update is harmless) and the error says the node did not confirm it."""
-    deadline = time.monotonic() + IN_FLIGHT_WINDOW
+    # past the window by two polls: an update left "started" by a dead process is looked at
+    # again once it is older than the window, before this one gives up
+    deadline = time.monotonic() + IN_FLIGHT_WINDOW + 2 * core.SETTLE_POLL
     while True:
         sandbox = await core.settle(team, sandbox_id)
         if sandbox.state != S.RUNNING:
