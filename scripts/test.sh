@@ -168,7 +168,9 @@ main() {
   echo "==> tests without VMs on SQLite (unit, envd, code interpreter, CLI, deploy files), then the unit tests" \
     "that use the database on PostgreSQL: beside the VM pass (log: $beside_log)"
   (
-    times=()  # its own steps only (it was handed the ones before it)
+    # its own steps only (it was handed the ones before it); it hands them back in $beside_times
+    # shellcheck disable=SC2030
+    times=()
     run_pass "tests without VMs" "$narrowed" nice -n 10 .venv/bin/pytest -p no:cacheprovider -q -rfEs -n 2 \
       --dist loadgroup --durations=15 "${strict[@]}" -m "not vm and ($slow)" "$@"
     # Never narrowed: all of tests/unit's database tests, so it always runs tests and its tiers.
@@ -197,6 +199,7 @@ main() {
     else failed+=("the passes beside the VM pass (exit status $beside_status)"); fi
   fi
 
+  # shellcheck disable=SC2031  # the main shell's own times (the subshell's came back in $beside_times)
   if [ -s "$beside_times" ]; then mapfile -t -O "${#times[@]}" times < <(sed 's/^/beside the VM pass: /' "$beside_times"); fi
   times+=("the whole run: $((SECONDS - started)) s")
   printf '==> time, %s\n' "${times[@]}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 from tests.nfs3_client import OK, Nfs3Client
 from tests.unit.test_volume_server_confinement import POOL, SECRET, in_netns, stand_in_guest
@@ -20,6 +21,23 @@ def _loop_of(root) -> str:
     """The device mounted at ``root`` (mountinfo: the source after the `` - `` separator)."""
     with open("/proc/self/mountinfo") as f:
         return next(line.split(" - ")[1].split()[1] for line in f if line.split()[4] == str(root))
+
+
+def _hold(device: str, was, backing) -> str | None:
+    """Attaches ``backing`` to ``device`` once the unmount of ``was`` has let go of it (a loop
+    device's autoclear is asynchronous: ``losetup --find`` right after the umount may still
+    pass it over, and the mount again then gets it back), so the mount again gets another
+    one; None when another process took it first (it is held all the same)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if subprocess.run(["losetup", device, str(backing)], capture_output=True).returncode == 0:
+            return device
+        held_by = subprocess.run(["losetup", "--noheadings", "--output", "BACK-FILE", device],
+                                 capture_output=True, text=True).stdout.strip()
+        if held_by and held_by != str(was):
+            return None
+        time.sleep(0.05)
+    raise AssertionError(f"{device} still backs {was} 10 s after its umount")
 
 
 def test_handles_outlive_a_remount_on_another_loop_device(tmp_path, slot_prefix):
@@ -48,9 +66,7 @@ def test_handles_outlive_a_remount_on_another_loop_device(tmp_path, slot_prefix)
         vs.stop(run_dir)
         before = _loop_of(root)
         subprocess.run(["umount", str(root)], check=True)
-        # hold the loop device it had, so the mount again gets another one
-        spare = subprocess.run(["losetup", "--find", "--show", str(image.image_of(other))], capture_output=True,
-                               text=True, check=True).stdout.strip()
+        spare = _hold(before, image.image_of(root), image.image_of(other))
         assert image.ensure_mounted(root) and _loop_of(root) != before
         vs.start(slot, exports, run_dir)
         vs.open_ports(slot)
