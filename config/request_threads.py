@@ -24,42 +24,15 @@ requests at once, more executors are made and the surplus is shut down when give
 from __future__ import annotations
 
 import os
-import threading
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import SyncToAsync, ThreadSensitiveContext
 from django.core.handlers.asgi import ASGIHandler
 
-
-class ExecutorPool:
-    """Idle one-worker executors, most recently used first (its thread's caches are warm)."""
-
-    def __init__(self, idle_max: int):
-        self.idle_max = idle_max
-        self._idle: deque[ThreadPoolExecutor] = deque()
-        self._lock = threading.Lock()
-        self.made = 0  # tests and benchmarks: how many executors (threads) were ever made
-
-    def take(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-            self.made += 1
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="aenv-request")
-
-    def give(self, executor: ThreadPoolExecutor) -> None:
-        with self._lock:
-            if len(self._idle) < self.idle_max:
-                self._idle.append(executor)
-                return
-        executor.shutdown(wait=False)  # its thread ends once what was queued on it has run
-
-    def idle(self) -> int:
-        return len(self._idle)
+from lifecycle.own_thread import ExecutorPool
 
 
-POOL = ExecutorPool(int(os.environ.get("AENV_REQUEST_THREADS_IDLE", "16")))
+POOL = ExecutorPool(int(os.environ.get("AENV_REQUEST_THREADS_IDLE", "16")), "aenv-request")
 
 
 class PooledThreadContext(ThreadSensitiveContext):

@@ -4,25 +4,63 @@ its database connections at the task's end.
 Why: ``lifecycle``'s shielded transitions go on when the client goes away mid-transition. In
 the ended request's asgiref context their ``sync_to_async`` calls would get a new thread that
 nothing ends and whose connection nothing closes: with PostgreSQL's pool, one pooled
-connection lost for good per client that went away, until the API's pool ran dry. A
-transition takes seconds, so one thread made for it (well under a millisecond) costs
-nothing worth pooling."""
+connection lost for good per client that went away, until the API's pool ran dry.
+
+The thread is lent by a pool of idle one-worker executors (``ExecutorPool``, which the API's
+request threads use too: ``config.request_threads``), not started for each create, pause or
+resume: a thread's start and join are what the request pool saved (issue 26, the fourth round:
+two per request cost ~1.2 ms of the API's CPU on a loaded host). Its connections are closed
+before it goes back, so nothing of a transition's connection reaches the next user of the thread."""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import SyncToAsync, ThreadSensitiveContext
 from django.db import connections
 
 
+class ExecutorPool:
+    """Idle one-worker executors, most recently used first (its thread's caches are warm)."""
+
+    def __init__(self, idle_max: int, thread_name: str):
+        self.idle_max = idle_max
+        self.thread_name = thread_name
+        self._idle: deque[ThreadPoolExecutor] = deque()
+        self._lock = threading.Lock()
+        self.made = 0  # tests and benchmarks: how many executors (threads) were ever made
+
+    def take(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            self.made += 1
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.thread_name)
+
+    def give(self, executor: ThreadPoolExecutor) -> None:
+        with self._lock:
+            if len(self._idle) < self.idle_max:
+                self._idle.append(executor)
+                return
+        executor.shutdown(wait=False)  # its thread ends once what was queued on it has run
+
+    def idle(self) -> int:
+        return len(self._idle)
+
+
+POOL = ExecutorPool(int(os.environ.get("AENV_TRANSITION_THREADS_IDLE", "8")), "aenv-transition")
+
+
 class _OwnThreadContext(ThreadSensitiveContext):
     """asgiref's thread-sensitive context, entered even inside a request's (asgiref's own
-    does nothing when nested), with a one-worker executor of its own."""
+    does nothing when nested), with a one-worker executor lent by ``POOL``."""
 
     def __init__(self):
         super().__init__()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aenv-transition")
+        self.executor = POOL.take()
 
     async def __aenter__(self):
         self.token = SyncToAsync.thread_sensitive_context.set(self)
@@ -33,7 +71,7 @@ class _OwnThreadContext(ThreadSensitiveContext):
         SyncToAsync.context_to_thread_executor.pop(self, None)
         SyncToAsync.thread_sensitive_context.reset(self.token)
         self.token = None
-        self.executor.shutdown(wait=False)  # its thread ends once what was queued on it has run
+        POOL.give(self.executor)  # its connections were closed on it (on_a_thread_of_its_own)
 
 
 async def on_a_thread_of_its_own(coro):

@@ -17,7 +17,7 @@ from config.request_threads import ExecutorPool, PooledThreadContext
 
 @pytest.fixture
 def pool(monkeypatch):
-    fresh = ExecutorPool(idle_max=4)
+    fresh = ExecutorPool(idle_max=4, thread_name="aenv-request")
     monkeypatch.setattr(request_threads, "POOL", fresh)
     return fresh
 
