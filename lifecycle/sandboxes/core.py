@@ -17,7 +17,6 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-
 from lifecycle import own_thread
 from nodes import client as node_client, placement
 from nodes.models import Node
