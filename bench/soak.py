@@ -68,7 +68,10 @@ def markdown(result: dict) -> str:
     s = result["summary"]
     lines = [f"# Soak {result['when']} (commit {result['git']['commit']})", "",
              f"{s['cycles']} main cycles (pause → connect → check → command) with {s['config']['sandboxes']} "
-             f"sandboxes at once; run {s['run_s']} s; worker operations: "
+             f"sandboxes at once"
+             + (f" (each waiting {s['config']['worker_pause']:g} s between its operations)"
+                if s["config"].get("worker_pause") else "")
+             + f"; run {s['run_s']} s; worker operations: "
              + ", ".join(f"{k} {v}" for k, v in sorted(s["worker_ops"].items())), "",
              f"**state lost: {s['state_lost']}, errors: {s['errors']}**", "",
              "## Operation times per window of cycles (p50 / p99, s)", "",
@@ -118,13 +121,17 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=0, help="stop the cycles after this long (0: no limit): "
                                                               "chunks that fit a slot of the VM lock")
     p.add_argument("--max-errors", type=int, default=25, help="stop early after this many failures")
+    p.add_argument("--stop-file", default="", help="stop the cycles cleanly once this file exists (the results "
+                                                   "are written as after --minutes)")
+    p.add_argument("--worker-pause", type=float, default=0, help="s each worker waits between its operations "
+                                                                 "(0: back to back; recorded with the results)")
     args = parse_stack_args(p, "aenvk", "10.27.0.0/20")
 
     from bench.soak_run import Config, Soak  # noqa: PLC0415
 
     cfg = Config(cycles=args.cycles, sandboxes=args.sandboxes, warmup=min(args.warmup, args.cycles),
                  window=args.window, sdk_retries=args.sdk_retries, max_errors=args.max_errors,
-                 minutes=args.minutes)
+                 minutes=args.minutes, stop_file=args.stop_file, worker_pause=args.worker_pause)
     t_start, load0 = time.monotonic(), os.getloadavg()
     monitor = LoadMonitor().start()
     result = {"benchmark": "soak", "git": git_state(), "notes": []}

@@ -57,6 +57,8 @@ class Config:
     max_errors: int = 25         # stop early past this many errors + state lost
     settle: float = 120          # s the end measurement waits for idle connections to close
     minutes: float = 0           # stop the cycles after this long (0: no limit), cleanly
+    stop_file: str = ""          # stop the cycles, as cleanly, once this file exists ("": never)
+    worker_pause: float = 0      # s each worker waits between its operations (0: back to back)
     seed: int = 27
 
 
@@ -387,6 +389,8 @@ class Soak:
                         if self.stop.is_set():
                             break
                         self.gate.check()
+                        if self.cfg.worker_pause and self.stop.wait(self.cfg.worker_pause):
+                            break
                         try:
                             getattr(self, f"op_{op}")(t)
                             with self.lock:
@@ -434,6 +438,10 @@ class Soak:
                     break
                 if cfg.minutes and time.monotonic() - t_start > cfg.minutes * 60:
                     self.log(f"[soak] {cfg.minutes} minutes are up after {self.cycle} cycles")
+                    self.result.time_limited = True
+                    break
+                if cfg.stop_file and os.path.exists(cfg.stop_file):
+                    self.log(f"[soak] {cfg.stop_file} exists: stopping after {self.cycle} cycles")
                     self.result.time_limited = True
                     break
                 t0 = time.monotonic()
