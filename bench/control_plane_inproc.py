@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.control_plane_pieces import drop, setup  # noqa: E402
+from bench.control_plane_pieces import fresh_database  # noqa: E402
 
 OPS = ("create", "pause", "resume", "connect", "kill")
 
@@ -158,8 +158,7 @@ def main() -> int:
     import logging  # noqa: PLC0415
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request is the client's cost, not the API's
-    created = setup(args.pg or None)
-    try:
+    with fresh_database(args.pg or None):
         from django.db import connection  # noqa: PLC0415
 
         stub_dispatch()
@@ -179,9 +178,6 @@ def main() -> int:
         for op in OPS:
             values = sorted(v - health for v in cpu[op])
             print(f"| {op} | {statistics.median(values):.2f} | {values[int(0.9 * (len(values) - 1))]:.2f} |")
-    finally:
-        if created:
-            drop(args.pg, created)
     return 0
 
 

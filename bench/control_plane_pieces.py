@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +54,17 @@ def drop(pg: str, name: str) -> None:
     connections.close_all()
     with psycopg.connect(pg, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@contextmanager
+def fresh_database(pg: str | None):
+    """Django set up on a database of its own (``setup``), dropped again at the end."""
+    created = setup(pg)
+    try:
+        yield
+    finally:
+        if created:
+            drop(pg, created)
 
 
 def timed(fn, runs: int, warmup: int = 30) -> dict:
@@ -164,8 +176,7 @@ def main() -> int:
     p.add_argument("--pieces", default="", help="comma-separated: resolve,place,visible,transition,insert")
     p.add_argument("--pg", default="", help="a PostgreSQL server URL: a fresh database there instead of SQLite")
     args = p.parse_args()
-    created = setup(args.pg or None)
-    try:
+    with fresh_database(args.pg or None):
         from django.db import connection  # noqa: PLC0415
 
         results = pieces(args.runs, {s for s in args.pieces.split(",") if s})
@@ -174,9 +185,6 @@ def main() -> int:
         print("|---|---:|---:|")
         for name, r in results.items():
             print(f"| {name} | {r['cpu_us']} | {r['wall_us']} |")
-    finally:
-        if created:
-            drop(args.pg, created)
     return 0
 
 
