@@ -1,6 +1,6 @@
-"""The node worker's C heap kept from growing with its threads: at most ``AENV_NODE_MALLOC_ARENAS``
-glibc malloc arenas, and the free memory in them given back to the host every
-``AENV_NODE_MALLOC_TRIM_INTERVAL`` seconds.
+"""The node worker's (and the API's: ``config.asgi``) C heap kept from growing with its threads:
+at most ``AENV_MALLOC_ARENAS`` glibc malloc arenas, and the free memory in them given back to
+the host every ``AENV_MALLOC_TRIM_INTERVAL`` seconds.
 
 Why: the node worker runs its tasks on ~32 threads (Celery's pool, the heartbeat, the watch, the
 samplers). glibc gives each thread that allocates while the others hold theirs an arena of its

@@ -56,7 +56,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     first where it must (agent.join: NodeNotAdmitted when it may not), and stops when the
     control plane revokes it (register_node and the heartbeat raise NodeRevoked)."""
     node_id = settings.AENV_NODE_ID
-    malloc_arenas.limit_arenas(settings.AENV_NODE_MALLOC_ARENAS)  # before the worker's threads allocate
+    malloc_arenas.limit_arenas(settings.AENV_MALLOC_ARENAS)  # before the worker's threads allocate
     ensure_joined(node_id)
     egress_trust.node_ca()  # the TLS-interception CA: made now if this node has none (AENV_EGRESS_CA_DIR)
     driver = get_driver()
@@ -98,7 +98,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
         log.warning("node %s runs UNSIGNED tasks: no task-signing certificate (AENV_TASK_SIGNING_CERT); "
                     "whoever can write to the broker can make it run anything", node.id)
     heartbeat.start()
-    trimmer = malloc_arenas.Trimmer(settings.AENV_NODE_MALLOC_TRIM_INTERVAL)
+    trimmer = malloc_arenas.Trimmer(settings.AENV_MALLOC_TRIM_INTERVAL)
     trimmer.start()
     reconciler = Reconciler(node_id, driver, settings.AENV_RECONCILE_INTERVAL, settings.AENV_RECONCILE_STALE)
     watch = VmWatch(node_id, driver, settings.AENV_VM_WATCH_INTERVAL, lazy=lambda: getattr(get_store(), "lazy", None))

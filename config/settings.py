@@ -159,10 +159,11 @@ AENV_DISK_IOPS_MAX = _env_int("AENV_DISK_IOPS_MAX", 4000)
 # Node worker: parallel VM operations, and how far capacity may be overcommitted
 # (idle microVMs use little CPU; guest RAM is touched lazily and ballooned back).
 AENV_NODE_CONCURRENCY = _env_int("AENV_NODE_CONCURRENCY", 32)
-# The node worker's C heap (agent.malloc_arenas): at most this many glibc malloc arenas (0:
-# glibc's own limit, 8 a core), and their free pages given back every this many seconds (0: never).
-AENV_NODE_MALLOC_ARENAS = _env_int("AENV_NODE_MALLOC_ARENAS", 2)
-AENV_NODE_MALLOC_TRIM_INTERVAL = float(_env("AENV_NODE_MALLOC_TRIM_INTERVAL", "60"))
+# The node worker's and the API's C heap (agent.malloc_arenas): at most this many glibc malloc
+# arenas (0: glibc's own limit, 8 a core), and their free pages given back every this many
+# seconds (0: never).
+AENV_MALLOC_ARENAS = _env_int("AENV_MALLOC_ARENAS", 2)
+AENV_MALLOC_TRIM_INTERVAL = float(_env("AENV_MALLOC_TRIM_INTERVAL", "60"))
 # A node worker told to stop (SIGTERM) first pauses its running sandboxes to disk, for at
 # most this long (agent.shutdown); AENV_NODE_STOP_PAUSE=0 leaves them running instead.
 AENV_NODE_STOP_PAUSE = _env_bool("AENV_NODE_STOP_PAUSE", True)
