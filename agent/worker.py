@@ -15,7 +15,7 @@ from agent.console_logs import ConsoleCollector
 from agent.driver import get_driver, get_templates
 from agent.chunk_peers import start_chunk_peers
 from agent.heartbeat import Heartbeat, mark_stopped, register_node
-from agent import egress_trust, malloc_arenas
+from agent import egress_trust
 from agent.join import ensure_joined
 from agent.host_usage import HostSampler
 from agent.metrics import MetricsSampler, vm_cpu_seconds
@@ -25,6 +25,7 @@ from agent.shutdown import pause_all
 from agent.stores import get_store
 from agent.vm_watch import VmWatch
 from nodes import signing
+from vmm import process_heap
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     first where it must (agent.join: NodeNotAdmitted when it may not), and stops when the
     control plane revokes it (register_node and the heartbeat raise NodeRevoked)."""
     node_id = settings.AENV_NODE_ID
-    malloc_arenas.limit_arenas(settings.AENV_MALLOC_ARENAS)  # before the worker's threads allocate
+    process_heap.limit_arenas(settings.AENV_MALLOC_ARENAS)  # before the worker's threads allocate
     ensure_joined(node_id)
     egress_trust.node_ca()  # the TLS-interception CA: made now if this node has none (AENV_EGRESS_CA_DIR)
     driver = get_driver()
@@ -98,7 +99,7 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
         log.warning("node %s runs UNSIGNED tasks: no task-signing certificate (AENV_TASK_SIGNING_CERT); "
                     "whoever can write to the broker can make it run anything", node.id)
     heartbeat.start()
-    trimmer = malloc_arenas.Trimmer(settings.AENV_MALLOC_TRIM_INTERVAL)
+    trimmer = process_heap.Trimmer(settings.AENV_MALLOC_TRIM_INTERVAL)
     trimmer.start()
     reconciler = Reconciler(node_id, driver, settings.AENV_RECONCILE_INTERVAL, settings.AENV_RECONCILE_STALE)
     watch = VmWatch(node_id, driver, settings.AENV_VM_WATCH_INTERVAL, lazy=lambda: getattr(get_store(), "lazy", None))

@@ -19,12 +19,12 @@ from config.daphne_idle import lengthen_idle_timeout  # noqa: E402
 
 lengthen_idle_timeout(settings.AENV_API_IDLE_TIMEOUT)
 
-from agent import malloc_arenas  # noqa: E402
+from vmm import process_heap  # noqa: E402
 
-# The API's C heap kept as the node worker's (agent.malloc_arenas says why): its request threads
+# The API's C heap kept as the node worker's (vmm.process_heap says why): its request threads
 # made an arena each, and in the seventh soak its RSS grew 16 % after the warm-up.
-malloc_arenas.limit_arenas(settings.AENV_MALLOC_ARENAS)
-malloc_arenas.Trimmer(settings.AENV_MALLOC_TRIM_INTERVAL).start()
+process_heap.limit_arenas(settings.AENV_MALLOC_ARENAS)
+process_heap.Trimmer(settings.AENV_MALLOC_TRIM_INTERVAL).start()
 
 from config.request_body import BoundedRequestBody  # noqa: E402
 

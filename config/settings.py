@@ -159,7 +159,7 @@ AENV_DISK_IOPS_MAX = _env_int("AENV_DISK_IOPS_MAX", 4000)
 # Node worker: parallel VM operations, and how far capacity may be overcommitted
 # (idle microVMs use little CPU; guest RAM is touched lazily and ballooned back).
 AENV_NODE_CONCURRENCY = _env_int("AENV_NODE_CONCURRENCY", 32)
-# The node worker's and the API's C heap (agent.malloc_arenas): at most this many glibc malloc
+# The node worker's and the API's C heap (vmm.process_heap): at most this many glibc malloc
 # arenas (0: glibc's own limit, 8 a core), and their free pages given back every this many
 # seconds (0: never).
 AENV_MALLOC_ARENAS = _env_int("AENV_MALLOC_ARENAS", 2)

@@ -1,4 +1,4 @@
-"""The node worker's C heap (agent.malloc_arenas): its arena limit holds however many threads
+"""The C heap of the node worker and the API (vmm.process_heap): its arena limit holds however many threads
 allocate at once, and a trim gives freed pages back. Each case runs in a fresh interpreter:
 glibc's arenas and its limit are per process, and this one's are long made."""
 import subprocess
@@ -14,9 +14,9 @@ THREADS = 12
 ARENAS = f"""
 import ctypes, sys, threading
 sys.path.insert(0, {str(ROOT)!r})
-from agent import malloc_arenas
+from vmm import process_heap
 if sys.argv[1] != "0":
-    assert malloc_arenas.limit_arenas(int(sys.argv[1]))
+    assert process_heap.limit_arenas(int(sys.argv[1]))
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -38,7 +38,7 @@ libc.malloc_stats()
 TRIM = f"""
 import ctypes, sys
 sys.path.insert(0, {str(ROOT)!r})
-from agent import malloc_arenas
+from vmm import process_heap
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -51,7 +51,7 @@ for b in blocks:
 for b in blocks[:-1]:
     libc.free(b)
 before = rss()
-trimmed = malloc_arenas.trim()
+trimmed = process_heap.trim()
 print(before, rss(), trimmed)
 """
 
