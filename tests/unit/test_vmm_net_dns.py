@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import struct
+import subprocess
 import tempfile
 import threading
 import uuid
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.networld import dns_ask as ask
-from vmm.net import slots
+from vmm.net import mount_scope, slots
 from vmm.net.dns import DNSLimits, NodeDNS
 
 root_only = pytest.mark.skipif(not slots.netns_supported(), reason="needs root, nft and nsenter (netns backend)")
@@ -148,3 +149,33 @@ def test_an_old_resolver_is_replaced(resolver):
     dns.limits = DNSLimits(forward_max=99)
     dns.ensure()
     assert dns.pid() != before and "--dns-forward-max=99" in Path(f"/proc/{dns.pid()}/cmdline").read_text()
+
+
+@root_only
+def test_the_resolver_holds_none_of_the_nodes_other_mounts(tmp_path, request):
+    """A mount of the node made before the resolver starts (a volume's image) is not copied
+    into the resolver's namespace for good: unmounted by the node, it is gone, not held (a
+    private root mount propagates nothing). The resolver still has what it needs."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "aenv-test-volume", str(volume)], check=True)
+    try:
+        dns, _ = request.getfixturevalue("resolver")
+        seen = mount_scope.mount_points(Path(f"/proc/{dns.pid()}/mountinfo").read_text())
+        assert str(volume) not in seen, seen
+        assert str(dns.mount_point) in seen and "/proc" in seen
+        assert ask(dns.ip, "name.example", timeout=2)[0] == "192.0.2.99"  # it still forwards
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=False)
+
+
+def test_mount_scope_detaches_only_the_topmost_mounts_holding_nothing_needed():
+    points = ["/", "/proc", "/sys/fs/cgroup", "/dev/shm", "/tmp", "/tmp/a/vol", "/var/lib/aenv",
+              "/var/lib/aenv/volumes/t/v", "/var/lib/aenv/volumes/t/v/inner", "/run", "/run/aenv-dns/p"]
+    needed = ["/var/lib/aenv/net", "/run/aenv-dns/p", "/etc"]
+    assert mount_scope.detachable(points, needed) == ["/tmp", "/var/lib/aenv/volumes/t/v"]
+
+
+def test_mount_scope_reads_escaped_mount_points():
+    line = "36 35 7:0 / /tmp/with\\040space rw,relatime - ext4 /dev/loop0 rw\n"
+    assert mount_scope.mount_points(line) == ["/tmp/with space"]

@@ -24,7 +24,8 @@ one guest cannot take all of the resolver (dnsmasq serves at most 20 TCP connect
 a compile-time limit). The unprivileged user could not reach ``hosts_dir`` under a private
 home (a 0700 parent), so dnsmasq runs in a mount namespace of its own where ``hosts_dir`` is
 bind-mounted at ``RUNTIME/<prefix>``: the files stay where operators put them, and the
-mount goes away with dnsmasq.
+mount goes away with dnsmasq. That namespace keeps none of the node's other mounts
+(``vmm.net.mount_scope``), so a volume the node unmounts is not held by the resolver.
 """
 from __future__ import annotations
 
@@ -35,10 +36,12 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+MOUNT_SCOPE = Path(__file__).with_name("mount_scope.py")  # run as a script inside the namespace
 RUNTIME = Path("/run/aenv-dns")  # mount points of the instances' hosts dirs (see the docstring)
 LIMIT_MAX = 1_000_000  # above any sane value: a typo, not a setting
 USERS = ("dnsmasq", "nobody")  # the first that exists runs the resolver (Debian's dnsmasq-base makes the first)
@@ -160,10 +163,12 @@ class NodeDNS:
         self.hosts_dir.mkdir(parents=True, exist_ok=True)
         self.hosts_dir.chmod(0o755)  # dnsmasq reads it as its own user
         self.mount_point.mkdir(parents=True, exist_ok=True)
-        # unshare: a mount namespace of dnsmasq's own, where hosts_dir is also at mount_point
-        wrapper = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                   'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(self.hosts_dir),
-                   str(self.mount_point), *argv]
+        # a mount namespace of dnsmasq's own, where hosts_dir is also at mount_point and no
+        # other mount of the node is held (mount_scope: a volume unmounted later must go)
+        needs = [self.state_dir, self.resolv_file, binary, "/etc", "/usr", "/lib", "/lib64", "/bin", "/sbin"]
+        wrapper = ["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-I", str(MOUNT_SCOPE),
+                   "--bind", str(self.hosts_dir), str(self.mount_point),
+                   *(arg for path in needs for arg in ("--need", str(path))), "--", *argv]
         done = subprocess.run(wrapper, capture_output=True, text=True, timeout=30)
         if done.returncode != 0:
             raise DNSError(f"dnsmasq failed: {done.stderr.strip() or done.returncode}")
