@@ -111,10 +111,18 @@ class BuildLog:
             return ok
 
     def _run(self) -> None:
-        while not self._stop.wait(FLUSH_SECONDS):
-            now = time.monotonic()
-            if now - self._last >= FLUSH_SECONDS:
-                self.flush(check=now - self._checked >= CHECK_SECONDS)
+        """The flusher thread. Its appends open a database connection of its own, which it
+        closes as it ends: left open, a pooled connection (PostgreSQL) would stay taken for
+        good, one per build, until the node's pool ran dry."""
+        from django.db import connections
+
+        try:
+            while not self._stop.wait(FLUSH_SECONDS):
+                now = time.monotonic()
+                if now - self._last >= FLUSH_SECONDS:
+                    self.flush(check=now - self._checked >= CHECK_SECONDS)
+        finally:
+            connections.close_all()
 
     def close(self) -> bool:
         self._stop.set()

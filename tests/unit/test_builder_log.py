@@ -67,3 +67,29 @@ def test_a_flooding_command_keeps_only_the_cap_in_the_log():
     notices = [line for line in store.lines if "not kept" in line]
     assert len(notices) == 2 and notices[-1].startswith(f"{5_000 - len(kept)} lines"), notices
     assert list(blog.tail)[-1] == "y 04999"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_flusher_thread_closes_its_database_connection():
+    """The flusher's appends use the database from its own thread: that connection is closed
+    as the thread ends (a pooled one left open stays taken for good, one per build)."""
+    from django.db import connections
+
+    from template_builds.models import TemplateBuild
+
+    opened = []
+
+    def append(build_id, batch) -> bool:
+        TemplateBuild.objects.filter(pk="00000000-0000-0000-0000-000000000000").exists()
+        if threading.current_thread().name.startswith("build-log-"):
+            opened.append(connections["default"])
+        return True
+
+    blog = BuildLog("b4", append)
+    blog.info("a line the flusher writes")
+    deadline = time.monotonic() + 5
+    while not opened and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert opened, "the flusher thread never appended"
+    assert blog.close() is True
+    assert opened[0].connection is None
