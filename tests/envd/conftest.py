@@ -64,9 +64,20 @@ def sandbox_user():
     except KeyError:
         subprocess.run(["useradd", "-m", "-s", "/bin/bash", "user"], check=True)
         pw = pwd.getpwnam("user")
-    if not os.path.isdir(pw.pw_dir):
-        pytest.skip(f"user 'user' has no home directory {pw.pw_dir}")
+    _own_home(pw)
     return pw
+
+
+def _own_home(pw):
+    """The home is the account's own, as in the guest image. ``useradd -m`` leaves a directory
+    that is already there as it was (a machine image with a leftover /home/user owned by root:
+    every write into the home was then refused), so the fixture makes it so itself."""
+    os.makedirs(pw.pw_dir, mode=0o755, exist_ok=True)
+    st = os.stat(pw.pw_dir)
+    if (st.st_uid, st.st_gid) != (pw.pw_uid, pw.pw_gid):
+        os.chown(pw.pw_dir, pw.pw_uid, pw.pw_gid)
+    if st.st_mode & 0o700 != 0o700:
+        os.chmod(pw.pw_dir, st.st_mode | 0o700)
 
 
 @pytest.fixture(scope="session")

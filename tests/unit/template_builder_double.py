@@ -17,6 +17,7 @@ def succeed(builder: "FakeBuilder", build_id: str, spec: dict) -> None:
     """Logs a line per step (waiting for ``builder.release`` first), then finishes ready
     with ``builder.result``."""
     assert progress.accept(build_id, builder.node_id)
+    builder.accepted.set()
     base = spec["from_image"] or (spec["from_template"] or {}).get("ref")
     progress.report(build_id, "info", f"[base] FROM {base}", step="base")
     if not builder.release.wait(20):
@@ -46,6 +47,7 @@ class FakeBuilder:
         self.script = succeed
         self.release = threading.Event()
         self.release.set()
+        self.accepted = threading.Event()  # set once a build is accepted: the test may act mid-build
         self.result = progress.BuildResult(image="tpl-image", details={"user": "user", "workdir": "/home/user"})
         self.extra_lines = 0
         self.cancelled: list[str] = []

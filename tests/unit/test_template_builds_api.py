@@ -668,6 +668,8 @@ async def test_delete_cancels_builds_in_progress(api, builder):
     reg = await register(api, "busy")
     waiting = await register(api, "busy:other")
     assert (await start(api, reg)).status_code == 202
+    # the builder must be on it (accepted) before the delete, or there is nothing in progress
+    assert await asyncio.to_thread(builder.accepted.wait, 20)
     assert (await api.delete("/templates/busy")).status_code == 204
     for r in (reg, waiting):
         info = (await api.get(f"/templates/{r['templateID']}/builds/{r['buildID']}/status")).json()

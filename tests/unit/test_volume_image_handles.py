@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 from tests.nfs3_client import OK, Nfs3Client
 from tests.unit.test_volume_server_confinement import POOL, SECRET, in_netns, stand_in_guest
@@ -27,8 +28,13 @@ def _hold(device: str, was, backing) -> str | None:
     """Attaches ``backing`` to ``device`` once the unmount of ``was`` has let go of it (a loop
     device's autoclear is asynchronous: ``losetup --find`` right after the umount may still
     pass it over, and the mount again then gets it back), so the mount again gets another
-    one; None when another process took it first (it is held all the same)."""
-    deadline = time.monotonic() + 10
+    one; None when another process took it first (it is held all the same).
+
+    A process in a mount namespace of its own made while the volume was mounted holds a copy
+    of that mount (this machine's root mount is private: the umount does not reach it), and
+    the device with it, until it exits: a parallel test's ``ip netns exec`` listener does. So
+    the wait is long, and a failure names who holds it."""
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if subprocess.run(["losetup", device, str(backing)], capture_output=True).returncode == 0:
             return device
@@ -37,7 +43,20 @@ def _hold(device: str, was, backing) -> str | None:
         if held_by and held_by != str(was):
             return None
         time.sleep(0.05)
-    raise AssertionError(f"{device} still backs {was} 10 s after its umount")
+    raise AssertionError(f"{device} still backs {was} 90 s after its umount; held by {_holders(device)}")
+
+
+def _holders(device: str) -> list[str]:
+    """The processes whose mount namespace still mounts ``device`` (pid and command)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if f" {device} " in Path(f"/proc/{pid}/mountinfo").read_text():
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(bytes(1), b" ")
+                found.append(f"{pid} {command.decode(errors='replace')[:80]}")
+        except OSError:
+            continue
+    return found
 
 
 def test_handles_outlive_a_remount_on_another_loop_device(tmp_path, slot_prefix):
