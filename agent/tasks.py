@@ -91,7 +91,7 @@ def _start_vm(driver, spec):
     template = get_templates().find(driver, spec)
     if template is not None:
         try:
-            info = driver.restore(template, spec, template=True)
+            info = driver.restore(template, spec, template=True, source_stays=True)
             info.timings["from_template_snapshot"] = 1
             return info
         except (UnsupportedNetworkPolicy, HostDiskFull):
@@ -319,10 +319,16 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
 
     driver = get_driver()
     store = _store()
+    located = time.perf_counter()
     manifest = SnapshotManifest.load(store.local_dir(snapshot_id))
+    # where the snapshot's files are (own, cached, downloaded or mounted lazily: its steps)
+    located_ms = {"snapshot_dir_ms": round((time.perf_counter() - located) * 1000, 2),
+                  **store.take_mount_timings(snapshot_id)}
     if manifest.memory_file:
+        # a template's snapshot stays while sandboxes use it; a moved sandbox's pause image does not
+        stays = template and snapshot_id != protocol.pause_image_of(sandbox_id)
         info = driver.restore(manifest, BootSpec(sandbox_id=sandbox_id, network=_network(network)),
-                              template=template)
+                              template=template, source_stays=stays)
     else:
         info = driver.boot(BootSpec(sandbox_id=sandbox_id, image=manifest.machine.get("image") or "base",
                                     cpu_count=manifest.cpu_count, memory_mb=manifest.memory_mb,
@@ -338,7 +344,7 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
     # A memory snapshot's guest has the snapshot's mounts already: only the create's own are new.
     _step_or_undo(lambda: guest_volumes.mount(info, access_token, volumes, everything=not manifest.memory_file),
                   info, undo=kill, what="killing its VM", label="volume mounts")
-    timings = _round(info.timings)
+    timings = {**_round(info.timings), **located_ms}
     timings["init"] = round((time.perf_counter() - started) * 1000, 2)
     try:
         store.restored(snapshot_id)  # a lazy restore's first-read chunks become its prefetch list

@@ -427,7 +427,7 @@ def run_density(args, booter: Booter, monitor: LoadMonitor) -> dict:
 
     def create(sid: str) -> tuple[object, float]:
         t0 = time.monotonic()
-        info = booter.driver.restore(manifest, spec(sid), template=True)
+        info = booter.driver.restore(manifest, spec(sid), template=True, source_stays=True)
         return info, (time.monotonic() - t0) * 1e3
 
     monitor.phase = "density-start"

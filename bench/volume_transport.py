@@ -88,7 +88,7 @@ class Bench:
 
         spec = BootSpec(f"{name}-{uuid.uuid4().hex[:6]}", image="base", cpu_count=2, memory_mb=512, disk_size_mb=2048)
         template = self.templates.find(self.driver, spec)
-        return self.driver.restore(template, spec, template=True) if template else self.driver.boot(spec)
+        return self.driver.restore(template, spec, template=True, source_stays=True) if template else self.driver.boot(spec)
 
     def slot(self, sandbox_id: str):
         from vmm.net.slots import Slot  # noqa: PLC0415

@@ -327,14 +327,18 @@ class VMDriver(abc.ABC):
         cannot move yet (the driver says why)."""
 
     @abc.abstractmethod
-    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
+    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False,
+                source_stays: bool = False) -> VMInfo:
         """A new sandbox `spec.sandbox_id` running from the snapshot (copy-on-write memory and
         disk); returns once envd answers /health. Only spec.sandbox_id is used: cpu, memory
         and image come from the manifest. ``template=True``: the snapshot is a booted
         template (vmm.templates) that many sandboxes start from and then live on
         independently; the driver may give the VM its own copy of the memory up front so
         its later pause / snapshot / fork stay as cheap as a booted VM's (QEMU copies the
-        RAM file). Raises SnapshotUnusable for a snapshot of another driver or accelerator."""
+        RAM file). ``source_stays``: the snapshot outlives the VM (a template's, not a moved
+        sandbox's own pause image), so the VM may read its memory from it for good, e.g.
+        while a copy is not there yet. Raises SnapshotUnusable for a snapshot of another
+        driver or accelerator."""
 
     @abc.abstractmethod
     def fork(self, sandbox_id: str, count: int, child_ids: list[str] | None = None) -> list[VMInfo | Exception]:

@@ -366,7 +366,8 @@ class FakeDriver(VMDriver):
             manifest.save()
             return manifest
 
-    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
+    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False,
+                source_stays: bool = False) -> VMInfo:
         self.check_snapshot(manifest)
         self.net.check(spec.network)
         files = [*manifest.layers, manifest.memory_file, manifest.device_state_file]

@@ -54,6 +54,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from chunkfs.compression import ZSTD, BadEncoding, decode
@@ -118,6 +119,8 @@ class S3Store(S3Objects, SnapshotStore):
                                  daemon_env={"AENV_S3_BUCKET": bucket, "AENV_S3_ENDPOINT": endpoint,
                                              "AENV_S3_REGION": region, "AENV_S3_PREFIX": prefix}) if lazy else None
         self._recording: set[str] = set()  # lazily mounted with recording on, not yet restored
+        self._mount_timings: dict[str, dict[str, float]] = {}  # a lazy mount's steps (ms), until taken
+        self._mount_timings_lock = threading.Lock()
         self.prefetch_settle = PREFETCH_SETTLE
 
     @property
@@ -333,30 +336,51 @@ class S3Store(S3Objects, SnapshotStore):
         """``to_record``: for ``record_prefetch``: the image files mounted too (as a node that
         lacks them mounts them, so their reads are recorded under the names it uses), recording
         on, no prefetch, and no list stored after a restore (``restored``)."""
-        doc = self._snapshot_doc(snapshot_id)
-        final = self.lazy.path(snapshot_id)
-        manifest = localize(doc["manifest"], final, self.images_dir)
-        manifest["dir"] = str(final)
-        files = _files_of(doc)
-        shipped = self._ship_image_files(doc, final, manifest, files, every=to_record)
-        if not shipped:  # else the files it lacks come with it: checked by adopt
-            self._check_base(snapshot_id, manifest)
-        for name, (size, chunks, _) in files.items():
-            if not FILE_NAME.match(name):
-                raise SnapshotStoreError(f"bad file name {name!r} in the manifest of {snapshot_id}")
-            for offset, length, sha in chunks:
-                if not SHA.match(sha) or offset < 0 or offset + length > size:
-                    raise SnapshotStoreError(f"bad chunk entry for {name} in {snapshot_id}")
-        self.on_disk.refresh()  # files came and went since the last restore
-        local = self.on_disk.locate([c for _, chunks, _ in files.values() for c in chunks])
-        known = None if to_record else self._get_json(self.prefetch_key(snapshot_id))
+        t0 = time.perf_counter()
+        steps: dict[str, float] = {}
+
+        def step(name: str, since: float) -> float:
+            now = time.perf_counter()
+            steps[name] = round((now - since) * 1000, 2)
+            return now
+
+        # The three reads at once: the manifest, the prefetch list (both from the store) and this
+        # node's index of its own files (rebuilt: files came and went since the last restore).
+        self.on_disk.refresh()
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="lazy-mount") as pool:
+            indexed = pool.submit(self.on_disk.locate, [])
+            listed = None if to_record else pool.submit(self._get_json, self.prefetch_key(snapshot_id))
+            doc = self._snapshot_doc(snapshot_id)
+            t = step("mount_manifest_ms", t0)
+            final = self.lazy.path(snapshot_id)
+            manifest = localize(doc["manifest"], final, self.images_dir)
+            manifest["dir"] = str(final)
+            files = _files_of(doc)
+            shipped = self._ship_image_files(doc, final, manifest, files, every=to_record)
+            if not shipped:  # else the files it lacks come with it: checked by adopt
+                self._check_base(snapshot_id, manifest)
+            for name, (size, chunks, _) in files.items():
+                if not FILE_NAME.match(name):
+                    raise SnapshotStoreError(f"bad file name {name!r} in the manifest of {snapshot_id}")
+                for offset, length, sha in chunks:
+                    if not SHA.match(sha) or offset < 0 or offset + length > size:
+                        raise SnapshotStoreError(f"bad chunk entry for {name} in {snapshot_id}")
+            indexed.result()
+            if shipped:  # the image files it brought are this node's own now
+                self.on_disk.refresh()
+            local = self.on_disk.locate([c for _, chunks, _ in files.values() for c in chunks])
+            t = step("mount_locate_ms", t)
+            known = listed.result() if listed is not None else None
         order = known.get("order") if isinstance(known, dict) and isinstance(known.get("order"), list) else None
+        t = step("mount_prefetch_list_ms", t)
 
         def adopt(staging: Path) -> None:
+            started = time.perf_counter()
             try:
                 self.driver.adopt_snapshot(staging)  # e.g. each layer's backing file -> this node's
             except VMError as exc:
                 raise SnapshotStoreError(f"snapshot {snapshot_id} cannot be used here: {exc}") from exc
+            step("mount_adopt_ms", started)
 
         # every file names its own size; the mount's is the smallest, so a daemon from before
         # per-file sizes refuses the mount (the others' chunks do not fit) rather than misread RAM
@@ -364,9 +388,21 @@ class S3Store(S3Objects, SnapshotStore):
                                  files={n: {"size": size, "chunks": chunks, "chunk_size": cs}
                                         for n, (size, chunks, cs) in files.items()},
                                  manifest=manifest, adopt=adopt, local=local, prefetch=order, record=order is None)
+        step("mount_install_ms", t)
+        steps["mount_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         if order is None and not to_record:
             self._recording.add(snapshot_id)
+        with self._mount_timings_lock:
+            while len(self._mount_timings) >= 64:  # never taken (a mount no restore followed): the oldest go
+                self._mount_timings.pop(next(iter(self._mount_timings)))
+            self._mount_timings[snapshot_id] = steps
         return path
+
+    def take_mount_timings(self, snapshot_id: str) -> dict[str, float]:
+        """A restore adds them to its timings; {} when the last ``local_dir`` made no lazy mount
+        (cached, own, downloaded)."""
+        with self._mount_timings_lock:
+            return self._mount_timings.pop(snapshot_id, {})
 
     def record_prefetch(self, snapshot_id: str,
                         restore: Callable[[Path], contextlib.AbstractContextManager]) -> int | None:

@@ -19,7 +19,7 @@ class Driver:
     def __init__(self, fail: Exception | None = None):
         self.calls, self.fail = [], fail
 
-    def restore(self, manifest, spec, template=False):
+    def restore(self, manifest, spec, template=False, source_stays=False):
         self.calls.append(("restore", manifest.dir, spec.sandbox_id, template))
         if self.fail is not None:
             raise self.fail

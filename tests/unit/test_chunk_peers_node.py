@@ -206,8 +206,10 @@ def test_another_deployments_node_gets_nothing_from_the_peers(s3, short_tmp):
     n3.lazy.set_peers("127.0.0.1:0", peer_token("deployment-two"), [listen2])
     assert (n3.local_dir("pf-b") / "memory.ram").read_bytes() == ram  # from the store
     f2, f3 = n2.chunk_cache_figures(), n3.chunk_cache_figures()
-    assert f3["peerChunks"] == 0 and f3["storeChunks"] > 0 and f3["peerErrors"] == 1
-    assert f2["servedChunks"] == 0 and f2["servedRefused"] == 1
+    # refused, so asked no more: only the requests already in flight then (the mount reads its
+    # layers' headers at once) were refused too
+    assert f3["peerChunks"] == 0 and f3["storeChunks"] > 0 and 1 <= f3["peerErrors"] < f3["storeChunks"]
+    assert f2["servedChunks"] == 0 and f2["servedRefused"] == f3["peerErrors"]
 
 
 @pytest.mark.django_db

@@ -12,6 +12,7 @@ import pytest
 from agent import driver as node_driver
 from agent import tasks
 from agent.stores.base import PosixFsStore, SnapshotStoreError
+from nodes import protocol
 from vmm.driver import SnapshotManifest, VMError, VMInfo
 
 
@@ -77,9 +78,10 @@ class StubDriver:
         self.booted = spec
         return self._info(spec.sandbox_id)
 
-    def restore(self, manifest, spec, template=False):
+    def restore(self, manifest, spec, template=False, source_stays=False):
         self.restored = (manifest, spec)
         self.restored_as_template = template
+        self.restored_source_stays = source_stays
         return self._info(spec.sandbox_id)
 
     def fork(self, sandbox_id, count, child_ids):
@@ -151,6 +153,16 @@ def test_a_built_templates_snapshot_is_restored_as_a_template(stub, envd):
     tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id="s5")
     tasks.restore_sandbox(sandbox_id="i3", snapshot_id="s5", env_vars={}, access_token=None, template=True)
     assert stub.restored[1].sandbox_id == "i3" and stub.restored_as_template is True
+    assert stub.restored_source_stays is True  # a template's snapshot outlives its sandboxes
+
+
+def test_a_moved_sandboxs_pause_image_is_restored_as_its_own_memory(stub, envd):
+    """A resume on another node restores the sandbox's pause image like a template (its own RAM
+    copy) but never reads its memory from it for good: the image goes once it has moved."""
+    image = protocol.pause_image_of("i4")
+    tasks.snapshot_sandbox(sandbox_id="i1", snapshot_id=image)
+    tasks.restore_sandbox(sandbox_id="i4", snapshot_id=image, env_vars={}, access_token=None, template=True)
+    assert stub.restored_as_template is True and stub.restored_source_stays is False
 
 
 def test_restore_with_wrong_source_token_kills_the_vm(stub):

@@ -1,5 +1,7 @@
 """AENV_TEMPLATE_RAM: a create from a booted template copies the template's RAM into a file of
-its own ("copy", the default: cheap later pauses) or maps it copy-on-write ("shared": denser)."""
+its own ("copy": cheap later pauses), maps it copy-on-write ("shared": denser), or ("auto", the
+default) copies it unless it is still arriving on this node (then maps it: the driver decides,
+told whether the snapshot stays)."""
 
 import pytest
 
@@ -12,19 +14,20 @@ class RecordingDriver(snapshots.SnapshotMixin):
         self.template_ram = way
         self.calls = []
 
-    def _restore(self, manifest, spec, capture_ref, own_ram=False):
-        self.calls.append((capture_ref, own_ram))
+    def _restore(self, manifest, spec, capture_ref, own_ram=False, source_stays=False):
+        self.calls.append((capture_ref, own_ram, source_stays))
         return "info"
 
 
 @pytest.mark.parametrize("way,template,own_ram", [
-    ("copy", True, True), ("shared", True, False),
-    ("copy", False, False), ("shared", False, False),  # a user's snapshot is copy-on-write either way
+    ("auto", True, True), ("copy", True, True), ("shared", True, False),
+    ("auto", False, False), ("copy", False, False), ("shared", False, False),  # a user's snapshot: copy-on-write
 ])
-def test_template_ram_way(way, template, own_ram):
+@pytest.mark.parametrize("stays", [True, False])
+def test_template_ram_way(way, template, own_ram, stays):
     d = RecordingDriver(way)
-    assert d.restore("manifest", "spec", template=template) == "info"
-    assert d.calls == [("", own_ram)]
+    assert d.restore("manifest", "spec", template=template, source_stays=stays) == "info"
+    assert d.calls == [("", own_ram, stays)]
 
 
 def test_an_unknown_way_is_refused_before_anything_starts():

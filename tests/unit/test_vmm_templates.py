@@ -100,7 +100,8 @@ class NodeDriver:
     def __init__(self, restore_fails=False):
         self.calls, self.restore_fails = [], restore_fails
 
-    def restore(self, manifest, spec, template=False):
+    def restore(self, manifest, spec, template=False, source_stays=False):
+        assert source_stays  # the node's own booted template stays while its sandboxes run
         self.calls.append(("restore", spec.sandbox_id, template))
         if self.restore_fails:
             raise VMError("device state damaged")

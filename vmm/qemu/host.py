@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vmm.driver import Leftover, SnapshotManifest, SnapshotUnusable, VMInspection, VMStatus
@@ -113,16 +114,20 @@ class HostMixin:
     def adopt_snapshot(self, dir: Path) -> SnapshotManifest:
         """Each disk layer above the image's base is one of the snapshot's own files; its
         backing file is re-pointed (`qemu-img rebase -u`: header only) at the layer below,
-        at the paths the manifest names."""
+        at the paths the manifest names. The layers at once: each is its own file, and on a
+        lazily filled snapshot each header is a fetch from the store (issue 24)."""
         dir = Path(dir)
         manifest = SnapshotManifest.load(dir)
         self.check_snapshot(manifest)
         final = Path(manifest.dir)
-        for lower, upper in zip(manifest.layers, manifest.layers[1:]):
-            name = Path(upper).name
-            if Path(upper).parent != final or not (dir / name).is_file():
+        pairs = list(zip(manifest.layers, manifest.layers[1:]))
+        for _, upper in pairs:
+            if Path(upper).parent != final or not (dir / Path(upper).name).is_file():
                 raise SnapshotUnusable(f"layer {upper} is not one of the snapshot's own files")
-            run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", lower, str(dir / name)])
+        if pairs:
+            with ThreadPoolExecutor(max_workers=min(len(pairs), 4), thread_name_prefix="adopt") as pool:
+                list(pool.map(lambda pair: run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b",
+                                                pair[0], str(dir / Path(pair[1]).name)]), pairs))
         return manifest
 
     # -- helpers ----------------------------------------------------------------------------

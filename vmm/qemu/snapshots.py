@@ -38,11 +38,15 @@ class SnapshotMixin:
     # How a memory capture stops the guest (_capture_how): "auto", "background" or "stop-copy".
     capture_mode = os.environ.get("AENV_CAPTURE_MODE", "auto")
     # What a create from a booted template does with the template's RAM (restore(template=True)):
-    # "copy" (its own share=on file: later pauses and snapshots save only the device state) or
+    # "copy" (its own share=on file: later pauses and snapshots save only the device state),
     # "shared" (copy-on-write over the template's file: a sandbox owns only the pages it writes,
-    # more idle sandboxes per node, but its pauses and snapshots carry its whole RAM).
-    template_ram = os.environ.get("AENV_TEMPLATE_RAM", "copy")
-    TEMPLATE_RAM_WAYS = ("copy", "shared")
+    # more idle sandboxes per node, but its pauses and snapshots carry its whole RAM), or "auto":
+    # "copy", except while the template's memory is still arriving on this node (a lazily
+    # filled file, and no ready-made copy yet): then "shared" for that create, so it waits for
+    # the pages its guest touches and not for the whole copy (issue 24), and a copy is made in
+    # the background for the creates after it.
+    template_ram = os.environ.get("AENV_TEMPLATE_RAM", "auto")
+    TEMPLATE_RAM_WAYS = ("auto", "copy", "shared")
     # How many sealed layers of its own a VM's disk chain may hold before a snapshot streams
     # them into the top (vmm.qemu.disk_chain): each one costs every later capture a copy.
     max_disk_layers = int(os.environ.get("AENV_MAX_DISK_LAYERS", "16"))
@@ -517,14 +521,16 @@ class SnapshotMixin:
         if self.template_ram not in self.TEMPLATE_RAM_WAYS:
             raise VMError(f"AENV_TEMPLATE_RAM={self.template_ram!r} is none of {', '.join(self.TEMPLATE_RAM_WAYS)}")
 
-    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False) -> VMInfo:
+    def restore(self, manifest: SnapshotManifest, spec: BootSpec, template: bool = False,
+                source_stays: bool = False) -> VMInfo:
         # A template's RAM is copied into the sandbox's own share=on file (see _restore_locked),
-        # unless template_ram says "shared".
+        # unless template_ram says "shared" (or "auto" while it is still arriving, see above).
         self.check_template_ram()
-        return self._restore(manifest, spec, capture_ref="", own_ram=template and self.template_ram == "copy")
+        return self._restore(manifest, spec, capture_ref="", own_ram=template and self.template_ram != "shared",
+                             source_stays=source_stays)
 
     def _restore(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str,
-                 own_ram: bool = False) -> VMInfo:
+                 own_ram: bool = False, source_stays: bool = False) -> VMInfo:
         sid = spec.sandbox_id
         if not valid_sandbox_id(sid):
             raise VMError(f"invalid sandbox id {sid!r}")
@@ -536,7 +542,7 @@ class SnapshotMixin:
         self._check_shm(manifest.memory_mb, sid)
         with self._lock(sid) as lock:
             try:
-                return self._restore_locked(manifest, spec, capture_ref, own_ram)
+                return self._restore_locked(manifest, spec, capture_ref, own_ram, source_stays)
             except BaseException as exc:
                 lock.discard()
                 full = disk_full(exc, self.sandboxes_dir)
@@ -544,12 +550,16 @@ class SnapshotMixin:
                     raise HostDiskFull(f"sandbox {sid}: not started, no room on the node's disk ({full})") from exc
                 raise
 
-    def _restore_locked(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str, own_ram: bool) -> VMInfo:
+    def _restore_locked(self, manifest: SnapshotManifest, spec: BootSpec, capture_ref: str, own_ram: bool,
+                        source_stays: bool = False) -> VMInfo:
         """own_ram=False: RAM is MAP_PRIVATE over the snapshot's file (copy-on-write, page cache
         shared between restores; but the VM's own later pause/snapshot must carry its whole RAM in
         the migration stream). own_ram=True: the snapshot's RAM is first copied (sparse) into
         the sandbox's own share=on file, exactly like a booted VM's, so every later verb stays on
-        the cheap device-state-only path (used for template snapshots)."""
+        the cheap device-state-only path (used for template snapshots). source_stays (a
+        template's): a ready-made copy is taken when there is one and another made for the next
+        restore once this VM runs; with none and the snapshot's RAM on a lazily filled file
+        (template_ram "auto"), the RAM is mapped instead (own_ram=False) rather than waited for."""
         m = manifest.machine
         sid = spec.sandbox_id
         state_dir = self.sandboxes_dir / sid
@@ -560,7 +570,12 @@ class SnapshotMixin:
         copy = None
         network = None
         try:
-            warm = own_ram and self.warm_ram.take(Path(manifest.memory_file), paths.ram)
+            reused = own_ram and source_stays  # a copy for the next create is worth making
+            warm = reused and self.warm_ram.take(Path(manifest.memory_file), paths.ram)
+            mapped_arriving = (reused and not warm and self.template_ram == "auto"
+                               and ramfile.on_fuse(manifest.memory_file))
+            if mapped_arriving:  # the guest waits for the pages it touches, not for the whole copy
+                own_ram = False
             if own_ram and not warm:  # copied in the background while the disk is made and QEMU starts
                 copy = ramfile.RamCopy(Path(manifest.memory_file), paths.ram, manifest.memory_mb << 20,
                                        copier=self.lazy_ram_copier)
@@ -595,8 +610,9 @@ class SnapshotMixin:
             timings["ram_copy_wait_ms"] = copy.waited_ms
             timings["ram_copy_readers"] = copy.readers
             timings["ram_copy_daemon"] = 1 if copy.how == "daemon" else 0
-        if own_ram:
+        if reused:
             timings["ram_ready_made"] = 1 if warm else 0
+            timings["ram_mapped_arriving"] = 1 if mapped_arriving else 0
             self.warm_ram.refill_later(Path(manifest.memory_file))  # for the next create, now that this one runs
         timings = {"disk_ms": (t_disk - t0) * 1e3, **timings, "total_ms": (time.monotonic() - t0) * 1e3}
         state.timings = timings  # its status: RUNNING since its record was made

@@ -6,7 +6,7 @@ backing file and virtual size is the same bytes every time (the backing path is 
 so the first one is made with ``qemu-img`` into ``<home>/tops/`` and every later one is a
 copy of that pristine file (a few hundred KiB, well under a millisecond). The key includes
 the backing file's identity (device, inode, size, mtime), so a rebuilt layer never gets an
-overlay made for its predecessor.
+overlay made for its predecessor. The backing chain is never opened for it (``-u``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ def create_top(cache_dir: Path, backing: str | Path, size_mb: int, dest: Path) -
                 pristine.parent.mkdir(parents=True, exist_ok=True)
                 tmp = pristine.with_name(f"{pristine.name}.{os.getpid()}-{threading.get_ident()}.tmp")
                 try:
-                    run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "qcow2",
+                    # -u: the backing chain is not opened. Its headers are the VM's to read, at its
+                    # start; read here too they cost a lazily filled layer (issue 24) a fetch of each
+                    # layer's first chunk on the create's path. The overlay's bytes are the same.
+                    run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "qcow2", "-u",
                          str(tmp), f"{size_mb}M"])
                     os.replace(tmp, pristine)
                 finally:
