@@ -159,15 +159,27 @@ def test_reconcile_continuing_a_vm_reports_its_guest_host(filtering):
     assert settle.continue_vm(filtering, row)["guest_host"] == "10.11.0.1"
 
 
+class _SnapshotAt:
+    """The node's snapshot store as a restore uses it, holding one snapshot at ``where``."""
+
+    def __init__(self, where):
+        self.where = Path(where)
+
+    def local_dir(self, snapshot_id):
+        return self.where
+
+    def take_mount_timings(self, snapshot_id):
+        return {}
+
+    def restored(self, snapshot_id):
+        pass
+
+
 def test_restore_gives_the_new_vm_the_requests_network(filtering, monkeypatch, tmp_path):
     tasks.boot_sandbox(sandbox_id="src", **BOOT)
     manifest = filtering.snapshot("src", tmp_path / "snap")
 
-    class Store:
-        def local_dir(self, snapshot_id):
-            return Path(manifest.dir)
-
-    monkeypatch.setattr(tasks, "_store", Store)
+    monkeypatch.setattr(tasks, "_store", lambda: _SnapshotAt(manifest.dir))
     out = tasks.restore_sandbox(sandbox_id="rs1", snapshot_id="s1", env_vars={}, access_token=None,
                                 network=ONLY_9)
     assert _policy(filtering, "rs1") == ONLY_9 and out["guest_host"] == filtering.info("rs1").guest_host
@@ -179,13 +191,10 @@ def test_restore_tells_the_store_once_the_vm_answers(filtering, monkeypatch, tmp
     manifest = filtering.snapshot("src2", tmp_path / "snap")
     told = []
 
-    class Store:
-        def local_dir(self, snapshot_id):
-            return Path(manifest.dir)
-
+    class Store(_SnapshotAt):
         def restored(self, snapshot_id):
             told.append((snapshot_id, filtering.info("rs2") is not None))
 
-    monkeypatch.setattr(tasks, "_store", Store)
+    monkeypatch.setattr(tasks, "_store", lambda: Store(manifest.dir))
     tasks.restore_sandbox(sandbox_id="rs2", snapshot_id="s2", env_vars={}, access_token=None)
     assert told == [("s2", True)]
