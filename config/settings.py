@@ -532,6 +532,13 @@ AENV_TASK_SIGNING_DIR = Path(_env("AENV_TASK_SIGNING_DIR", str(AENV_HOME / "task
 AENV_TASK_SIGNING_ACCEPT_CELERY_AUTH = _env_bool("AENV_TASK_SIGNING_ACCEPT_CELERY_AUTH", False)
 CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# kombu's Redis transport copies every delivered message into an "unacked" hash and removes it
+# at the ack (two Redis round trips before a node task runs) so it can redeliver, an hour
+# later, what a worker that died had taken. aenv never wants that: a node's queue is purged at
+# its start (agent.reconcile.purge_queue: a pause delivered after the reconcile would undo it),
+# tasks expire with their caller's deadline, and a worker's warm shutdown still puts back what
+# it had not started (kombu keeps that list in memory). Off: a delivered message is gone.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"ack_emulation": False}
 CELERY_RESULT_EXPIRES = 3600
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 

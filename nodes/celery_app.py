@@ -3,12 +3,15 @@ import os
 
 from celery import Celery
 
-from nodes import broker, signing
+from nodes import broker, result_store, signing
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 app = Celery("aenv")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+# Results in Redis (CELERY_RESULT_BACKEND), a success stored without a read before
+# (nodes.result_store). Not ``Celery(backend=...)``: that would also stand in for the URL.
+app.backend_cls = result_store.BACKEND
 
 
 @app.on_after_configure.connect

@@ -21,7 +21,7 @@ from celery.utils import uuid
 from django.conf import settings
 
 from nodes.celery_app import app as celery_app
-from nodes import join, protocol
+from nodes import join, protocol, result_store
 from nodes.models import Node
 from nodes import signing
 
@@ -122,7 +122,7 @@ def _result_redis() -> aioredis.Redis:
         client = _redis_by_loop.get(loop)
         if client is None:
             url = celery_app.conf.result_backend or ""
-            if not url.startswith(("redis://", "rediss://", "unix://")):
+            if not result_store.is_redis_url(url):
                 raise NodeUnavailable(f"the node client needs the Redis result backend, not {url.split(':')[0]!r}")
             client = aioredis.from_url(url, socket_connect_timeout=3, health_check_interval=0)
             _redis_by_loop[loop] = client

@@ -79,6 +79,7 @@ TIERS: dict[str, Tier] = {
                               "tests/unit/test_deploy.py", "tests/unit/test_builder_scripts.py",
                               "tests/unit/test_shell_scripts.py", "tests/unit/test_host_venv.py",
                               "tests/unit/test_broker_acl.py", "tests/unit/test_broker_transport.py",
+                              "tests/unit/test_result_store.py",
                               "tests/unit/test_task_signing.py",
                               "tests/unit/test_oci_kmods.py", "tests/unit/test_syscall_fence.py",
                               "tests/unit/test_fuzz_stateful.py")),
