@@ -27,11 +27,14 @@ class APIView(AsyncAPIView):
 
     def _answered_without_io(self, request) -> bool:
         """Authenticates ``request`` (a DRF request) from the key cache if every check of
-        ``initial`` is pure for this view; False (nothing set) when one may need I/O."""
+        ``initial`` is pure for this view (a view without authenticators: nothing to do);
+        False (nothing set) when one may need I/O."""
         authenticators = request.authenticators
-        if (len(authenticators) != 1 or type(authenticators[0]) is not ApiKeyAuthentication
-                or self.get_throttles()
-                or not all(isinstance(p, PURE_PERMISSIONS) for p in self.get_permissions())):
+        if self.get_throttles() or not all(isinstance(p, PURE_PERMISSIONS) for p in self.get_permissions()):
+            return False
+        if not authenticators:
+            return True  # DRF's anonymous user: nothing to look up (GET /health)
+        if len(authenticators) != 1 or type(authenticators[0]) is not ApiKeyAuthentication:
             return False
         answer = authenticators[0].answer_without_io(request)
         if answer is None:

@@ -8,12 +8,17 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
+from django.conf import settings  # noqa: E402
+
+from config.sqlite_wal import keep_thread_connections  # noqa: E402
+
+# SQLite: each pooled request and transition thread keeps its connection (config.sqlite_wal).
+keep_thread_connections(settings)
+
 # Django's handler, each request's sync code on a pooled thread (config.request_threads).
 from config.request_threads import get_asgi_application  # noqa: E402
 
 django_asgi_app = get_asgi_application()
-
-from django.conf import settings  # noqa: E402
 
 from config.daphne_idle import lengthen_idle_timeout  # noqa: E402
 

@@ -14,11 +14,10 @@ import django
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 from django.conf import settings  # noqa: E402
 
-# Every request reads its sandbox's route: keep each executor thread's SQLite connection
-# open (health-checked before reuse) instead of opening one per request. PostgreSQL
-# connections come from the pool already (which persistent connections would bypass).
-if settings.DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    settings.DATABASES["default"].update(CONN_MAX_AGE=None, CONN_HEALTH_CHECKS=True)
+from config.sqlite_wal import keep_thread_connections  # noqa: E402
+
+# Every request reads its sandbox's route: each executor thread keeps its SQLite connection.
+keep_thread_connections(settings)
 django.setup()
 # httpx logs every proxied request at INFO; uvicorn's access log already does.
 logging.getLogger("httpx").setLevel(logging.WARNING)

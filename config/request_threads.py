@@ -12,13 +12,14 @@ from ``POOL`` at the start of a request and given back at its end, so the reques
 thread of its own while it runs (its sync calls in order, on one thread; concurrent requests
 on different threads), and the thread lives on for the next one.
 
-What stays as it was: the database connection is still closed at the request's end (Django's
-``request_finished``, CONN_MAX_AGE=0, run on the request's thread), so nothing of a
-connection crosses requests. A task that outlives its request runs in a context of its own
-(``lifecycle.own_thread``: ``lifecycle``'s shielded transitions when the client goes away),
-on a thread of another pool. A call of the request still running on the lent thread when the
-request ends finishes before the next request's calls there start: the executor has one
-worker, in order.
+The database connection is checked at the request's end on the request's thread (Django's
+``request_finished``): with PostgreSQL (CONN_MAX_AGE=0, the pool) it goes back to the pool;
+with SQLite the API keeps it open for the thread's next request (config.asgi) unless an error
+broke it or a transaction was left open, so no broken connection crosses requests. A task
+that outlives its request runs in a context of its own (``lifecycle.own_thread``:
+``lifecycle``'s shielded transitions when the client goes away), on a thread of another pool.
+A call of the request still running on the lent thread when the request ends finishes before
+the next request's calls there start: the executor has one worker, in order.
 
 ``POOL`` keeps at most ``AENV_REQUEST_THREADS_IDLE`` idle threads (default 16); with more
 requests at once, more executors are made and the surplus is shut down when given back."""

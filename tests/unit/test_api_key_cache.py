@@ -135,6 +135,9 @@ async def test_a_cached_key_is_checked_in_the_event_loop(api, raw_key, assert_er
     assert (await ApiKey.objects.aget()).last_used_at > timezone.now() - timedelta(minutes=1)
     assert_error(await api.get("/v2/sandboxes", headers={"X-API-Key": "e2b_" + "1" * 40}), 401, "invalid")
     assert_error(await api.get("/v2/sandboxes", headers={"X-API-Key": ""}), 401)
+    hopped.clear()
+    assert (await api.get("/health", headers={"X-API-Key": ""})).status_code == 204  # no authenticator: no hop
+    assert hopped == []
 
 
 async def test_an_api_answer_is_rendered_in_the_event_loop(api, raw_key, assert_error, monkeypatch):

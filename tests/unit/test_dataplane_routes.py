@@ -100,3 +100,41 @@ async def test_each_client_connection_gets_its_own_lane_of_the_generations_pool(
         assert newer is not a1
     assert set(p._pools["s"].lanes) == {("10.0.0.1", 1)}
     await p.aclose()
+
+
+async def test_a_quiet_data_plane_closes_its_idle_upstream_connections(monkeypatch):
+    """With no request after the last, an idle lane's guest connection is still closed
+    (a timer sweeps, not the next request): a killed guest sends no FIN, so a sweep that
+    waited for traffic kept the descriptors of the last pools for ever."""
+    import httpx  # noqa: PLC0415
+
+    from dataplane import pools  # noqa: PLC0415
+
+    monkeypatch.setattr(pools, "IDLE_SECONDS", 0.2)
+    monkeypatch.setattr(pools, "SWEEP_SECONDS", 0.05)
+    closed = asyncio.Event()
+
+    async def guest(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()  # until the data plane's side closes
+        closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(guest, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    p = pools.UpstreamPools(1.0)
+    try:
+        async with p.use("s", (0,), ("10.0.0.1", 1)) as upstream:
+            response = await upstream.send(httpx.Request("GET", f"http://127.0.0.1:{port}/"))
+            assert await response.aread() == b"ok"
+            await response.aclose()
+        await asyncio.wait_for(closed.wait(), 5)  # no further request: the timer closed it
+        assert len(p) == 0
+        await asyncio.sleep(0.15)
+        assert p._sweeper.done()  # and the timer stops with the last pool
+    finally:
+        await p.aclose()
+        server.close()
+        await server.wait_closed()

@@ -1,7 +1,8 @@
 """config.request_threads: each API request's sync code on a thread lent from a pool, not on
 two threads made per request (asgiref's ThreadSensitiveContext): one thread per request while
 it runs, concurrent requests on different threads, threads reused, the database connection
-still closed at the request's end, a task outliving its request still served."""
+checked at the request's end (closed, or kept when persistent and sound), a task outliving its
+request still served."""
 from __future__ import annotations
 
 import asyncio
@@ -93,51 +94,87 @@ def test_the_idle_threads_are_capped(pool):
     assert pool.made == 6 and pool.idle() == 4
 
 
-@pytest.mark.django_db(transaction=True)
-def test_the_api_handler_reuses_threads_and_closes_the_connection_each_request(pool, monkeypatch):
-    from config.asgi import django_asgi_app  # noqa: PLC0415
+async def _status(app, path: str, headers: tuple = ()) -> int:
+    """One request through ``app`` (Django's ASGI handler); its status."""
+    sent, asked = [], []
 
-    # The API's setting (importing config.dataplane_asgi, as another test may have, keeps
-    # SQLite connections: the data plane's choice, in its own process).
-    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 0)
+    async def receive():
+        if asked:  # after the body: the client waits (Django listens for a disconnect)
+            await asyncio.Event().wait()
+        asked.append(1)
+        return {"type": "http.request", "body": b"", "more_body": False}
 
-    assert isinstance(django_asgi_app, request_threads.PooledThreadsASGIHandler)
-    opened = []
+    async def send(message):
+        sent.append(message)
 
-    async def get(path: str, headers: tuple = ()) -> int:
-        sent, asked = [], []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"testserver"), *headers], "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+    await app(scope, receive, send)
+    return sent[0]["status"]
 
-        async def receive():
-            if asked:  # after the body: the client waits (Django listens for a disconnect)
-                await asyncio.Event().wait()
-            asked.append(1)
-            return {"type": "http.request", "body": b"", "more_body": False}
 
-        async def send(message):
-            sent.append(message)
-
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-                 "headers": [(b"host", b"testserver"), *headers], "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
-        await django_asgi_app(scope, receive, send)
-        return sent[0]["status"]
-
+@pytest.fixture
+def opened():
+    """The threads on which a database connection was opened, in order."""
     from django.db.backends.signals import connection_created  # noqa: PLC0415
 
+    threads = []
+
     def created(sender, connection, **kwargs):
-        opened.append(threading.get_ident())
+        threads.append(threading.get_ident())
 
     connection_created.connect(created)
-    try:
-        key = (b"x-api-key", b"e2b_" + b"0" * 40)  # looked up in the database: a statement per request
-        statuses = [asyncio.run(get("/health")) for _ in range(2)] + [asyncio.run(get("/sandboxes", (key,)))
-                                                                      for _ in range(3)]
-        # The lent thread's connection was closed at the end of the last request.
-        thread = next(iter(pool._idle))
-        still_open = thread.submit(lambda: connection.connection is not None).result(timeout=10)
-    finally:
-        connection_created.disconnect(created)
+    yield threads
+    connection_created.disconnect(created)
+
+
+KEY = (b"x-api-key", b"e2b_" + b"0" * 40)  # looked up in the database: a statement per request
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_api_handler_reuses_threads_and_closes_a_pooled_connection_each_request(pool, monkeypatch, opened):
+    """CONN_MAX_AGE=0 (PostgreSQL's, whose connections come from its pool): closed at each end."""
+    from config.asgi import django_asgi_app  # noqa: PLC0415
+
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 0)
+    assert isinstance(django_asgi_app, request_threads.PooledThreadsASGIHandler)
+    statuses = [asyncio.run(_status(django_asgi_app, "/health")) for _ in range(2)] + [
+        asyncio.run(_status(django_asgi_app, "/sandboxes", (KEY,))) for _ in range(3)]
+    # The lent thread's connection was closed at the end of the last request.
+    thread = next(iter(pool._idle))
+    still_open = thread.submit(lambda: connection.connection is not None).result(timeout=10)
     assert statuses == [204, 204, 401, 401, 401]
     assert pool.made == 1 and not still_open
     # A connection per request that reads (closed at its end), all on the one lent thread.
     assert len(opened) == 3 and len(set(opened)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_api_keeps_a_sound_sqlite_connection_per_thread_and_closes_a_broken_one(pool, opened):
+    """SQLite (config.asgi: CONN_MAX_AGE=None): a thread's connection serves its next requests
+    (a new one parses the whole schema again); one left with a transaction open is closed.
+    PostgreSQL: a connection per request, from and back to its pool."""
+    from config.asgi import django_asgi_app  # noqa: PLC0415
+
+    statuses = [asyncio.run(_status(django_asgi_app, "/sandboxes", (KEY,))) for _ in range(3)]
+    thread = next(iter(pool._idle))
+    still_open = thread.submit(lambda: connection.connection is not None).result(timeout=10)
+    assert statuses == [401] * 3
+    if connection.vendor != "sqlite":  # PostgreSQL: left to its pool (a persistent one would bypass it)
+        assert connection.settings_dict["CONN_MAX_AGE"] == 0
+        assert not still_open and len(opened) == 3
+        return
+    assert connection.settings_dict["CONN_MAX_AGE"] is None  # config.asgi's setting for SQLite
+    assert still_open and len(opened) == 1
+
+    def leave_a_transaction_open():
+        from django.db import transaction  # noqa: PLC0415
+
+        transaction.set_autocommit(False)
+        connection.cursor().execute("SELECT 1")
+
+    thread.submit(leave_a_transaction_open).result(timeout=10)
+    assert asyncio.run(_status(django_asgi_app, "/sandboxes", (KEY,))) == 401
+    assert len(opened) == 2 and len(set(opened)) == 1  # closed at the request's start, a new one opened
+    assert thread.submit(lambda: connection.get_autocommit()).result(timeout=10)
