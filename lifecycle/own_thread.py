@@ -1,5 +1,5 @@
-"""A task that may outlive its request runs its ORM calls on a thread of its own, closed with
-its database connections at the task's end.
+"""A task that may outlive its request runs its ORM calls on a thread of its own, its database
+connections closed at the task's end as a request's are.
 
 Why: ``lifecycle``'s shielded transitions go on when the client goes away mid-transition. In
 the ended request's asgiref context their ``sync_to_async`` calls would get a new thread that
@@ -9,8 +9,10 @@ connection lost for good per client that went away, until the API's pool ran dry
 The thread is lent by a pool of idle one-worker executors (``ExecutorPool``, which the API's
 request threads use too: ``config.request_threads``), not started for each create, pause or
 resume: a thread's start and join are what the request pool saved (issue 26, the fourth round:
-two per request cost ~1.2 ms of the API's CPU on a loaded host). Its connections are closed
-before it goes back, so nothing of a transition's connection reaches the next user of the thread."""
+two per request cost ~1.2 ms of the API's CPU on a loaded host). Before it goes back its
+connections get the check a request's get at its end (``close_old_connections``): closed, unless
+persistent (the API on SQLite, config.asgi) and sound (no error, no transaction left open), so
+no broken connection and no open transaction reaches the next user of the thread."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +22,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import SyncToAsync, ThreadSensitiveContext
-from django.db import connections
+from django.db import close_old_connections
 
 
 class ExecutorPool:
@@ -71,16 +73,17 @@ class _OwnThreadContext(ThreadSensitiveContext):
         SyncToAsync.context_to_thread_executor.pop(self, None)
         SyncToAsync.thread_sensitive_context.reset(self.token)
         self.token = None
-        POOL.give(self.executor)  # its connections were closed on it (on_a_thread_of_its_own)
+        POOL.give(self.executor)  # its connections were checked on it (on_a_thread_of_its_own)
 
 
 async def on_a_thread_of_its_own(coro):
     """Awaits ``coro`` with its thread-sensitive ``sync_to_async`` calls on a thread of its own,
-    not on its caller's request's, and that thread's database connections closed at the end."""
+    not on its caller's request's, and that thread's database connections closed at the end
+    as a request's are (``close_old_connections``: closed unless persistent and still sound)."""
     async with _OwnThreadContext() as context:
         try:
             return await coro
         finally:
             # on that thread itself (not through sync_to_async: inside an async_to_sync bridge
             # that would be the caller's thread, whose connection is not ours to close)
-            await asyncio.wrap_future(context.executor.submit(connections.close_all))
+            await asyncio.wrap_future(context.executor.submit(close_old_connections))

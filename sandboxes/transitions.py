@@ -143,9 +143,10 @@ sandbox_with_template = PreparedGet(lambda: Sandbox.objects.select_related("temp
 
 def insert_creating(event: SandboxEvent, **fields) -> Sandbox:
     """Inserts a new sandbox row in ``creating`` with its ``create`` event (one
-    transaction; the caller may hold an outer one)."""
+    transaction; the caller may hold an outer one, e.g. the placement's: then no savepoint,
+    a failure here fails that transaction)."""
     check("create", [""], S.CREATING)
-    with transaction.atomic():
+    with transaction.atomic(savepoint=False):
         sandbox = Sandbox(state=S.CREATING, **fields)
         insert(sandbox)  # Sandbox.objects.create(), its INSERT built once (sandboxes.prepared)
         event.sandbox_id, event.to_state = sandbox.id, S.CREATING

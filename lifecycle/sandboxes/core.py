@@ -94,13 +94,19 @@ def visible_sync(team: Team, sandbox_id: str, states=None) -> Sandbox | None:
     return prepared.first(key=sandbox_id, team=team.pk)
 
 
+def shown_sync(team: Team, sandbox_id: str, states=None) -> Sandbox:
+    """``visible_sync``'s row, or NotFound (in a thread hop that goes on to write)."""
+    sandbox = visible_sync(team, sandbox_id, states)
+    if sandbox is None:
+        raise NotFound(f'sandbox "{sandbox_id}" not found')
+    return sandbox
+
+
 async def visible(team: Team, sandbox_id: str, states=None) -> Sandbox:
     """A sandbox of this team that the E2B API still shows; anything else is NotFound
     (including other teams' sandboxes, so ids cannot be probed). Its node comes in the same
     query (``node_of`` then needs no second one: one thread hop less per operation)."""
-    sandbox = await sync_to_async(visible_sync)(team, sandbox_id, states)
-    if sandbox is None:
-        raise NotFound(f'sandbox "{sandbox_id}" not found')
+    sandbox = await sync_to_async(shown_sync)(team, sandbox_id, states)
     fresh(sandbox.node)  # a node call right after needs no second read of it
     return sandbox
 
@@ -132,9 +138,16 @@ async def settle(team: Team, sandbox_id: str) -> Sandbox:
 
 async def node_of(sandbox: Sandbox):
     if Sandbox.node.is_cached(sandbox):  # read with the sandbox (``visible``)
+        return node_of_sync(sandbox)
+    return await sync_to_async(node_of_sync)(sandbox)
+
+
+def node_of_sync(sandbox: Sandbox):
+    """The sandbox's node (as read with it, else read now); Unavailable if it has none."""
+    if Sandbox.node.is_cached(sandbox):
         node = sandbox.node
     else:
-        node = await Node.objects.filter(pk=sandbox.node_id).afirst() if sandbox.node_id else None
+        node = Node.objects.filter(pk=sandbox.node_id).first() if sandbox.node_id else None
     if node is None:
         raise Unavailable(f'sandbox "{sandbox.id}" has no node (node {sandbox.node_id} is gone)')
     return node

@@ -20,7 +20,7 @@ from django.utils import timezone
 from lifecycle import sources
 from lifecycle import resolve
 
-from sandboxes.models import Sandbox, Team, new_envd_access_token
+from sandboxes.models import Sandbox, SandboxEvent, Team, new_envd_access_token
 from sandboxes.transitions import insert_creating
 from lifecycle.sandboxes import core, network
 from lifecycle.sandboxes.core import S, Result
@@ -68,12 +68,61 @@ async def create_sandbox(team: Team, template_ref: str, options: SandboxOptions 
         if snapshot.memory and snapshot.envd_access_token:
             fields.update(secure=True, envd_access_token=new_envd_access_token())
     build = source.build.pk if source.build is not None else None
-    sandbox, replayed = await _insert(fields, actor, build)
-    if replayed:
-        return Result(await _replay(sandbox))
+    # From the row's insert on, shielded: a client gone mid-way never leaves a row in
+    # ``creating`` (with its node's room reserved) that nothing boots
+    return await core.shielded(_insert_and_boot(fields, actor, build, source.image, timeout, snapshot, volumes,
+                                                to_node))
+
+
+async def _insert_and_boot(fields: dict, actor: str, build, image: str, timeout: int, snapshot, volumes: list,
+                           to_node: list[dict]) -> Result:
+    placed = await _insert_placed(fields, actor, build) if snapshot is None else None
+    if placed is not None:
+        sandbox = placed.sandbox
+    else:
+        sandbox, replayed = await _insert(fields, actor, build)
+        if replayed:
+            return Result(await _replay(sandbox))
     if volumes:
         await _record_mounts(sandbox, volumes, actor)
-    return await core.shielded(_boot(sandbox, source.image, timeout, actor, snapshot, to_node))
+    return await _boot(sandbox, image, timeout, actor, snapshot, to_node, placed)
+
+
+def _started(fields: dict, actor: str, build) -> SandboxEvent:
+    """A create's first event (``started``), what the insert records with the row."""
+    details = {"template": fields["template"].id, "idempotency_key": fields["idempotency_key"]}
+    if build is not None:
+        details["build"] = str(build)
+    return core.event("", "create", outcome="started", actor=actor, details=details)
+
+
+class _Placed:
+    """A ``creating`` row inserted with its node already chosen (``_insert_placed``)."""
+
+    def __init__(self, t0: float, started):
+        self.t0, self.started = t0, started
+        self.sandbox: Sandbox | None = None
+        self.node = None
+
+
+async def _insert_placed(fields: dict, actor: str, build=None) -> _Placed | None:
+    """The ``creating`` row and its event inserted by the placement's claim, in its
+    transaction: the row is born with its node (its reservation), one database round and
+    thread hop fewer than an insert and then a claim (issue 26). None when that is not how it
+    goes (no room, an Idempotency-Key already used, placement broke): the caller takes the
+    two-step way, which records a refusal on the row and replays a repeated create."""
+    _, placement = core.node_api()
+    placed = _Placed(time.monotonic(), timezone.now())
+
+    def claim(node) -> None:
+        placed.sandbox = insert_creating(_started(fields, actor, build), node=node, **fields)
+
+    try:
+        node = await placement.place(fields["cpu_count"], fields["memory_mb"], claim=claim)
+    except Exception:  # noqa: BLE001 - nothing of it stays; the two-step way decides and records
+        return None
+    placed.node = core.fresh(node)
+    return placed
 
 
 @sync_to_async
@@ -82,13 +131,9 @@ def _insert(fields: dict, actor: str, build=None) -> tuple[Sandbox, bool]:
     Idempotency-Key already used by this team → (the earlier sandbox, True)."""
     key = fields["idempotency_key"]
     window = timedelta(seconds=settings.AENV_IDEMPOTENCY_WINDOW)
-    details = {"template": fields["template"].id, "idempotency_key": key}
-    if build is not None:
-        details["build"] = str(build)
     for _ in range(3):
         try:
-            return insert_creating(core.event("", "create", outcome="started", actor=actor, details=details),
-                                   **fields), False
+            return insert_creating(_started(fields, actor, build), **fields), False
         except IntegrityError:
             if not key:
                 raise
@@ -167,11 +212,14 @@ async def _place(sandbox: Sandbox, snapshot, t0: float, started, actor: str):
 
 
 async def _boot(sandbox: Sandbox, image: str, timeout: int, actor: str, snapshot=None,
-                volumes: list[dict] | None = None) -> Result:
+                volumes: list[dict] | None = None, placed: _Placed | None = None) -> Result:
     client, _ = core.node_api()
-    t0 = time.monotonic()
-    started = timezone.now()
-    node = await _place(sandbox, snapshot, t0, started, actor)  # the row names its node now (its claim)
+    if placed is not None:  # inserted with its node
+        t0, started, node = placed.t0, placed.started, placed.node
+    else:
+        t0 = time.monotonic()
+        started = timezone.now()
+        node = await _place(sandbox, snapshot, t0, started, actor)  # the row names its node now (its claim)
     t_scheduled = time.monotonic()
     spec = network.spec_of(sandbox)
     try:

@@ -65,11 +65,23 @@ async def pause_sandbox(team: Team, sandbox_id: str, memory: bool | None = None,
             details["reason"] = "expired"
         event = core.event(sandbox_id, "pause", outcome="started", from_state=S.RUNNING, actor=actor, details=details)
         where = {"end_at__lte": expired_by} if expired_by is not None else None
-        if await core.transition(sandbox_id, [S.RUNNING], S.PAUSING, event, where=where):
-            break  # else another request changed it meanwhile: look again
-        if expired_by is not None:
+        # Shielded from the move to ``pausing`` on: a client gone mid-way never leaves it
+        # ``pausing`` with nothing pausing it.
+        paused = await core.shielded(_begin_and_pause(sandbox, node, event, where, memory, actor,
+                                                      require_healthy_guest))
+        if paused is not None:
+            return paused
+        if expired_by is not None:  # else another request changed it meanwhile: look again
             raise Conflict(f'sandbox "{sandbox_id}" is no longer running and expired')
-    return await core.shielded(_pause_on_node(sandbox, node, memory, actor, require_healthy_guest))
+
+
+async def _begin_and_pause(sandbox: Sandbox, node, event, where, memory, actor: str,
+                           require_healthy_guest: bool) -> Result | None:
+    """``running → pausing``, then the pause on its node; None when another request changed
+    the sandbox first."""
+    if not await core.transition(sandbox.id, [S.RUNNING], S.PAUSING, event, where=where):
+        return None
+    return await _pause_on_node(sandbox, node, memory, actor, require_healthy_guest)
 
 
 async def _pause_on_node(sandbox: Sandbox, node, memory: bool | None, actor: str,
@@ -220,25 +232,34 @@ async def _resume_or_running(team, sandbox_id, timeout, actor, operation, memory
             # what the node is given, read in the placement's thread hop, not one of its own (issue 26)
             read["volumes"] = mounts.node_volumes(sandbox_id)
 
-        need = (sandbox.cpu_count, sandbox.memory_mb)
         try:
-            try:
-                node = await placement.place(*need, on=home, claim=claim)
-            except placement.NoNodeAvailable as exc:
-                if memory is False or sandbox.pause_image_at is None or not _shared_store():
-                    raise NoRoom(f'sandbox "{sandbox_id}" cannot be resumed now: {exc}; it stays paused '
-                                      "(its memory is on that node)") from None
-                try:
-                    node = await placement.place(*need, claim=claim)  # moves: restored from the store
-                except placement.NoNodeAvailable as elsewhere:
-                    raise NoRoom(f'sandbox "{sandbox_id}" cannot be resumed now: {exc}, and {elsewhere}; '
-                                      "it stays paused") from None
+            # Shielded from the claim on: a client gone mid-way never leaves it ``resuming``
+            # (its node's room reserved) with nothing resuming it.
+            return True, await core.shielded(_claim_and_resume(placement, sandbox, home, claim, read, timeout, actor,
+                                                               operation, memory))
         except _Moved:
             continue  # another request changed it meanwhile: look again
-        break
+
+
+async def _claim_and_resume(placement, sandbox: Sandbox, home, claim, read: dict, timeout: int, actor: str,
+                            operation: str, memory) -> Result:
+    """The placement's claim (``paused → resuming`` on the node that will run it), then the
+    resume there. _Moved when another request changed the sandbox first; NoRoom without room."""
+    need = (sandbox.cpu_count, sandbox.memory_mb)
+    try:
+        node = await placement.place(*need, on=home, claim=claim)
+    except placement.NoNodeAvailable as exc:
+        if memory is False or sandbox.pause_image_at is None or not _shared_store():
+            raise NoRoom(f'sandbox "{sandbox.id}" cannot be resumed now: {exc}; it stays paused '
+                         "(its memory is on that node)") from None
+        try:
+            node = await placement.place(*need, claim=claim)  # moves: restored from the store
+        except placement.NoNodeAvailable as elsewhere:
+            raise NoRoom(f'sandbox "{sandbox.id}" cannot be resumed now: {exc}, and {elsewhere}; '
+                         "it stays paused") from None
     core.fresh(node)  # the claim's row, read in its transaction: sent to without a second read
-    return True, await core.shielded(_resume_on_node(sandbox, node, timeout, actor, operation, memory, home=home,
-                                                     volumes=read.get("volumes")))
+    return await _resume_on_node(sandbox, node, timeout, actor, operation, memory, home=home,
+                                 volumes=read.get("volumes"))
 
 
 def _shared_store() -> bool:

@@ -49,9 +49,14 @@ async def delete_snapshot(team: Team, snapshot_id: str, actor: str = "", build_r
 async def delete_with_files(snapshot: Snapshot, actor: str = "") -> None:
     """``→ deleting`` (Conflict while live sandboxes restored from it remain), its files, then
     its row: the delete of a snapshot already looked up (the API's, or a fork capture's release)."""
+    # Shielded from the move to "deleting" on: a client that goes away must not leave the
+    # snapshot stuck in "deleting".
+    await core.shielded(_begin_and_delete(snapshot, actor))
+
+
+async def _begin_and_delete(snapshot: Snapshot, actor: str) -> None:
     previous = await _begin_delete(snapshot, actor)
-    # Shielded: a client that goes away must not leave the snapshot stuck in "deleting".
-    await core.shielded(_delete_on_node(snapshot, previous, actor))
+    await _delete_on_node(snapshot, previous, actor)
 
 
 async def _delete_on_node(snapshot: Snapshot, previous: str, actor: str) -> None:

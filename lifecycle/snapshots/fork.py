@@ -67,6 +67,13 @@ async def fork_sandbox(team: Team, sandbox_id: str, *, count: int | None = 1, ti
     node = await core.node_of(parent)
     if timeout is None:
         timeout = await _inherited_timeout(parent)
+    # Shielded from the placement's claim on (the parent's move to forking, the children's rows):
+    # a client gone mid-way never leaves them so with nothing to finish them.
+    return await core.shielded(_claim_and_fork(team, sandbox_id, parent, node, count, timeout, actor))
+
+
+async def _claim_and_fork(team: Team, sandbox_id: str, parent: Sandbox, node, count: int, timeout: int,
+                          actor: str) -> list:
     made: list = []
 
     def claim(allotment) -> None:  # the children's rows are the reservation, made under the nodes' locks
@@ -88,9 +95,9 @@ async def fork_sandbox(team: Team, sandbox_id: str, *, count: int | None = 1, ti
         parent = await core.visible(team, sandbox_id)
         raise core.not_running(sandbox_id, parent.state)
     if begun.capture is not None:
-        return await core.shielded(fork_across_nodes(parent, begun, node, timeout, actor))
+        return await fork_across_nodes(parent, begun, node, timeout, actor)
     children = [child for child, _ in begun.children]
-    return await core.shielded(_fork_on_node(parent, children, node, timeout, actor))
+    return await _fork_on_node(parent, children, node, timeout, actor)
 
 
 async def _inherited_timeout(parent: Sandbox) -> int:

@@ -43,16 +43,15 @@ async def create_snapshot(team: Team, sandbox_id: str, *, name: str | None = Non
     ``memory=False`` is E2B's filesystem-only snapshot: the guest syncs, only the disk
     is kept, and sandboxes started from it cold-boot (files, no processes).
     Not running: Conflict; unknown or another team's: NotFound; full store: StorageFull."""
-    name = name or ""
-    sandbox = await core.visible(team, sandbox_id)
-    if sandbox.state != S.RUNNING:
-        raise core.not_running(sandbox_id, sandbox.state)
-    node = await core.node_of(sandbox)
-    snapshot = await _begin_snapshot(sandbox, node, name, memory, actor)
-    if snapshot is None:  # another request changed the sandbox meanwhile
-        sandbox = await core.visible(team, sandbox_id)
-        raise core.not_running(sandbox_id, sandbox.state)
-    return await core.shielded(_snapshot_on_node(sandbox, snapshot, node, memory, actor))
+    # Shielded from the move to ``snapshotting`` on: a client gone mid-way never leaves it
+    # ``snapshotting`` with nothing capturing it.
+    return await core.shielded(_begin_and_take(team, sandbox_id, name or "", memory, actor))
+
+
+async def _begin_and_take(team: Team, sandbox_id: str, name: str, memory, actor: str) -> Taken:
+    sandbox, node, snapshot = await _begin_snapshot(team, sandbox_id, name, memory, actor)
+    core.fresh(node)  # the node call right after checks it as just read
+    return await _snapshot_on_node(sandbox, snapshot, node, memory, actor)
 
 
 def _mode(memory) -> str:
@@ -60,7 +59,21 @@ def _mode(memory) -> str:
 
 
 @sync_to_async
-def _begin_snapshot(sandbox: Sandbox, node, name: str, memory, actor: str) -> Snapshot | None:
+def _begin_snapshot(team: Team, sandbox_id: str, name: str, memory, actor: str) -> tuple[Sandbox, object, Snapshot]:
+    """The sandbox read, checked and moved to ``snapshotting`` with its snapshot's row, in one
+    thread hop (issue 26: the read was a hop of its own). NotFound, Conflict (not running,
+    also when another request changed it meanwhile), Unavailable (its node is gone)."""
+    sandbox = core.shown_sync(team, sandbox_id)
+    if sandbox.state != S.RUNNING:
+        raise core.not_running(sandbox_id, sandbox.state)
+    node = core.node_of_sync(sandbox)
+    snapshot = _insert_snapshot(sandbox, node, name, memory, actor)
+    if snapshot is None:  # another request changed the sandbox meanwhile
+        raise core.not_running(sandbox_id, core.shown_sync(team, sandbox_id).state)
+    return sandbox, node, snapshot
+
+
+def _insert_snapshot(sandbox: Sandbox, node, name: str, memory, actor: str) -> Snapshot | None:
     with transaction.atomic():
         snapshot = Snapshot(
             team_id=sandbox.team_id, name=name, source_sandbox=sandbox, template_id=sandbox.template_id,

@@ -148,12 +148,16 @@ async def start_waiting_build(team: Team, build: TemplateBuild, body: dict, acto
                                logs=[Log("info", f"Build started on node {node.pk}", "base")], **fields):
             raise Invalid(f"build '{bid}' cannot be started: it was started or ended meanwhile")
 
-    try:
-        node = await placement.place(build.cpu_count, build.memory_mb, claim=claim)
-    except placement.NoNodeAvailable as exc:
-        raise NoRoom(f"no node can build the template now ({exc}); start the build again later") from exc
-    spec = node_spec(team, build, body, steps, base, uploaded)
-    await core.shielded(_dispatch(client, node, build, spec, actor))
+    async def place_and_dispatch() -> None:
+        try:
+            node = await placement.place(build.cpu_count, build.memory_mb, claim=claim)
+        except placement.NoNodeAvailable as exc:
+            raise NoRoom(f"no node can build the template now ({exc}); start the build again later") from exc
+        await _dispatch(client, node, build, node_spec(team, build, body, steps, base, uploaded), actor)
+
+    # Shielded from the claim on: a client gone mid-way never leaves a build "building" on a
+    # node (its room reserved) that was never handed it.
+    await core.shielded(place_and_dispatch())
     return await TemplateBuild.objects.select_related("template").aget(pk=build.pk)
 
 

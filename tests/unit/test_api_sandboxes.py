@@ -50,6 +50,40 @@ async def test_create_v2_returns_201_sandbox(api, nodes_mock):
     assert set(timing) == set(phases) and float(timing["boot"]) == 300.0
 
 
+async def test_a_created_row_is_born_with_its_node(api, nodes_mock):
+    """One step (issue 26): the placement's claim inserts the ``creating`` row with its node,
+    in the placement's transaction; there is no row before the claim and no second write of it."""
+    from asgiref.sync import sync_to_async
+
+    seen = []
+
+    async def place(cpu_count, memory_mb, *, on=None, prefer=None, claim=None):
+        def look_around(node):
+            seen.append(Sandbox.objects.count())
+            claim(node)
+            seen.append(list(Sandbox.objects.values_list("state", "node_id")))
+        await sync_to_async(look_around)(nodes_mock.node)
+        return nodes_mock.node
+
+    nodes_mock.placement.place.side_effect = place
+    resp = await api.post("/v2/sandboxes", json={"templateID": "base"})
+    assert resp.status_code == 201, resp.text
+    assert seen == [0, [("creating", "n1")]] and nodes_mock.placement.place.await_count == 1
+    sb = await Sandbox.objects.aget(pk=resp.json()["sandboxID"])
+    assert sb.state == "running" and sb.node_id == "n1"
+
+
+async def test_a_create_refused_for_want_of_room_is_still_recorded(api, nodes_mock, assert_error):
+    """No room: the answer is E2B's 503 and the sandbox is on record as an error saying why,
+    with its events (the two-step way records what the one step cannot)."""
+    nodes_mock.placement.place.side_effect = nodes_mock.placement.NoNodeAvailable("no node has room")
+    assert_error(await api.post("/v2/sandboxes", json={"templateID": "base"}), 503, "no node available")
+    sb = await Sandbox.objects.aget()
+    assert sb.state == "error" and sb.node_id is None and "no node has room" in sb.error_reason
+    events = [(e.operation, e.outcome, e.to_state) async for e in SandboxEvent.objects.filter(sandbox=sb).order_by("id")]
+    assert events == [("create", "started", "creating"), ("create", "error", "error")]
+
+
 async def test_create_v1_secure_flag(api, nodes_mock):
     insecure = await api.post("/sandboxes", json={"templateID": "base", "timeout": 300, "secure": False,
                                                   "allow_internet_access": True, "metadata": {}, "envVars": {}})
