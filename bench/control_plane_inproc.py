@@ -11,7 +11,9 @@ process's (``process_time``: every thread, the event loop's and the request's), 
 client's cost for ``GET /health`` measured alongside, so the host's load moves it far less than
 wall time. ``--profile``: cProfile on every thread, the top functions by own time printed.
 
-    .venv/bin/python bench/control_plane_inproc.py [--runs 200] [--pg URL] [--profile]
+    .venv/bin/python bench/control_plane_inproc.py [--runs 200] [--pg URL] [--profile] [--label before]
+
+Prints the table; writes bench/results/control_plane_inproc-<UTC stamp>[-label].json and .md.
 """
 from __future__ import annotations
 
@@ -24,12 +26,15 @@ import statistics
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.control_plane_pieces import fresh_database  # noqa: E402
+from bench.lifecycle_common import write_results  # noqa: E402
+from bench.templates import git_state  # noqa: E402
 
 OPS = ("create", "pause", "resume", "connect", "kill")
 
@@ -113,7 +118,9 @@ def _now():
 
 
 class ThreadProfiles:
-    """cProfile on this thread and on every thread started from now on (the request threads)."""
+    """cProfile on this thread and on every thread started from now on (the request threads).
+    Each profile's clock is its thread's CPU time, so a thread waiting (for the GIL, a queue,
+    the event loop's poll) counts nothing: the table is where the CPU goes, not the wall time."""
 
     def __init__(self):
         self.profiles: list[cProfile.Profile] = []
@@ -124,7 +131,7 @@ class ThreadProfiles:
         self._add().enable()
 
     def _add(self) -> cProfile.Profile:
-        profile = cProfile.Profile()
+        profile = cProfile.Profile(time.thread_time)
         with self._lock:
             self.profiles.append(profile)
         return profile
@@ -153,6 +160,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--pg", default="", help="a PostgreSQL server URL: a fresh database there instead of SQLite")
     p.add_argument("--profile", action="store_true", help="cProfile every thread; print the top by own time")
+    p.add_argument("--label", default="", help="added to the results' file name (e.g. before, after)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args()
     os.environ.setdefault("AENV_REQUEST_THREADS_IDLE", "16")
     import logging  # noqa: PLC0415
@@ -170,15 +179,28 @@ def main() -> int:
             profiles.stats().sort_stats("tottime").print_stats(45)
         else:
             cpu = asyncio.run(measure(key, args.runs, args.warmup))
-        health = statistics.median(cpu["health"])
-        print(f"{connection.vendor}, {args.runs} runs, 1-min load {os.getloadavg()[0]:.2f}; CPU ms per request "
-              f"(median; GET /health {health:.2f} ms, the client's and Django's floor, subtracted)")
-        print("| op | CPU ms p50 | p90 |")
-        print("|---|---:|---:|")
-        for op in OPS:
-            values = sorted(v - health for v in cpu[op])
-            print(f"| {op} | {statistics.median(values):.2f} | {values[int(0.9 * (len(values) - 1))]:.2f} |")
+        vendor = connection.vendor
+    write_results(args.out, "control_plane_inproc" + (f"-{args.label}" if args.label else ""),
+                  *report(cpu, vendor, args))
     return 0
+
+
+def report(cpu: dict[str, list[float]], vendor: str, args) -> tuple[dict, str]:
+    """The results (JSON) and their table: CPU ms per request less ``GET /health``'s median."""
+    health = statistics.median(cpu["health"])
+    load = os.getloadavg()[0]
+    table = {}
+    for op in OPS:
+        values = sorted(v - health for v in cpu[op])
+        table[op] = {"p50": round(statistics.median(values), 2), "p90": round(values[int(0.9 * (len(values) - 1))], 2)}
+    when = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    result = {"when": when, "git": git_state(), "database": vendor, "runs": args.runs, "load_1min": round(load, 2),
+              "health_cpu_ms": round(health, 2), "cpu_ms_beyond_health": table, "label": args.label}
+    lines = [f"{vendor}, {args.runs} runs, 1-min load {load:.2f}; CPU ms per request (median; GET /health "
+             f"{health:.2f} ms, the client's and Django's floor, subtracted)", "",
+             "| op | CPU ms p50 | p90 |", "|---|---:|---:|"]
+    lines += [f"| {op} | {row['p50']:.2f} | {row['p90']:.2f} |" for op, row in table.items()]
+    return result, "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

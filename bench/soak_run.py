@@ -144,18 +144,27 @@ def process_figures(leaders: dict[str, int]) -> dict:
     out = {}
     for name, leader in leaders.items():
         rss = fds = tcp = own = n = 0
+        by_process: dict[str, int] = {}
+        tcp_to: dict[str, int] = {}  # "<process> <remote address> <state>": count, to tell what a descriptor growth is
         for pid in _pgroup(leader):
             try:
+                proc = psutil.Process(pid)
+                proc_name = proc.name()
                 rss += _rss_kib(pid)
-                fds += len(os.listdir(f"/proc/{pid}/fd"))
-                conns = psutil.Process(pid).net_connections(kind="tcp")
+                count = len(os.listdir(f"/proc/{pid}/fd"))
+                fds += count
+                by_process[f"{proc_name}[{pid}]"] = count
+                conns = proc.net_connections(kind="tcp")
                 tcp += len(conns)
                 own += sum(1 for c in conns if c.raddr and tuple(c.raddr) in mine)
+                for c in conns:
+                    where = f"{proc_name} {c.raddr[0] if c.raddr else 'listen'} {c.status}"
+                    tcp_to[where] = tcp_to.get(where, 0) + 1
                 n += 1
             except (OSError, psutil.Error):
                 continue  # ended meanwhile
         out[name] = {"rss_mib": round(rss / 1024, 1), "fds": fds, "fds_net": fds - own, "tcp": tcp,
-                     "own_client_conns": own, "processes": n}
+                     "own_client_conns": own, "processes": n, "fds_by_process": by_process, "tcp_to": tcp_to}
     return out
 
 
