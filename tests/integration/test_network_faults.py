@@ -48,16 +48,24 @@ def _host_set(prefix: str) -> set[str]:
     return found
 
 
-def _settled(stack, expect_slots: int, deadline: float = 300) -> list:
-    """The instance's slots once the pool's refill is done (exactly ``expect_slots``, each in the
-    node's veths set: a warm slot's namespace exists a moment before its veth joins the set).
-    The deadline is generous: after fifty kills the pool destroys their slots before it makes
-    warm ones, and each destroy walks the host's conntrack table, which on a busy CI host took
-    longer than a minute in all; a leak still fails, only later."""
+def _settled(stack, expect_slots: int, deadline: float = 300, quiet: float = 3.0) -> list:
+    """The instance's slots once the pool's refill is done: exactly ``expect_slots``, their veths
+    exactly the node's ``veths`` set, and that same picture for ``quiet`` seconds. One look is
+    not enough: a slot released last (waiting for the pool's thread to destroy it) and the one
+    warm slot made so far also make ``expect_slots`` slots all in the set, until the thread takes
+    the released one's veth out of the set (the last CI read the set in that moment). A warm
+    slot's namespace exists a moment before its veth joins the set, too. The deadline is
+    generous: after fifty kills the pool destroys their slots before it makes warm ones, on a
+    busy CI host longer than a minute in all; a leak still fails, only later."""
     end = time.monotonic() + deadline
+    seen, since = None, time.monotonic()
     while True:
         found = slots.list_slots(stack.net_prefix, stack.net_pool)
-        if len(found) == expect_slots and {s.host_veth for s in found} <= _host_set(stack.net_prefix):
+        picture = (tuple(s.netns for s in found), frozenset(_host_set(stack.net_prefix)))
+        if picture != seen:
+            seen, since = picture, time.monotonic()
+        elif len(found) == expect_slots and {s.host_veth for s in found} == picture[1] \
+                and time.monotonic() - since >= quiet:
             return found
         if time.monotonic() > end:
             return found
