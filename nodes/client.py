@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 SEND_TIMEOUT = 5.0
 # Re-check the stored result this often in case a pubsub message was missed.
 POLL_FALLBACK = 0.5
+# The first look at the result's key when no answer came on the subscription (_dispatch).
+FIRST_LOOK = 0.1
 
 
 class NodeError(Exception):
@@ -206,8 +208,10 @@ def _ready_meta(raw) -> dict | None:
 
 async def _dispatch(node: Node, task: str, kwargs: dict, deadline: float, what: str) -> dict:
     """Subscribes to the task's result channel, sends the task, then waits for the result:
-    the subscription is in place before the node can answer, and a GET right after the send
-    (and every POLL_FALLBACK) catches a result published before it took effect."""
+    the subscription is in place before the node can answer, and a GET after FIRST_LOOK (and
+    every POLL_FALLBACK after that) catches a result published before it took effect. Not a GET
+    right after the send: the answer nearly always comes on the subscription, and that GET was
+    a Redis round trip of the API's CPU on every node call (issue 26)."""
     task_id = uuid()
     key = _result_key(task_id)
     end = time.monotonic() + deadline
@@ -220,7 +224,7 @@ async def _dispatch(node: Node, task: str, kwargs: dict, deadline: float, what: 
     try:
         await _send(task, node, kwargs, deadline, task_id=task_id)
         r = _result_redis()
-        meta = _ready_meta(await r.get(key))
+        meta, look = None, FIRST_LOOK
         while meta is None:
             now = time.monotonic()
             if now >= end:
@@ -229,10 +233,11 @@ async def _dispatch(node: Node, task: str, kwargs: dict, deadline: float, what: 
                     "(node down, stuck or overloaded)"
                 )
             try:
-                raw = await asyncio.wait_for(asyncio.shield(published), timeout=min(end - now, POLL_FALLBACK))
+                raw = await asyncio.wait_for(asyncio.shield(published), timeout=min(end - now, look))
                 meta = _ready_meta(raw)
             except asyncio.TimeoutError:
                 meta = _ready_meta(await r.get(key))
+            look = POLL_FALLBACK
             if meta is None and published.done():  # a message that was not a final state
                 published = asyncio.get_running_loop().create_future()
                 listener.waiters[key] = published

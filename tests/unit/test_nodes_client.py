@@ -227,6 +227,42 @@ async def test_a_broken_subscription_falls_back_to_polling(node_worker, monkeypa
     assert client._listener() is not listener  # the next call gets a fresh connection
 
 
+async def test_an_answer_on_the_subscription_takes_no_read_of_its_key(node_worker, monkeypatch):
+    """The result comes on the loop's subscription: the call reads no key for it (a GET right
+    after every send was one Redis round trip of the API's CPU per node call, issue 26)."""
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    await kill_sandbox(node, sandbox_id="warm")
+    r = client._result_redis()
+    gets = []
+    real_get = r.get
+
+    async def counting(key, *a, **k):
+        gets.append(key)
+        return await real_get(key, *a, **k)
+
+    monkeypatch.setattr(r, "get", counting)
+    for i in range(5):
+        assert await kill_sandbox(node, sandbox_id=f"quiet{i}") == {"killed": False}
+    assert gets == []
+
+
+async def test_a_result_the_subscription_missed_is_read_from_its_key(node_worker, monkeypatch):
+    """A result published before the subscription took effect (or lost with it) is still found:
+    the call reads its key once no answer came on the subscription for FIRST_LOOK."""
+    node = await sync_to_async(alive_node)(node_worker.node_id)
+    await kill_sandbox(node, sandbox_id="warm")
+    listener = client._listener()
+    real_subscribe = listener.subscribe
+
+    async def deaf(key):  # subscribed to a channel nobody publishes on: every message missed
+        return await real_subscribe(key + ".never")
+
+    monkeypatch.setattr(listener, "subscribe", deaf)
+    monkeypatch.setattr(client, "POLL_FALLBACK", 30.0)  # only the first look can find it in time
+    out = await asyncio.wait_for(kill_sandbox(node, sandbox_id="missed"), timeout=20)
+    assert out == {"killed": False}
+
+
 async def test_concurrent_boots_run_in_parallel(node_worker):
     node = await sync_to_async(alive_node)(node_worker.node_id)
     t0 = time.perf_counter()
