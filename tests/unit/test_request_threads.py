@@ -174,7 +174,41 @@ def test_the_api_keeps_a_sound_sqlite_connection_per_thread_and_closes_a_broken_
         transaction.set_autocommit(False)
         connection.cursor().execute("SELECT 1")
 
-    thread.submit(leave_a_transaction_open).result(timeout=10)
+    # a request's last call leaves a transaction open; the request's end (request_finished, on
+    # its thread) closes that connection, and the thread's next request opens a new one
+    from django.core import signals  # noqa: PLC0415
+
+    def a_request_that_leaves_a_transaction_open():
+        leave_a_transaction_open()
+        signals.request_finished.send(sender=request_threads.PooledThreadsASGIHandler)
+
+    thread.submit(a_request_that_leaves_a_transaction_open).result(timeout=10)
+    assert thread.submit(lambda: connection.connection is None).result(timeout=10)
     assert asyncio.run(_status(django_asgi_app, "/sandboxes", (KEY,))) == 401
-    assert len(opened) == 2 and len(set(opened)) == 1  # closed at the request's start, a new one opened
+    assert len(opened) == 2 and len(set(opened)) == 1
     assert thread.submit(lambda: connection.get_autocommit()).result(timeout=10)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_takes_no_thread_hop_before_its_view_for_djangos_start_signal(pool, monkeypatch):
+    """Django's start-of-request connection check was a thread hop before every view (the end's
+    check is the one that counts: a lent thread's last request ran it, config.request_threads)."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from django.core import signals  # noqa: PLC0415
+    from django.db import close_old_connections  # noqa: PLC0415
+
+    from config.asgi import django_asgi_app  # noqa: PLC0415
+
+    assert close_old_connections not in signals.request_started._live_receivers(None)[0]
+    assert close_old_connections in signals.request_finished._live_receivers(None)[0]
+    submitted = []
+    real_submit = ThreadPoolExecutor.submit
+
+    def counting(self, fn, *a, **k):
+        submitted.append(fn)
+        return real_submit(self, fn, *a, **k)
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", counting)
+    assert asyncio.run(_status(django_asgi_app, "/health")) == 204
+    assert len(submitted) == 1  # the end's check (response.close → request_finished), nothing before
