@@ -65,6 +65,24 @@ def test_a_success_is_stored_without_a_read_and_a_later_failure_does_not_hide_it
     assert fresh.get_task_meta("t-2")["status"] == states.FAILURE
 
 
+def test_a_result_is_stored_and_published_without_a_transaction(server):  # noqa: F811
+    """SET and PUBLISH in one round trip, not wrapped in MULTI/EXEC (two commands more a task)."""
+    app = _app(server.url)
+    client = redis.Redis.from_url(server.url)
+    listener = client.pubsub()
+    key = app.backend.get_key_for_task("t-3").decode()
+    listener.subscribe(key)
+    assert listener.get_message(timeout=5)["type"] == "subscribe"
+    multis, execs = _calls(client, "multi"), _calls(client, "exec")
+    app.backend.store_result("t-3", {"envd_port": 40003}, states.SUCCESS)
+    assert (_calls(client, "multi"), _calls(client, "exec")) == (multis, execs)
+    published = listener.get_message(timeout=5)
+    assert published["type"] == "message" and app.backend.decode(published["data"])["result"] == {"envd_port": 40003}
+    assert app.backend.get_task_meta("t-3")["result"] == {"envd_port": 40003}
+    assert 0 < client.ttl(key) <= app.backend.expires
+    listener.close()
+
+
 @pytest.mark.parametrize("url", ["rpc://", "socket:///run/redis.sock", "unix:///run/redis.sock"])
 def test_a_result_backend_that_both_sides_cannot_read_is_refused(url):
     """Not Redis, or a Unix socket (Celery's store takes only socket://, the control plane's
