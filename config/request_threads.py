@@ -82,8 +82,8 @@ def get_asgi_application() -> PooledThreadsASGIHandler:
 def no_check_at_request_start() -> None:
     """Django checks the database connection at each request's start and at its end
     (``close_old_connections`` on ``request_started`` and ``request_finished``). In an async
-    request the start's check is a thread hop before the view runs, on every API call (~0.2 ms
-    of the answer on a loaded host, issue 26). Here it checks nothing the end's did not: a
+    request the start's check is a thread hand-off and back before the view runs, on every API
+    call (issue 26: one of the hops counted per request). Here it checks nothing the end's did not: a
     request thread is lent by ``POOL`` only after its last request's end ran that check on it,
     and nothing else runs on an idle lent thread. So only the end's check stays. Without
     DEBUG, ``reset_queries`` (the start's other receiver) has no query log to clear; with it,
