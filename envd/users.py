@@ -23,6 +23,8 @@ def lookup(name):
         return pwd.getpwnam(name)
     except KeyError:
         raise UnknownUser(f"user '{name}' not found") from None
+    except ValueError:  # a NUL in it: a name no account can have (not quoted back)
+        raise UnknownUser("user not found: the name is not a valid account name") from None
 
 
 def request_user(settings, name):

@@ -69,3 +69,17 @@ def test_a_tree_deeper_than_pythons_recursion_is_removed(envd, workdir):
                       headers={"Authorization": protocol.basic_auth("root")}, timeout=60)
     assert resp.status_code == 200, (resp.status_code, resp.text[:300])
     assert not os.path.lexists(top)
+
+
+def test_a_username_with_nul_is_401(envd):
+    """Was a 500 ("ValueError: embedded null character" from getpwnam), found on a real VM: a name
+    no account can have is an unknown user, on /files and on the RPCs' Basic auth alike."""
+    for name in ("\x00", "us\x00er"):
+        resp = httpx.get(f"{envd.url}/files", params={"path": "x", "username": name}, timeout=30)
+        assert resp.status_code == 401, (name, resp.status_code, resp.text[:200])
+        assert resp.json()["code"] == 401
+    resp = httpx.get(f"{envd.url}/files?path=x&username=%00", timeout=30)
+    assert resp.status_code == 401, (resp.status_code, resp.text[:200])
+    listed = httpx.post(f"{envd.url}/filesystem.Filesystem/ListDir", json={"path": "/"},
+                        headers={"Authorization": protocol.basic_auth("us\x00er")}, timeout=30)
+    assert listed.status_code == 401, (listed.status_code, listed.text[:200])
