@@ -56,14 +56,18 @@ class ChunkfsClient:
         return self.request({"op": "ping"})
 
     def mount(self, mount_id: str, chunk_size: int, files: dict, *, prefetch: list | None = None,
-              record: bool = False, writable: bool = False, local: dict | None = None) -> Path:
+              record: bool = False, writable: bool = False, local: dict | None = None,
+              pieces: list | None = None) -> Path:
         """Mounts ``files`` ({name: {size, chunks}}, as in a snapshot manifest); returns the
         directory that holds them. ``local``: {sha: [path, offset]} of chunks this node's own
-        files hold, read from there (verified) before the store."""
+        files hold, read from there (verified) before the store. ``pieces``: the prefetch
+        list's pieces (``chunkfs.pieces``)."""
         payload = {"op": "mount", "mount_id": mount_id, "chunk_size": chunk_size, "files": files,
                    "prefetch": prefetch or [], "record": record, "writable": writable}
         if local:
             payload["local"] = local
+        if pieces:
+            payload["pieces"] = pieces
         reply = self.request(payload)
         return Path(reply["path"])
 

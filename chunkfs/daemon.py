@@ -13,12 +13,14 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
 
 - ``{"op": "mount", "mount_id", "chunk_size", "files": {name: {"size", "chunks", "chunk_size"?}},
   "prefetch": [[name, chunk_index], ...], "record": bool, "writable": bool, "local"?: {sha: [path,
-  offset]}}`` ->
+  offset]}, "pieces"?: [{"key", "chunks": [[sha, length, body length, encoding], ...]}, ...]}`` ->
   ``{"ok": true, "path": "<mountpoint>/<mount_id>"}``. Chunks as in a snapshot manifest
   (``[[offset, length, sha], ...]``, holes absent); a file's own ``chunk_size`` (guest RAM is cut
   smaller than disks) overrides the mount's. The prefetch list is fetched in the
   background, in order. ``local``: chunks the node has inside its own files, read from there
-  (verified) before the source is asked.
+  (verified) before the source is asked. ``pieces``: the prefetch list's chunks stored again as
+  a few larger objects under the S3 store's prefix (``chunkfs.pieces``), fetched instead of one
+  GET per chunk while the list is walked.
 - ``{"op": "pin", "mount_id"}``: every chunk of the mount fetched now and pinned in the cache
   until the mount's ``unmount`` (also one after a restart: pins outlive mounts), for files whose
   chunks the store is about to lose.
@@ -36,8 +38,8 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
   replaces the last map; -> ``{"chunks"}``.
 - ``{"op": "unmount", "mount_id"}`` (the files vanish; a writable mount's overlays are deleted),
   ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats, ``fetches``: chunks and bytes
-  from peers and from the store (``store_wire_bytes``: as they crossed the wire, compressed)
-  and what peers were served, and, per mount, reads, bytes fetched, prefetch progress and the
+  from peers and from the store (``store_wire_bytes``: as they crossed the wire, compressed;
+  ``piece_*``: the prefetch pieces' GETs, bytes and chunks, part of those) and what peers were served, and, per mount, reads, bytes fetched, prefetch progress and the
   recorded first-touch order), ``{"op": "ping"}`` (``encodings``: the compressed chunks it reads).
 
 Every failure is ``{"ok": false, "error": {"code", "message"}}``; the daemon stays up.
@@ -76,6 +78,8 @@ from .own_files import OwnFiles
 from .peer_server import COUNTS as PEER_SERVED
 from .peer_server import MIN_TOKEN, PeerServer
 from .peer_source import PeerChunkSource, parse_peer
+from .pieces import PieceCounters, PiecesFirst, PrefetchPieces
+from .pieces import parse as parse_pieces
 from .sources import CountingSource, FallbackSource, LocalFileSource
 
 log = logging.getLogger("chunkfs.daemon")
@@ -123,6 +127,7 @@ class Daemon:
         self.fetch_source = FallbackSource([self.peers, self.source])
         self.peer_server: PeerServer | None = None
         self.own = OwnFiles()  # the node's own files' chunks, served to peers ("own" op)
+        self.piece_counters = PieceCounters()
         self._peer_lock = threading.Lock()
         self.mountpoint = Path(mountpoint)
         self.overlay_dir = Path(overlay_dir)
@@ -182,7 +187,8 @@ class Daemon:
                 isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and not isinstance(p[1], bool)
                 and isinstance(p[1], int) and p[1] >= 0 for p in prefetch):
             raise _bad("prefetch must be a list of [name, chunk_index]")
-        source = self._mount_source(request.get("local"))
+        pieces = self._pieces(request.get("pieces"), prefetch, request.get("local"))
+        source = self._mount_source(request.get("local"), pieces)
         with self._mount_lock:
             if self.fs.get(mount_id) is not None:
                 raise RequestError("exists", f"mount {mount_id} exists")
@@ -220,27 +226,52 @@ class Daemon:
                     f.close()
                 raise
             mount = Mount(mount_id, lazy, writable=writable, recorder=recorder, counters=counters,
-                          chunk_size=chunk_size)
+                          chunk_size=chunk_size, pieces=pieces)
             self.fs.add(mount)
         if prefetch:
             mount.prefetch_state.update(queued=len(prefetch), finished=False)
             threading.Thread(target=self._prefetch, args=(mount, prefetch), name=f"prefetch-{mount_id}",
                              daemon=True).start()
-        log.info("mounted %s: %d files%s%s, %d chunks to prefetch", mount_id, len(lazy),
-                 ", writable" if writable else "", ", recording" if record else "", len(prefetch))
+        log.info("mounted %s: %d files%s%s, %d chunks to prefetch%s", mount_id, len(lazy),
+                 ", writable" if writable else "", ", recording" if record else "", len(prefetch),
+                 f" ({len(pieces.keys)} pieces)" if pieces is not None else "")
         return {"path": str(self.mountpoint / mount_id)}
 
-    def _mount_source(self, local) -> object:
+    def _pieces(self, value, prefetch: list, local) -> PrefetchPieces | None:
+        """A mount's prefetch pieces (``chunkfs.pieces``) when it has a prefetch list to walk
+        and the store can give them (S3), less the chunks the node has already."""
+        if value is None or value == []:
+            return None
+        try:
+            keys, where = parse_pieces(value)
+        except ValueError as exc:
+            raise _bad(f"pieces: {exc}") from None
+        get = getattr(self.source.source, "get", None)
+        if not prefetch or get is None:
+            return None
+        pieces = PrefetchPieces(keys, where, get, self.pools.pieces, counters=self.piece_counters)
+        pieces.skip([sha for sha in where if self.cache.contains(sha)])
+        if isinstance(local, dict):
+            pieces.skip(local)
+        return pieces
+
+    def _mount_source(self, local, pieces: PrefetchPieces | None = None) -> object:
         """The daemon's source, or with ``local`` ({sha: [path, offset]}: chunks inside this
-        node's own files) those first, each checked by its digest before it counts."""
+        node's own files) those first, each checked by its digest before it counts; with
+        ``pieces``, the store's chunks from those when they hold them."""
+        if pieces is not None:
+            return self._with_local(local, FallbackSource([self.peers, PiecesFirst(pieces, self.source)]))
+        return self._with_local(local, self.fetch_source)
+
+    def _with_local(self, local, then: FallbackSource) -> object:
         if local is None or local == {}:
-            return self.fetch_source
+            return then
         if not isinstance(local, dict) or not all(
                 isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and v[0].startswith("/")
                 and isinstance(v[1], int) and not isinstance(v[1], bool) and v[1] >= 0 for v in local.values()):
             raise _bad("local must be an object {sha: [absolute path, offset]}")
         try:
-            return FallbackSource([LocalFileSource(local), self.peers, self.source])
+            return FallbackSource([LocalFileSource(local), *then.sources])
         except ValueError as exc:
             raise _bad(f"local: {exc}") from None
 
@@ -272,6 +303,8 @@ class Daemon:
                     slots.release()
                     break
                 pool.submit(one, name, index)
+        if mount.pieces is not None:  # walked: the bodies of chunks nobody took go
+            mount.pieces.close()
         state["finished"] = True
 
     def pin(self, request: dict) -> dict:
@@ -373,7 +406,7 @@ class Daemon:
         server = self.peer_server
         served = server.stats() if server is not None else dict.fromkeys(PEER_SERVED, 0)
         return {**self.peers.stats(), "store_chunks": self.source.chunks, "store_bytes": self.source.bytes,
-                "store_wire_bytes": self.source.wire_bytes,
+                "store_wire_bytes": self.source.wire_bytes, **self.piece_counters.as_dict(),
                 **served, "peer_listen": server.listen if server is not None else "", "own_chunks": len(self.own)}
 
     def unmount(self, request: dict) -> dict:

@@ -60,8 +60,11 @@ class Mount:
     """One mount request's files, under ``<mountpoint>/<mount_id>``."""
 
     def __init__(self, mount_id: str, files: dict[str, LazyFile], *, writable: bool = False,
-                 recorder: Recorder | None = None, counters: Counters | None = None, chunk_size: int = 0):
+                 recorder: Recorder | None = None, counters: Counters | None = None, chunk_size: int = 0,
+                 pieces=None):
+        """``pieces``: its ``chunkfs.pieces.PrefetchPieces`` (closed with the mount), if any."""
         self.id = mount_id
+        self.pieces = pieces
         self.files = files
         self.writable = writable
         self.recorder = recorder
@@ -73,6 +76,8 @@ class Mount:
 
     def close(self) -> None:
         self.closed.set()
+        if self.pieces is not None:
+            self.pieces.close()
         for f in self.files.values():
             f.close()
 

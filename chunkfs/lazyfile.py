@@ -51,13 +51,17 @@ def _blocking_signals() -> None:
 class Pools:
     """The thread pools lazy files share: foreground fetches (a reader waits for them, up
     to its deadline) and background prefetches (read-ahead, prefetch lists), kept apart
-    so prefetching never delays a reader's own chunk."""
+    so prefetching never delays a reader's own chunk, and the GETs of prefetch pieces."""
 
-    def __init__(self, fetch_workers: int = 16, prefetch_workers: int = 4, max_pending: int = 64):
+    def __init__(self, fetch_workers: int = 16, prefetch_workers: int = 4, max_pending: int = 64,
+                 piece_workers: int = 4):
         self.fetch = ThreadPoolExecutor(fetch_workers, thread_name_prefix="chunkfs-fetch",
                                         initializer=_blocking_signals)
         self.prefetch = ThreadPoolExecutor(prefetch_workers, thread_name_prefix="chunkfs-prefetch",
                                            initializer=_blocking_signals)
+        # prefetch pieces' GETs (chunkfs.pieces): waited for by fetches, so never on their pool
+        self.pieces = ThreadPoolExecutor(piece_workers, thread_name_prefix="chunkfs-pieces",
+                                         initializer=_blocking_signals)
         self.max_pending = max_pending
         self._pending = 0
         self._lock = threading.Lock()
@@ -87,6 +91,7 @@ class Pools:
     def shutdown(self) -> None:
         self.prefetch.shutdown(wait=False, cancel_futures=True)
         self.fetch.shutdown(wait=False, cancel_futures=True)
+        self.pieces.shutdown(wait=False, cancel_futures=True)
 
 
 class Recorder:

@@ -101,22 +101,35 @@ class S3ChunkSource:
     def key(self, sha: str) -> str:
         return f"{self.prefix}chunks/{check_sha(sha)}"
 
-    def fetch(self, sha: str, length: int) -> bytes:
-        key = self.key(sha)
-        try:  # a compressed body is smaller than its chunk: more than asked is wrong anyway
-            if self.getter is not None:
-                body, metadata = self.getter.get(key, int(length) + 1)
-            else:
-                answer = self.client.get_object(Bucket=self.bucket, Key=key)
-                try:
-                    body = answer["Body"].read(int(length) + 1)
-                finally:
-                    answer["Body"].close()
-                metadata = answer.get("Metadata")
-        except Exception as exc:  # missing, denied, unreachable, timed out: all the same to a reader
-            raise ChunkUnavailable(f"chunk {sha} from {self.name}: {_error_code(exc)}: {exc}") from exc
+    def _get(self, key: str, limit: int) -> tuple[bytes, dict | None]:
+        """At most ``limit`` bytes of an object's body and its user metadata (counted in
+        ``wire_bytes``); errors of every kind as they come."""
+        if self.getter is not None:
+            body, metadata = self.getter.get(key, limit)
+        else:
+            answer = self.client.get_object(Bucket=self.bucket, Key=key)
+            try:
+                body = answer["Body"].read(limit)
+            finally:
+                answer["Body"].close()
+            metadata = answer.get("Metadata")
         with self._lock:
             self.wire_bytes += len(body)
+        return body, metadata
+
+    def get(self, relative_key: str, limit: int) -> bytes:
+        """An object other than a chunk under the prefix (a snapshot's prefetch piece:
+        ``chunkfs.pieces``), at most ``limit`` bytes; ``ChunkUnavailable`` when it cannot be had."""
+        try:
+            return self._get(self.prefix + relative_key, int(limit))[0]
+        except Exception as exc:  # noqa: BLE001
+            raise ChunkUnavailable(f"{relative_key} from {self.name}: {_error_code(exc)}: {exc}") from exc
+
+    def fetch(self, sha: str, length: int) -> bytes:
+        try:  # a compressed body is smaller than its chunk: more than asked is wrong anyway
+            body, metadata = self._get(self.key(sha), int(length) + 1)
+        except Exception as exc:  # missing, denied, unreachable, timed out: all the same to a reader
+            raise ChunkUnavailable(f"chunk {sha} from {self.name}: {_error_code(exc)}: {exc}") from exc
         try:
             return decode(body, metadata, int(length))
         except BadEncoding as exc:  # no bytes are not the chunk: the cache counts it corrupt, fetches again
@@ -216,7 +229,10 @@ class CountingSource:
         self.bytes = 0
 
     def fetch(self, sha: str, length: int) -> bytes:
-        data = self.source.fetch(sha, length)
+        return self.counted(self.source.fetch(sha, length))
+
+    def counted(self, data: bytes) -> bytes:
+        """Counts a chunk the source gave by another route (a prefetch piece: ``chunkfs.pieces``)."""
         with self._lock:
             self.chunks += 1
             self.bytes += len(data)

@@ -240,7 +240,8 @@ class LazyRestores:
                       if not p.name.startswith(".") and (p / MANIFEST).is_file())
 
     def install(self, snapshot_id: str, *, chunk_size: int, files: dict, manifest: dict, adopt: Callable,
-                local: dict | None = None, prefetch: list | None = None, record: bool = False) -> Path:
+                local: dict | None = None, prefetch: list | None = None, record: bool = False,
+                pieces: list | None = None) -> Path:
         """Mounts ``files`` ({name: {size, chunks}}) writable, makes the entry (links +
         ``manifest``, whose paths already name ``path(snapshot_id)``), lets ``adopt(dir)``
         (the driver's adopt_snapshot) rewrite what it must, and installs it by one rename.
@@ -259,7 +260,7 @@ class LazyRestores:
                 if exc.code != "not_found":
                     raise
             where = client.mount(snapshot_id, chunk_size, files, prefetch=prefetch, record=record,
-                                 writable=True, local=local)
+                                 writable=True, local=local, pieces=pieces if prefetch else None)
         except ChunkfsError as exc:
             raise LazyMountFailed(str(exc)) from exc
         for leftover in self.root.glob(f".tmp-{snapshot_id}-*"):  # an install that crashed (we hold its lock)

@@ -19,6 +19,10 @@ Objects (under ``AENV_S3_PREFIX``):
   nodes' builds of one recipe may differ byte for byte, so a node uses its own file
   only when the digest matches and otherwise fetches this one with the snapshot.
 - ``refs/<sha256>/<id>``: empty marker, "snapshot <id> uses this chunk".
+- ``snapshots/<id>/prefetch.json``: the chunks a restore read first, in order (recorded where a
+  template is built, or by the first lazy restore), and ``snapshots/<id>/prefetch/<n>``, its
+  prefetch pieces: those chunks' bodies again, a few to an object (``prefetch_pieces``,
+  ``chunkfs.pieces``), so a node that never saw the snapshot fetches its start in a few GETs.
 
 Reference scheme and its trade-off: a commit writes a chunk's marker *before* it
 checks whether the chunk exists, and after its manifest is written it checks every
@@ -57,13 +61,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from chunkfs.compression import ZSTD, BadEncoding, decode
+from chunkfs.pieces import parse as parse_pieces
 from vmm.driver import SnapshotManifest, VMError
 
 from .base import PosixFsStore, SnapshotStore, SnapshotStoreError, _checked, complete_ids
 from .cache import CacheFull, SnapshotCache
 from .chunks import CHUNK_SIZE, RAM_CHUNK_SIZE, Chunk, allocated_bytes, chunk_size_for, chunk_spans, digest, read_chunk
 from .lazy import LazyMountFailed, LazyRestores, cache_figures
+from . import prefetch_pieces
 from .local_chunks import LocalChunks
 from .s3_objects import S3Objects
 from .s3_paths import image_files, localize, relativize, replace_path, unique_paths
@@ -372,6 +380,7 @@ class S3Store(S3Objects, SnapshotStore):
             t = step("mount_locate_ms", t)
             known = listed.result() if listed is not None else None
         order = known.get("order") if isinstance(known, dict) and isinstance(known.get("order"), list) else None
+        pieces = _usable_pieces(known.get("pieces"), snapshot_id) if order else None
         t = step("mount_prefetch_list_ms", t)
 
         def adopt(staging: Path) -> None:
@@ -387,7 +396,8 @@ class S3Store(S3Objects, SnapshotStore):
         path = self.lazy.install(snapshot_id, chunk_size=min(cs for _, _, cs in files.values()),
                                  files={n: {"size": size, "chunks": chunks, "chunk_size": cs}
                                         for n, (size, chunks, cs) in files.items()},
-                                 manifest=manifest, adopt=adopt, local=local, prefetch=order, record=order is None)
+                                 manifest=manifest, adopt=adopt, local=local, prefetch=order, record=order is None,
+                                 pieces=pieces)
         step("mount_install_ms", t)
         steps["mount_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         if order is None and not to_record:
@@ -425,9 +435,10 @@ class S3Store(S3Objects, SnapshotStore):
             with restore(self.lazy.path(snapshot_id)):
                 time.sleep(self.prefetch_settle)
                 order = (self.lazy.mount_stats(snapshot_id) or {}).get("recorded") or []
+            stored = bool(order) and self._store_prefetch(snapshot_id, order, self.lazy.path(snapshot_id))
         finally:
             self.lazy.remove(snapshot_id, force=True)  # the node's own files serve its own restores
-        if not order or not self._store_prefetch(snapshot_id, order):
+        if not stored:
             return None
         log.info("snapshot %s: the %d chunks a restore read first, recorded at its build, are its prefetch list",
                  snapshot_id, len(order))
@@ -451,7 +462,7 @@ class S3Store(S3Objects, SnapshotStore):
             order = stats.get("recorded") or []
             if not order or self._exists(self.prefetch_key(snapshot_id)):
                 return False
-            if not self._store_prefetch(snapshot_id, order):
+            if not self._store_prefetch(snapshot_id, order, self.lazy.path(snapshot_id)):
                 return False
             log.info("snapshot %s: the %d chunks its first lazy restore read first are its prefetch list",
                      snapshot_id, len(order))
@@ -460,13 +471,45 @@ class S3Store(S3Objects, SnapshotStore):
             log.exception("snapshot %s: storing its prefetch list failed", snapshot_id)
             return False
 
-    def _store_prefetch(self, snapshot_id: str, order: list) -> bool:
-        """``prefetch.json``, unless the snapshot was deleted meanwhile."""
+    def _store_prefetch(self, snapshot_id: str, order: list, source_dir: Path | None = None) -> bool:
+        """``prefetch.json``, unless the snapshot was deleted meanwhile; with ``source_dir`` (a
+        dir with the snapshot's files: the mount the list was recorded on) its prefetch pieces
+        first, which the list then names."""
         if not self._exists(self.manifest_key(snapshot_id)):
             return False
-        self._put_json(self.prefetch_key(snapshot_id), {"format": PREFETCH_FORMAT, "snapshot_id": snapshot_id,
-                                                        "order": order})
+        doc = {"format": PREFETCH_FORMAT, "snapshot_id": snapshot_id, "order": order}
+        if source_dir is not None:
+            doc["pieces"] = self._put_prefetch_pieces(snapshot_id, order, source_dir)
+        self._put_json(self.prefetch_key(snapshot_id), doc)
+        if not self._exists(self.manifest_key(snapshot_id)):  # deleted while these were written
+            self._delete_prefetch(snapshot_id)
+            return False
         return True
+
+    def _put_prefetch_pieces(self, snapshot_id: str, order: list, source_dir: Path) -> list[dict]:
+        """The prefetch pieces (``agent.stores.prefetch_pieces``) uploaded; their entries for
+        the list, or [] when they could not be made (later restores fetch chunk by chunk)."""
+        started = time.perf_counter()
+        try:
+            own = _files_of(self._snapshot_doc(snapshot_id))
+            pieces = prefetch_pieces.cut(order, own, source_dir, self.chunk_compression)
+
+            def put(n: int) -> dict:
+                body, chunks = pieces[n]
+                key = self.prefetch_piece_key(snapshot_id, n)
+                self.s3.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=body)
+                return {"key": key, "chunks": chunks}
+
+            with self._pool() as pool:
+                written = list(pool.map(put, range(len(pieces))))
+        except (OSError, SnapshotStoreError, BotoCoreError, ClientError) as exc:
+            log.warning("snapshot %s: no prefetch pieces (%s); restores elsewhere fetch its start chunk by chunk",
+                        snapshot_id, exc)
+            return []
+        log.info("snapshot %s: %d prefetch pieces (%d chunks, %.1f MiB) in %.0f ms", snapshot_id, len(written),
+                 sum(len(p["chunks"]) for p in written), sum(len(b) for b, _ in pieces) / (1 << 20),
+                 (time.perf_counter() - started) * 1000)
+        return written
 
     def warm_up(self) -> threading.Thread | None:
         """At node start, in the background: the chunkfs daemon started and this node's own
@@ -652,6 +695,19 @@ def _doc_chunk_size(doc: dict) -> int:
     """A manifest's (or image file's) chunk size: the one all its files had before files
     named their own (4 MiB when even that is missing)."""
     return int(doc.get("chunk_size") or CHUNK_SIZE)
+
+
+def _usable_pieces(value, snapshot_id: str) -> list | None:
+    """A prefetch list's pieces as the chunkfs daemon takes them, or None (none, or not
+    well-formed: then the list is walked chunk by chunk rather than the mount refused)."""
+    if not value:
+        return None
+    try:
+        parse_pieces(value)
+    except ValueError as exc:
+        log.warning("snapshot %s: its prefetch pieces are unusable (%s)", snapshot_id, exc)
+        return None
+    return value
 
 
 def _files_of(doc: dict) -> dict[str, tuple[int, list, int]]:

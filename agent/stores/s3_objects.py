@@ -54,6 +54,10 @@ class S3Objects:
         """The chunks a lazy restore of the snapshot read first, in order (agent.stores.lazy)."""
         return f"{self.prefix}snapshots/{snapshot_id}/prefetch.json"
 
+    def prefetch_piece_key(self, snapshot_id: str, n: int) -> str:
+        """A prefetch piece's key under the prefix (the chunkfs daemon adds the prefix itself)."""
+        return f"snapshots/{snapshot_id}/prefetch/{int(n)}"
+
     def chunk_key(self, sha: str) -> str:
         return f"{self.prefix}chunks/{sha}"
 
@@ -119,7 +123,7 @@ class S3Objects:
             doc = self._get_json(self.trash_key(snapshot_id))  # an interrupted delete
             if doc is None:
                 return False
-        self.s3.delete_object(Bucket=self.bucket, Key=self.prefetch_key(snapshot_id))  # absent: no error
+        self._delete_prefetch(snapshot_id)
         shas = sorted({c[2] for f in doc.get("files", {}).values() for c in f.get("chunks", [])})
         with self._pool() as pool:
             list(pool.map(lambda sha: self._release(sha, snapshot_id), shas))
@@ -127,6 +131,14 @@ class S3Objects:
             self._release_image(file_digest, snapshot_id)
         self.s3.delete_object(Bucket=self.bucket, Key=self.trash_key(snapshot_id))
         return True
+
+    def _delete_prefetch(self, snapshot_id: str) -> None:
+        """The prefetch list and its pieces (absent ones: no error)."""
+        self.s3.delete_object(Bucket=self.bucket, Key=self.prefetch_key(snapshot_id))
+        pieces = f"{self.prefix}{self.prefetch_piece_key(snapshot_id, 0).rsplit('/', 1)[0]}/"
+        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=pieces):
+            for item in page.get("Contents", []):
+                self.s3.delete_object(Bucket=self.bucket, Key=item["Key"])
 
     def _release_image(self, file_digest: str, snapshot_id: str) -> None:
         """Drops this snapshot's use of an image file; with its last user the image goes:

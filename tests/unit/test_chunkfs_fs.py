@@ -558,6 +558,9 @@ def test_control_socket_refuses_malformed_requests_with_an_error_object(node):
                      "prefetch": [["other", 0]]}).encode() + b"\n", "bad_request"),
         (json.dumps({"op": "mount", "mount_id": "m", "chunk_size": CS, "files": {"d": good},
                      "writable": "yes"}).encode() + b"\n", "bad_request"),
+        (json.dumps({"op": "mount", "mount_id": "m", "chunk_size": CS, "files": {"d": good},
+                     "pieces": [{"key": "../x", "chunks": [[good["chunks"][0][2], CS, CS, ""]]}]}).encode() + b"\n",
+         "bad_request"),
         (b'{"op": "unmount", "mount_id": "nothing"}\n', "not_found"),
         (b'{"op": "stats", "mount_id": "nothing"}\n', "not_found"),
     ]

@@ -337,5 +337,76 @@ def test_a_build_records_the_prefetch_list_and_a_first_create_elsewhere_replays_
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
     assert stats["prefetch"]["queued"] == stats["prefetch"]["done"] == len(order)
+    # the list's chunks of the snapshot's own files came in its prefetch pieces, a GET per piece
+    pieces = doc["pieces"]
+    packed = [c[0] for p in pieces for c in p["chunks"]]
+    manifest = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/lz-b1/manifest.json")["Body"].read())
+    own = {c[2] for f in manifest["files"].values() for c in f["chunks"]}
+    assert pieces and len(packed) == len(set(packed)) and set(packed) <= own, pieces
+    assert _keys(client, prefix, "snapshots/lz-b1/prefetch/") == sorted(p["key"] for p in pieces)
+    fetched = other.lazy.cache_stats()
+    assert fetched["piece_gets"] == len(pieces) and fetched["piece_chunks"] == len(packed), fetched
+    assert fetched["store_chunks"] > fetched["piece_chunks"], "the shipped image file's chunks came one by one"
+    assert (other.lazy.path("lz-b1") / "memory.ram").read_bytes() == ram
+    assert other.delete("lz-b1") is True
+    assert _keys(client, prefix, "snapshots/") == [], "the pieces went with the snapshot"
     # a node without lazy restores records nothing
     assert _store(s3, short_tmp / "n3", images, lazy=False).record_prefetch("lz-b1", restore) is None
+
+
+def _build_with_pieces(s3, tmp: Path, sid: str, ram: bytes, indices) -> tuple[Path, dict]:
+    """A template build's prefetch list with pieces (its restore reads ``indices`` of the RAM);
+    returns (the images dir, prefetch.json)."""
+    import contextlib
+
+    images = _images(tmp)
+    _capture(tmp / "n1", images, sid, ram)
+    builder = _store(s3, tmp / "n1", images)
+    builder.prefetch_settle = 0.0
+    builder.commit(sid)
+
+    @contextlib.contextmanager
+    def restore(path: Path):
+        with open(path / "memory.ram", "rb") as f:
+            for index in indices:
+                f.seek(index * CHUNK)
+                f.read(100)
+        yield
+
+    assert builder.record_prefetch(sid, restore) > 0
+    client, prefix = s3
+    return images, json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/{sid}/prefetch.json")["Body"].read())
+
+
+def _compressible_ram(chunks: int = 16) -> bytes:
+    import random
+
+    rng = random.Random(5)
+    return b"".join(bytes([i + 1]) * (CHUNK - 512) + rng.randbytes(512) for i in range(chunks))
+
+
+def test_prefetch_pieces_that_are_wrong_or_gone_are_never_handed_to_a_reader(s3, short_tmp):
+    """A piece that does not decode (garbage in its object) and a piece that is missing: their
+    chunks come from the chunk objects, and every byte read is the snapshot's."""
+    ram = _compressible_ram()
+    images, doc = _build_with_pieces(s3, short_tmp, "lz-pc", ram, range(16))
+    pieces = doc["pieces"]
+    assert len(pieces) >= 2 and {c[3] for p in pieces for c in p["chunks"]} == {"zstd"}, pieces
+    client, prefix = s3
+    first = client.get_object(Bucket=BUCKET, Key=f"{prefix}/{pieces[0]['key']}")["Body"].read()
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/{pieces[0]['key']}", Body=bytes(reversed(first)))
+    client.delete_object(Bucket=BUCKET, Key=f"{prefix}/{pieces[1]['key']}")
+
+    other = _store(s3, short_tmp / "n2", images)
+    path = other.local_dir("lz-pc")
+    deadline = time.monotonic() + 20
+    while not (stats := other.lazy.mount_stats("lz-pc"))["prefetch"]["finished"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    assert stats["prefetch"]["failed"] == 0, stats
+    assert (path / "memory.ram").read_bytes() == ram
+    fetched = other.lazy.cache_stats()
+    in_good = sum(len(p["chunks"]) for p in pieces[2:])
+    assert fetched["piece_gets"] == len(pieces) - 1, fetched  # the missing one was asked for, got nothing
+    assert fetched["piece_chunks"] == in_good, fetched  # the garbage one gave none
+    assert fetched["corrupt"] == 0, "a body that does not decode is never offered to the cache"
