@@ -230,7 +230,8 @@ def part_template(ctx: Ctx) -> dict:
             warm_b.append(_create_on(ctx, node, tpl, "template-b"))
         print(f"template on a new node: cold {cold[-1]['answer_ms']:.0f} ms, warm {warm_b[-1]['answer_ms']:.0f} ms "
               f"(fetched {cold[-1]['fetched']['store_bytes'] / MIB:.0f} / {warm_b[-1]['fetched']['store_bytes'] / MIB:.0f}"
-              " MiB)", flush=True)
+              f" MiB in {stats.store_gets(cold[-1]['fetched'])} / {stats.store_gets(warm_b[-1]['fetched'])} GETs)",
+              flush=True)
     a_ms = [r["answer_ms"] for r in on_a]
     out = {"template": tpl, "other_template": other, "runs": runs, "warm_up_ms": warm["answer_ms"], "on_builder": on_a,
            "builder_ms": dist(a_ms), "target_ratio": 1.5,
@@ -241,6 +242,7 @@ def part_template(ctx: Ctx) -> dict:
         fetched = [r["fetched"]["store_bytes"] for r in rows]
         out.update({f"on_{key}": rows, f"{key}_ms": dist(ms), f"{key}_ratio_p50": ratio(p50(ms), p50(a_ms)),
                     f"{key}_fetched_bytes_p50": p50(fetched),
+                    f"{key}_store_gets_p50": p50([stats.store_gets(r["fetched"]) for r in rows]),
                     f"{key}_fetched_pct_p50": round(100 * p50(fetched) / t["size"]["total_bytes"], 1)
                     if fetched and t["size"]["total_bytes"] else None,
                     f"{key}_wire_pct_p50": p50([w for w in (stats.wire_pct(r["fetched"], t["size"]["total_bytes"])

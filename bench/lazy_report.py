@@ -42,7 +42,9 @@ def template_rows(t: dict) -> list[tuple]:
         wire = t.get(f"{key}_wire_pct_p50")
         rows.append(("… bytes that node fetched from the store until the guest answered, p50",
                      f"{_mib(t.get(f'{key}_fetched_bytes_p50'))} ({t.get(f'{key}_fetched_pct_p50')} % of the "
-                     "template" + (f"; on the wire {wire} %" if wire is not None else "") + ")", "", ""))
+                     "template" + (f"; on the wire {wire} %" if wire is not None else "") + ")"
+                     + (f" in {t[f'{key}_store_gets_p50']:.0f} GETs" if t.get(f"{key}_store_gets_p50") else ""),
+                     "", ""))
     return rows
 
 

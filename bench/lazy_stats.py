@@ -45,6 +45,13 @@ def wire_pct(fetched: dict, total_bytes: int) -> float | None:
     return round(100 * wire / total_bytes, 1)
 
 
+def store_gets(fetched: dict) -> int:
+    """The GETs behind a ``delta``'s store chunks: one per chunk, but one per prefetch piece
+    for the chunks that came in pieces (``chunkfs.pieces``)."""
+    return int(fetched.get("fetches.store_chunks", 0) - fetched.get("fetches.piece_chunks", 0)
+               + fetched.get("fetches.piece_gets", 0))
+
+
 def counters(stats: dict | None) -> dict:
     """The cumulative figures of a ``stats`` reply, flat: the cache's counts, the bytes from
     the store and every numeric figure of ``fetches`` (peers) as ``fetches.<name>``."""
