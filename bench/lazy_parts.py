@@ -219,6 +219,7 @@ def part_template(ctx: Ctx) -> dict:
     for _ in range(runs):
         row = timed_create(ctx, tpl["name"], "template-a")
         row["node"] = where(ctx.stack, [row["sandbox_id"]]).get(row["sandbox_id"])
+        row["node_timings"] = node_timings(ctx.stack, [row["sandbox_id"]], "create").get(row["sandbox_id"])
         ctx.api.kill(row.pop("sandbox_id"))
         row.pop("body")
         on_a.append(row)

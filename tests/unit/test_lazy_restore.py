@@ -102,6 +102,8 @@ def test_a_node_lacking_the_snapshot_mounts_it_lazily_and_reads_only_what_it_tou
     # adopt_snapshot re-pointed the layer chain at this node's paths, in the mount's overlay only
     assert _backing(path / "layer-1.qcow2") == str(path / "layer-0.qcow2")
     assert _backing(src / "layer-1.qcow2") == str(src / "layer-0.qcow2")  # node 1's file is as it was
+    # and the disk top a first create copies was made beside the re-pointing (vmm.qemu.tops)
+    assert [p.suffix for p in (n2 / "tops").iterdir()] == [".qcow2"]
     stats = store.lazy.mount_stats("lz-a")
     before = stats["fetched_bytes"]
     with open(path / "memory.ram", "rb") as f:

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vmm.driver import Leftover, SnapshotManifest, SnapshotUnusable, VMInspection, VMStatus
+from vmm.qemu import tops
 from vmm.qemu.process import run
 from vmm.qemu.qmp import QMP, QMPError
 from vmm.qemu.state import VMState, process_alive, read_pidfile, reap, valid_sandbox_id
@@ -115,7 +116,8 @@ class HostMixin:
         """Each disk layer above the image's base is one of the snapshot's own files; its
         backing file is re-pointed (`qemu-img rebase -u`: header only) at the layer below,
         at the paths the manifest names. The layers at once: each is its own file, and on a
-        lazily filled snapshot each header is a fetch from the store (issue 24)."""
+        lazily filled snapshot each header is a fetch from the store (issue 24). Beside them
+        the disk top a create over the snapshot copies (``vmm.qemu.tops``) is made."""
         dir = Path(dir)
         manifest = SnapshotManifest.load(dir)
         self.check_snapshot(manifest)
@@ -124,10 +126,15 @@ class HostMixin:
         for _, upper in pairs:
             if Path(upper).parent != final or not (dir / Path(upper).name).is_file():
                 raise SnapshotUnusable(f"layer {upper} is not one of the snapshot's own files")
-        if pairs:
-            with ThreadPoolExecutor(max_workers=min(len(pairs), 4), thread_name_prefix="adopt") as pool:
-                list(pool.map(lambda pair: run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b",
-                                                pair[0], str(dir / Path(pair[1]).name)]), pairs))
+        top = Path(manifest.layers[-1])
+        own_top = top.parent == final and (dir / top.name).is_file()
+        with ThreadPoolExecutor(max_workers=min(len(pairs), 4) + 1, thread_name_prefix="adopt") as pool:
+            # the first create's disk top, made beside the rebases rather than on that create's path
+            drafted = pool.submit(tops.draft, self.tops_dir, top, manifest.disk_size_mb) if own_top else None
+            list(pool.map(lambda pair: run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b",
+                                            pair[0], str(dir / Path(pair[1]).name)]), pairs))
+        if drafted is not None:  # keyed by the top layer as rebased (its size and mtime)
+            tops.adopt(self.tops_dir, drafted.result(), top, manifest.disk_size_mb, os.stat(dir / top.name))
         return manifest
 
     # -- helpers ----------------------------------------------------------------------------

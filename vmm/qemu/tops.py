@@ -22,8 +22,9 @@ from vmm.qemu.process import run
 _lock = threading.Lock()
 
 
-def _key(backing: Path, size_mb: int) -> str:
-    st = os.stat(backing)
+def _key(backing: Path, size_mb: int, st: os.stat_result | None = None) -> str:
+    """``st``: the backing file's stat when it is not yet at ``backing`` (``adopt``)."""
+    st = st or os.stat(backing)
     ident = f"{backing}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{size_mb}"
     return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
@@ -55,6 +56,34 @@ def create_top(cache_dir: Path, backing: str | Path, size_mb: int, dest: Path) -
         os.utime(pristine)  # its last use, for prune()
     except FileNotFoundError:
         pass
+
+
+def draft(cache_dir: Path, backing: str | Path, size_mb: int) -> Path:
+    """An empty overlay over ``backing`` (which need not exist yet: the chain is never
+    opened) in a temporary file of ``cache_dir``, for ``adopt``: made while a snapshot that
+    arrives from another node is being installed, so its first create copies it rather than
+    start ``qemu-img`` on its own path."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f"draft-{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}.tmp"
+    try:
+        run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "qcow2", "-u", str(tmp),
+             f"{size_mb}M"])
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def adopt(cache_dir: Path, drafted: Path, backing: str | Path, size_mb: int, st: os.stat_result) -> None:
+    """A ``draft`` becomes the pristine overlay of ``backing`` (a path the backing file is
+    about to have; ``st`` its stat now, as it will be there), unless one exists."""
+    pristine = Path(cache_dir) / f"{_key(Path(backing), size_mb, st)}.qcow2"
+    if pristine.is_file():
+        drafted.unlink(missing_ok=True)
+        return
+    os.replace(drafted, pristine)
+    prune(pristine.parent)
 
 
 def prune(cache_dir: Path, keep: int = 64) -> int:
