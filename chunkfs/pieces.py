@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 AHEAD = 3  # pieces fetched after the one asked for: 4 GETs in flight, as a prefetch list runs 4 chunks
 MAX_PIECES = 1024
-MAX_PIECE_BYTES = 64 << 20
+MAX_PIECE_BYTES = 16 << 20  # the writer closes a piece at 4 MiB (agent.stores.prefetch_pieces)
+MAX_BYTES = 512 << 20  # all of a mount's pieces (the writer stops at 256 MiB): what the daemon may hold
 MAX_CHUNK = 64 << 20
 WAIT = 60.0  # a piece's GET is bounded by the source's own timeouts; this bounds the wait on it
 KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,511}$")
@@ -59,6 +60,7 @@ def parse(pieces) -> tuple[list[str], dict[str, Place]]:
         raise ValueError(f"pieces must be a list of at most {MAX_PIECES}")
     keys: list[str] = []
     where: dict[str, Place] = {}
+    total = 0
     for n, piece in enumerate(pieces):
         if not isinstance(piece, dict) or not isinstance(piece.get("key"), str) or not KEY.match(piece["key"]) \
                 or ".." in piece["key"].split("/"):
@@ -81,6 +83,9 @@ def parse(pieces) -> tuple[list[str], dict[str, Place]]:
             start += size
         if start > MAX_PIECE_BYTES:
             raise ValueError(f"piece {n}: more than {MAX_PIECE_BYTES} bytes")
+        total += start
+        if total > MAX_BYTES:
+            raise ValueError(f"pieces of more than {MAX_BYTES} bytes in all")
         keys.append(piece["key"])
     return keys, where
 

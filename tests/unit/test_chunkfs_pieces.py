@@ -154,3 +154,16 @@ def test_a_closed_set_gives_nothing_and_keeps_no_body(pool):
 def test_malformed_pieces_are_refused(bad):
     with pytest.raises(ValueError):
         parse(bad)
+
+
+def test_pieces_bigger_than_the_daemon_may_hold_are_refused():
+    """A prefetch list from the store is bounded before any GET: a piece of at most 16 MiB, all
+    of them at most 512 MiB (the writer makes 4 MiB pieces, 256 MiB in all)."""
+    big = [[f"{i:064x}", 4 << 20, 4 << 20, ""] for i in range(5)]
+    with pytest.raises(ValueError, match="more than"):
+        parse([{"key": "k", "chunks": big}])
+    fine = [{"key": f"k{n}", "chunks": [[f"{n * 4 + i:064x}", 4 << 20, 4 << 20, ""] for i in range(4)]}
+            for n in range(32)]
+    assert len(parse(fine)[1]) == 128
+    with pytest.raises(ValueError, match="in all"):
+        parse(fine + [{"key": "k-last", "chunks": [["f" * 64, 4 << 20, 4 << 20, ""]]}])
