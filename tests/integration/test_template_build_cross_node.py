@@ -70,8 +70,9 @@ def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_two_nodes, ap
             # ...and its heartbeat now tells placement that it has the template snapshot too
             # the build recorded what a restore reads first, and this first create here fetched it ahead
             url, prefix = stack.s3
-            order = json.loads(client(url).get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/{snap}/prefetch.json")
-                               ["Body"].read())["order"]
+            listed = json.loads(client(url).get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/{snap}/prefetch.json")
+                                ["Body"].read())
+            order = listed["order"]
             daemon = ChunkfsClient(node_b.home / "chunkfs" / "control.sock")
             mount = daemon.stats(snap)["mounts"][snap]
             names = next(m["files"] for m in daemon.list() if m["mount_id"] == snap)
@@ -83,6 +84,12 @@ def test_a_template_built_on_node_a_starts_on_node_b_through_s3(s3_two_nodes, ap
             assert result["prefetch_chunks"] == len(order)  # the build's own recording, not a restore's
             assert mount["recorded"] is None  # replayed, not recorded again
             assert mount["prefetch"]["queued"] == sum(1 for n, _ in order if n in names) > 0
+            # ...most of it by the build's prefetch pieces, a GET per piece (chunkfs.pieces)
+            fetches = daemon.stats()["fetches"]
+            packed = sum(len(p["chunks"]) for p in listed["pieces"])
+            print(f"prefetch pieces: {len(listed['pieces'])} holding {packed} chunks; node B: {fetches}")
+            assert listed["pieces"] and 0 < fetches["piece_gets"] <= len(listed["pieces"])
+            assert fetches["piece_chunks"] > fetches["piece_gets"]
             deadline = time.monotonic() + 30
             while snap not in stack.db(f"from nodes.models import Node; print(Node.objects.get(pk='{node_b.id}')"
                                        ".snapshots_here)"):
