@@ -116,15 +116,15 @@ class Recorder:
             return [list(x) for x in self._order]
 
 
-class Counters:
-    """What one mount's readers cost: reads, bytes read, chunks and bytes fetched from the source."""
+class Tally:
+    """Thread-safe counts named by ``FIELDS``, reported as ``PREFIX + name``."""
+
+    FIELDS: tuple[str, ...] = ()
+    PREFIX = ""
 
     def __init__(self):
-        self.reads = 0
-        self.read_bytes = 0
-        self.fetched_chunks = 0
-        self.fetched_bytes = 0
-        self.errors = 0
+        for name in self.FIELDS:
+            setattr(self, name, 0)
         self._lock = threading.Lock()
 
     def add(self, **counts: int) -> None:
@@ -134,8 +134,13 @@ class Counters:
 
     def as_dict(self) -> dict:
         with self._lock:
-            return {"reads": self.reads, "read_bytes": self.read_bytes, "fetched_chunks": self.fetched_chunks,
-                    "fetched_bytes": self.fetched_bytes, "errors": self.errors}
+            return {self.PREFIX + name: getattr(self, name) for name in self.FIELDS}
+
+
+class Counters(Tally):
+    """What one mount's readers cost: reads, bytes read, chunks and bytes fetched from the source."""
+
+    FIELDS = ("reads", "read_bytes", "fetched_chunks", "fetched_bytes", "errors")
 
 
 class Extents:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from .compression import ENCODINGS, META_KEY, BadEncoding, decode
 from .digests import check_sha
+from .lazyfile import Tally
 
 log = logging.getLogger(__name__)
 
@@ -181,23 +182,11 @@ class PrefetchPieces:
             return len(self._bodies)
 
 
-class PieceCounters:
+class PieceCounters(Tally):
     """The daemon's piece GETs, their bytes (as they crossed the wire) and the chunks taken from them."""
 
-    def __init__(self):
-        self.gets = 0
-        self.bytes = 0
-        self.chunks = 0
-        self._lock = threading.Lock()
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    def as_dict(self) -> dict:
-        with self._lock:
-            return {"piece_gets": self.gets, "piece_bytes": self.bytes, "piece_chunks": self.chunks}
+    FIELDS = ("gets", "bytes", "chunks")
+    PREFIX = "piece_"
 
 
 class PiecesFirst:
