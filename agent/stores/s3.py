@@ -20,9 +20,9 @@ Objects (under ``AENV_S3_PREFIX``):
   only when the digest matches and otherwise fetches this one with the snapshot.
 - ``refs/<sha256>/<id>``: empty marker, "snapshot <id> uses this chunk".
 - ``snapshots/<id>/prefetch.json``: the chunks a restore read first, in order (recorded where a
-  template is built, or by the first lazy restore), and ``snapshots/<id>/prefetch/<n>``, its
-  prefetch pieces: those chunks' bodies again, a few to an object (``prefetch_pieces``,
-  ``chunkfs.pieces``), so a node that never saw the snapshot fetches its start in a few GETs.
+  template is built, or by the first lazy restore), and for a template ``snapshots/<id>/prefetch/<n>``,
+  its prefetch pieces: those chunks' bodies again, a few to an object (``prefetch_pieces``,
+  ``chunkfs.pieces``), so a node that never saw the template fetches its start in a few GETs.
 
 Reference scheme and its trade-off: a commit writes a chunk's marker *before* it
 checks whether the chunk exists, and after its manifest is written it checks every
@@ -462,7 +462,9 @@ class S3Store(S3Objects, SnapshotStore):
             order = stats.get("recorded") or []
             if not order or self._exists(self.prefetch_key(snapshot_id)):
                 return False
-            if not self._store_prefetch(snapshot_id, order, self.lazy.path(snapshot_id)):
+            # the list alone: most such snapshots (pause images, fork captures) are restored
+            # once or in one burst, and pieces would be a second upload on a busy node
+            if not self._store_prefetch(snapshot_id, order):
                 return False
             log.info("snapshot %s: the %d chunks its first lazy restore read first are its prefetch list",
                      snapshot_id, len(order))

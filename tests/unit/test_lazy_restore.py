@@ -200,6 +200,7 @@ def test_first_restore_records_prefetch_later_mounts_replay_it_delete_removes_al
     doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/lz-c/prefetch.json")["Body"].read())
     ram_order = [i for name, i in doc["order"] if name == "memory.ram"]
     assert ram_order[0] == 9 and 3 in ram_order, doc["order"]  # (the kernel's read-ahead adds 10, ...)
+    assert "pieces" not in doc and _keys(client, prefix, "snapshots/lz-c/prefetch/") == [], "only builds make pieces"
 
     b = _store(s3, short_tmp / "n3", images)
     b.local_dir("lz-c")
