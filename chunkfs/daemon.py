@@ -39,8 +39,9 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
 - ``{"op": "unmount", "mount_id"}`` (the files vanish; a writable mount's overlays are deleted),
   ``{"op": "list"}``, ``{"op": "stats"}`` (the cache's stats, ``fetches``: chunks and bytes
   from peers and from the store (``store_wire_bytes``: as they crossed the wire, compressed;
-  ``piece_*``: the prefetch pieces' GETs, bytes and chunks, part of those) and what peers were served, and, per mount, reads, bytes fetched, prefetch progress and the
-  recorded first-touch order), ``{"op": "ping"}`` (``encodings``: the compressed chunks it reads).
+  ``piece_*``: the prefetch pieces' GETs, bytes and chunks, part of those) and what peers were
+  served, and, per mount, reads, bytes fetched, prefetch progress and the recorded first-touch
+  order), ``{"op": "ping"}`` (``encodings``: the compressed chunks it reads).
 
 Every failure is ``{"ok": false, "error": {"code", "message"}}``; the daemon stays up.
 
