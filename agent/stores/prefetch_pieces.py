@@ -30,7 +30,8 @@ def cut(order: list, files: dict, source_dir: Path, codec: str | None) -> list[t
     snapshot's own), each chunk once, read from ``source_dir/<name>``."""
     where: dict[str, dict[int, tuple[int, int, str]]] = {}
     for name, (_, chunks, chunk_size) in files.items():
-        where[name] = {int(offset) // int(chunk_size): (int(offset), int(length), sha) for offset, length, sha in chunks}
+        where[name] = {int(offset) // int(chunk_size): (int(offset), int(length), sha)
+                       for offset, length, sha in chunks}
     pieces: list[tuple[bytes, list]] = []
     bodies: list[bytes] = []
     entries: list[list] = []

@@ -343,7 +343,8 @@ def test_a_build_records_the_prefetch_list_and_a_first_create_elsewhere_replays_
     # the list's chunks of the snapshot's own files came in its prefetch pieces, a GET per piece
     pieces = doc["pieces"]
     packed = [c[0] for p in pieces for c in p["chunks"]]
-    manifest = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/lz-b1/manifest.json")["Body"].read())
+    manifest = json.loads(
+        client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/lz-b1/manifest.json")["Body"].read())
     own = {c[2] for f in manifest["files"].values() for c in f["chunks"]}
     assert pieces and len(packed) == len(set(packed)) and set(packed) <= own, pieces
     assert _keys(client, prefix, "snapshots/lz-b1/prefetch/") == sorted(p["key"] for p in pieces)
@@ -378,7 +379,8 @@ def _build_with_pieces(s3, tmp: Path, sid: str, ram: bytes, indices) -> tuple[Pa
 
     assert builder.record_prefetch(sid, restore) > 0
     client, prefix = s3
-    return images, json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/{sid}/prefetch.json")["Body"].read())
+    listed = client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/{sid}/prefetch.json")["Body"].read()
+    return images, json.loads(listed)
 
 
 def _compressible_ram(chunks: int = 16) -> bytes:
