@@ -105,10 +105,9 @@ class PrefetchPieces:
         self.counters = counters or PieceCounters()
         self._where = dict(where)
         self._left = [0] * len(keys)  # chunks of each piece not yet taken
+        self._limits = [0] * len(keys)  # each piece's body length
         for place in self._where.values():
             self._left[place.piece] += 1
-        self._limits = [0] * len(keys)
-        for place in self._where.values():
             self._limits[place.piece] = max(self._limits[place.piece], place.start + place.size)
         self._bodies: dict[int, Future] = {}
         self._lock = threading.Lock()

@@ -260,7 +260,7 @@ class LazyRestores:
                 if exc.code != "not_found":
                     raise
             where = client.mount(snapshot_id, chunk_size, files, prefetch=prefetch, record=record,
-                                 writable=True, local=local, pieces=pieces if prefetch else None)
+                                 writable=True, local=local, pieces=pieces)
         except ChunkfsError as exc:
             raise LazyMountFailed(str(exc)) from exc
         for leftover in self.root.glob(f".tmp-{snapshot_id}-*"):  # an install that crashed (we hold its lock)

@@ -54,9 +54,13 @@ class S3Objects:
         """The chunks a lazy restore of the snapshot read first, in order (agent.stores.lazy)."""
         return f"{self.prefix}snapshots/{snapshot_id}/prefetch.json"
 
+    def prefetch_pieces_dir(self, snapshot_id: str) -> str:
+        """Where a template's prefetch pieces are, under the prefix (the chunkfs daemon adds
+        the prefix itself)."""
+        return f"snapshots/{snapshot_id}/prefetch/"
+
     def prefetch_piece_key(self, snapshot_id: str, n: int) -> str:
-        """A prefetch piece's key under the prefix (the chunkfs daemon adds the prefix itself)."""
-        return f"snapshots/{snapshot_id}/prefetch/{int(n)}"
+        return f"{self.prefetch_pieces_dir(snapshot_id)}{int(n)}"
 
     def chunk_key(self, sha: str) -> str:
         return f"{self.prefix}chunks/{sha}"
@@ -135,7 +139,7 @@ class S3Objects:
     def _delete_prefetch(self, snapshot_id: str) -> None:
         """The prefetch list and its pieces (absent ones: no error)."""
         self.s3.delete_object(Bucket=self.bucket, Key=self.prefetch_key(snapshot_id))
-        pieces = f"{self.prefix}{self.prefetch_piece_key(snapshot_id, 0).rsplit('/', 1)[0]}/"
+        pieces = self.prefix + self.prefetch_pieces_dir(snapshot_id)
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=pieces):
             for item in page.get("Contents", []):
                 self.s3.delete_object(Bucket=self.bucket, Key=item["Key"])

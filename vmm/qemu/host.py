@@ -131,8 +131,13 @@ class HostMixin:
         with ThreadPoolExecutor(max_workers=min(len(pairs), 4) + 1, thread_name_prefix="adopt") as pool:
             # the first create's disk top, made beside the rebases rather than on that create's path
             drafted = pool.submit(tops.draft, self.tops_dir, top, manifest.disk_size_mb) if own_top else None
-            list(pool.map(lambda pair: run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b",
-                                            pair[0], str(dir / Path(pair[1]).name)]), pairs))
+            try:
+                list(pool.map(lambda pair: run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b",
+                                                pair[0], str(dir / Path(pair[1]).name)]), pairs))
+            except BaseException:
+                if drafted is not None and drafted.exception() is None:  # (waits for it) not left behind
+                    drafted.result().unlink(missing_ok=True)
+                raise
         if drafted is not None:  # keyed by the top layer as rebased (its size and mtime)
             tops.adopt(self.tops_dir, drafted.result(), top, manifest.disk_size_mb, os.stat(dir / top.name))
         return manifest

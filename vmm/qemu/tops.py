@@ -37,17 +37,7 @@ def create_top(cache_dir: Path, backing: str | Path, size_mb: int, dest: Path) -
     if not pristine.is_file():
         with _lock:  # one qemu-img per key in this process; rename makes it atomic across processes
             if not pristine.is_file():
-                pristine.parent.mkdir(parents=True, exist_ok=True)
-                tmp = pristine.with_name(f"{pristine.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-                try:
-                    # -u: the backing chain is not opened. Its headers are the VM's to read, at its
-                    # start; read here too they cost a lazily filled layer (issue 24) a fetch of each
-                    # layer's first chunk on the create's path. The overlay's bytes are the same.
-                    run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "qcow2", "-u",
-                         str(tmp), f"{size_mb}M"])
-                    os.replace(tmp, pristine)
-                finally:
-                    tmp.unlink(missing_ok=True)
+                os.replace(draft(cache_dir, backing, size_mb), pristine)
                 prune(pristine.parent)
     tmp_dest = dest.with_name(dest.name + ".tmp")
     shutil.copyfile(pristine, tmp_dest)
@@ -67,6 +57,9 @@ def draft(cache_dir: Path, backing: str | Path, size_mb: int) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f"draft-{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}.tmp"
     try:
+        # -u: the backing chain is not opened. Its headers are the VM's to read, at its start;
+        # read here too they cost a lazily filled layer (issue 24) a fetch of each layer's first
+        # chunk on the create's path. The overlay's bytes are the same.
         run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "qcow2", "-u", str(tmp),
              f"{size_mb}M"])
     except BaseException:
