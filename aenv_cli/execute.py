@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 import threading
+import uuid
 
 from envd_client import EnvdClient, EnvdError
 
@@ -52,9 +53,11 @@ def cmd_exec(args, config: Config) -> int:
     def envd() -> EnvdClient:
         return EnvdClient.through_proxy(config.sandbox_url, args.sandbox_id, token, stream_idle_timeout=STREAM_IDLE)
 
+    # A tag of its own: a Ctrl-C that comes before the start event (the pid) still finds the command.
+    tag = f"aenv-exec-{uuid.uuid4().hex}"
     with envd() as stream_envd, envd() as control_envd:
         events = stream_envd.start(cmd, cmd_args, envs=dict(args.env or []), cwd=args.cwd, user=args.user,
-                                   stdin=send_stdin, deadline=args.timeout)
+                                   stdin=send_stdin, deadline=args.timeout, tag=tag)
         pid = None
         try:
             with contextlib.closing(events):
@@ -70,9 +73,8 @@ def cmd_exec(args, config: Config) -> int:
                     elif event.kind == "end":
                         return errors.remote_exit_status(event.exit_code, event.status)
         except KeyboardInterrupt:
-            if pid is not None:
-                with contextlib.suppress(EnvdError):
-                    control_envd.kill(pid)
+            with contextlib.suppress(EnvdError):
+                control_envd.kill(pid, tag=tag)
             raise CliError("interrupted: the command was killed", errors.INTERRUPTED) from None
         except EnvdError as exc:
             if exc.code == "deadline_exceeded" and args.timeout:

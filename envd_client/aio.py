@@ -173,10 +173,10 @@ class AsyncEnvdClient(BaseClient):
     async def resize(self, pid: int, cols: int, rows: int) -> None:
         await self._call(protocol.resize(pid, cols, rows))
 
-    async def kill(self, pid: int, signal: str = "SIGKILL") -> bool:
-        """Signals ``pid``; False if there is no such process."""
+    async def kill(self, pid: int | None, signal: str = "SIGKILL", *, tag: str | None = None) -> bool:
+        """Signals ``pid`` (None: the process started with ``tag``); False if there is no such process."""
         try:
-            await self._call(protocol.send_signal(pid, signal))
+            await self._call(protocol.send_signal(pid, signal, tag=tag))
         except EnvdError as exc:
             if exc.code == "not_found":
                 return False

@@ -178,9 +178,11 @@ def resize(pid: int, cols: int, rows: int) -> Request:
                                             "pty": {"size": {"cols": int(cols), "rows": int(rows)}}})
 
 
-def send_signal(pid: int, signal: str = "SIGKILL") -> Request:
+def send_signal(pid: int | None, signal: str = "SIGKILL", *, tag: str | None = None) -> Request:
+    """To ``pid``, or (``pid`` None) to the process started with ``tag``."""
     name = signal if signal.startswith("SIGNAL_") else f"SIGNAL_{signal}"
-    return unary("process.Process/SendSignal", {"process": {"pid": int(pid)}, "signal": name})
+    selector = {"pid": int(pid)} if pid is not None else {"tag": str(tag)}
+    return unary("process.Process/SendSignal", {"process": selector, "signal": name})
 
 
 def list_processes() -> Request:

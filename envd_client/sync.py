@@ -185,10 +185,10 @@ class EnvdClient(BaseClient):
     def resize(self, pid: int, cols: int, rows: int) -> None:
         self._call(protocol.resize(pid, cols, rows))
 
-    def kill(self, pid: int, signal: str = "SIGKILL") -> bool:
-        """Signals ``pid``; False if there is no such process."""
+    def kill(self, pid: int | None, signal: str = "SIGKILL", *, tag: str | None = None) -> bool:
+        """Signals ``pid`` (None: the process started with ``tag``); False if there is no such process."""
         try:
-            self._call(protocol.send_signal(pid, signal))
+            self._call(protocol.send_signal(pid, signal, tag=tag))
         except EnvdError as exc:
             if exc.code == "not_found":
                 return False

@@ -169,6 +169,19 @@ def test_pty_start_input_resize_and_reconnect(client):
     assert exc.value.code == "not_found"
 
 
+def test_kill_by_tag_before_the_pid_is_known(client):
+    """What ``aenv exec`` does on a Ctrl-C that beats the start event: the tag it started with
+    finds the command."""
+    tag = "k-" + secrets.token_hex(4)
+    events = client.start("/bin/sleep", ["300"], tag=tag)
+    pid = next(events).pid
+    assert client.tag_of(pid) == tag
+    assert client.kill(None, tag=tag) is True
+    end = next(ev for ev in events if ev.kind == "end")
+    assert end.status == "signal: killed" and client.tag_of(pid) is None
+    assert client.kill(None, tag=tag) is False
+
+
 def test_files_round_trip(client, workdir):
     data = bytes(range(256)) * 1000 + b"\x00end"
     entry = client.write_file(f"{workdir}/sub/dir/blob.bin", data)
