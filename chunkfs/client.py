@@ -57,17 +57,20 @@ class ChunkfsClient:
 
     def mount(self, mount_id: str, chunk_size: int, files: dict, *, prefetch: list | None = None,
               record: bool = False, writable: bool = False, local: dict | None = None,
-              pieces: list | None = None) -> Path:
+              pieces: list | None = None, store_wait: float = 0.0) -> Path:
         """Mounts ``files`` ({name: {size, chunks}}, as in a snapshot manifest); returns the
         directory that holds them. ``local``: {sha: [path, offset]} of chunks this node's own
         files hold, read from there (verified) before the store. ``pieces``: the prefetch
-        list's pieces (``chunkfs.pieces``)."""
+        list's pieces (``chunkfs.pieces``). ``store_wait`` (s): a chunk that no source has is
+        asked for again until then (a capture handed over while it still uploads)."""
         payload = {"op": "mount", "mount_id": mount_id, "chunk_size": chunk_size, "files": files,
                    "prefetch": prefetch or [], "record": record, "writable": writable}
         if local:
             payload["local"] = local
         if pieces:
             payload["pieces"] = pieces
+        if store_wait:
+            payload["store_wait"] = float(store_wait)
         reply = self.request(payload)
         return Path(reply["path"])
 

@@ -20,7 +20,9 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
   background, in order. ``local``: chunks the node has inside its own files, read from there
   (verified) before the source is asked. ``pieces``: the prefetch list's chunks stored again as
   a few larger objects under the S3 store's prefix (``chunkfs.pieces``), fetched instead of one
-  GET per chunk while the list is walked.
+  GET per chunk while the list is walked. ``store_wait``?: seconds (≤ 3600) during which a chunk
+  no source has is asked for again (``sources.WaitingSource``): a fork's capture handed to this
+  node while its own node still uploads it (ping's ``features`` says the daemon takes it).
 - ``{"op": "pin", "mount_id"}``: every chunk of the mount fetched now and pinned in the cache
   until the mount's ``unmount`` (also one after a restart: pins outlive mounts), for files whose
   chunks the store is about to lose.
@@ -81,7 +83,7 @@ from .peer_server import MIN_TOKEN, PeerServer
 from .peer_source import PeerChunkSource, parse_peer
 from .pieces import PieceCounters, PiecesFirst, PrefetchPieces
 from .pieces import parse as parse_pieces
-from .sources import CountingSource, FallbackSource, LocalFileSource
+from .sources import MAX_STORE_WAIT, STORE_WAIT, CountingSource, FallbackSource, LocalFileSource, WaitingSource
 
 log = logging.getLogger("chunkfs.daemon")
 
@@ -165,7 +167,8 @@ class Daemon:
 
     def ping(self, request: dict) -> dict:
         return {"pid": os.getpid(), "mountpoint": str(self.mountpoint), "source": self.source.name,
-                "uptime": round(time.time() - self.started, 3), "encodings": list(ENCODINGS)}
+                "uptime": round(time.time() - self.started, 3), "encodings": list(ENCODINGS),
+                "features": [STORE_WAIT]}
 
     def _mount_id(self, request: dict) -> str:
         mount_id = request.get("mount_id")
@@ -188,8 +191,14 @@ class Daemon:
                 isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and not isinstance(p[1], bool)
                 and isinstance(p[1], int) and p[1] >= 0 for p in prefetch):
             raise _bad("prefetch must be a list of [name, chunk_index]")
+        store_wait = request.get("store_wait", 0)
+        if isinstance(store_wait, bool) or not isinstance(store_wait, (int, float)) or not (
+                0 <= store_wait <= MAX_STORE_WAIT):
+            raise _bad(f"store_wait must be a number of seconds from 0 to {MAX_STORE_WAIT:g}")
         pieces = self._pieces(request.get("pieces"), prefetch, request.get("local"))
         source = self._mount_source(request.get("local"), pieces)
+        if store_wait:  # a capture still uploading: what is not there yet will be
+            source = WaitingSource(source, time.monotonic() + float(store_wait))
         with self._mount_lock:
             if self.fs.get(mount_id) is not None:
                 raise RequestError("exists", f"mount {mount_id} exists")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -26,6 +27,12 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 2.0
 READ_TIMEOUT = 8.0
 ATTEMPTS = 3
+
+# A mount of a capture handed over while it still uploads (the daemon's ``store_wait``, in ping's
+# ``features``): how long it may wait at most, and how often it asks again.
+STORE_WAIT = "store_wait"
+MAX_STORE_WAIT = 3600.0
+STORE_WAIT_POLL = 0.1
 
 
 @runtime_checkable
@@ -213,6 +220,35 @@ class FallbackSource:
         if wrong is not None:
             return wrong
         raise ChunkUnavailable(f"chunk {sha} is in none of the sources: " + "; ".join(reasons))
+
+
+class WaitingSource:
+    """``source`` asked again, every ``poll`` seconds, for a chunk it does not have yet, until
+    ``until`` (a ``clock`` time): a fork's capture is handed to other nodes before its upload
+    ends, and a chunk neither its node (peer fetch) nor the store can give at this moment (the
+    peer busy, the upload not there yet) will be there. Past ``until`` it is an ordinary
+    source again. A read still ends at its own deadline (``lazyfile``); the fetch goes on."""
+
+    def __init__(self, source: ChunkSource, until: float, *, poll: float = STORE_WAIT_POLL,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        self.source = source
+        self.until = float(until)
+        self.poll = float(poll)
+        self.clock = clock
+        self.sleep = sleep
+        self.name = source.name
+        self.spec = getattr(source, "spec", {"name": source.name})
+        self.waits = 0
+
+    def fetch(self, sha: str, length: int) -> bytes:
+        while True:
+            try:
+                return self.source.fetch(sha, length)
+            except ChunkUnavailable:
+                if self.clock() + self.poll > self.until:
+                    raise
+            self.waits += 1
+            self.sleep(self.poll)
 
 
 class CountingSource:

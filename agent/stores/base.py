@@ -83,6 +83,11 @@ class SnapshotStore(abc.ABC):
         """Called once a VM restored from the snapshot answers (a lazily restored one
         then records which chunks a restore reads first: agent.stores.lazy)."""
 
+    def hands_over(self) -> bool:
+        """Whether a capture here can be handed to other nodes before its upload ends (``index``)
+        and this node can restore one so handed (``local_dir(..., pending_wait=)``)."""
+        return False
+
     def take_mount_timings(self, snapshot_id: str) -> dict[str, float]:
         """The steps (ms) of the lazy mount the last ``local_dir`` of ``snapshot_id`` made, once;
         {} where it made none (no lazy restores here)."""

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from chunkfs.client import ChunkfsClient, ChunkfsError, ensure_daemon
 from chunkfs.compression import ZSTD
+from chunkfs.sources import STORE_WAIT
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,15 @@ class LazyRestores:
             return None
         return client
 
+    def takes_store_wait(self) -> bool:
+        """Whether the running daemon mounts captures still uploading (``store_wait``)."""
+        if not self.control.exists():
+            return False
+        try:
+            return STORE_WAIT in (ChunkfsClient(self.control, timeout=2.0).ping().get("features") or ())
+        except ChunkfsError:
+            return False
+
     def cache_stats(self) -> dict | None:
         """The chunk cache's stats from the running daemon, with where its chunks came from
         (peers, the store) and what it served its peers, or None."""
@@ -241,26 +251,30 @@ class LazyRestores:
 
     def install(self, snapshot_id: str, *, chunk_size: int, files: dict, manifest: dict, adopt: Callable,
                 local: dict | None = None, prefetch: list | None = None, record: bool = False,
-                pieces: list | None = None) -> Path:
+                pieces: list | None = None, store_wait: float = 0.0) -> Path:
         """Mounts ``files`` ({name: {size, chunks}}) writable, makes the entry (links +
         ``manifest``, whose paths already name ``path(snapshot_id)``), lets ``adopt(dir)``
         (the driver's adopt_snapshot) rewrite what it must, and installs it by one rename.
         Call with ``lock(snapshot_id)`` held. Raises LazyMountFailed when the daemon cannot
-        be had or refuses the mount; ``adopt``'s own errors pass through."""
+        be had or refuses the mount; ``adopt``'s own errors pass through. ``store_wait`` (s):
+        a chunk no source has yet is asked for again until then (a capture still uploading)."""
         final = self.path(snapshot_id)
         names = set(files)
         prefetch = [p for p in prefetch or [] if isinstance(p, list) and len(p) == 2 and p[0] in names]
         try:
             client = self.client()
-            if ZSTD not in (client.ping().get("encodings") or ()):  # it would take compressed chunks for corrupt
+            pong = client.ping()
+            if ZSTD not in (pong.get("encodings") or ()):  # it would take compressed chunks for corrupt
                 raise LazyMountFailed("the chunkfs daemon predates compressed chunks: restart it with the node's VMs")
+            if store_wait and STORE_WAIT not in (pong.get("features") or ()):  # it would fail reads at once
+                raise LazyMountFailed("the chunkfs daemon predates mounts of captures still uploading")
             try:
                 client.unmount(snapshot_id)  # a previous incarnation's (this entry was not complete)
             except ChunkfsError as exc:
                 if exc.code != "not_found":
                     raise
             where = client.mount(snapshot_id, chunk_size, files, prefetch=prefetch, record=record,
-                                 writable=True, local=local, pieces=pieces)
+                                 writable=True, local=local, pieces=pieces, store_wait=store_wait)
         except ChunkfsError as exc:
             raise LazyMountFailed(str(exc)) from exc
         for leftover in self.root.glob(f".tmp-{snapshot_id}-*"):  # an install that crashed (we hold its lock)

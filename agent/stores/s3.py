@@ -23,6 +23,10 @@ Objects (under ``AENV_S3_PREFIX``):
   template is built, or by the first lazy restore), and for a template ``snapshots/<id>/prefetch/<n>``,
   its prefetch pieces: those chunks' bodies again, a few to an object (``prefetch_pieces``,
   ``chunkfs.pieces``), so a node that never saw the template fetches its start in a few GETs.
+- ``snapshots/<id>/pending.json``: a fork capture handed to other nodes before its upload ended
+  (``index``): the manifest as it will be, marked ``pending``. Only a restore that is told
+  to may mount it (``local_dir(..., pending_wait=)``); its chunks come from the capturing
+  node's own files (peer fetch) until the upload has them. Removed once the manifest is written.
 
 Reference scheme and its trade-off: a commit writes a chunk's marker *before* it
 checks whether the chunk exists, and after its manifest is written it checks every
@@ -186,15 +190,95 @@ class S3Store(S3Objects, SnapshotStore):
         except Exception:
             return True  # unknown: keep the markers rather than risk a manifest's chunks
 
-    def _commit(self, snapshot_id: str, src: Path, touched: set[str]) -> dict:
+    def _capture_files(self, snapshot_id: str, src: Path) -> tuple[dict, dict, dict, list]:
+        """A capture's driver manifest, ``{name: {size, chunk_size, chunks: []}}`` of its files,
+        their stats from before they are read (the chunk lists hold while these do), and the
+        (name, chunk) spans to read."""
         manifest = json.loads((src / "manifest.json").read_text())
         names = sorted(p.name for p in src.iterdir() if p.is_file() and p.name not in SKIP_FILES)
         for name in names:
             if not FILE_NAME.match(name):
                 raise SnapshotStoreError(f"unexpected file name {name!r} in snapshot {snapshot_id}")
         sizes = {name: chunk_size_for(name, self.chunk_size, self.ram_chunk_size) for name in names}
-        before = {name: (src / name).stat() for name in names}  # the index below holds while these do
+        before = {name: (src / name).stat() for name in names}
         jobs = [(name, chunk) for name in names for chunk in chunk_spans(src / name, sizes[name])]
+        files = {name: {"size": before[name].st_size, "chunk_size": sizes[name], "chunks": []} for name in names}
+        return manifest, files, before, jobs
+
+    def _doc(self, snapshot_id: str, src: Path, manifest: dict, files: dict, touched: set[str],
+             publish: Callable | None = None) -> tuple[dict | None, dict]:
+        """The store's manifest of a capture whose chunk lists are ``files``, each image file it
+        runs on made restorable by ``publish`` (``_publish_image_file``; one that answers None:
+        no manifest, None); and those image files ``{role: path}``."""
+        publish = publish or self._publish_image_file
+        images_dirs = unique_paths([self.images_dir, self.images_dir.resolve()])
+        needed = image_files(manifest, images_dirs)
+        images = {}
+        for role, path in needed.items():
+            published = publish(path, snapshot_id, touched)
+            if published is None:
+                return None, needed
+            images[role] = {"path": relativize(path, src, images_dirs), **published}
+        doc = {
+            "format": FORMAT, "snapshot_id": snapshot_id, "chunk_size": self.chunk_size, "files": files,
+            "stored_bytes": sum(c[1] for f in files.values() for c in f["chunks"]),
+            "manifest": relativize(manifest, Path(manifest.get("dir") or src), images_dirs),
+            "image_files": images,
+        }
+        return doc, needed
+
+    def _image_if_published(self, path: str, snapshot_id: str, touched: set[str]) -> dict | None:
+        """``_publish_image_file`` for an image file the store has already (marked used by the
+        snapshot), else None: a hand-off never waits for a whole image's upload."""
+        file_digest, size, _ = self.on_disk.file_digest(Path(path))
+        if not self._exists(self.image_key(file_digest)):
+            return None
+        return self._publish_image_file(path, snapshot_id, touched)
+
+    def index(self, snapshot_id: str) -> dict:
+        """Hands a capture to other nodes before its upload (a fork's early hand-off): hashes
+        its files, publishes the image files it runs on, puts its manifest as ``pending.json``
+        (never ``manifest.json``: only ``commit`` says the store holds it whole) and saves the
+        chunk lists in this node's own-file index, so peer fetch serves them at once. Returns
+        {"chunks", "bytes", "handed_over"}: not handed over (nothing written) when an image file
+        it runs on is not in the store yet (its first upload is the commit's: a node whose own
+        copy differs could not restore it). The commit that follows hashes the files again as it
+        reads them: what it uploads is checked against what it read, not against this list."""
+        src = self.local.local_dir(snapshot_id)
+        touched: set[str] = set()
+        try:
+            manifest, files, before, jobs = self._capture_files(snapshot_id, src)
+            images_dirs = unique_paths([self.images_dir, self.images_dir.resolve()])
+            if not all(self._exists(self.image_key(self.on_disk.file_digest(Path(path))[0]))
+                       for path in image_files(manifest, images_dirs).values()):  # before any hashing
+                return {"chunks": 0, "bytes": 0, "handed_over": False}
+
+            def hashed(job) -> str | None:
+                data = read_chunk(src / job[0], job[1])
+                return None if data is None else digest(data)
+
+            with self._pool() as pool:
+                for (name, chunk), sha in zip(jobs, pool.map(hashed, jobs)):
+                    if sha is not None:
+                        files[name]["chunks"].append([chunk.offset, chunk.length, sha])
+            doc, _ = self._doc(snapshot_id, src, manifest, files, touched, publish=self._image_if_published)
+            if doc is None:
+                self._abandon(snapshot_id, touched)
+                return {"chunks": 0, "bytes": 0, "handed_over": False}
+            self._put_json(self.pending_key(snapshot_id), {**doc, "pending": True})
+        except BaseException as exc:
+            self._abandon(snapshot_id, touched)
+            if isinstance(exc, (SnapshotStoreError, KeyboardInterrupt, SystemExit)) or not isinstance(exc, Exception):
+                raise
+            raise SnapshotStoreError(f"hand-off of snapshot {snapshot_id} through {self._where()} failed: "
+                                     f"{exc}") from exc
+        for name, info in files.items():
+            self.on_disk.remember(src / name, info["chunks"], before[name])
+        return {"chunks": sum(len(f["chunks"]) for f in files.values()), "bytes": doc["stored_bytes"],
+                "handed_over": True}
+
+    def _commit(self, snapshot_id: str, src: Path, touched: set[str]) -> dict:
+        manifest, files, before, jobs = self._capture_files(snapshot_id, src)
         stats = {"chunks": 0, "uploaded": 0, "uploaded_bytes": 0, "sent_bytes": 0}
         claim = threading.Lock()
 
@@ -213,8 +297,6 @@ class S3Store(S3Objects, SnapshotStore):
                 return sha, 0, 0
             return sha, len(data), self._put_chunk(sha, data)
 
-        files = {name: {"size": (src / name).stat().st_size, "chunk_size": sizes[name], "chunks": []}
-                 for name in names}
         where: dict[str, tuple[str, Chunk]] = {}
         with self._pool() as pool:
             for (name, chunk), result in zip(jobs, pool.map(upload, jobs)):
@@ -227,16 +309,7 @@ class S3Store(S3Objects, SnapshotStore):
                 stats["uploaded"] += 1 if uploaded else 0
                 stats["uploaded_bytes"] += uploaded
                 stats["sent_bytes"] += sent
-            images_dirs = unique_paths([self.images_dir, self.images_dir.resolve()])
-            needed = image_files(manifest, images_dirs)
-            doc = {
-                "format": FORMAT, "snapshot_id": snapshot_id, "chunk_size": self.chunk_size, "files": files,
-                "stored_bytes": sum(c[1] for f in files.values() for c in f["chunks"]),
-                "manifest": relativize(manifest, Path(manifest.get("dir") or src), images_dirs),
-                "image_files": {role: {"path": relativize(path, src, images_dirs),
-                                       **self._publish_image_file(path, snapshot_id, touched)}
-                                for role, path in needed.items()},
-            }
+            doc, needed = self._doc(snapshot_id, src, manifest, files, touched)
             self._put_json(self.manifest_key(snapshot_id), doc)
             for role, path in needed.items():  # a racing delete may have dropped it
                 if not self._exists(self.image_key(doc["image_files"][role]["digest"])):
@@ -250,6 +323,7 @@ class S3Store(S3Objects, SnapshotStore):
                 return 1
 
             stats["reuploaded"] = sum(pool.map(recheck, list(where)))
+        self.s3.delete_object(Bucket=self.bucket, Key=self.pending_key(snapshot_id))  # a hand-off's, if any
         stats["unique_chunks"] = len(where)
         for name, info in files.items():  # the node's own-file index need never read them again
             self.on_disk.remember(src / name, info["chunks"], before[name])
@@ -286,7 +360,10 @@ class S3Store(S3Objects, SnapshotStore):
             log.info("image file %s published to %s as %s", path, self._where(), file_digest[:16])
         return {"digest": file_digest, "size": size}
 
-    def local_dir(self, snapshot_id: str) -> Path:
+    def local_dir(self, snapshot_id: str, *, pending_wait: float = 0.0) -> Path:
+        """``pending_wait`` (s): the snapshot may be a capture handed over before its upload ended
+        (``index``): then it is mounted lazily (nothing else can read it yet), and a chunk the
+        store lacks is asked for again until the upload can have put it."""
         snapshot_id = _checked(snapshot_id)
         own = self.local._dir(snapshot_id)
         if (own / "manifest.json").is_file():
@@ -295,9 +372,12 @@ class S3Store(S3Objects, SnapshotStore):
         if found is not None:
             return found
         if self.lazy is not None:
-            found = self._lazy_dir(snapshot_id)
+            found = self._lazy_dir(snapshot_id, pending_wait)
             if found is not None:
                 return found
+        if pending_wait > 0 and not self._exists(self.manifest_key(snapshot_id)):
+            raise SnapshotStoreError(f"snapshot {snapshot_id} is still being stored and this node cannot mount it "
+                                     "lazily (AENV_LAZY_RESTORE)")
         with self.cache.entry_lock(snapshot_id):
             found = self.cache.lookup(snapshot_id)  # another restore fetched it meanwhile
             if found is not None:
@@ -319,7 +399,7 @@ class S3Store(S3Objects, SnapshotStore):
 
     # ------------------------------------------------------------------ lazy restores
 
-    def _lazy_dir(self, snapshot_id: str) -> Path | None:
+    def _lazy_dir(self, snapshot_id: str, pending_wait: float = 0.0) -> Path | None:
         """The snapshot mounted from lazily filled files (agent.stores.lazy), or None when
         that cannot be had (logged: the caller downloads it whole instead)."""
         found = self.lazy.lookup(snapshot_id)
@@ -330,7 +410,7 @@ class S3Store(S3Objects, SnapshotStore):
                 found = self.lazy.lookup(snapshot_id)  # another restore mounted it meanwhile
                 if found is not None:
                     return found
-                return self._mount_lazily(snapshot_id)
+                return self._mount_lazily(snapshot_id, pending_wait=pending_wait)
         except LazyMountFailed as exc:
             log.warning("snapshot %s: no lazy restore (%s); downloading it whole", snapshot_id, exc)
             return None
@@ -340,10 +420,11 @@ class S3Store(S3Objects, SnapshotStore):
             raise SnapshotStoreError(f"lazy restore of snapshot {snapshot_id} from {self._where()} failed: "
                                      f"{exc}") from exc
 
-    def _mount_lazily(self, snapshot_id: str, *, to_record: bool = False) -> Path:
+    def _mount_lazily(self, snapshot_id: str, *, to_record: bool = False, pending_wait: float = 0.0) -> Path:
         """``to_record``: for ``record_prefetch``: the image files mounted too (as a node that
         lacks them mounts them, so their reads are recorded under the names it uses), recording
-        on, no prefetch, and no list stored after a restore (``restored``)."""
+        on, no prefetch, and no list stored after a restore (``restored``). ``pending_wait``:
+        see ``local_dir`` (a pending capture has no prefetch list and records none)."""
         t0 = time.perf_counter()
         steps: dict[str, float] = {}
 
@@ -358,7 +439,7 @@ class S3Store(S3Objects, SnapshotStore):
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="lazy-mount") as pool:
             indexed = pool.submit(self.on_disk.locate, [])
             listed = None if to_record else pool.submit(self._get_json, self.prefetch_key(snapshot_id))
-            doc = self._snapshot_doc(snapshot_id)
+            doc = self._snapshot_doc(snapshot_id, pending=pending_wait > 0)
             t = step("mount_manifest_ms", t0)
             final = self.lazy.path(snapshot_id)
             manifest = localize(doc["manifest"], final, self.images_dir)
@@ -381,6 +462,7 @@ class S3Store(S3Objects, SnapshotStore):
             known = listed.result() if listed is not None else None
         order = known.get("order") if isinstance(known, dict) and isinstance(known.get("order"), list) else None
         pieces = _usable_pieces(known.get("pieces"), snapshot_id) if order else None
+        pending = bool(doc.get("pending"))
         t = step("mount_prefetch_list_ms", t)
 
         def adopt(staging: Path) -> None:
@@ -396,17 +478,23 @@ class S3Store(S3Objects, SnapshotStore):
         path = self.lazy.install(snapshot_id, chunk_size=min(cs for _, _, cs in files.values()),
                                  files={n: {"size": size, "chunks": chunks, "chunk_size": cs}
                                         for n, (size, chunks, cs) in files.items()},
-                                 manifest=manifest, adopt=adopt, local=local, prefetch=order, record=order is None,
-                                 pieces=pieces)
+                                 manifest=manifest, adopt=adopt, local=local, prefetch=order,
+                                 record=order is None and not pending, pieces=pieces,
+                                 store_wait=pending_wait if pending else 0.0)
         step("mount_install_ms", t)
         steps["mount_ms"] = round((time.perf_counter() - t0) * 1000, 2)
-        if order is None and not to_record:
+        if pending:
+            steps["mount_pending"] = 1
+        elif order is None and not to_record:
             self._recording.add(snapshot_id)
         with self._mount_timings_lock:
             while len(self._mount_timings) >= 64:  # never taken (a mount no restore followed): the oldest go
                 self._mount_timings.pop(next(iter(self._mount_timings)))
             self._mount_timings[snapshot_id] = steps
         return path
+
+    def hands_over(self) -> bool:
+        return self.lazy is not None and self.lazy.takes_store_wait()
 
     def take_mount_timings(self, snapshot_id: str) -> dict[str, float]:
         """A restore adds them to its timings; {} when the last ``local_dir`` made no lazy mount
@@ -545,8 +633,11 @@ class S3Store(S3Objects, SnapshotStore):
         """The node's chunk cache figures (``lazy.cache_figures``) while its chunkfs daemon runs."""
         return cache_figures(self.lazy.cache_stats()) if self.lazy is not None else None
 
-    def _snapshot_doc(self, snapshot_id: str) -> dict:
+    def _snapshot_doc(self, snapshot_id: str, pending: bool = False) -> dict:
+        """The snapshot's manifest; ``pending``: else a hand-off's pending one (``index``)."""
         doc = self._get_json(self.manifest_key(snapshot_id))
+        if doc is None and pending:
+            doc = self._get_json(self.pending_key(snapshot_id))
         if doc is None:
             raise SnapshotStoreError(f"snapshot {snapshot_id} is neither on this node nor in {self._where()}")
         if doc.get("format") != FORMAT:

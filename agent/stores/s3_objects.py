@@ -50,6 +50,10 @@ class S3Objects:
     def manifest_key(self, snapshot_id: str) -> str:
         return f"{self.prefix}snapshots/{snapshot_id}/manifest.json"
 
+    def pending_key(self, snapshot_id: str) -> str:
+        """A capture's manifest handed to other nodes before its upload ended (``S3Store.index``)."""
+        return f"{self.prefix}snapshots/{snapshot_id}/pending.json"
+
     def prefetch_key(self, snapshot_id: str) -> str:
         """The chunks a lazy restore of the snapshot read first, in order (agent.stores.lazy)."""
         return f"{self.prefix}snapshots/{snapshot_id}/prefetch.json"
@@ -118,15 +122,20 @@ class S3Objects:
 
     def _delete_remote(self, snapshot_id: str) -> bool:
         """Removes a snapshot's manifest (kept at ``trash/<id>.json`` until its chunks and
-        image files are released, so a repeated delete finishes an interrupted one)."""
+        image files are released, so a repeated delete finishes an interrupted one), and a
+        hand-off's pending manifest (``S3Store.index``)."""
         doc = self._get_json(self.manifest_key(snapshot_id))
         if doc is not None:
             self._put_json(self.trash_key(snapshot_id), doc)
             self.s3.delete_object(Bucket=self.bucket, Key=self.manifest_key(snapshot_id))
         else:
             doc = self._get_json(self.trash_key(snapshot_id))  # an interrupted delete
-            if doc is None:
-                return False
+            if doc is None:  # a hand-off whose upload never finished: its image files' marks go
+                doc = self._get_json(self.pending_key(snapshot_id))
+                if doc is None:
+                    return False
+                self._put_json(self.trash_key(snapshot_id), doc)
+        self.s3.delete_object(Bucket=self.bucket, Key=self.pending_key(snapshot_id))
         self._delete_prefetch(snapshot_id)
         shas = sorted({c[2] for f in doc.get("files", {}).values() for c in f.get("chunks", [])})
         with self._pool() as pool:
