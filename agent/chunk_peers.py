@@ -110,6 +110,16 @@ class ChunkPeers(Periodic):
             self._own_failing = str(exc)
 
 
+def offer_own_now(store) -> bool:
+    """The node's own files' chunks to its chunkfs daemon at once, not at the next round: a
+    fork's capture just handed to other nodes (``index_snapshot``) is read from here by them
+    straight away. True if the daemon took a new map; ChunkfsError if it refused."""
+    lazy = getattr(store, "lazy", None)
+    if lazy is None:
+        return False
+    return bool(lazy.offer_own(store.own_files()))
+
+
 def start_chunk_peers(node_id: str, store) -> ChunkPeers | None:
     """The node's peer fetch, started, when ``AENV_CHUNK_PEER_FETCH`` is on and the store
     restores lazily (S3 with ``AENV_LAZY_RESTORE``: the chunk cache is the chunkfs daemon's)."""

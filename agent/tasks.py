@@ -310,21 +310,44 @@ def commit_snapshot(*, snapshot_id: str) -> dict:
     return {"timings": {"commit_ms": round((time.perf_counter() - started) * 1000, 2)}}
 
 
+@node_task(name=protocol.INDEX_SNAPSHOT)
+def index_snapshot(*, snapshot_id: str) -> dict:
+    """Hands a capture this node took with ``commit=False`` to the other nodes before its
+    upload (a fork's early hand-off; the S3 store with peer fetch): its pending manifest in
+    the store, its chunks served to peers from this node's files at once. The upload
+    (``commit_snapshot``) follows. Returns {"chunks", "bytes", "timings"}."""
+    from agent.chunk_peers import offer_own_now  # noqa: PLC0415 - the peers' module is the worker's
+
+    started = time.perf_counter()
+    store = _store()
+    if not hasattr(store, "index"):
+        raise ValueError(f"the {store.name} store cannot hand a capture over before it is stored")
+    stats = store.index(snapshot_id)
+    indexed = time.perf_counter()
+    if stats.get("handed_over"):
+        offer_own_now(store)
+    return {**stats, "timings": {"index_ms": round((indexed - started) * 1000, 2),
+                                 "offer_ms": round((time.perf_counter() - indexed) * 1000, 2)}}
+
+
 @node_task(name=protocol.RESTORE_SANDBOX)
 def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access_token: str | None,
                     source_token: str | None = None, network: dict | None = None, template: bool = False,
-                    volumes: list | None = None) -> dict:
+                    volumes: list | None = None, pending_wait: float = 0.0) -> dict:
     """Starts a new VM from a snapshot (copy-on-write memory and disk), then gives its
     envd the new sandbox's token, env vars and clock; killed if that fails. A
     filesystem-only snapshot is cold-booted on its disk layers instead. ``template``: a
     built template's snapshot, restored like a booted template (``driver.restore(...,
-    template=True)``: its own RAM copy, so its later pauses stay cheap)."""
+    template=True)``: its own RAM copy, so its later pauses stay cheap). ``pending_wait``
+    (s): the snapshot may be a fork's capture handed over while its node still uploads it
+    (``index_snapshot``), read lazily and waited for up to that long."""
     from vmm.driver import BootSpec, SnapshotManifest
 
     driver = get_driver()
     store = _store()
     located = time.perf_counter()
-    manifest = SnapshotManifest.load(store.local_dir(snapshot_id))
+    pending = {"pending_wait": float(pending_wait)} if pending_wait else {}  # only the S3 store takes it
+    manifest = SnapshotManifest.load(store.local_dir(snapshot_id, **pending))
     # where the snapshot's files are (own, cached, downloaded or mounted lazily: its steps)
     located_ms = {"snapshot_dir_ms": round((time.perf_counter() - located) * 1000, 2),
                   **store.take_mount_timings(snapshot_id)}

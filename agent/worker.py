@@ -24,7 +24,7 @@ from agent.reconcile import Reconciler, purge_queue, reconcile_node
 from agent.shutdown import pause_all
 from agent.stores import get_store
 from agent.vm_watch import VmWatch
-from nodes import signing
+from nodes import protocol, signing
 from vmm import process_heap
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ def run_node(*, concurrency: int = DEFAULT_CONCURRENCY, vcpu_overcommit: float, 
     chunk_peers = start_chunk_peers(node_id, get_store())  # AENV_CHUNK_PEER_FETCH
     if chunk_peers is not None:
         host_sampler.probes["chunkPeerPort"] = lambda: chunk_peers.port  # how the other nodes find it
+        # a fork's capture may be handed to and from this node before its upload ends
+        host_sampler.probes[protocol.FORK_HANDOFF] = lambda: chunk_peers.port is not None and get_store().hands_over()
     heartbeat = Heartbeat(node_id, settings.AENV_NODE_HEARTBEAT_INTERVAL, count_running, host_sampler=host_sampler,
                           history=settings.AENV_NODE_HOST_HISTORY, local_snapshots=lambda: get_store().local_ids(),
                           on_revoked=_stop_revoked)

@@ -265,6 +265,10 @@ AENV_LAZY_RESTORE = _env("AENV_LAZY_RESTORE", "auto")
 # and asks them for a chunk before the store. Needs lazy restores; off by default.
 AENV_CHUNK_PEER_FETCH = _env_bool("AENV_CHUNK_PEER_FETCH", False)
 AENV_CHUNK_PEER_PORT = _env_int("AENV_CHUNK_PEER_PORT", 9465)
+# A fork across nodes hands its capture to the other nodes before its upload ends (its manifest
+# pending in the store, its chunks from the parent's node by peer fetch): their children start
+# beside the upload. Takes effect only where every node involved has peer fetch; "0": off.
+AENV_FORK_HANDOFF = _env_bool("AENV_FORK_HANDOFF", True)
 # How long a read of a lazily filled file waits for a chunk the store does not deliver before
 # it fails with EIO (the chunkfs daemon's --read-deadline): the guest's disk read fails, never hangs.
 AENV_CHUNK_READ_DEADLINE = float(_env("AENV_CHUNK_READ_DEADLINE", "30"))

@@ -411,18 +411,31 @@ async def commit_snapshot(node: Node, *, snapshot_id: str, deadline: float | Non
                        f"storing of snapshot {snapshot_id}")
 
 
+async def index_snapshot(node: Node, *, snapshot_id: str, deadline: float | None = None) -> dict:
+    """Hand snapshot `snapshot_id`, captured on `node` with `commit=False`, to the other nodes
+    before its upload (its pending manifest; its chunks from `node` by peer fetch). Only for a
+    node whose heartbeat says ``protocol.FORK_HANDOFF``. Returns {"chunks", "bytes", "timings"}."""
+    return await _call(node, protocol.INDEX_SNAPSHOT, {"snapshot_id": snapshot_id}, deadline,
+                       f"hand-off of snapshot {snapshot_id}")
+
+
 async def restore_sandbox(node: Node, *, sandbox_id: str, snapshot_id: str, env_vars: dict,
                           access_token: str | None, source_token: str | None = None,
                           network: dict | None = None, template: bool = False,
-                          deadline: float | None = None, volumes: list[dict] | None = None) -> dict:
+                          deadline: float | None = None, volumes: list[dict] | None = None,
+                          pending_wait: float = 0.0) -> dict:
     """Start sandbox `sandbox_id` on `node` from snapshot `snapshot_id` with the network
     `network` (NetworkSpec JSON) and initialise its envd (own token, handed over from
     `source_token`). ``template``: the snapshot is a built template's (the VM gets its own
-    RAM copy, as from a booted template). Returns what boot_sandbox returns."""
+    RAM copy, as from a booted template). ``pending_wait`` (s): the snapshot was handed over
+    before its upload ended (``index_snapshot``; a node with ``protocol.FORK_HANDOFF``).
+    Returns what boot_sandbox returns."""
     kwargs = _with_network(dict(sandbox_id=sandbox_id, snapshot_id=snapshot_id, env_vars=dict(env_vars or {}),
                                 access_token=access_token, source_token=source_token or None), network)
     if template:
         kwargs["template"] = True
+    if pending_wait:  # sent only when asked: a node worker of before it never sees the argument
+        kwargs["pending_wait"] = float(pending_wait)
     kwargs = _with_volumes(kwargs, volumes)
     return await _call(node, protocol.RESTORE_SANDBOX, kwargs, deadline, f"restore of {sandbox_id}")
 

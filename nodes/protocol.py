@@ -8,6 +8,7 @@ PAUSE_SANDBOX = "nodes.pause_sandbox"
 RESUME_SANDBOX = "nodes.resume_sandbox"
 SNAPSHOT_SANDBOX = "nodes.snapshot_sandbox"
 COMMIT_SNAPSHOT = "nodes.commit_snapshot"
+INDEX_SNAPSHOT = "nodes.index_snapshot"
 RESTORE_SANDBOX = "nodes.restore_sandbox"
 FORK_SANDBOX = "nodes.fork_sandbox"
 DELETE_SNAPSHOT_FILES = "nodes.delete_snapshot_files"
@@ -21,6 +22,11 @@ def pause_image_of(sandbox_id: str) -> str:
     """The snapshot-store id under which a node exports a paused sandbox (agent.moves), so
     another node can resume it (lifecycle.sandboxes.pause)."""
     return f"pause-{sandbox_id}"[:64]
+
+
+# The host figure a node's heartbeat carries when it takes INDEX_SNAPSHOT and restores with
+# ``pending_wait`` (a fork's capture handed over before its upload ends: peer fetch is on).
+FORK_HANDOFF = "forkHandoff"
 
 
 def queue_of(node_id: str) -> str:

@@ -8,7 +8,15 @@ driver's fork.
 
 Why a stored snapshot and restores, not the driver's fork: a node restores only what the
 store holds, and the one upload is what lets a rollout batch outgrow the parent's node. The
-upload runs beside the parent's node's own restores, so it delays only the other nodes'."""
+upload runs beside the parent's node's own restores, so it delays only the other nodes'.
+
+The early hand-off (``AENV_FORK_HANDOFF``, where every node involved has peer fetch: their
+heartbeats' ``protocol.FORK_HANDOFF``): the parent's node first hashes the capture and puts its
+manifest in the store as pending (``index_snapshot``, ~1 s), and the other nodes' children are
+restored at once, beside the upload, their chunks read from the parent's node's files by peer
+fetch (or from the store once there). A child is declared running only once the upload has
+ended: if it fails, those children are removed and fail as before, so no running sandbox
+depends on a capture the store does not hold."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +29,7 @@ from django.utils import timezone
 
 from lifecycle.sandboxes import core, network
 from lifecycle.volumes import mounts
+from nodes import protocol
 from nodes.models import Node
 from lifecycle.sandboxes.core import S, Result
 from sandboxes.errors import LifecycleError, Unavailable
@@ -59,9 +68,16 @@ async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
     here = [(c, n) for c, n in begun.children if n.pk == home.pk]
     away = [(c, n) for c, n in begun.children if n.pk != home.pk]
     local = [asyncio.ensure_future(_child(c, n, capture, timeout, t0, started, actor)) for c, n in here]
+    handed = away and await _hand_over(parent, capture, home, [n for _, n in away], started, details, actor)
+    early = [asyncio.ensure_future(_restore(c, n, capture, pending_wait=settings.AENV_SNAPSHOT_DEADLINE))
+             for c, n in away] if handed else []
+    t_handed = time.monotonic()
     stored = await _store(parent, capture, home, started, details, actor)
     t_stored = time.monotonic()
-    if stored is None:
+    if early:  # running only now that the store holds what they read
+        remote = [_finish_early(c, n, restore, stored, timeout, t0, started, actor)
+                  for (c, n), restore in zip(away, early)]
+    elif stored is None:
         remote = [_child(c, n, capture, timeout, t0, started, actor) for c, n in away]
     else:  # the other nodes cannot have it: their children fail, the parent's node's run
         remote = [finish_child(c, {"ok": False, "kind": stored.kind, "message": stored.message}, n, timeout, t0,
@@ -70,8 +86,51 @@ async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
     out = [ended[c.id] for c, _ in begun.children]
     phases = {"capture": round((t_captured - t0) * 1000, 2), "stored": round((t_stored - t0) * 1000, 2),
               "total": round(core.ms(t0), 2)}
+    if handed:
+        phases["handed_over"] = round((t_handed - t0) * 1000, 2)
     await release_if_unused(capture.id, actor)  # every child failed: nothing needs it
     return [Result(child, phases) if isinstance(child, Sandbox) else child for child in out]
+
+
+def _hands_over(node) -> bool:
+    return isinstance(node.host, dict) and node.host.get(protocol.FORK_HANDOFF) is True
+
+
+async def _hand_over(parent: Sandbox, capture, home, others: list, started, details, actor: str) -> bool:
+    """Whether the other nodes may restore the capture before its upload ends: the setting
+    is on, every node involved says it can (``protocol.FORK_HANDOFF``: peer fetch, a chunkfs
+    daemon that waits for what is not there yet) and the parent's node handed it over
+    (``index_snapshot``). Anything else: False, and the fork waits for the upload as before
+    (the reason is in the parent's ``fork`` event with outcome ``handoff_skipped``)."""
+    if not settings.AENV_FORK_HANDOFF:
+        return False
+    if not all(_hands_over(n) for n in [home, *others]):
+        return False
+    client, _ = core.node_api()
+    deadline = settings.AENV_SNAPSHOT_DEADLINE
+    t0 = time.monotonic()
+    try:
+        answer = await asyncio.wait_for(client.index_snapshot(home, snapshot_id=capture.id, deadline=deadline),
+                                        timeout=deadline + 15)
+        why = "" if answer.get("handed_over") else "an image file it runs on is not in the store yet"
+    except Exception as exc:  # noqa: BLE001 - the upload is still the way; said in the event
+        answer, why = {}, f"{type(exc).__name__}: {exc}"
+    await core.record(core.event(parent.id, "fork", outcome="handed_over" if not why else "handoff_skipped",
+                                 started_at=started, duration_ms=core.ms(t0), actor=actor, message=why,
+                                 details={**details, "timings": answer.get("timings") or {},
+                                          "chunks": answer.get("chunks")}))
+    return not why
+
+
+async def _finish_early(child: Sandbox, node, restore, stored: LifecycleError | None, timeout: int, t0, started,
+                        actor: str):
+    """A child restored from the handed-over capture, ended once the upload has: running if it
+    is stored, else removed and failed (no sandbox may read a capture the store lacks)."""
+    result = await restore
+    if stored is not None and result.get("ok"):
+        cleanup = await core.kill_on_node(node, child.id, core.CLEANUP_DEADLINE)
+        result = {"ok": False, "kind": stored.kind, "message": stored.message, "cleanup": cleanup}
+    return await finish_child(child, result, node, timeout, t0, started, actor)
 
 
 async def _store(parent: Sandbox, capture, home, started, details, actor: str) -> LifecycleError | None:
@@ -174,9 +233,15 @@ async def _fail_all(parent, children, capture, reason: str, kind: str, t0, start
 
 
 async def _child(child: Sandbox, node, capture, timeout: int, t0, started, actor: str):
-    """One child restored from the capture on its node, then ended by ``finish_child``. Its
-    row's clock for the nodes' stale-row reconcile starts now (it waited for the capture, and
-    on another node for the upload)."""
+    """One child restored from the capture on its node, then ended by ``finish_child``."""
+    return await finish_child(child, await _restore(child, node, capture), node, timeout, t0, started, actor)
+
+
+async def _restore(child: Sandbox, node, capture, pending_wait: float = 0.0) -> dict:
+    """One child restored from the capture on its node: the node's answer ``{"ok": True, …}``,
+    or ``{"ok": False, "kind", "message"}`` (whatever the node started is removed). Its row's
+    clock for the nodes' stale-row reconcile starts now (it waited for the capture, and on
+    another node for the upload or the hand-off)."""
     client, _ = core.node_api()
     await Sandbox.objects.filter(pk=child.id, state=S.CREATING).aupdate(updated_at=timezone.now())
     volumes = await sync_to_async(mounts.node_volumes)(child.id)  # the parent's, mounted in the capture
@@ -185,7 +250,8 @@ async def _child(child: Sandbox, node, capture, timeout: int, t0, started, actor
             client.restore_sandbox(
                 node, sandbox_id=child.id, snapshot_id=capture.id, env_vars=child.env_vars,
                 access_token=child.envd_access_token or None, source_token=capture.envd_access_token or None,
-                network=network.spec_of(child), template=False, **({"volumes": volumes} if volumes else {})),
+                network=network.spec_of(child), template=False, **({"volumes": volumes} if volumes else {}),
+                **({"pending_wait": pending_wait} if pending_wait else {})),
             timeout=settings.AENV_NODE_TASK_DEADLINE + 15,
         ), child.id, S.CREATING, tolerate=(S.KILLING, S.KILLED))
         result = {"ok": True, **answer}
@@ -199,4 +265,4 @@ async def _child(child: Sandbox, node, capture, timeout: int, t0, started, actor
         # whatever the node may have started is removed, answered or not (as a failed create)
         cleanup = await core.kill_on_node(node, child.id, core.CLEANUP_DEADLINE)
         result = {"ok": False, "kind": error.kind, "message": str(exc) or error.message, "cleanup": cleanup}
-    return await finish_child(child, result, node, timeout, t0, started, actor)
+    return result
