@@ -16,7 +16,7 @@ import pytest
 from agent.stores.s3 import S3Store
 from chunkfs.cache import ChunkCache
 from chunkfs.errors import ChunkCorrupt, ChunkUnavailable
-from chunkfs.sources import (ChunkSource, DirChunkSource, FallbackSource, S3ChunkSource, s3_client,
+from chunkfs.sources import (ChunkSource, DirChunkSource, FallbackSource, S3ChunkSource, WaitingSource, s3_client,
                              signed_getter, source_from_spec)
 from harness.moto_s3 import REGION, moto_server, default_credentials, CLIENT_KEYS
 from harness.ports import free_port as _free_port
@@ -185,6 +185,30 @@ def test_fallback_takes_the_first_source_with_the_right_bytes(tmp_path):
     with ChunkCache(tmp_path / "cache", 1 << 20) as cache, pytest.raises(ChunkCorrupt):
         cache.get(name, 3000, FallbackSource([Fixed("peer"), liar]).fetch)
     assert cache.stats()["corrupt"] == 3
+
+
+def test_a_waiting_source_asks_again_until_the_chunk_is_there_or_its_time_is_up():
+    data = os.urandom(3000)
+    name = sha(data)
+    now = [100.0]
+    store = Fixed("store")
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+        if len(slept) == 5:  # the upload put it meanwhile
+            store.chunks[name] = data
+
+    waiting = WaitingSource(store, until=110.0, poll=0.5, clock=lambda: now[0], sleep=sleep)
+    assert waiting.fetch(name, 3000) == data
+    assert store.calls == 6 and slept == [0.5] * 5 and waiting.waits == 5
+    # past its time it is an ordinary source: the miss is said at once
+    other = sha(b"never")
+    store.calls, now[0] = 0, 110.0
+    with pytest.raises(ChunkUnavailable, match="store: no"):
+        waiting.fetch(other, 5)
+    assert store.calls == 1 and len(slept) == 5
 
 
 def test_sources_from_their_json_description(s3_endpoint, tmp_path):

@@ -418,6 +418,32 @@ def test_missing_chunk_gives_eio_and_the_daemon_stays_up(node):
     assert c.stats("broken")["mounts"]["broken"]["errors"] >= 1
 
 
+def test_a_mount_with_store_wait_reads_a_chunk_that_arrives_later(node):
+    """A fork's capture handed to this node while its own node still uploads it: a chunk the
+    store does not have yet is waited for (``store_wait``), not an EIO."""
+    data = os.urandom(4 * CS)
+    spec = cut(data, node.store)
+    late = node.store / "chunks" / spec["chunks"][2][2]
+    body = late.read_bytes()
+    late.unlink()
+    c = node.start()
+    assert "store_wait" in c.ping()["features"]
+    path = c.mount("pending", CS, {"disk": spec}, store_wait=20.0) / "disk"
+    threading.Timer(1.0, late.write_bytes, args=(body,)).start()  # the upload gets there
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t = time.monotonic()
+        assert os.pread(fd, 100, 2 * CS + 5) == data[2 * CS + 5:2 * CS + 105]
+        assert 0.8 < time.monotonic() - t < 15
+    finally:
+        os.close(fd)
+    for bad in (-1, "10", True, 7200):
+        reply = _raw(node.control, json.dumps({"op": "mount", "mount_id": "w", "chunk_size": CS,
+                                               "files": {"d": spec}, "store_wait": bad}).encode() + b"\n")
+        assert reply["ok"] is False and reply["error"]["code"] == "bad_request", (bad, reply)
+        assert "store_wait" in reply["error"]["message"]
+
+
 def test_a_source_that_never_answers_gives_eio_within_the_read_deadline(node):
     with socket.socket() as silent:  # an S3 endpoint that accepts connections and never answers
         silent.bind(("127.0.0.1", 0))

@@ -368,3 +368,111 @@ async def test_a_parent_node_restarting_during_the_upload_fails_the_other_nodes_
     assert len(errors) == 2 and all("restarted while it stored the capture" in e for e in errors)
     rows = {(s.node_id, s.state) async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])}
     assert rows == {("n1", "running"), ("n2", "error"), ("n3", "error")}
+
+
+# ------------------------------------------------------------------ the early hand-off
+
+
+@pytest.fixture
+def handoff_mock(spread_mock):
+    """Every node says it takes a capture handed over before its upload ends (peer fetch on);
+    the upload waits until the test opens ``gate``; ``order`` logs each restore with whether the
+    upload had ended and its ``pending_wait``."""
+    Node.objects.all().update(host={"forkHandoff": True})
+    c = spread_mock.client
+    c.index_snapshot = mock.AsyncMock(return_value={"chunks": 300, "bytes": 3 << 20, "handed_over": True,
+                                                    "timings": {"index_ms": 800.0}})
+    restore = c.restore_sandbox.side_effect
+    spread_mock.order, spread_mock.gate = [], asyncio.Event()
+
+    async def restore_logged(node, **kwargs):
+        spread_mock.order.append((node.pk, spread_mock.gate.is_set(), kwargs.get("pending_wait", 0)))
+        return await restore(node, **kwargs)
+
+    async def commit_when_opened(node, **kwargs):
+        for _ in range(200):  # until the four children were asked for (or 2 s)
+            if len(spread_mock.order) == 4:
+                break
+            await asyncio.sleep(0.01)
+        spread_mock.gate.set()
+        if spread_mock.commit_error is not None:
+            raise spread_mock.commit_error
+        return {"timings": {"commit_ms": 1.0}}
+
+    spread_mock.commit_error = None
+    c.restore_sandbox.side_effect = restore_logged
+    c.commit_snapshot.side_effect = commit_when_opened
+    return spread_mock
+
+
+async def _fork_events(parent_id):
+    return [(e.outcome, e.message, e.details) async for e in
+            SandboxEvent.objects.filter(sandbox_id=parent_id, operation="fork").order_by("id")]
+
+
+async def test_the_hand_off_starts_the_other_nodes_children_beside_the_upload(api, create, handoff_mock, settings):
+    parent = await create()
+    resp = await _fork(api, parent["sandboxID"], count=4)
+    assert resp.status_code == 201, resp.text
+    capture_id = handoff_mock.client.snapshot_sandbox.await_args.kwargs["snapshot_id"]
+    call = handoff_mock.client.index_snapshot.await_args
+    assert call.args[0].pk == "n1" and call.kwargs["snapshot_id"] == capture_id
+    # every child asked for before the upload ended; only the other nodes' read a pending capture
+    assert sorted(handoff_mock.order) == [("n1", False, 0), ("n1", False, 0),
+                                          ("n2", False, settings.AENV_SNAPSHOT_DEADLINE),
+                                          ("n3", False, settings.AENV_SNAPSHOT_DEADLINE)]
+    rows = {(s.node_id, s.state) async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])}
+    assert rows == {("n1", "running"), ("n2", "running"), ("n3", "running")}
+    events = await _fork_events(parent["sandboxID"])
+    assert [e[0] for e in events] == ["started", "ok", "handed_over", "stored"]
+    assert events[2][2]["chunks"] == 300 and events[2][2]["timings"] == {"index_ms": 800.0}
+    handoff_mock.client.kill_sandbox.assert_not_awaited()
+
+
+async def test_an_upload_failing_after_the_hand_off_removes_the_other_nodes_children(api, create, handoff_mock):
+    """They ran from the parent's node's files, which go with the capture: never declared running."""
+    handoff_mock.commit_error = handoff_mock.client.NodeTaskFailed(
+        "upload of snapshot to s3 failed: connection refused", kind="SnapshotStoreError")
+    parent = await create()
+    results = (await _fork(api, parent["sandboxID"], count=4)).json()
+    rows = {s.pk: (s.node_id, s.state) async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])}
+    assert sorted(rows.values()) == [("n1", "running"), ("n1", "running"), ("n2", "error"), ("n3", "error")]
+    errors = [r["error"]["message"] for r in results if "error" in r]
+    assert len(errors) == 2 and all("could not be stored" in e and "connection refused" in e for e in errors)
+    killed = sorted((c.args[0].pk, c.kwargs["sandbox_id"]) for c in handoff_mock.client.kill_sandbox.await_args_list)
+    assert killed == sorted((node, sid) for sid, (node, _) in rows.items() if node != "n1")
+    assert [e[0] for e in await _fork_events(parent["sandboxID"])] == ["started", "ok", "handed_over", "error"]
+
+
+async def test_no_hand_off_unless_every_node_involved_takes_it(api, create, handoff_mock, settings):
+    await Node.objects.filter(pk="n3").aupdate(host={"chunkPeerPort": 9465})  # a worker of before
+    parent = await create()
+    assert (await _fork(api, parent["sandboxID"], count=4)).status_code == 201
+    handoff_mock.client.index_snapshot.assert_not_awaited()
+    assert sorted(handoff_mock.order) == [("n1", False, 0), ("n1", False, 0), ("n2", True, 0), ("n3", True, 0)]
+    assert [e[0] for e in await _fork_events(parent["sandboxID"])] == ["started", "ok", "stored"]
+
+    handoff_mock.order.clear()
+    await Node.objects.filter(pk="n3").aupdate(host={"forkHandoff": True})
+    settings.AENV_FORK_HANDOFF = False
+    parent = await create()
+    assert (await _fork(api, parent["sandboxID"], count=4)).status_code == 201
+    handoff_mock.client.index_snapshot.assert_not_awaited()
+    assert all(stored for node, stored, _ in handoff_mock.order if node != "n1")
+
+
+@pytest.mark.parametrize("answer", ["refused", "failed"])
+async def test_a_hand_off_the_node_refuses_or_fails_waits_for_the_upload(api, create, handoff_mock, answer):
+    if answer == "refused":  # an image file the capture runs on is not in the store yet
+        handoff_mock.client.index_snapshot.return_value = {"chunks": 0, "bytes": 0, "handed_over": False}
+    else:
+        handoff_mock.client.index_snapshot.side_effect = handoff_mock.client.NodeTaskFailed(
+            "hand-off failed: throttled", kind="SnapshotStoreError")
+    parent = await create()
+    assert (await _fork(api, parent["sandboxID"], count=4)).status_code == 201
+    assert sorted(handoff_mock.order) == [("n1", False, 0), ("n1", False, 0), ("n2", True, 0), ("n3", True, 0)]
+    events = await _fork_events(parent["sandboxID"])
+    assert [e[0] for e in events] == ["started", "ok", "handoff_skipped", "stored"]
+    assert ("not in the store yet" if answer == "refused" else "throttled") in events[2][1]
+    rows = {(s.node_id, s.state) async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])}
+    assert rows == {("n1", "running"), ("n2", "running"), ("n3", "running")}

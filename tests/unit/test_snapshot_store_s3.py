@@ -555,3 +555,65 @@ def test_get_store_follows_the_backend_setting(settings, s3_endpoint, tmp_path):
     settings.AENV_SNAPSHOT_BACKEND = "ftp"
     with pytest.raises(SnapshotStoreError, match="unknown snapshot backend"):
         get_store()
+
+
+# --------------------------------------------------------------------------- a fork's early hand-off
+
+
+def test_a_hand_off_puts_a_pending_manifest_that_only_a_told_restore_reads(s3, tmp_path):
+    client, prefix = s3
+    images = _images(tmp_path)
+    home = tmp_path / "n1"
+    store = _store(s3, home, images)
+    _capture(home, images, "fk", {0: os.urandom(CHUNK), 3 * CHUNK: os.urandom(CHUNK)})
+    # the image files are not in the store yet: no hand-off (their first upload is the commit's)
+    assert store.index("fk") == {"chunks": 0, "bytes": 0, "handed_over": False}
+    assert _keys(client, prefix) == []
+
+    _capture(home, images, "s0", {0: os.urandom(CHUNK)})
+    store.commit("s0")  # publishes the image files
+    before = set(_keys(client, prefix))
+    stats = store.index("fk")
+    assert stats["handed_over"] is True and stats["chunks"] > 2 and stats["bytes"] > 2 * CHUNK
+    added = set(_keys(client, prefix)) - before
+    # the pending manifest and the image files' marks, nothing else: no chunk, no chunk marker
+    assert "snapshots/fk/pending.json" in added and "snapshots/fk/manifest.json" not in added
+    assert {k for k in added if k != "snapshots/fk/pending.json"} == {
+        k for k in added if k.startswith("image-users/") and k.endswith("/fk")} != set()
+    pending = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/fk/pending.json")["Body"].read())
+    assert pending["pending"] is True and set(pending["files"]) == {"layer-0.qcow2", "layer-1.qcow2", "memory.ram",
+                                                                   "device.state"}
+    # this node serves its chunks to peers from its own files at once
+    own = store.own_files()
+    assert own[str(home / "snapshots" / "fk" / "memory.ram")] == pending["files"]["memory.ram"]["chunks"]
+
+    other = _store(s3, tmp_path / "n2", images)  # no lazy restores: it cannot read a pending capture
+    with pytest.raises(SnapshotStoreError, match="neither on this node nor"):
+        other.local_dir("fk")
+    with pytest.raises(SnapshotStoreError, match="still being stored"):
+        other.local_dir("fk", pending_wait=5.0)
+    assert other._snapshot_doc("fk", pending=True)["pending"] is True
+
+    store.commit("fk")
+    keys = _keys(client, prefix)
+    assert "snapshots/fk/manifest.json" in keys and "snapshots/fk/pending.json" not in keys
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/fk/manifest.json")["Body"].read())
+    assert doc["files"] == pending["files"] and doc["image_files"] == pending["image_files"]
+    assert (other.local_dir("fk", pending_wait=5.0) / "memory.ram").read_bytes() == (
+        home / "snapshots" / "fk" / "memory.ram").read_bytes()
+
+
+def test_a_hand_off_whose_upload_never_ended_is_deleted_whole(s3, tmp_path):
+    client, prefix = s3
+    images = _images(tmp_path)
+    home = tmp_path / "n1"
+    store = _store(s3, home, images)
+    _capture(home, images, "s0", {0: os.urandom(CHUNK)})
+    store.commit("s0")
+    kept = _keys(client, prefix)
+    _capture(home, images, "fk", {0: os.urandom(CHUNK)})
+    assert store.index("fk")["handed_over"] is True
+    assert store.delete("fk") is True
+    assert _keys(client, prefix) == kept, "the hand-off left objects behind"
+    assert store.delete("s0") is True
+    assert _keys(client, prefix) == [], "the image files' marks of the hand-off kept them"
