@@ -324,8 +324,7 @@ def index_snapshot(*, snapshot_id: str) -> dict:
         raise ValueError(f"the {store.name} store cannot hand a capture over before it is stored")
     stats = store.index(snapshot_id)
     indexed = time.perf_counter()
-    if stats.get("handed_over"):
-        offer_own_now(store)
+    offer_own_now(store)
     return {**stats, "timings": {"index_ms": round((indexed - started) * 1000, 2),
                                  "offer_ms": round((time.perf_counter() - indexed) * 1000, 2)}}
 

@@ -206,52 +206,47 @@ class S3Store(S3Objects, SnapshotStore):
         return manifest, files, before, jobs
 
     def _doc(self, snapshot_id: str, src: Path, manifest: dict, files: dict, touched: set[str],
-             publish: Callable | None = None) -> tuple[dict | None, dict]:
+             publish: Callable | None = None) -> tuple[dict, dict]:
         """The store's manifest of a capture whose chunk lists are ``files``, each image file it
-        runs on made restorable by ``publish`` (``_publish_image_file``; one that answers None:
-        no manifest, None); and those image files ``{role: path}``."""
+        runs on made restorable by ``publish`` (``_publish_image_file``); and those image files
+        ``{role: path}``."""
         publish = publish or self._publish_image_file
         images_dirs = unique_paths([self.images_dir, self.images_dir.resolve()])
         needed = image_files(manifest, images_dirs)
-        images = {}
-        for role, path in needed.items():
-            published = publish(path, snapshot_id, touched)
-            if published is None:
-                return None, needed
-            images[role] = {"path": relativize(path, src, images_dirs), **published}
         doc = {
             "format": FORMAT, "snapshot_id": snapshot_id, "chunk_size": self.chunk_size, "files": files,
             "stored_bytes": sum(c[1] for f in files.values() for c in f["chunks"]),
             "manifest": relativize(manifest, Path(manifest.get("dir") or src), images_dirs),
-            "image_files": images,
+            "image_files": {role: {"path": relativize(path, src, images_dirs),
+                                   **publish(path, snapshot_id, touched)}
+                            for role, path in needed.items()},
         }
         return doc, needed
 
-    def _image_if_published(self, path: str, snapshot_id: str, touched: set[str]) -> dict | None:
+    def _image_for_hand_off(self, path: str, snapshot_id: str, touched: set[str]) -> dict:
         """``_publish_image_file`` for an image file the store has already (marked used by the
-        snapshot), else None: a hand-off never waits for a whole image's upload."""
-        file_digest, size, _ = self.on_disk.file_digest(Path(path))
-        if not self._exists(self.image_key(file_digest)):
-            return None
-        return self._publish_image_file(path, snapshot_id, touched)
+        snapshot); else its chunk list in the pending manifest itself: a hand-off never waits
+        for a whole image's upload (the commit's), and a node whose own copy differs reads it
+        from this node's files by peer fetch, or from the store once the commit put it there."""
+        file_digest, size, chunks = self.on_disk.file_digest(Path(path))
+        if self._exists(self.image_key(file_digest)):
+            return self._publish_image_file(path, snapshot_id, touched)
+        return {"digest": file_digest, "size": size, "chunks": chunks,
+                "chunk_size": self.on_disk.chunk_size_for(Path(path))}
 
     def index(self, snapshot_id: str) -> dict:
         """Hands a capture to other nodes before its upload (a fork's early hand-off): hashes
         its files, publishes the image files it runs on, puts its manifest as ``pending.json``
         (never ``manifest.json``: only ``commit`` says the store holds it whole) and saves the
         chunk lists in this node's own-file index, so peer fetch serves them at once. Returns
-        {"chunks", "bytes", "handed_over"}: not handed over (nothing written) when an image file
-        it runs on is not in the store yet (its first upload is the commit's: a node whose own
-        copy differs could not restore it). The commit that follows hashes the files again as it
-        reads them: what it uploads is checked against what it read, not against this list."""
+        {"chunks", "bytes"}. An image file it runs on that the store lacks is
+        listed in the pending manifest (``_image_for_hand_off``). The commit that follows hashes
+        the files again as it reads them: what it uploads is checked against what it read, not
+        against this list."""
         src = self.local.local_dir(snapshot_id)
         touched: set[str] = set()
         try:
             manifest, files, before, jobs = self._capture_files(snapshot_id, src)
-            images_dirs = unique_paths([self.images_dir, self.images_dir.resolve()])
-            if not all(self._exists(self.image_key(self.on_disk.file_digest(Path(path))[0]))
-                       for path in image_files(manifest, images_dirs).values()):  # before any hashing
-                return {"chunks": 0, "bytes": 0, "handed_over": False}
 
             def hashed(job) -> str | None:
                 data = read_chunk(src / job[0], job[1])
@@ -261,10 +256,7 @@ class S3Store(S3Objects, SnapshotStore):
                 for (name, chunk), sha in zip(jobs, pool.map(hashed, jobs)):
                     if sha is not None:
                         files[name]["chunks"].append([chunk.offset, chunk.length, sha])
-            doc, _ = self._doc(snapshot_id, src, manifest, files, touched, publish=self._image_if_published)
-            if doc is None:
-                self._abandon(snapshot_id, touched)
-                return {"chunks": 0, "bytes": 0, "handed_over": False}
+            doc, _ = self._doc(snapshot_id, src, manifest, files, touched, publish=self._image_for_hand_off)
             self._put_json(self.pending_key(snapshot_id), {**doc, "pending": True})
         except BaseException as exc:
             self._abandon(snapshot_id, touched)
@@ -274,8 +266,7 @@ class S3Store(S3Objects, SnapshotStore):
                                      f"{exc}") from exc
         for name, info in files.items():
             self.on_disk.remember(src / name, info["chunks"], before[name])
-        return {"chunks": sum(len(f["chunks"]) for f in files.values()), "bytes": doc["stored_bytes"],
-                "handed_over": True}
+        return {"chunks": sum(len(f["chunks"]) for f in files.values()), "bytes": doc["stored_bytes"]}
 
     def _commit(self, snapshot_id: str, src: Path, touched: set[str]) -> dict:
         manifest, files, before, jobs = self._capture_files(snapshot_id, src)
@@ -686,6 +677,8 @@ class S3Store(S3Objects, SnapshotStore):
             if not every and Path(local).is_file() and self.on_disk.file_digest(Path(local))[0] == info["digest"]:
                 continue
             image = self._get_json(self.image_key(info["digest"]))
+            if image is None and isinstance(info.get("chunks"), list):  # a hand-off's, not published yet
+                image = {"size": info["size"], "chunks": info["chunks"], "chunk_size": info.get("chunk_size")}
             if image is None:
                 raise SnapshotStoreError(f"snapshot {doc.get('snapshot_id')} needs image file {info['path']} "
                                          f"({info['digest'][:16]}), which {self._where()} does not have")

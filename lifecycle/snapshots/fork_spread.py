@@ -101,7 +101,7 @@ async def _hand_over(parent: Sandbox, capture, home, others: list, started, deta
     is on, every node involved says it can (``protocol.FORK_HANDOFF``: peer fetch, a chunkfs
     daemon that waits for what is not there yet) and the parent's node handed it over
     (``index_snapshot``). Anything else: False, and the fork waits for the upload as before
-    (the reason is in the parent's ``fork`` event with outcome ``handoff_skipped``)."""
+    (a failed hand-off: the parent's ``fork`` event with outcome ``handoff_skipped`` says why)."""
     if not settings.AENV_FORK_HANDOFF:
         return False
     if not all(_hands_over(n) for n in [home, *others]):
@@ -112,7 +112,7 @@ async def _hand_over(parent: Sandbox, capture, home, others: list, started, deta
     try:
         answer = await asyncio.wait_for(client.index_snapshot(home, snapshot_id=capture.id, deadline=deadline),
                                         timeout=deadline + 15)
-        why = "" if answer.get("handed_over") else "an image file it runs on is not in the store yet"
+        why = ""
     except Exception as exc:  # noqa: BLE001 - the upload is still the way; said in the event
         answer, why = {}, f"{type(exc).__name__}: {exc}"
     await core.record(core.event(parent.id, "fork", outcome="handed_over" if not why else "handoff_skipped",

@@ -415,3 +415,45 @@ def test_prefetch_pieces_that_are_wrong_or_gone_are_never_handed_to_a_reader(s3,
     assert fetched["piece_gets"] == len(pieces) - 1, fetched  # the missing one was asked for, got nothing
     assert fetched["piece_chunks"] == in_good, fetched  # the garbage one gave none
     assert fetched["corrupt"] == 0, "a body that does not decode is never offered to the cache"
+
+
+def test_a_capture_handed_over_is_mounted_before_its_upload_and_its_reads_wait_for_it(s3, short_tmp):
+    """A fork's early hand-off (``index``) into a bucket that has nothing yet, not even the image
+    files: node 2 (another build of the kernel) mounts the pending capture at once, with the
+    kernel's chunk list from the pending manifest; a read waits (``store_wait``) until node 1's
+    commit has put the chunk there, then gets the right bytes."""
+    import threading
+
+    ram = _ram(chunks=16)
+    images = _images(short_tmp)
+    n1 = short_tmp / "n1"
+    _capture(n1, images, "ho-a", ram)
+    store1 = _store(s3, n1, images, lazy=False)
+    assert store1.index("ho-a")["chunks"] > 0
+    pending = json.loads(s3[0].get_object(Bucket=BUCKET, Key=f"{s3[1]}/snapshots/ho-a/pending.json")["Body"].read())
+    assert all(isinstance(info.get("chunks"), list) for info in pending["image_files"].values())
+    assert not _keys(s3[0], s3[1], "images/") and not _keys(s3[0], s3[1], "chunks/")
+
+    images2 = _images(short_tmp / "other")
+    (images2 / "base-abc" / "vmlinuz").write_bytes(b"another kernel build")
+    n2 = short_tmp / "n2"
+    store2 = _store(s3, n2, images2)
+    with pytest.raises(Exception, match="neither on this node nor"):
+        store2.local_dir("ho-a")  # a restore that was not told: the pending manifest is not its
+    uploader = threading.Timer(1.0, store1.commit, args=("ho-a",))
+    t0 = time.monotonic()
+    uploader.start()
+    try:  # the mount's own reads (the layers' headers, re-pointed) wait for the upload's chunks
+        path = store2.local_dir("ho-a", pending_wait=30.0)
+        waited = time.monotonic() - t0
+    finally:
+        uploader.join()
+    print(f"\nthe mount waited {waited:.2f} s for the upload")
+    assert waited > 0.8
+    assert store2.take_mount_timings("ho-a")["mount_pending"] == 1
+    shipped = json.loads((path / "manifest.json").read_text())["machine"]["kernel"]
+    assert shipped.startswith(str(path)), "the other build's kernel was used"
+    assert Path(shipped).read_bytes() == b"x"  # node 1's kernel, published by its commit
+    keys = _keys(s3[0], s3[1], "snapshots/ho-a/")
+    assert "snapshots/ho-a/manifest.json" in keys and "snapshots/ho-a/pending.json" not in keys
+    assert (path / "memory.ram").read_bytes() == ram

@@ -566,21 +566,28 @@ def test_a_hand_off_puts_a_pending_manifest_that_only_a_told_restore_reads(s3, t
     home = tmp_path / "n1"
     store = _store(s3, home, images)
     _capture(home, images, "fk", {0: os.urandom(CHUNK), 3 * CHUNK: os.urandom(CHUNK)})
-    # the image files are not in the store yet: no hand-off (their first upload is the commit's)
-    assert store.index("fk") == {"chunks": 0, "bytes": 0, "handed_over": False}
-    assert _keys(client, prefix) == []
+    _capture(home, images, "early", {0: os.urandom(CHUNK)})
+    # the image files are not in the store yet: the pending manifest lists their chunks itself
+    # (their upload is the commit's), and nothing else is written
+    assert store.index("early")["chunks"] > 0
+    assert _keys(client, prefix) == ["snapshots/early/pending.json"]
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/early/pending.json")["Body"].read())
+    base = doc["image_files"]["base"]
+    assert base["path"] == "$IMAGES/base-abc/rootfs.qcow2" and base["chunks"] and base["size"] > 0
+    assert store.delete("early") is True and _keys(client, prefix) == []
 
     _capture(home, images, "s0", {0: os.urandom(CHUNK)})
     store.commit("s0")  # publishes the image files
     before = set(_keys(client, prefix))
     stats = store.index("fk")
-    assert stats["handed_over"] is True and stats["chunks"] > 2 and stats["bytes"] > 2 * CHUNK
+    assert stats["chunks"] > 2 and stats["bytes"] > 2 * CHUNK
     added = set(_keys(client, prefix)) - before
     # the pending manifest and the image files' marks, nothing else: no chunk, no chunk marker
     assert "snapshots/fk/pending.json" in added and "snapshots/fk/manifest.json" not in added
     assert {k for k in added if k != "snapshots/fk/pending.json"} == {
         k for k in added if k.startswith("image-users/") and k.endswith("/fk")} != set()
     pending = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/snapshots/fk/pending.json")["Body"].read())
+    assert all("chunks" not in i for i in pending["image_files"].values())  # in the store: named by digest
     assert pending["pending"] is True and set(pending["files"]) == {"layer-0.qcow2", "layer-1.qcow2", "memory.ram",
                                                                    "device.state"}
     # this node serves its chunks to peers from its own files at once
@@ -612,7 +619,7 @@ def test_a_hand_off_whose_upload_never_ended_is_deleted_whole(s3, tmp_path):
     store.commit("s0")
     kept = _keys(client, prefix)
     _capture(home, images, "fk", {0: os.urandom(CHUNK)})
-    assert store.index("fk")["handed_over"] is True
+    assert store.index("fk")["chunks"] > 0
     assert store.delete("fk") is True
     assert _keys(client, prefix) == kept, "the hand-off left objects behind"
     assert store.delete("s0") is True

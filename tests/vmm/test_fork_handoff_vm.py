@@ -53,7 +53,7 @@ def test_a_capture_handed_over_before_its_upload_restores_on_another_node(world)
         listen_a = store_a.lazy.set_peers("127.0.0.1:0", TOKEN, [])
         assert store_a.lazy.offer_own(store_a.own_files())  # what index_snapshot does (offer_own_now)
         print(f"\nnode A handed {sid} over in {time.monotonic() - t0:.2f} s: {handed}")
-        assert handed["handed_over"] is True and handed["chunks"] > 0
+        assert handed["chunks"] > 0
         build = Path(manifest.machine["image_dir"]).name
         images_b = _node_images(a.images_dir, build, root / "images-b")
         # nothing of the capture is in the store but its pending manifest
