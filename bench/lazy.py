@@ -23,6 +23,9 @@ beside it (harness.second_node):
    fork ×N of a ``base`` sandbox with B and C drained vs fork ×2N over the three: until the
    last child answers, the ratio (target ≤ 1.5×); a refusal is reported as such.
 
+``--peer-fetch``: every node has peer fetch on (any free port each), and with it a fork across
+nodes hands its capture over before its upload ends (``AENV_FORK_HANDOFF``).
+
 ``--shape-store 1gbit`` (or ``none,1gbit`` for both in one run): the moto server runs in a
 network namespace of the benchmark's, behind a veth pair whose both ends a ``tc`` token
 bucket limits to that rate (harness.shaped_link); ``none``: moto on loopback. The link's
@@ -33,7 +36,7 @@ Everything made is removed at the end: sandboxes, templates (API delete), the ex
 namespace. The benchmark owns ``--net-pool``'s /16 (default 10.26.0.0/16): its stacks take
 later /20s, node C ``--node-c-pool``, the store link ``--store-link`` (a /30).
 
-    sudo .venv/bin/python bench/lazy.py [--parts template,resume,cache,fork] [--shape-store none,1gbit] [--quick]
+    sudo .venv/bin/python bench/lazy.py [--parts template,resume,cache,fork] [--shape-store none,1gbit] [--peer-fetch] [--quick]
 JSON + Markdown to bench/results/lazy-<UTC stamp>.{json,md} (--quick: 1 run each, 16 MiB
 fills, a 256 MiB cache, fork ×2 vs ×4; to var/bench-quick/). Needs root and FUSE.
 """
@@ -97,6 +100,9 @@ def run_store(args, store: str, result: dict, monitor: LoadMonitor) -> dict:
         env = {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_S3_ENDPOINT": url, "AENV_S3_BUCKET": BUCKET,
                "AENV_S3_REGION": "us-east-1", "AENV_S3_PREFIX": prefix, **CREDENTIALS,
                "AENV_PAUSE_EXPORT_DELAY": "0.5", "AENV_FORK_MAX_PER_NODE": str(args.fork_per_node)}
+        if args.peer_fetch:  # every node on this machine serves its chunks on a port of its own
+            env.update(AENV_CHUNK_PEER_FETCH="1", AENV_CHUNK_PEER_PORT="0")
+        run["peer_fetch"] = bool(args.peer_fetch)
         with stack_of("lz", env) as stack, api_of(stack.api_url, stack.api_key, set(), stack.admin_token) as api:
             os.environ.update(E2B_API_URL=stack.api_url, E2B_SANDBOX_URL=stack.sandbox_url, E2B_API_KEY=stack.api_key)
             os.environ.pop("E2B_DEBUG", None)
@@ -139,6 +145,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5, help="creates / resumes of each kind")
     parser.add_argument("--fill-mib", type=int, default=256, help="MiB of random bytes each template adds to base")
     parser.add_argument("--cache-mb", type=int, default=1024, help="the cache part's AENV_CHUNK_CACHE_MB")
+    parser.add_argument("--peer-fetch", action="store_true",
+                        help="AENV_CHUNK_PEER_FETCH on every node (and with it a fork's early hand-off)")
     parser.add_argument("--fork-per-node", type=int, default=16, help="AENV_FORK_MAX_PER_NODE (N): ×N vs ×2N")
     parser.add_argument("--resume-without-base-disk", action="store_true",
                         help="the resume part's node B lacks the base disk too (default: it has it, as nodes do)")

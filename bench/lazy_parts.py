@@ -75,6 +75,21 @@ print("BENCH_JSON " + json.dumps(out))
 """
 
 
+FORK_EVENTS = """
+import json
+from sandboxes.models import SandboxEvent as E
+rows = E.objects.filter(sandbox_id={sid!r}, operation="fork").exclude(outcome__in=["started", "ok"]).order_by("-id")
+out = [{{"outcome": e.outcome, "ms": e.duration_ms, "message": e.message[:200]}} for e in rows[:{n}]]
+print("BENCH_JSON " + json.dumps(out[::-1]))
+"""
+
+
+def fork_events(stack, parent: str, n: int = 2) -> list:
+    """The parent's last ``n`` fork events after the capture (``handed_over`` / ``handoff_skipped``,
+    ``stored`` or ``error``): how long the hand-off and the upload took."""
+    return db_json(stack, FORK_EVENTS.format(sid=parent, n=n))
+
+
 def node_timings(stack, ids, op: str) -> dict:
     """The node's own timings of each sandbox's last ``op`` (create, resume), from its event."""
     return db_json(stack, EVENTS.format(ids=list(ids), op=op)) if ids else {}
@@ -432,6 +447,7 @@ def fork_and_answer(ctx: Ctx, parent: str, count: int) -> dict:
             "errors": [e for e in errors if e][:5] + [m for ok, _, m in answers if not ok and m][:5],
             "per_node": per_node, "last_answer_ms_per_node": last_per_node, "phases": phases,
             "parent_fork_timings": node_timings(ctx.stack, [parent], "fork").get(parent),
+            "parent_fork_events": fork_events(ctx.stack, parent) if len(per_node) > 1 else [],
             "kill_s": round(time.monotonic() - t_kill, 1), "kill_failures": failures}
 
 

@@ -118,6 +118,8 @@ def details(run: dict) -> list[str]:
     if probe:
         lines += [f"- the store link measured: PUT {probe.get('put_mib_s')} MiB/s, GET {probe.get('get_mib_s')} MiB/s "
                   f"({probe.get('mib')} MiB in 4 MiB objects, {probe.get('threads')} threads)", ""]
+    if run.get("peer_fetch"):
+        lines += ["- peer fetch on every node (`--peer-fetch`), and with it a fork's early hand-off", ""]
     t = run.get("template")
     if t and "error" not in t:
         tpl = t["template"]
@@ -183,6 +185,10 @@ def details(run: dict) -> list[str]:
             if d.get("phases") or d.get("parent_fork_timings"):
                 lines.append(f"  - the call's Server-Timing {d.get('phases')}; the parent's fork event timings "
                              f"{d.get('parent_fork_timings')}")
+            if d.get("parent_fork_events"):
+                lines.append("  - after the capture (hand-off, upload): " + "; ".join(
+                    f"{e['outcome']} {e['ms']} ms{' ' + e['message'] if e.get('message') else ''}"
+                    for e in d["parent_fork_events"]))
         lines.append("")
     for part in ("template", "resume", "cache", "fork"):
         got = run.get(part)

@@ -12,11 +12,13 @@ upload runs beside the parent's node's own restores, so it delays only the other
 
 The early hand-off (``AENV_FORK_HANDOFF``, where every node involved has peer fetch: their
 heartbeats' ``protocol.FORK_HANDOFF``): the parent's node first hashes the capture and puts its
-manifest in the store as pending (``index_snapshot``, ~1 s), and the other nodes' children are
-restored at once, beside the upload, their chunks read from the parent's node's files by peer
-fetch (or from the store once there). A child is declared running only once the upload has
-ended: if it fails, those children are removed and fail as before, so no running sandbox
-depends on a capture the store does not hold."""
+manifest in the store as pending (``index_snapshot``, well under a second), and the other
+nodes' children are restored at once, beside the upload, their chunks read from the parent's
+node's files by peer fetch (or from the store once there). The fork answers when its children
+run, as one on a single node does: until the upload ends they depend on the parent's node, as
+its own children always do. The upload goes on after the answer (``_after_upload``); if it
+fails, the other nodes' children are killed with that reason, so none keeps running on a
+capture the store does not hold."""
 from __future__ import annotations
 
 import asyncio
@@ -28,12 +30,13 @@ from django.conf import settings
 from django.utils import timezone
 
 from lifecycle.sandboxes import core, network
+from lifecycle.sandboxes.kill import kill_sandbox
 from lifecycle.volumes import mounts
 from nodes import protocol
 from nodes.models import Node
 from lifecycle.sandboxes.core import S, Result
 from sandboxes.errors import LifecycleError, Unavailable
-from sandboxes.models import Sandbox
+from sandboxes.models import Sandbox, Team
 from snapshots import transitions as snapshot_transitions
 
 from lifecycle.snapshots.captures import release_if_unused
@@ -68,28 +71,62 @@ async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
     here = [(c, n) for c, n in begun.children if n.pk == home.pk]
     away = [(c, n) for c, n in begun.children if n.pk != home.pk]
     local = [asyncio.ensure_future(_child(c, n, capture, timeout, t0, started, actor)) for c, n in here]
-    handed = away and await _hand_over(parent, capture, home, [n for _, n in away], started, details, actor)
-    early = [asyncio.ensure_future(_restore(c, n, capture, pending_wait=settings.AENV_SNAPSHOT_DEADLINE))
-             for c, n in away] if handed else []
-    t_handed = time.monotonic()
-    stored = await _store(parent, capture, home, started, details, actor)
-    t_stored = time.monotonic()
-    if early:  # running only now that the store holds what they read
-        remote = [_finish_early(c, n, restore, stored, timeout, t0, started, actor)
-                  for (c, n), restore in zip(away, early)]
-    elif stored is None:
-        remote = [_child(c, n, capture, timeout, t0, started, actor) for c, n in away]
-    else:  # the other nodes cannot have it: their children fail, the parent's node's run
-        remote = [finish_child(c, {"ok": False, "kind": stored.kind, "message": stored.message}, n, timeout, t0,
-                               started, actor) for c, n in away]
-    ended = dict(zip([c.id for c, _ in here + away], await asyncio.gather(*local, *remote)))
+    if away and await _hand_over(parent, capture, home, [n for _, n in away], started, details, actor):
+        t_handed = time.monotonic()
+        upload = asyncio.ensure_future(_store(parent, capture, home, started, details, actor))
+        remote = [_child(c, n, capture, timeout, t0, started, actor, pending_wait=settings.AENV_SNAPSHOT_DEADLINE)
+                  for c, n in away]
+        ended = dict(zip([c.id for c, _ in here + away], await asyncio.gather(*local, *remote)))
+        follow_up = asyncio.ensure_future(_after_upload(upload, parent, capture, [ended[c.id] for c, _ in away],
+                                                        actor))
+        _uploading.add(follow_up)
+        follow_up.add_done_callback(_uploading.discard)
+        phases = {"capture": round((t_captured - t0) * 1000, 2), "handed_over": round((t_handed - t0) * 1000, 2)}
+    else:
+        stored = await _store(parent, capture, home, started, details, actor)
+        t_stored = time.monotonic()
+        if stored is None:
+            remote = [_child(c, n, capture, timeout, t0, started, actor) for c, n in away]
+        else:  # the other nodes cannot have it: their children fail, the parent's node's run
+            remote = [finish_child(c, {"ok": False, "kind": stored.kind, "message": stored.message}, n, timeout, t0,
+                                   started, actor) for c, n in away]
+        ended = dict(zip([c.id for c, _ in here + away], await asyncio.gather(*local, *remote)))
+        phases = {"capture": round((t_captured - t0) * 1000, 2), "stored": round((t_stored - t0) * 1000, 2)}
     out = [ended[c.id] for c, _ in begun.children]
-    phases = {"capture": round((t_captured - t0) * 1000, 2), "stored": round((t_stored - t0) * 1000, 2),
-              "total": round(core.ms(t0), 2)}
-    if handed:
-        phases["handed_over"] = round((t_handed - t0) * 1000, 2)
+    phases["total"] = round(core.ms(t0), 2)
     await release_if_unused(capture.id, actor)  # every child failed: nothing needs it
     return [Result(child, phases) if isinstance(child, Sandbox) else child for child in out]
+
+
+# The uploads of handed-over captures still running after their fork answered (their follow-ups).
+_uploading: set[asyncio.Future] = set()
+
+
+async def uploads_settled() -> None:
+    """Until every handed-over capture's upload and its follow-up have ended (tests; a
+    shutdown that waits for them)."""
+    while _uploading:
+        await asyncio.gather(*list(_uploading), return_exceptions=True)
+
+
+async def _after_upload(upload, parent: Sandbox, capture, remote: list, actor: str) -> None:
+    """A handed-over capture's upload ended: the other nodes' children ran from the parent's
+    node's files until then. Stored: nothing to do. Not stored: those children are killed,
+    their kill events saying why (as a fork without the hand-off fails them: no sandbox runs
+    on a capture the store does not hold); the capture is released once none is left."""
+    stored = await upload
+    if stored is None:
+        return
+    reason = f"its fork's capture could not be stored for the other nodes: {stored.message}"
+    team = await Team.objects.aget(pk=parent.team_id)
+    for child in remote:
+        if not isinstance(child, Sandbox):
+            continue
+        try:
+            await kill_sandbox(team, child.id, actor=actor, reason=reason)
+        except LifecycleError as exc:  # killed meanwhile, or gone: nothing left to do
+            log.info("fork child %s after a failed upload of %s: %s", child.id, capture.id, exc)
+    await release_if_unused(capture.id, actor)
 
 
 def _hands_over(node) -> bool:
@@ -120,17 +157,6 @@ async def _hand_over(parent: Sandbox, capture, home, others: list, started, deta
                                  details={**details, "timings": answer.get("timings") or {},
                                           "chunks": answer.get("chunks")}))
     return not why
-
-
-async def _finish_early(child: Sandbox, node, restore, stored: LifecycleError | None, timeout: int, t0, started,
-                        actor: str):
-    """A child restored from the handed-over capture, ended once the upload has: running if it
-    is stored, else removed and failed (no sandbox may read a capture the store lacks)."""
-    result = await restore
-    if stored is not None and result.get("ok"):
-        cleanup = await core.kill_on_node(node, child.id, core.CLEANUP_DEADLINE)
-        result = {"ok": False, "kind": stored.kind, "message": stored.message, "cleanup": cleanup}
-    return await finish_child(child, result, node, timeout, t0, started, actor)
 
 
 async def _store(parent: Sandbox, capture, home, started, details, actor: str) -> LifecycleError | None:
@@ -232,9 +258,10 @@ async def _fail_all(parent, children, capture, reason: str, kind: str, t0, start
                                           error_reason=reason)
 
 
-async def _child(child: Sandbox, node, capture, timeout: int, t0, started, actor: str):
+async def _child(child: Sandbox, node, capture, timeout: int, t0, started, actor: str, pending_wait: float = 0.0):
     """One child restored from the capture on its node, then ended by ``finish_child``."""
-    return await finish_child(child, await _restore(child, node, capture), node, timeout, t0, started, actor)
+    result = await _restore(child, node, capture, pending_wait)
+    return await finish_child(child, result, node, timeout, t0, started, actor)
 
 
 async def _restore(child: Sandbox, node, capture, pending_wait: float = 0.0) -> dict:

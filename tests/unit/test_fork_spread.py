@@ -12,6 +12,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
+from lifecycle.snapshots import fork_spread
 from nodes.models import Node
 from nodes.placement import NoNodeAvailable, place_fork_sync
 from sandboxes.models import Sandbox, SandboxEvent
@@ -423,25 +424,52 @@ async def test_the_hand_off_starts_the_other_nodes_children_beside_the_upload(ap
                                           ("n3", False, settings.AENV_SNAPSHOT_DEADLINE)]
     rows = {(s.node_id, s.state) async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])}
     assert rows == {("n1", "running"), ("n2", "running"), ("n3", "running")}
+    await fork_spread.uploads_settled()
     events = await _fork_events(parent["sandboxID"])
     assert [e[0] for e in events] == ["started", "ok", "handed_over", "stored"]
     assert events[2][2]["chunks"] == 300 and events[2][2]["timings"] == {"index_ms": 800.0}
     handoff_mock.client.kill_sandbox.assert_not_awaited()
 
 
-async def test_an_upload_failing_after_the_hand_off_removes_the_other_nodes_children(api, create, handoff_mock):
-    """They ran from the parent's node's files, which go with the capture: never declared running."""
+async def test_the_fork_answers_before_the_upload_ends(api, create, handoff_mock):
+    """Its children run (the other nodes' from the parent's node's files); the upload goes on."""
+    handoff_mock.client.commit_snapshot.side_effect = None
+    release = asyncio.Event()
+
+    async def held_commit(node, **kwargs):
+        await release.wait()
+        return {"timings": {"commit_ms": 1.0}}
+
+    handoff_mock.client.commit_snapshot.side_effect = held_commit
+    parent = await create()
+    resp = await asyncio.wait_for(_fork(api, parent["sandboxID"], count=4), timeout=30)
+    assert resp.status_code == 201 and len([r for r in resp.json() if "sandbox" in r]) == 4
+    assert "handed_over" in resp.headers["server-timing"] and "stored" not in resp.headers["server-timing"]
+    assert [e[0] for e in await _fork_events(parent["sandboxID"])] == ["started", "ok", "handed_over"]
+    release.set()
+    await fork_spread.uploads_settled()
+    assert [e[0] for e in await _fork_events(parent["sandboxID"])][-1] == "stored"
+
+
+async def test_an_upload_failing_after_the_hand_off_kills_the_other_nodes_children(api, create, handoff_mock):
+    """They ran from the parent's node's files until the upload ended: without it in the store
+    none keeps running (as a fork without the hand-off fails them)."""
     handoff_mock.commit_error = handoff_mock.client.NodeTaskFailed(
         "upload of snapshot to s3 failed: connection refused", kind="SnapshotStoreError")
     parent = await create()
     results = (await _fork(api, parent["sandboxID"], count=4)).json()
+    assert len([r for r in results if "sandbox" in r]) == 4
+    await fork_spread.uploads_settled()
     rows = {s.pk: (s.node_id, s.state) async for s in Sandbox.objects.filter(forked_from_id=parent["sandboxID"])}
-    assert sorted(rows.values()) == [("n1", "running"), ("n1", "running"), ("n2", "error"), ("n3", "error")]
-    errors = [r["error"]["message"] for r in results if "error" in r]
-    assert len(errors) == 2 and all("could not be stored" in e and "connection refused" in e for e in errors)
+    assert sorted(rows.values()) == [("n1", "running"), ("n1", "running"), ("n2", "killed"), ("n3", "killed")]
     killed = sorted((c.args[0].pk, c.kwargs["sandbox_id"]) for c in handoff_mock.client.kill_sandbox.await_args_list)
     assert killed == sorted((node, sid) for sid, (node, _) in rows.items() if node != "n1")
+    for sid, (node, _) in rows.items():
+        if node != "n1":
+            kill = await SandboxEvent.objects.aget(sandbox_id=sid, operation="kill", outcome="started")
+            assert "could not be stored" in kill.details["reason"] and "connection refused" in kill.details["reason"]
     assert [e[0] for e in await _fork_events(parent["sandboxID"])] == ["started", "ok", "handed_over", "error"]
+    assert await Snapshot.objects.filter(fork_capture=True).aexists()  # n1's children still use it
 
 
 async def test_no_hand_off_unless_every_node_involved_takes_it(api, create, handoff_mock, settings):
@@ -467,6 +495,7 @@ async def test_a_hand_off_that_fails_waits_for_the_upload(api, create, handoff_m
     parent = await create()
     assert (await _fork(api, parent["sandboxID"], count=4)).status_code == 201
     assert sorted(handoff_mock.order) == [("n1", False, 0), ("n1", False, 0), ("n2", True, 0), ("n3", True, 0)]
+    assert not fork_spread._uploading
     events = await _fork_events(parent["sandboxID"])
     assert [e[0] for e in events] == ["started", "ok", "handoff_skipped", "stored"]
     assert "throttled" in events[2][1]
