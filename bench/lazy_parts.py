@@ -84,10 +84,16 @@ print("BENCH_JSON " + json.dumps(out[::-1]))
 """
 
 
-def fork_events(stack, parent: str, n: int = 2) -> list:
+def fork_events(stack, parent: str, n: int = 2, wait_s: float = 300) -> list:
     """The parent's last ``n`` fork events after the capture (``handed_over`` / ``handoff_skipped``,
-    ``stored`` or ``error``): how long the hand-off and the upload took."""
-    return db_json(stack, FORK_EVENTS.format(sid=parent, n=n))
+    ``stored`` or ``error``): how long the hand-off and the upload took. A handed-over capture's
+    upload ends after the fork answered: waited for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = db_json(stack, FORK_EVENTS.format(sid=parent, n=n))
+        if any(e["outcome"] in ("stored", "error") for e in got) or time.monotonic() > deadline:
+            return got
+        time.sleep(1)
 
 
 def node_timings(stack, ids, op: str) -> dict:
