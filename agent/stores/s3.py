@@ -236,11 +236,11 @@ class S3Store(S3Objects, SnapshotStore):
 
     def index(self, snapshot_id: str) -> dict:
         """Hands a capture to other nodes before its upload (a fork's early hand-off): hashes
-        its files, publishes the image files it runs on, puts its manifest as ``pending.json``
-        (never ``manifest.json``: only ``commit`` says the store holds it whole) and saves the
-        chunk lists in this node's own-file index, so peer fetch serves them at once. Returns
-        {"chunks", "bytes"}. An image file it runs on that the store lacks is
-        listed in the pending manifest (``_image_for_hand_off``). The commit that follows hashes
+        its files, puts its manifest as ``pending.json`` (never ``manifest.json``: only
+        ``commit`` says the store holds it whole) and saves the chunk lists in this node's
+        own-file index, so peer fetch serves them at once. An image file it runs on is named by
+        digest when the store has it, else listed chunk by chunk in the pending manifest
+        (``_image_for_hand_off``). Returns {"chunks", "bytes"}. The commit that follows hashes
         the files again as it reads them: what it uploads is checked against what it read, not
         against this list."""
         src = self.local.local_dir(snapshot_id)
