@@ -147,6 +147,9 @@ def main() -> int:
     parser.add_argument("--cache-mb", type=int, default=1024, help="the cache part's AENV_CHUNK_CACHE_MB")
     parser.add_argument("--peer-fetch", action="store_true",
                         help="AENV_CHUNK_PEER_FETCH on every node (and with it a fork's early hand-off)")
+    parser.add_argument("--fork-warm-store", action="store_true",
+                        help="the fork part keeps a snapshot of its parent: the base image files are in the store "
+                             "before the forks (as where templates are stored), not published by the first capture")
     parser.add_argument("--fork-per-node", type=int, default=16, help="AENV_FORK_MAX_PER_NODE (N): ×N vs ×2N")
     parser.add_argument("--resume-without-base-disk", action="store_true",
                         help="the resume part's node B lacks the base disk too (default: it has it, as nodes do)")

@@ -470,9 +470,12 @@ def part_fork(ctx: Ctx) -> dict:
             raise RuntimeError(f"create: {a.status} {a.error}")
         parent = a.sandbox_id
         ctx.made.add(parent)
+        kept = None
         try:
             run_cmd(ctx.stack.sandbox_url, "echo ok", sandbox_id=parent, token=a.body.get("envdAccessToken"),
                     envd_version=a.body.get("envdVersion") or "0.6.4")
+            if ctx.args.fork_warm_store:  # a snapshot of the parent kept: the base image files stay in the store
+                kept = ctx.api.call("POST", f"/sandboxes/{parent}/snapshots", 201, json={}).body["snapshotID"]
             with drained(ctx.stack, b.id, c.id):
                 one = fork_and_answer(ctx, parent, n)
             print(f"fork ×{n} on one node: {one.get('last_answer_ms')} ms ({one.get('status')})", flush=True)
@@ -481,8 +484,11 @@ def part_fork(ctx: Ctx) -> dict:
                   f"{three.get('message') or ''})", flush=True)
         finally:
             ctx.api.kill(parent)
+            if kept is not None:
+                ctx.api.call("DELETE", f"/templates/{kept}", 204)
         nodes = {"a": ctx.stack.node_id, "b": b.id, "c": c.id}
-    return {"per_node_max": n, "nodes": nodes, "one_node": one, "three_nodes": three,
+    return {"per_node_max": n, "nodes": nodes, "warm_store": bool(ctx.args.fork_warm_store),
+            "one_node": one, "three_nodes": three,
             "ratio": ratio(three.get("last_answer_ms"), one.get("last_answer_ms")), "target_ratio": 1.5,
             "all_answered": three.get("answered") == 2 * n}
 

@@ -174,6 +174,9 @@ def details(run: dict) -> list[str]:
     f = run.get("fork")
     if f and "error" not in f:
         lines += ["### Fork over three nodes", ""]
+        if f.get("warm_store"):
+            lines += ["- a snapshot of the parent kept through the part (`--fork-warm-store`): the base image "
+                      "files were in the store before the forks", ""]
         for label, d in (("one node", f["one_node"]), ("three nodes", f["three_nodes"])):
             if d.get("status") != 201:
                 lines.append(f"- ×{d['count']} on {label}: refused {d.get('status')}: {d.get('message')}")
