@@ -14,14 +14,14 @@ import time
 import uuid
 
 import pytest
-from e2b import Sandbox
 
-from harness.guest_counter import read_counter, start_counter
+from harness.guest_counter import read_counter
 from harness.moto_s3 import CREDENTIALS, moto_server
 from harness.moto_s3 import client as s3_client
 from harness.second_node import SecondNode, short_root  # noqa: F401 - a fixture
 
 from .conftest import running_stack
+from .fork_across import db, fork_four, parent_on_node_a
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
@@ -42,10 +42,6 @@ def handoff_stack():
             yield s
 
 
-def _db(stack, code: str) -> str:
-    return stack.db(code).strip()
-
-
 def _until(what: str, check, timeout: float, stack) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -54,14 +50,14 @@ def _until(what: str, check, timeout: float, stack) -> None:
 
 
 def _host(stack, node_id: str) -> dict:
-    return json.loads(_db(stack, f"import json; from nodes.models import Node; "
-                                 f"print(json.dumps(Node.objects.get(pk='{node_id}').host))"))
+    return json.loads(db(stack, f"import json; from nodes.models import Node; "
+                                f"print(json.dumps(Node.objects.get(pk='{node_id}').host))"))
 
 
 def _fork_outcomes(stack, parent_id: str) -> list[str]:
-    return _db(stack, "from sandboxes.models import SandboxEvent as E; "
-                      f"print(' '.join(E.objects.filter(sandbox_id='{parent_id}', operation='fork')"
-                      ".order_by('id').values_list('outcome', flat=True)))").split()
+    return db(stack, "from sandboxes.models import SandboxEvent as E; "
+                     f"print(' '.join(E.objects.filter(sandbox_id='{parent_id}', operation='fork')"
+                     ".order_by('id').values_list('outcome', flat=True)))").split()
 
 
 def _keys(stack, sub: str) -> list[str]:
@@ -82,24 +78,8 @@ def test_a_fork_hands_its_capture_to_the_other_node_before_the_upload(handoff_st
         for node in (stack.node_id, node_b.id):  # both say they take a hand-off (peer fetch serving)
             _until(f"node {node} to say forkHandoff", lambda n=node: _host(stack, n).get("forkHandoff") is True,
                    60, stack)
-        _db(stack, f"from nodes.models import Node; Node.objects.filter(pk='{node_b.id}').update(draining=True)")
-        try:
-            parent = Sandbox.create(timeout=600)
-        finally:
-            _db(stack, f"from nodes.models import Node; Node.objects.filter(pk='{node_b.id}').update(draining=False)")
-        parent.files.write("/home/user/state.txt", "from the parent")
-        pid, _ = start_counter(parent)
-
-        t0 = time.monotonic()
-        results = parent.fork(count=4, timeout=300)
-        fork_s = time.monotonic() - t0
-        children = [r for r in results if not isinstance(r, Exception)]
-        assert len(children) == 4, results
-        ids = [c.sandbox_id for c in children]
-        where = dict(pair.split("=") for pair in _db(
-            stack, "from sandboxes.models import Sandbox as S; "
-                   f"print(';'.join(f'{{s.id}}={{s.node_id}}' for s in S.objects.filter(pk__in={ids!r})))").split(";"))
-        assert sorted(where.values()) == sorted([stack.node_id] * 2 + [node_b.id] * 2), where
+        parent, pid = parent_on_node_a(stack, node_b.id)
+        children, where, fork_s = fork_four(stack, parent, node_b.id)
         outcomes = _fork_outcomes(stack, parent.sandbox_id)
         assert outcomes[:3] == ["started", "ok", "handed_over"], outcomes
         print(f"\nFORK x4 with the hand-off: {fork_s * 1000:.0f} ms until the API answered; events {outcomes}")
@@ -112,7 +92,7 @@ def test_a_fork_hands_its_capture_to_the_other_node_before_the_upload(handoff_st
         # the upload ends after the answer; then the bucket holds the capture, no longer pending
         _until("the capture's upload to end", lambda: _fork_outcomes(stack, parent.sandbox_id)[-1] == "stored",
                300, stack)
-        capture = _db(stack, "from snapshots.models import Snapshot as S; print(S.objects.get(fork_capture=True).id)")
+        capture = db(stack, "from snapshots.models import Snapshot as S; print(S.objects.get(fork_capture=True).id)")
         keys = _keys(stack, f"snapshots/{capture}/")
         assert f"snapshots/{capture}/manifest.json" in keys and f"snapshots/{capture}/pending.json" not in keys
         remote = [c for c in children if where[c.sandbox_id] == node_b.id]
