@@ -40,6 +40,10 @@ class Snapshot(models.Model):
     # other nodes restore its children lazily. Not one of the team's snapshots either: never
     # listed or named, deleted by the sweeper once no live sandbox restored from it is left.
     fork_capture = models.BooleanField(default=False, db_index=True)
+    # A fork capture handed to other nodes before its upload ended: until then (or this time,
+    # should the API that waits for the upload stop) the sweeper leaves it alone, so no delete
+    # races the upload (lifecycle.snapshots.captures).
+    uploading_until = models.DateTimeField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=SnapshotState.choices, default=SnapshotState.CREATING,
                              db_index=True)
     error_reason = models.TextField(blank=True, default="")

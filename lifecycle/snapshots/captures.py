@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 
+from django.utils import timezone
+
 from nodes.models import Node
 from sandboxes.errors import LifecycleError
 from sandboxes.models import Sandbox
@@ -29,9 +31,18 @@ ACTOR = "lifecycle"
 
 
 def _unused():
-    """Fork captures that may be deleted and that no live sandbox restored from."""
+    """Fork captures that may be deleted, that no live sandbox restored from and whose upload
+    is not running (``lease_upload``)."""
     used = Sandbox.objects.filter(state__in=LIVE, source_snapshot__isnull=False).values("source_snapshot_id")
-    return Snapshot.objects.filter(fork_capture=True, state__in=list(DELETABLE)).exclude(pk__in=used)
+    return (Snapshot.objects.filter(fork_capture=True, state__in=list(DELETABLE)).exclude(pk__in=used)
+            .exclude(uploading_until__gt=timezone.now()))
+
+
+async def lease_upload(snapshot_id: str, until) -> None:
+    """The capture's upload runs until ``until`` at the latest (None: it ended): no release
+    meanwhile, so a delete never races it (its children may all be gone before it ends: a
+    handed-over capture's fork answers before its upload does)."""
+    await Snapshot.objects.filter(pk=snapshot_id).aupdate(uploading_until=until)
 
 
 async def release_if_unused(snapshot_id: str, actor: str = ACTOR) -> bool:

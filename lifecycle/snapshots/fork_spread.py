@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import timedelta
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -39,7 +40,7 @@ from sandboxes.errors import LifecycleError, Unavailable
 from sandboxes.models import Sandbox, Team
 from snapshots import transitions as snapshot_transitions
 
-from lifecycle.snapshots.captures import release_if_unused
+from lifecycle.snapshots.captures import lease_upload, release_if_unused
 from lifecycle.snapshots.common import delete_files_quietly, fail_capture
 from lifecycle.snapshots.fork_children import Begun, finish_child
 
@@ -73,6 +74,8 @@ async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
     local = [asyncio.ensure_future(_child(c, n, capture, timeout, t0, started, actor)) for c, n in here]
     if away and await _hand_over(parent, capture, home, [n for _, n in away], started, details, actor):
         t_handed = time.monotonic()
+        # the sweeper leaves it alone until the upload ends (at most its deadline, and a margin)
+        await lease_upload(capture.id, timezone.now() + timedelta(seconds=settings.AENV_SNAPSHOT_DEADLINE + 75))
         upload = asyncio.ensure_future(_store(parent, capture, home, started, details, actor))
         remote = [_child(c, n, capture, timeout, t0, started, actor, pending_wait=settings.AENV_SNAPSHOT_DEADLINE)
                   for c, n in away]
@@ -114,7 +117,10 @@ async def _after_upload(upload, parent: Sandbox, capture, remote: list, actor: s
     node's files until then. Stored: nothing to do. Not stored: those children are killed,
     their kill events saying why (as a fork without the hand-off fails them: no sandbox runs
     on a capture the store does not hold); the capture is released once none is left."""
-    stored = await upload
+    try:
+        stored = await upload
+    finally:
+        await lease_upload(capture.id, None)
     if stored is None:
         return
     reason = f"its fork's capture could not be stored for the other nodes: {stored.message}"

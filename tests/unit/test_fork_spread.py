@@ -451,6 +451,32 @@ async def test_the_fork_answers_before_the_upload_ends(api, create, handoff_mock
     assert [e[0] for e in await _fork_events(parent["sandboxID"])][-1] == "stored"
 
 
+async def test_a_capture_still_uploading_is_not_released_when_its_children_are_gone(api, create, handoff_mock):
+    """A handed-over fork answers before its upload ends: its children may all be killed
+    meanwhile, and the sweeper must not delete the capture under the upload."""
+    from lifecycle.snapshots import captures  # noqa: PLC0415
+
+    release = asyncio.Event()
+
+    async def held_commit(node, **kwargs):
+        await release.wait()
+        return {"timings": {"commit_ms": 1.0}}
+
+    handoff_mock.client.commit_snapshot.side_effect = held_commit
+    parent = await create()
+    kids = [r["sandbox"]["sandboxID"] for r in (await _fork(api, parent["sandboxID"], count=4)).json()]
+    for sid in kids:
+        assert (await api.delete(f"/sandboxes/{sid}")).status_code == 204
+    capture = await Snapshot.objects.aget(fork_capture=True)
+    assert capture.uploading_until is not None
+    assert await captures.release_unused() == []  # its upload runs
+    handoff_mock.client.delete_snapshot_files.assert_not_awaited()
+    release.set()
+    await fork_spread.uploads_settled()
+    assert (await Snapshot.objects.aget(pk=capture.pk)).uploading_until is None
+    assert await captures.release_unused() == [capture.pk]
+
+
 async def test_an_upload_failing_after_the_hand_off_kills_the_other_nodes_children(api, create, handoff_mock):
     """They ran from the parent's node's files until the upload ended: without it in the store
     none keeps running (as a fork without the hand-off fails them)."""
