@@ -51,8 +51,8 @@ async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
                             actor: str) -> list[Result | LifecycleError]:
     """Captures ``parent`` on ``home`` into ``begun.capture``, then restores each child of
     ``begun`` on its node. A failed capture fails the fork (no child exists); a capture that
-    cannot be stored fails the other nodes' children; a child whose restore fails ends
-    ``error`` alone, with its event."""
+    cannot be stored fails the other nodes' children (handed over: kills them after the
+    answer); a child whose restore fails ends ``error`` alone, with its event."""
     capture = begun.capture
     children = [c for c, _ in begun.children]
     t0, started = time.monotonic(), timezone.now()
@@ -80,8 +80,8 @@ async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
         remote = [_child(c, n, capture, timeout, t0, started, actor, pending_wait=settings.AENV_SNAPSHOT_DEADLINE)
                   for c, n in away]
         ended = dict(zip([c.id for c, _ in here + away], await asyncio.gather(*local, *remote)))
-        follow_up = asyncio.ensure_future(_after_upload(upload, parent, capture, [ended[c.id] for c, _ in away],
-                                                        actor))
+        follow_up = asyncio.ensure_future(_logged(_after_upload(upload, parent, capture,
+                                                                [ended[c.id] for c, _ in away], actor)))
         _uploading.add(follow_up)
         follow_up.add_done_callback(_uploading.discard)
         phases = {"capture": round((t_captured - t0) * 1000, 2), "handed_over": round((t_handed - t0) * 1000, 2)}
@@ -110,6 +110,14 @@ async def uploads_settled() -> None:
     shutdown that waits for them)."""
     while _uploading:
         await asyncio.gather(*list(_uploading), return_exceptions=True)
+
+
+async def _logged(follow_up) -> None:
+    """A follow-up nobody awaits: what goes wrong in it is logged, not lost."""
+    try:
+        await follow_up
+    except Exception:  # noqa: BLE001 - logged with its trace
+        log.exception("the follow-up of a handed-over fork capture's upload failed")
 
 
 async def _after_upload(upload, parent: Sandbox, capture, remote: list, actor: str) -> None:
