@@ -30,6 +30,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
+from lifecycle import own_thread
 from lifecycle.sandboxes import core, network
 from lifecycle.sandboxes.kill import kill_sandbox
 from lifecycle.volumes import mounts
@@ -76,14 +77,14 @@ async def fork_across_nodes(parent: Sandbox, begun: Begun, home, timeout: int,
         t_handed = time.monotonic()
         # the sweeper leaves it alone until the upload ends (at most its deadline, and a margin)
         await lease_upload(capture.id, timezone.now() + timedelta(seconds=settings.AENV_SNAPSHOT_DEADLINE + 75))
-        upload = asyncio.ensure_future(_store(parent, capture, home, started, details, actor))
+        # it outlives the request: its ORM calls on a thread of its own, whose connections it closes
+        upload = asyncio.ensure_future(_logged(own_thread.on_a_thread_of_its_own(
+            _upload(parent, capture, home, [c.id for c, _ in away], started, details, actor))))
+        _uploading.add(upload)
+        upload.add_done_callback(_uploading.discard)
         remote = [_child(c, n, capture, timeout, t0, started, actor, pending_wait=settings.AENV_SNAPSHOT_DEADLINE)
                   for c, n in away]
         ended = dict(zip([c.id for c, _ in here + away], await asyncio.gather(*local, *remote)))
-        follow_up = asyncio.ensure_future(_logged(_after_upload(upload, parent, capture,
-                                                                [ended[c.id] for c, _ in away], actor)))
-        _uploading.add(follow_up)
-        follow_up.add_done_callback(_uploading.discard)
         phases = {"capture": round((t_captured - t0) * 1000, 2), "handed_over": round((t_handed - t0) * 1000, 2)}
     else:
         stored = await _store(parent, capture, home, started, details, actor)
@@ -112,34 +113,34 @@ async def uploads_settled() -> None:
         await asyncio.gather(*list(_uploading), return_exceptions=True)
 
 
-async def _logged(follow_up) -> None:
-    """A follow-up nobody awaits: what goes wrong in it is logged, not lost."""
+async def _logged(work) -> None:
+    """Work nobody awaits: what goes wrong in it is logged, not lost."""
     try:
-        await follow_up
+        await work
     except Exception:  # noqa: BLE001 - logged with its trace
-        log.exception("the follow-up of a handed-over fork capture's upload failed")
+        log.exception("the upload of a handed-over fork capture, or what follows it, failed")
 
 
-async def _after_upload(upload, parent: Sandbox, capture, remote: list, actor: str) -> None:
-    """A handed-over capture's upload ended: the other nodes' children ran from the parent's
-    node's files until then. Stored: nothing to do. Not stored: those children are killed,
-    their kill events saying why (as a fork without the hand-off fails them: no sandbox runs
-    on a capture the store does not hold); the capture is released once none is left."""
+async def _upload(parent: Sandbox, capture, home, remote_ids: list[str], started, details, actor: str) -> None:
+    """A handed-over capture's upload, beside its children's restores and after the fork's
+    answer: the other nodes' children run from the parent's node's files until it ends.
+    Stored: nothing more. Not stored: those children are killed, their kill events saying why
+    (as a fork without the hand-off fails them: no sandbox runs on a capture the store does
+    not hold; one still being restored is removed by its restore's end), and the capture is
+    released once none is left."""
     try:
-        stored = await upload
+        stored = await _store(parent, capture, home, started, details, actor)
     finally:
         await lease_upload(capture.id, None)
     if stored is None:
         return
     reason = f"its fork's capture could not be stored for the other nodes: {stored.message}"
     team = await Team.objects.aget(pk=parent.team_id)
-    for child in remote:
-        if not isinstance(child, Sandbox):
-            continue
+    for child_id in remote_ids:
         try:
-            await kill_sandbox(team, child.id, actor=actor, reason=reason)
-        except LifecycleError as exc:  # killed meanwhile, or gone: nothing left to do
-            log.info("fork child %s after a failed upload of %s: %s", child.id, capture.id, exc)
+            await kill_sandbox(team, child_id, actor=actor, reason=reason)
+        except LifecycleError as exc:  # failed, killed meanwhile, or gone: nothing left to do
+            log.info("fork child %s after a failed upload of %s: %s", child_id, capture.id, exc)
     await release_if_unused(capture.id, actor)
 
 
