@@ -431,9 +431,8 @@ async def test_the_hand_off_starts_the_other_nodes_children_beside_the_upload(ap
     handoff_mock.client.kill_sandbox.assert_not_awaited()
 
 
-async def test_the_fork_answers_before_the_upload_ends(api, create, handoff_mock):
-    """Its children run (the other nodes' from the parent's node's files); the upload goes on."""
-    handoff_mock.client.commit_snapshot.side_effect = None
+def _held_upload(handoff_mock) -> asyncio.Event:
+    """The upload runs until the test sets the event it returns."""
     release = asyncio.Event()
 
     async def held_commit(node, **kwargs):
@@ -441,6 +440,12 @@ async def test_the_fork_answers_before_the_upload_ends(api, create, handoff_mock
         return {"timings": {"commit_ms": 1.0}}
 
     handoff_mock.client.commit_snapshot.side_effect = held_commit
+    return release
+
+
+async def test_the_fork_answers_before_the_upload_ends(api, create, handoff_mock):
+    """Its children run (the other nodes' from the parent's node's files); the upload goes on."""
+    release = _held_upload(handoff_mock)
     parent = await create()
     resp = await asyncio.wait_for(_fork(api, parent["sandboxID"], count=4), timeout=30)
     assert resp.status_code == 201 and len([r for r in resp.json() if "sandbox" in r]) == 4
@@ -456,13 +461,7 @@ async def test_a_capture_still_uploading_is_not_released_when_its_children_are_g
     meanwhile, and the sweeper must not delete the capture under the upload."""
     from lifecycle.snapshots import captures  # noqa: PLC0415
 
-    release = asyncio.Event()
-
-    async def held_commit(node, **kwargs):
-        await release.wait()
-        return {"timings": {"commit_ms": 1.0}}
-
-    handoff_mock.client.commit_snapshot.side_effect = held_commit
+    release = _held_upload(handoff_mock)
     parent = await create()
     kids = [r["sandbox"]["sandboxID"] for r in (await _fork(api, parent["sandboxID"], count=4)).json()]
     for sid in kids:
