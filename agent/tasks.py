@@ -320,8 +320,6 @@ def index_snapshot(*, snapshot_id: str) -> dict:
 
     started = time.perf_counter()
     store = _store()
-    if not hasattr(store, "index"):
-        raise ValueError(f"the {store.name} store cannot hand a capture over before it is stored")
     stats = store.index(snapshot_id)
     indexed = time.perf_counter()
     offer_own_now(store)
@@ -345,8 +343,7 @@ def restore_sandbox(*, sandbox_id: str, snapshot_id: str, env_vars: dict, access
     driver = get_driver()
     store = _store()
     located = time.perf_counter()
-    pending = {"pending_wait": float(pending_wait)} if pending_wait else {}  # only the S3 store takes it
-    manifest = SnapshotManifest.load(store.local_dir(snapshot_id, **pending))
+    manifest = SnapshotManifest.load(store.local_dir(snapshot_id, pending_wait=float(pending_wait)))
     # where the snapshot's files are (own, cached, downloaded or mounted lazily: its steps)
     located_ms = {"snapshot_dir_ms": round((time.perf_counter() - located) * 1000, 2),
                   **store.take_mount_timings(snapshot_id)}

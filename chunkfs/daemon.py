@@ -43,7 +43,8 @@ Control: a unix socket (mode 0600), one JSON object a line each way. Requests:
   from peers and from the store (``store_wire_bytes``: as they crossed the wire, compressed;
   ``piece_*``: the prefetch pieces' GETs, bytes and chunks, part of those) and what peers were
   served, and, per mount, reads, bytes fetched, prefetch progress and the recorded first-touch
-  order), ``{"op": "ping"}`` (``encodings``: the compressed chunks it reads).
+  order), ``{"op": "ping"}`` (``encodings``: the compressed chunks it reads; ``features``: the
+  optional requests it takes, ``store_wait``).
 
 Every failure is ``{"ok": false, "error": {"code", "message"}}``; the daemon stays up.
 

@@ -54,8 +54,15 @@ class SnapshotStore(abc.ABC):
         """Called once the capture in ``prepare``'s directory is complete."""
 
     @abc.abstractmethod
-    def local_dir(self, snapshot_id: str) -> Path:
-        """The local directory holding the complete snapshot (for a restore)."""
+    def local_dir(self, snapshot_id: str, *, pending_wait: float = 0.0) -> Path:
+        """The local directory holding the complete snapshot (for a restore). ``pending_wait``
+        (s): it may be a capture handed over before its upload ended (``index``), waited for
+        up to that long; a store that never hands captures over (``hands_over``) ignores it."""
+
+    def index(self, snapshot_id: str) -> dict:
+        """Hands a capture to other nodes before its upload (a fork's early hand-off); only a
+        store that ``hands_over`` can. Returns {"chunks", "bytes"}."""
+        raise SnapshotStoreError(f"the {self.name} store cannot hand a capture over before it is stored")
 
     @abc.abstractmethod
     def size_bytes(self, snapshot_id: str) -> int:
@@ -111,7 +118,7 @@ class PosixFsStore(SnapshotStore):
         path.mkdir()  # FileExistsError: never capture over another snapshot
         return path
 
-    def local_dir(self, snapshot_id: str) -> Path:
+    def local_dir(self, snapshot_id: str, *, pending_wait: float = 0.0) -> Path:
         path = self._dir(snapshot_id)
         if not (path / "manifest.json").is_file():
             raise SnapshotStoreError(f"snapshot {snapshot_id} has no files on this node ({path})")

@@ -82,6 +82,11 @@ def cache_figures(stats: dict | None) -> dict | None:
     return {key: stats[name] for name, key in CACHE_FIGURES.items() if isinstance(stats.get(name), (int, float))}
 
 
+def _takes_store_wait(pong: dict) -> bool:
+    """Whether a daemon's ping answer says it takes ``store_wait`` mounts."""
+    return STORE_WAIT in (pong.get("features") or ())
+
+
 class LazyMountFailed(Exception):
     """The snapshot could not be mounted lazily (the caller downloads it instead)."""
 
@@ -171,25 +176,25 @@ class LazyRestores:
             raise
         return True
 
-    def running_client(self) -> ChunkfsClient | None:
-        """The daemon if it runs (never starts one: for figures)."""
+    def _running(self) -> tuple[ChunkfsClient, dict] | None:
+        """The daemon if it runs, with its ping's answer (never starts one)."""
         if not self.control.exists():
             return None
         client = ChunkfsClient(self.control, timeout=2.0)
         try:
-            client.ping()
+            return client, client.ping()
         except ChunkfsError:
             return None
-        return client
+
+    def running_client(self) -> ChunkfsClient | None:
+        """The daemon if it runs (never starts one: for figures)."""
+        running = self._running()
+        return running[0] if running is not None else None
 
     def takes_store_wait(self) -> bool:
         """Whether the running daemon mounts captures still uploading (``store_wait``)."""
-        if not self.control.exists():
-            return False
-        try:
-            return STORE_WAIT in (ChunkfsClient(self.control, timeout=2.0).ping().get("features") or ())
-        except ChunkfsError:
-            return False
+        running = self._running()
+        return running is not None and _takes_store_wait(running[1])
 
     def cache_stats(self) -> dict | None:
         """The chunk cache's stats from the running daemon, with where its chunks came from
@@ -266,7 +271,7 @@ class LazyRestores:
             pong = client.ping()
             if ZSTD not in (pong.get("encodings") or ()):  # it would take compressed chunks for corrupt
                 raise LazyMountFailed("the chunkfs daemon predates compressed chunks: restart it with the node's VMs")
-            if store_wait and STORE_WAIT not in (pong.get("features") or ()):  # it would fail reads at once
+            if store_wait and not _takes_store_wait(pong):  # it would fail reads at once
                 raise LazyMountFailed("the chunkfs daemon predates mounts of captures still uploading")
             try:
                 client.unmount(snapshot_id)  # a previous incarnation's (this entry was not complete)

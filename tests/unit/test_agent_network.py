@@ -165,7 +165,7 @@ class _SnapshotAt:
     def __init__(self, where):
         self.where = Path(where)
 
-    def local_dir(self, snapshot_id):
+    def local_dir(self, snapshot_id, *, pending_wait=0.0):
         return self.where
 
     def take_mount_timings(self, snapshot_id):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from harness.moto_s3 import client as s3_client
-from tests.vmm.test_lazy_restore_vm import BUCKET, SHM_MB, _Driver, _node_images, _store, world  # noqa: F401
-from tests.vmm.test_lifecycle_vm import assert_continues, counter, real_driver, sh, start_counting
+from tests.vmm.test_lazy_restore_vm import BUCKET, _Driver, _node_images, _store, source_guest, world  # noqa: F401
+from tests.vmm.test_lifecycle_vm import assert_continues, counter, real_driver, sh
 from tests.vmm.test_qemu_vm import endpoint
 from vmm.driver import BootSpec, SnapshotManifest
 
@@ -37,11 +37,7 @@ def test_a_capture_handed_over_before_its_upload_restores_on_another_node(world)
     sid = f"fork-{uuid.uuid4().hex[:6]}"
     with real_driver(root / "a") as a:
         store_a = _store(url, prefix, root / "a", a, lazy=True)
-        info = a.boot(BootSpec("ho-src", cpu_count=1, memory_mb=256))
-        ep = endpoint(info)
-        sh(ep, "echo from-the-parent > /home/user/state.txt")
-        start_counting(ep)
-        sh(ep, f"head -c {SHM_MB}M /dev/urandom > /dev/shm/ram.bin")  # memory B's guest touches only when asked
+        info, ep = source_guest(a, "ho-src", "from-the-parent")
         digest = sh(ep, "sha256sum < /dev/shm/ram.bin").split()[0]
         before = counter(ep)
         manifest = a.snapshot(info.sandbox_id, store_a.prepare(sid))  # the fork's capture; the parent runs on

@@ -102,18 +102,25 @@ def _store(url: str, prefix: str, home: Path, driver, lazy: bool, read_deadline:
                    prefix=prefix, driver=driver, lazy=lazy, chunk_cache_mb=2048, chunk_read_deadline=read_deadline)
 
 
+def source_guest(driver, vm_id: str, state: str):
+    """Node A's guest as the cross-node tests take it: ``state`` in /home/user/state.txt, the
+    counter running, and SHM_MB of memory (tmpfs pages) a restored guest touches only when
+    asked. Returns its VMInfo and envd endpoint."""
+    info = driver.boot(BootSpec(vm_id, cpu_count=1, memory_mb=256))
+    ep = endpoint(info)
+    sh(ep, f"echo {state} > /home/user/state.txt")
+    start_counting(ep)
+    sh(ep, f"head -c {SHM_MB}M /dev/urandom > /dev/shm/ram.bin")
+    return info, ep
+
+
 def test_a_snapshot_from_node_a_restores_lazily_on_node_b(world):
     url, root = world
     prefix = f"lz-{uuid.uuid4().hex[:6]}"
     sid = f"lazy-{uuid.uuid4().hex[:6]}"
     with real_driver(root / "a") as a:
         store_a = _store(url, prefix, root / "a", a, lazy=False)
-        info = a.boot(BootSpec("lz-src", cpu_count=1, memory_mb=256))
-        ep = endpoint(info)
-        sh(ep, "echo from-node-a > /home/user/state.txt")
-        start_counting(ep)
-        # memory the restored guest does not touch until asked (tmpfs pages: node B's RAM failure)
-        sh(ep, f"head -c {SHM_MB}M /dev/urandom > /dev/shm/ram.bin")
+        info, ep = source_guest(a, "lz-src", "from-node-a")
         before = counter(ep)
         manifest_a = a.snapshot(info.sandbox_id, store_a.prepare(sid), with_base=True)
         committed = store_a.commit(sid)
